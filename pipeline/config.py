@@ -1,0 +1,129 @@
+"""Typed, validated stage configuration.
+
+Every stage reads exactly one section of ``params.yaml`` (the section named like
+the stage) and parses it into a pydantic model that forbids unknown keys. Errors
+are raised before any work starts and name the dotted key, e.g.::
+
+    ConfigError: params.yaml is invalid:
+      pack.seq_len: Input should be greater than or equal to 8 (got 0)
+
+Schemas live next to the code they configure (``pipeline/ingest.py`` owns
+``IngestConfig``); ``SCHEMAS`` below maps each stage name to its schema so that
+one loader, and one test, can reach all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+DEFAULT_PARAMS = Path("params.yaml")
+
+# stage name -> "module:Class". Lazy, so that loading the ingest config does not
+# import torch.
+SCHEMAS: dict[str, str] = {
+    "ingest": "pipeline.ingest:IngestConfig",
+    "clean": "pipeline.clean:CleanConfig",
+    "tokenizer": "pipeline.tokenizer:TokenizerConfig",
+    "pack": "pipeline.pack:PackConfig",
+}
+
+
+class ConfigError(ValueError):
+    """A params file or section failed validation. The message names dotted keys."""
+
+
+class StageConfig(BaseModel):
+    """Base for every stage schema: unknown keys are errors, values are validated
+    on assignment too, and the model is immutable once built."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def schema_for(stage: str) -> type[StageConfig]:
+    if stage not in SCHEMAS:
+        raise ConfigError(f"unknown stage {stage!r}; known stages: {', '.join(SCHEMAS)}")
+    module, cls = SCHEMAS[stage].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def format_validation_error(err: ValidationError, prefix: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join([prefix, *(str(p) for p in e["loc"])]) if e["loc"] else prefix
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see README 'Params reference')"
+        elif "input" in e and e["type"] != "missing":
+            shown = repr(e["input"])
+            msg += f" (got {shown[:80]}{'…' if len(shown) > 80 else ''})"
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_section(schema: type[C], data: Any, prefix: str, source: str = "params.yaml") -> C:
+    """Validate ``data`` against ``schema``; raise ConfigError naming dotted keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source} is invalid:\n  {prefix}: expected a mapping, got {type(data).__name__}"
+        )
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(err, prefix)}") from None
+
+
+def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"params file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
+    unknown = sorted(set(data) - set(SCHEMAS))
+    if unknown:
+        raise ConfigError(
+            f"{path} is invalid:\n"
+            + "\n".join(f"  {k}: unknown section; stages are {', '.join(SCHEMAS)}" for k in unknown)
+        )
+    return data
+
+
+def load_params(stage: str, path: str | Path = DEFAULT_PARAMS) -> StageConfig:
+    """Load and validate the section of ``path`` that belongs to ``stage``."""
+    schema = schema_for(stage)
+    data = read_params(path)
+    return parse_section(schema, data.get(stage), stage, source=str(path))
+
+
+def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config to dotted keys, e.g. for MLflow params."""
+    data = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list) and node and all(isinstance(x, dict) for x in node):
+            for i, v in enumerate(node):
+                walk(v, f"{key}.{i}")
+        else:
+            out[key] = node
+
+    walk(data, prefix)
+    return out

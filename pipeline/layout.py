@@ -1,0 +1,38 @@
+"""Where each stage reads and writes, relative to the project root.
+
+``dvc.yaml`` declares the same paths as deps and outs; ``tests/test_project.py``
+checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA = Path("data")
+MODELS = Path("models")
+METRICS = Path("metrics")
+PLOTS = Path("plots")
+
+RAW = DATA / "raw"  # users drop their own files here; tracked as an ingest dep
+
+INGEST_DIR = DATA / "ingest"
+INGEST_DOCS = INGEST_DIR / "docs.parquet"
+INGEST_QUARANTINE = INGEST_DIR / "quarantine.jsonl"
+
+CLEAN_DIR = DATA / "clean"
+CLEAN_DOCS = CLEAN_DIR / "docs.parquet"
+CLEAN_QUARANTINE = CLEAN_DIR / "quarantine.jsonl"
+
+TOKENIZER_DIR = DATA / "tokenizer"
+TOKENIZER_JSON = TOKENIZER_DIR / "tokenizer.json"
+
+PACKED = DATA / "packed"
+PACKED_MANIFEST = PACKED / "manifest.json"
+
+
+def metrics_path(stage: str) -> Path:
+    return METRICS / f"{stage}.json"
+
+
+def plots_path(stage: str) -> Path:
+    return PLOTS / f"{stage}.csv"

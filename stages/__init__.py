@@ -1,0 +1,1 @@
+"""One thin module per DVC stage: ``python -m stages.<name>``."""

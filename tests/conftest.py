@@ -1,0 +1,53 @@
+"""Shared test set-up: quiet progress bars, repo paths, and a helper to build a
+throw-away copy of the project for end-to-end DVC tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+os.environ.setdefault("PIPELINE_PROGRESS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT
+
+
+def project_copy(dest: Path, params_overrides: dict | None = None) -> Path:
+    """Copy the project's code and DVC files into ``dest`` as a fresh git+DVC repo."""
+    import yaml
+
+    for name in ("pipeline", "stages", "flows", "dvc.yaml", "params.yaml", "pyproject.toml", ".dvcignore"):
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+    (dest / "data" / "raw").mkdir(parents=True)
+    shutil.copy2(ROOT / "data" / "raw" / "README.md", dest / "data" / "raw" / "README.md")
+    if params_overrides:
+        params = yaml.safe_load((dest / "params.yaml").read_text())
+        for dotted, value in params_overrides.items():
+            node = params
+            *parents, last = dotted.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    for cmd in (["git", "init", "-q"], [str(BIN / "dvc"), "init", "-q"],
+                [str(BIN / "dvc"), "config", "core.analytics", "false"]):
+        subprocess.run(cmd, cwd=dest, check=True, env=env)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"], cwd=dest, check=True)
+    return dest

@@ -1,0 +1,74 @@
+import pytest
+
+from pipeline.config import ConfigError, flatten, load_params, parse_section, read_params
+from pipeline.ingest import IngestConfig
+
+
+def write(tmp_path, text):
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_dotted_path(tmp_path):
+    p = write(tmp_path, "ingest:\n  max_bytez: 5\n")
+    with pytest.raises(ConfigError, match=r"ingest\.max_bytez: unknown key"):
+        load_params("ingest", p)
+
+
+def test_nested_unknown_key_names_list_index(tmp_path):
+    p = write(tmp_path, "ingest:\n  sources:\n    - path: a\n      fromat: text\n")
+    with pytest.raises(ConfigError, match=r"ingest\.sources\.0\.fromat: unknown key"):
+        load_params("ingest", p)
+
+
+def test_wrong_type_and_range_are_reported_together(tmp_path):
+    p = write(tmp_path, "ingest:\n  max_doc_bytes: lots\n  quarantine_per_reason: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest", p)
+    msg = str(e.value)
+    assert "ingest.max_doc_bytes" in msg and "'lots'" in msg
+    assert "ingest.quarantine_per_reason" in msg and "greater than or equal to 0" in msg
+
+
+def test_bad_enum_value(tmp_path):
+    p = write(tmp_path, "ingest:\n  sources:\n    - path: a\n      split_by: sentence\n")
+    with pytest.raises(ConfigError, match=r"ingest\.sources\.0\.split_by"):
+        load_params("ingest", p)
+
+
+def test_unknown_section_and_unknown_stage(tmp_path):
+    p = write(tmp_path, "ingset: {}\n")
+    with pytest.raises(ConfigError, match="ingset: unknown section"):
+        read_params(p)
+    with pytest.raises(ConfigError, match="unknown stage"):
+        load_params("nope", write(tmp_path, "{}\n"))
+
+
+def test_section_must_be_mapping_and_file_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_params("ingest", write(tmp_path, "ingest: [1, 2]\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_params("ingest", tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_params("ingest", write(tmp_path, "ingest: {a: [\n"))
+
+
+def test_empty_section_gives_defaults(tmp_path):
+    cfg = load_params("ingest", write(tmp_path, "ingest:\n"))
+    assert cfg == IngestConfig()
+    assert cfg.sources[0].path == "{stdlib}/**/*.py"
+
+
+def test_configs_are_frozen():
+    cfg = parse_section(IngestConfig, {"max_bytes": 10}, "ingest")
+    with pytest.raises(Exception):
+        cfg.max_bytes = 5
+
+
+def test_flatten_uses_dotted_names():
+    cfg = parse_section(IngestConfig, {"max_bytes": 10, "sources": [{"path": "x"}]}, "ingest")
+    flat = flatten(cfg, "ingest")
+    assert flat["ingest.max_bytes"] == 10
+    assert flat["ingest.sources.0.path"] == "x"
+    assert flat["ingest.sources.0.split_by"] == "file"
