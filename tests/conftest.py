@@ -16,6 +16,9 @@ BIN = Path(sys.executable).parent
 
 os.environ.setdefault("PIPELINE_PROGRESS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests that exercise MLflow opt in with PIPELINE_TRACKING=1 and a tmp database;
+# nothing else pays mlflow's import or touches the repo's mlflow.db.
+os.environ.setdefault("PIPELINE_TRACKING", "0")
 
 
 @pytest.fixture(scope="session")
