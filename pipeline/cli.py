@@ -40,3 +40,51 @@ def run_stage(stage: str, body: Callable[[StageConfig], dict], *, expected: tupl
     metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
     write_json(layout.metrics_path(stage), metrics)
     log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
+
+
+def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[StageConfig], dict]) -> None:
+    """Entry point of a torchrun stage.
+
+    Outside torchrun (as DVC runs it): validate params, take the trainer lock on
+    ``lock_folder``, start ``torchrun -m <module>`` with the launch settings from
+    params, and exit with its code. Inside torchrun: run ``body`` on every rank;
+    rank 0 writes ``metrics/<stage>.json``.
+    """
+    import os
+
+    from pipeline.launch import LaunchConfig, TrainerBusyError, die_with_parent, inside_torchrun, launch
+    from pipeline.train import NonFiniteError
+
+    setup_logging()
+    try:
+        cfg = load_params(stage)
+    except ConfigError as err:
+        print(f"error: stage {stage} failed: {err}", file=sys.stderr)
+        sys.exit(2)
+    if not inside_torchrun():
+        launch_cfg = LaunchConfig(**{k: getattr(cfg, k) for k in LaunchConfig.model_fields})  # the launch subset
+        try:
+            code = launch(module, launch_cfg, lock_folder)
+        except TrainerBusyError as err:
+            print(f"error: stage {stage} refused to start: {err}", file=sys.stderr)
+            sys.exit(2)
+        if code != 0:
+            print(f"error: stage {stage} failed (torchrun exit code {code}); see the rank's message above",
+                  file=sys.stderr)
+        sys.exit(code)
+    if os.environ.get("PIPELINE_LAUNCHED"):
+        die_with_parent()  # a rank never outlives its torchrun agent
+    rank = int(os.environ.get("RANK", "0"))
+    t0 = time.perf_counter()
+    try:
+        metrics = body(cfg)
+    except NonFiniteError as err:
+        print(f"error: stage {stage} (rank {rank}) stopped: {err}", file=sys.stderr)
+        sys.exit(3)
+    except StageError as err:
+        print(f"error: stage {stage} (rank {rank}) failed: {err}", file=sys.stderr)
+        sys.exit(2)
+    if rank == 0:
+        metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
+        write_json(layout.metrics_path(stage), metrics)
+        log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})

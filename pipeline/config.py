@@ -30,6 +30,7 @@ SCHEMAS: dict[str, str] = {
     "clean": "pipeline.clean:CleanConfig",
     "tokenizer": "pipeline.tokenizer:TokenizerConfig",
     "pack": "pipeline.pack:PackConfig",
+    "pretrain": "pipeline.pretrain:PretrainConfig",
 }
 
 

@@ -1,0 +1,102 @@
+"""Process-group set-up shared by every training stage.
+
+The same code runs as one process on a laptop and as 8 processes on each of N
+nodes: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR, and we pick
+NCCL when the process owns a CUDA device and gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None  # None when running without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+
+def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if requested == "mps":
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def init(requested_device: str = "auto") -> Dist:
+    """Join the process group torchrun describes (or run alone without one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(requested_device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = None
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    elif dist.is_initialized():
+        backend = dist.get_backend()
+    return Dist(rank, local_rank, world, device, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()
+
+
+def all_reduce_mean(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.enabled and d.world_size > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= d.world_size
+    return t
+
+
+def all_reduce_max(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.enabled and d.world_size > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def gather_objects(obj: object, d: Dist) -> list[object]:
+    """Every rank's ``obj``, in rank order, on every rank (small objects only)."""
+    if not d.enabled or d.world_size == 1:
+        return [obj]
+    out: list[object] = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object, d: Dist, src: int = 0) -> object:
+    if not d.enabled or d.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

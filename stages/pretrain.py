@@ -1,0 +1,19 @@
+"""pretrain: data/packed -> models/pretrain (+ plots/pretrain.csv, metrics/pretrain.json).
+
+DVC runs ``python -m stages.pretrain``; that process takes the trainer lock and
+relaunches this module under torchrun with the launch settings in params.
+"""
+
+from pipeline import layout
+from pipeline.cli import run_training_stage
+from pipeline.pretrain import PretrainConfig, run_pretrain
+
+OUT = layout.MODELS / "pretrain"
+
+
+def main(cfg: PretrainConfig) -> dict:
+    return run_pretrain(cfg, layout.PACKED, OUT, layout.plots_path("pretrain"))
+
+
+if __name__ == "__main__":
+    run_training_stage("pretrain", "stages.pretrain", OUT, main)

@@ -1,0 +1,60 @@
+"""Builders for tiny on-disk inputs shared by several test modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.io import sha256_file
+
+
+def synthetic_docs(n_docs: int, vocab: int, seed: int, eot: int = 0) -> list[np.ndarray]:
+    """Learnable documents: arithmetic progressions mod (vocab - 4), shifted past the
+    special ids, each closed by ``eot``."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n_docs):
+        n, a, b = rng.integers(5, 40), rng.integers(0, vocab - 4), rng.integers(1, 4)
+        docs.append(np.append((a + b * np.arange(n)) % (vocab - 4) + 4, eot).astype(np.int32))
+    return docs
+
+
+def write_split(d: Path, docs: list[np.ndarray], seq_len: int, labels: list[np.ndarray] | None = None) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    width = seq_len + 1
+    stream = np.concatenate(docs)
+    lab_stream = np.concatenate(labels) if labels is not None else None
+    starts = np.cumsum([0] + [len(x) for x in docs[:-1]])
+    n_rows = len(stream) // width
+    rows, row_starts = stream[: n_rows * width], []
+    for r in range(n_rows):
+        lo, hi = r * width, (r + 1) * width
+        inside = starts[(starts > lo) & (starts < hi)] - lo
+        row_starts.append([0, *inside.tolist()])
+    cols = {
+        "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(rows, pa.int32()), width),
+        "doc_starts": pa.array(row_starts, pa.list_(pa.int32())),
+    }
+    if lab_stream is not None:
+        cols["labels"] = pa.FixedSizeListArray.from_arrays(pa.array(lab_stream[: n_rows * width], pa.int32()), width)
+    table = pa.table(cols)
+    path = d / "shard-00000.arrow"
+    with pa.ipc.new_file(str(path), table.schema) as w:
+        w.write_table(table)
+    return {"rows": n_rows, "tokens": n_rows * width, "docs": len(docs),
+            "shards": [{"path": f"{d.name}/{path.name}", "rows": n_rows, "sha256": sha256_file(path)}]}
+
+
+def write_packed(out: Path, *, vocab: int = 64, seq_len: int = 32, n_docs: int = 400, seed: int = 0) -> Path:
+    """A packed dataset in the pack stage's layout (train/, val/, manifest.json)."""
+    docs = synthetic_docs(n_docs, vocab, seed)
+    n_val = max(2, n_docs // 10)
+    splits = {"train": write_split(out / "train", docs[n_val:], seq_len),
+              "val": write_split(out / "val", docs[:n_val], seq_len)}
+    manifest = {"seq_len": seq_len, "row_len": seq_len + 1, "vocab_size": vocab, "eot_id": 0, "pad_id": 1,
+                "tokenizer_sha256": "synthetic", "splits": splits}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
