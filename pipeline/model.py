@@ -383,33 +383,6 @@ class Transformer(nn.Module):
                                    ignore_index=IGNORE_INDEX)
         return logits, loss
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to idx (B, T), using a KV cache.
-
-        temperature 0 is greedy decoding. Returns (B, T + max_new_tokens).
-        """
-        B, T = idx.shape
-        dtype = next(self.parameters()).dtype
-        cache = KVCache(self.config, B, T + max_new_tokens, device=idx.device, dtype=dtype)
-        logits, _ = self(idx, cache=cache)  # prefill
-        out = [idx]
-        for step in range(max_new_tokens):
-            next_logits = logits[:, -1].float()  # (B, vocab_size)
-            if temperature == 0:
-                next_id = next_logits.argmax(-1, keepdim=True)  # (B, 1)
-            else:
-                next_logits = next_logits / temperature
-                if top_k is not None:
-                    kth = next_logits.topk(min(top_k, next_logits.size(-1)), dim=-1).values[:, -1:]
-                    next_logits = next_logits.masked_fill(next_logits < kth, float("-inf"))
-                next_id = torch.multinomial(next_logits.softmax(-1), 1, generator=generator)  # (B, 1)
-            out.append(next_id)
-            if step + 1 < max_new_tokens:
-                logits, _ = self(next_id, cache=cache, start_pos=T + step)
-        return torch.cat(out, dim=1)
-
 
 # --------------------------------------------------------------------------- accounting
 

@@ -236,17 +236,6 @@ def test_kv_cache_decoding_matches_full_forward(model):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
-def test_greedy_generate_matches_argmax_of_full_forward(model):
-    prompt = tokens(2, 4)
-    out = model.generate(prompt, max_new_tokens=6, temperature=0)
-    assert out.shape == (2, 10)
-    assert torch.equal(out[:, :4], prompt)
-    seq = prompt
-    for _ in range(6):  # the slow way: a full forward per token, no cache
-        seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, seq)
-
-
 def test_kv_cache_overflow_is_an_error(model):
     cache = KVCache(model.config, batch_size=1, max_len=4)
     with pytest.raises(ValueError, match="KV cache holds 4"):

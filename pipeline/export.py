@@ -1,0 +1,340 @@
+"""Export a checkpoint as a Hugging Face folder that loads with no custom code.
+
+``export_model("models/sft", "data/tokenizer/tokenizer.json", "models/export", card_info=...)``
+writes::
+
+    config.json              LlamaForCausalLM config (pipeline.hf_adapter.hf_config)
+    model.safetensors        weights under Hugging Face names, float32
+    generation_config.json   eos = [<|im_end|>, <|endoftext|>], pad, sampling defaults
+    tokenizer.json           byte-identical copy of ours (same sha256)
+    tokenizer_config.json    PreTrainedTokenizerFast, special tokens, ChatML chat_template
+    special_tokens_map.json  the same special tokens, for older loaders
+    README.md                model card: architecture, metrics, lineage, use, limitations
+
+so that ``AutoModelForCausalLM.from_pretrained(out)`` and
+``AutoTokenizer.from_pretrained(out)`` work without ``trust_remote_code``.
+
+Choices
+    * eos: the tokenizer's ``eos_token`` is ``<|im_end|>``, because the exported
+      model is the chat (SFT) model and chat front ends stop at the tokenizer's
+      eos. ``generation_config.json`` (and ``config.json``) list both
+      ``<|im_end|>`` and ``<|endoftext|>`` as eos ids, so raw-text completion
+      also ends at a document boundary.
+    * bos: we never prepend one; every document in pretraining follows an
+      ``<|endoftext|>``, so that is declared as bos (as GPT-2 does), with
+      ``add_bos_token: false`` so that encoding matches ours exactly.
+    * Tied embeddings: ``lm_head.weight`` is not stored and
+      ``tie_word_embeddings: true`` makes transformers re-tie it, which it does
+      without a missing-key warning. Untied models store ``lm_head.weight``.
+    * dtype: float32, as trained (master weights); cast on load if wanted
+      (``torch_dtype=torch.bfloat16``).
+    * The Hugging Face tokenizer turns special-token strings inside text into
+      special ids (its chat template relies on it); ours does not. On text
+      without such strings both give identical ids.
+
+The folder is built beside ``out_dir`` under a hidden temporary name, every file
+fsynced, then swapped in by rename, so readers (and DVC, whose output it is)
+never see a half-written export. A crash between the two renames of the swap
+leaves no ``out_dir`` but a complete ``.trash-*`` copy of the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import Field
+from safetensors.torch import save_file
+
+from pipeline import checkpoint as ckpt
+from pipeline import generate as gen
+from pipeline import hf_adapter
+from pipeline.chat import CHAT_TEMPLATE_JINJA
+from pipeline.config import StageConfig
+from pipeline.io import fsync_dir, sha256_file
+from pipeline.model import ModelConfig, num_params
+from pipeline.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
+
+DTYPE = "float32"
+STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
+CARD_KEYS = {
+    "name": "title of the model card",
+    "description": "a paragraph under the title",
+    "metrics": "evaluation metrics, {name: number or nested dict}",
+    "lineage": "where it came from, {name: value or nested dict}: git commit, dataset, manifest ...",
+    "intended_use": "text for the 'Intended use' section",
+    "limitations": "text for the 'Limitations' section",
+    "license": "license identifier for the card's metadata",
+}
+DEFAULT_INTENDED_USE = (
+    "Research and teaching: a small model trained end to end by this pipeline, for studying how "
+    "data, tokenizer, training and fine-tuning choices show up in a model. Not for production use.")
+DEFAULT_LIMITATIONS = (
+    "Small and trained on a small corpus: it makes factual errors, writes code that may not run, and "
+    "its answers have not been checked for safety or bias. It has seen only the pipeline's training "
+    "data, and its context is limited to `max_position_embeddings` tokens.")
+
+
+class ExportConfig(StageConfig):
+    """``params.yaml: export``. The card's metrics and lineage come from the
+    pipeline's own outputs, not from params."""
+
+    source: Literal["sft", "pretrain"] = Field("sft", description="export models/sft or models/pretrain")
+    register_model: bool = Field(True, description="register the export in the MLflow model registry "
+                                                   "(skipped with a warning when MLflow is unreachable)")
+    model_name: str = Field("llm-pipeline", pattern=r"^[A-Za-z0-9][\w.\-]*$",
+                            description="registered model name")
+    primary_metric: str = Field("sft.chat.bits_per_byte", min_length=1,
+                                description="dotted evaluate metric that decides the champion alias")
+    lower_is_better: bool = True
+    name: str | None = Field(None, description="model card title; null = 'llm-pipeline model'")
+    license: str | None = Field(None, description="license id for the model card; null = none stated")
+    intended_use: str | None = Field(None, description="model card text; null = the default")
+    limitations: str | None = Field(None, description="model card text; null = the default")
+
+
+class ExportError(RuntimeError):
+    """The checkpoint or tokenizer cannot be exported (missing, mismatched)."""
+
+
+def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_dir: str | Path, *,
+                 card_info: Mapping[str, Any]) -> dict[str, Any]:
+    """Write the Hugging Face folder ``out_dir`` (see the module doc) and return a summary.
+
+    ``checkpoint_folder`` is a training output folder (its latest complete
+    checkpoint is exported) or one ``step-XXXXXXXX`` folder. ``card_info`` feeds
+    the model card; its keys are those of ``CARD_KEYS``, all optional.
+
+    Returns ``{out_dir, checkpoint, stage, step, fingerprint, params, vocab_size,
+    tie_word_embeddings, dtype, tokenizer_sha256, files: {name: {bytes, sha256}}}``.
+    Raises ExportError for a missing checkpoint or a tokenizer other than the one
+    the checkpoint was trained with, TokenizerError for a missing or invalid
+    tokenizer, ValueError for unknown ``card_info`` keys; ``out_dir`` is then
+    left as it was.
+    """
+    unknown = sorted(set(card_info) - set(CARD_KEYS))
+    if unknown:
+        raise ValueError(f"unknown card_info key(s) {', '.join(unknown)}; known: {', '.join(CARD_KEYS)}")
+    folder, out_dir, tokenizer_path = Path(checkpoint_folder), Path(out_dir), Path(tokenizer_path)
+    checkpoint = ckpt.Checkpoint(folder, -1) if (folder / "meta.json").is_file() else ckpt.latest(folder)
+    if checkpoint is None:
+        raise ExportError(f"{folder}: no complete checkpoint to export")
+    meta = checkpoint.meta
+    try:
+        model, _, config = gen.load_for_inference(checkpoint.path, tokenizer_path=tokenizer_path)
+    except ValueError as err:  # a tokenizer that does not belong to this model
+        raise ExportError(str(err)) from err
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(out_dir)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        save_file(hf_adapter.to_hf(model.state_dict(), config), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        _write_json(tmp / "config.json", hf_adapter.hf_config(
+            config, bos_token_id=EOT_ID, eos_token_id=list(STOP_IDS), pad_token_id=PAD_ID, dtype=DTYPE))
+        _write_json(tmp / "generation_config.json", generation_config())
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(config.max_seq_len))
+        _write_json(tmp / "special_tokens_map.json", SPECIAL_TOKENS_MAP)
+        summary = {
+            "out_dir": str(out_dir),
+            "checkpoint": str(checkpoint.path),
+            "stage": meta.get("stage"),
+            "step": meta.get("step"),
+            "fingerprint": meta.get("fingerprint"),
+            "params": num_params(model),
+            "vocab_size": config.vocab_size,
+            "tie_word_embeddings": config.tie_embeddings,
+            "dtype": DTYPE,
+            "tokenizer_sha256": sha256_file(tmp / "tokenizer.json"),
+        }
+        (tmp / "README.md").write_text(model_card(config, meta, summary, card_info,
+                                                  sha256_file(tmp / "model.safetensors")), encoding="utf-8")
+        # safetensors creates its file owner-only; give it the mode the other files got
+        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
+        summary["files"] = {}
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)
+            summary["files"][f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        fsync_dir(tmp)
+        _swap_in(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+# --------------------------------------------------------------------------- file contents
+
+SPECIAL_TOKENS_MAP = {"bos_token": EOT, "eos_token": IM_END, "pad_token": PAD}
+
+
+def tokenizer_config(max_seq_len: int) -> dict[str, Any]:
+    """``tokenizer_config.json``: no bos/eos added on encode, no space clean-up on
+    decode (both would break exact round-trips), and the ChatML template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **SPECIAL_TOKENS_MAP,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_seq_len,
+        "chat_template": CHAT_TEMPLATE_JINJA,
+    }
+
+
+def generation_config() -> dict[str, Any]:
+    """``generation_config.json``: stop at either end token; sample like
+    ``python -m pipeline.generate`` does by default."""
+    return {
+        "bos_token_id": EOT_ID,
+        "eos_token_id": list(STOP_IDS),
+        "pad_token_id": PAD_ID,
+        "do_sample": True,
+        "temperature": gen.DEFAULT_TEMPERATURE,
+        "top_k": gen.DEFAULT_TOP_K,
+        "top_p": gen.DEFAULT_TOP_P,
+        "max_new_tokens": gen.DEFAULT_MAX_NEW_TOKENS,
+    }
+
+
+def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[str, Any], card_info: Mapping[str, Any],
+               weights_sha256: str) -> str:
+    """The README.md text: YAML metadata, then Markdown sections."""
+    name = card_info.get("name") or "llm-pipeline model"
+    front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
+                             "tags": ["llama", "causal-lm", "llm-pipeline"]}
+    if card_info.get("license"):
+        front["license"] = card_info["license"]
+    out_dir = summary["out_dir"]
+    n = summary["params"]
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", ""]
+    if card_info.get("description"):
+        lines += [card_info["description"].strip(), ""]
+
+    lines += ["## Model", "", *_table(("", ""), [
+        ("architecture", "`LlamaForCausalLM`: decoder-only, RoPE, SwiGLU, RMSNorm, grouped-query attention"),
+        ("parameters", f"{n / 1e6:.2f}M ({n:,}; a tied embedding counted once)"),
+        ("layers", config.n_layer),
+        ("hidden size", config.d_model),
+        ("attention heads / key-value heads", f"{config.n_head} / {config.n_kv_head}"),
+        ("MLP hidden size", config.ffn_hidden),
+        ("vocabulary", config.vocab_size),
+        ("context length", config.max_seq_len),
+        ("RoPE theta", config.rope_theta),
+        ("tied embeddings", "yes" if config.tie_embeddings else "no"),
+        ("weights", f"{DTYPE}, safetensors"),
+    ]), ""]
+
+    metrics = _flatten(card_info.get("metrics") or {})
+    lines += ["## Evaluation", ""]
+    lines += _table(("metric", "value"), metrics.items()) if metrics else ["No evaluation metrics were recorded."]
+    lines.append("")
+
+    training = {k: meta.get(k) for k in ("stage", "step", "tokens_seen", "precision", "world_size", "saved_at")
+                if meta.get(k) is not None}
+    training.update({f"metrics.{k}": v for k, v in _flatten(meta.get("metrics") or {}).items()})
+    lines += ["## Training (the exported checkpoint)", "", *_table(("", ""), training.items()), ""]
+
+    lineage = {
+        "checkpoint": summary["checkpoint"],
+        "checkpoint step": summary["step"],
+        "checkpoint fingerprint": summary["fingerprint"],
+        "tokenizer sha256": summary["tokenizer_sha256"],
+        "model.safetensors sha256": weights_sha256,
+        **_flatten(card_info.get("lineage") or {}),
+    }
+    lines += ["## Lineage", "", *_table(("", ""), ((k, v) for k, v in lineage.items() if v is not None)), ""]
+
+    lines += ["## Intended use", "", (card_info.get("intended_use") or DEFAULT_INTENDED_USE).strip(), ""]
+    lines += ["## Limitations", "", (card_info.get("limitations") or DEFAULT_LIMITATIONS).strip(), ""]
+    lines += [
+        "## Chat format", "",
+        "ChatML: each message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and the model answers after "
+        "`<|im_start|>assistant\\n`. The tokenizer's `chat_template` renders it; generation stops at "
+        "`<|im_end|>` or `<|endoftext|>` (`generation_config.json`).", "",
+        "## How to use", "",
+        "With transformers (no custom code):", "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"tok = AutoTokenizer.from_pretrained({json.dumps(out_dir)})",
+        f"model = AutoModelForCausalLM.from_pretrained({json.dumps(out_dir)})",
+        'messages = [{"role": "user", "content": "How do I reverse a list?"}]',
+        "ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)",
+        "out = model.generate(**ids, max_new_tokens=64)",
+        "print(tok.decode(out[0, ids[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+        "```", "",
+        "With this project's code:", "",
+        "```sh",
+        f"python -m pipeline.generate --model {out_dir} --chat \"How do I reverse a list?\"",
+        f"python -m pipeline.generate --model {out_dir} --prompt \"def fibonacci(\" --temperature 0",
+        "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        text = "NaN" if math.isnan(value) else f"{value:.6g}"
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(map(str, value))
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: tuple[str, str], rows: Any) -> list[str]:
+    return [f"| {header[0]} | {header[1]} |", "| --- | --- |", *(f"| {_cell(k)} | {_cell(v)} |" for k, v in rows)]
+
+
+# --------------------------------------------------------------------------- atomic folder
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sweep(out_dir: Path) -> None:
+    """Remove temporary and trash folders that interrupted exports left beside out_dir."""
+    for p in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in out_dir.parent.glob(f".trash-{out_dir.name}-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, out_dir: Path) -> None:
+    trash = out_dir.parent / f".trash-{out_dir.name}-{os.getpid()}"
+    if out_dir.exists() or out_dir.is_symlink():
+        if out_dir.is_dir() and not out_dir.is_symlink():
+            os.replace(out_dir, trash)
+        else:
+            out_dir.unlink()
+    os.replace(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+    shutil.rmtree(trash, ignore_errors=True)

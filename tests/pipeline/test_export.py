@@ -1,0 +1,330 @@
+"""Tests for pipeline/export.py and pipeline/hf_adapter.py: the exported folder
+loads in transformers with no custom code and computes our logits, its tokenizer
+and chat template give our ids, generation stops where ours does, the card
+carries what it was given, and the folder is replaced atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pipeline import hf_adapter
+from pipeline.chat import encode_chat, encode_prompt
+from pipeline.export import ExportConfig, ExportError, export_model
+from pipeline.generate import CHAT_STOP_IDS, generate, load_for_inference
+from pipeline.io import sha256_file
+from pipeline.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
+from tests.pipeline.test_generate import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+CARD = {
+    "name": "tiny-test-model",
+    "metrics": {"sft": {"bits_per_byte": 1.2345, "val_loss": 2.5}, "pretrain.val_loss": 3.25},
+    "lineage": {"git_commit": "0123abcd" * 5, "dataset": {"manifest_sha256": "feedbeef" * 8, "docs": 1234}},
+    "license": "mit",
+}
+# Every shape feature the mapping must get right: tying, grouped-query and plain
+# multi-head attention, and non-default RoPE theta / norm eps.
+VARIANTS = {
+    "tied-gqa": dict(tie_embeddings=True, rope_theta=500.0, norm_eps=1e-6),
+    "untied-gqa": dict(tie_embeddings=False),
+    "untied-mha": dict(tie_embeddings=False, n_kv_head=4),
+}
+MESSAGES = [
+    {"role": "system", "content": "You answer in Python."},
+    {"role": "user", "content": "How do I reverse a list?"},
+    {"role": "assistant", "content": "  Use `items[::-1]`,\nor items.reverse() — in place. ✓"},
+    {"role": "user", "content": "And a string?\n\n"},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    return load_tokenizer(tok_path)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def exported(request, tmp_path_factory, tok, tok_path):
+    """(our model, its checkpoint folder, the export folder) for each variant."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = tiny_model(tiny_config(tok.get_vocab_size(), **VARIANTS[request.param]))
+    save_checkpoint(root / "sft", model, meta={"tokenizer_sha256": sha256_file(tok_path)})
+    summary = export_model(root / "sft", tok_path, root / "export", card_info=CARD)
+    return model, root / "sft", root / "export", summary
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, tok, tok_path) -> Path:
+    """One tied export for the tests that do not depend on the shape."""
+    root = tmp_path_factory.mktemp("plain")
+    save_checkpoint(root / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    export_model(root / "sft", tok_path, root / "export", card_info=CARD)
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def hf_tok(export_dir):
+    return transformers.AutoTokenizer.from_pretrained(export_dir)
+
+
+def batch(tok, text: str = "def function_7(value, items):\n    total = value") -> torch.Tensor:
+    return torch.tensor([tok.encode(text).ids])
+
+
+def load_hf(path: Path):
+    """from_pretrained, failing on any missing/unexpected key or logged warning."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a deprecated config key would warn here
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert not any(info.values()), info
+    assert not records, [r.getMessage() for r in records]
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- model
+
+
+def test_transformers_computes_our_logits(exported, tok):
+    model, _, out, _ = exported
+    hf = load_hf(out)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert hf.dtype == torch.float32
+    idx = batch(tok)
+    with torch.no_grad():
+        diff = (hf(input_ids=idx).logits - model(idx)[0]).abs().max().item()
+    assert diff < 1e-4
+    if model.config.tie_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+
+def test_tied_head_is_stored_once(exported):
+    model, _, out, _ = exported
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.metadata() == {"format": "pt"}
+    assert ("lm_head.weight" in names) == (not model.config.tie_embeddings)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == model.config.tie_embeddings
+
+
+def test_load_for_inference_of_the_export_equals_the_checkpoint(exported, tok_path, tok):
+    _, ckpt_dir, out, _ = exported
+    a, _, config_a = load_for_inference(ckpt_dir, tokenizer_path=tok_path)
+    b, tok_b, config_b = load_for_inference(out)
+    assert config_a == config_b
+    assert tok_b.to_str() == tok.to_str()
+    idx = batch(tok)
+    with torch.no_grad():
+        assert torch.equal(a(idx)[0], b(idx)[0])
+
+
+def test_greedy_generation_in_transformers_equals_ours(exported, tok):
+    model, _, out, _ = exported
+    hf = load_hf(out)
+    ids = encode_prompt(tok, MESSAGES[:2])
+    ours = generate(model, ids, max_new_tokens=12, temperature=0, stop_ids=CHAT_STOP_IDS)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
+    assert theirs == ours
+
+
+def test_transformers_generate_stops_at_im_end(tmp_path, tok, tok_path):
+    model = tiny_model(tiny_config(tok.get_vocab_size(), tie_embeddings=False))
+    ids = encode_prompt(tok, MESSAGES[:2])
+    first = generate(model, ids, max_new_tokens=1, temperature=0)[0]
+    assert first not in (IM_END_ID, *ids)  # else swapping would change the prompt's meaning
+    with torch.no_grad():  # make <|im_end|> the greedy first answer token
+        w = model.output.weight
+        w[[first, IM_END_ID]] = w[[IM_END_ID, first]]
+    save_checkpoint(tmp_path / "sft", model)
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={})
+    hf = load_hf(tmp_path / "export")
+    gen_config = transformers.GenerationConfig.from_pretrained(tmp_path / "export")
+    assert gen_config.eos_token_id == [IM_END_ID, EOT_ID] == hf.config.eos_token_id
+    assert gen_config.pad_token_id == PAD_ID
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10)[0, len(ids):].tolist()
+    assert out == [IM_END_ID]
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_hf_tokenizer_encodes_like_ours_and_round_trips(hf_tok, tok):
+    assert hf_tok.eos_token == IM_END and hf_tok.eos_token_id == IM_END_ID
+    assert hf_tok.pad_token == PAD and hf_tok.pad_token_id == PAD_ID
+    texts = [t for t in ROUNDTRIP_PROBES if not any(s in t for s in SPECIAL_TOKENS)]  # see export's doc
+    texts.append("def function_7(value, items):\n    return  items[::-1]  # ✓\n")
+    for text in texts:
+        ids = hf_tok(text)["input_ids"]
+        assert ids == tok.encode(text).ids, text
+        assert hf_tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_gives_encode_prompt_ids(hf_tok, tok, generation_prompt):
+    for messages in (MESSAGES[:2], MESSAGES):
+        got = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                         return_dict=False)
+        assert got == encode_prompt(tok, messages, add_generation_prompt=generation_prompt)
+
+
+def test_chat_template_gives_encode_chat_ids(hf_tok, tok):
+    messages = MESSAGES[:3]
+    got = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert got == encode_chat(tok, messages)[0]
+
+
+# --------------------------------------------------------------------------- card and files
+
+
+def test_model_card_carries_metrics_and_lineage(exported, tok_path):
+    model, _, out, summary = exported
+    text = (out / "README.md").read_text()
+    front = yaml.safe_load(text.split("---")[1])
+    assert front["library_name"] == "transformers" and front["license"] == "mit"
+    assert "# tiny-test-model" in text
+    assert "| sft.bits_per_byte | 1.2345 |" in text
+    assert "| pretrain.val_loss | 3.25 |" in text
+    assert f"| git_commit | {'0123abcd' * 5} |" in text
+    assert f"| dataset.manifest_sha256 | {'feedbeef' * 8} |" in text
+    assert f"| tokenizer sha256 | {sha256_file(tok_path)} |" in text
+    assert "| checkpoint step | 5 |" in text
+    assert f"| model.safetensors sha256 | {summary['files']['model.safetensors']['sha256']} |" in text
+    assert f"{summary['params']:,}" in text
+    assert f"python -m pipeline.generate --model {out}" in text
+
+
+def test_summary_describes_the_files(exported, tok_path):
+    model, _, out, summary = exported
+    assert set(summary["files"]) == {"config.json", "generation_config.json", "model.safetensors", "README.md",
+                                     "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"}
+    assert set(summary["files"]) == {p.name for p in out.iterdir()}
+    for name, info in summary["files"].items():
+        assert info["sha256"] == sha256_file(out / name)
+    assert summary["tokenizer_sha256"] == sha256_file(tok_path)  # copied byte for byte
+    assert summary["step"] == 5 and summary["tie_word_embeddings"] == model.config.tie_embeddings
+
+
+def test_export_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path, tok, tok_path):
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "stale.bin").write_text("from an older export")
+    export_model(tmp_path / "sft", tok_path, out, card_info={})
+    assert not (out / "stale.bin").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+def test_a_failed_export_leaves_the_previous_one(tmp_path, tok, tok_path):
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": "0" * 64})  # another tokenizer
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match="not the tokenizer"):
+        export_model(tmp_path / "sft", tok_path, out, card_info={})
+    assert (out / "config.json").read_text() == "{}"
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        export_model(tmp_path / "nothing", tok_path, out, card_info={})
+    with pytest.raises(ValueError, match="unknown card_info key"):
+        export_model(tmp_path / "sft", tok_path, out, card_info={"metric": {}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+def test_names_round_trip_and_match_transformers(tok):
+    for variant in VARIANTS.values():
+        config = tiny_config(tok.get_vocab_size(), **variant)
+        ours = tiny_model(config).state_dict()
+        hf_state = hf_adapter.to_hf(ours, config)
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_adapter.hf_config(
+            config, bos_token_id=0, eos_token_id=3, pad_token_id=1)))
+        expected = set(llama.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
+        assert set(hf_state) == expected
+        back = hf_adapter.from_hf(hf_state, config)
+        assert back.keys() == ours.keys()
+        assert all(torch.equal(back[k], ours[k]) for k in ours)
+        assert hf_adapter.config_from_hf(hf_adapter.hf_config(config, bos_token_id=0, eos_token_id=3,
+                                                              pad_token_id=1)) == config
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type"),
+    ({"attention_bias": True}, "biases"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling"),
+    ({"head_dim": 32}, "head_dim"),
+])
+def test_configs_our_model_cannot_run_are_refused(tok, change, message):
+    hf = hf_adapter.hf_config(tiny_config(tok.get_vocab_size()), bos_token_id=0, eos_token_id=3, pad_token_id=1)
+    with pytest.raises(ValueError, match=message):
+        hf_adapter.config_from_hf({**hf, **change})
+
+
+def test_unknown_weights_are_refused(tok):
+    config = tiny_config(tok.get_vocab_size())
+    with pytest.raises(ValueError, match="layers.0.attention.bias"):
+        hf_adapter.to_hf({"layers.0.attention.bias": torch.zeros(1)}, config)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.bias"):
+        hf_adapter.from_hf({"model.layers.0.self_attn.q_proj.bias": torch.zeros(1)}, config)
+
+
+def test_the_cards_usage_snippets_run(export_dir, capsys):
+    import shlex
+
+    from pipeline.generate import main
+
+    text = (export_dir / "README.md").read_text()
+    python = text.split("```python\n")[1].split("```")[0]
+    exec(compile(python, "README.md", "exec"), {})  # loads, chats and prints through transformers
+    shell = text.split("```sh\n")[1].split("```")[0].strip().splitlines()
+    assert len(shell) == 2
+    for line in shell:
+        argv = shlex.split(line)
+        assert argv[:3] == ["python", "-m", "pipeline.generate"]
+        assert main(argv[3:] + ["--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.count("\n") >= 3
+
+
+def test_export_config_defaults_and_validation():
+    from pydantic import ValidationError
+
+    cfg = ExportConfig()
+    assert (cfg.source, cfg.register_model, cfg.primary_metric) == ("sft", True, "sft.chat.bits_per_byte")
+    for bad in ({"source": "export"}, {"model_name": "has space"}, {"unknown": 1}):
+        with pytest.raises(ValidationError):
+            ExportConfig(**bad)
