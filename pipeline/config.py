@@ -31,6 +31,9 @@ SCHEMAS: dict[str, str] = {
     "tokenizer": "pipeline.tokenizer:TokenizerConfig",
     "pack": "pipeline.pack:PackConfig",
     "pretrain": "pipeline.pretrain:PretrainConfig",
+    "sft": "pipeline.sft:SFTConfig",
+    "evaluate": "pipeline.evaluate:EvaluateConfig",
+    "export": "pipeline.export:ExportConfig",
 }
 
 
@@ -62,7 +65,7 @@ def format_validation_error(err: ValidationError, prefix: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see README 'Params reference')"
-        elif "input" in e and e["type"] != "missing":
+        elif "input" in e and e["type"] != "missing" and e["loc"] and not isinstance(e["input"], dict):
             shown = repr(e["input"])
             msg += f" (got {shown[:80]}{'…' if len(shown) > 80 else ''})"
         lines.append(f"  {key}: {msg}")

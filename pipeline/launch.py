@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import Field
 
@@ -125,13 +125,22 @@ def torchrun_command(module: str, cfg: LaunchConfig) -> list[str]:
     return cmd
 
 
-def launch(module: str, cfg: LaunchConfig, lock_folder: Path) -> int:
+def launch(module: str, cfg: LaunchConfig, lock_folder: Path, before: Callable[[], None] | None = None) -> int:
     """Run ``module`` under torchrun while holding the folder lock; return its exit code.
+
+    ``before`` runs once, under the lock, before any rank starts (e.g. building
+    the SFT shards, which every rank then reads).
 
     SIGINT/SIGTERM are forwarded so that Ctrl-C or a Prefect timeout stops the
     ranks cleanly instead of orphaning them.
     """
     fd = acquire_exclusive(lock_folder)
+    try:
+        if before is not None:
+            before()
+    except BaseException:
+        os.close(fd)
+        raise
     cmd = torchrun_command(module, cfg)
     env = {**os.environ, "PIPELINE_LAUNCHED": "1"}
     # One thread per rank by default on CPU: ranks share the cores.

@@ -29,6 +29,14 @@ TOKENIZER_JSON = TOKENIZER_DIR / "tokenizer.json"
 PACKED = DATA / "packed"
 PACKED_MANIFEST = PACKED / "manifest.json"
 
+SFT_DATA = DATA / "sft"
+SFT_QUARANTINE = SFT_DATA / "quarantine.jsonl"
+
+PRETRAIN_MODEL = MODELS / "pretrain"
+SFT_MODEL = MODELS / "sft"
+EXPORT_DIR = MODELS / "export"
+EVALUATE_DIR = DATA / "evaluate"
+
 
 def metrics_path(stage: str) -> Path:
     return METRICS / f"{stage}.json"

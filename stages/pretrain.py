@@ -8,7 +8,7 @@ from pipeline import layout
 from pipeline.cli import run_training_stage
 from pipeline.pretrain import PretrainConfig, run_pretrain
 
-OUT = layout.MODELS / "pretrain"
+OUT = layout.PRETRAIN_MODEL
 
 
 def main(cfg: PretrainConfig) -> dict:

@@ -1,0 +1,167 @@
+"""evaluate: val loss, perplexity and bits per byte for the pretrained and the SFT model.
+
+Each model is scored on two splits:
+
+* the packed pretraining val split (``data/packed/val``): every token counts;
+* the SFT val split (``data/sft/val``): only assistant tokens count (labels != -100).
+
+Bits per byte divides the summed negative log-likelihood (converted to bits) by
+the number of UTF-8 bytes the scored target tokens stand for, so it does not
+depend on the tokenizer and runs with different tokenizers can be compared.
+Special tokens (end of document, chat markers) are scored but stand for zero
+bytes. Perplexity is ``exp(val_loss)`` per token.
+
+Scoring uses the same document masking as training (``doc_mask``), in fp32 by
+default so that the numbers are reproducible by any other implementation (the
+export test recomputes the SFT model's perplexity with ``transformers``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline import checkpoint as ckpt
+from pipeline.config import StageConfig
+from pipeline.data import PackedRows
+from pipeline.model import ModelConfig, Transformer
+from pipeline.train import autocast, resolve_precision
+
+
+class SampleConfig(BaseModel):
+    """Fixed prompts completed with fixed seeds, recorded with every evaluation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts: list[str] = Field(default_factory=lambda: ["def fibonacci(n):", "import os\n\n\ndef "])
+    chat: list[str] = Field(default_factory=lambda: ["What does `os.path.join` do?", "What does `json.loads` do?"])
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    top_k: int | None = Field(50, ge=1)
+    top_p: float | None = Field(0.95, gt=0, le=1)
+    seed: int = 0
+
+
+class EvaluateConfig(StageConfig):
+    max_rows: int | None = Field(None, ge=1, description="val rows scored per split; null = all")
+    batch_size: int = Field(8, ge=1)
+    doc_mask: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "fp32"
+    samples: SampleConfig = Field(default_factory=SampleConfig)
+
+
+class EvaluateError(RuntimeError):
+    pass
+
+
+def token_bytes(tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for. In a byte-level BPE every character
+    of a token's string is one byte (GPT-2's byte-to-unicode alphabet); added
+    special tokens stand for no bytes of text."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    out = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    for token, idx in vocab.items():
+        out[idx] = 0 if token in special else len(token)
+    return out
+
+
+def load_checkpoint_model(folder: Path, device: torch.device) -> tuple[Transformer, ckpt.Checkpoint]:
+    last = ckpt.latest(Path(folder))
+    if last is None:
+        raise EvaluateError(f"no checkpoint in {folder}; run its training stage first")
+    model = Transformer(ModelConfig(**last.meta["model"]))
+    ckpt.load_model_weights(last, model)
+    return model.to(device).eval(), last
+
+
+@torch.no_grad()
+def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_size: int, max_rows: int | None,
+          doc_mask: bool, device: torch.device, precision: str) -> dict[str, float]:
+    """Summed NLL over scored targets of the first ``max_rows`` rows, as loss,
+    perplexity and bits per byte."""
+    n = len(rows) if max_rows is None else min(len(rows), max_rows)
+    nll = 0.0
+    tokens = 0
+    text_bytes = 0
+    for i in range(0, n, batch_size):
+        batch = rows.batch(np.arange(i, min(n, i + batch_size)), device, doc_mask)
+        with autocast(device, precision):
+            logits, _ = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
+        targets = batch["targets"]
+        nll += float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                     reduction="sum"))
+        scored = targets[targets != -100].cpu().numpy()
+        tokens += scored.size
+        text_bytes += int(nbytes[scored].sum())
+    if tokens == 0:
+        raise EvaluateError(f"{rows.dir}: no scored tokens in the first {n} rows")
+    loss = nll / tokens
+    return {
+        "val_loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": nll / math.log(2) / max(text_bytes, 1),
+        "tokens": tokens,
+        "bytes": text_bytes,
+    }
+
+
+def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[str, Path], tokenizer_path: Path
+                    ) -> tuple[dict[str, Any], dict[str, Transformer]]:
+    """Score every model on every split. Returns ``({model: {metric: value,
+    <split>: {...}}}, loaded models)``; the top-level metrics of each model are
+    those on the first split (the packed pretraining val split)."""
+    from pipeline.tokenizer import load_tokenizer
+    from pipeline.distributed import pick_device
+
+    device = pick_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    nbytes = token_bytes(load_tokenizer(tokenizer_path))
+    data = {name: PackedRows(path) for name, path in splits.items()}
+    out: dict[str, Any] = {}
+    loaded: dict[str, Transformer] = {}
+    for model_name, folder in models.items():
+        model, last = load_checkpoint_model(folder, device)
+        loaded[model_name] = model
+        per_split = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
+                                 doc_mask=cfg.doc_mask, device=device, precision=precision)
+                     for name, rows in data.items()}
+        first = next(iter(per_split.values()))
+        out[model_name] = {
+            "val_loss": first["val_loss"],
+            "perplexity": first["perplexity"],
+            "bits_per_byte": first["bits_per_byte"],
+            "checkpoint_step": last.step,
+            **per_split,
+        }
+    return out, loaded
+
+
+def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_path: Path) -> list[dict[str, Any]]:
+    """Complete every fixed prompt with every model, seeded, so runs can be compared
+    sample for sample. Raw prompts go to every model; chat prompts are rendered
+    with the ChatML template and stop at end of turn."""
+    from pipeline.chat import encode_prompt
+    from pipeline.generate import generate
+    from pipeline.tokenizer import load_tokenizer, special_ids
+
+    tok = load_tokenizer(tokenizer_path)
+    ids = special_ids(tok)
+    stops = [ids["eot"], ids["im_end"]]
+    out = []
+    for name, model in models.items():
+        kinds = [("text", p, tok.encode(p).ids) for p in cfg.prompts]
+        kinds += [("chat", p, encode_prompt(tok, [{"role": "user", "content": p}])) for p in cfg.chat]
+        for i, (kind, prompt, prompt_ids) in enumerate(kinds):
+            new = generate(model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                           top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed + i, stop_ids=stops)
+            out.append({"model": name, "kind": kind, "prompt": prompt, "seed": cfg.seed + i,
+                        "completion": tok.decode([t for t in new if t not in stops], skip_special_tokens=False)})
+    return out

@@ -1,0 +1,21 @@
+"""evaluate: models/{pretrain,sft} on data/packed/val and data/sft/val
+-> metrics/evaluate.json (+ data/evaluate/samples.json, logged to MLflow)."""
+
+from pipeline import layout
+from pipeline.cli import run_stage
+from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples
+from pipeline.io import write_json
+
+SAMPLES = layout.EVALUATE_DIR / "samples.json"
+
+
+def main(cfg: EvaluateConfig) -> dict:
+    models = {"pretrain": layout.PRETRAIN_MODEL, "sft": layout.SFT_MODEL}
+    splits = {"text": layout.PACKED / "val", "chat": layout.SFT_DATA / "val"}
+    metrics, loaded = evaluate_models(cfg, models, splits, layout.TOKENIZER_JSON)
+    write_json(SAMPLES, record_samples(cfg.samples, loaded, layout.TOKENIZER_JSON))
+    return metrics
+
+
+if __name__ == "__main__":
+    run_stage("evaluate", main, expected=(EvaluateError,), artifacts=(SAMPLES,))

@@ -1,0 +1,31 @@
+"""export: models/sft -> models/export, a Hugging Face folder with a model card,
+registered in MLflow as a new version (alias ``candidate``; ``champion`` moves
+only when the evaluate metrics beat the current champion's)."""
+
+from pipeline import layout
+from pipeline.cli import run_stage
+from pipeline.export import ExportConfig, ExportError, export_model
+from pipeline.io import read_json
+from pipeline.registry import register_export
+from pipeline.tracking import dvc_stage_hashes, git_tags
+
+
+def main(cfg: ExportConfig, tracker) -> dict:
+    evaluation = read_json(layout.metrics_path("evaluate"))
+    source = layout.SFT_MODEL if cfg.source == "sft" else layout.PRETRAIN_MODEL
+    lineage = {**git_tags(), **{f"dvc.{k}": v for k, v in dvc_stage_hashes().items()}}
+    card = {"metrics": evaluation, "lineage": lineage, "name": cfg.name, "license": cfg.license,
+            "intended_use": cfg.intended_use, "limitations": cfg.limitations}
+    summary = export_model(source, layout.TOKENIZER_JSON, layout.EXPORT_DIR,
+                           card_info={k: v for k, v in card.items() if v is not None})
+    registry = {"registered": False, "reason": "export.register_model is false"}
+    if cfg.register_model:
+        registry = register_export(layout.EXPORT_DIR, model_name=cfg.model_name, metrics=evaluation,
+                                   run_id=tracker.run_id, primary_metric=cfg.primary_metric,
+                                   lower_is_better=cfg.lower_is_better, tags=lineage)
+    return {"export": {k: v for k, v in summary.items() if k != "files"}, "files": summary["files"],
+            "registry": registry}
+
+
+if __name__ == "__main__":
+    run_stage("export", main, expected=(ExportError,), pass_tracker=True)

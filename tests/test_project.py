@@ -1,0 +1,48 @@
+"""The project's own files agree with each other: one name per stage everywhere,
+every shipped params section validates, and each DVC stage depends on exactly
+its own params section and its own code."""
+
+import importlib.util
+
+import pytest
+import yaml
+
+from pipeline import layout
+from pipeline.config import SCHEMAS, load_params
+from tests.conftest import ROOT
+
+DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+EXPECTED_ORDER = ["ingest", "clean", "tokenizer", "pack", "pretrain", "sft", "evaluate", "export"]
+
+
+def test_stage_names_agree_everywhere():
+    assert list(DVC) == [s for s in EXPECTED_ORDER if s in DVC]
+    for stage in DVC:
+        assert stage in PARAMS, f"params.yaml has no section {stage!r}"
+        assert stage in SCHEMAS, f"pipeline.config.SCHEMAS has no schema for {stage!r}"
+        assert importlib.util.find_spec(f"stages.{stage}") is not None, f"no module stages/{stage}.py"
+        assert DVC[stage]["cmd"] == f"python -m stages.{stage}"
+
+
+@pytest.mark.parametrize("stage", list(DVC))
+def test_each_stage_depends_on_its_own_params_code_and_writes_its_metrics(stage):
+    spec = DVC[stage]
+    assert spec["params"] == [stage], "a stage tracks exactly its own params section"
+    deps = spec["deps"]
+    assert f"stages/{stage}.py" in deps
+    assert any(d.startswith("pipeline/") for d in deps)
+    metrics = [next(iter(m)) if isinstance(m, dict) else m for m in spec["metrics"]]
+    assert metrics == [str(layout.metrics_path(stage))]
+
+
+@pytest.mark.parametrize("stage", [s for s in PARAMS])
+def test_shipped_params_validate(stage):
+    cfg = load_params(stage, ROOT / "params.yaml")
+    assert type(cfg).__name__.endswith("Config")
+
+
+def test_gitignore_keeps_generated_state_out_of_git():
+    ignored = (ROOT / ".gitignore").read_text()
+    for pattern in ("/data/*", "/models/", "/metrics/", "/mlflow.db", "/mlartifacts/", ".venv/"):
+        assert pattern in ignored
