@@ -1,0 +1,13 @@
+"""clean: data/ingest/docs.parquet -> data/clean/docs.parquet (+ quarantine, metrics/clean.json)."""
+
+from pipeline import layout
+from pipeline.cli import run_stage
+from pipeline.clean import CleanConfig, CleanError, run_clean
+
+
+def main(cfg: CleanConfig) -> dict:
+    return run_clean(cfg, layout.INGEST_DOCS, layout.CLEAN_DOCS, layout.CLEAN_QUARANTINE)
+
+
+if __name__ == "__main__":
+    run_stage("clean", main, expected=(CleanError,))
