@@ -17,7 +17,6 @@ import fnmatch
 import glob
 import hashlib
 import json
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path

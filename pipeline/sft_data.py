@@ -293,7 +293,7 @@ class SFTSource(BaseModel):
     @classmethod
     def _known_builtin(cls, v: str) -> str:
         if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
-            raise ValueError(f"unknown built-in dataset; known: "
+            raise ValueError("unknown built-in dataset; known: "
                              + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS))
         return v
 

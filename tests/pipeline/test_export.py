@@ -20,7 +20,7 @@ from pipeline.export import ExportConfig, ExportError, export_model
 from pipeline.generate import CHAT_STOP_IDS, generate, load_for_inference
 from pipeline.io import sha256_file
 from pipeline.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
-from tests.pipeline.test_generate import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
+from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from pipeline import checkpoint as ckpt
 from pipeline.chat import encode_prompt
@@ -24,51 +24,10 @@ from pipeline.generate import (
     sample_next,
 )
 from pipeline.io import sha256_file
-from pipeline.model import ModelConfig, Transformer, build_config
-from pipeline.tokenizer import EOT_ID, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
+from pipeline.model import Transformer
+from pipeline.tokenizer import EOT_ID, load_tokenizer
 
-# A few KB of code-like text: enough for a few hundred merges.
-CORPUS = [
-    f"def function_{i}(value, items):\n    total = value * {i}\n    for item in items:\n"
-    f"        total += item  # accumulate\n    return total\n\n"
-    f"class Widget{i}:\n    \"\"\"A widget that does thing number {i}.\"\"\"\n\n"
-    f"    def __init__(self, name):\n        self.name = name\n"
-    for i in range(40)
-]
-
-
-# --------------------------------------------------------------------------- shared builders
-
-
-def train_tiny_tokenizer(path: Path, vocab_size: int = 320) -> Tokenizer:
-    """Byte-level BPE with our special tokens at ids 0..3, trained on CORPUS, saved to ``path``."""
-    tok = build_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
-    return load_tokenizer(path)
-
-
-def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
-    # A much wider init than training uses. At 0.02 the tied head makes greedy
-    # decoding repeat one token forever, which would hide position bugs in the
-    # cache; at 0.3 outputs vary and logits have clear margins, so argmax
-    # comparisons do not hinge on rounding differences between code paths.
-    return build_config("tiny", vocab_size, **{"init_std": 0.3, **overrides})
-
-
-def tiny_model(config: ModelConfig, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(config).eval()
-
-
-def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: dict | None = None) -> ckpt.Checkpoint:
-    """A complete training checkpoint of ``model`` in the trainer's layout."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    base = {"stage": "sft", "fingerprint": "f" * 16, "model": model.config.to_dict(), "metrics": {"loss": 1.25}}
-    return ckpt.save(folder, step, model, optimizer, {"step": step}, {**base, **(meta or {})}, keep=2)
+from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)

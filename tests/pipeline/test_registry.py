@@ -12,7 +12,7 @@ import pytest
 from pipeline.export import export_model
 from pipeline.io import sha256_file
 from pipeline.registry import CANDIDATE, CHAMPION, RegistryWarning, flatten_metrics, register_export, should_promote
-from tests.pipeline.test_generate import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
+from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
 
 NAN = float("nan")
 

@@ -1,0 +1,85 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import parse_section
+from pipeline.data import PackedRows
+from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
+from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, train_tiny_tokenizer, write_split
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tiny_tokenizer(path)
+    return path
+
+
+def test_token_bytes_counts_utf8_bytes_and_zero_for_specials(tok_path):
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tok_path)
+    nbytes = token_bytes(tok)
+    assert nbytes[:4].tolist() == [0, 0, 0, 0]
+    for text in ["def function_3(value):", "héllo wörld ✓ 🙂", "\t\n  x"]:
+        ids = tok.encode(text).ids
+        assert int(nbytes[ids].sum()) == len(text.encode("utf-8"))
+
+
+def test_score_is_summed_nll_over_targets_and_bits_per_byte(tmp_path):
+    vocab = 40
+    write_split(tmp_path / "val", synthetic_docs(60, vocab, seed=1), seq_len=16)
+    rows = PackedRows(tmp_path / "val")
+    model = tiny_model(tiny_config(vocab))
+    nbytes = np.full(vocab, 2)
+    m = score(model, rows, nbytes, batch_size=3, max_rows=5, doc_mask=True, device=torch.device("cpu"),
+              precision="fp32")
+    b = rows.batch(np.arange(5), torch.device("cpu"))
+    logits, _ = model(b["input_ids"], segment_ids=b["segment_ids"])
+    nll = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(), reduction="sum").item()
+    assert m["tokens"] == 5 * 16 and m["bytes"] == 2 * 5 * 16
+    assert m["val_loss"] == pytest.approx(nll / 80, rel=1e-5)
+    assert m["perplexity"] == pytest.approx(math.exp(nll / 80), rel=1e-5)
+    assert m["bits_per_byte"] == pytest.approx(nll / math.log(2) / 160, rel=1e-5)
+
+
+def test_only_labelled_tokens_are_scored(tmp_path):
+    vocab = 40
+    docs = synthetic_docs(30, vocab, seed=2)
+    labels = [np.where(np.arange(len(d)) % 2 == 0, d, -100).astype(np.int32) for d in docs]
+    write_split(tmp_path / "val", docs, seq_len=16, labels=labels)
+    rows = PackedRows(tmp_path / "val")
+    m = score(tiny_model(tiny_config(vocab)), rows, np.ones(vocab, int), batch_size=4, max_rows=None,
+              doc_mask=True, device=torch.device("cpu"), precision="fp32")
+    assert m["tokens"] == int((rows.labels[:, 1:] != -100).sum())
+    rows.labels = np.full_like(rows.labels, -100)  # nothing left to score is an error, not a NaN
+    with pytest.raises(EvaluateError, match="no scored tokens"):
+        score(tiny_model(tiny_config(vocab)), rows, np.ones(vocab, int), batch_size=4, max_rows=None,
+              doc_mask=True, device=torch.device("cpu"), precision="fp32")
+
+
+def test_evaluate_models_and_seeded_samples(tmp_path, tok_path):
+    from pipeline.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)
+    for name, seed in (("a", 0), ("b", 1)):
+        save_checkpoint(tmp_path / name, tiny_model(tiny_config(vocab), seed=seed))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4, "samples": {"max_new_tokens": 8}}, "evaluate")
+    metrics, models = evaluate_models(cfg, {"a": tmp_path / "a", "b": tmp_path / "b"},
+                                      {"text": tmp_path / "val"}, tok_path)
+    assert set(metrics) == {"a", "b"} and metrics["a"]["val_loss"] != metrics["b"]["val_loss"]
+    assert {"val_loss", "perplexity", "bits_per_byte"} <= set(metrics["a"]) and "text" in metrics["a"]
+    s1 = record_samples(cfg.samples, models, tok_path)
+    s2 = record_samples(cfg.samples, models, tok_path)
+    assert s1 == s2 and len(s1) == 2 * (len(cfg.samples.prompts) + len(cfg.samples.chat))
+    assert {s["kind"] for s in s1} == {"text", "chat"}
+
+
+def test_missing_checkpoint_is_clear(tmp_path, tok_path):
+    write_split(tmp_path / "val", synthetic_docs(20, 40, seed=3), seq_len=16)
+    with pytest.raises(EvaluateError, match="run its training stage first"):
+        evaluate_models(EvaluateConfig(), {"x": tmp_path / "none"}, {"text": tmp_path / "val"}, tok_path)
