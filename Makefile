@@ -56,3 +56,38 @@ mlflow: install
 
 lint: install
 	$(BIN)/hadolint Dockerfile
+
+# --- orchestration, screenshots and the container (flows/, scripts/, Dockerfile)
+# Prefect state (server database, temporary-server database) lives in .prefect/.
+PREFECT_HOME ?= $(abspath .prefect)
+PREFECT_API  ?= http://127.0.0.1:$(PREFECT_PORT)/api
+CRON         ?=
+FLOW_ARGS    ?=
+RETRAIN_ARGS ?=
+IMAGE        ?= llm-pipeline
+BASE_IMAGE   ?=
+
+.PHONY: prefect-server flow retrain screenshot docker-build
+
+# A real Prefect server (UI on http://127.0.0.1:$(PREFECT_PORT)); schedules need one.
+prefect-server: install
+	PREFECT_HOME=$(PREFECT_HOME) PREFECT_SERVER_ANALYTICS_ENABLED=false \
+	  $(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
+
+# The pipeline once, as a Prefect flow on a temporary local server.
+flow: install
+	PREFECT_HOME=$(PREFECT_HOME) $(BIN)/python -m flows.pipeline $(FLOW_ARGS)
+
+# Serve scheduled retraining against `make prefect-server` (CRON="0 3 * * *" by default).
+retrain: install
+	PREFECT_HOME=$(PREFECT_HOME) PREFECT_API_URL=$(PREFECT_API) \
+	  $(BIN)/python -m flows.retrain $(if $(CRON),--cron "$(CRON)") $(RETRAIN_ARGS)
+
+# docs/mlflow-compare.png from mlflow.db (demo runs if it has fewer than two pipeline runs).
+screenshot: install
+	$(BIN)/python scripts/mlflow_screenshot.py
+
+# GPU image by default; BASE_IMAGE=python:3.11-slim gives the CPU image.
+docker-build:
+	docker build -t $(IMAGE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+	  --build-arg GIT_COMMIT=$$(git rev-parse HEAD) .

@@ -1,0 +1,169 @@
+"""The DVC pipeline as a Prefect flow: ``python -m flows.pipeline``.
+
+Each DVC stage becomes one Prefect task that runs ``dvc repro --single-item
+<stage>``, in the order of DVC's own stage graph (read from DVC, never listed
+here, so a stage added to ``dvc.yaml`` is picked up). DVC decides what is stale:
+a stage whose inputs did not change is a no-op, and a second run of the flow does
+no work. What Prefect adds on top:
+
+* retries for data stages (those that neither read nor write ``models/``:
+  ingest, clean, tokenizer, pack). They are pure CPU functions of their inputs,
+  so a transient failure (a flaky source, a worker killed for memory) is worth
+  one more try. Training stages get none: they resume from their own checkpoints
+  on the next run, and an automatic retry of a run that failed for a real reason
+  (non-finite loss, a bad config) would burn accelerator hours repeating it.
+  Evaluate and export read models and are treated the same way;
+* a timeout per stage (``--timeout STAGE=S``; data stages default to 4 h, the
+  others to none, since pretraining may take days). On a timeout or a
+  cancellation the stage's whole process group gets SIGTERM, then SIGKILL, so no
+  trainer is left running behind the flow;
+* the output of DVC and of the stage streamed line by line into the task's log;
+* a markdown artifact ``pipeline-summary``: each stage's status (ran, restored
+  from DVC's run cache, skipped as unchanged, failed, not run), time and metrics;
+* one MLflow parent run per flow run (``pipeline.lineage.parent_run``); each
+  stage process gets ``MLFLOW_PARENT_RUN_ID``, so its own run nests under it.
+
+Stages run one at a time: ``dvc repro`` holds a repository-wide lock, so two
+stages of one project cannot run at once anyway. Prefect's task cache is off
+(``NO_CACHE``): DVC is the cache.
+
+``python -m flows.pipeline`` runs on Prefect's temporary local server, offline.
+Schedules need a real server: see ``flows/retrain.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+
+from pipeline.lineage import (
+    DEFAULT_RETRIES,
+    DEFAULT_RETRY_DELAY_S,
+    StageInfo,
+    base_env,
+    dvc_bin,
+    load_stages,
+    parent_run,
+    parse_status,
+    read_metrics,
+    select,
+    stream_command,
+    summary_markdown,
+    task_options,
+)
+
+TAIL_LINES = 40  # lines of a failed stage's output repeated in its error
+
+
+class StageFailed(RuntimeError):
+    """``dvc repro`` exited non-zero; the message ends with its last lines of output."""
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def run_stage(stage: StageInfo, root: str, env: dict[str, str]) -> dict[str, Any]:
+    """``dvc repro --single-item <stage>`` in ``root``; returns ``{"stage",
+    "status", "seconds", "metrics"}``. Raises StageFailed on a non-zero exit."""
+    logger = get_run_logger()
+    t0 = time.perf_counter()
+    code, lines = stream_command([dvc_bin(), "repro", "--single-item", stage.name], root, env, logger.info)
+    seconds = round(time.perf_counter() - t0, 3)
+    if code != 0:
+        tail = "\n".join(lines[-TAIL_LINES:])
+        raise StageFailed(f"stage {stage.name}: dvc repro exited with {code} after {seconds} s:\n{tail}")
+    status = parse_status(lines)
+    logger.info("stage %s: %s in %.1f s", stage.name, status, seconds)
+    return {"stage": stage.name, "status": status, "seconds": seconds, "metrics": read_metrics(root, stage)}
+
+
+@flow(name="pipeline")
+def pipeline(
+    root: str | None = None,
+    targets: list[str] | None = None,
+    retries: int = DEFAULT_RETRIES,
+    retry_delay_s: float = DEFAULT_RETRY_DELAY_S,
+    retry_stages: list[str] | None = None,
+    timeouts: dict[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """Run the DVC stages of the project at ``root`` (default: the current
+    directory) in DAG order; with ``targets``, only those and what they depend on.
+
+    ``retries`` apply to data stages, or to exactly ``retry_stages`` when given;
+    ``timeouts`` maps stage names (``"*"`` for the rest) to seconds. Returns one
+    ``{"stage", "status", "seconds", "metrics"}`` per stage. A stage that still
+    fails after its retries fails the flow; the summary then shows it as failed
+    and the stages after it as not run, and the MLflow parent run ends FAILED."""
+    logger = get_run_logger()
+    root_path = Path(root or os.getcwd()).resolve()
+    stages = select(load_stages(root_path), targets)
+    logger.info("stages in DAG order: %s", ", ".join(s.name for s in stages))
+    ctx = get_run_context()
+    tags = {"prefect.flow_run_id": str(ctx.flow_run.id), "prefect.flow_run_name": ctx.flow_run.name,
+            "pipeline.targets": ",".join(targets or []) or "all"}
+    results: list[dict[str, Any]] = []
+    with parent_run(root_path, tags=tags) as parent:
+        if parent.run_id:
+            logger.info("MLflow parent run %s at %s", parent.run_id, parent.uri)
+        env = parent.child_env(base_env())
+        try:
+            for stage in stages:
+                opts = task_options(stage, retries, retry_delay_s, retry_stages, timeouts)
+                try:
+                    results.append(run_stage.with_options(**opts)(stage, str(root_path), env))
+                except BaseException:
+                    results.append({"stage": stage.name, "status": "failed", "seconds": None,
+                                    "metrics": read_metrics(root_path, stage)})
+                    raise
+        finally:
+            markdown = summary_markdown(stages, results)
+            create_markdown_artifact(markdown=markdown, key="pipeline-summary",
+                                     description=f"DVC stages of {root_path}")
+            parent.record(stages, results)
+            print(markdown, flush=True)
+    return results
+
+
+def parse_timeouts(items: list[str]) -> dict[str, float]:
+    """``["pretrain=3600", "*=600"]`` -> ``{"pretrain": 3600.0, "*": 600.0}``;
+    raises ValueError on anything else."""
+    out = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep or not name:
+            raise ValueError(f"--timeout takes STAGE=SECONDS, got {item!r}")
+        out[name] = float(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.pipeline [--root DIR] [--targets STAGE ...] [--timeout STAGE=S ...]``;
+    exit code 0 when the flow completed, 1 when it failed."""
+    parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default=None, help="project root (default: current directory)")
+    parser.add_argument("--targets", nargs="*", default=None, metavar="STAGE",
+                        help="run only these stages and their upstream (default: all)")
+    parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help="retries for data stages")
+    parser.add_argument("--retry-delay", type=float, default=DEFAULT_RETRY_DELAY_S, metavar="S")
+    parser.add_argument("--retry-stages", nargs="*", default=None, metavar="STAGE",
+                        help="retry exactly these stages instead of the data stages")
+    parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=S",
+                        help="per-stage timeout in seconds, '*=S' for the others, 0 for none (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        timeouts = parse_timeouts(args.timeout)
+    except ValueError as err:
+        parser.error(str(err))
+    state = pipeline(root=args.root, targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
+                     retry_stages=args.retry_stages, timeouts=timeouts or None, return_state=True)
+    return 0 if state.is_completed() else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Scheduled retraining: ``python -m flows.retrain --cron "0 3 * * *"``.
+
+Serves a deployment named ``retrain`` whose runs ask DVC what is stale and, if
+anything is, run the ``pipeline`` flow (``flows/pipeline.py``) as a subflow. New
+or changed files under ``data/raw`` (a dependency of ``ingest`` in ``dvc.yaml``)
+make ingest stale, and DVC reruns it and then whatever its changed outputs feed;
+stages whose inputs did not change are skipped. (For their text to be read, the
+files must also match an entry of ``ingest.sources``; sources outside the
+project, like the default ``{stdlib}`` corpus, are invisible to DVC.) A tick with
+nothing stale finishes at once and opens no MLflow run.
+
+Where the schedule comes from: ``--cron`` on the command line, else
+``$PIPELINE_RETRAIN_CRON``, else ``DEFAULT_CRON`` (03:00 every day, in
+``--timezone``, default UTC). It is deliberately not in ``params.yaml``: that
+file holds one section per DVC stage, and *when* to retrain is a property of the
+deployment, not an input of any stage; putting it there would make DVC treat a
+schedule change as a change to the experiment.
+
+Overlap: the deployment has a concurrency limit of 1 enforced by the Prefect
+server, with the ``CANCEL_NEW`` strategy: a run that comes due while the
+previous one is still going is cancelled instead of queued. Nothing is lost by
+skipping a tick, since the next run sees every change DVC sees; a queue would
+grow without bound whenever training takes longer than the schedule period.
+The limit lives on the server, so it also holds across several ``serve``
+processes and runs started by hand from the UI.
+
+Schedules need a real Prefect server (the temporary one started for single
+runs never schedules): ``make prefect-server`` and
+``PREFECT_API_URL=http://127.0.0.1:4200/api``. Stopping ``serve`` with Ctrl-C or
+SIGTERM leaves the schedule active (``pause_on_shutdown=False``), so a restart
+picks it up again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.pipeline import pipeline
+from pipeline.lineage import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages, load_stages, select
+
+DEPLOYMENT = "retrain"
+DEFAULT_CRON = "0 3 * * *"
+CRON_ENV = "PIPELINE_RETRAIN_CRON"
+
+
+@flow(name="retrain")
+def retrain(
+    root: str | None = None,
+    targets: list[str] | None = None,
+    retries: int = DEFAULT_RETRIES,
+    retry_delay_s: float = DEFAULT_RETRY_DELAY_S,
+    timeouts: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Bring the project at ``root`` (default: the current directory) up to date
+    with its inputs. Returns ``{"stale": {stage: reasons}, "stages": [...]}``,
+    where ``stages`` is the pipeline flow's result, empty when nothing was stale."""
+    logger = get_run_logger()
+    root_path = Path(root or os.getcwd()).resolve()
+    names = [s.name for s in select(load_stages(root_path), targets)]
+    stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
+    if not stale:
+        logger.info("DVC reports every stage up to date (%s); nothing to retrain", ", ".join(names))
+        return {"stale": {}, "stages": []}
+    logger.info("DVC reports stale: %s; running the pipeline", ", ".join(stale))
+    results = pipeline(root=str(root_path), targets=targets, retries=retries,
+                       retry_delay_s=retry_delay_s, timeouts=timeouts)
+    return {"stale": stale, "stages": results}
+
+
+def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str, str]:
+    """``(cron, timezone)`` from ``--cron``, else ``$PIPELINE_RETRAIN_CRON``, else
+    ``DEFAULT_CRON``, checked with Prefect's own schedule validator; raises
+    ValueError naming the source when the expression or the time zone is invalid."""
+    from pydantic import ValidationError
+    from prefect.client.schemas.schedules import CronSchedule
+
+    value, source = cli_value, "--cron"
+    if not value:
+        value, source = os.environ.get(CRON_ENV), f"${CRON_ENV}"
+    if not value:
+        value, source = DEFAULT_CRON, "the default schedule"
+    try:
+        CronSchedule(cron=value, timezone=timezone)
+    except ValidationError as err:
+        reason = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        raise ValueError(f"{source} {value!r} (time zone {timezone!r}): {reason}") from None
+    return value, timezone
+
+
+def serve(cron: str, *, timezone: str = "UTC", name: str = DEPLOYMENT, parameters: dict | None = None) -> None:
+    """Register the deployment on the Prefect server at ``$PREFECT_API_URL`` and
+    run its scheduled runs in subprocesses until interrupted. Raises RuntimeError
+    when no server is configured."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.schedules import Cron
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise RuntimeError(
+            "scheduling needs a running Prefect server: start one with `make prefect-server` and set "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api (the temporary server never fires schedules)"
+        )
+    retrain.serve(
+        name=name,
+        schedules=[Cron(cron, timezone=timezone)],
+        global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+        parameters=parameters or {},
+        pause_on_shutdown=False,
+        description=f"Retrain on '{cron}' ({timezone}) with whatever DVC sees as changed",
+        tags=["retrain"],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.retrain [--cron EXPR] [--timezone TZ] [--root DIR] [--targets ...] [--once]``."""
+    parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cron", default=None,
+                        help=f"cron expression (default: ${CRON_ENV}, else '{DEFAULT_CRON}')")
+    parser.add_argument("--timezone", default="UTC", help="time zone of the cron expression")
+    parser.add_argument("--name", default=DEPLOYMENT, help="deployment name")
+    parser.add_argument("--root", default=None, help="project root the runs work in (default: here)")
+    parser.add_argument("--targets", nargs="*", default=None, metavar="STAGE",
+                        help="retrain only up to these stages (default: all)")
+    parser.add_argument("--once", action="store_true", help="run once now instead of serving the schedule")
+    args = parser.parse_args(argv)
+    # Pin the deployment to a directory now: a run starts wherever its runner does.
+    params: dict[str, Any] = {"root": str(Path(args.root or ".").resolve())}
+    if args.targets:
+        params["targets"] = args.targets
+    if args.once:
+        state = retrain(**params, return_state=True)
+        return 0 if state.is_completed() else 1
+    try:
+        cron, timezone = resolve_schedule(args.cron, args.timezone)
+        serve(cron, timezone=timezone, name=args.name, parameters=params)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

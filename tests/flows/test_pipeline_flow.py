@@ -1,0 +1,415 @@
+"""flows/pipeline.py and pipeline/lineage.py: the stage graph comes from DVC, data
+stages get retries and training stages don't, timeouts kill the whole stage, a
+second run is a no-op by DVC's own account, and MLflow gets one parent run per
+flow run with each stage's run nested under it.
+
+Prefect is never imported into the test process (it reconfigures the root logger
+on import); the flow runs as ``python -m flows.pipeline`` subprocesses, as a user
+would run it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import lineage
+from pipeline.lineage import StageInfo
+from tests.conftest import BIN, ROOT, project_copy
+
+DATA_STAGES = ["ingest", "clean", "tokenizer", "pack"]
+TINY = {
+    "ingest.max_bytes": 300_000,
+    "clean.num_workers": 1,
+    "tokenizer.vocab_size": 512,
+    "tokenizer.sample_bytes": 200_000,
+    "tokenizer.eval_bytes": 50_000,
+    "pack.num_workers": 1,
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def dvc_project(path: Path, stages: dict, files: dict[str, str] | None = None) -> Path:
+    """A DVC project without git at ``path`` with ``stages`` as its dvc.yaml."""
+    from dvc.repo import Repo
+
+    path.mkdir(parents=True, exist_ok=True)
+    Repo.init(str(path), no_scm=True).close()
+    (path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    for name, text in (files or {}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict[str, str]:
+    """A Prefect home and an MLflow database for the module's flow runs: their
+    first-use migrations cost 5-10 s each, so they are paid once. Tests keep
+    apart by MLflow experiment."""
+    d = tmp_path_factory.mktemp("flow-state")
+    return {"PREFECT_HOME": str(d / "prefect-home"), "MLFLOW_TRACKING_URI": f"sqlite:///{d / 'mlflow.db'}"}
+
+
+def flow_env(shared: dict[str, str], experiment: str, **extra: str) -> dict[str, str]:
+    env = {
+        **os.environ,
+        **shared,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PIPELINE_TRACKING": "1",
+        "MLFLOW_EXPERIMENT_NAME": experiment,
+        "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+    env.pop("PREFECT_API_URL", None)  # the temporary server, even if the caller uses a real one
+    return env
+
+
+def run_flow(cwd: Path, env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.pipeline", *args], cwd=cwd, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def statuses(output: str) -> dict[str, str]:
+    """Stage -> status from the flow's log lines ``stage X: ran in 1.2 s``."""
+    return dict(re.findall(r"stage (\S+): (ran|restored|skipped) in", output))
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has already exited
+
+
+def mlflow_runs(uri: str, experiment: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment!r}"
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"], max_results=1000)
+
+
+# --------------------------------------------------------------------------- the DAG
+
+
+def test_stage_order_is_dvc_dependency_order_not_declaration_order(tmp_path):
+    # Declared downstream-first: only DVC's graph can put them in order.
+    root = dvc_project(tmp_path, {
+        "report": {"cmd": "cat b.txt c.txt > report.txt", "deps": ["b.txt", "c.txt"], "outs": ["report.txt"]},
+        "c": {"cmd": "cp a.txt c.txt", "deps": ["a.txt"], "outs": ["c.txt"]},
+        "b": {"cmd": "cp a.txt b.txt", "deps": ["a.txt"], "outs": ["b.txt"]},
+        "a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]},
+    })
+    stages = lineage.load_stages(root)
+    assert [s.name for s in stages] == ["a", "c", "b", "report"]  # ties keep dvc.yaml order
+    assert set(stages[-1].upstream) == {"b", "c"}
+    assert [s.name for s in lineage.select(stages, ["b"])] == ["a", "b"]
+    assert lineage.descendants(stages, "a") == {"b", "c", "report"}
+    assert lineage.descendants(stages, "report") == set()
+    with pytest.raises(lineage.LineageError, match="unknown stage"):
+        lineage.select(stages, ["nope"])
+
+
+def test_real_pipeline_order_and_which_stages_are_data_stages():
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = lineage.load_stages(ROOT)
+    names = [s.name for s in stages]
+    assert sorted(names) == sorted(spec), "every dvc.yaml stage is run, and nothing else"
+    produced = {}
+    for s in stages:
+        for out in s.outs + s.metrics:
+            produced[out] = s.name
+    for s in stages:  # every stage comes after the stages whose outputs it reads
+        for dep in s.deps:
+            owner = next((o for p, o in produced.items() if dep == p or dep.startswith(p + "/")), None)
+            if owner is not None:
+                assert names.index(owner) < names.index(s.name), f"{s.name} reads {dep} from {owner}"
+    data = [s.name for s in stages if s.is_data_stage]
+    assert data[:4] == DATA_STAGES
+    assert "pretrain" not in data and "sft" not in data
+
+
+def test_task_options_retry_data_stages_only_and_time_out_as_configured():
+    data = StageInfo("clean", "x", deps=("data/ingest/docs.parquet",), outs=("data/clean",))
+    train = StageInfo("pretrain", "x", deps=("data/packed",), outs=("models/pretrain",))
+    evaluate = StageInfo("evaluate", "x", deps=("models/sft",), outs=("data/evaluate",))
+    assert data.is_data_stage and not train.is_data_stage and not evaluate.is_data_stage
+
+    opts = lineage.task_options(data, retries=3, retry_delay_s=5)
+    assert (opts["retries"], opts["retry_delay_seconds"]) == (3, 5)
+    assert opts["timeout_seconds"] == lineage.DATA_TIMEOUT_S
+    assert opts["task_run_name"] == "clean"
+    opts = lineage.task_options(train, retries=3)
+    assert (opts["retries"], opts["timeout_seconds"]) == (0, None)
+
+    assert lineage.task_options(train, timeouts={"pretrain": 60})["timeout_seconds"] == 60
+    assert lineage.task_options(train, timeouts={"*": 90})["timeout_seconds"] == 90
+    assert lineage.task_options(data, timeouts={"clean": 0, "*": 90})["timeout_seconds"] is None
+    assert lineage.task_options(train, retries=2, retry_stages=["pretrain"])["retries"] == 2
+    assert lineage.task_options(data, retries=2, retry_stages=[])["retries"] == 0
+
+
+def test_parse_status_reads_what_dvc_did():
+    assert lineage.parse_status(["Running stage 'pack':", "> python -m stages.pack"]) == "ran"
+    assert lineage.parse_status(["Stage 'pack' is cached - skipping run, checking out outputs"]) == "restored"
+    assert lineage.parse_status(["Stage 'pack' didn't change, skipping", "Data and pipelines are up to date."]) == "skipped"
+
+
+def test_summary_lists_every_stage_with_its_status_and_metrics():
+    stages = [StageInfo(n, "x") for n in ("ingest", "clean", "pack")]
+    results = [
+        {"stage": "ingest", "status": "skipped", "seconds": 1.0, "metrics": {"docs": 10, "seconds": 3.0}},
+        {"stage": "clean", "status": "failed", "seconds": None, "metrics": {}},
+    ]
+    md = lineage.summary_markdown(stages, results)
+    assert "**0 of 3 stages ran**" in md
+    assert "| ingest | skipped | 1.0 | docs=10 |" in md  # the stage's own seconds metric is not repeated
+    assert "| clean | failed |  | - |" in md
+    assert "| pack | not run |" in md
+
+
+def test_child_env_makes_stage_runs_children_of_the_parent():
+    env = lineage.ParentRun(root=Path("."), uri="sqlite:////x/mlflow.db", run_id="abc").child_env({"A": "1"})
+    assert env == {"A": "1", "MLFLOW_PARENT_RUN_ID": "abc", "MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"}
+    # No parent (tracking off): an inherited id must not leak into the stages.
+    env = lineage.ParentRun(root=Path("."), uri="u").child_env({"MLFLOW_PARENT_RUN_ID": "stale"})
+    assert "MLFLOW_PARENT_RUN_ID" not in env
+
+
+def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
+    """What a Prefect timeout does to a running stage: the exception lands in the
+    wait loop, and every process of the stage dies, even one ignoring SIGTERM."""
+    script = tmp_path / "stage.py"
+    script.write_text(textwrap.dedent("""
+        import signal, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('armed', flush=True); time.sleep(300)"])
+        print(f"pids {child.pid}", flush=True)
+        time.sleep(300)
+    """))
+    seen: list[str] = []
+
+    def emit(line: str) -> None:
+        seen.append(line)
+        if line == "armed":
+            raise KeyboardInterrupt  # stands in for Prefect's TaskRunTimeoutError
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        lineage.stream_command([sys.executable, str(script)], tmp_path, dict(os.environ), emit, kill_grace_s=1.0)
+    child = int(next(line for line in seen if line.startswith("pids ")).split()[1])
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child), "the stage's child survived the stop (it ignores SIGTERM: SIGKILL must follow)"
+    assert time.monotonic() - t0 < 20
+
+
+def test_stream_command_returns_exit_code_and_lines_in_order(tmp_path):
+    got: list[str] = []
+    code, lines = lineage.stream_command(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
+        tmp_path, dict(os.environ), got.append)
+    assert code == 3 and lines == got and set(lines) == {"out", "err"}
+
+
+# --------------------------------------------------------------------------- the flow
+
+
+FLAKY = """
+    import os, pathlib, sys
+    attempts = pathlib.Path("attempts-flaky")
+    n = int(attempts.read_text()) + 1 if attempts.exists() else 1
+    attempts.write_text(str(n))
+    if n < 2:
+        sys.exit("flaky: transient failure on attempt 1")
+    pathlib.Path("data").mkdir(exist_ok=True)
+    pathlib.Path("data/flaky.txt").write_text(os.environ.get("MLFLOW_PARENT_RUN_ID", ""))
+    pathlib.Path("metrics").mkdir(exist_ok=True)
+    pathlib.Path("metrics/flaky.json").write_text('{"attempts": %d}' % n)
+"""
+HANG = """
+    import pathlib, subprocess, sys, time
+    attempts = pathlib.Path("attempts-train")
+    attempts.write_text(str(int(attempts.read_text()) + 1 if attempts.exists() else 1))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    import os
+    pathlib.Path("pids").write_text(f"{os.getpid()} {child.pid}")
+    print("training forever", flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path, shared):
+    root = dvc_project(tmp_path / "proj", {
+        "flaky": {"cmd": "python flaky.py", "deps": ["flaky.py"], "outs": ["data/flaky.txt"],
+                  "metrics": [{"metrics/flaky.json": {"cache": False}}]},
+        "train": {"cmd": "python hang.py", "deps": ["hang.py", "data/flaky.txt"], "outs": ["models/train.txt"]},
+    }, {"flaky.py": FLAKY, "hang.py": HANG})
+    env = flow_env(shared, "timeouts")
+    t0 = time.monotonic()
+    r = run_flow(root, env, "--retries", "1", "--retry-delay", "0", "--timeout", "train=3")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert (root / "attempts-flaky").read_text() == "2", "the data stage is retried once"
+    assert (root / "attempts-train").read_text() == "1", "the training stage is not retried"
+    assert "exceeded timeout of 3" in r.stdout, r.stdout[-4000:]
+    assert "| flaky | ran |" in r.stdout and "| train | failed |" in r.stdout
+    for pid in map(int, (root / "pids").read_text().split()):
+        assert not alive(pid), f"process {pid} of the timed-out stage is still running"
+    assert elapsed < 200
+
+    [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "timeouts") if run.info.run_name == "pipeline"]
+    assert parent.info.status == "FAILED"
+    assert (root / "data" / "flaky.txt").read_text() == parent.info.run_id, "stages get MLFLOW_PARENT_RUN_ID"
+    assert parent.data.tags["pipeline.status.flaky"] == "ran"
+    assert parent.data.tags["pipeline.status.train"] == "failed"
+    assert parent.data.metrics["flaky.attempts"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
+    root = project_copy(tmp_path / "proj", TINY)
+    env = flow_env(shared, "noop")
+
+    first = run_flow(root, env, "--targets", "pack")
+    assert first.returncode == 0, first.stdout[-5000:]
+    assert statuses(first.stdout) == {s: "ran" for s in DATA_STAGES}
+    assert not {k: v for k, v in lineage.changed_stages(root).items() if k in DATA_STAGES}, "DVC: all up to date"
+    lock = (root / "dvc.lock").read_bytes()
+    mtimes = {p: p.stat().st_mtime_ns for s in DATA_STAGES for p in (root / "metrics").glob(f"{s}.json")}
+    assert len(mtimes) == len(DATA_STAGES)
+
+    second = run_flow(root, env, "--targets", "pack")
+    assert second.returncode == 0, second.stdout[-5000:]
+    assert statuses(second.stdout) == {s: "skipped" for s in DATA_STAGES}
+    assert "**0 of 4 stages ran**" in second.stdout
+    assert (root / "dvc.lock").read_bytes() == lock
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes, "no stage rewrote its outputs"
+
+    # MLflow: one parent per flow run; the stages that ran are its children.
+    runs = mlflow_runs(shared["MLFLOW_TRACKING_URI"], "noop")
+    parents = [r for r in runs if r.info.run_name == "pipeline"]
+    assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
+    p1, p2 = parents
+    hashes = lineage_hashes(root)
+    for p in (p1, p2):
+        for s in DATA_STAGES:
+            assert p.data.tags[f"dvc.stage_hash.{s}"] == hashes[s]
+        assert p.data.params["ingest.max_bytes"] == "300000" and p.data.params["tokenizer.vocab_size"] == "512"
+        assert p.data.tags.get("mlflow.source.git.commit"), "the project's commit is recorded"
+    assert p1.data.metrics["pipeline.stages_ran"] == 4 and p2.data.metrics["pipeline.stages_ran"] == 0
+    assert set(p1.data.metrics) == set(p2.data.metrics), "metric names are the same across runs"
+    assert any(k.startswith("pack.") for k in p1.data.metrics)
+
+    if "Tracker" in (ROOT / "pipeline" / "cli.py").read_text():  # per-stage child runs
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p1.info.run_id]
+        assert sorted(r.info.run_name for r in children) == sorted(DATA_STAGES)
+        for c in children:
+            assert c.data.tags.get("dvc.stage_hash") == hashes[c.info.run_name], "child and parent agree on lineage"
+        assert not [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p2.info.run_id], \
+            "a no-op run starts no stage runs"
+
+
+def lineage_hashes(root: Path) -> dict[str, str]:
+    from pipeline.tracking import dvc_stage_hashes
+
+    return dvc_stage_hashes(root)
+
+
+# --------------------------------------------------------------------------- DVC's view of a params edit
+
+
+def _placeholder(path: Path, is_dir: bool) -> None:
+    if path.exists():
+        return
+    if is_dir:
+        path.mkdir(parents=True)
+        (path / "placeholder").write_text("x")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}" if path.suffix == ".json" else "x\n")
+
+
+def _changed_value(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if value is None:
+        return 1
+    return f"{value}-edited"
+
+
+def _first_leaf(node, path=()):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found = _first_leaf(v, (*path, k))
+            if found is not None:
+                return found
+        return None
+    if isinstance(node, list):
+        return None
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_editing_only_evaluate_params_makes_dvc_rerun_only_evaluate_and_descendants(tmp_path):
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    if "evaluate" not in spec:
+        pytest.skip("dvc.yaml has no 'evaluate' stage yet")
+    root = project_copy(tmp_path / "proj")
+    stages = lineage.load_stages(root)
+    # Stand-in outputs for every stage, recorded in dvc.lock with `dvc commit`: the
+    # whole pipeline is then up to date without running any of it.
+    deps = {d for s in stages for d in s.deps}
+    for s in stages:
+        for out in s.outs:
+            _placeholder(root / out, is_dir=not Path(out).suffix or any(d.startswith(out + "/") for d in deps))
+        for m in s.metrics:
+            _placeholder(root / m, is_dir=False)
+    for d in deps:
+        _placeholder(root / d, is_dir=not Path(d).suffix)
+    for s in stages:  # plots are outputs too
+        for p in spec.get(s.name, {}).get("plots", []):
+            _placeholder(root / (next(iter(p)) if isinstance(p, dict) else p), is_dir=False)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run([str(BIN / "dvc"), "commit", "-f", "-q"], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert lineage.changed_stages(root) == {}, "baseline: DVC sees everything up to date"
+
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    tracked = next(p for p in spec["evaluate"]["params"] if isinstance(p, str))  # "evaluate" or "evaluate.key"
+    node_path = tuple(tracked.split("."))
+    node = params
+    for k in node_path:
+        node = node[k]
+    leaf = node_path + (_first_leaf(node) or ())
+    parent = params
+    for k in leaf[:-1]:
+        parent = parent[k]
+    parent[leaf[-1]] = _changed_value(parent[leaf[-1]])
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    changed = set(lineage.changed_stages(root))
+    allowed = {"evaluate"} | lineage.descendants(stages, "evaluate")
+    assert "evaluate" in changed, f"editing {'.'.join(leaf)} did not make evaluate stale"
+    assert changed <= allowed, f"editing {'.'.join(leaf)} also invalidated {sorted(changed - allowed)}"

@@ -1,0 +1,232 @@
+"""flows/retrain.py against a real Prefect server: the cron schedule fires, a run
+with nothing stale is a no-op, new files in data/raw are picked up, two runs of
+the deployment never overlap, and stopping ``serve`` leaves the schedule active.
+
+Everything runs in subprocesses: a ``prefect server`` on 127.0.0.1 at a free
+port with its own PREFECT_HOME, and ``python -m flows.retrain`` serving against
+it in a throw-away project copy. Assertions go through the server's REST API
+(what Prefect's Python client wraps; the CLI's ``flow-run ls`` fails with 422),
+so Prefect is never imported into the test process. Every process is stopped,
+by process group, even when the test fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from pipeline.lineage import changed_stages, stop_group
+from tests.conftest import BIN, project_copy
+
+pytestmark = pytest.mark.slow
+
+TERMINAL = {"COMPLETED", "CANCELLED", "FAILED", "CRASHED"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Poll ``check()`` once a second until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what}: process exited with {proc.returncode}\n{_tail(log)}")
+        result = check()
+        if result:
+            return result
+        time.sleep(1)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{_tail(log)}")
+
+
+def _tail(log: Path | None, n: int = 6000) -> str:
+    return log.read_text(errors="replace")[-n:] if log is not None and log.exists() else ""
+
+
+class Api:
+    """The few REST calls the test needs."""
+
+    def __init__(self, url: str) -> None:
+        import httpx
+
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=15)
+
+    def healthy(self) -> bool:
+        try:
+            return self.http.get("/health").status_code == 200
+        except Exception:  # not listening yet
+            return False
+
+    def deployment(self, flow: str, name: str) -> dict | None:
+        r = self.http.get(f"/deployments/name/{flow}/{name}")
+        return r.json() if r.status_code == 200 else None
+
+    def flow_runs(self, **filters) -> list[dict]:
+        r = self.http.post("/flow_runs/filter", json={**filters, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
+        r.raise_for_status()
+        return r.json()
+
+    def deployment_runs(self, deployment_id: str) -> list[dict]:
+        return self.flow_runs(flow_runs={"deployment_id": {"any_": [deployment_id]}})
+
+    def pipeline_runs(self) -> list[dict]:
+        return self.flow_runs(flows={"name": {"any_": ["pipeline"]}})
+
+    def create_run(self, deployment_id: str) -> str:
+        r = self.http.post(f"/deployments/{deployment_id}/create_flow_run", json={})
+        r.raise_for_status()
+        return r.json()["id"]
+
+    def run(self, run_id: str) -> dict:
+        return self.http.get(f"/flow_runs/{run_id}").json()
+
+    def state_types(self, run_id: str) -> list[str]:
+        return [s["type"] for s in self.http.get("/flow_run_states/", params={"flow_run_id": run_id}).json()]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        api = Api(f"http://127.0.0.1:{port}/api")
+        # Healthy in 8-14 s on an idle machine; a busy shared CPU has taken 26 s.
+        wait_for("the Prefect server", api.healthy, 150, proc, log)
+        yield api
+    finally:
+        stop_group(proc, 20)
+
+
+@pytest.fixture
+def serve(server, tmp_path):
+    """Start ``python -m flows.retrain ARGS`` in ``cwd``; stop it at the end."""
+    procs: list[subprocess.Popen] = []
+
+    def start(cwd: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "PREFECT_API_URL": server.url,
+            "PREFECT_HOME": str(tmp_path / "serve-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "2",  # default 10 s; keeps the test short
+            "PIPELINE_TRACKING": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+        log = tmp_path / f"serve-{len(procs)}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "flows.retrain", *args], cwd=cwd, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        procs.append(proc)
+        return proc, log
+
+    yield start
+    for proc in procs:
+        stop_group(proc, 20)
+
+
+def ran(api: Api, run: dict) -> bool:
+    return "RUNNING" in api.state_types(run["id"])
+
+
+def intervals_overlap(runs: list[dict]) -> bool:
+    spans = sorted((datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"])) for r in runs)
+    return any(b_start < a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def ingest_files(root: Path) -> int:
+    return json.loads((root / "metrics" / "ingest.json").read_text())["files"]
+
+
+@pytest.mark.timeout(480)
+def test_cron_deployment_fires_picks_up_new_data_and_runs_never_overlap(server, serve, tmp_path):
+    root = project_copy(tmp_path / "proj", {
+        "ingest.sources": [{"path": "data/raw/*.txt", "format": "text"}],
+        "clean.num_workers": 1,
+    })
+    (root / "data" / "raw" / "a.txt").write_text("def first():\n    return 'the first document of the corpus'\n")
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PIPELINE_TRACKING": "0"}
+    # Bring ingest and clean up to date first, so that the scheduled run has nothing to do.
+    r = subprocess.run([str(BIN / "dvc"), "repro", "clean"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ingest_files(root) == 1
+    lock = (root / "dvc.lock").read_bytes()
+
+    proc, log = serve(root, "--cron", "* * * * *", "--targets", "clean")
+    dep = wait_for("the deployment", lambda: server.deployment("retrain", "retrain"), 90, proc, log)
+    assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["* * * * *"]
+    assert dep["global_concurrency_limit"]["limit"] == 1
+    assert dep["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+
+    # 1. The cron schedule fires at the next minute boundary (<= 60 s away) and the run completes.
+    def scheduled_done():
+        return [r for r in server.deployment_runs(dep["id"]) if r["auto_scheduled"] and r["state_type"] == "COMPLETED"]
+
+    tick = wait_for("a scheduled run to complete", scheduled_done, 100, proc, log)[0]
+    assert datetime.fromisoformat(tick["expected_start_time"]).second == 0, "cron runs start on the minute"
+    assert (root / "dvc.lock").read_bytes() == lock, "nothing was stale, so nothing ran"
+    assert server.pipeline_runs() == [], "a run with nothing stale starts no pipeline"
+
+    # 2. New data arrives; two runs are requested at once. The limit lets one through.
+    (root / "data" / "raw" / "b.txt").write_text("def second():\n    return 'a second document arrives later'\n")
+    mine = [server.create_run(dep["id"]), server.create_run(dep["id"])]
+
+    def settled():
+        runs = server.deployment_runs(dep["id"])
+        mine_done = all(server.run(i)["state_type"] in TERMINAL for i in mine)
+        busy = any(r["state_type"] in ("PENDING", "RUNNING", "CANCELLING") for r in runs)
+        return runs if mine_done and not busy else None
+
+    runs = wait_for("both requested runs to finish", settled, 180, proc, log)
+    states = sorted(server.run(i)["state_type"] for i in mine)
+    assert "CANCELLED" in states, f"two simultaneous runs, and neither was refused: {states}\n{_tail(log)}"
+    executed = [r for r in runs if r["state_type"] in TERMINAL and ran(server, r)]
+    assert not intervals_overlap(executed), "runs of the deployment overlapped"
+    for run_id in mine:
+        if server.run(run_id)["state_type"] == "CANCELLED":
+            assert not ran(server, server.run(run_id)), "a refused run never starts"
+
+    # 3. DVC saw the new file: ingest (and what follows it) reran, and is now up to date.
+    assert ingest_files(root) == 2
+    assert not {k for k in changed_stages(root) if k in ("ingest", "clean")}
+    assert len(server.pipeline_runs()) >= 1
+
+    # 4. Stopping serve (SIGTERM, as a service manager does) keeps the schedule on.
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve did not stop within 30 s of SIGTERM\n{_tail(log)}")
+    dep = server.deployment("retrain", "retrain")
+    assert dep["paused"] is False and all(s["active"] for s in dep["schedules"])
+
+
+def test_serve_refuses_without_a_real_server_and_rejects_bad_cron(tmp_path):
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "0 3 * * *"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "needs a running Prefect server" in r.stderr, r.stderr[-3000:]
+    env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"  # never contacted: the cron is checked first
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "every night"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--cron 'every night'" in r.stderr, r.stderr[-3000:]
