@@ -4,11 +4,12 @@
 #
 # CPU machines get the pinned CPU torch wheel through constraints.txt. GPU users:
 # install the CUDA torch you want into .venv first, then `make install
-# CONSTRAINTS=constraints-gpu.txt` (same pins, torch left free).
+# KEEP_TORCH=1` (same pins, except that the torch already there is kept).
 
 PYTHON      ?= python3
 VENV        ?= .venv
 CONSTRAINTS ?= constraints.txt
+KEEP_TORCH  ?= 0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 PYTEST_ARGS ?=
@@ -21,17 +22,24 @@ export PYTHONUNBUFFERED := 1
 .PHONY: help install run repro test test-fast bench mlflow clean-outputs lint
 
 help:
-	@echo "make run      install and run the whole pipeline on the embedded default corpus"
-	@echo "make test     install and run the tests"
-	@echo "make bench    run the benchmarks in bench/ (prints side-by-side ratios)"
-	@echo "make mlflow   MLflow UI on http://127.0.0.1:$(MLFLOW_PORT)"
+	@echo "make run             install and run the whole pipeline on the embedded default corpus"
+	@echo "make test            install and run the tests (make test-fast skips the slow ones)"
+	@echo "make bench           benchmarks in bench/ (print side-by-side ratios)"
+	@echo "make mlflow          MLflow UI on http://127.0.0.1:$(MLFLOW_PORT)"
+	@echo "make flow            the pipeline as a Prefect flow (temporary local server)"
+	@echo "make prefect-server  a real Prefect server/UI on http://127.0.0.1:$(PREFECT_PORT)"
+	@echo "make retrain         serve scheduled retraining (CRON='0 3 * * *') against it"
+	@echo "make screenshot      docs/mlflow-compare.png from mlflow.db"
+	@echo "make docker-build    the container image (BASE_IMAGE=python:3.11-slim for CPU)"
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	if [ "$(KEEP_TORCH)" = 1 ]; then grep -v '^torch' $(CONSTRAINTS) > $(VENV)/constraints.txt; \
+	  else cp $(CONSTRAINTS) $(VENV)/constraints.txt; fi
+	$(BIN)/python -m pip install --quiet -c $(VENV)/constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 run: install
@@ -47,6 +55,7 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m bench.data
+	$(BIN)/python -m bench.train
 
 mlflow: install
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server \

@@ -8,7 +8,7 @@ launch settings from params, and waits. Inside torchrun the same module sees
 Why a lock: killing ``dvc repro`` with SIGKILL orphans the stage's children, so
 the next ``dvc repro`` could start a second trainer on the same checkpoint
 folder and the two would overwrite each other's checkpoints. Every process
-(launcher and each rank) holds a *shared* flock on ``<folder>/.lock``; a new
+(launcher and each rank) holds a *shared* flock on ``<folder>/.lock-<host>``; a new
 launcher needs an *exclusive* lock first, which it cannot get while any process
 of an earlier run is alive. The kernel drops flocks when a process dies, so a
 crash never leaves a stale lock behind.
@@ -20,6 +20,7 @@ import fcntl
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,11 @@ from pydantic import Field
 
 from pipeline.config import StageConfig
 
-LOCK_NAME = ".lock"
+def lock_name() -> str:
+    """One lock per host: on a shared filesystem the launchers of a multi-node run
+    must not refuse each other, while a second trainer on the same host must be
+    refused. (flock over NFS is cluster-wide on Linux, hence the host name.)"""
+    return f".lock-{socket.gethostname()}"
 
 
 class LaunchConfig(StageConfig):
@@ -65,7 +70,7 @@ def acquire_exclusive(folder: Path) -> int:
     live holder otherwise. Returns the fd, now holding a shared lock that child
     processes' shared locks coexist with."""
     folder.mkdir(parents=True, exist_ok=True)
-    lock_path = folder / LOCK_NAME
+    lock_path = folder / lock_name()
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -86,7 +91,7 @@ def acquire_exclusive(folder: Path) -> int:
 def hold_shared(folder: Path) -> int:
     """Called by every rank: keep a shared lock for the life of the process."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / lock_name(), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 

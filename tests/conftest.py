@@ -26,6 +26,28 @@ def root() -> Path:
     return ROOT
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: on a shared machine a thread pool only adds contention.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tok_path(tmp_path_factory) -> Path:
+    """A tiny byte-level BPE with the pipeline's special tokens (tests/helpers.CORPUS)."""
+    from tests.helpers import train_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tiny_tokenizer(path)
+    return path
+
+
 def project_copy(dest: Path, params_overrides: dict | None = None) -> Path:
     """Copy the project's code and DVC files into ``dest`` as a fresh git+DVC repo."""
     import yaml

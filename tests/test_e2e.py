@@ -7,7 +7,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest

@@ -8,14 +8,9 @@ import torch.nn.functional as F
 from pipeline.config import parse_section
 from pipeline.data import PackedRows
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
-from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, train_tiny_tokenizer, write_split
+from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, write_split
 
 
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_tiny_tokenizer(path)
-    return path
 
 
 def test_token_bytes_counts_utf8_bytes_and_zero_for_specials(tok_path):

@@ -20,7 +20,7 @@ from pipeline.export import ExportConfig, ExportError, export_model
 from pipeline.generate import CHAT_STOP_IDS, generate, load_for_inference
 from pipeline.io import sha256_file
 from pipeline.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
-from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
+from tests.helpers import save_checkpoint, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,19 +45,9 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_tiny_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -27,23 +27,12 @@ from pipeline.io import sha256_file
 from pipeline.model import Transformer
 from pipeline.tokenizer import EOT_ID, load_tokenizer
 
-from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
+from tests.helpers import save_checkpoint, tiny_config, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: on a shared machine a thread pool only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_tiny_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module")

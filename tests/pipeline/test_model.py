@@ -33,13 +33,7 @@ def model_for(config: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(config).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tensors here are tiny; on a shared machine a thread pool only adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
