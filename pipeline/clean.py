@@ -93,17 +93,17 @@ class NormaliseConfig(_Section):
 
 
 class ExactDedupConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="drop documents whose normalised text hash (blake2b-128) was seen before")
 
 
 class NearDedupConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="drop near duplicates of earlier documents (MinHash LSH)")
     num_perm: int = Field(128, ge=8, le=1024, description="MinHash permutations (signature length)")
     bands: int = Field(16, ge=1, le=1024, description="LSH bands; must divide num_perm")
     ngram: int = Field(5, ge=1, le=64, description="shingle size in words")
     threshold: float = Field(
         0.8, gt=0, le=1, description="estimated Jaccard at or above which a candidate is a duplicate")
-    seed: int = Field(42, ge=0, le=2**63 - 1)
+    seed: int = Field(42, ge=0, le=2**63 - 1, description="MinHash permutation seed")
 
     @field_validator("bands")
     @classmethod

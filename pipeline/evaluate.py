@@ -39,21 +39,23 @@ class SampleConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompts: list[str] = Field(default_factory=lambda: ["def fibonacci(n):", "import os\n\n\ndef "])
-    chat: list[str] = Field(default_factory=lambda: ["What does `os.path.join` do?", "What does `json.loads` do?"])
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.8, ge=0)
-    top_k: int | None = Field(50, ge=1)
-    top_p: float | None = Field(0.95, gt=0, le=1)
-    seed: int = 0
+    prompts: list[str] = Field(default_factory=lambda: ["def fibonacci(n):", "import os\n\n\ndef "],
+                               description="raw-text prompts completed by both models")
+    chat: list[str] = Field(default_factory=lambda: ["What does `os.path.join` do?", "What does `json.loads` do?"],
+                            description="user messages answered in the ChatML template")
+    max_new_tokens: int = Field(64, ge=1, description="tokens generated per sample at most")
+    temperature: float = Field(0.8, ge=0, description="0 = greedy")
+    top_k: int | None = Field(50, ge=1, description="sample among the k most likely tokens; null = off")
+    top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling mass; null = off")
+    seed: int = Field(0, description="sample i uses seed + i")
 
 
 class EvaluateConfig(StageConfig):
     max_rows: int | None = Field(None, ge=1, description="val rows scored per split; null = all")
-    batch_size: int = Field(8, ge=1)
-    doc_mask: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "fp32"
+    batch_size: int = Field(8, ge=1, description="rows per forward pass")
+    doc_mask: bool = Field(True, description="score with the same per-document attention as training")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("fp32", description="fp32 keeps the numbers reproducible by transformers")
     samples: SampleConfig = Field(default_factory=SampleConfig)
 
 

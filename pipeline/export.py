@@ -91,7 +91,7 @@ class ExportConfig(StageConfig):
                             description="registered model name")
     primary_metric: str = Field("sft.chat.bits_per_byte", min_length=1,
                                 description="dotted evaluate metric that decides the champion alias")
-    lower_is_better: bool = True
+    lower_is_better: bool = Field(True, description="direction of primary_metric")
     name: str | None = Field(None, description="model card title; null = 'llm-pipeline model'")
     license: str | None = Field(None, description="license id for the model card; null = none stated")
     intended_use: str | None = Field(None, description="model card text; null = the default")

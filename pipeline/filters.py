@@ -165,10 +165,10 @@ def c4_policy(doc: Text, cfg: LineFracConfig) -> str | None:
 
 
 class MeanWordLengthConfig(FilterConfig):
-    min: float = Field(3.0, ge=0)
+    min: float = Field(3.0, ge=0, description="mean word length below this drops the document")
     # Gopher: 10. Code tokens such as 'self.assertEqual(x,' are long: 10% of
     # stdlib files average over 10.5 and the longest 14.6.
-    max: float = Field(15.0, ge=0)
+    max: float = Field(15.0, ge=0, description="mean word length above this drops the document")
 
     @model_validator(mode="after")
     def _ordered(self) -> "MeanWordLengthConfig":
@@ -189,7 +189,7 @@ def gopher_mean_word_length(doc: Text, cfg: MeanWordLengthConfig) -> str | None:
 class SymbolRatioConfig(FilterConfig):
     # Gopher: 0.1. Every Python comment starts with '#': stdlib files reach 0.13
     # at the 90th percentile and 0.17 at most (one 2-line test fixture aside).
-    max_ratio: float = Field(0.25, ge=0)
+    max_ratio: float = Field(0.25, ge=0, description="(hash runs + ellipses) per word above this drops the document")
 
 
 def _hash_runs(t: str) -> int:
@@ -211,7 +211,7 @@ def gopher_symbol_ratio(doc: Text, cfg: SymbolRatioConfig) -> str | None:
 
 
 class BulletLinesConfig(FilterConfig):
-    max_frac: float = Field(0.9, ge=0, le=1)
+    max_frac: float = Field(0.9, ge=0, le=1, description="fraction of lines starting with a bullet above this drops")
 
 
 _BULLET_LINE = re.compile(r"^[^\S\n]*[-*\u2022\u2023\u2043\u2219\u25aa\u25cf\u25e6\u00b7\u27a4][^\S\n]", re.MULTILINE)
@@ -223,7 +223,7 @@ def gopher_bullet_lines(doc: Text, cfg: BulletLinesConfig) -> str | None:
 
 
 class EllipsisLinesConfig(FilterConfig):
-    max_frac: float = Field(0.3, ge=0, le=1)
+    max_frac: float = Field(0.3, ge=0, le=1, description="fraction of lines ending in an ellipsis above this drops")
 
 
 _ELLIPSIS_LINE_END = re.compile(r"(?:\.\.\.|\u2026)[^\S\n]*$", re.MULTILINE)
@@ -236,7 +236,7 @@ def gopher_ellipsis_lines(doc: Text, cfg: EllipsisLinesConfig) -> str | None:
 
 class AlphaWordsConfig(FilterConfig):
     enabled: bool = False  # prose rule: code has many tokens like '0)', '==', '+='
-    min_frac: float = Field(0.8, ge=0, le=1)
+    min_frac: float = Field(0.8, ge=0, le=1, description="fraction of words with a letter below this drops")
 
 
 # One match per whitespace token that contains a letter ([^\W\d_] is a Unicode letter).
@@ -296,8 +296,8 @@ def _dup_check(kind: str, items: list[str], total: int, cfg: DupFracConfig) -> s
 class DupLinesConfig(DupFracConfig):
     # Gopher: 0.3 / 0.2. Code repeats lines ('else:', 'return None', test set-up),
     # so both are raised to about the 99th percentile of stdlib files.
-    max_frac: float = Field(0.4, ge=0, le=1)
-    max_char_frac: float = Field(0.3, ge=0, le=1)
+    max_frac: float = Field(0.4, ge=0, le=1, description="fraction of lines that repeat an earlier line")
+    max_char_frac: float = Field(0.3, ge=0, le=1, description="fraction of characters in repeated lines")
 
 
 def gopher_dup_lines(doc: Text, cfg: DupLinesConfig) -> str | None:

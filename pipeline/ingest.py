@@ -73,12 +73,13 @@ class IngestConfig(StageConfig):
     sources: list[Source] = Field(
         default_factory=lambda: [Source(path="{stdlib}/**/*.py", exclude=["*/site-packages/*", "*/dist-packages/*"])],
         min_length=1,
+        description="list of {path, format, text_field, split_by, split, exclude}; see 'ingest sources' above",
     )
     max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents; null = no cap")
     max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large")
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
-    row_group_docs: int = Field(2000, ge=1)
+    row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
 
 
 class IngestError(RuntimeError):

@@ -42,9 +42,9 @@ class LaunchConfig(StageConfig):
     ``nnodes > 1`` rendezvous at ``rdzv_endpoint`` (see README, "Scaling out")."""
 
     nproc_per_node: int = Field(1, ge=1, description="processes per node (GPUs per node on CUDA)")
-    nnodes: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1, description="nodes; each runs the same command, node 0 hosts the rendezvous")
     node_rank: int = Field(0, ge=0, description="with rdzv_backend static: this node's rank")
-    rdzv_backend: Literal["c10d", "static"] = "c10d"
+    rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous: c10d (elastic) or static")
     rdzv_endpoint: str = Field("127.0.0.1:29500", description="host:port of the rendezvous (node 0)")
     rdzv_id: str = Field("llm-pipeline", description="job id shared by all nodes of one run")
     max_restarts: int = Field(0, ge=0, description="torchrun restarts on worker failure")

@@ -23,17 +23,17 @@ class ModelSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preset: str | None = "mini"
-    n_layer: int | None = Field(None, ge=1)
-    n_head: int | None = Field(None, ge=1)
-    n_kv_head: int | None = Field(None, ge=1)
-    d_model: int | None = Field(None, ge=1)
-    ffn_hidden: int | None = Field(None, ge=1)
-    max_seq_len: int | None = Field(None, ge=1)
-    rope_theta: float | None = Field(None, gt=0)
-    norm_eps: float | None = Field(None, gt=0)
-    tie_embeddings: bool | None = None
-    init_std: float | None = Field(None, gt=0)
+    preset: str | None = Field("mini", description="tiny | mini | small (124M) | medium (~350M) | large (~760M) | xl (~1.5B); null: give n_layer, n_head, d_model")
+    n_layer: int | None = Field(None, ge=1, description="transformer blocks")
+    n_head: int | None = Field(None, ge=1, description="query heads")
+    n_kv_head: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); must divide n_head")
+    d_model: int | None = Field(None, ge=1, description="residual width")
+    ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden width (default: Llama's 8/3 d_model, rounded)")
+    max_seq_len: int | None = Field(None, ge=1, description="longest sequence (RoPE, KV cache); raised to pack.seq_len if smaller")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base")
+    norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon")
+    tie_embeddings: bool | None = Field(None, description="share the input embedding and output head")
+    init_std: float | None = Field(None, gt=0, description="std of the normal init")
 
     @field_validator("preset")
     @classmethod

@@ -35,13 +35,13 @@ class SFTConfig(TrainConfig, SFTDataConfig):
     """Training keys as in pretrain (smaller defaults: fine-tuning is short) plus
     the data keys of :class:`~pipeline.sft_data.SFTDataConfig`."""
 
-    max_steps: int = Field(200, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    min_lr: float = Field(1e-4, ge=0)
-    warmup_steps: int = Field(20, ge=0)
-    eval_every: int = Field(50, ge=1)
-    checkpoint_every: int = Field(100, ge=1)
-    eval_rows: int | None = Field(None, ge=1)
+    max_steps: int = Field(200, ge=1, description="optimizer steps; the cosine schedule ends here")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    min_lr: float = Field(1e-4, ge=0, description="floor of the cosine schedule")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup from 0 to lr")
+    eval_every: int = Field(50, ge=1, description="steps between val-loss evaluations (and at the end)")
+    checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (and at the end)")
+    eval_rows: int | None = Field(None, ge=1, description="val rows per evaluation; null = the whole split")
 
 
 def data_config(cfg: SFTConfig) -> SFTDataConfig:

@@ -310,7 +310,8 @@ class SFTDataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     sources: list[SFTSource] = Field(
-        default_factory=lambda: [SFTSource(path=BUILTIN_PREFIX + "stdlib-docstrings")], min_length=1)
+        default_factory=lambda: [SFTSource(path=BUILTIN_PREFIX + "stdlib-docstrings")], min_length=1,
+        description="list of {path, format}: JSON/JSONL files, dirs or globs, or builtin:<name>")
     seq_len: int = Field(256, ge=8, le=1_048_576, description="tokens a model sees per row; rows hold seq_len + 1")
     pack: bool = Field(True, description="several whole examples per row (document-masked); false: one per row")
     overlong: Literal["drop", "truncate"] = Field(

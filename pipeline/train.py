@@ -55,36 +55,36 @@ class TrainConfig(LaunchConfig):
     and sft add their own keys on top."""
 
     # device and numerics
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Precision = "auto"
-    compile: bool = False
-    activation_checkpointing: bool = False
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    precision: Precision = Field("auto", description="auto: bf16 where the device supports it (CPU included), else fp32; fp16 uses a GradScaler")
+    compile: bool = Field(False, description="torch.compile the model")
+    activation_checkpointing: bool = Field(False, description="recompute each block in backward to save memory")
     doc_mask: bool = Field(True, description="block-diagonal causal attention inside packed rows")
-    seed: int = 1337
+    seed: int = Field(1337, description="initial weights and the global sample order")
     # batch and schedule
-    micro_batch_size: int = Field(16, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
-    max_steps: int = Field(600, ge=1)
-    lr: float = Field(3e-3, gt=0)
+    micro_batch_size: int = Field(16, ge=1, description="rows per rank per forward pass")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step (no gradient sync until the last)")
+    max_steps: int = Field(600, ge=1, description="optimizer steps; the cosine schedule ends here")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
     min_lr: float = Field(3e-4, ge=0, description="floor of the cosine schedule")
-    warmup_steps: int = Field(50, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(50, ge=0, description="linear warmup from 0 to lr")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decay of linear weights (not norms, biases, embeddings)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 = off")
     # faults
     spike_factor: float = Field(2.0, gt=1, description="a loss above factor × its running mean counts as a spike")
     # reporting
-    log_every: int = Field(10, ge=1)
-    eval_every: int = Field(200, ge=1)
+    log_every: int = Field(10, ge=1, description="steps between console/CSV/MLflow reports")
+    eval_every: int = Field(200, ge=1, description="steps between val-loss evaluations (and at the end)")
     eval_rows: int | None = Field(512, ge=1, description="val rows per evaluation; null = the whole split")
     peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s per device for MFU; null = measure a matmul")
     track: bool = Field(True, description="log to MLflow (rank 0)")
-    system_metrics: bool = True
+    system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, GPU with pynvml)")
     # checkpoints
-    checkpoint_every: int = Field(200, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (and at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

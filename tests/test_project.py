@@ -46,3 +46,11 @@ def test_gitignore_keeps_generated_state_out_of_git():
     ignored = (ROOT / ".gitignore").read_text()
     for pattern in ("/data/*", "/models/", "/metrics/", "/mlflow.db", "/mlartifacts/", ".venv/"):
         assert pattern in ignored
+
+
+def test_readme_params_reference_is_current():
+    from pipeline.reference import reference
+
+    readme = (ROOT / "README.md").read_text()
+    assert reference(ROOT / "params.yaml") in readme, "run `python -m pipeline.reference --write`"
+
