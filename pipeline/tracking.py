@@ -371,6 +371,40 @@ def current_stage_fingerprint(stage: str, root: str | Path = ".") -> str | None:
 # --------------------------------------------------------------------------- git
 
 
+EXPERIMENT_PARENT_NAME = "pipeline"
+
+
+def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
+    """The run that groups every stage of one ``dvc exp run`` experiment: found by
+    its ``dvc.exp_name`` tag, or created (named ``pipeline``, like a flow's parent
+    run, with the whole params.yaml flattened as params) and marked finished at
+    once, since MLflow nests children under a finished parent just as well.
+    Stages of an experiment run one after another, so find-or-create is enough."""
+    from mlflow.entities import Param
+
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`dvc.exp_name` = '{exp_name}' and tags.`pipeline.parent` = 'true'",
+        max_results=1,
+    )
+    if found:
+        return found[0].info.run_id
+    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", **git_tags()}
+    if os.environ.get("DVC_EXP_BASELINE_REV"):
+        tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
+    run = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags)
+    params_file = Path("params.yaml")
+    if params_file.exists():
+        from pipeline.config import flatten
+
+        flat = flatten(_load_yaml(params_file) or {})
+        params = [Param(_key(k), _value(v, MAX_PARAM_VAL_LENGTH)) for k, v in flat.items()]
+        for i in range(0, len(params), 100):
+            client.log_batch(run.info.run_id, params=params[i:i + 100])
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
 def git_tags(cwd: str | Path = ".") -> dict[str, str]:
     """``mlflow.source.git.commit`` (HEAD, shown by the MLflow UI) and ``git.dirty``
     ("true" if tracked files differ from HEAD); empty outside a git checkout."""
@@ -471,6 +505,8 @@ class Tracker:
         self._last_flush = time.monotonic()
         self._offline_file: IO[str] | None = None
         self._keys: dict[str, str] = {}
+        self._exp_parent = False  # the parent is a `dvc exp run` experiment's run (see experiment_parent)
+        self._latest: dict[str, float] = {}
 
     # -- lifecycle
 
@@ -545,6 +581,11 @@ class Tracker:
                 self.parent_run_id = None
         if exp_id is None:
             exp_id = ensure_experiment(uri=self.uri, client=client)
+        exp_name = os.environ.get("DVC_EXP_NAME")
+        if not self.parent_run_id and exp_name and self.stage != EXPERIMENT_PARENT_NAME:
+            self.parent_run_id = experiment_parent(client, exp_id, exp_name)
+            self._tags["mlflow.parentRunId"] = self.parent_run_id
+            self._exp_parent = True
         run = client.create_run(exp_id, run_name=self.stage, tags=self._tags)
         self._client, self.experiment_id, self.run_id = client, exp_id, run.info.run_id
         log.info("MLflow run %s (%s) in experiment %s at %s", self.run_id, self.stage, exp_id, self.uri)
@@ -563,6 +604,18 @@ class Tracker:
         if not self.active or not self._started or self._ended:
             return
         self.flush()
+        if self._exp_parent and not self.offline and self._latest:
+            # The experiment's parent carries every stage's final values as
+            # <stage>.<metric>, so experiments compare side by side at the top level.
+            try:
+                from mlflow.entities import Metric
+
+                now = int(time.time() * 1000)
+                metrics = [Metric(f"{self.stage}.{k}", v, now, 0) for k, v in self._latest.items()]
+                for i in range(0, len(metrics), 1000):
+                    self._client.log_batch(self.parent_run_id, metrics=metrics[i:i + 1000])
+            except Exception as err:
+                log.warning("could not copy %s metrics to the experiment run: %s", self.stage, _short(err))
         self._ended = True
         if not self.offline:
             if self._monitor is not None:
@@ -618,6 +671,7 @@ class Tracker:
             if key is None:
                 key = self._keys[name] = _key(name)
             rows.append((key, float(value), now, step))
+            self._latest[key] = float(value)
         self._pending_metrics.extend(rows)
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
