@@ -1,0 +1,13 @@
+"""pack: clean docs + tokenizer -> data/packed/{train,val}/shard-*.arrow + manifest (+ metrics/pack.json)."""
+
+from pipeline import layout
+from pipeline.cli import run_stage
+from pipeline.pack import PackConfig, PackError, run_pack
+
+
+def main(cfg: PackConfig) -> dict:
+    return run_pack(cfg, layout.CLEAN_DOCS, layout.TOKENIZER_JSON, layout.PACKED)
+
+
+if __name__ == "__main__":
+    run_stage("pack", main, expected=(PackError,))
