@@ -382,7 +382,7 @@ def _read_columns(batches: Iterator[pa.RecordBatch], field: str, split_by: str, 
 
 def read_parquet(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     try:
-        pf = pq.ParquetFile(f.path)
+        pf = pq.ParquetFile(f.path, pre_buffer=False, buffer_size=1 << 20)  # pre_buffer keeps every chunk read
     except (pa.ArrowInvalid, OSError) as e:
         yield Skip("unreadable", "file", detail=f"not a readable Parquet file: {e}")
         return

@@ -95,7 +95,7 @@ from pipeline.tokenizer import (
     PAD_ID,
     TokenizerError,
     load_tokenizer,
-    open_docs_streaming,
+    open_docs,
     special_ids,
 )
 
@@ -397,19 +397,6 @@ def _clear_outputs(out_dir: Path) -> None:
                 p.unlink()
 
 
-def _open_docs(docs_path: Path) -> pq.ParquetFile:
-    if not docs_path.is_file():
-        raise PackError(f"documents not found: {docs_path}; run the clean stage first")
-    try:
-        pf = open_docs_streaming(docs_path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise PackError(f"{docs_path}: not a readable Parquet file: {e}") from e
-    missing = {"id", "text"} - set(pf.schema_arrow.names)
-    if missing:
-        raise PackError(f"{docs_path}: missing column(s) {sorted(missing)}; columns are {pf.schema_arrow.names}")
-    return pf
-
-
 def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path, out_dir: str | Path) -> dict:
     """Tokenize ``docs_path`` with ``tokenizer_path`` and write shards and manifest
     under ``out_dir`` (format in the module docstring). Stale shards of an earlier
@@ -430,7 +417,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         specials = special_ids(tok)
     except TokenizerError as e:
         raise PackError(str(e)) from e
-    pf = _open_docs(docs_path)
+    pf = open_docs(docs_path, PackError)
     plan = plan_splits(pf, cfg.seed, cfg.val_fraction, where=str(docs_path))
     workers = resolve_workers(cfg.num_workers)
     row_len = cfg.seq_len + 1

@@ -161,16 +161,18 @@ def open_docs_streaming(path: str | Path) -> pq.ParquetFile:
     return pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
 
 
-def _open_docs(docs_path: Path) -> pq.ParquetFile:
+def open_docs(docs_path: Path, error: type[Exception]) -> pq.ParquetFile:
+    """The clean documents for streaming (``id`` and ``text`` columns required);
+    a missing, unreadable or malformed file raises ``error`` with a clear message."""
     if not docs_path.is_file():
-        raise TokenizerError(f"documents not found: {docs_path}; run the clean stage first")
+        raise error(f"documents not found: {docs_path}; run the clean stage first")
     try:
         pf = open_docs_streaming(docs_path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise TokenizerError(f"{docs_path}: not a readable Parquet file: {e}") from e
+        raise error(f"{docs_path}: not a readable Parquet file: {e}") from e
     missing = {"id", "text"} - set(pf.schema_arrow.names)
     if missing:
-        raise TokenizerError(f"{docs_path}: missing column(s) {sorted(missing)}; columns are {pf.schema_arrow.names}")
+        raise error(f"{docs_path}: missing column(s) {sorted(missing)}; columns are {pf.schema_arrow.names}")
     return pf
 
 
@@ -195,7 +197,7 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     Reads only ``id`` and the byte length of ``text``. Raises TokenizerError on a
     missing file or column, and on a corpus with no non-empty text.
     """
-    pf = _open_docs(Path(docs_path))
+    pf = open_docs(Path(docs_path), TokenizerError)
     ranks: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
     for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["id", "text"]):

@@ -548,12 +548,14 @@ class Trainer:
         distributed.shutdown()
 
 
-def unigram_entropy(rows: PackedRows, chunk: int = 4096) -> float:
+def unigram_entropy(rows: PackedRows) -> float:
     """Entropy (nats/token) of the split's unigram token distribution: the loss of
     the best model that ignores context, the bar a trained model must clear."""
-    counts = np.zeros(int(rows.input_ids.max()) + 1, dtype=np.int64)
-    for i in range(0, len(rows), chunk):
-        block = rows.input_ids[i:i + chunk, 1:]
-        counts += np.bincount(block.ravel(), minlength=len(counts))
+    counts = np.zeros(0, dtype=np.int64)
+    for block in rows.iter_input_ids():
+        c = np.bincount(block[:, 1:].ravel())
+        if len(c) > len(counts):
+            counts = np.pad(counts, (0, len(c) - len(counts)))
+        counts[:len(c)] += c
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())

@@ -93,7 +93,7 @@ def test_exported_model_perplexity_in_transformers_matches_evaluate(project):
     nll, count = 0.0, 0
     with torch.no_grad():
         for r in range(n):
-            row = torch.from_numpy(rows.input_ids[r].astype(np.int64))
+            row = torch.from_numpy(rows.input_ids(np.array([r]))[0].astype(np.int64))
             seg = rows.segment_ids(np.array([r]))[0, :-1]
             inputs, targets = row[:-1], row[1:]
             logits = torch.empty(len(inputs), model.config.vocab_size)

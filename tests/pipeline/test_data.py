@@ -45,6 +45,17 @@ def test_labels_column_is_used_for_targets(tmp_path):
     assert b["targets"].tolist() == [[-100, 2, 3, 4], [6, 7, -100, -100]]
 
 
+def test_rows_span_shards_without_copying_them(tmp_path):
+    rows = [np.arange(i * 5, i * 5 + 5) for i in range(7)]
+    data = PackedRows(write_split(tmp_path / "s", rows, [[0]] * 7, shards=3))
+    assert len(data.shards) == 3 and len(data) == 7
+    assert data.input_ids(np.array([6, 0, 3])).tolist() == [rows[6].tolist(), rows[0].tolist(), rows[3].tolist()]
+    assert all(not sh.input_ids.flags.owndata for sh in data.shards)  # views of the memory map
+    assert sum(len(b) for b in data.iter_input_ids(chunk=2)) == 7
+    with pytest.raises(IndexError):
+        data.input_ids(np.array([7]))
+
+
 def test_missing_split_is_clear(tmp_path):
     with pytest.raises(DataError, match="run the pack stage"):
         PackedRows(tmp_path)

@@ -49,8 +49,9 @@ def test_only_labelled_tokens_are_scored(tmp_path):
     rows = PackedRows(tmp_path / "val")
     m = score(tiny_model(tiny_config(vocab)), rows, np.ones(vocab, int), batch_size=4, max_rows=None,
               doc_mask=True, device=torch.device("cpu"), precision="fp32")
-    assert m["tokens"] == int((rows.labels[:, 1:] != -100).sum())
-    rows.labels = np.full_like(rows.labels, -100)  # nothing left to score is an error, not a NaN
+    assert m["tokens"] == int((rows.labels(np.arange(len(rows)))[:, 1:] != -100).sum())
+    for shard in rows.shards:  # nothing left to score is an error, not a NaN
+        shard.labels = np.full_like(shard.labels, -100)
     with pytest.raises(EvaluateError, match="no scored tokens"):
         score(tiny_model(tiny_config(vocab)), rows, np.ones(vocab, int), batch_size=4, max_rows=None,
               doc_mask=True, device=torch.device("cpu"), precision="fp32")

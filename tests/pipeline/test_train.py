@@ -142,3 +142,26 @@ def test_activation_checkpointing_gives_same_losses(tmp_path):
 def test_params_validation(bad, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         cfg(**bad)
+
+
+def test_fp16_uses_a_grad_scaler_whose_state_is_checkpointed(tmp_path):
+    m = run(tmp_path, precision="fp16", max_steps=4, checkpoint_every=2)
+    assert m["precision"] == "fp16" and math.isfinite(m["final_loss"])
+    state = ckpt.load_state(ckpt.latest(tmp_path / "models"), "trainer.pt")
+    assert state["scaler"]["scale"] > 0 and state["scaler"]["_growth_tracker"] == 4
+    # a resume restores the scaler: drop the last checkpoint and run again
+    ckpt.discard([ckpt.latest(tmp_path / "models")])
+    again = run(tmp_path, precision="fp16", max_steps=4, checkpoint_every=2)
+    assert again["resumed_from_step"] == 2
+    state = ckpt.load_state(ckpt.latest(tmp_path / "models"), "trainer.pt")
+    assert state["scaler"]["_growth_tracker"] == 4  # 2 restored + 2 new successful steps
+
+
+@pytest.mark.slow
+def test_compile_flag_trains_and_saves_uncompiled_names(tmp_path):
+    m = run(tmp_path, compile=True, max_steps=3, checkpoint_every=3)
+    assert math.isfinite(m["final_loss"])
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt.latest(tmp_path / "models").path / "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("_orig_mod") for k in f.keys())
