@@ -1,0 +1,176 @@
+"""Training throughput: the pretrain stage against a minimal PyTorch loop.
+
+    python -m bench.train                      # CPU defaults: mini preset, seq 256, batch 16
+    python -m bench.train --preset small --device cuda --precision bf16 --compile
+
+Both sides train the same model on the same packed rows with the same batch:
+
+* "stage": ``python -m stages.pretrain`` in a scratch project, exactly as DVC
+  runs it (torchrun, the Trainer, CSV/console logging, checkpoints at the end);
+  its tokens/s is the one it reports in metrics/pretrain.json, which counts
+  training steps only (start-up, evaluation and checkpoint time excluded);
+* "plain": a dozen-line loop (forward, cross-entropy, backward, clip, AdamW)
+  in one process, timed over the same number of steps after the same warm-up.
+
+They run alternately (plain, stage, plain, stage, …) and the medians are
+compared, so a noisy neighbour hurts both. The goal is stage overhead ≤ 5%.
+MFU is model FLOPs per token (6N + attention, pipeline.model.flops_per_token)
+× tokens/s over the matmul peak measured here in fp32 and in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.model import Transformer, build_config, flops_per_token, num_params  # noqa: E402
+from pipeline.train import DTYPES, autocast, measure_peak_flops, param_groups  # noqa: E402
+from tests.helpers import write_packed  # noqa: E402
+
+
+def plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
+    """Tokens/s of the minimal loop over ``steps`` steps after ``warmup``."""
+    from pipeline.data import PackedRows
+
+    device = torch.device(args.device)
+    rows = PackedRows(packed / "train")
+    cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), fused=True)
+    fwd = torch.compile(model) if args.compile else model
+    rng = np.random.default_rng(0)
+    precision = args.precision
+
+    def step() -> None:
+        b = rows.batch(rng.choice(len(rows), args.batch, replace=False), device)
+        with autocast(device, precision):
+            logits, _ = fwd(b["input_ids"], segment_ids=b["segment_ids"])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["targets"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return steps * args.batch * args.seq_len / (time.perf_counter() - t0)
+
+
+def stage_run(args, project: Path, steps: int, warmup: int) -> float:
+    """Tokens/s the real stage reports, over its steps after ``warmup`` (log_every
+    = warmup makes the first logged window the warm-up, the rest the timed part)."""
+    import yaml
+
+    for p in ("models", "metrics", "plots"):
+        subprocess.run(["rm", "-rf", str(project / p)], check=True)
+    params = {"pretrain": {
+        "model": {"preset": args.preset, "max_seq_len": args.seq_len}, "device": args.device,
+        "precision": args.precision, "compile": args.compile, "micro_batch_size": args.batch,
+        "max_steps": warmup + steps, "warmup_steps": 1, "log_every": warmup, "eval_every": 10**6,
+        "eval_rows": args.batch, "checkpoint_every": 10**6, "track": False, "peak_flops": 1.0e12,
+    }}
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
+    out = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=project, env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    import csv
+
+    with open(project / "plots" / "pretrain.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f)]
+    # rows: step warmup (first window, includes compile/first-touch), then the timed windows
+    timed = [float(r["tokens_per_s"]) for r in rows if int(r["step"]) > warmup]
+    return statistics.harmonic_mean(timed)
+
+
+def compare(args, precision: str, steps: int) -> dict:
+    """One precision: alternate plain and stage runs, return the medians and MFU."""
+    args = argparse.Namespace(**{**vars(args), "precision": precision})
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        project = Path(tmp)
+        n_docs = max(2000, 4 * args.batch * (steps + args.warmup) * args.seq_len // 20)
+        packed = write_packed(project / "data" / "packed", vocab=args.vocab, seq_len=args.seq_len, n_docs=n_docs)
+        plain, stage = [], []
+        for i in range(args.repeats):
+            plain.append(plain_loop(args, packed, steps, args.warmup))
+            stage.append(stage_run(args, project, steps, args.warmup))
+            print(f"{precision} repeat {i + 1}: plain {plain[-1]:,.0f} tok/s, stage {stage[-1]:,.0f} tok/s", flush=True)
+    cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
+    fpt = flops_per_token(cfg, args.seq_len)
+    peak = measure_peak_flops(device, DTYPES[precision], seconds=1.0)
+    p_med, s_med = statistics.median(plain), statistics.median(stage)
+    return {
+        "precision": precision, "steps": steps, "repeats": args.repeats,
+        "plain_tokens_per_s": p_med, "stage_tokens_per_s": s_med,
+        "stage_over_plain": s_med / p_med, "stage_overhead_pct": 100 * (1 - s_med / p_med),
+        "flops_per_token": fpt, "matmul_peak_flops": peak, "mfu": s_med * fpt / peak,
+        "plain_runs": plain, "stage_runs": stage,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per run (fp32 / GPU)")
+    ap.add_argument("--bf16-cpu-steps", type=int, default=5,
+                    help="timed steps for bf16 on a CPU: without AVX512-BF16/AMX it is several times slower")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
+    results = []
+    for precision in args.precisions:
+        steps = args.bf16_cpu_steps if precision == "bf16" and device.type == "cpu" else args.steps
+        results.append(compare(args, precision, steps))
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""),
+        "preset": args.preset, "params": num_params(Transformer(cfg)), "seq_len": args.seq_len,
+        "batch": args.batch, "compile": args.compile, "results": results,
+    }
+    print(json.dumps(report, indent=2))
+    print()
+    for r in results:
+        print(f"{r['precision']}: stage {r['stage_tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f} "
+              f"tok/s, stage/plain = {r['stage_over_plain']:.3f} (overhead {r['stage_overhead_pct']:.1f}%, goal <= 5%); "
+              f"MFU {r['mfu']:.1%} of the measured {r['precision']} matmul peak "
+              f"({r['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s)")
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"train-{args.device}-{args.preset}.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
