@@ -1,6 +1,6 @@
 """Data-stage benchmark: clean and pack memory, pack throughput against raw tokenizers.
 
-    python -m bench.data            # ~200 MB corpus, 3 interleaved throughput rounds (about 10 minutes)
+    python -m bench.data            # ~200 MB corpus, 5 interleaved throughput rounds (about 13 minutes)
     python -m bench.data --quick    # ~60 MB corpus, 1 round
 
 What it checks (the goals of the data-stage issue), all measured in this run:
@@ -107,9 +107,10 @@ def _child(kind: str, corpus: str, tokenizer: str, workers: int, out: str) -> No
     print("RESULT " + json.dumps(m, default=str), flush=True)
 
 
-def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path) -> dict:
+def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, sample_memory: bool = True) -> dict:
     """Run ``kind`` in a fresh process tree; return its metrics plus peak RSS (MB)
-    of the main process and of the whole tree (sum over live processes)."""
+    of the main process and of the whole tree (sum over live processes). Throughput
+    runs pass ``sample_memory=False``: on 2 cores even a light sampler competes."""
     out = Path(tempfile.mkdtemp(dir=work))
     env = {**os.environ, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0",
            "TOKENIZERS_PARALLELISM": "true"}  # the raw baseline uses the library's own threads (one per core)
@@ -130,7 +131,7 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path) 
             peak["tree"] = max(peak["tree"], rss_tree)
             stop.wait(0.05)
 
-    t = threading.Thread(target=sample, daemon=True)
+    t = threading.Thread(target=sample if sample_memory else stop.wait, daemon=True)
     t.start()
     stdout, _ = proc.communicate()
     stop.set()
@@ -154,7 +155,7 @@ def mb_per_s(kind: str, m: dict, corpus_bytes: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="~60 MB corpus only, one throughput round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--child", nargs=5, metavar=("KIND", "CORPUS", "TOKENIZER", "WORKERS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -185,15 +186,15 @@ def main() -> None:
             for kind in ("clean", "pack"):
                 m = measure(kind, corpora[n], tok, 2, work)
                 memory.append({"stage": kind, "corpus_mb": sizes[n] / 1e6, "peak_main_mb": m["peak_main_mb"],
-                               "peak_tree_mb": m["peak_tree_mb"]})
+                               "peak_tree_mb": m["peak_tree_mb"], "mb_per_s": m["mb_per_s"]})
                 print(f"memory {kind:5s} {sizes[n] / 1e6:5.0f} MB corpus: main {m['peak_main_mb']:.0f} MB, "
-                      f"main + workers {m['peak_tree_mb']:.0f} MB", flush=True)
+                      f"main + workers {m['peak_tree_mb']:.0f} MB ({m['mb_per_s']:.2f} MB/s, 2 workers)", flush=True)
 
         small = copies[0]
         speed: dict[str, list[float]] = {"pack-1": [], "pack-2": [], "raw": []}
         for r in range(rounds):
             for name, kind, workers in (("pack-1", "pack", 1), ("pack-2", "pack", 2), ("raw", "raw", 0)):
-                m = measure(kind, corpora[small], tok, workers, work)
+                m = measure(kind, corpora[small], tok, workers, work, sample_memory=False)
                 speed[name].append(mb_per_s(kind, m, sizes[small]))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} MB/s" for k, v in speed.items()), flush=True)
 

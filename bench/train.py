@@ -1,6 +1,6 @@
 """Training throughput: the pretrain stage against a minimal PyTorch loop.
 
-    python -m bench.train                      # CPU defaults: mini preset, seq 256, batch 16
+    python -m bench.train                      # CPU defaults: mini preset, seq 256, batch 16 (~15 min)
     python -m bench.train --preset small --device cuda --precision bf16 --compile
 
 Both sides train the same model on the same packed rows with the same batch:
@@ -10,12 +10,14 @@ Both sides train the same model on the same packed rows with the same batch:
   its tokens/s is the one it reports in metrics/pretrain.json, which counts
   training steps only (start-up, evaluation and checkpoint time excluded);
 * "plain": a dozen-line loop (forward, cross-entropy, backward, clip, AdamW)
-  in one process, timed over the same number of steps after the same warm-up.
+  in a fresh process of its own, timed over the same number of steps after the
+  same warm-up.
 
 They run alternately (plain, stage, plain, stage, …) and the medians are
 compared, so a noisy neighbour hurts both. The goal is stage overhead ≤ 5%.
 MFU is model FLOPs per token (6N + attention, pipeline.model.flops_per_token)
-× tokens/s over the matmul peak measured here in fp32 and in bf16.
+× tokens/s over the matmul peak measured here in fp32 and in bf16 (with
+``F.linear``, the op behind the model's weight matmuls).
 """
 
 from __future__ import annotations
@@ -44,6 +46,20 @@ from tests.helpers import write_packed  # noqa: E402
 
 
 def plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
+    """Tokens/s of the minimal loop, run in a fresh process like the stage is."""
+    cmd = [sys.executable, "-m", "bench.train", "--child-plain", str(packed), str(steps), str(warmup),
+           "--preset", args.preset, "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
+           "--batch", str(args.batch), "--device", args.device, "--precisions", args.precision]
+    if args.compile:
+        cmd.append("--compile")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())})  # as the launcher sets it
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
     """Tokens/s of the minimal loop over ``steps`` steps after ``warmup``."""
     from pipeline.data import PackedRows
 
@@ -109,15 +125,19 @@ def stage_run(args, project: Path, steps: int, warmup: int) -> float:
 def compare(args, precision: str, steps: int) -> dict:
     """One precision: alternate plain and stage runs, return the medians and MFU."""
     args = argparse.Namespace(**{**vars(args), "precision": precision})
+    warmup = args.warmup
+    slow_bf16 = precision == "bf16" and args.device == "cpu"  # see --bf16-cpu-steps
+    if slow_bf16:
+        warmup, args.repeats = 2, min(args.repeats, 2)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         project = Path(tmp)
-        n_docs = max(2000, 4 * args.batch * (steps + args.warmup) * args.seq_len // 20)
+        n_docs = max(2000, 4 * args.batch * (steps + warmup) * args.seq_len // 20)
         packed = write_packed(project / "data" / "packed", vocab=args.vocab, seq_len=args.seq_len, n_docs=n_docs)
         plain, stage = [], []
         for i in range(args.repeats):
-            plain.append(plain_loop(args, packed, steps, args.warmup))
-            stage.append(stage_run(args, project, steps, args.warmup))
+            plain.append(plain_loop(args, packed, steps, warmup))
+            stage.append(stage_run(args, project, steps, warmup))
             print(f"{precision} repeat {i + 1}: plain {plain[-1]:,.0f} tok/s, stage {stage[-1]:,.0f} tok/s", flush=True)
     cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
     fpt = flops_per_token(cfg, args.seq_len)
@@ -139,14 +159,21 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per run (fp32 / GPU)")
-    ap.add_argument("--bf16-cpu-steps", type=int, default=5,
-                    help="timed steps for bf16 on a CPU: without AVX512-BF16/AMX it is several times slower")
+    ap.add_argument("--bf16-cpu-steps", type=int, default=4,
+                    help="timed steps for bf16 on a CPU (2 warm-up steps, 2 repeats): without "
+                         "AVX512-BF16/AMX it is many times slower than fp32")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--child-plain", nargs=3, metavar=("PACKED", "STEPS", "WARMUP"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
+    if args.child_plain:
+        packed, steps, warmup = args.child_plain
+        args.precision = args.precisions[0]
+        print(_plain_loop(args, Path(packed), int(steps), int(warmup)))
+        return
     device = torch.device(args.device)
     cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
     results = []

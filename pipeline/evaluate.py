@@ -31,6 +31,7 @@ from pipeline import checkpoint as ckpt
 from pipeline.config import StageConfig
 from pipeline.data import PackedRows
 from pipeline.model import ModelConfig, Transformer
+from pipeline.progress import progress
 from pipeline.train import autocast, resolve_precision
 
 
@@ -93,7 +94,7 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
     nll = 0.0
     tokens = 0
     text_bytes = 0
-    for i in range(0, n, batch_size):
+    for i in progress(iterable=range(0, n, batch_size), desc=f"score {rows.dir.name}", unit="batch"):
         batch = rows.batch(np.arange(i, min(n, i + batch_size)), device, doc_mask)
         with autocast(device, precision):
             logits, _ = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))

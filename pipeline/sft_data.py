@@ -85,6 +85,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.accounting import Ledger
 from pipeline.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, ChatFormatError, encode_chat, to_messages
 from pipeline.io import atomic_path, sha256_file, write_json
+from pipeline.progress import progress
 from pipeline.tokenizer import EOT_ID, PAD_ID, TokenizerError, load_tokenizer, special_ids
 
 FORMAT = "pipeline.sft_data/1"
@@ -584,10 +585,12 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     per_source: list[dict] = []
     examples_in = 0
 
+    bar = progress(desc="sft data", unit="rec")
     for src, src_files in zip(cfg.sources, files):
         info = {"path": src.path, "format": src.format, "records": 0, "examples": 0, "capped": False}
         per_source.append(info)
         for name, raw in iter_source(src, src_files):
+            bar.update(1)
             if cfg.max_examples is not None and info["records"] >= cfg.max_examples:
                 info["capped"] = True
                 break
@@ -622,6 +625,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                 Example(np.asarray(ids, np.int32), np.asarray(labels, np.int32), h, truncated))
             info["examples"] += 1
 
+    bar.close()
     forced = _force_nonempty(splits)
     kept = {s: len(v) for s, v in splits.items()}
     if examples_in != kept["train"] + kept["val"] + ledger.total:

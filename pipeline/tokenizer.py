@@ -50,6 +50,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.config import StageConfig
 from pipeline.io import atomic_write, sha256_file
+from pipeline.progress import enabled as progress_enabled
 
 log = logging.getLogger("pipeline.tokenizer")
 
@@ -299,7 +300,7 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
         min_frequency=cfg.min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress_enabled(),  # HF's own bars; quiet under PIPELINE_PROGRESS=0
     )
     t_train = time.perf_counter()
     tok.train_from_iterator(texts, trainer, length=len(texts))
