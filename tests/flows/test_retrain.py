@@ -62,6 +62,18 @@ class Api:
         self.url = url
         self.http = httpx.Client(base_url=url, timeout=15)
 
+    def _send(self, method: str, path: str, **kw):
+        """One API call, retried on 503/429 as Prefect's own client does: the
+        server answers 503 while its SQLite database is briefly locked, and
+        rolls the request back, so a retry cannot create anything twice."""
+        for attempt in range(6):
+            r = self.http.request(method, path, **kw)
+            if r.status_code not in (429, 503):
+                break
+            time.sleep(0.5 * 2**attempt)
+        r.raise_for_status()
+        return r
+
     def healthy(self) -> bool:
         try:
             return self.http.get("/health").status_code == 200
@@ -73,8 +85,7 @@ class Api:
         return r.json() if r.status_code == 200 else None
 
     def flow_runs(self, **filters) -> list[dict]:
-        r = self.http.post("/flow_runs/filter", json={**filters, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
-        r.raise_for_status()
+        r = self._send("POST", "/flow_runs/filter", json={**filters, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
         return r.json()
 
     def deployment_runs(self, deployment_id: str) -> list[dict]:
@@ -84,12 +95,10 @@ class Api:
         return self.flow_runs(flows={"name": {"any_": ["pipeline"]}})
 
     def create_run(self, deployment_id: str) -> str:
-        r = self.http.post(f"/deployments/{deployment_id}/create_flow_run", json={})
-        r.raise_for_status()
-        return r.json()["id"]
+        return self._send("POST", f"/deployments/{deployment_id}/create_flow_run", json={}).json()["id"]
 
     def run(self, run_id: str) -> dict:
-        return self.http.get(f"/flow_runs/{run_id}").json()
+        return self._send("GET", f"/flow_runs/{run_id}").json()
 
     def state_types(self, run_id: str) -> list[str]:
         return [s["type"] for s in self.http.get("/flow_run_states/", params={"flow_run_id": run_id}).json()]
