@@ -48,7 +48,8 @@ def free_port() -> int:
 
 def find_runs(uri: str, run_name: str, n: int = 2) -> tuple[str, list[str]] | None:
     """``(experiment id, run ids)`` of the ``n`` most recent finished runs named
-    ``run_name`` in one experiment, or None if no experiment has that many."""
+    ``run_name`` that have metrics (a no-op pipeline run has none), in one
+    experiment, or None if no experiment has that many."""
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
@@ -56,8 +57,9 @@ def find_runs(uri: str, run_name: str, n: int = 2) -> tuple[str, list[str]] | No
         runs = client.search_runs(
             [exp.experiment_id],
             filter_string=f"attributes.run_name = '{run_name}' and attributes.status = 'FINISHED'",
-            order_by=["attributes.start_time DESC"], max_results=n,
+            order_by=["attributes.start_time DESC"], max_results=100,
         )
+        runs = [r for r in runs if r.data.metrics][:n]
         if len(runs) >= n:
             return exp.experiment_id, [r.info.run_id for r in runs]
     return None
