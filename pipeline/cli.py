@@ -11,6 +11,7 @@ from typing import Callable
 from pipeline import layout
 from pipeline.config import ConfigError, StageConfig, load_params
 from pipeline.io import write_json
+from pipeline.lineage import record_experiment
 
 log = logging.getLogger("pipeline")
 
@@ -67,6 +68,7 @@ def run_stage(stage: str, body: Callable[..., dict], *, expected: tuple[type[Bas
         tracker.log_metrics(numeric_metrics(metrics))
         for path in artifacts:
             tracker.log_artifact(path)
+    record_experiment(stage, enabled=tracker.active and not tracker.offline)
     log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
 
 
@@ -121,4 +123,5 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     if rank == 0:
         metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
         write_json(layout.metrics_path(stage), metrics)
+        record_experiment(stage, enabled=getattr(cfg, "track", True))
         log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})

@@ -370,8 +370,14 @@ def _fmt(v: float) -> str:
 def read_metrics(root: str | Path, stage: StageInfo) -> dict[str, Any]:
     """The stage's metrics files merged into one dict (the stage's own keys, as
     written); files that are missing or unreadable are skipped."""
+    return read_metric_files(root, stage.metrics)
+
+
+def read_metric_files(root: str | Path, paths: Sequence[str]) -> dict[str, Any]:
+    """Metrics files (JSON or YAML) under ``root`` merged into one dict; files that
+    are missing or unreadable are skipped."""
     merged: dict[str, Any] = {}
-    for rel in stage.metrics:
+    for rel in paths:
         path = Path(root) / rel
         try:
             data = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else _yaml(path)
@@ -497,3 +503,82 @@ def parent_run(root: str | Path, tags: Mapping[str, Any] | None = None) -> Itera
     run = ParentRun(root=root, uri=uri, run_id=tracker.run_id, tracker=tracker if tracker.active else None)
     with tracker:
         yield run
+
+
+# --------------------------------------------------------------------------- dvc exp run
+
+
+def upstream_closure(stage: str, root: str | Path = ".") -> list[str]:
+    """``stage`` and every stage it depends on, directly or not, in ``dvc.yaml``
+    order, read from ``root/dvc.yaml`` alone (a dep at or under another stage's
+    output is an edge). Runs inside a stage, where DVC holds the repo lock, so it
+    does not open DVC's index. Unknown stage: ``[stage]``."""
+    from pipeline.tracking import _load_yaml, _path_of
+
+    specs = {n: s for n, s in ((_load_yaml(Path(root) / "dvc.yaml") or {}).get("stages") or {}).items()
+             if isinstance(s, dict)}
+    outs = {n: [_path_of(o) for f in ("outs", "metrics", "plots") for o in s.get(f) or []] for n, s in specs.items()}
+
+    def within(dep: str, out: str) -> bool:
+        return dep == out or dep.startswith(out.rstrip("/") + "/")
+
+    seen, todo = {stage}, [stage]
+    while todo:
+        deps = [_path_of(d) for d in (specs.get(todo.pop()) or {}).get("deps") or []]
+        for other, paths in outs.items():
+            if other not in seen and any(within(d, o) for d in deps for o in paths):
+                seen.add(other)
+                todo.append(other)
+    return [n for n in specs if n in seen] or [stage]
+
+
+def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) -> None:
+    """Under ``dvc exp run``: bring the experiment's parent run (see
+    ``pipeline.tracking.experiment_parent``) up to date once ``stage`` has written
+    its metrics, so that it carries what a flow's parent carries (:meth:`ParentRun.record`):
+
+    * metrics ``<stage>.<key>`` from the metrics files that ``dvc.yaml`` declares,
+      for ``stage`` and everything upstream of it, whether they ran in this
+      experiment or were restored from DVC's run cache (same names as a flow run);
+    * tags ``dvc.stage_hash.<stage>``: upstream stages from ``dvc.lock`` (already
+      current), ``stage`` itself as DVC will record it.
+
+    ``root`` is the workspace the stage runs in (the temporary copy under
+    ``--temp``/``--queue``), not ``DVC_ROOT``. A no-op outside an experiment, off
+    rank 0, with tracking off, or when MLflow is unreachable; never raises."""
+    from pipeline import tracking
+
+    exp_name = os.environ.get("DVC_EXP_NAME")
+    if not (enabled and exp_name and tracking._env_flag("PIPELINE_TRACKING", True)):
+        return
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    uri = tracking.tracking_uri()
+    reason = tracking.probe(uri)
+    if reason:
+        log.warning("experiment %s: parent run not updated: %s", exp_name, reason)
+        return
+    try:
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, RunTag
+
+        root = Path(root)
+        names = upstream_closure(stage, root)
+        specs = (tracking._load_yaml(root / "dvc.yaml") or {}).get("stages") or {}
+        metrics: dict[str, float] = {}
+        for name in names:
+            paths = [tracking._path_of(m) for m in (specs.get(name) or {}).get("metrics") or []]
+            metrics.update(scalar_metrics(read_metric_files(root, paths), name))
+        tags = {f"dvc.stage_hash.{k}": v for k, v in tracking.dvc_stage_hashes(root).items() if k in names}
+        own = tracking.current_stage_fingerprint(stage, root)
+        if own:
+            tags[f"dvc.stage_hash.{stage}"] = own
+        client = MlflowClient(uri)
+        parent = tracking.experiment_parent(client, tracking.ensure_experiment(uri=uri, client=client), exp_name)
+        now = int(time.time() * 1000)
+        rows = [Metric(tracking._key(k), v, now, 0) for k, v in metrics.items()]
+        run_tags = [RunTag(tracking._key(k), v) for k, v in tags.items()]
+        for i in range(0, max(len(rows), 1), 1000):
+            client.log_batch(parent, metrics=rows[i:i + 1000], tags=run_tags if i == 0 else [])
+    except Exception as err:  # the stage already succeeded; lineage must not fail it
+        log.warning("experiment %s: parent run not updated: %s", exp_name, err)

@@ -505,8 +505,6 @@ class Tracker:
         self._last_flush = time.monotonic()
         self._offline_file: IO[str] | None = None
         self._keys: dict[str, str] = {}
-        self._exp_parent = False  # the parent is a `dvc exp run` experiment's run (see experiment_parent)
-        self._latest: dict[str, float] = {}
 
     # -- lifecycle
 
@@ -585,7 +583,6 @@ class Tracker:
         if not self.parent_run_id and exp_name and self.stage != EXPERIMENT_PARENT_NAME:
             self.parent_run_id = experiment_parent(client, exp_id, exp_name)
             self._tags["mlflow.parentRunId"] = self.parent_run_id
-            self._exp_parent = True
         run = client.create_run(exp_id, run_name=self.stage, tags=self._tags)
         self._client, self.experiment_id, self.run_id = client, exp_id, run.info.run_id
         log.info("MLflow run %s (%s) in experiment %s at %s", self.run_id, self.stage, exp_id, self.uri)
@@ -604,18 +601,6 @@ class Tracker:
         if not self.active or not self._started or self._ended:
             return
         self.flush()
-        if self._exp_parent and not self.offline and self._latest:
-            # The experiment's parent carries every stage's final values as
-            # <stage>.<metric>, so experiments compare side by side at the top level.
-            try:
-                from mlflow.entities import Metric
-
-                now = int(time.time() * 1000)
-                metrics = [Metric(f"{self.stage}.{k}", v, now, 0) for k, v in self._latest.items()]
-                for i in range(0, len(metrics), 1000):
-                    self._client.log_batch(self.parent_run_id, metrics=metrics[i:i + 1000])
-            except Exception as err:
-                log.warning("could not copy %s metrics to the experiment run: %s", self.stage, _short(err))
         self._ended = True
         if not self.offline:
             if self._monitor is not None:
@@ -671,7 +656,6 @@ class Tracker:
             if key is None:
                 key = self._keys[name] = _key(name)
             rows.append((key, float(value), now, step))
-            self._latest[key] = float(value)
         self._pending_metrics.extend(rows)
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
