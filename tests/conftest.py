@@ -52,7 +52,8 @@ def project_copy(dest: Path, params_overrides: dict | None = None) -> Path:
     """Copy the project's code and DVC files into ``dest`` as a fresh git+DVC repo."""
     import yaml
 
-    for name in ("pipeline", "stages", "flows", "dvc.yaml", "params.yaml", "pyproject.toml", ".dvcignore"):
+    for name in ("pipeline", "stages", "flows", "dvc.yaml", "params.yaml", "pyproject.toml", ".dvcignore",
+                 ".gitignore"):
         src = ROOT / name
         if src.is_dir():
             shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))

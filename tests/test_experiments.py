@@ -32,7 +32,13 @@ def test_each_dvc_experiment_is_its_own_parent_run(tmp_path):
         dvc("exp", "run", *mode, "-n", name, "-S", f"ingest.max_bytes={max_bytes}", "clean")
     workspace_hashes = dvc_stage_hashes(root)  # exp-a ran in the workspace; the others in copies
     dvc("exp", "run", "--run-all")  # the queued one, through DVC's task queue
-    assert "exp-c" in dvc("exp", "show", "--no-pager", "--csv")
+    # each experiment's commit carries its metrics, so dvc exp show can compare them
+    import csv
+    import io
+
+    table = list(csv.DictReader(io.StringIO(dvc("exp", "show", "--no-pager", "--csv"))))
+    shown = {row["Experiment"]: row for row in table if row["Experiment"]}
+    assert set(shown) == set(EXPERIMENTS)
 
     from mlflow import MlflowClient
 
@@ -52,6 +58,9 @@ def test_each_dvc_experiment_is_its_own_parent_run(tmp_path):
             assert parent.data.tags[f"dvc.stage_hash.{stage}"] == child.data.tags["dvc.stage_hash"]
             for key in ("docs", "bytes") if stage == "ingest" else ("docs_in", "docs_out"):
                 assert parent.data.metrics[f"{stage}.{key}"] == child.data.metrics[key], (name, stage, key)
+        # dvc exp show names a file's first column "metrics/<stage>.json:<key>", the rest "<key>"
+        docs_out = next(v for k, v in shown[name].items() if k.split(":")[-1] == "docs_out")
+        assert float(docs_out) == parent.data.metrics["clean.docs_out"]
     assert {f"dvc.stage_hash.{s}": h for s, h in workspace_hashes.items()} == {
         k: v for k, v in parents["exp-a"].data.tags.items() if k.startswith("dvc.stage_hash.")}
     sizes = [parents[n].data.metrics["ingest.bytes"] for n in EXPERIMENTS]

@@ -3,6 +3,7 @@ every shipped params section validates, and each DVC stage depends on exactly
 its own params section and its own code."""
 
 import importlib.util
+import subprocess
 
 import pytest
 import yaml
@@ -44,8 +45,15 @@ def test_shipped_params_validate(stage):
 
 def test_gitignore_keeps_generated_state_out_of_git():
     ignored = (ROOT / ".gitignore").read_text()
-    for pattern in ("/data/*", "/models/", "/metrics/", "/mlflow.db", "/mlartifacts/", ".venv/"):
+    for pattern in ("/data/*", "/models/", "/mlflow.db", "/mlartifacts/", ".venv/"):
         assert pattern in ignored
+
+
+def test_metrics_and_plots_stay_visible_to_git():
+    # dvc exp run commits them into each experiment; dvc exp show / plots diff read them there
+    paths = ["metrics/pretrain.json", "plots/pretrain.csv", "dvc.lock", "models/pretrain/x", "data/packed/x"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.split() == ["models/pretrain/x", "data/packed/x"]
 
 
 def test_readme_params_reference_is_current():
