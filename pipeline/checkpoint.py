@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from pipeline.io import fsync_dir, sha256_file
+from pipeline.io import fsync_path, sha256_file
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt", "meta.json")
@@ -55,14 +55,6 @@ class Checkpoint:
 
 def step_dir(folder: Path, step: int) -> Path:
     return folder / f"step-{step:08d}"
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:
@@ -147,20 +139,20 @@ def save(
     torch.save(trainer_state, tmp / "trainer.pt")
     files = {}
     for name in FILES[:-1]:
-        _fsync_file(tmp / name)
+        fsync_path(tmp / name)
         files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
     meta = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
     with open(tmp / "meta.json", "w") as f:
         json.dump(meta, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(tmp)
+    fsync_path(tmp)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it atomically
         trash = folder / f".trash-{final.name}-{os.getpid()}"
         os.replace(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(tmp, final)
-    fsync_dir(folder)
+    fsync_path(folder)
     discard(complete_checkpoints(folder)[:-keep])
     return Checkpoint(final, step)
 

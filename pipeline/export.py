@@ -56,7 +56,7 @@ from pipeline import generate as gen
 from pipeline import hf_adapter
 from pipeline.chat import CHAT_TEMPLATE_JINJA
 from pipeline.config import StageConfig
-from pipeline.io import fsync_dir, sha256_file
+from pipeline.io import fsync_path, sha256_file
 from pipeline.model import ModelConfig, num_params
 from pipeline.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
 
@@ -161,9 +161,9 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
         summary["files"] = {}
         for f in sorted(tmp.iterdir()):
-            _fsync(f)
+            fsync_path(f)
             summary["files"][f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-        fsync_dir(tmp)
+        fsync_path(tmp)
         _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,14 +312,6 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sweep(out_dir: Path) -> None:
     """Remove temporary and trash folders that interrupted exports left beside out_dir."""
     for p in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):
@@ -336,5 +328,5 @@ def _swap_in(tmp: Path, out_dir: Path) -> None:
         else:
             out_dir.unlink()
     os.replace(tmp, out_dir)
-    fsync_dir(out_dir.parent)
+    fsync_path(out_dir.parent)
     shutil.rmtree(trash, ignore_errors=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 
-def fsync_dir(path: str | Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
     fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -39,7 +40,7 @@ def atomic_write(path: str | Path, mode: str = "w", encoding: str | None = "utf-
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -62,7 +63,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
