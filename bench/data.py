@@ -60,7 +60,7 @@ def build_corpora(work: Path, copies: list[int]) -> dict[int, Path]:
     import pyarrow.parquet as pq
 
     from pipeline.config import parse_section
-    from pipeline.ingest import IngestConfig, run_ingest
+    from pipeline.data.ingest import IngestConfig, run_ingest
 
     base = work / "stdlib.parquet"
     cfg = parse_section(IngestConfig, {"max_bytes": None, "sources": [
@@ -89,18 +89,18 @@ def _child(kind: str, corpus: str, tokenizer: str, workers: int, out: str) -> No
     from pipeline.config import parse_section
 
     if kind == "clean":
-        from pipeline.clean import CleanConfig, run_clean
+        from pipeline.data.clean import CleanConfig, run_clean
 
         m = run_clean(parse_section(CleanConfig, {"num_workers": workers}, "clean"), corpus,
                       Path(out) / "clean.parquet", Path(out) / "q.jsonl")
     elif kind == "pack":
-        from pipeline.pack import PackConfig, run_pack
+        from pipeline.data.pack import PackConfig, run_pack
 
         m = run_pack(parse_section(PackConfig, {"num_workers": workers}, "pack"), corpus, tokenizer, Path(out) / "packed")
     else:  # raw encode_batch over the same texts, loaded first (not timed), library threads
         import pyarrow.parquet as pq
 
-        from pipeline.pack import baseline_encode
+        from pipeline.data.pack import baseline_encode
 
         texts = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
         m = baseline_encode(texts, tokenizer)
@@ -166,7 +166,7 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     from pipeline.config import parse_section
-    from pipeline.tokenizer import TokenizerConfig, train_tokenizer
+    from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 
     copies = [2] if args.quick else [2, 7]
     rounds = 1 if args.quick else args.rounds

@@ -15,7 +15,7 @@ Both sides train the same model on the same packed rows with the same batch:
 
 They run alternately (plain, stage, plain, stage, …) and the medians are
 compared, so a noisy neighbour hurts both. The goal is stage overhead ≤ 5%.
-MFU is model FLOPs per token (6N + attention, pipeline.model.flops_per_token)
+MFU is model FLOPs per token (6N + attention, pipeline.model.transformer.flops_per_token)
 × tokens/s over the matmul peak measured here in fp32 and in bf16 (with
 ``F.linear``, the op behind the model's weight matmuls).
 """
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.model import Transformer, build_config, flops_per_token, num_params  # noqa: E402
-from pipeline.train import DTYPES, autocast, measure_peak_flops, param_groups  # noqa: E402
+from pipeline.model.transformer import Transformer, build_config, flops_per_token, num_params  # noqa: E402
+from pipeline.training.trainer import DTYPES, autocast, measure_peak_flops, param_groups  # noqa: E402
 from tests.helpers import write_packed  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
 
 def _plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
     """Tokens/s of the minimal loop over ``steps`` steps after ``warmup``."""
-    from pipeline.data import PackedRows
+    from pipeline.data.shards import PackedRows
 
     device = torch.device(args.device)
     rows = PackedRows(packed / "train")

@@ -20,7 +20,7 @@ no work. What Prefect adds on top:
 * the output of DVC and of the stage streamed line by line into the task's log;
 * a markdown artifact ``pipeline-summary``: each stage's status (ran, restored
   from DVC's run cache, skipped as unchanged, failed, not run), time and metrics;
-* one MLflow parent run per flow run (``pipeline.lineage.parent_run``); each
+* one MLflow parent run per flow run (``pipeline.tracking.lineage.parent_run``); each
   stage process gets ``MLFLOW_PARENT_RUN_ID``, so its own run nests under it.
 
 Stages run one at a time: ``dvc repro`` holds a repository-wide lock, so two
@@ -44,7 +44,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from pipeline.lineage import (
+from pipeline.tracking.lineage import (
     DEFAULT_RETRIES,
     DEFAULT_RETRY_DELAY_S,
     StageInfo,

@@ -7,7 +7,7 @@ are raised before any work starts and name the dotted key, e.g.::
     ConfigError: params.yaml is invalid:
       pack.seq_len: Input should be greater than or equal to 8 (got 0)
 
-Schemas live next to the code they configure (``pipeline/ingest.py`` owns
+Schemas live next to the code they configure (``pipeline/data/ingest.py`` owns
 ``IngestConfig``); ``SCHEMAS`` below maps each stage name to its schema so that
 one loader, and one test, can reach all of them.
 """
@@ -26,12 +26,12 @@ DEFAULT_PARAMS = Path("params.yaml")
 # stage name -> "module:Class". Lazy, so that loading the ingest config does not
 # import torch.
 SCHEMAS: dict[str, str] = {
-    "ingest": "pipeline.ingest:IngestConfig",
-    "clean": "pipeline.clean:CleanConfig",
-    "tokenizer": "pipeline.tokenizer:TokenizerConfig",
-    "pack": "pipeline.pack:PackConfig",
-    "pretrain": "pipeline.pretrain:PretrainConfig",
-    "sft": "pipeline.sft:SFTConfig",
+    "ingest": "pipeline.data.ingest:IngestConfig",
+    "clean": "pipeline.data.clean:CleanConfig",
+    "tokenizer": "pipeline.data.tokenizer:TokenizerConfig",
+    "pack": "pipeline.data.pack:PackConfig",
+    "pretrain": "pipeline.training.pretrain:PretrainConfig",
+    "sft": "pipeline.training.sft:SFTConfig",
     "evaluate": "pipeline.evaluate:EvaluateConfig",
     "export": "pipeline.export:ExportConfig",
 }

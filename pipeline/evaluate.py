@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import checkpoint as ckpt
+from pipeline.training import checkpoint as ckpt
 from pipeline.config import StageConfig
-from pipeline.data import PackedRows
-from pipeline.model import ModelConfig, Transformer
+from pipeline.data.shards import PackedRows
+from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.progress import progress
-from pipeline.train import autocast, resolve_precision
+from pipeline.training.trainer import autocast, resolve_precision
 
 
 class SampleConfig(BaseModel):
@@ -121,8 +121,8 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     """Score every model on every split. Returns ``({model: {metric: value,
     <split>: {...}}}, loaded models)``; the top-level metrics of each model are
     those on the first split (the packed pretraining val split)."""
-    from pipeline.tokenizer import load_tokenizer
-    from pipeline.distributed import pick_device
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.training.distributed import pick_device
 
     device = pick_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
@@ -151,9 +151,9 @@ def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_
     """Complete every fixed prompt with every model, seeded, so runs can be compared
     sample for sample. Raw prompts go to every model; chat prompts are rendered
     with the ChatML template and stop at end of turn."""
-    from pipeline.chat import encode_prompt
-    from pipeline.generate import generate
-    from pipeline.tokenizer import load_tokenizer, special_ids
+    from pipeline.data.chat import encode_prompt
+    from pipeline.model.generate import generate
+    from pipeline.data.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(tokenizer_path)
     ids = special_ids(tok)

@@ -3,7 +3,7 @@
 ``export_model("models/sft", "data/tokenizer/tokenizer.json", "models/export", card_info=...)``
 writes::
 
-    config.json              LlamaForCausalLM config (pipeline.hf_adapter.hf_config)
+    config.json              LlamaForCausalLM config (pipeline.model.hf_adapter.hf_config)
     model.safetensors        weights under Hugging Face names, float32
     generation_config.json   eos = [<|im_end|>, <|endoftext|>], pad, sampling defaults
     tokenizer.json           byte-identical copy of ours (same sha256)
@@ -51,14 +51,14 @@ import yaml
 from pydantic import Field
 from safetensors.torch import save_file
 
-from pipeline import checkpoint as ckpt
-from pipeline import generate as gen
-from pipeline import hf_adapter
-from pipeline.chat import CHAT_TEMPLATE_JINJA
+from pipeline.training import checkpoint as ckpt
+from pipeline.model import generate as gen
+from pipeline.model import hf_adapter
+from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.config import StageConfig
-from pipeline.io import fsync_path, sha256_file
-from pipeline.model import ModelConfig, num_params
-from pipeline.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
+from pipeline.files import fsync_path, sha256_file
+from pipeline.model.transformer import ModelConfig, num_params
+from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
 
 DTYPE = "float32"
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
@@ -192,7 +192,7 @@ def tokenizer_config(max_seq_len: int) -> dict[str, Any]:
 
 def generation_config() -> dict[str, Any]:
     """``generation_config.json``: stop at either end token; sample like
-    ``python -m pipeline.generate`` does by default."""
+    ``python -m pipeline.model.generate`` does by default."""
     return {
         "bos_token_id": EOT_ID,
         "eos_token_id": list(STOP_IDS),
@@ -274,8 +274,8 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
         "```", "",
         "With this project's code:", "",
         "```sh",
-        f"python -m pipeline.generate --model {out_dir} --chat \"How do I reverse a list?\"",
-        f"python -m pipeline.generate --model {out_dir} --prompt \"def fibonacci(\" --temperature 0",
+        f"python -m pipeline.model.generate --model {out_dir} --chat \"How do I reverse a list?\"",
+        f"python -m pipeline.model.generate --model {out_dir} --prompt \"def fibonacci(\" --temperature 0",
         "```", "",
     ]
     return "\n".join(lines)

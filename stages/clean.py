@@ -1,8 +1,8 @@
 """clean: data/ingest/docs.parquet -> data/clean/docs.parquet (+ quarantine, metrics/clean.json)."""
 
 from pipeline import layout
-from pipeline.cli import run_stage
-from pipeline.clean import CleanConfig, CleanError, run_clean
+from pipeline.runner import run_stage
+from pipeline.data.clean import CleanConfig, CleanError, run_clean
 
 
 def main(cfg: CleanConfig) -> dict:

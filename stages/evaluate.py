@@ -2,9 +2,9 @@
 -> metrics/evaluate.json (+ data/evaluate/samples.json, logged to MLflow)."""
 
 from pipeline import layout
-from pipeline.cli import run_stage
+from pipeline.runner import run_stage
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples
-from pipeline.io import write_json
+from pipeline.files import write_json
 
 SAMPLES = layout.EVALUATE_DIR / "samples.json"
 

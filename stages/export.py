@@ -3,11 +3,11 @@ registered in MLflow as a new version (alias ``candidate``; ``champion`` moves
 only when the evaluate metrics beat the current champion's)."""
 
 from pipeline import layout
-from pipeline.cli import run_stage
+from pipeline.runner import run_stage
 from pipeline.export import ExportConfig, ExportError, export_model
-from pipeline.io import read_json
-from pipeline.registry import register_export
-from pipeline.tracking import dvc_stage_hashes, git_tags
+from pipeline.files import read_json
+from pipeline.promote import register_export
+from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
 
 
 def main(cfg: ExportConfig, tracker) -> dict:

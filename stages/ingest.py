@@ -1,8 +1,8 @@
 """ingest: raw sources -> data/ingest/docs.parquet (+ quarantine, metrics/ingest.json)."""
 
 from pipeline import layout
-from pipeline.cli import run_stage
-from pipeline.ingest import IngestConfig, IngestError, run_ingest
+from pipeline.runner import run_stage
+from pipeline.data.ingest import IngestConfig, IngestError, run_ingest
 
 
 def main(cfg: IngestConfig) -> dict:

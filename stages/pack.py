@@ -1,8 +1,8 @@
 """pack: clean docs + tokenizer -> data/packed/{train,val}/shard-*.arrow + manifest (+ metrics/pack.json)."""
 
 from pipeline import layout
-from pipeline.cli import run_stage
-from pipeline.pack import PackConfig, PackError, run_pack
+from pipeline.runner import run_stage
+from pipeline.data.pack import PackConfig, PackError, run_pack
 
 
 def main(cfg: PackConfig) -> dict:

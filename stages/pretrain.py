@@ -5,8 +5,8 @@ relaunches this module under torchrun with the launch settings in params.
 """
 
 from pipeline import layout
-from pipeline.cli import run_training_stage
-from pipeline.pretrain import PretrainConfig, run_pretrain
+from pipeline.runner import run_training_stage
+from pipeline.training.pretrain import PretrainConfig, run_pretrain
 
 OUT = layout.PRETRAIN_MODEL
 

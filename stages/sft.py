@@ -5,9 +5,9 @@ this module under torchrun, exactly as pretrain does.
 """
 
 from pipeline import layout
-from pipeline.cli import run_training_stage
-from pipeline.sft import SFTConfig, SFTError, prepare_sft, run_sft
-from pipeline.sft_data import SFTDataError
+from pipeline.runner import run_training_stage
+from pipeline.training.sft import SFTConfig, SFTError, prepare_sft, run_sft
+from pipeline.data.sft_data import SFTDataError
 
 
 def prepare(cfg: SFTConfig) -> dict:

@@ -1,8 +1,8 @@
 """tokenizer: data/clean/docs.parquet -> data/tokenizer/tokenizer.json (+ metrics/tokenizer.json)."""
 
 from pipeline import layout
-from pipeline.cli import run_stage
-from pipeline.tokenizer import TokenizerConfig, TokenizerError, train_tokenizer
+from pipeline.runner import run_stage
+from pipeline.data.tokenizer import TokenizerConfig, TokenizerError, train_tokenizer
 
 
 def main(cfg: TokenizerConfig) -> dict:

@@ -81,7 +81,7 @@ def test_second_repro_is_a_no_op(project):
 def test_exported_model_perplexity_in_transformers_matches_evaluate(project):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.data import PackedRows
+    from pipeline.data.shards import PackedRows
 
     root, _, _ = project
     model = AutoModelForCausalLM.from_pretrained(root / "models" / "export", dtype=torch.float32).eval()

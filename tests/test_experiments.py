@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from pipeline.tracking import dvc_stage_hashes
+from pipeline.tracking.tracker import dvc_stage_hashes
 from tests.conftest import BIN, project_copy
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""flows/pipeline.py and pipeline/lineage.py: the stage graph comes from DVC, data
+"""flows/pipeline.py and pipeline/tracking/lineage.py: the stage graph comes from DVC, data
 stages get retries and training stages don't, timeouts kill the whole stage, a
 second run is a no-op by DVC's own account, and MLflow gets one parent run per
 flow run with each stage's run nested under it.
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import lineage
-from pipeline.lineage import StageInfo
+from pipeline.tracking import lineage
+from pipeline.tracking.lineage import StageInfo
 from tests.conftest import BIN, ROOT, project_copy
 
 DATA_STAGES = ["ingest", "clean", "tokenizer", "pack"]
@@ -329,7 +329,7 @@ def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
 
 
 def lineage_hashes(root: Path) -> dict[str, str]:
-    from pipeline.tracking import dvc_stage_hashes
+    from pipeline.tracking.tracker import dvc_stage_hashes
 
     return dvc_stage_hashes(root)
 

@@ -1,7 +1,7 @@
 import pytest
 
 from pipeline.config import ConfigError, flatten, load_params, parse_section, read_params
-from pipeline.ingest import IngestConfig
+from pipeline.data.ingest import IngestConfig
 
 
 def write(tmp_path, text):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import parse_section
-from pipeline.data import PackedRows
+from pipeline.data.shards import PackedRows
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
 from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, write_split
 
@@ -14,7 +14,7 @@ from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_mod
 
 
 def test_token_bytes_counts_utf8_bytes_and_zero_for_specials(tok_path):
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tok_path)
     nbytes = token_bytes(tok)
@@ -58,7 +58,7 @@ def test_only_labelled_tokens_are_scored(tmp_path):
 
 
 def test_evaluate_models_and_seeded_samples(tmp_path, tok_path):
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     vocab = load_tokenizer(tok_path).get_vocab_size()
     write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)

@@ -1,4 +1,4 @@
-"""Tests for pipeline/export.py and pipeline/hf_adapter.py: the exported folder
+"""Tests for pipeline/export.py and pipeline/model/hf_adapter.py: the exported folder
 loads in transformers with no custom code and computes our logits, its tokenizer
 and chat template give our ids, generation stops where ours does, the card
 carries what it was given, and the folder is replaced atomically."""
@@ -14,12 +14,12 @@ import pytest
 import torch
 import yaml
 
-from pipeline import hf_adapter
-from pipeline.chat import encode_chat, encode_prompt
+from pipeline.model import hf_adapter
+from pipeline.data.chat import encode_chat, encode_prompt
 from pipeline.export import ExportConfig, ExportError, export_model
-from pipeline.generate import CHAT_STOP_IDS, generate, load_for_inference
-from pipeline.io import sha256_file
-from pipeline.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
+from pipeline.model.generate import CHAT_STOP_IDS, generate, load_for_inference
+from pipeline.files import sha256_file
+from pipeline.data.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
 from tests.helpers import save_checkpoint, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -213,7 +213,7 @@ def test_model_card_carries_metrics_and_lineage(exported, tok_path):
     assert "| checkpoint step | 5 |" in text
     assert f"| model.safetensors sha256 | {summary['files']['model.safetensors']['sha256']} |" in text
     assert f"{summary['params']:,}" in text
-    assert f"python -m pipeline.generate --model {out}" in text
+    assert f"python -m pipeline.model.generate --model {out}" in text
 
 
 def test_summary_describes_the_files(exported, tok_path):
@@ -296,7 +296,7 @@ def test_unknown_weights_are_refused(tok):
 def test_the_cards_usage_snippets_run(export_dir, capsys):
     import shlex
 
-    from pipeline.generate import main
+    from pipeline.model.generate import main
 
     text = (export_dir / "README.md").read_text()
     python = text.split("```python\n")[1].split("```")[0]
@@ -305,7 +305,7 @@ def test_the_cards_usage_snippets_run(export_dir, capsys):
     assert len(shell) == 2
     for line in shell:
         argv = shlex.split(line)
-        assert argv[:3] == ["python", "-m", "pipeline.generate"]
+        assert argv[:3] == ["python", "-m", "pipeline.model.generate"]
         assert main(argv[3:] + ["--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.count("\n") >= 3
 

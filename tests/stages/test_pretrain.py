@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from pipeline import checkpoint as ckpt
+from pipeline.training import checkpoint as ckpt
 from tests.conftest import ROOT
 from tests.helpers import write_packed
 

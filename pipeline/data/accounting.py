@@ -1,0 +1,64 @@
+"""Accounting for records that enter a stage and do not leave it.
+
+A :class:`Ledger` counts every skip or drop by reason and keeps a bounded
+sample of the records themselves in a quarantine JSONL file, so that nothing is
+lost without a trace and the file stays small however bad the input is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.files import atomic_write
+
+
+class Ledger:
+    """Counts reasons and samples quarantined records.
+
+    ``per_reason`` bounds how many records of each reason are kept verbatim (the
+    first ones seen, which makes the file deterministic); the counts are exact.
+    Long text fields are clipped to ``max_chars`` in the quarantine file.
+    """
+
+    def __init__(self, per_reason: int = 100, max_chars: int = 2000):
+        self.counts: Counter[str] = Counter()
+        self.samples: list[dict[str, Any]] = []
+        self._kept: Counter[str] = Counter()
+        self.per_reason = per_reason
+        self.max_chars = max_chars
+
+    def record(self, reason: str, source: str, location: str = "", text: str | None = None,
+               detail: str = "", n: int = 1) -> None:
+        self.counts[reason] += n
+        if self._kept[reason] < self.per_reason:
+            self._kept[reason] += 1
+            entry: dict[str, Any] = {"reason": reason, "source": source, "location": location}
+            if detail:
+                entry["detail"] = detail
+            if text is not None:
+                entry["text"] = text[: self.max_chars]
+                if len(text) > self.max_chars:
+                    entry["text_chars"] = len(text)
+            self.samples.append(entry)
+
+    def merge(self, other: "Ledger") -> None:
+        for s in other.samples:
+            if self._kept[s["reason"]] < self.per_reason:
+                self._kept[s["reason"]] += 1
+                self.samples.append(s)
+        self.counts.update(other.counts)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
+
+    def write(self, path: str | Path) -> None:
+        with atomic_write(path) as f:
+            for s in self.samples:
+                f.write(json.dumps(s, ensure_ascii=False) + "\n")

@@ -1,0 +1,477 @@
+"""clean: normalise, filter and deduplicate the ingested documents.
+
+Input: a Parquet file of documents ``(id, text, source, location)`` (the ingest
+output; other columns are not carried over). Output: the same schema with
+normalised text, written in row groups; a quarantine JSONL of dropped documents
+(a bounded sample per reason, via :class:`pipeline.data.accounting.Ledger`); and a
+metrics dict.
+
+Each document goes through, in order:
+
+1. **normalisation** (:func:`normalise`): Unicode form, newlines, control
+   characters, trailing whitespace, blank-line runs. Indentation is never
+   touched, because the default corpus is Python source.
+2. **quality filters** (:mod:`pipeline.data.filters`): the first enabled filter that
+   fires drops the document; its registry name is the reason.
+3. **exact dedup**: a blake2b-128 digest of the normalised text; the first
+   occurrence is kept, later ones are dropped as ``exact_duplicate``.
+4. **near dedup**: MinHash over word n-gram shingles with an LSH index
+   (:class:`NearDedup`); candidates whose estimated Jaccard similarity with a
+   kept document reaches the threshold are dropped as ``near_duplicate``.
+
+Steps 1-2 and the MinHash signatures are per document and run in a
+multiprocessing pool on batches; the dedup decisions (3-4) are sequential and
+run in the main process in input order, so the output is the same for any
+number of workers. Input is streamed batch by batch with a bounded number of
+batches in flight, so memory grows only with the dedup indexes (see
+:class:`ExactDedup` and :class:`NearDedup` for their per-document cost). On a
+synthetic 200 MB corpus (47k documents, 2 workers) the peak RSS was 324 MB for
+the main process and about 130 MB per worker.
+
+Every document that enters leaves as kept or as dropped with a reason:
+``docs_in == docs_out + sum(dropped.values())`` is checked before the metrics
+are returned.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import multiprocessing
+import os
+import re
+import time
+import unicodedata
+from array import array
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
+from functools import lru_cache
+from operator import eq
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from rensa import RMinHash, RMinHashLSH
+
+from pipeline.data.accounting import Ledger
+from pipeline.config import StageConfig
+from pipeline.data.filters import FiltersSection, first_failure, ngrams
+from pipeline.files import atomic_path
+from pipeline.progress import progress
+
+SCHEMA = pa.schema(
+    [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]
+)
+
+EXACT_DUPLICATE = "exact_duplicate"
+NEAR_DUPLICATE = "near_duplicate"
+
+
+class CleanError(RuntimeError):
+    """The clean stage cannot produce a corpus: missing or unreadable input, or
+    nothing left after cleaning."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NormaliseConfig(_Section):
+    unicode: Literal["NFC", "NFKC", "none"] = Field(
+        "NFC", description="Unicode normal form; NFKC also folds compatibility characters")
+    newlines: bool = Field(True, description="\\r\\n and \\r become \\n")
+    remove_control_chars: bool = Field(
+        True, description="drop C0/C1 control characters except \\n, \\t (and \\r), and a BOM")
+    strip_trailing_whitespace: bool = Field(True, description="strip whitespace at the end of every line")
+    max_blank_lines: int | None = Field(
+        2, ge=0, description="longer runs of blank lines are shortened to this; null = keep")
+    strip_blank_edges: bool = Field(True, description="drop blank lines at the start and end of the document")
+
+
+class ExactDedupConfig(_Section):
+    enabled: bool = Field(True, description="drop documents whose normalised text hash (blake2b-128) was seen before")
+
+
+class NearDedupConfig(_Section):
+    enabled: bool = Field(True, description="drop near duplicates of earlier documents (MinHash LSH)")
+    num_perm: int = Field(128, ge=8, le=1024, description="MinHash permutations (signature length)")
+    bands: int = Field(16, ge=1, le=1024, description="LSH bands; must divide num_perm")
+    ngram: int = Field(5, ge=1, le=64, description="shingle size in words")
+    threshold: float = Field(
+        0.8, gt=0, le=1, description="estimated Jaccard at or above which a candidate is a duplicate")
+    seed: int = Field(42, ge=0, le=2**63 - 1, description="MinHash permutation seed")
+
+    @field_validator("bands")
+    @classmethod
+    def _bands_divide_num_perm(cls, bands: int, info: ValidationInfo) -> int:
+        num_perm = info.data.get("num_perm")
+        if num_perm is not None and num_perm % bands:
+            raise ValueError(f"must divide num_perm={num_perm} (rensa's LSH splits the signature into equal bands)")
+        return bands
+
+
+class CleanConfig(StageConfig):
+    """The ``clean:`` section of params.yaml. Sub-sections are typed models that
+    reject unknown keys; ``filters`` has one entry per :data:`pipeline.data.filters.FILTERS`."""
+
+    normalise: NormaliseConfig = Field(default_factory=NormaliseConfig)
+    filters: FiltersSection = Field(default_factory=FiltersSection)  # type: ignore[valid-type]
+    exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
+    near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
+    num_workers: int = Field(
+        0, ge=0, le=1024, description="processes for normalise+filter+MinHash; 0 = one per available core")
+    batch_docs: int = Field(64, ge=1, description="documents per task sent to a worker")
+    row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
+    quarantine_per_reason: int = Field(100, ge=0, description="dropped documents kept verbatim per reason")
+
+
+# --- normalisation -----------------------------------------------------------------------------
+
+# C0 and C1 controls except \t \n \r, plus DEL and the byte-order mark. \r is left
+# to the newline option so that the two options stay independent.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff]")
+
+
+@lru_cache(maxsize=8)
+def _blank_run(k: int) -> re.Pattern[str]:
+    # More than k blank lines, after a line break or at the very start.
+    return re.compile(rf"(\A|\n)(?:[^\S\n]*\n){{{k + 1},}}")
+
+
+def _strip_blank_edges(text: str) -> str:
+    # str.lstrip/rstrip run in C; the cuts are moved to line boundaries so the
+    # first line keeps its indentation and the last line its trailing characters
+    # and the newline that ends it.
+    head = len(text) - len(text.lstrip())
+    if head == len(text):
+        return ""
+    start = text.rfind("\n", 0, head) + 1
+    end = text.find("\n", len(text.rstrip()))
+    return text[start:] if end < 0 else text[start:end + 1]
+
+
+def normalise(text: str, cfg: NormaliseConfig) -> str:
+    """Return ``text`` normalised as ``cfg`` says, steps in field order. Leading
+    whitespace of a line (indentation) is never changed. Trailing-whitespace
+    stripping uses ``str.rstrip``, so it also removes a stray \r at a line end
+    even with ``newlines`` off. With ``strip_blank_edges`` the result neither
+    starts nor ends with a blank line; the newline ending the last line stays."""
+    if cfg.unicode != "none" and not unicodedata.is_normalized(cfg.unicode, text):
+        text = unicodedata.normalize(cfg.unicode, text)
+    if cfg.newlines and "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if cfg.remove_control_chars:
+        text = _CONTROL.sub("", text)
+    if cfg.strip_trailing_whitespace:
+        # split/rstrip/join is ~7x faster here than a multiline regex.
+        text = "\n".join(map(str.rstrip, text.split("\n")))
+    if cfg.max_blank_lines is not None:
+        text = _blank_run(cfg.max_blank_lines).sub(r"\1" + "\n" * cfg.max_blank_lines, text)
+    if cfg.strip_blank_edges:
+        text = _strip_blank_edges(text)
+    return text
+
+
+# --- per-document work (runs in the worker processes) -------------------------------------------
+
+
+def shingles(text: str, n: int) -> list[str]:
+    """Word n-grams joined by one space; a document shorter than n words is one
+    shingle, an empty one has none."""
+    words = text.split()
+    if len(words) < n:
+        return [" ".join(words)] if words else []
+    return list(map(" ".join, ngrams(words, n)))
+
+
+# One result per input document:
+# (normalised text or None if filtered, reason, detail, changed, digest, minhash, utf-8 bytes out)
+Result = tuple[str | None, str | None, str, bool, bytes | None, RMinHash | None, int]
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(cfg: CleanConfig) -> None:
+    _worker["cfg"] = cfg
+    _worker["filters"] = cfg.filters.enabled()
+
+
+def process_batch(texts: list[str | None]) -> list[Result]:
+    """Normalise, filter, hash and sketch one batch. Pure given the config set by
+    :func:`_init_worker`, so batches can run in any process in any order."""
+    # The filters build many short-lived tuples (n-grams) and no reference cycles;
+    # pausing the cyclic GC for the batch saves ~25% of the time.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _process_batch(texts)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _process_batch(texts: list[str | None]) -> list[Result]:
+    cfg: CleanConfig = _worker["cfg"]
+    enabled = _worker["filters"]
+    near = cfg.near_dedup
+    out: list[Result] = []
+    shingle_sets: list[list[str]] = []
+    sketched: list[int] = []
+    for raw in texts:
+        raw = raw or ""
+        text = normalise(raw, cfg.normalise)
+        changed = text != raw
+        fail = first_failure(text, enabled)
+        if fail is not None:
+            out.append((None, fail[0], fail[1], changed, None, None, 0))
+            continue
+        data = text.encode("utf-8", "surrogatepass")
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if near.enabled:
+            sh = shingles(text, near.ngram)
+            if sh:
+                sketched.append(len(out))
+                shingle_sets.append(sh)
+        out.append((text, None, "", changed, digest, None, len(data)))
+    if shingle_sets:
+        # One call for the whole batch: rensa does the hashing loop in Rust.
+        for i, mh in zip(sketched, RMinHash.from_token_sets(shingle_sets, near.num_perm, near.seed)):
+            text, _, _, changed, digest, _, nbytes = out[i]
+            out[i] = (text, None, "", changed, digest, mh, nbytes)
+    return out
+
+
+# --- sequential dedup decisions (main process) -------------------------------------------------
+
+
+class ExactDedup:
+    """Set of blake2b-128 digests of every distinct normalised text that passed
+    the filters. Memory: 16 B of digest per distinct document, about 140 B with
+    Python's bytes object and set slot (measured)."""
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+
+    def check(self, digest: bytes) -> str | None:
+        if digest in self.seen:
+            return "same normalised text as an earlier document"
+        self.seen.add(digest)
+        return None
+
+
+class NearDedup:
+    """MinHash LSH near-duplicate detection with rensa.
+
+    Why rensa: its R-MinHash and LSH are implemented in Rust. Measured here on a
+    61 MB corpus of ~290k short documents (128 permutations, word 5-grams, LSH
+    insert and query included, one process): rensa ~12-13 MB/s, datasketch
+    ~0.77 MB/s (17x slower), datatrove's MinHash stage ~0.34 MB/s. rensa's LSH
+    requires ``bands`` to divide ``num_perm``; 16 bands x 8 rows puts the LSH
+    candidate threshold near (1/16)^(1/8) ~ 0.71, below the default confirm
+    threshold 0.8, so true duplicates are rarely missed and false candidates are
+    rejected by the Jaccard check.
+
+    Each document is queried against the kept documents only; a candidate whose
+    estimated Jaccard (fraction of equal signature slots) is at least
+    ``threshold`` makes the document a duplicate of the best-matching kept one.
+    Otherwise the document is kept and inserted.
+
+    Memory, per kept document (measured with 128 permutations, 16 bands): the
+    rensa LSH index ~900 B, the stored signature 4 B x num_perm + ~33 B (545 B),
+    and the kept id (~90 B for a 16-character id): about 1.5 KB, i.e. ~1.5 GB
+    per million kept documents. Larger corpora need a sharded or on-disk index.
+    """
+
+    def __init__(self, cfg: NearDedupConfig) -> None:
+        self.cfg = cfg
+        self.lsh = RMinHashLSH(cfg.threshold, cfg.num_perm, cfg.bands)
+        self.signatures: list[bytes] = []
+        self.ids: list[str] = []
+        self.candidates_checked = 0
+        self.candidates_rejected = 0
+
+    def check(self, doc_id: str, minhash: RMinHash) -> str | None:
+        sig = array("I", minhash.digest()).tobytes()
+        mine = memoryview(sig).cast("I")
+        best, best_key = -1.0, -1
+        for key in self.lsh.query(minhash):
+            self.candidates_checked += 1
+            other = memoryview(self.signatures[key]).cast("I")
+            j = sum(map(eq, mine, other)) / self.cfg.num_perm
+            if j < self.cfg.threshold:
+                self.candidates_rejected += 1
+            elif j > best or (j == best and key < best_key):
+                best, best_key = j, key
+        if best_key >= 0:
+            return f"jaccard~{best:.3f} with kept id {self.ids[best_key]}"
+        key = len(self.signatures)
+        self.lsh.insert(key, minhash)
+        self.signatures.append(sig)
+        self.ids.append(doc_id)
+        return None
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+def _open_input(in_path: Path) -> pq.ParquetFile:
+    if not in_path.exists():
+        raise CleanError(f"input not found: {in_path} (run the ingest stage first)")
+    try:
+        # pre_buffer=False: with pre-buffering, the reader's cached ranges grew from
+        # 40 to 90 MB over a 200 MB file; without, it stays near 13 MB.
+        pf = pq.ParquetFile(in_path, pre_buffer=False)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CleanError(f"{in_path} is not a readable Parquet file: {e}") from None
+    missing = [n for n in SCHEMA.names if n not in pf.schema_arrow.names]
+    if missing:
+        raise CleanError(f"{in_path} lacks column(s) {missing}; has {pf.schema_arrow.names}")
+    return pf
+
+
+def _processed(pf: pq.ParquetFile, cfg: CleanConfig, workers: int) -> Iterator[tuple[pa.RecordBatch, list[Result]]]:
+    """Yield (input batch, per-document results) in input order. With workers > 1,
+    at most 2 x workers batches are in flight, so reading never runs ahead of
+    processing (Pool.imap or Executor.map would consume the whole input eagerly)."""
+    batches = (
+        b if b.schema.equals(SCHEMA) else b.cast(SCHEMA)
+        for b in pf.iter_batches(batch_size=cfg.batch_docs, columns=SCHEMA.names)
+    )
+    if workers == 1:
+        _init_worker(cfg)
+        for b in batches:
+            yield b, process_batch(b.column(1).to_pylist())
+        return
+    # spawn, not fork: the parent has pyarrow and tqdm threads running. A process
+    # pool executor, not multiprocessing.Pool: when a worker dies (OOM kill, or a
+    # caller script without the __main__ guard that spawn needs) it raises
+    # BrokenProcessPool instead of respawning workers and waiting forever.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(cfg,))
+    try:
+        pending: deque = deque()
+        for b in batches:
+            pending.append((b, pool.submit(process_batch, b.column(1).to_pylist())))
+            if len(pending) >= 2 * workers:
+                b0, fut = pending.popleft()
+                yield b0, fut.result()
+        while pending:
+            b0, fut = pending.popleft()
+            yield b0, fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path) -> dict:
+    """Clean ``in_path`` (Parquet, ingest schema) into ``out_path`` (same schema)
+    and write the quarantine sample to ``quarantine_path``. Returns the metrics.
+
+    Raises CleanError when the input is missing, unreadable or lacks a column,
+    and when no document survives (the quarantine is still written then, and
+    ``out_path`` is left untouched). Worker processes are spawned, so a script
+    that calls this with ``num_workers != 1`` needs the usual
+    ``if __name__ == "__main__":`` guard; without it the pool breaks with
+    BrokenProcessPool."""
+    t0 = time.perf_counter()
+    in_path = Path(in_path)
+    pf = _open_input(in_path)
+    # No more workers than batches: a tiny input runs in-process, without spawning.
+    batches = -(-pf.metadata.num_rows // cfg.batch_docs)
+    workers = max(1, min(cfg.num_workers or _available_cores(), batches))
+    exact = ExactDedup() if cfg.exact_dedup.enabled else None
+    near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
+    ledger = Ledger(per_reason=cfg.quarantine_per_reason)
+    docs_in = docs_out = bytes_in = bytes_out = changed = 0
+    pending: list[pa.RecordBatch] = []
+    pending_rows = 0
+
+    with atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
+            progress(total=pf.metadata.num_rows, unit="doc", desc="clean") as bar, \
+            closing(_processed(pf, cfg, workers)) as processed:
+
+        def flush() -> None:
+            nonlocal pending_rows
+            if pending_rows:
+                writer.write_table(pa.Table.from_batches(pending, schema=SCHEMA), row_group_size=pending_rows)
+                pending.clear()
+                pending_rows = 0
+
+        for batch, results in processed:
+            ids = batch.column(0).to_pylist()
+            docs_in += len(ids)
+            bytes_in += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
+            keep: list[bool] = []
+            kept_texts: list[str] = []
+            for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
+                changed += was_changed
+                if reason is None and exact is not None:
+                    detail = exact.check(digest) or ""
+                    reason = EXACT_DUPLICATE if detail else None
+                if reason is None and near is not None and mh is not None:
+                    detail = near.check(ids[i], mh) or ""
+                    reason = NEAR_DUPLICATE if detail else None
+                keep.append(reason is None)
+                if reason is None:
+                    kept_texts.append(text)
+                    bytes_out += nbytes
+                else:
+                    ledger.record(reason, batch.column(2)[i].as_py(), batch.column(3)[i].as_py(),
+                                  batch.column(1)[i].as_py(), detail=f"id {ids[i]}: {detail}")
+            if kept_texts:
+                kept = batch.filter(pa.array(keep))
+                pending.append(pa.RecordBatch.from_arrays(
+                    [kept.column(0), pa.array(kept_texts, pa.string()), kept.column(2), kept.column(3)],
+                    schema=SCHEMA))
+                pending_rows += len(kept_texts)
+                docs_out += len(kept_texts)
+                if pending_rows >= cfg.row_group_docs:
+                    flush()
+            bar.update(len(ids))
+        flush()
+
+        ledger.write(quarantine_path)
+        if docs_out == 0:
+            raise CleanError(
+                f"no documents left after cleaning {docs_in} document(s) from {in_path}; "
+                f"dropped: {ledger.as_dict()} (see {quarantine_path}; loosen the clean: filters in params.yaml)"
+            )
+
+    dropped = {name: 0 for name, _, _ in cfg.filters.enabled()}
+    if exact is not None:
+        dropped[EXACT_DUPLICATE] = 0
+    if near is not None:
+        dropped[NEAR_DUPLICATE] = 0
+    dropped.update(ledger.counts)
+    if docs_in != docs_out + sum(dropped.values()) or docs_in != pf.metadata.num_rows:
+        raise RuntimeError(
+            f"clean accounting is broken: rows={pf.metadata.num_rows} docs_in={docs_in} "
+            f"docs_out={docs_out} dropped={dropped}"
+        )
+    seconds = time.perf_counter() - t0
+    return {
+        "docs_in": docs_in,
+        "docs_out": docs_out,
+        "dropped": dropped,
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+        "docs_changed_by_normalise": changed,
+        "kept_frac": round(docs_out / docs_in, 4),
+        "near_dedup": {
+            "candidates_checked": near.candidates_checked,
+            "candidates_below_threshold": near.candidates_rejected,
+            "kept_in_index": len(near.ids),
+        } if near is not None else {},
+        "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
+        "num_workers": workers,
+        "mb_per_s": round(bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
+    }

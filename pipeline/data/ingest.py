@@ -1,0 +1,534 @@
+"""ingest: read raw sources into one table of documents.
+
+Input: ``ingest.sources``, a list of ``{path, format, text_field, split_by}``.
+Output: a Parquet file of documents ``(id, text, source, location)`` and a
+quarantine JSONL of skipped records. ``id`` is stable: a hash of the source
+(with placeholders such as ``{stdlib}`` kept unexpanded, so ids agree across
+machines) and the location inside it.
+
+Every record read either becomes a document or is counted in the ledger with a
+reason; nothing is dropped silently. A missing path is an error raised before
+any reading starts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Literal, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.data.accounting import Ledger
+from pipeline.config import StageConfig
+from pipeline.files import atomic_path
+from pipeline.progress import progress
+
+Format = Literal["auto", "text", "jsonl", "json", "parquet", "csv", "hf"]
+SplitBy = Literal["file", "paragraph", "line"]
+
+# Placeholders usable at the start of a source path. They are resolved at run
+# time, so the same params.yaml works on every machine.
+PLACEHOLDERS: dict[str, Callable[[], str]] = {
+    "{stdlib}": lambda: sysconfig.get_paths()["stdlib"],
+}
+
+SUFFIX_FORMATS: dict[str, str] = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+
+SCHEMA = pa.schema(
+    [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]
+)
+
+BINARY_SNIFF_BYTES = 8192
+
+
+class Source(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, description="a file, a directory or a glob; may start with {stdlib}")
+    format: Format = "auto"
+    text_field: str = Field("text", min_length=1, description="field/column holding the text (record formats)")
+    split_by: SplitBy = Field("file", description="one document per file/record, per blank-line paragraph, or per line")
+    split: str = Field("train", description="dataset split, for format hf")
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="fnmatch patterns on the displayed path ('*' crosses '/'), e.g. '*/site-packages/*'",
+    )
+
+
+class IngestConfig(StageConfig):
+    sources: list[Source] = Field(
+        default_factory=lambda: [Source(path="{stdlib}/**/*.py", exclude=["*/site-packages/*", "*/dist-packages/*"])],
+        min_length=1,
+        description="list of {path, format, text_field, split_by, split, exclude}; see 'ingest sources' above",
+    )
+    max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents; null = no cap")
+    max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large")
+    include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
+    quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
+    row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
+
+
+class IngestError(RuntimeError):
+    """A source cannot be ingested at all (missing path, unreadable dataset)."""
+
+
+# --- resolving sources -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path  # real path on this machine
+    display: str  # how it is named in ids and quarantine (placeholders kept)
+    format: str
+    source: Source
+
+
+def expand_placeholders(path: str) -> tuple[str, str | None, str | None]:
+    """Return (expanded path, placeholder, its value) for a source path."""
+    for name, resolve in PLACEHOLDERS.items():
+        if path.startswith(name):
+            value = resolve()
+            return value + path[len(name):], name, value
+    return path, None, None
+
+
+def _display(p: Path, placeholder: str | None, value: str | None) -> str:
+    s = str(p)
+    if placeholder and value and s.startswith(value):
+        return placeholder + s[len(value):]
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return s
+
+
+def _is_hidden(p: Path, root: Path) -> bool:
+    try:
+        parts = p.relative_to(root).parts
+    except ValueError:
+        parts = p.parts
+    return any(part.startswith(".") for part in parts)
+
+
+def _is_hf_dir(p: Path) -> bool:
+    return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+
+
+def _infer_format(p: Path) -> str:
+    if _is_hf_dir(p):
+        return "hf"
+    return SUFFIX_FORMATS.get(p.suffix.lower(), "text")
+
+
+def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
+    """Expand every source to a sorted list of files. Raises IngestError, naming the
+    source, when a path matches nothing."""
+    files: list[InputFile] = []
+    for i, src in enumerate(cfg.sources):
+        where = f"ingest.sources.{i}.path"
+        expanded, ph, value = expand_placeholders(src.path)
+        fmt = src.format
+        if fmt == "hf" and not Path(expanded).exists():
+            # A dataset name for datasets.load_dataset (needs the network or the HF cache).
+            files.append(InputFile(Path(expanded), src.path, "hf", src))
+            continue
+        p = Path(expanded)
+        if glob.has_magic(expanded):
+            matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
+            root = Path(expanded.split("*")[0].split("?")[0].split("[")[0]).parent
+            candidates = [m for m in matches if m.is_file() or (fmt in ("auto", "hf") and _is_hf_dir(m))]
+        elif p.is_dir() and (fmt == "hf" or (fmt == "auto" and _is_hf_dir(p))):
+            candidates, root = [p], p.parent
+        elif p.is_dir():
+            root = p
+            candidates = sorted(x for x in p.rglob("*") if x.is_file())
+        elif p.exists():
+            candidates, root = [p], p.parent
+        else:
+            raise IngestError(f"{where}: no such file or directory: {src.path!r} (expanded to {expanded!r})")
+        if not cfg.include_hidden:
+            candidates = [c for c in candidates if not _is_hidden(c, root)]
+        if src.exclude:
+            candidates = [
+                c for c in candidates
+                if not any(fnmatch.fnmatchcase(_display(c, ph, value), pat) for pat in src.exclude)
+            ]
+        if not candidates:
+            raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})")
+        for c in candidates:
+            files.append(InputFile(c, _display(c, ph, value), fmt if fmt != "auto" else _infer_format(c), src))
+    return files
+
+
+# --- readers: each yields Doc or Skip ---------------------------------------------------------
+
+
+@dataclass
+class Doc:
+    location: str
+    text: str
+
+
+@dataclass
+class Skip:
+    reason: str
+    location: str
+    detail: str = ""
+    text: str | None = None
+    n: int = 1
+
+
+Item = Union[Doc, Skip]
+
+
+def split_text(text: str, split_by: str, base: str = "") -> Iterator[tuple[str, str]]:
+    """Split one text into (location, piece). Blank lines separate paragraphs and
+    are not records themselves; in line mode, blank lines are skipped likewise."""
+    prefix = f"{base}#" if base else ""
+    if split_by == "file":
+        yield (base or "file"), text
+        return
+    lines = text.split("\n")
+    if split_by == "line":
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                yield f"{prefix}line:{n}", line
+        return
+    start, buf = 0, []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            if not buf:
+                start = n
+            buf.append(line)
+        elif buf:
+            yield f"{prefix}para:{start}", "\n".join(buf)
+            buf = []
+    if buf:
+        yield f"{prefix}para:{start}", "\n".join(buf)
+
+
+def _texts(text: object, split_by: str, base: str, max_doc_bytes: int) -> Iterator[Item]:
+    """Checks shared by the record formats: type, emptiness, size, then splitting."""
+    if text is None:
+        yield Skip("missing_field", base)
+        return
+    if not isinstance(text, str):
+        yield Skip("bad_type", base, detail=f"expected a string, got {type(text).__name__}")
+        return
+    if not text.strip():
+        yield Skip("empty_text", base)
+        return
+    for loc, piece in split_text(text, split_by, base):
+        size = len(piece.encode("utf-8", "surrogatepass"))
+        if size > max_doc_bytes:
+            yield Skip("too_large", loc, detail=f"{size} bytes > max_doc_bytes={max_doc_bytes}", text=piece)
+        else:
+            yield Doc(loc, piece)
+
+
+def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    size = f.path.stat().st_size
+    if size == 0:
+        yield Skip("empty_file", "file")
+        return
+    with open(f.path, "rb") as fh:
+        head = fh.read(BINARY_SNIFF_BYTES)
+        if b"\x00" in head:
+            yield Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+            return
+        if f.source.split_by == "file" and size > cfg.max_doc_bytes:
+            yield Skip("too_large", "file", detail=f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+            return
+        if f.source.split_by == "file":
+            data = head + fh.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
+                return
+            if not text.strip():
+                yield Skip("empty_text", "file")
+                return
+            yield Doc("file", text)
+            return
+        # line / paragraph mode: stream lines so that a huge file is never held whole,
+        # and a bad byte costs one line, not the whole file.
+        fh.seek(0)
+        para: list[str] = []
+        para_start = 0
+        para_bytes = 0
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                yield Skip("non_utf8", f"line:{n}", detail=f"invalid UTF-8 at byte {e.start} of the line")
+                continue
+            if f.source.split_by == "line":
+                if not line.strip():
+                    continue
+                if len(raw) > cfg.max_doc_bytes:
+                    yield Skip("too_large", f"line:{n}", detail=f"{len(raw)} bytes > max_doc_bytes={cfg.max_doc_bytes}", text=line)
+                else:
+                    yield Doc(f"line:{n}", line)
+                continue
+            if line.strip():
+                if not para:
+                    para_start = n
+                para.append(line)
+                para_bytes += len(raw)
+                continue
+            if para:
+                yield from _emit_para(para, para_start, para_bytes, cfg)
+                para, para_bytes = [], 0
+        if para:
+            yield from _emit_para(para, para_start, para_bytes, cfg)
+
+
+def _emit_para(lines: list[str], start: int, nbytes: int, cfg: IngestConfig) -> Iterator[Item]:
+    text = "\n".join(lines)
+    if nbytes > cfg.max_doc_bytes:
+        yield Skip("too_large", f"para:{start}", detail=f"{nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}", text=text)
+    else:
+        yield Doc(f"para:{start}", text)
+
+
+def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    if f.path.stat().st_size == 0:
+        yield Skip("empty_file", "file")
+        return
+    field, split_by = f.source.text_field, f.source.split_by
+    with open(f.path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            loc = f"line:{n}"
+            if not raw.strip():
+                continue  # blank lines separate nothing and carry nothing
+            if len(raw) > cfg.max_doc_bytes:
+                yield Skip("too_large", loc, detail=f"{len(raw)} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Skip("non_utf8", loc, detail=f"invalid UTF-8 at byte {e.start} of the line")
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield Skip("malformed_json", loc, detail=str(e), text=line)
+                continue
+            if not isinstance(obj, dict):
+                yield Skip("malformed_json", loc, detail=f"expected an object, got {type(obj).__name__}", text=line)
+                continue
+            if field not in obj:
+                yield Skip("missing_field", loc, detail=f"no field {field!r}", text=line)
+                continue
+            yield from _texts(obj[field], split_by, loc, cfg.max_doc_bytes)
+
+
+def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    if f.path.stat().st_size == 0:
+        yield Skip("empty_file", "file")
+        return
+    try:
+        data = json.loads(f.path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
+        return
+    except json.JSONDecodeError as e:
+        yield Skip("malformed_json", "file", detail=str(e))
+        return
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            data = lists[0]
+        else:
+            data = [data]
+    if not isinstance(data, list):
+        yield Skip("malformed_json", "file", detail=f"expected a list of objects, got {type(data).__name__}")
+        return
+    field = f.source.text_field
+    for i, obj in enumerate(data):
+        loc = f"item:{i}"
+        if not isinstance(obj, dict):
+            yield Skip("malformed_json", loc, detail=f"expected an object, got {type(obj).__name__}")
+            continue
+        if field not in obj:
+            yield Skip("missing_field", loc, detail=f"no field {field!r}")
+            continue
+        yield from _texts(obj[field], f.source.split_by, loc, cfg.max_doc_bytes)
+
+
+def _read_columns(batches: Iterator[pa.RecordBatch], field: str, split_by: str, cfg: IngestConfig) -> Iterator[Item]:
+    row = 0
+    for batch in batches:
+        col = batch.column(batch.schema.get_field_index(field))
+        for value in col.to_pylist():
+            yield from _texts(value, split_by, f"row:{row}", cfg.max_doc_bytes)
+            row += 1
+
+
+def read_parquet(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    try:
+        pf = pq.ParquetFile(f.path, pre_buffer=False, buffer_size=1 << 20)  # pre_buffer keeps every chunk read
+    except (pa.ArrowInvalid, OSError) as e:
+        yield Skip("unreadable", "file", detail=f"not a readable Parquet file: {e}")
+        return
+    field = f.source.text_field
+    if field not in pf.schema_arrow.names:
+        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {pf.schema_arrow.names})",
+                   n=max(pf.metadata.num_rows, 1))
+        return
+    yield from _read_columns(pf.iter_batches(batch_size=1000, columns=[field]), field, f.source.split_by, cfg)
+
+
+def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    import pyarrow.csv as pacsv
+
+    if f.path.stat().st_size == 0:
+        yield Skip("empty_file", "file")
+        return
+    bad_rows: list[str] = []
+
+    def on_invalid(row: pacsv.InvalidRow) -> str:
+        bad_rows.append(f"line:{row.number}" if row.number is not None else "?")
+        return "skip"
+
+    try:
+        reader = pacsv.open_csv(
+            f.path,
+            parse_options=pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_invalid),
+            convert_options=pacsv.ConvertOptions(column_types={f.source.text_field: pa.string()}),
+        )
+    except pa.ArrowInvalid as e:
+        reason = "non_utf8" if "UTF8" in str(e) or "utf8" in str(e).lower() else "unreadable"
+        yield Skip(reason, "file", detail=str(e))
+        return
+    field = f.source.text_field
+    if field not in reader.schema.names:
+        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {reader.schema.names})")
+        return
+    try:
+        yield from _read_columns(iter(reader), field, f.source.split_by, cfg)
+    except pa.ArrowInvalid as e:
+        yield Skip("unreadable", "file", detail=f"CSV read stopped: {e}")
+    for loc in bad_rows:
+        yield Skip("malformed_csv", loc, detail="wrong number of columns")
+
+
+def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    import datasets
+
+    try:
+        if f.path.exists():
+            ds = datasets.load_from_disk(str(f.path))
+        else:
+            ds = datasets.load_dataset(str(f.path), split=f.source.split)
+    except Exception as e:  # datasets raises many types; the message is what matters
+        raise IngestError(f"{f.display}: cannot load Hugging Face dataset: {type(e).__name__}: {e}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if f.source.split not in ds:
+            raise IngestError(f"{f.display}: no split {f.source.split!r}; splits are {list(ds)}")
+        ds = ds[f.source.split]
+    field = f.source.text_field
+    if field not in ds.column_names:
+        raise IngestError(f"{f.display}: no column {field!r}; columns are {ds.column_names}")
+    yield from _read_columns(ds.data.to_batches(max_chunksize=1000), field, f.source.split_by, cfg)
+
+
+READERS: dict[str, Callable[[InputFile, IngestConfig], Iterator[Item]]] = {
+    "text": read_text,
+    "jsonl": read_jsonl,
+    "json": read_json,
+    "parquet": read_parquet,
+    "csv": read_csv,
+    "hf": read_hf,
+}
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+def doc_id(source: str, location: str) -> str:
+    return hashlib.blake2b(f"{source}\x00{location}".encode(), digest_size=8).hexdigest()
+
+
+def iter_items(files: list[InputFile], cfg: IngestConfig) -> Iterator[tuple[InputFile, Item]]:
+    seen: set[Path] = set()
+    for f in files:
+        key = f.path.resolve() if f.path.exists() else f.path
+        if key in seen:
+            yield f, Skip("duplicate_path", "file", detail="listed by more than one source")
+            continue
+        seen.add(key)
+        try:
+            yield from ((f, item) for item in READERS[f.format](f, cfg))
+        except (PermissionError, IsADirectoryError) as e:
+            yield f, Skip("unreadable", "file", detail=str(e))
+
+
+def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | Path) -> dict:
+    """Read every source into ``out_path`` (Parquet). Returns the metrics dict."""
+    files = resolve_sources(cfg)
+    ledger = Ledger(per_reason=cfg.quarantine_per_reason)
+    total_bytes = sum(f.path.stat().st_size for f in files if f.path.is_file())
+    bar_total = min(total_bytes, cfg.max_bytes) if cfg.max_bytes else total_bytes
+    docs = nbytes = 0
+    per_source: dict[str, int] = {}
+    capped = False
+    batch: dict[str, list[str]] = {k: [] for k in SCHEMA.names}
+
+    with atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
+            progress(total=bar_total, unit="B", unit_scale=True, desc="ingest") as bar:
+
+        def flush() -> None:
+            if batch["id"]:
+                writer.write_table(pa.table(batch, schema=SCHEMA))
+                for v in batch.values():
+                    v.clear()
+
+        for f, item in iter_items(files, cfg):
+            if isinstance(item, Skip):
+                ledger.record(item.reason, f.display, item.location, item.text, item.detail, n=item.n)
+                continue
+            size = len(item.text.encode("utf-8", "surrogatepass"))
+            batch["id"].append(doc_id(f.display, item.location))
+            batch["text"].append(item.text)
+            batch["source"].append(f.display)
+            batch["location"].append(item.location)
+            docs += 1
+            nbytes += size
+            per_source[f.source.path] = per_source.get(f.source.path, 0) + 1
+            bar.update(size)
+            if len(batch["id"]) >= cfg.row_group_docs:
+                flush()
+            if cfg.max_bytes and nbytes >= cfg.max_bytes:
+                capped = True
+                break
+        flush()
+    ledger.write(quarantine_path)
+    if docs == 0:
+        raise IngestError(
+            f"ingest produced no documents from {len(files)} file(s); skipped: {ledger.as_dict()} "
+            f"(see {quarantine_path})"
+        )
+    return {
+        "docs": docs,
+        "bytes": nbytes,
+        "skipped": ledger.as_dict(),
+        "files": len(files),
+        "capped": capped,
+        "docs_per_source": per_source,
+    }

@@ -1,0 +1,210 @@
+"""MLflow model registry for exports: every export a version, aliases for the best.
+
+::
+
+    from pipeline.promote import register_export
+
+    result = register_export("models/export", model_name="llm-pipeline", run_id=tracker.run_id,
+                             metrics={"sft": {"bits_per_byte": 1.31}, "pretrain": {...}})
+    # {"registered": True, "version": 4, "candidate": 4, "champion": 2, "promoted": False, "reason": ...}
+
+What one call does
+    1. Logs the export folder as artifacts of run ``run_id`` (under ``model/``), or
+       of a new run named ``register`` when no run is given. Stages should pass
+       their own Tracker's ``run_id`` so the model sits beside the run's metrics.
+    2. Creates the registered model if it is missing, then a model version whose
+       ``source`` is the artifact URI of that folder. (``mlflow.register_model``
+       cannot be used: MLflow 3 expects a "logged model" there, and
+       ``mlflow.pytorch.log_model`` would export a torch.export program with a
+       fixed sequence length; the Hugging Face folder is the model.)
+    3. Stores the evaluation metrics as version tags ``metric.<dotted name>``, with
+       ``primary_metric`` and ``lower_is_better``, so later comparisons read the
+       registry alone and do not depend on runs that may be deleted.
+    4. Points alias ``candidate`` at the new version, always.
+    5. Moves alias ``champion`` to it only if :func:`should_promote` says its
+       primary metric beats the champion's (read from the champion's tags): a tie
+       keeps the champion, and a missing or NaN metric is never promoted. A
+       champion without a valid value of the primary metric (e.g. registered
+       under another primary metric) is beaten by any valid value.
+
+Outages follow the project's policy: tracking disabled (``PIPELINE_TRACKING=0``),
+an unreachable server or any MLflow error gives a ``RegistryWarning`` and a
+result with ``registered: False`` and the reason, never an exception. The
+tracking URI is ``pipeline.tracking.tracker.tracking_uri()``. mlflow is imported only
+when a registration is attempted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.tracking.tracker import HTTP_DEFAULTS, MAX_TAG_VAL_LENGTH, ensure_experiment, git_tags, probe, tracking_uri
+
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+METRIC_TAG = "metric."  # prefix of the version tags that hold metrics
+ARTIFACT_PATH = "model"
+DEFAULT_PRIMARY_METRIC = "sft.chat.bits_per_byte"  # the chat model on its own val split
+
+
+class RegistryWarning(UserWarning):
+    """The export could not be registered; the pipeline goes on without it."""
+
+
+def should_promote(new: float | None, current: float | None, lower_is_better: bool = True) -> bool:
+    """Whether a version whose primary metric is ``new`` should replace a champion
+    whose metric is ``current``. ``None`` or NaN as ``new``: never. ``None`` or
+    NaN as ``current`` (no champion, or one without a valid value): yes. Else only
+    a strict improvement; a tie keeps the champion."""
+    if not _is_number(new):
+        return False
+    if not _is_number(current):
+        return True
+    return new < current if lower_is_better else new > current
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a nested dict under dotted names (NaN kept, booleans and
+    strings dropped): ``{"sft": {"bits_per_byte": 1.3}} -> {"sft.bits_per_byte": 1.3}``."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            out.update(flatten_metrics(value, f"{prefix}{key}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{prefix}{key}"] = float(value)
+    return out
+
+
+def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping[str, Any],
+                    run_id: str | None = None, primary_metric: str = DEFAULT_PRIMARY_METRIC,
+                    lower_is_better: bool = True, tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Register ``export_dir`` as a new version of ``model_name`` (see the module doc).
+
+    ``metrics`` may be nested; ``primary_metric`` names a dotted leaf. ``tags``
+    (e.g. lineage: git commit, checkpoint fingerprint) are added to the version.
+    Returns ``{registered: True, model_name, version, candidate, champion,
+    previous_champion, promoted, reason, source, run_id}`` (versions as ints;
+    champion None if there is none), or ``{registered: False, reason}`` plus
+    what was done before the failure. Raises only for a missing ``export_dir``.
+    """
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise FileNotFoundError(f"{export_dir}: no export folder to register")
+    if os.environ.get("PIPELINE_TRACKING", "").strip().lower() in ("0", "false", "no", "off"):
+        return {"registered": False, "reason": "tracking is disabled (PIPELINE_TRACKING=0)"}
+    uri = tracking_uri()
+    reason = probe(uri)
+    if reason is not None:
+        return _not_registered(f"MLflow is unreachable: {reason}", {})
+    if uri.startswith(("http://", "https://")):
+        for var, value in HTTP_DEFAULTS.items():  # seconds, not minutes, if the server dies now
+            os.environ.setdefault(var, value)
+    flat = flatten_metrics(metrics)
+    done: dict[str, Any] = {}
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(uri)
+        own_run = run_id is None
+        if own_run:
+            run_id = client.create_run(ensure_experiment(uri=uri, client=client), run_name="register",
+                                       tags=git_tags()).info.run_id
+        done["run_id"] = run_id
+        client.log_artifacts(run_id, str(export_dir), ARTIFACT_PATH)
+        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{ARTIFACT_PATH}"
+        done["source"] = source
+
+        _ensure_registered_model(client, model_name)
+        version_tags = {f"{METRIC_TAG}{k}": repr(v) for k, v in flat.items()}
+        version_tags.update({"primary_metric": primary_metric, "lower_is_better": str(lower_is_better).lower()})
+        version_tags.update({str(k): str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
+        mv = client.create_model_version(model_name, source=source, run_id=run_id, tags=version_tags,
+                                         description=f"export of {export_dir}; {primary_metric}="
+                                                     f"{flat.get(primary_metric)}")
+        version = int(mv.version)
+        done["version"] = version
+        client.set_registered_model_alias(model_name, CANDIDATE, str(version))
+        done["candidate"] = version
+
+        previous, current = _champion(client, model_name, primary_metric)
+        new = flat.get(primary_metric)
+        promoted = should_promote(new, current, lower_is_better)
+        if promoted:
+            client.set_registered_model_alias(model_name, CHAMPION, str(version))
+        if own_run:
+            client.set_terminated(run_id)
+    except Exception as err:  # outage policy: warn and carry on without the registry
+        return _not_registered(f"registering {export_dir} as {model_name!r} failed: "
+                               f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", done)
+    return {
+        "registered": True,
+        "model_name": model_name,
+        **done,
+        "champion": version if promoted else previous,
+        "previous_champion": previous,
+        "promoted": promoted,
+        "reason": _reason(primary_metric, new, previous, current, promoted, lower_is_better),
+    }
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _not_registered(reason: str, done: dict[str, Any]) -> dict[str, Any]:
+    warnings.warn(f"model not registered: {reason}", RegistryWarning, stacklevel=3)
+    return {"registered": False, "reason": reason, **done}
+
+
+def _ensure_registered_model(client: Any, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        try:
+            client.create_registered_model(name, description="Exports of the llm-pipeline, one version each.")
+        except MlflowException as err2:  # created meanwhile by a parallel run
+            if err2.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+
+
+def _champion(client: Any, name: str, primary_metric: str) -> tuple[int | None, float | None]:
+    """(version, primary metric value) of the current champion; (None, None) if none."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mv = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None, None
+        raise
+    raw = (mv.tags or {}).get(f"{METRIC_TAG}{primary_metric}")
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        value = None
+    return int(mv.version), value
+
+
+def _reason(metric: str, new: float | None, previous: int | None, current: float | None, promoted: bool,
+            lower_is_better: bool) -> str:
+    better = "lower" if lower_is_better else "higher"
+    if not _is_number(new):
+        return f"{metric} is missing or NaN: never champion" + (f"; v{previous} stays" if previous else "")
+    if previous is None:
+        return f"first version with {metric}={new:.6g}: champion"
+    if not _is_number(current):
+        return f"champion v{previous} has no valid {metric}; {new:.6g} replaces it"
+    if promoted:
+        return f"{metric} {new:.6g} beats champion v{previous} ({current:.6g}; {better} is better)"
+    return f"{metric} {new:.6g} does not beat champion v{previous} ({current:.6g}; {better} is better, ties keep it)"

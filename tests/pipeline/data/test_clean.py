@@ -1,0 +1,248 @@
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.clean import SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
+from pipeline.config import ConfigError, load_params, parse_section
+
+from tests.conftest import ROOT
+
+
+def cfg(**kw) -> CleanConfig:
+    kw.setdefault("num_workers", 1)
+    return parse_section(CleanConfig, kw, "clean")
+
+
+def write_docs(path, texts, row_group_size=3):
+    rows = {
+        "id": [f"id{i:03d}" for i in range(len(texts))],
+        "text": texts,
+        "source": [f"src/{i}.py" for i in range(len(texts))],
+        "location": ["file"] * len(texts),
+    }
+    pq.write_table(pa.table(rows, schema=SCHEMA), path, row_group_size=row_group_size)
+    return path
+
+
+def run(tmp_path, texts, **kw):
+    inp = write_docs(tmp_path / "in.parquet", texts)
+    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    metrics = run_clean(cfg(**kw), inp, out, q)
+    docs = pq.read_table(out).to_pylist()
+    quarantine = [json.loads(line) for line in q.read_text().splitlines()]
+    return metrics, docs, quarantine
+
+
+def prose(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return " ".join("".join(rng.choice(letters) for _ in range(rng.randint(3, 9))) for _ in range(n))
+
+
+def code(seed: int) -> str:
+    """A small function-per-paragraph module that the default filters keep."""
+    w = prose(60, seed).split()
+    return "\n\n".join(
+        f"def {w[i]}_{w[i + 1]}({w[i + 2]}, {w[i + 3]}):\n    {w[i + 4]} = {w[i + 5]}({w[i + 2]}) + {i}\n"
+        f"    return {w[i + 4]}.{w[i + 6]}({w[i + 3]})"
+        for i in range(0, 49, 7)
+    )
+
+
+# --- normalisation -----------------------------------------------------------------------------
+
+
+def test_unicode_forms():
+    decomposed = "cafe\u0301 \ufb01le"
+    assert normalise(decomposed, NormaliseConfig()) == "caf\u00e9 \ufb01le"
+    assert normalise(decomposed, NormaliseConfig(unicode="NFKC")) == "caf\u00e9 file"
+    assert normalise(decomposed, NormaliseConfig(unicode="none")) == decomposed
+
+
+def test_whitespace_keeps_indentation():
+    text = "\n  \n    def f():\r\n        return 1   \r\n\n\n\n\n\n\tx = 2\t\r    # end  \n\n"
+    assert normalise(text, NormaliseConfig()) == "    def f():\n        return 1\n\n\n\tx = 2\n    # end\n"
+    assert normalise("  x = 1", NormaliseConfig()) == "  x = 1"
+    assert normalise("x = 1\n", NormaliseConfig()) == "x = 1\n"
+
+
+def test_control_characters_removed_except_newline_and_tab():
+    assert normalise("\ufeffa\x00b\x1b[0mc\td\x85e\n", NormaliseConfig()) == "ab[0mc\tde\n"
+
+
+def test_each_normalisation_option_can_be_switched_off():
+    text = "\n\ncafe\u0301\x07  \r\nx\n\n\n\n\ny\n"
+    off = dict(unicode="none", newlines=False, remove_control_chars=False, strip_trailing_whitespace=False,
+               max_blank_lines=None, strip_blank_edges=False)
+    assert normalise(text, NormaliseConfig(**off)) == text
+    assert normalise(text, NormaliseConfig(**{**off, "max_blank_lines": 1})) == "\ncafe\u0301\x07  \r\nx\n\ny\n"
+    assert normalise(text, NormaliseConfig(**{**off, "max_blank_lines": 0})) == "cafe\u0301\x07  \r\nx\ny\n"
+    assert normalise(text, NormaliseConfig(**{**off, "strip_blank_edges": True})) == "cafe\u0301\x07  \r\nx\n\n\n\n\ny\n"
+    assert normalise("a\n\n \n", NormaliseConfig(**{**off, "strip_blank_edges": True})) == "a\n"
+    assert normalise(text, NormaliseConfig(**{**off, "newlines": True})) == text.replace("\r\n", "\n")
+    assert normalise(text, NormaliseConfig(**{**off, "remove_control_chars": True})) == text.replace("\x07", "")
+    assert normalise("a  \nb\t", NormaliseConfig(**{**off, "strip_trailing_whitespace": True})) == "a\nb"
+
+
+def test_blank_document_normalises_to_empty():
+    assert normalise(" \n\t\n  ", NormaliseConfig()) == ""
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+def test_text_is_normalised_and_schema_kept(tmp_path):
+    metrics, docs, _ = run(tmp_path, ["total = compute()   \r\nvalue = 2\r\n", "caf\u00e9 = brewed"])
+    assert docs == [
+        {"id": "id000", "text": "total = compute()\nvalue = 2\n", "source": "src/0.py", "location": "file"},
+        {"id": "id001", "text": "caf\u00e9 = brewed", "source": "src/1.py", "location": "file"},
+    ]
+    assert pq.read_schema(tmp_path / "out" / "docs.parquet").equals(SCHEMA)
+    assert metrics["docs_changed_by_normalise"] == 1
+    assert metrics["bytes_in"] == 33 + 14 and metrics["bytes_out"] == 28 + 14
+
+
+def test_exact_dedup_keeps_first_occurrence(tmp_path):
+    a = code(1)
+    metrics, docs, quarantine = run(tmp_path, [a, code(2), a.replace("\n", "   \r\n"), a])
+    assert [d["id"] for d in docs] == ["id000", "id001"]
+    assert metrics["dropped"]["exact_duplicate"] == 2
+    assert [q["source"] for q in quarantine] == ["src/2.py", "src/3.py"]
+
+    metrics, docs, _ = run(tmp_path, [a, a], exact_dedup={"enabled": False}, near_dedup={"enabled": False})
+    assert len(docs) == 2 and "exact_duplicate" not in metrics["dropped"]
+
+
+def test_near_dedup_drops_small_edits_and_keeps_unrelated(tmp_path):
+    base = prose(400, seed=1).split()
+    edited = list(base)
+    for i in (50, 150, 250):
+        edited[i] = "changed"
+    texts = [" ".join(base), prose(400, seed=2), " ".join(edited)]
+    metrics, docs, quarantine = run(tmp_path, texts)
+    assert [d["id"] for d in docs] == ["id000", "id001"]
+    assert metrics["dropped"]["near_duplicate"] == 1
+    (q,) = quarantine
+    assert q["reason"] == "near_duplicate" and q["source"] == "src/2.py"
+    assert "id id002:" in q["detail"] and "with kept id id000" in q["detail"]
+
+    _, docs, _ = run(tmp_path, texts, near_dedup={"enabled": False})
+    assert len(docs) == 3
+    # A stricter threshold than the documents' similarity keeps the edited copy.
+    _, docs, _ = run(tmp_path, texts, near_dedup={"threshold": 1.0})
+    assert len(docs) == 3
+
+
+MIXED = [
+    code(1),                       # kept
+    "lorem ipsum dolor sit amet",  # c4_lorem_ipsum
+    code(1),                       # exact_duplicate
+    "",                            # too_short
+    code(2),                       # kept
+    "counter = counter + 1\n" * 9,  # gopher_dup_lines
+    prose(300, seed=5),            # kept
+    prose(300, seed=5) + " tail",  # near_duplicate
+    code(3),                       # kept
+]
+
+
+def test_accounting_identity_on_mixed_input(tmp_path):
+    metrics, docs, quarantine = run(tmp_path, MIXED, batch_docs=2, row_group_docs=3)
+    assert metrics["docs_in"] == len(MIXED) == 9
+    assert metrics["docs_out"] == len(docs) == 4
+    assert metrics["docs_in"] == metrics["docs_out"] + sum(metrics["dropped"].values())
+    fired = {k: v for k, v in metrics["dropped"].items() if v}
+    assert fired == {"c4_lorem_ipsum": 1, "exact_duplicate": 1, "too_short": 1, "gopher_dup_lines": 1,
+                     "near_duplicate": 1}
+    # Every enabled reason is listed, fired or not, so metrics diff cleanly across runs.
+    assert "gopher_bullet_lines" in metrics["dropped"] and "c4_curly_braces" not in metrics["dropped"]
+    assert metrics["bytes_out"] == sum(len(d["text"].encode()) for d in docs)
+    assert pq.ParquetFile(tmp_path / "out" / "docs.parquet").metadata.num_row_groups == 2  # 3 + 1 rows
+    assert [d["id"] for d in docs] == ["id000", "id004", "id006", "id008"]
+
+
+def test_quarantine_records_reason_source_location_and_text(tmp_path):
+    texts = [code(1)] + [code(1)] * 3 + ["lorem ipsum"]
+    metrics, _, quarantine = run(tmp_path, texts, quarantine_per_reason=1)
+    assert metrics["dropped"]["exact_duplicate"] == 3
+    assert [(q["reason"], q["source"], q["location"]) for q in quarantine] == [
+        ("exact_duplicate", "src/1.py", "file"),
+        ("c4_lorem_ipsum", "src/4.py", "file"),
+    ]
+    assert quarantine[0]["text"] == code(1)
+    assert quarantine[1]["detail"] == "id id004: contains 'lorem ipsum'"
+
+
+def test_output_is_identical_for_any_worker_count(tmp_path):
+    texts = MIXED * 3 + [prose(200, seed=s) for s in range(100, 110)] + [code(s) for s in range(10, 20)]
+    results = []
+    for workers in (1, 2):
+        d = tmp_path / f"w{workers}"
+        d.mkdir()
+        metrics, docs, quarantine = run(d, texts, num_workers=workers, batch_docs=3)
+        assert metrics.pop("num_workers") == workers
+        metrics.pop("mb_per_s")
+        results.append((metrics, docs, quarantine))
+    assert results[0] == results[1]
+    assert results[0][0]["docs_out"] == 4 + 20
+
+
+def test_workers_are_capped_by_the_number_of_batches(tmp_path):
+    metrics, _, _ = run(tmp_path, [code(1), code(2)], num_workers=4, batch_docs=64)
+    assert metrics["num_workers"] == 1
+
+
+def test_empty_after_cleaning_is_a_clear_error(tmp_path):
+    inp = write_docs(tmp_path / "in.parquet", ["a", "b"])
+    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    with pytest.raises(CleanError, match=r"no documents left after cleaning 2 document\(s\).*'too_short': 2"):
+        run_clean(cfg(filters={"too_short": {"min_chars": 5}}), inp, out, q)
+    assert not out.exists()
+    assert len(q.read_text().splitlines()) == 2
+
+
+def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
+    out, q = tmp_path / "docs.parquet", tmp_path / "q.jsonl"
+    with pytest.raises(CleanError, match="input not found: .*nope.parquet"):
+        run_clean(cfg(), tmp_path / "nope.parquet", out, q)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), bad)
+    with pytest.raises(CleanError, match=r"lacks column\(s\) \['text', 'source', 'location'\]"):
+        run_clean(cfg(), bad, out, q)
+
+
+@pytest.mark.parametrize("data,key,message", [
+    ({"near_dedup": {"bands": 3}}, "clean.near_dedup.bands", "must divide num_perm=128"),
+    ({"near_dedup": {"num_perm": 64, "bands": 128}}, "clean.near_dedup.bands", "must divide num_perm=64"),
+    ({"filters": {"gopher_dup_lines": {"max_fracc": 0.2}}}, "clean.filters.gopher_dup_lines.max_fracc", "unknown key"),
+    ({"filters": {"no_such_filter": {}}}, "clean.filters.no_such_filter", "unknown key"),
+    ({"num_workers": "two"}, "clean.num_workers", "valid integer"),
+    ({"filters": {"gopher_bullet_lines": {"max_frac": 1.5}}}, "clean.filters.gopher_bullet_lines.max_frac",
+     "less than or equal to 1"),
+    ({"normalise": {"unicode": "NFD"}}, "clean.normalise.unicode", "'NFC', 'NFKC' or 'none'"),
+    ({"near_dedup": {"threshold": 0}}, "clean.near_dedup.threshold", "greater than 0"),
+])
+def test_config_errors_name_the_dotted_key(data, key, message):
+    with pytest.raises(ConfigError) as err:
+        parse_section(CleanConfig, data, "clean")
+    line = next(ln for ln in str(err.value).splitlines() if ln.strip().startswith(key + ":"))
+    assert message in line
+
+
+def test_shipped_params_parse_and_match_the_defaults():
+    assert load_params("clean", ROOT / "params.yaml") == CleanConfig()
+
+
+def test_stage_reports_a_missing_input_in_one_line(tmp_path):
+    (tmp_path / "params.yaml").write_text("clean:\n  num_workers: 1\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "stages.clean"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "error: stage clean failed: input not found: data/ingest/docs.parquet" in r.stderr
+    assert "Traceback" not in r.stderr

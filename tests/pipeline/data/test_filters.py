@@ -1,0 +1,140 @@
+import random
+from collections import Counter
+
+import pytest
+
+from pipeline.data.filters import FILTERS, FiltersSection, Text, dup_ngram_char_frac, first_failure, ngrams
+
+# Lines of plausible, non-repetitive code: the shape of the default corpus.
+CODE = "\n".join(
+    f"def handler_{i}(request, value_{i}):\n    result = compute(value_{i}, offset={i})\n    return result + {i}"
+    for i in range(8)
+)
+
+
+def only(name: str, **params) -> list:
+    """The enabled-filter list with just ``name`` switched on (with ``params``)."""
+    section = {n: {"enabled": False} for n in FILTERS}
+    section[name] = {"enabled": True, **params}
+    return FiltersSection.model_validate(section).enabled()
+
+
+def fires(name: str, text: str, **params) -> bool:
+    hit = first_failure(text, only(name, **params))
+    assert hit is None or hit[0] == name
+    return hit is not None
+
+
+def words(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(3, 8))) for _ in range(n)]
+
+
+# (filter, params, text that must fire, text that must not)
+CASES = [
+    ("too_short", {"min_chars": 10}, "tiny", "long enough to keep"),
+    ("too_short", {"min_chars": 1, "min_words": 5}, "only four words here", "exactly five words are here"),
+    ("too_long", {"max_chars": 10}, "x" * 11, "x" * 10),
+    ("too_long", {"max_words": 3}, "one two three four", "one two three"),
+    ("c4_lorem_ipsum", {}, "Lorem Ipsum dolor sit amet", "lorem is not enough"),
+    ("c4_curly_braces", {}, "d = {1: 2}", "d = dict(a=1)"),
+    ("c4_javascript", {}, "Please enable JavaScript.\nThanks.", "javascript here\n" + "plain line\n" * 19),
+    ("c4_policy", {}, "This site uses cookies.\nRead our Privacy Policy.\nHello.", "A line about cookies.\nHello."),
+    ("gopher_mean_word_length", {}, "a b c d e f g", "these words have ordinary lengths"),
+    ("gopher_mean_word_length", {}, " ".join(["x" * 20] * 5), "these words have ordinary lengths"),
+    ("gopher_symbol_ratio", {}, "# a # b # c", "#" * 80 + "\nimport os  # the operating system module here"),
+    ("gopher_bullet_lines", {}, "- one\n- two\n* three\n\u2022 four", "- one\nplain line\nanother line"),
+    ("gopher_ellipsis_lines", {}, "wait...\nand\u2026\nok", "one...\ntwo\nthree\nfour"),
+    ("gopher_alpha_words", {}, "1 + 2 == 3 and", "alpha beta gamma delta 42"),
+    ("gopher_stop_words", {}, "import os\nos.getcwd()", "the cat and the dog"),
+    ("c4_terminal_punct", {}, "no ending\nnone here\nok.", "A sentence.\nAnother one!\nWhy?"),
+    ("c4_min_words_per_line", {}, "a\nb\nc d e", "three words here\nand three more\nx"),
+    ("gopher_dup_lines", {}, "x = 1\n" * 5 + "y = 2", CODE),
+    ("gopher_dup_paragraphs", {}, "para one\n\npara one\n\npara one\n\nunique para", "a b\n\nc d\n\ne f"),
+    ("gopher_top_ngrams", {}, "foo bar " * 10 + " ".join(words(20)), " ".join(words(60))),
+    ("gopher_dup_ngrams", {}, " ".join(words(10) * 3), " ".join(words(200))),
+]
+
+
+@pytest.mark.parametrize("name,params,bad,good", CASES, ids=[c[0] for c in CASES])
+def test_filter_fires_and_passes(name, params, bad, good):
+    assert fires(name, bad, **params)
+    assert not fires(name, good, **params)
+
+
+def test_every_filter_has_a_case():
+    assert {c[0] for c in CASES} == set(FILTERS)
+
+
+@pytest.mark.parametrize("name,params,bad,good", CASES, ids=[c[0] for c in CASES])
+def test_enabled_false_switches_a_filter_off(name, params, bad, good):
+    section = {n: {"enabled": False} for n in FILTERS}
+    section[name] = {"enabled": False, **params}
+    enabled = FiltersSection.model_validate(section).enabled()
+    assert enabled == []
+    assert first_failure(bad, enabled) is None
+
+
+def test_filters_run_in_registry_order_and_first_wins():
+    section = FiltersSection.model_validate({"too_short": {"min_chars": 100}, "c4_lorem_ipsum": {"enabled": True}})
+    assert [n for n, _, _ in section.enabled()] == [n for n in FILTERS if getattr(section, n).enabled]
+    reason, detail = first_failure("lorem ipsum", section.enabled())
+    assert reason == "too_short" and "11 < 100" in detail
+
+
+def test_default_filters_keep_ordinary_code():
+    # Prose rules are off by default, so plain code must pass every enabled filter.
+    assert first_failure(CODE, FiltersSection().enabled()) is None
+
+
+def _naive_dup_frac(ws: list[str], n: int) -> float:
+    covered = [False] * len(ws)
+    seen = set()
+    for i, g in enumerate(ngrams(ws, n)):
+        if g in seen:
+            covered[i:i + n] = [True] * n
+        seen.add(g)
+    total = sum(map(len, ws))
+    return sum(len(w) for w, c in zip(ws, covered) if c) / total
+
+
+def test_dup_ngram_char_frac_matches_a_naive_count():
+    rng = random.Random(1)
+    vocab = words(6, seed=2)
+    for _ in range(200):
+        ws = [rng.choice(vocab) for _ in range(rng.randint(5, 60))]
+        lengths = list(map(len, ws))
+        for n in (1, 2, 3, 5):
+            if len(ws) >= n:
+                got = dup_ngram_char_frac(ws, lengths, sum(lengths), n)
+                assert got == pytest.approx(_naive_dup_frac(ws, n))
+
+
+def test_dup_ngrams_early_exit_agrees_with_checking_every_n():
+    rng = random.Random(3)
+    limits = {5: 0.30, 6: 0.28, 7: 0.26, 8: 0.24, 9: 0.22, 10: 0.20}
+    check = FILTERS["gopher_dup_ngrams"].check
+    cfg = FILTERS["gopher_dup_ngrams"].config(max_char_frac=limits)
+    vocab = words(12, seed=4)
+    for _ in range(200):
+        ws = [rng.choice(vocab) for _ in range(rng.randint(10, 80))]
+        lengths = list(map(len, ws))
+        expect = any(dup_ngram_char_frac(ws, lengths, sum(lengths), n) > lim for n, lim in limits.items())
+        assert (check(Text(" ".join(ws)), cfg) is not None) == expect
+
+
+def test_top_ngram_counts_the_most_frequent_one():
+    doc = Text("ab cd ab cd ab cd xy zw")
+    (gram, count), = Counter(ngrams(doc.words, 2)).most_common(1)
+    assert gram == ("ab", "cd") and count == 3
+    detail = FILTERS["gopher_top_ngrams"].check(doc, FILTERS["gopher_top_ngrams"].config(max_char_frac={2: 0.5}))
+    assert detail == "top_2gram_char_frac 0.750 > 0.5"  # 4 chars x 3 / 16 word chars
+
+
+def test_bad_filter_params_are_rejected():
+    with pytest.raises(ValueError, match="min=5.0 must not exceed max=4.0"):
+        FiltersSection.model_validate({"gopher_mean_word_length": {"min": 5, "max": 4}})
+    with pytest.raises(ValueError, match="n-gram size 0"):
+        FiltersSection.model_validate({"gopher_dup_ngrams": {"max_char_frac": {0: 0.1}}})
+    with pytest.raises(ValueError, match="extra"):
+        FiltersSection.model_validate({"gopher_dup_lines": {"max_fracs": 0.1}})

@@ -1,0 +1,159 @@
+import json
+import sysconfig
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import parse_section
+from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
+
+
+def cfg(**kw):
+    return parse_section(IngestConfig, kw, "ingest")
+
+
+def run(tmp_path, **kw):
+    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    metrics = run_ingest(cfg(**kw), out, q)
+    table = pq.read_table(out)
+    quarantine = [json.loads(line) for line in q.read_text().splitlines()]
+    return metrics, table.to_pylist(), quarantine
+
+
+def test_text_split_modes(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("one\ntwo\n\n\nthree\n")
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f)}])
+    assert [d["text"] for d in docs] == ["one\ntwo\n\n\nthree\n"]
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "paragraph"}])
+    assert [(d["text"], d["location"]) for d in docs] == [("one\ntwo", "para:1"), ("three", "para:5")]
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}])
+    assert [(d["text"], d["location"]) for d in docs] == [("one", "line:1"), ("two", "line:2"), ("three", "line:5")]
+
+
+def test_split_text_record_prefix():
+    assert list(split_text("a\n\nb", "paragraph", "row:3")) == [("row:3#para:1", "a"), ("row:3#para:3", "b")]
+
+
+def test_every_bad_input_is_a_counted_skip(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "good.txt").write_text("hello world")
+    (d / "empty.txt").write_bytes(b"")
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (d / "blob.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    (d / "huge.txt").write_text("x" * (5 * 1024 * 1024))  # a single 5 MB line
+    rows = [
+        json.dumps({"text": "a fine record"}),
+        '{"text": "unterminated',
+        "[1, 2, 3]",
+        json.dumps({"body": "wrong field"}),
+        json.dumps({"text": 42}),
+        json.dumps({"text": "   "}),
+        json.dumps({"text": "y" * (5 * 1024 * 1024)}),
+    ]
+    data = ("\n".join(rows) + "\n").encode() + b'{"text": "bad \xff byte"}\n'
+    (d / "recs.jsonl").write_bytes(data)
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(d)}], max_doc_bytes=1_000_000)
+
+    assert sorted(x["text"] for x in docs) == ["a fine record", "hello world"]
+    assert metrics["skipped"] == {
+        "bad_type": 1,
+        "binary": 1,
+        "empty_file": 1,
+        "empty_text": 1,
+        "malformed_json": 2,
+        "missing_field": 1,
+        "non_utf8": 2,
+        "too_large": 2,
+    }
+    # accounting: 5 files of one record each + 8 JSONL records = docs + skips
+    assert metrics["docs"] + sum(metrics["skipped"].values()) == 5 + 8
+    reasons = {(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine}
+    assert ("latin1.txt", "non_utf8") in reasons and ("huge.txt", "too_large") in reasons
+    assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
+
+
+def test_line_mode_keeps_good_lines_around_bad_bytes(tmp_path):
+    f = tmp_path / "mixed.txt"
+    f.write_bytes(b"good one\nbad \xff line\ngood two\n")
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}])
+    assert [d["text"] for d in docs] == ["good one", "good two"]
+    assert metrics["skipped"] == {"non_utf8": 1}
+
+
+def test_record_formats(tmp_path):
+    pq.write_table(pa.table({"content": ["p1", None, "p2"]}), tmp_path / "a.parquet")
+    (tmp_path / "b.csv").write_text('content,other\n"c1, with comma",x\nc2,y\n')
+    (tmp_path / "c.json").write_text(json.dumps({"data": [{"content": "j1"}, {"content": "j2"}, 7]}))
+    metrics, docs, _ = run(tmp_path, sources=[
+        {"path": str(tmp_path / "a.parquet"), "text_field": "content"},
+        {"path": str(tmp_path / "b.csv"), "text_field": "content"},
+        {"path": str(tmp_path / "c.json"), "text_field": "content"},
+    ])
+    assert [d["text"] for d in docs] == ["p1", "p2", "c1, with comma", "c2", "j1", "j2"]
+    assert [d["location"] for d in docs][:2] == ["row:0", "row:2"]
+    assert metrics["skipped"] == {"missing_field": 1, "malformed_json": 1}
+
+
+def test_hf_save_to_disk(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["h1", "h2"]}).save_to_disk(str(tmp_path / "ds"))
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds")}])  # auto-detected
+    assert [d["text"] for d in docs] == ["h1", "h2"]
+
+
+def test_missing_path_fails_before_reading(tmp_path):
+    (tmp_path / "ok.txt").write_text("fine")
+    with pytest.raises(IngestError, match=r"ingest\.sources\.1\.path: no such file"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "ok.txt")}, {"path": str(tmp_path / "nope")}])
+    with pytest.raises(IngestError, match="matched no files"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "*.md")}])
+    assert not (tmp_path / "out" / "docs.parquet").exists()
+
+
+def test_all_skipped_is_an_error(tmp_path):
+    (tmp_path / "e.txt").write_bytes(b"")
+    with pytest.raises(IngestError, match="no documents"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "e.txt")}])
+
+
+def test_ids_are_stable_and_unique(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a\n\nb\n\nc")
+    _, d1, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "paragraph"}])
+    _, d2, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "paragraph"}])
+    assert [x["id"] for x in d1] == [x["id"] for x in d2]
+    assert len({x["id"] for x in d1}) == 3
+    assert d1[0]["id"] == doc_id(d1[0]["source"], d1[0]["location"])
+
+
+def test_duplicate_paths_are_counted_once(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("text")
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(f)}, {"path": str(tmp_path / "*.txt")}])
+    assert len(docs) == 1 and metrics["skipped"] == {"duplicate_path": 1}
+
+
+def test_max_bytes_cap_stops_reading(tmp_path):
+    for i in range(10):
+        (tmp_path / f"{i}.txt").write_text("z" * 100)
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_bytes=250)
+    assert metrics["capped"] is True and len(docs) == 3 and metrics["bytes"] == 300
+
+
+def test_stdlib_placeholder_and_exclude():
+    files = resolve_sources(cfg(sources=[{"path": "{stdlib}/json/*.py", "exclude": ["*/tool.py"]}]))
+    names = [f.display for f in files]
+    assert "{stdlib}/json/decoder.py" in names and "{stdlib}/json/tool.py" not in names
+    assert str(files[0].path).startswith(sysconfig.get_paths()["stdlib"])
+
+
+def test_hidden_files_skipped_unless_asked(tmp_path):
+    (tmp_path / ".secret").write_text("hidden")
+    (tmp_path / "shown.txt").write_text("shown")
+    assert [f.path.name for f in resolve_sources(cfg(sources=[{"path": str(tmp_path)}]))] == ["shown.txt"]
+    got = resolve_sources(cfg(sources=[{"path": str(tmp_path)}], include_hidden=True))
+    assert sorted(f.path.name for f in got) == [".secret", "shown.txt"]

@@ -1,0 +1,372 @@
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from pipeline.data.chat import IGNORE_INDEX
+from pipeline.config import ConfigError, parse_section
+from pipeline.data.shards import PackedRows
+from pipeline.files import read_json, sha256_file
+from pipeline.data.sft_data import (
+    FORMAT,
+    MANIFEST,
+    SFTDataConfig,
+    SFTDataError,
+    SFTSource,
+    BUILTIN_DATASETS,
+    build_sft_data,
+    pack_examples,
+    stdlib_qa,
+)
+from pipeline.data.tokenizer import IM_END, IM_START_ID, PAD_ID
+from tests.pipeline.data.test_chat import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sfttok") / "tokenizer.json"
+    path.write_text(tiny_tokenizer().to_str())
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tok_path)
+
+
+def qa(i: int) -> tuple[str, str]:
+    return f"Question number {i}: what is {i} + {i}?", f"The answer to {i} + {i} is {2 * i}."
+
+
+def write_jsonl(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def messages_rec(i):
+    q, a = qa(i)
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def sharegpt_rec(i):
+    q, a = qa(i)
+    return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+
+def alpaca_rec(i):
+    q, a = qa(i)
+    return {"instruction": q, "input": "", "output": a}
+
+
+def read_split(out, split):
+    """(input_ids, labels, doc_starts) of all shards of a split, in order."""
+    ids, labels, starts = [], [], []
+    for shard in read_json(out / MANIFEST)["splits"][split]["shards"]:
+        table = pa.ipc.open_file(pa.memory_map(str(out / shard["path"]))).read_all()
+        ids += table.column("input_ids").to_pylist()
+        labels += table.column("labels").to_pylist()
+        starts += table.column("doc_starts").to_pylist()
+    return np.array(ids), np.array(labels), starts
+
+
+def assistant_texts(tok, ids, labels) -> list[str]:
+    """Decode each maximal run of labelled positions of every row."""
+    out = []
+    for row_ids, row_labels in zip(ids, labels):
+        run = []
+        for t, lab in zip(row_ids, row_labels):
+            if lab != IGNORE_INDEX:
+                assert lab == t
+                run.append(int(t))
+            elif run:
+                out.append(tok.decode(run, skip_special_tokens=False))
+                run = []
+        if run:
+            out.append(tok.decode(run, skip_special_tokens=False))
+    return out
+
+
+def build(tmp_path, tok_path, name="out", **kw):
+    cfg = SFTDataConfig(**{"val_fraction": 0.25, "seq_len": 64, **kw})
+    out = tmp_path / name
+    metrics = build_sft_data(cfg, tok_path, out, tmp_path / f"{name}-quarantine.jsonl")
+    return out, metrics
+
+
+@pytest.fixture
+def three_formats(tmp_path):
+    write_jsonl(tmp_path / "messages.jsonl", [messages_rec(i) for i in range(0, 10)])
+    (tmp_path / "sharegpt.json").write_text(json.dumps([sharegpt_rec(i) for i in range(10, 20)]))
+    write_jsonl(tmp_path / "alpaca.ndjson", [alpaca_rec(i) for i in range(20, 30)])
+    return tmp_path
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_each_format_from_files(tmp_path, tok_path, tok, three_formats, explicit):
+    fmt = (lambda f: f) if explicit else (lambda f: "auto")
+    sources = [SFTSource(path=str(three_formats / "messages.jsonl"), format=fmt("messages")),
+               SFTSource(path=str(three_formats / "sharegpt.json"), format=fmt("sharegpt")),
+               SFTSource(path=str(three_formats / "*.ndjson"), format=fmt("alpaca"))]
+    out, m = build(tmp_path, tok_path, sources=sources, pack=False)
+    assert m["examples_in"] == 30 and m["skipped"] == {}
+    assert m["train"]["examples"] + m["val"]["examples"] == 30 and m["val"]["examples"] > 0
+    got = []
+    for split in ("train", "val"):
+        ids, labels, _ = read_split(out, split)
+        got += assistant_texts(tok, ids, labels)
+    assert sorted(got) == sorted(qa(i)[1] + IM_END for i in range(30))
+
+
+def test_a_directory_source_reads_json_files_only(tmp_path, tok_path, three_formats):
+    (three_formats / "README.md").write_text("not data")
+    (three_formats / ".hidden.jsonl").write_text("not json\n")
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))])
+    assert m["examples_in"] == 30 and m["skipped"] == {}
+
+
+def test_malformed_rows_are_counted_and_quarantined(tmp_path, tok_path):
+    good = [messages_rec(i) for i in range(8)]
+    lines = [json.dumps(r).encode() for r in good] + [
+        b"{not json",
+        b'{"messages": "\xff\xfe"}',
+        json.dumps({"messages": [{"role": "robot", "content": "q"}]}).encode(),
+        json.dumps({"conversations": [{"from": "human", "value": "q"}]}).encode(),
+        json.dumps(messages_rec(3)).encode(),  # a duplicate of line 4
+        json.dumps(["a list"]).encode(),
+        b"",  # blank: not a record
+    ]
+    (tmp_path / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / "broken.json").write_text("[{")
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "mixed.jsonl")),
+                                                SFTSource(path=str(tmp_path / "broken.json"))],
+                   quarantine_per_reason=5)
+    assert m["skipped"] == {"malformed_json": 2, "non_utf8": 1, "unknown_role": 1, "no_assistant": 1,
+                            "duplicate": 1, "not_an_object": 1}
+    assert m["examples_in"] == 8 + 7 == m["train"]["examples"] + m["val"]["examples"] + sum(m["skipped"].values())
+    q = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    by_reason = {e["reason"]: e for e in q}
+    assert set(by_reason) == set(m["skipped"])
+    assert by_reason["unknown_role"]["location"] == "line:11" and "robot" in by_reason["unknown_role"]["detail"]
+    assert by_reason["duplicate"]["location"] == "line:13"
+    assert by_reason["non_utf8"]["location"] == "line:10"
+    assert by_reason["unknown_role"]["source"].endswith("mixed.jsonl")
+    assert json.loads(by_reason["no_assistant"]["text"]) == {"conversations": [{"from": "human", "value": "q"}]}
+    assert any(e["source"].endswith("broken.json") and e["location"] == "file" for e in q)
+
+
+def test_overlong_drop_vs_truncate(tmp_path, tok_path, tok):
+    records = [messages_rec(i) for i in range(6)]
+    long_answer = " ".join(f"word{i}" for i in range(80))
+    records.append({"messages": [{"role": "user", "content": "Say many words."},
+                                 {"role": "assistant", "content": long_answer}]})
+    records.append({"messages": [{"role": "user", "content": "a very long question " * 30},
+                                 {"role": "assistant", "content": "short"}]})
+    write_jsonl(tmp_path / "d.jsonl", records)
+    src = [SFTSource(path=str(tmp_path / "d.jsonl"))]
+    _, drop = build(tmp_path, tok_path, "drop", sources=src, overlong="drop")
+    assert drop["skipped"] == {"too_long": 2} and drop["truncated"] == 0
+    out, cut = build(tmp_path, tok_path, "cut", sources=src, overlong="truncate")
+    # The long answer survives in part; the long question leaves no label and is dropped.
+    assert cut["skipped"] == {"too_long": 1} and cut["truncated"] == 1
+    texts = []
+    for split in ("train", "val"):
+        ids, labels, _ = read_split(out, split)
+        assert ids.shape[1] == 65
+        texts += assistant_texts(tok, ids, labels)
+    partial = [t for t in texts if t.startswith("word0 word1")]
+    assert len(partial) == 1 and not partial[0].endswith(IM_END) and long_answer.startswith(partial[0])
+    for m in (drop, cut):
+        assert m["examples_in"] == 8 == m["train"]["examples"] + m["val"]["examples"] + sum(m["skipped"].values())
+
+
+def check_rows(ids, labels, starts, row_len):
+    for row, lab, st in zip(ids, labels, starts):
+        assert st[0] == 0 and st == sorted(st) and len(ids[0]) == row_len
+        ends = st[1:] + [row_len]
+        for s, e in zip(st, ends):
+            if row[s] == PAD_ID:  # the padding segment, which ends the row
+                assert e == row_len and (row[s:] == PAD_ID).all() and (lab[s:] == IGNORE_INDEX).all()
+            else:  # an example: begins with <|im_start|>, unlabelled, so no cross-example target
+                assert row[s] == IM_START_ID and lab[s] == IGNORE_INDEX
+
+
+def test_packing_on_and_off(tmp_path, tok_path, tok, three_formats):
+    src = [SFTSource(path=str(three_formats))]
+    # Examples are 54-55 tokens: rows of 201 fit three.
+    on, m_on = build(tmp_path, tok_path, "on", sources=src, pack=True, seq_len=200)
+    off, m_off = build(tmp_path, tok_path, "off", sources=src, pack=False, seq_len=200)
+    for split in ("train", "val"):
+        a, b = m_on[split], m_off[split]
+        assert a["examples"] == b["examples"] and a["tokens"] == b["tokens"] and a["label_tokens"] == b["label_tokens"]
+        ids, labels, starts = read_split(off, split)
+        assert len(ids) == b["examples"] == b["rows"]
+        check_rows(ids, labels, starts, 201)
+        assert all(len(s) == 2 for s in starts)  # one example, then its padding
+        ids, labels, starts = read_split(on, split)
+        check_rows(ids, labels, starts, 201)
+        assert a["rows"] < b["rows"] or a["examples"] == 1
+        n_examples = sum(sum(row[s] == IM_START_ID for s in st) for row, st in zip(ids, starts))
+        assert n_examples == a["examples"]
+    ids, _, starts = read_split(on, "train")
+    assert max(sum(row[s] == IM_START_ID for s in st) for row, st in zip(ids, starts)) >= 3
+    assert m_on["fill"] > m_off["fill"]
+
+
+def test_pack_examples_best_fit():
+    rows = pack_examples([5, 3, 7, 2, 8, 1], 10, pack=True)
+    assert sorted(i for r in rows for i in r) == list(range(6))
+    assert all(sum([5, 3, 7, 2, 8, 1][i] for i in r) <= 10 for r in rows)
+    assert len(rows) == 3  # 26 tokens in rows of 10: optimal
+    assert pack_examples([5, 3], 10, pack=False) == [[0], [1]]
+
+
+def test_packed_rows_loads_the_output(tmp_path, tok_path, tok, three_formats):
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))])
+    manifest = read_json(out / MANIFEST)
+    assert manifest["format"] == FORMAT and manifest["row_len"] == 65 and manifest["vocab_size"] == tok.get_vocab_size()
+    assert manifest["tokenizer_sha256"] == sha256_file(tok_path)
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]["shards"]:
+            assert sha256_file(out / shard["path"]) == shard["sha256"]
+    data = PackedRows(out / "train")
+    assert len(data) == m["train"]["rows"] and data.seq_len == 64
+    rows = np.arange(len(data))
+    batch = data.batch(rows, torch.device("cpu"))
+    x, y, seg = batch["input_ids"], batch["targets"], batch["segment_ids"]
+    assert x.shape == y.shape == seg.shape == (len(data), 64)
+    has = y != IGNORE_INDEX
+    # A target is the next input token, and never crosses into another segment.
+    assert (y[:, :-1][has[:, :-1]] == x[:, 1:][has[:, :-1]]).all()
+    assert (seg[:, 1:][has[:, :-1]] == seg[:, :-1][has[:, :-1]]).all()
+    # The targets, decoded run by run, are exactly the assistant answers + <|im_end|>.
+    texts = assistant_texts(tok, y.numpy(), y.numpy())
+    assert len(texts) == m["train"]["examples"]
+    assert set(texts) <= {qa(i)[1] + IM_END for i in range(30)}
+    assert int(has.sum()) == m["train"]["label_tokens"]
+
+
+def test_split_is_deterministic_and_content_keyed(tmp_path, tok_path, tok, three_formats):
+    src = [SFTSource(path=str(three_formats / "messages.jsonl")), SFTSource(path=str(three_formats / "sharegpt.json"))]
+    a, _ = build(tmp_path, tok_path, "a", sources=src)
+    b, _ = build(tmp_path, tok_path, "b", sources=src)
+    assert (a / MANIFEST).read_bytes() == (b / MANIFEST).read_bytes()
+
+    def val_texts(out):
+        ids, labels, _ = read_split(out, "val")
+        return sorted(assistant_texts(tok, ids, labels))
+
+    # The same conversations in another format, file and order land in the same splits.
+    write_jsonl(tmp_path / "moved.jsonl", [sharegpt_rec(i) for i in reversed(range(20))])
+    c, _ = build(tmp_path, tok_path, "c", sources=[SFTSource(path=str(tmp_path / "moved.jsonl"))])
+    assert val_texts(c) == val_texts(a)
+    d, _ = build(tmp_path, tok_path, "d", sources=src, seed=1)
+    assert val_texts(d) != val_texts(a)
+
+
+def test_tiny_set_forces_a_val_example(tmp_path, tok_path):
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(3)])
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))], val_fraction=1e-9)
+    assert m["forced"] == 1 and m["val"]["examples"] == 1 and m["train"]["examples"] == 2
+
+
+def test_max_examples_caps_each_source(tmp_path, tok_path, three_formats):
+    src = [SFTSource(path=str(three_formats / "messages.jsonl")), SFTSource(path=str(three_formats / "sharegpt.json"))]
+    _, m = build(tmp_path, tok_path, sources=src, max_examples=4)
+    assert m["examples_in"] == 8
+    assert [s["records"] for s in m["sources"].values()] == [4, 4]
+    assert all(s["capped"] for s in m["sources"].values())
+
+
+def test_builtin_stdlib_dataset(tmp_path, tok_path):
+    t0 = time.perf_counter()
+    full = list(BUILTIN_DATASETS["stdlib-docstrings"]())
+    assert time.perf_counter() - t0 < 20  # a few seconds normally; this is a shared CPU
+    assert len(full) >= 1000
+    questions = [r["messages"][0]["content"] for _, r in full]
+    answers = [r["messages"][1]["content"] for _, r in full]
+    assert len(set(questions)) == len(questions)
+    assert len(set(answers)) > len(full) // 2  # not one boilerplate answer
+    by_loc = dict(full)
+    assert len(by_loc) == len(full)
+    q, a = (m["content"] for m in by_loc["json/__init__.py:dump"]["messages"])
+    assert q == "What does `json.dump(obj, fp, *, skipkeys=False, ensure_ascii=True, ...)` do?"
+    assert a.startswith("Serialize ``obj`` as a JSON formatted stream to ``fp``")
+    q, _ = (m["content"] for m in by_loc["json/decoder.py:JSONDecoder.decode"]["messages"])
+    assert "`json.decoder.JSONDecoder.decode(s)`" in q  # its private _w=WHITESPACE.match left out
+    assert not any("site-packages" in loc or loc.startswith("test/") for loc in by_loc)
+    # Ordered by a hash of the question, so a capped prefix spans the library.
+    assert len({loc.split("/")[0].split(".")[0] for loc in list(by_loc)[:300]}) > 50
+
+    out, m = build(tmp_path, tok_path, seq_len=256, max_examples=600)  # the default source
+    assert m["examples_in"] == 600 and m["sources"]["builtin:stdlib-docstrings"]["capped"]
+    assert m["train"]["examples"] + m["val"]["examples"] >= 500
+    assert read_json(out / MANIFEST)["python"] == sys.version.split()[0]
+
+
+def test_builtin_is_identical_across_processes():
+    root = os.path.join(sysconfig.get_paths()["stdlib"], "email")
+    code = ("import hashlib, json; from pipeline.data.sft_data import stdlib_qa; "
+            f"print(hashlib.sha256(json.dumps(stdlib_qa({root!r})).encode()).hexdigest())")
+    here = hashlib.sha256(json.dumps(stdlib_qa(root)).encode()).hexdigest()
+    assert len(stdlib_qa(root)) >= 50
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert got.stdout.strip() == here
+
+
+def test_errors(tmp_path, tok_path):
+    with pytest.raises(SFTDataError, match=r"sources\.1\.path: no such file"):
+        build(tmp_path, tok_path, sources=[SFTSource(path="builtin:stdlib-docstrings"),
+                                           SFTSource(path=str(tmp_path / "missing.jsonl"))])
+    with pytest.raises(SFTDataError, match=r"sources\.0\.path: .* matched no"):
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "*.jsonl"))])
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(SFTDataError, match=r"not \.json, \.jsonl or \.ndjson"):
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "data.csv"))])
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(0)])
+    with pytest.raises(SFTDataError, match="tokenizer not found"):
+        build_sft_data(SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "d.jsonl"))]),
+                       tmp_path / "nope.json", tmp_path / "o", tmp_path / "q.jsonl")
+
+
+def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, three_formats):
+    out, _ = build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))])
+    assert (out / MANIFEST).exists()
+    write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}, messages_rec(0)])
+    with pytest.raises(SFTDataError, match=r"split\(s\) got no examples.*unknown_format"):
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "bad.jsonl"))])
+    assert not (out / MANIFEST).exists() and not list((out / "train").glob("*.arrow"))
+    assert "unknown_format" in (tmp_path / "out-quarantine.jsonl").read_text()
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"seq_len": 4}, "sft.seq_len"),
+    ({"overlong": "wrap"}, "sft.overlong"),
+    ({"sources": [{"path": "x.jsonl", "fmt": "auto"}]}, "sft.sources.0.fmt"),
+    ({"sources": [{"path": "builtin:nope"}]}, "sft.sources.0.path"),
+    ({"sources": [{"path": "builtin:stdlib-docstrings", "format": "alpaca"}]}, "sft.sources.0"),
+    ({"sources": []}, "sft.sources"),
+    ({"packing": True}, "sft.packing"),
+])
+def test_config_errors_name_the_key(data, key):
+    with pytest.raises(ConfigError) as err:
+        parse_section(SFTDataConfig, data, "sft")
+    assert f"  {key}: " in str(err.value)
+
+
+def test_config_defaults():
+    cfg = SFTDataConfig()
+    assert cfg.sources == [SFTSource(path="builtin:stdlib-docstrings", format="auto")]
+    assert (cfg.seq_len, cfg.pack, cfg.overlong) == (256, True, "drop")
+    with pytest.raises(Exception):
+        cfg.seq_len = 3  # frozen: safe to embed in a stage config

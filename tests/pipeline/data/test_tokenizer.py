@@ -1,0 +1,204 @@
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import normalizers, trainers
+
+from pipeline.config import ConfigError, parse_section
+from pipeline.data.tokenizer import (
+    EOT,
+    IM_END,
+    IM_START,
+    PAD,
+    ROUNDTRIP_PROBES,
+    SPECIAL_TOKENS,
+    TokenizerConfig,
+    TokenizerError,
+    build_tokenizer,
+    check_roundtrip,
+    choose_sample,
+    load_tokenizer,
+    special_ids,
+    train_tokenizer,
+)
+
+WORDS = ["def", "return", "self", "value", "import", "the", "data", "for", "in", "if", "else", "None",
+         "naïve", "café", "日本", "数据", "🎉", "x", "y", "print", "class", "lambda"]
+
+
+def make_docs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        lines = []
+        for _ in range(rng.randint(3, 30)):
+            indent = rng.choice(["", "    ", "\t", "        "])
+            lines.append(indent + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10))))
+        docs.append((f"doc{i:04d}", "\n".join(lines) + "\n"))
+    return docs
+
+
+def write_docs(path, docs) -> None:
+    table = pa.table({
+        "id": [d[0] for d in docs],
+        "text": [d[1] for d in docs],
+        "source": ["test"] * len(docs),
+        "location": [str(i) for i in range(len(docs))],
+    })
+    pq.write_table(table, path, row_group_size=50)
+
+
+SMALL = TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "docs.parquet"
+    write_docs(path, make_docs(200))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokout") / "tokenizer.json"
+    metrics = train_tokenizer(SMALL, corpus, out)
+    return out, metrics
+
+
+def test_special_tokens_have_fixed_ids(trained):
+    tok = load_tokenizer(trained[0])
+    assert special_ids(tok) == {"eot": 0, "pad": 1, "im_start": 2, "im_end": 3}
+    assert [tok.id_to_token(i) for i in range(4)] == [EOT, PAD, IM_START, IM_END] == list(SPECIAL_TOKENS)
+    # all 256 bytes are in the vocabulary, so nothing is ever unknown
+    assert tok.get_vocab_size() >= 256 + 4
+
+
+TRICKY = [
+    *ROUNDTRIP_PROBES,
+    "if x:\n\treturn  [1,\t2]\n\n\n        # comment   \n",
+    "   leading and trailing   ",
+    "\n",
+    "🦀🐍" * 20,
+    "Ἀρχιμήδης — ∮ E⋅da = Q,  n → ∞",
+    "mixed\u00a0nbsp\u2028line\u2029para",
+]
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_exact_roundtrip(trained, text):
+    tok = load_tokenizer(trained[0])
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_special_strings_in_text_are_not_special(trained):
+    tok = load_tokenizer(trained[0])
+    text = f"a{EOT}b {IM_START}user\nhi{IM_END}{PAD}"
+    ids = tok.encode(text).ids
+    assert min(ids) >= len(SPECIAL_TOKENS)
+    assert tok.decode(ids) == text
+    # the opt-in path for trusted templates does see them
+    assert 0 in load_tokenizer(trained[0], parse_special=True).encode(text).ids
+
+
+def test_metrics_and_output(trained, corpus):
+    out, m = trained
+    assert m["roundtrip_ok"] is True
+    assert m["vocab_size"] <= SMALL.vocab_size
+    assert m["vocab_size"] == load_tokenizer(out).get_vocab_size()
+    assert 0 < m["sample_bytes"] <= SMALL.sample_bytes
+    assert m["heldout_docs"] > 0 and m["bytes_per_token_on"] == "heldout"
+    assert m["bytes_per_token"] > 1.0  # BPE merged something
+    assert m["corpus_docs"] == 200
+    assert [p.name for p in out.parent.iterdir()] == ["tokenizer.json"]  # no temp files left
+    json.loads(out.read_text())
+
+
+def test_sample_respects_bound_is_spread_and_disjoint(corpus):
+    sample, heldout, stats = choose_sample(corpus, 10_000, 3_000, seed=0)
+    sizes = np.array([len(t.encode()) for t in pq.read_table(corpus).column("text").to_pylist()])
+    assert sizes[sample].sum() <= 10_000
+    assert sizes[sample].sum() > 10_000 - sizes.max()  # greedy fill, not a token gesture
+    assert sizes[heldout].sum() <= 3_000
+    assert not (sample & heldout).any()
+    idx = np.flatnonzero(sample)
+    assert idx.max() > 2 * len(idx)  # not simply the first rows
+    assert stats["corpus_bytes"] == sizes.sum()
+
+
+def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
+    docs = list(zip(*pq.read_table(corpus, columns=["id", "text"]).to_pydict().values()))
+    shuffled = tmp_path / "shuffled.parquet"
+    write_docs(shuffled, random.Random(1).sample(docs, len(docs)))
+
+    def chosen(path, seed):
+        mask, _, _ = choose_sample(path, 10_000, 3_000, seed)
+        ids = pq.read_table(path, columns=["id"]).column("id").to_pylist()
+        return {i for i, m in zip(ids, mask) if m}
+
+    assert chosen(corpus, 0) == chosen(shuffled, 0)
+    assert chosen(corpus, 0) != chosen(corpus, 1)
+
+
+def test_training_is_deterministic(corpus, tmp_path, trained):
+    again = tmp_path / "again.json"
+    train_tokenizer(SMALL, corpus, again)
+    assert again.read_bytes() == trained[0].read_bytes()
+
+
+def test_huge_single_document_is_clipped_to_the_bound(tmp_path):
+    docs = tmp_path / "docs.parquet"
+    write_docs(docs, [("big", "word " * 5_000), ("big2", "more text " * 3_000)])
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=2_000, eval_bytes=1_000)
+    m = train_tokenizer(cfg, docs, tmp_path / "t.json")
+    assert 0 < m["sample_bytes"] <= 2_000
+    assert m["sample_docs"] == 1
+
+
+def test_roundtrip_check_catches_a_lossy_tokenizer():
+    tok = build_tokenizer()
+    tok.normalizer = normalizers.Lowercase()
+    with pytest.raises(TokenizerError, match="round-trip check failed on doc A"):
+        check_roundtrip(tok, [("doc A", "Hello")])
+
+
+def test_errors(tmp_path, trained):
+    with pytest.raises(TokenizerError, match="documents not found"):
+        train_tokenizer(SMALL, tmp_path / "missing.parquet", tmp_path / "t.json")
+    empty = tmp_path / "empty.parquet"
+    write_docs(empty, [])
+    with pytest.raises(TokenizerError, match="no text"):
+        train_tokenizer(SMALL, empty, tmp_path / "t.json")
+    nocol = tmp_path / "nocol.parquet"
+    pq.write_table(pa.table({"id": ["a"], "body": ["x"]}), nocol)
+    with pytest.raises(TokenizerError, match=r"missing column\(s\) \['text'\]"):
+        train_tokenizer(SMALL, nocol, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+    with pytest.raises(TokenizerError, match="tokenizer not found"):
+        load_tokenizer(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TokenizerError, match="not a valid tokenizer"):
+        load_tokenizer(bad)
+    # a tokenizer whose specials moved is refused, since packed data and models depend on the ids
+    tok = build_tokenizer()
+    tok.train_from_iterator(["abc abd"], trainers.BpeTrainer(vocab_size=300, special_tokens=[PAD, EOT],
+                                                             show_progress=False))
+    swapped = tmp_path / "swapped.json"
+    tok.save(str(swapped))
+    with pytest.raises(TokenizerError, match="special token"):
+        load_tokenizer(swapped)
+
+
+@pytest.mark.parametrize("key, value, msg", [
+    ("vocab_size", 100, "greater than or equal to 260"),
+    ("sample_bytes", 10, "greater than or equal to 1000"),
+    ("min_frequency", 0, "greater than or equal to 1"),
+    ("vocab_sise", 5, "unknown key"),
+])
+def test_config_errors_name_the_key(key, value, msg):
+    with pytest.raises(ConfigError, match=rf"tokenizer\.{key}: .*{msg}"):
+        parse_section(TokenizerConfig, {key: value}, "tokenizer")

@@ -1,0 +1,251 @@
+"""Tests for pipeline/model/generate.py: sampling rules, seeded determinism, KV-cache
+decoding against full forwards, stopping, loading, and the CLI.
+
+The builders at the top (a tiny tokenizer trained here, a tiny checkpoint) are
+shared with test_export.py and test_registry.py."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from pipeline.training import checkpoint as ckpt
+from pipeline.data.chat import encode_prompt
+from pipeline.model.generate import (
+    CHAT_STOP_IDS,
+    TEXT_STOP_IDS,
+    generate,
+    load_for_inference,
+    main,
+    sample_next,
+)
+from pipeline.files import sha256_file
+from pipeline.model.transformer import Transformer
+from pipeline.data.tokenizer import EOT_ID, load_tokenizer
+
+from tests.helpers import save_checkpoint, tiny_config, tiny_model
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path) -> Tokenizer:
+    return load_tokenizer(tok_path)
+
+
+@pytest.fixture(scope="module")
+def model(tok) -> Transformer:
+    return tiny_model(tiny_config(tok.get_vocab_size()))
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory, model, tok_path) -> Path:
+    folder = tmp_path_factory.mktemp("models") / "sft"
+    save_checkpoint(folder, model, meta={"tokenizer_sha256": sha256_file(tok_path)})
+    return folder
+
+
+def prompt(tok: Tokenizer, text: str = "def function_3(value") -> list[int]:
+    return tok.encode(text).ids
+
+
+# --------------------------------------------------------------------------- sample_next
+
+
+def random_logits(rows: int = 8, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_temperature_zero_is_argmax():
+    logits = random_logits()
+    assert torch.equal(sample_next(logits, 0.0), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k=1", "tiny top_p"])
+def test_a_cut_to_one_token_is_greedy(kw):
+    logits = random_logits()
+    for seed in range(5):
+        got = sample_next(logits, 1.5, generator=torch.Generator().manual_seed(seed), **kw)
+        assert torch.equal(got, logits.argmax(-1))
+
+
+def draws(logits: torch.Tensor, n: int = 3000, **kw) -> set[int]:
+    """The set of ids drawn in n samples from one row of logits."""
+    batch = logits.expand(n, -1)
+    return set(sample_next(batch, 1.0, generator=torch.Generator().manual_seed(0), **kw).tolist())
+
+
+def test_top_k_keeps_the_k_most_likely():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.5, -1.0, 2.0])
+    assert draws(logits, top_k=3) == {1, 3, 5}
+    assert draws(logits, top_k=0) == set(range(6))  # 0 = off
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.4, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
+    # probabilities 0.5, 0.3, 0.15, 0.05: cumulative 0.5, 0.8, 0.95, 1.0
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert draws(logits, top_p=top_p) == kept
+
+
+def test_top_k_then_top_p_within_the_k():
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    # top_k=2 renormalises to 4/7, 3/7; top_p 0.5 then keeps only the first
+    assert draws(logits, top_k=2, top_p=0.5) == {0}
+    assert draws(logits, top_k=2, top_p=0.6) == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([0.7, 0.2, 0.1]).log()
+    ids = sample_next(logits.expand(20000, -1), 1.0, generator=torch.Generator().manual_seed(1))
+    freq = torch.bincount(ids, minlength=3).float() / len(ids)
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("kw, message", [({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"),
+                                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+def test_invalid_sampling_arguments(kw, message):
+    with pytest.raises(ValueError, match=message):
+        sample_next(random_logits(), **{"temperature": 1.0, **kw})
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(model, tok):
+    kw = dict(max_new_tokens=20, temperature=1.0, top_k=None, top_p=None)
+    a = generate(model, prompt(tok), seed=0, **kw)
+    assert a == generate(model, prompt(tok), seed=0, **kw)
+    assert len(a) == 20
+    assert a != generate(model, prompt(tok), seed=1, **kw)
+
+
+def test_greedy_equals_argmax_of_repeated_full_forwards(model, tok):
+    ids = prompt(tok)
+    got = generate(model, ids, max_new_tokens=12, temperature=0)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(12):  # the slow way: a full forward per token, no cache
+            seq.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
+    assert got == seq[len(ids):]
+
+
+def test_cached_sampling_equals_uncached_sampling(model, tok):
+    ids = prompt(tok)
+    kw = dict(temperature=0.9, top_k=40, top_p=0.9)
+    got = generate(model, ids, max_new_tokens=15, seed=3, **kw)
+    generator = torch.Generator().manual_seed(3)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(15):
+            logits = model(torch.tensor([seq]))[0][0, -1]
+            seq.append(int(sample_next(logits, generator=generator, **kw)))
+    assert got == seq[len(ids):]
+
+
+def test_stops_after_emitting_a_stop_id(model, tok):
+    free = generate(model, prompt(tok), max_new_tokens=12, temperature=0)
+    stop = free[4]
+    first = free.index(stop)
+    got = generate(model, prompt(tok), max_new_tokens=12, temperature=0, stop_ids=[stop])
+    assert got == free[:first + 1]  # the stop id is the last token returned
+
+
+def test_stops_at_the_models_context_length(tok):
+    model = tiny_model(tiny_config(tok.get_vocab_size(), max_seq_len=16))
+    ids = list(range(10, 20))
+    assert len(generate(model, ids, max_new_tokens=100, temperature=0)) == 6
+    assert generate(model, ids + list(range(6)), max_new_tokens=5) == []
+    with pytest.raises(ValueError, match="at most 16"):
+        generate(model, ids * 2, max_new_tokens=5)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [], max_new_tokens=5)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_load_from_a_checkpoint_folder_and_a_step_folder(model, tok_path, ckpt_dir):
+    for path in (ckpt_dir, ckpt.latest(ckpt_dir).path):
+        loaded, tokenizer, config = load_for_inference(path, tokenizer_path=tok_path)
+        assert config == model.config
+        assert not loaded.training
+        assert tokenizer.get_vocab_size() == model.config.vocab_size
+        for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+            assert torch.equal(a, b), name
+        assert loaded.output.weight is loaded.tok_embeddings.weight  # still tied
+
+
+def test_a_tokenizer_other_than_the_trained_one_is_refused(tmp_path, model, tok_path):
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": "0" * 64})
+    with pytest.raises(ValueError, match="not the tokenizer this model was trained with"):
+        load_for_inference(tmp_path / "sft", tokenizer_path=tok_path)
+
+
+def test_a_folder_without_a_model_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        load_for_inference(tmp_path)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_prompt_prints_the_completion(capsys, model, tok, tok_path, ckpt_dir):
+    text = "def function_3(value"
+    rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", text,
+               "--temperature", "0", "--max-new-tokens", "10"])
+    new = generate(model, tok.encode(text).ids, max_new_tokens=10, temperature=0, stop_ids=TEXT_STOP_IDS)
+    if new and new[-1] == EOT_ID:
+        new = new[:-1]
+    assert rc == 0
+    assert capsys.readouterr().out == tok.decode(new, skip_special_tokens=False) + "\n"
+
+
+def test_cli_empty_prompt_samples_after_endoftext(capsys, model, tok, tok_path, ckpt_dir):
+    rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "", "--seed", "2",
+               "--max-new-tokens", "6"])
+    new = generate(model, [EOT_ID], max_new_tokens=6, seed=2, stop_ids=TEXT_STOP_IDS)
+    assert rc == 0
+    if new[-1] == EOT_ID:
+        new = new[:-1]
+    assert capsys.readouterr().out == tok.decode(new, skip_special_tokens=False) + "\n"
+
+
+def chat_reply(model, tok, messages, **kw) -> str:
+    new = generate(model, encode_prompt(tok, messages), stop_ids=CHAT_STOP_IDS, **kw)
+    return tok.decode(new[:-1] if new and new[-1] in CHAT_STOP_IDS else new, skip_special_tokens=False)
+
+
+def test_cli_chat_answers_each_turn_with_the_history(capsys, model, tok, tok_path, ckpt_dir):
+    kw = dict(max_new_tokens=8, temperature=0.7, top_k=50, top_p=0.95, seed=4)
+    rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--system", "Be brief.",
+               "--chat", "hello", "--chat", "and then?", "--max-new-tokens", "8", "--temperature", "0.7",
+               "--seed", "4"])
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    first = chat_reply(model, tok, history, **kw)
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "and then?"}]
+    second = chat_reply(model, tok, history, **kw)
+    assert rc == 0
+    assert first.strip()  # else the history above would differ from the CLI's
+    assert capsys.readouterr().out == f"{first}\n{second}\n"
+
+
+def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok, tok_path, ckpt_dir):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\nnever read\n"))
+    rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--interactive", "--temperature", "0",
+               "--max-new-tokens", "6"])
+    expected = chat_reply(model, tok, [{"role": "user", "content": "hello"}], max_new_tokens=6, temperature=0)
+    assert rc == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_cli_reports_a_missing_model_without_a_traceback(capsys, tmp_path):
+    assert main(["--model", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    assert "error:" in capsys.readouterr().err

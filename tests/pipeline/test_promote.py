@@ -1,0 +1,176 @@
+"""Tests for pipeline/promote.py: the promotion rule on its own, then the whole
+registration against a throw-away SQLite MLflow (aliases, tags, artifact source)
+and the outage policy."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from pipeline.export import export_model
+from pipeline.files import sha256_file
+from pipeline.promote import CANDIDATE, CHAMPION, RegistryWarning, flatten_metrics, register_export, should_promote
+from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
+
+NAN = float("nan")
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("new, current, lower, expected", [
+    (1.0, None, True, True),     # no champion yet
+    (1.0, NAN, True, True),      # a champion without a valid value is beaten by any valid one
+    (0.9, 1.0, True, True),
+    (1.1, 1.0, True, False),
+    (1.0, 1.0, True, False),     # a tie keeps the champion
+    (1.1, 1.0, False, True),     # higher is better
+    (0.9, 1.0, False, False),
+    (1.0, 1.0, False, False),
+    (None, 1.0, True, False),    # a missing metric is never promoted ...
+    (None, None, True, False),   # ... not even to an empty throne
+    (NAN, None, True, False),
+    (NAN, 1.0, False, False),
+    (-math.inf, 1.0, True, True),
+])
+def test_should_promote(new, current, lower, expected):
+    assert should_promote(new, current, lower) is expected
+
+
+def test_flatten_metrics_keeps_numbers_under_dotted_names():
+    flat = flatten_metrics({"sft": {"bits_per_byte": 1.5, "ok": True, "note": "x"}, "steps": 3, "bad": NAN})
+    assert flat.keys() == {"sft.bits_per_byte", "steps", "bad"}
+    assert flat["sft.bits_per_byte"] == 1.5 and flat["steps"] == 3.0 and math.isnan(flat["bad"])
+
+
+# --------------------------------------------------------------------------- against MLflow
+
+
+@pytest.fixture(scope="module")
+def mlflow_env(tmp_path_factory):
+    """A fresh SQLite tracking store for this module, with tracking switched on."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPELINE_ROOT", str(root))
+        mp.setenv("PIPELINE_TRACKING", "1")
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.setenv("MLFLOW_EXPERIMENT_NAME", "registry-test")
+        yield root
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("export")
+    tok = train_tiny_tokenizer(root / "tokenizer.json")
+    save_checkpoint(root / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    export_model(root / "sft", root / "tokenizer.json", root / "export", card_info={})
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def client(mlflow_env):
+    from mlflow import MlflowClient
+
+    from pipeline.tracking.tracker import tracking_uri
+
+    return MlflowClient(tracking_uri())
+
+
+def register(export_dir, name, bpb, **kw):
+    metrics = {"sft": {"chat": {"bits_per_byte": bpb}}, "pretrain": {"val_loss": 3.0}}
+    return register_export(export_dir, model_name=name, metrics=metrics, **kw)
+
+
+def aliases(client, name) -> dict[str, int]:
+    return {a: int(v) for a, v in client.get_registered_model(name).aliases.items()}
+
+
+def test_first_export_is_candidate_and_champion_and_a_better_one_takes_both(mlflow_env, client, export_dir):
+    first = register(export_dir, "m-better", 1.5)
+    assert first["registered"] and first["version"] == 1
+    assert (first["candidate"], first["champion"], first["promoted"]) == (1, 1, True)
+    assert aliases(client, "m-better") == {CANDIDATE: 1, CHAMPION: 1}
+
+    second = register(export_dir, "m-better", 1.4)
+    assert (second["version"], second["champion"], second["previous_champion"], second["promoted"]) == (2, 2, 1, True)
+    assert "beats champion v1" in second["reason"]
+    assert aliases(client, "m-better") == {CANDIDATE: 2, CHAMPION: 2}
+
+
+def test_worse_tied_and_nan_exports_move_only_the_candidate(mlflow_env, client, export_dir):
+    assert register(export_dir, "m-worse", 1.5)["champion"] == 1
+    for version, bpb in ((2, 1.6), (3, 1.5), (4, NAN)):  # worse, tie, NaN
+        result = register(export_dir, "m-worse", bpb)
+        got = (result["version"], result["candidate"], result["champion"], result["promoted"])
+        assert got == (version, version, 1, False)
+        assert aliases(client, "m-worse") == {CANDIDATE: version, CHAMPION: 1}
+    missing = register_export(export_dir, model_name="m-worse", metrics={"pretrain": {"val_loss": 1.0}})
+    assert (missing["version"], missing["champion"], missing["promoted"]) == (5, 1, False)
+    assert "missing or NaN" in missing["reason"]
+
+
+def test_nan_never_becomes_the_first_champion(mlflow_env, client, export_dir):
+    result = register(export_dir, "m-nan", NAN)
+    assert (result["candidate"], result["champion"], result["promoted"]) == (1, None, False)
+    assert aliases(client, "m-nan") == {CANDIDATE: 1}
+    assert register(export_dir, "m-nan", 2.0)["champion"] == 2  # the first valid one is
+
+
+def test_higher_is_better_when_asked(mlflow_env, client, export_dir):
+    kw = dict(primary_metric="pretrain.val_loss", lower_is_better=False)
+    register_export(export_dir, model_name="m-higher", metrics={"pretrain": {"val_loss": 1.0}}, **kw)
+    result = register_export(export_dir, model_name="m-higher", metrics={"pretrain": {"val_loss": 2.0}}, **kw)
+    assert result["promoted"] and aliases(client, "m-higher") == {CANDIDATE: 2, CHAMPION: 2}
+
+
+def test_metrics_and_tags_are_stored_on_the_version(mlflow_env, client, export_dir):
+    result = register_export(export_dir, model_name="m-tags", metrics={"sft": {"chat": {"bits_per_byte": 1.25}}},
+                             tags={"git_commit": "abc123"})
+    mv = client.get_model_version("m-tags", str(result["version"]))
+    assert float(mv.tags["metric.sft.chat.bits_per_byte"]) == 1.25
+    assert mv.tags["primary_metric"] == "sft.chat.bits_per_byte" and mv.tags["lower_is_better"] == "true"
+    assert mv.tags["git_commit"] == "abc123"
+
+
+def test_the_version_source_holds_the_logged_export(mlflow_env, client, export_dir, tmp_path):
+    import mlflow
+
+    run = client.create_run(client.get_experiment_by_name("registry-test").experiment_id, run_name="export")
+    result = register(export_dir, "m-source", 1.0, run_id=run.info.run_id)
+    mv = client.get_model_version("m-source", str(result["version"]))
+    assert mv.run_id == run.info.run_id
+    assert mv.source == result["source"] and mv.source.startswith(run.info.artifact_uri)
+    for uri in (mv.source, f"models:/m-source@{CHAMPION}"):
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp_path / uri[:6])))
+        assert (local / "config.json").is_file()
+        assert sha256_file(local / "model.safetensors") == sha256_file(export_dir / "model.safetensors")
+
+
+# --------------------------------------------------------------------------- outages
+
+
+def test_an_unreachable_server_is_a_warning_not_an_error(monkeypatch, tmp_path, export_dir):
+    monkeypatch.setenv("PIPELINE_TRACKING", "1")
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # discard port: nothing listens
+    with pytest.warns(RegistryWarning, match="unreachable"):
+        result = register(export_dir, "m-down", 1.0)
+    assert result["registered"] is False and "unreachable" in result["reason"]
+
+
+def test_a_failing_store_is_a_warning_not_an_error(monkeypatch, tmp_path, export_dir):
+    monkeypatch.setenv("PIPELINE_TRACKING", "1")
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'not-a-dir' / 'mlflow.db'}")
+    with pytest.warns(RegistryWarning, match="failed"):
+        result = register(export_dir, "m-broken", 1.0)
+    assert result["registered"] is False
+
+
+def test_disabled_tracking_registers_nothing(monkeypatch, export_dir):
+    monkeypatch.setenv("PIPELINE_TRACKING", "0")
+    assert register(export_dir, "m-off", 1.0) == {"registered": False,
+                                                   "reason": "tracking is disabled (PIPELINE_TRACKING=0)"}

@@ -1,0 +1,474 @@
+"""pipeline/tracking/tracker.py: rank-0 MLflow logging, batching, DVC/git tags, and the
+outage path. Every MLflow store here is a SQLite file under tmp; the repo's
+mlflow.db is never touched (PIPELINE_ROOT points into tmp for every test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from pipeline.tracking import tracker as tracking
+from pipeline.tracking.tracker import (
+    Tracker,
+    TrackingOfflineWarning,
+    artifact_location,
+    current_stage_fingerprint,
+    dvc_stage_hashes,
+    read_offline,
+    replay_offline,
+    server_command,
+    tracking_uri,
+)
+
+from tests.conftest import ROOT
+
+BIN = Path(sys.executable).parent
+
+ENV_VARS = (
+    "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_PARENT_RUN_ID", "MLFLOW_RUN_ID",
+    "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
+    "PIPELINE_ROOT", "PIPELINE_TRACKING", "RANK",
+    "DVC_ROOT", "DVC_STAGE", "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV",
+    *tracking.HTTP_DEFAULTS,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path, request):
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+    # One experiment per test keeps the shared database's runs apart.
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"test-{request.node.name}")
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """A SQLite store shared by the module: creating its tables takes ~2.4 s."""
+    from mlflow import MlflowClient
+
+    folder = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()
+    return folder, uri
+
+
+@pytest.fixture
+def client(db, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    return MlflowClient(db[1])
+
+
+@pytest.fixture
+def git_repo(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text("print('hi')\n")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):
+        subprocess.run(cmd, cwd=repo, check=True)
+    monkeypatch.chdir(repo)
+    return repo
+
+
+@pytest.fixture
+def batch_calls(monkeypatch):
+    """Count MlflowClient.log_batch and log_metric calls while passing them through."""
+    from mlflow import MlflowClient
+
+    calls = {"log_batch": 0, "log_metric": 0}
+    for name in calls:
+        original = getattr(MlflowClient, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(MlflowClient, name, spy)
+    return calls
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_warnings(caught) -> list:
+    return [w for w in caught if issubclass(w.category, TrackingOfflineWarning)]
+
+
+# --------------------------------------------------------------------------- import, locations
+
+
+def test_import_is_cheap_and_does_not_import_mlflow():
+    code = (
+        "import sys, time\n"
+        "t = time.perf_counter()\n"
+        "import pipeline.tracking.tracker\n"
+        "print(time.perf_counter() - t)\n"
+        "print(','.join(m for m in ('mlflow', 'dvc', 'pydantic') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    seconds, heavy = out.stdout.splitlines()
+    assert heavy == ""
+    assert float(seconds) < 0.3
+
+
+def test_locations_default_to_project_root_and_env_wins(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIPELINE_ROOT")
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri() == f"sqlite:///{tmp_path}/mlflow.db"
+    assert artifact_location() == f"file://{tmp_path}/mlartifacts"
+
+    # dvc exp run --temp: the stage runs in a copy, DVC_ROOT names the real repo.
+    repo = tmp_path / "repo"
+    monkeypatch.setenv("DVC_ROOT", str(repo))
+    assert tracking_uri() == f"sqlite:///{repo}/mlflow.db"
+    assert artifact_location() == f"file://{repo}/mlartifacts"
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path / "p"))
+    assert tracking_uri() == f"sqlite:///{tmp_path}/p/mlflow.db"
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking_uri() == "http://127.0.0.1:5000"
+    assert artifact_location() == f"file://{tmp_path}/p/mlartifacts"  # a local server shares our disk
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.org")
+    assert artifact_location() is None  # a remote server decides
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/x/other.db")
+    assert artifact_location() == f"file://{tmp_path}/x/mlartifacts"
+
+
+def test_server_command_matches_make_mlflow(tmp_path):
+    argv, env = server_command(5001, root=tmp_path)
+    assert argv[argv.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path}/mlflow.db"
+    assert argv[argv.index("--artifacts-destination") + 1] == f"{tmp_path}/mlartifacts"
+    assert argv[argv.index("--workers") + 1] == "1" and env == {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    makefile = ROOT / "Makefile"
+    if makefile.exists():  # the UI must read the same database and folder we write
+        text = makefile.read_text()
+        assert "sqlite:///$(abspath mlflow.db)" in text
+        assert "--artifacts-destination $(abspath mlartifacts)" in text
+
+
+def test_copied_limits_match_mlflow():
+    from mlflow.utils import validation
+
+    assert tracking.MAX_PARAM_VAL_LENGTH == validation.MAX_PARAM_VAL_LENGTH
+    assert tracking.MAX_TAG_VAL_LENGTH == validation.MAX_TAG_VAL_LENGTH
+    assert tracking.MAX_ENTITY_KEY_LENGTH == validation.MAX_ENTITY_KEY_LENGTH
+    assert tracking.MAX_PARAMS_TAGS_PER_BATCH == validation.MAX_PARAMS_TAGS_PER_BATCH
+    assert tracking.MAX_ENTITIES_PER_BATCH == validation.MAX_ENTITIES_PER_BATCH
+
+
+# --------------------------------------------------------------------------- online
+
+
+def test_params_are_flattened_truncated_and_batched(client, batch_calls):
+    from pydantic import BaseModel
+
+    class Model(BaseModel):
+        n_layer: int = 4
+        betas: list[float] = [0.9, 0.95]
+
+    class Cfg(BaseModel):
+        model: Model = Model()
+        note: str = "x" * 7000
+
+    wide = {f"k{i:03d}": i for i in range(150)}  # more than one log_batch may carry
+    with Tracker("pretrain", system_metrics=False) as t:
+        t.log_params(Cfg(), prefix="pretrain")
+        t.log_params({"world_size": 2, "precision": "bf16", "bad key!": 1, "opt": {"lr": 3e-4}})
+        t.log_params(wide)
+    params = client.get_run(t.run_id).data.params
+    assert params["pretrain.model.n_layer"] == "4"
+    assert params["pretrain.model.betas"] == "[0.9, 0.95]"
+    assert len(params["pretrain.note"]) == tracking.MAX_PARAM_VAL_LENGTH
+    assert params["pretrain.note"].endswith(tracking.TRUNCATED)
+    assert params["world_size"] == "2" and params["precision"] == "bf16"
+    assert params["opt.lr"] == "0.0003" and params["bad key_"] == "1"
+    assert all(params[k] == str(v) for k, v in wide.items())
+    # one batch per log_params call, plus one more for the 150-wide one; end adds none
+    assert batch_calls["log_batch"] == 4
+
+
+def test_conflicting_param_is_skipped_not_fatal(client):
+    with Tracker("pretrain", system_metrics=False) as t:
+        t.log_params({"lr": 0.1})
+        with pytest.warns(tracking.TrackingWarning, match="lr"):
+            t.log_params({"lr": 0.2})
+    assert client.get_run(t.run_id).data.params["lr"] == "0.1"
+    assert client.get_run(t.run_id).info.status == "FINISHED"
+
+
+def test_metrics_are_buffered_and_sent_in_few_batches(client, batch_calls):
+    with Tracker("pretrain", system_metrics=False, flush_every_n=1000, flush_every_s=3600) as t:
+        for step in range(600):
+            t.log_metrics({"loss": 10.0 / (step + 1), "lr": 1e-3}, step=step)
+        assert batch_calls["log_batch"] == 1  # 1200 records: one flush at 1000
+    assert batch_calls["log_batch"] == 2  # the last 200 at the end
+    assert batch_calls["log_metric"] == 0
+    history = client.get_metric_history(t.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(600))
+    assert {m.step: m.value for m in history}[9] == pytest.approx(1.0)
+
+    # A time limit flushes too, so the UI follows a slow run.
+    with Tracker("pretrain", system_metrics=False, flush_every_n=10**6, flush_every_s=0.0) as t:
+        t.log_metrics({"loss": 1.0}, step=0)
+        assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == [0]
+
+
+def test_other_ranks_and_disabled_trackers_log_nothing(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/unused.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("RANK", "3")
+    trackers = [Tracker("pretrain"), Tracker("pretrain", rank=1)]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("PIPELINE_TRACKING", "0")
+    trackers.append(Tracker("pretrain"))
+    for tracker in trackers:
+        with tracker as t:
+            t.log_params({"a": 1})
+            t.set_tags({"b": 2})
+            t.log_metrics({"loss": 1.0}, step=1)
+            t.log_artifact(__file__)
+            t.log_dict({"c": 3}, "c.json")
+        assert not t.active and t.run_id is None and not t.offline
+    assert not (tmp_path / "unused.db").exists()
+    assert not (tmp_path / ".tracking-offline").exists()
+
+
+def test_tags_record_git_dvc_and_stage(client, git_repo, monkeypatch):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=git_repo, capture_output=True, text=True).stdout.strip()
+    (git_repo / "train.py").write_text("print('edited')\n")  # tracked change: dirty
+    (git_repo / "dvc.yaml").write_text("stages:\n  pretrain:\n    cmd: python train.py\n    deps: [train.py]\n    outs: [out]\n")
+    monkeypatch.setenv("DVC_EXP_NAME", "lusty-pike")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", head)
+    with Tracker("pretrain", system_metrics=False, tags={"team": "llm"}) as t:
+        t.set_tags({"note": "late"})
+    tags = client.get_run(t.run_id).data.tags
+    assert tags["mlflow.runName"] == "pretrain"
+    assert tags["mlflow.source.git.commit"] == head and tags["git.dirty"] == "true"
+    assert tags["pipeline.stage"] == "pretrain" and tags["dvc.stage"] == "pretrain"
+    assert tags["dvc.exp_name"] == "lusty-pike" and tags["dvc.exp_baseline_rev"] == head
+    assert tags["dvc.stage_hash"] == current_stage_fingerprint("pretrain")
+    assert tags["team"] == "llm" and tags["note"] == "late"
+
+
+def test_child_run_gets_parent_from_env(client, monkeypatch):
+    parent_exp = client.create_experiment("parent-flow")
+    parent = client.create_run(parent_exp, run_name="flow").info.run_id
+    monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", parent)
+    with Tracker("sft", system_metrics=False) as t:
+        pass
+    run = client.get_run(t.run_id)
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    assert run.info.experiment_id == parent_exp  # same experiment, so the UI nests it
+    assert run.info.run_name == "sft"
+
+    # An unknown parent is a top-level run, not an outage.
+    monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", "0" * 32)
+    with Tracker("sft", system_metrics=False) as t:
+        pass
+    assert not t.offline and "mlflow.parentRunId" not in client.get_run(t.run_id).data.tags
+
+
+def test_artifacts_land_under_the_absolute_artifact_location(client, db, tmp_path):
+    meta = tmp_path / "meta.json"
+    meta.write_text('{"step": 10}')
+    ckpt = tmp_path / "final"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    with Tracker("pretrain", system_metrics=False) as t:
+        t.log_artifact(meta)
+        t.log_artifact(ckpt, "export")
+        t.log_dict({"loss": 1.5}, "summary.json")
+    store = db[0] / "mlartifacts"
+    exp = client.get_experiment(t.experiment_id)
+    assert exp.artifact_location == store.as_uri()
+    run_dir = store / t.run_id / "artifacts"
+    assert client.get_run(t.run_id).info.artifact_uri == run_dir.as_uri()
+    assert json.loads((run_dir / "meta.json").read_text()) == {"step": 10}
+    assert (run_dir / "export" / "final" / "config.json").exists()
+    assert json.loads((run_dir / "summary.json").read_text()) == {"loss": 1.5}
+
+
+def test_exception_in_block_ends_run_failed(client):
+    with pytest.raises(RuntimeError, match="nan loss"):
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_metrics({"loss": 1.0}, step=0)
+            raise RuntimeError("nan loss")
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == [0]  # flushed first
+
+
+def test_system_metrics_switch(client, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    with Tracker("pretrain") as on:
+        time.sleep(1.0)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    with Tracker("pretrain") as off:
+        time.sleep(0.5)
+    assert any(k.startswith("system/cpu") for k in client.get_run(on.run_id).data.metrics)
+    assert not any(k.startswith("system/") for k in client.get_run(off.run_id).data.metrics)
+
+
+# --------------------------------------------------------------------------- outage
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_server_goes_offline_quickly_with_one_warning(tmp_path, monkeypatch, db):
+    # As under `dvc exp run --temp`: cwd is a throw-away copy, DVC_ROOT the real repo.
+    monkeypatch.delenv("PIPELINE_ROOT")
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    repo.mkdir()
+    copy.mkdir()
+    monkeypatch.setenv("DVC_ROOT", str(repo))
+    monkeypatch.chdir(copy)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pretrain", parent_run_id="abc") as t:
+            t.log_params({"model": {"n_layer": 2}, "world_size": 2})
+            for step in range(50):
+                t.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+            t.log_dict({"tokens": 123}, "summary.json")
+            t.log_artifact(__file__)
+    assert time.monotonic() - start < 20  # MLflow's default retries would take minutes
+    assert [w.category for w in caught] == [TrackingOfflineWarning]
+    assert "unreachable" in str(caught[0].message)
+    assert t.offline and t.run_id is None
+
+    assert t.offline_path.parent == repo / ".tracking-offline"
+    records = read_offline(t.offline_path)
+    assert records[0]["type"] == "run" and records[0]["stage"] == "pretrain"
+    params = {k: v for r in records if r["type"] == "params" for k, v in r["params"].items()}
+    assert params == {"model.n_layer": "2", "world_size": "2"}
+    tags = {k: v for r in records if r["type"] == "tags" for k, v in r["tags"].items()}
+    assert tags["pipeline.stage"] == "pretrain" and tags["mlflow.parentRunId"] == "abc"
+    assert [r["step"] for r in records if r["type"] == "metric"] == list(range(50))
+    assert {"type": "dict", "artifact_file": "summary.json", "data": {"tokens": 123}} in records
+    assert records[-1]["type"] == "end" and records[-1]["status"] == "FINISHED"
+
+    # Nothing is lost: the file loads into MLflow later (the unknown parent is dropped).
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    run_id = replay_offline(t.offline_path)
+    run = MlflowClient(db[1]).get_run(run_id)
+    assert run.info.run_name == "pretrain" and run.info.status == "FINISHED"
+    assert run.data.params["model.n_layer"] == "2"
+    assert len(MlflowClient(db[1]).get_metric_history(run_id, "loss")) == 50
+    assert {a.path for a in MlflowClient(db[1]).list_artifacts(run_id)} >= {"summary.json", Path(__file__).name}
+
+
+def test_failing_flush_mid_run_switches_to_offline(client, monkeypatch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pretrain", system_metrics=False, flush_every_n=10, flush_every_s=3600) as t:
+            t.log_params({"lr": 0.1})
+            for step in range(10):
+                t.log_metrics({"loss": float(step)}, step=step)
+
+            def server_gone(*args, **kwargs):
+                raise ConnectionError("server went away")
+
+            monkeypatch.setattr(t._client, "log_batch", server_gone)
+            monkeypatch.setattr(t._client, "set_terminated", server_gone)
+            for step in range(10, 30):
+                t.log_metrics({"loss": float(step)}, step=step)
+            t.log_params({"late": 1})
+    assert len(offline_warnings(caught)) == 1
+    assert t.offline and t.run_id is not None
+    assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == list(range(10))
+
+    records = read_offline(t.offline_path)
+    assert records[0]["run_id"] == t.run_id and "server went away" in records[0]["reason"]
+    assert [r["step"] for r in records if r["type"] == "metric"] == list(range(10, 30))
+    params = {k: v for r in records if r["type"] == "params" for k, v in r["params"].items()}
+    assert params == {"lr": "0.1", "late": "1"}
+    assert records[-1]["type"] == "end" and records[-1]["status"] == "FINISHED"
+
+    # Replaying fills in the same run (replay makes its own, unpatched client).
+    assert replay_offline(t.offline_path, uri=client.tracking_uri) == t.run_id
+    assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == list(range(30))
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["late"] == "1"
+
+
+def test_failure_while_ending_the_run_is_kept_offline(client, monkeypatch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_params({"lr": 0.1})
+            t.log_metrics({"loss": 2.0}, step=5)
+
+            def server_gone(*args, **kwargs):
+                raise ConnectionError("server went away")
+
+            monkeypatch.setattr(t._client, "set_terminated", server_gone)
+    assert len(offline_warnings(caught)) == 1
+    assert client.get_metric_history(t.run_id, "loss")[0].value == 2.0  # flushed before the failure
+    records = read_offline(t.offline_path)
+    assert "ending run" in records[0]["reason"]
+    assert records[-1]["type"] == "end" and records[-1]["status"] == "FINISHED"
+
+
+# --------------------------------------------------------------------------- DVC
+
+
+@pytest.mark.slow
+def test_stage_fingerprint_matches_dvc_lock_and_run_cache(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "raw" / "sub").mkdir(parents=True)
+    (proj / "raw" / "a.txt").write_text("alpha\n")
+    (proj / "raw" / "sub" / "b.txt").write_text("beta\n")
+    (proj / "src.py").write_text("# the trainer\n")
+    # 1e-3 is a float only in YAML 1.2 (DVC's parser); `size` is a key DVC's hash drops.
+    (proj / "params.yaml").write_text("prep:\n  lr: 1e-3\n  n: 3\ntrain:\n  steps: 2\n  size: 5\n")
+    (proj / "dvc.yaml").write_text(
+        "stages:\n"
+        "  prep:\n"
+        "    cmd: python -c \"import shutil; shutil.copytree('raw', 'prepared')\"\n"
+        "    deps: [raw]\n"
+        "    params: [prep]\n"
+        "    outs: [prepared]\n"
+        "  train:\n"
+        "    cmd: python -c \"from pipeline.tracking.tracker import current_stage_fingerprint as f; "
+        "open('fp.txt', 'w').write(f('train')); open('m.json', 'w').write('{}')\"\n"
+        "    deps: [prepared, src.py]\n"
+        "    params: [train, prep.lr]\n"
+        "    outs: [fp.txt]\n"
+        "    metrics:\n"
+        "      - m.json:\n"
+        "          cache: false\n"
+    )
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "DVC_NO_ANALYTICS": "1"}
+    subprocess.run([str(BIN / "dvc"), "init", "--no-scm", "-q"], cwd=proj, env=env, check=True)
+    subprocess.run([str(BIN / "dvc"), "repro", "-q"], cwd=proj, env=env, check=True)
+
+    hashes = dvc_stage_hashes(proj)
+    assert set(hashes) == {"prep", "train"}
+    # Computed inside the running stage, before DVC wrote its lock entry:
+    assert (proj / "fp.txt").read_text() == hashes["train"]
+    assert current_stage_fingerprint("prep", proj) == hashes["prep"]
+    for key in hashes.values():  # DVC's own run-cache key, so the tag finds the cached run
+        assert (proj / ".dvc" / "cache" / "runs" / key[:2] / key).is_dir()
+
+    (proj / "params.yaml").write_text("prep:\n  lr: 1e-3\n  n: 3\ntrain:\n  steps: 3\n  size: 5\n")
+    assert current_stage_fingerprint("train", proj) != hashes["train"]
+    assert current_stage_fingerprint("prep", proj) == hashes["prep"]  # not its params
+    assert current_stage_fingerprint("nope", proj) is None
