@@ -41,7 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.model.transformer import Transformer, build_config, flops_per_token, num_params  # noqa: E402
-from pipeline.training.trainer import DTYPES, autocast, measure_peak_flops, param_groups  # noqa: E402
+from pipeline.training.loss import token_loss_sum  # noqa: E402
+from pipeline.training.metrics import measure_peak_flops  # noqa: E402
+from pipeline.training.optimizer import param_groups  # noqa: E402
+from pipeline.training.precision import DTYPES, autocast  # noqa: E402
 from tests.helpers import write_packed  # noqa: E402
 
 
@@ -76,8 +79,8 @@ def _plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
     def step() -> None:
         b = rows.batch(rng.choice(len(rows), args.batch, replace=False), device)
         with autocast(device, precision):
-            logits, _ = fwd(b["input_ids"], segment_ids=b["segment_ids"])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), b["targets"].flatten())
+            logits = fwd(b["input_ids"], segment_ids=b["segment_ids"])
+        loss = token_loss_sum(logits, b["targets"]) / b["targets"].numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -102,10 +105,13 @@ def stage_run(args, project: Path, steps: int, warmup: int) -> float:
     for p in ("models", "metrics", "plots"):
         subprocess.run(["rm", "-rf", str(project / p)], check=True)
     params = {"pretrain": {
-        "model": {"preset": args.preset, "max_seq_len": args.seq_len}, "device": args.device,
-        "precision": args.precision, "compile": args.compile, "micro_batch_size": args.batch,
-        "max_steps": warmup + steps, "warmup_steps": 1, "log_every": warmup, "eval_every": 10**6,
-        "eval_rows": args.batch, "checkpoint_every": 10**6, "track": False, "peak_flops": 1.0e12,
+        "model": {"preset": args.preset, "max_seq_len": args.seq_len},
+        "compute": {"device": args.device, "precision": args.precision, "compile": args.compile},
+        "batch": {"micro_batch_size": args.batch},
+        "schedule": {"max_steps": warmup + steps, "warmup_steps": 1},
+        "eval": {"every": 10**6, "rows": args.batch},
+        "checkpoint": {"every": 10**6},
+        "logging": {"every": warmup, "track": False, "peak_flops": 1.0e12},
     }}
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}

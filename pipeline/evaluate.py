@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.training import checkpoint as ckpt
@@ -32,7 +31,8 @@ from pipeline.config import StageConfig
 from pipeline.data.shards import PackedRows
 from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.progress import progress
-from pipeline.training.trainer import autocast, resolve_precision
+from pipeline.training.loss import IGNORE_INDEX, token_loss_sum
+from pipeline.training.precision import autocast, resolve_precision
 
 
 class SampleConfig(BaseModel):
@@ -97,11 +97,10 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
     for i in progress(iterable=range(0, n, batch_size), desc=f"score {rows.dir.name}", unit="batch"):
         batch = rows.batch(np.arange(i, min(n, i + batch_size)), device, doc_mask)
         with autocast(device, precision):
-            logits, _ = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
+            logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
         targets = batch["targets"]
-        nll += float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                     reduction="sum"))
-        scored = targets[targets != -100].cpu().numpy()
+        nll += float(token_loss_sum(logits, targets))
+        scored = targets[targets != IGNORE_INDEX].cpu().numpy()
         tokens += scored.size
         text_bytes += int(nbytes[scored].sum())
     if tokens == 0:

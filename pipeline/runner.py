@@ -10,14 +10,11 @@ from typing import Callable
 
 from pipeline import layout
 from pipeline.config import ConfigError, StageConfig, load_params
+from pipeline.errors import StageError
 from pipeline.files import write_json
 from pipeline.tracking.lineage import record_experiment
 
 log = logging.getLogger("pipeline")
-
-
-class StageError(RuntimeError):
-    """An expected failure with a message meant for the user (no traceback)."""
 
 
 def setup_logging() -> None:
@@ -95,9 +92,8 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
         print(f"error: stage {stage} failed: {err}", file=sys.stderr)
         sys.exit(2)
     if not inside_torchrun():
-        launch_cfg = LaunchConfig(**{k: getattr(cfg, k) for k in LaunchConfig.model_fields})  # the launch subset
         try:
-            code = launch(module, launch_cfg, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
+            code = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
         except TrainerBusyError as err:
             print(f"error: stage {stage} refused to start: {err}", file=sys.stderr)
             sys.exit(2)

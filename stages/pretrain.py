@@ -1,14 +1,19 @@
 """pretrain: data/packed -> models/pretrain (+ plots/pretrain.csv, metrics/pretrain.json).
 
-DVC runs ``python -m stages.pretrain``; that process takes the trainer lock and
-relaunches this module under torchrun with the launch settings in params.
+DVC runs ``python -m stages.pretrain``; that process checks the inputs, takes
+the trainer lock and relaunches this module under torchrun with the launch
+settings in params.
 """
 
 from pipeline import layout
 from pipeline.runner import run_training_stage
-from pipeline.training.pretrain import PretrainConfig, run_pretrain
+from pipeline.training.pretrain import PretrainConfig, read_manifest, run_pretrain
 
 OUT = layout.PRETRAIN_MODEL
+
+
+def prepare(cfg: PretrainConfig) -> None:
+    read_manifest(layout.PACKED)
 
 
 def main(cfg: PretrainConfig) -> dict:
@@ -16,4 +21,4 @@ def main(cfg: PretrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_training_stage("pretrain", "stages.pretrain", OUT, main)
+    run_training_stage("pretrain", "stages.pretrain", OUT, main, prepare=prepare)

@@ -104,3 +104,34 @@ def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: di
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     base = {"stage": "sft", "fingerprint": "f" * 16, "model": model.config.to_dict(), "metrics": {"loss": 1.25}}
     return ckpt.save(folder, step, model, optimizer, {"step": step}, {**base, **(meta or {})}, keep=2)
+
+
+# Test shorthand for the nested training config: each short name is one key of
+# one section of pipeline/training/config.py (a test that names them all would
+# otherwise drown in braces). `train_params(lr=1e-2)` -> {"optimizer": {"lr": 1e-2}}.
+TRAIN_KEYS = {
+    "doc_mask": "data.doc_mask", "micro_batch_size": "batch.micro_batch_size",
+    "grad_accum_steps": "batch.grad_accum_steps", "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay",
+    "grad_clip": "optimizer.grad_clip", "max_steps": "schedule.max_steps", "warmup_steps": "schedule.warmup_steps",
+    "min_lr": "schedule.min_lr", "device": "compute.device", "precision": "compute.precision",
+    "compile": "compute.compile", "activation_checkpointing": "compute.activation_checkpointing",
+    "nproc_per_node": "launch.nproc_per_node", "eval_every": "eval.every", "eval_rows": "eval.rows",
+    "checkpoint_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep", "log_every": "logging.every",
+    "peak_flops": "logging.peak_flops", "track": "logging.track", "seq_len": "data.seq_len",
+    "max_examples": "data.max_examples",
+}
+
+
+def train_params(base: dict | None = None, **short) -> dict:
+    """A nested training params section from ``base`` (already nested) plus
+    ``short`` names of TRAIN_KEYS; any other key (``model``, ``seed``) is kept as is."""
+    import copy
+
+    out = copy.deepcopy(base or {})
+    for name, value in short.items():
+        *parents, last = TRAIN_KEYS.get(name, name).split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out

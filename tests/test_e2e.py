@@ -22,12 +22,12 @@ TINY = {
     "ingest.max_bytes": 400_000,
     "tokenizer.vocab_size": 512, "tokenizer.sample_bytes": 300_000, "tokenizer.eval_bytes": 50_000,
     "pack.seq_len": 64,
-    "pretrain.model": {"preset": "tiny"}, "pretrain.micro_batch_size": 8, "pretrain.max_steps": 150,
-    "pretrain.warmup_steps": 10, "pretrain.eval_every": 75, "pretrain.checkpoint_every": 75,
-    "pretrain.log_every": 5, "pretrain.lr": 1.0e-2,
-    "sft.seq_len": 64, "sft.max_examples": 300, "sft.micro_batch_size": 8, "sft.max_steps": 10,
-    "sft.warmup_steps": 2, "sft.eval_every": 5, "sft.checkpoint_every": 5, "sft.log_every": 5,
-    "sft.overlong": "truncate",
+    "pretrain.model": {"preset": "tiny"}, "pretrain.batch.micro_batch_size": 8, "pretrain.schedule.max_steps": 150,
+    "pretrain.schedule.warmup_steps": 10, "pretrain.eval.every": 75, "pretrain.checkpoint.every": 75,
+    "pretrain.logging.every": 5, "pretrain.optimizer.lr": 1.0e-2,
+    "sft.data.seq_len": 64, "sft.data.max_examples": 300, "sft.batch.micro_batch_size": 8,
+    "sft.schedule.max_steps": 10, "sft.schedule.warmup_steps": 2, "sft.eval.every": 5, "sft.checkpoint.every": 5,
+    "sft.logging.every": 5, "sft.data.overlong": "truncate",
     "evaluate.max_rows": 16, "evaluate.samples": {"max_new_tokens": 8},
 }
 STAGES = ["ingest", "clean", "tokenizer", "pack", "pretrain", "sft", "evaluate", "export"]
@@ -117,7 +117,7 @@ def test_mlflow_has_a_run_per_stage_and_the_registry_aliases(project):
     names = {r.info.run_name for r in runs}
     assert set(STAGES) <= names
     pre = next(r for r in runs if r.info.run_name == "pretrain")
-    assert "loss" in pre.data.metrics and pre.data.params["pretrain.lr"] == "0.01"
+    assert "loss" in pre.data.metrics and pre.data.params["pretrain.optimizer.lr"] == "0.01"
     assert "mlflow.source.git.commit" in pre.data.tags
     mv = client.get_model_version_by_alias("llm-pipeline", "champion")
     assert client.get_model_version_by_alias("llm-pipeline", "candidate").version == mv.version

@@ -51,7 +51,7 @@ from tokenizers import Tokenizer
 
 from pipeline.data.tokenizer import IM_END, IM_START, special_ids
 
-# pipeline.model.transformer.IGNORE_INDEX, repeated so that data preparation does not import torch;
+# pipeline.training.loss.IGNORE_INDEX, repeated so that data preparation does not import torch;
 # a test checks that they agree.
 IGNORE_INDEX = -100
 

@@ -82,6 +82,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.errors import StageError
 from pipeline.data.accounting import Ledger
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, ChatFormatError, encode_chat, to_messages
 from pipeline.files import atomic_path, sha256_file, write_json
@@ -324,7 +325,7 @@ class SFTDataConfig(BaseModel):
     shard_rows: int = Field(16_384, ge=1, description="rows per Arrow shard file")
 
 
-class SFTDataError(RuntimeError):
+class SFTDataError(StageError):
     """SFT data cannot be built: a missing source or tokenizer, or an empty split."""
 
 

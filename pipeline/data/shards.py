@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+from pipeline.errors import StageError
 
 
-class DataError(RuntimeError):
+class DataError(StageError):
     pass
 
 

@@ -115,14 +115,14 @@ def iter_generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: 
     cache = KVCache(model.config, 1, len(prompt_ids) + budget - 1, device=param.device, dtype=param.dtype)
     with torch.inference_mode():
         idx = torch.tensor([prompt_ids], device=param.device)  # (1, T)
-        logits, _ = model(idx, cache=cache)  # prefill
+        logits = model(idx, cache=cache)  # prefill
         pos = len(prompt_ids)
         for step in range(budget):
             token = int(sample_next(logits[0, -1], temperature, top_k, top_p, generator))
             yield token
             if token in stops or step + 1 == budget:
                 return
-            logits, _ = model(torch.tensor([[token]], device=param.device), cache=cache, start_pos=pos)
+            logits = model(torch.tensor([[token]], device=param.device), cache=cache, start_pos=pos)
             pos += 1
 
 

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100  # targets equal to this take no part in the loss (SFT prompt masking)
 
 
 # --------------------------------------------------------------------------- config
@@ -341,13 +340,12 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                start_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, vocab_size) for token ids idx (B, T), and the loss.
+    def forward(self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids idx (B, T). The loss is the
+        caller's (pipeline/training/loss.py), so one definition serves training
+        and evaluation.
 
-        targets (B, T): next-token ids; the loss is the fp32 mean cross-entropy over
-            positions whose target is not IGNORE_INDEX (-100), else None.
         segment_ids (B, T): document of each position in a packed row; attention
             stays inside a document. None: plain causal attention over the row.
         cache, start_pos: incremental decoding. idx holds positions
@@ -375,13 +373,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, d_model)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache, start_pos)
-        logits = self.output(self.norm(x))  # (B, T, vocab_size)
-
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX)
-        return logits, loss
+        return self.output(self.norm(x))  # (B, T, vocab_size)
 
 
 # --------------------------------------------------------------------------- accounting

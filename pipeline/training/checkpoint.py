@@ -33,13 +33,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from pipeline.errors import StageError
 from pipeline.files import fsync_path, sha256_file
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt", "meta.json")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StageError):
     pass
 
 
@@ -185,3 +186,34 @@ def _check_sizes(path: Path) -> None:
         size = (path / name).stat().st_size if (path / name).exists() else -1
         if size != info["bytes"]:
             raise CheckpointError(f"{path / name}: size {size} != recorded {info['bytes']}; checkpoint is damaged")
+
+
+class CheckpointManager:
+    """Owns one run's checkpoint folder (interim: to be replaced by the verified manager)."""
+
+    def __init__(self, folder: Path, *, fingerprint: str, keep: int, is_main: bool):
+        self.folder, self.fingerprint, self.keep, self.is_main = Path(folder), fingerprint, keep, is_main
+
+    def prepare(self) -> None:
+        if not self.is_main:
+            return
+        sweep(self.folder)
+        stale = [c for c in complete_checkpoints(self.folder) if c.meta.get("fingerprint") != self.fingerprint]
+        if stale:
+            import logging
+            logging.getLogger(__name__).warning(
+                "params, model or data changed since the checkpoints in %s were written: "
+                "starting a fresh run and removing %d old checkpoint(s)", self.folder, len(stale))
+            discard(stale)
+
+    def resume_point(self) -> Checkpoint | None:
+        return latest(self.folder)
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
+             meta: dict[str, Any]) -> Checkpoint:
+        return save(self.folder, step, model, optimizer, trainer_state, {**meta, "fingerprint": self.fingerprint}, self.keep)
+
+    def load(self, ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        load_model_weights(ckpt, model)
+        optimizer.load_state_dict(load_state(ckpt, "optimizer.pt"))
+        return load_state(ckpt, "trainer.pt")

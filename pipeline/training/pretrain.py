@@ -3,7 +3,8 @@
 Runs on every rank under torchrun (stages/pretrain.py launches it). Reads
 ``data/packed/{train,val}``, writes checkpoints to ``models/pretrain/``, the
 live curve to ``plots/pretrain.csv``, and returns the summary that rank 0 writes
-to ``metrics/pretrain.json``.
+to ``metrics/pretrain.json``; what is not a number to compare (precision, the
+final checkpoint's path) goes to ``models/pretrain/report.json``.
 """
 
 from __future__ import annotations
@@ -11,18 +12,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import numpy as np
+from pydantic import Field, field_validator
 
-from pipeline.files import read_json
+from pipeline.data.shards import PackedRows
+from pipeline.errors import StageError
+from pipeline.files import read_json, write_json
 from pipeline.model.transformer import PRESETS, ModelConfig, build_config
-from pipeline.training.trainer import TrainConfig, Trainer, unigram_entropy
+from pipeline.training import checkpoint as ckpt
+from pipeline.training.config import Section, TrainConfig
+from pipeline.training.trainer import Trainer
+
+REPORT = "report.json"
 
 
-class ModelSection(BaseModel):
+class ModelSection(Section):
     """A preset from pipeline.model.transformer.PRESETS; any dimension given here overrides it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+    identity = True
     preset: str | None = Field("mini", description="tiny | mini | small (124M) | medium (~350M) | large (~760M) | xl (~1.5B); null: give n_layer, n_head, d_model")
     n_layer: int | None = Field(None, ge=1, description="transformer blocks")
     n_head: int | None = Field(None, ge=1, description="query heads")
@@ -54,8 +61,17 @@ class PretrainConfig(TrainConfig):
     model: ModelSection = Field(default_factory=ModelSection)
 
 
+def read_manifest(packed_dir: Path) -> dict[str, Any]:
+    """The pack stage's manifest; a one-line StageError when pack has not run."""
+    path = Path(packed_dir) / "manifest.json"
+    if not path.exists():
+        raise StageError(f"{path} not found: the packed data is missing; run `dvc repro pack` first")
+    return read_json(path)
+
+
 def run_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
-    manifest = read_json(Path(packed_dir) / "manifest.json")
+    """Train on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
+    manifest = read_manifest(packed_dir)
     model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
     data_id = manifest.get("tokenizer_sha256", "") + ":" + ",".join(
         s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])
@@ -64,8 +80,31 @@ def run_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, csv_path:
                       extra_meta={"tokenizer_sha256": manifest.get("tokenizer_sha256"), "vocab_size": manifest["vocab_size"]})
     try:
         summary = trainer.fit()
-        if trainer.d.is_main:
-            summary["unigram_entropy"] = unigram_entropy(trainer.train_data)
-        return summary if trainer.d.is_main else {}
+        if not trainer.d.is_main:
+            return {}
+        summary["unigram_entropy"] = unigram_entropy(trainer.train_data)
+        write_report(out_dir, trainer)
+        return summary
     finally:
         trainer.close()
+
+
+def write_report(out_dir: Path, trainer: Trainer, **extra: Any) -> None:
+    """What describes the finished run but is not a number to compare across runs."""
+    last = ckpt.latest(Path(out_dir))
+    write_json(Path(out_dir) / REPORT, {"checkpoint": str(last.path) if last else None,
+                                        "fingerprint": trainer.fingerprint, "precision": trainer.precision,
+                                        "device": trainer.d.device.type, **extra})
+
+
+def unigram_entropy(rows: PackedRows) -> float:
+    """Entropy (nats/token) of the split's unigram token distribution: the loss of
+    the best model that ignores context, the bar a trained model must clear."""
+    counts = np.zeros(0, dtype=np.int64)
+    for block in rows.iter_input_ids():
+        c = np.bincount(block[:, 1:].ravel())
+        if len(c) > len(counts):
+            counts = np.pad(counts, (0, len(c) - len(counts)))
+        counts[:len(c)] += c
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

@@ -18,63 +18,91 @@ from typing import Any
 
 from pydantic import Field
 
-from pipeline.training import checkpoint as ckpt
+from pipeline.data.sft_data import SFTDataConfig, build_sft_data
+from pipeline.errors import StageError
 from pipeline.files import read_json, write_json
 from pipeline.model.transformer import ModelConfig
-from pipeline.data.sft_data import SFTDataConfig, build_sft_data
-from pipeline.training.trainer import TrainConfig, Trainer
+from pipeline.training import checkpoint as ckpt
+from pipeline.training.config import (CheckpointSection, DataSection, EvalSection, OptimizerSection, ScheduleSection,
+                                      TrainConfig)
+from pipeline.training.pretrain import write_report
+from pipeline.training.trainer import Trainer
 
 BUILD_METRICS = "build_metrics.json"
 
 
-class SFTError(RuntimeError):
-    pass
+class SFTError(StageError):
+    """sft cannot start: no finished pretrain checkpoint, or data that does not fit the model."""
 
 
-class SFTConfig(TrainConfig, SFTDataConfig):
-    """Training keys as in pretrain (smaller defaults: fine-tuning is short) plus
-    the data keys of :class:`~pipeline.data.sft_data.SFTDataConfig`."""
+class SFTData(SFTDataConfig, DataSection):
+    """The SFT dataset to build (:class:`~pipeline.data.sft_data.SFTDataConfig`) and how rows are masked."""
 
-    max_steps: int = Field(200, ge=1, description="optimizer steps; the cosine schedule ends here")
+
+class SFTOptimizer(OptimizerSection):
     lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+
+
+class SFTSchedule(ScheduleSection):
+    max_steps: int = Field(200, ge=1, description="optimizer steps; the cosine schedule ends here")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup from 0 to optimizer.lr")
     min_lr: float = Field(1e-4, ge=0, description="floor of the cosine schedule")
-    warmup_steps: int = Field(20, ge=0, description="linear warmup from 0 to lr")
-    eval_every: int = Field(50, ge=1, description="steps between val-loss evaluations (and at the end)")
-    checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (and at the end)")
-    eval_rows: int | None = Field(None, ge=1, description="val rows per evaluation; null = the whole split")
 
 
-def data_config(cfg: SFTConfig) -> SFTDataConfig:
-    return SFTDataConfig(**{k: getattr(cfg, k) for k in SFTDataConfig.model_fields})
+class SFTEval(EvalSection):
+    every: int = Field(50, ge=1, description="steps between val-loss evaluations (and at the end)")
+    rows: int | None = Field(None, ge=1, description="val rows per evaluation; null = the whole split")
 
 
-def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine_path: Path) -> dict[str, Any]:
-    metrics = build_sft_data(data_config(cfg), tokenizer_path, data_dir, quarantine_path)
+class SFTCheckpoint(CheckpointSection):
+    every: int = Field(100, ge=1, description="steps between checkpoints (and at the end)")
+
+
+class SFTConfig(TrainConfig):
+    """The training sections of pretrain (shorter defaults: fine-tuning is short),
+    with ``data`` widened to the SFT dataset; the model comes from the checkpoint."""
+
+    data: SFTData = Field(default_factory=SFTData)
+    optimizer: SFTOptimizer = Field(default_factory=SFTOptimizer)
+    schedule: SFTSchedule = Field(default_factory=SFTSchedule)
+    eval: SFTEval = Field(default_factory=SFTEval)
+    checkpoint: SFTCheckpoint = Field(default_factory=SFTCheckpoint)
+
+
+def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
+    """pretrain's final checkpoint; a one-line SFTError when there is none."""
+    last = ckpt.latest(Path(pretrain_dir))
+    if last is None:
+        raise SFTError(f"no checkpoint in {pretrain_dir}; run `dvc repro pretrain` first")
+    if not last.meta.get("final"):
+        raise SFTError(f"{last.path} is not pretrain's final checkpoint (step {last.step}); "
+                       "pretrain was interrupted: run `dvc repro pretrain` to finish it")
+    return last
+
+
+def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine_path: Path,
+                pretrain_dir: Path) -> dict[str, Any]:
+    """Once, before the ranks start: check that pretrain finished, then build the SFT shards."""
+    pretrained(pretrain_dir)
+    metrics = build_sft_data(cfg.data, tokenizer_path, data_dir, quarantine_path)
     write_json(Path(data_dir) / BUILD_METRICS, metrics)
     return metrics
 
 
-def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
-    last = ckpt.latest(Path(pretrain_dir))
-    if last is None:
-        raise SFTError(f"no checkpoint in {pretrain_dir}; run the pretrain stage first")
-    if not last.meta.get("final"):
-        raise SFTError(f"{last.path} is not pretrain's final checkpoint (step {last.step}); "
-                       "pretrain was interrupted: rerun it to finish")
-    return last
-
-
 def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
+    """Fine-tune on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
     init = pretrained(pretrain_dir)
     model_cfg = ModelConfig(**init.meta["model"])
     manifest = read_json(Path(data_dir) / "manifest.json")
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise SFTError(f"sft.seq_len {cfg.seq_len} exceeds the pretrained model's max_seq_len {model_cfg.max_seq_len}")
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise SFTError(f"sft.data.seq_len {cfg.data.seq_len} exceeds the pretrained model's max_seq_len "
+                       f"{model_cfg.max_seq_len}; lower it")
     if init.meta.get("tokenizer_sha256") not in (None, manifest["tokenizer_sha256"]):
-        raise SFTError("the SFT data was tokenized with a different tokenizer than the pretrained model's")
+        raise SFTError("the SFT data was tokenized with a different tokenizer than the pretrained model's; "
+                       "rerun `dvc repro sft` after `dvc repro tokenizer pretrain`")
     data_id = ",".join(s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])
     trainer = Trainer("sft", cfg, model_cfg, Path(data_dir) / "train", Path(data_dir) / "val", out_dir, csv_path,
-                      data_id=data_id, init_weights=Path(pretrain_dir),
+                      data_id=data_id, init_from=init,
                       extra_meta={"tokenizer_sha256": manifest["tokenizer_sha256"], "init_from": str(init.path),
                                   "vocab_size": model_cfg.vocab_size})
     try:
@@ -83,7 +111,9 @@ def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, c
             return {}
         build = Path(data_dir) / BUILD_METRICS
         summary["data"] = read_json(build) if build.exists() else {}
-        summary["init_from"] = {"path": str(init.path), "step": init.step, "fingerprint": init.meta.get("fingerprint")}
+        summary["init_step"] = init.step
+        write_report(out_dir, trainer, init_from={"path": str(init.path), "step": init.step,
+                                                  "fingerprint": init.meta.get("fingerprint")})
         return summary
     finally:
         trainer.close()

@@ -33,7 +33,7 @@ def test_score_is_summed_nll_over_targets_and_bits_per_byte(tmp_path):
     m = score(model, rows, nbytes, batch_size=3, max_rows=5, doc_mask=True, device=torch.device("cpu"),
               precision="fp32")
     b = rows.batch(np.arange(5), torch.device("cpu"))
-    logits, _ = model(b["input_ids"], segment_ids=b["segment_ids"])
+    logits = model(b["input_ids"], segment_ids=b["segment_ids"])
     nll = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(), reduction="sum").item()
     assert m["tokens"] == 5 * 16 and m["bytes"] == 2 * 5 * 16
     assert m["val_loss"] == pytest.approx(nll / 80, rel=1e-5)

@@ -15,19 +15,19 @@ from safetensors.torch import load_file
 
 from pipeline.training import checkpoint as ckpt
 from tests.conftest import ROOT
-from tests.helpers import write_packed
+from tests.helpers import train_params, write_packed
 
 pytestmark = pytest.mark.slow
 
-BASE = {"model": {"preset": "tiny"}, "precision": "fp32", "micro_batch_size": 4, "grad_accum_steps": 1,
-        "max_steps": 4, "warmup_steps": 1, "lr": 1e-2, "min_lr": 1e-3, "log_every": 1, "eval_every": 100,
-        "eval_rows": 16, "checkpoint_every": 100, "track": False, "peak_flops": 1e9}
+BASE = train_params({"model": {"preset": "tiny"}}, precision="fp32", micro_batch_size=4, grad_accum_steps=1,
+                    max_steps=4, warmup_steps=1, lr=1e-2, min_lr=1e-3, log_every=1, eval_every=100,
+                    eval_rows=16, checkpoint_every=100, track=False, peak_flops=1e9)
 
 
 def project(tmp_path, **params):
     tmp_path.mkdir(parents=True, exist_ok=True)
     write_packed(tmp_path / "data" / "packed", n_docs=600)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"pretrain": {**BASE, **params}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(BASE, **params)}))
     return tmp_path
 
 
@@ -121,7 +121,7 @@ def test_a_second_trainer_is_refused_while_orphans_run(tmp_path):
     # once the orphans are gone the lock is free again: the kernel drops flocks of dead processes
     time.sleep(1.0)
     p2 = yaml.safe_load((p / "params.yaml").read_text())
-    p2["pretrain"]["max_steps"] = 3
+    p2["pretrain"]["schedule"]["max_steps"] = 3
     (p / "params.yaml").write_text(yaml.safe_dump(p2))
     r = stage(p, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -234,6 +234,6 @@ def test_encode_prompt(tok):
 
 
 def test_ignore_index_agrees_with_the_model():
-    from pipeline.model.transformer import IGNORE_INDEX as MODEL_IGNORE_INDEX
+    from pipeline.training.loss import IGNORE_INDEX as MODEL_IGNORE_INDEX
 
     assert IGNORE_INDEX == MODEL_IGNORE_INDEX

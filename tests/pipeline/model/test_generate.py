@@ -133,7 +133,7 @@ def test_greedy_equals_argmax_of_repeated_full_forwards(model, tok):
     seq = list(ids)
     with torch.no_grad():
         for _ in range(12):  # the slow way: a full forward per token, no cache
-            seq.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
     assert got == seq[len(ids):]
 
 
@@ -145,7 +145,7 @@ def test_cached_sampling_equals_uncached_sampling(model, tok):
     seq = list(ids)
     with torch.no_grad():
         for _ in range(15):
-            logits = model(torch.tensor([seq]))[0][0, -1]
+            logits = model(torch.tensor([seq]))[0, -1]
             seq.append(int(sample_next(logits, generator=generator, **kw)))
     assert got == seq[len(ids):]
 

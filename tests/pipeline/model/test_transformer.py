@@ -1,4 +1,4 @@
-"""Tests for pipeline/model/transformer.py: shapes, loss, masking, KV cache, presets,
+"""Tests for pipeline/model/transformer.py: shapes, masking, KV cache, presets,
 accounting, a tiny overfit, and logit parity with transformers' Llama."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from pipeline.training.loss import token_loss_sum
 from pipeline.model.transformer import (
-    IGNORE_INDEX,
     PRESETS,
     KVCache,
     ModelConfig,
@@ -48,45 +48,17 @@ def tokens(B: int, T: int, seed: int = 1) -> torch.Tensor:
 # --------------------------------------------------------------------------- forward and loss
 
 
-def test_output_shapes_with_and_without_targets(model):
-    idx = tokens(3, 11)
-    logits, loss = model(idx)
+def test_the_model_returns_logits(model):
+    logits = model(tokens(3, 11))
     assert logits.shape == (3, 11, VOCAB)
-    assert loss is None
-    logits, loss = model(idx, targets=tokens(3, 11, seed=2))
-    assert logits.shape == (3, 11, VOCAB)
-    assert loss.shape == () and torch.isfinite(loss)
-
-
-def test_loss_is_mean_cross_entropy_over_unmasked_targets(model):
-    idx, targets = tokens(2, 10), tokens(2, 10, seed=2)
-    targets[0, :4] = IGNORE_INDEX
-    targets[1, 7:] = IGNORE_INDEX
-    logits, loss = model(idx, targets=targets)
-
-    keep = targets != IGNORE_INDEX
-    log_probs = logits.double().log_softmax(-1)
-    nll = -log_probs[keep].gather(-1, targets[keep][:, None]).squeeze(-1)
-    torch.testing.assert_close(loss.double(), nll.mean(), rtol=1e-6, atol=1e-6)
-
-    # the ignored positions really are left out: counting them changes the loss
-    _, loss_all = model(idx, targets=tokens(2, 10, seed=2))
-    assert not torch.isclose(loss, loss_all)
-
-
-def test_loss_is_fp32_when_the_model_runs_in_bf16():
-    m = model_for(tiny()).to(torch.bfloat16)
-    logits, loss = m(tokens(2, 8), targets=tokens(2, 8, seed=2))
-    assert logits.dtype == torch.bfloat16
-    assert loss.dtype == torch.float32
 
 
 def test_causality(model):
     idx = tokens(1, 16)
     changed = idx.clone()
     changed[0, 9] = (changed[0, 9] + 1) % VOCAB
-    a, _ = model(idx)
-    b, _ = model(changed)
+    a = model(idx)
+    b = model(changed)
     torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=1e-6)
     assert (a[:, 9:] - b[:, 9:]).abs().amax() > 1e-3
 
@@ -116,30 +88,30 @@ def test_document_mask_isolates_documents(model):
     changed = idx.clone()
     changed[0, 8:15] = (changed[0, 8:15] + 1) % VOCAB  # perturb the middle document (not its first token)
 
-    masked_a, _ = model(idx, segment_ids=SEGMENTS)
-    masked_b, _ = model(changed, segment_ids=SEGMENTS)
+    masked_a = model(idx, segment_ids=SEGMENTS)
+    masked_b = model(changed, segment_ids=SEGMENTS)
     torch.testing.assert_close(masked_a[:, :7], masked_b[:, :7], rtol=0, atol=1e-6)  # earlier document
     torch.testing.assert_close(masked_a[:, 15:], masked_b[:, 15:], rtol=0, atol=1e-6)  # later document
     assert (masked_a[:, 8:15] - masked_b[:, 8:15]).abs().amax() > 1e-3  # the perturbed one did change
 
     # Without the mask the later document sees the change, so the check above can fail.
-    plain_a, _ = model(idx)
-    plain_b, _ = model(changed)
+    plain_a = model(idx)
+    plain_b = model(changed)
     assert (plain_a[:, 15:] - plain_b[:, 15:]).abs().amax() > 1e-3
 
 
 def test_each_packed_document_matches_it_run_alone(model):
     idx = tokens(1, T_ROW)
-    packed, _ = model(idx, segment_ids=SEGMENTS)
+    packed = model(idx, segment_ids=SEGMENTS)
     for start, end in zip(STARTS, STARTS[1:] + [T_ROW]):
-        alone, _ = model(idx[:, start:end])  # the document at the start of its own row
+        alone = model(idx[:, start:end])  # the document at the start of its own row
         torch.testing.assert_close(packed[:, start:end], alone, rtol=0, atol=1e-5)
 
 
 def test_one_segment_equals_plain_causal(model):
     idx = tokens(2, 12)
-    masked, _ = model(idx, segment_ids=torch.zeros(2, 12, dtype=torch.long))
-    plain, _ = model(idx)
+    masked = model(idx, segment_ids=torch.zeros(2, 12, dtype=torch.long))
+    plain = model(idx)
     torch.testing.assert_close(masked, plain, rtol=0, atol=1e-5)
 
 
@@ -162,7 +134,7 @@ def test_gqa_shapes():
     assert attn.wv.weight.shape == (c.n_kv_head * c.head_dim, c.d_model)
     cache = KVCache(c, batch_size=2)
     assert cache.k.shape == (c.n_layer, 2, c.n_kv_head, c.max_seq_len, c.head_dim)
-    logits, _ = m(tokens(2, 5))
+    logits = m(tokens(2, 5))
     assert logits.shape == (2, 5, VOCAB)
 
 
@@ -219,13 +191,13 @@ def test_init_scales_residual_projections():
 
 def test_kv_cache_decoding_matches_full_forward(model):
     idx = tokens(2, 14)
-    full, _ = model(idx)
+    full = model(idx)
 
     cache = KVCache(model.config, batch_size=2, max_len=14)
-    steps = [model(idx[:, :5], cache=cache)[0]]  # prefill 5 tokens
-    steps.append(model(idx[:, 5:8], cache=cache, start_pos=5)[0])  # a chunk of 3 after the prefill
+    steps = [model(idx[:, :5], cache=cache)]  # prefill 5 tokens
+    steps.append(model(idx[:, 5:8], cache=cache, start_pos=5))  # a chunk of 3 after the prefill
     for pos in range(8, 14):  # then one token at a time
-        steps.append(model(idx[:, pos:pos + 1], cache=cache, start_pos=pos)[0])
+        steps.append(model(idx[:, pos:pos + 1], cache=cache, start_pos=pos))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
@@ -326,7 +298,7 @@ def test_tiny_model_overfits_a_fixed_batch():
     idx, targets = tokens(4, 32), tokens(4, 32, seed=2)
     losses = []
     for _ in range(50):
-        _, loss = m(idx, targets=targets)
+        loss = token_loss_sum(m(idx), targets) / targets.numel()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -379,5 +351,5 @@ def test_logits_match_transformers_llama(tie):
     idx = tokens(2, 40)
     with torch.no_grad():
         expected = hf(input_ids=idx).logits
-    got, _ = ours(idx)
+    got = ours(idx)
     assert (got - expected).abs().max().item() < 1e-4

@@ -11,10 +11,11 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.config import ConfigError, parse_section
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
 from pipeline.training.sft import SFTConfig, SFTError, run_sft
-from tests.helpers import synthetic_docs, write_packed, write_split
+from pipeline.training.loss import token_loss_sum
+from tests.helpers import synthetic_docs, train_params, write_packed, write_split
 
-TRAIN = {"precision": "fp32", "micro_batch_size": 4, "warmup_steps": 1, "log_every": 1, "eval_every": 100,
-         "eval_rows": 8, "checkpoint_every": 100, "track": False, "peak_flops": 1e15}
+TRAIN = train_params(precision="fp32", micro_batch_size=4, warmup_steps=1, log_every=1, eval_every=100,
+                     eval_rows=8, checkpoint_every=100, track=False, peak_flops=1e15)
 
 
 def sft_data(out, vocab=64, seq_len=32):
@@ -30,19 +31,20 @@ def sft_data(out, vocab=64, seq_len=32):
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pre")
-    cfg = parse_section(PretrainConfig, {**TRAIN, "model": {"preset": "tiny"}, "max_steps": 6}, "pretrain")
+    cfg = parse_section(PretrainConfig, train_params(TRAIN, model={"preset": "tiny"}, max_steps=6), "pretrain")
     run_pretrain(cfg, write_packed(tmp / "packed"), tmp / "models", tmp / "pretrain.csv")
     return tmp / "models"
 
 
 def sft_cfg(**kw):
-    return parse_section(SFTConfig, {**TRAIN, "seq_len": 32, "max_steps": 4, **kw}, "sft")
+    return parse_section(SFTConfig, train_params(TRAIN, **{"seq_len": 32, "max_steps": 4, **kw}), "sft")
 
 
 def test_sft_starts_from_pretrained_weights_and_trains_only_labels(tmp_path, pretrained):
     data = sft_data(tmp_path / "sft")
     m = run_sft(sft_cfg(), data, pretrained, tmp_path / "models", tmp_path / "sft.csv")
-    assert m["steps"] == 4 and m["init_from"]["step"] == 6
+    assert m["steps"] == 4 and m["init_step"] == 6
+    assert json.loads((tmp_path / "models" / "report.json").read_text())["init_from"]["step"] == 6
     # step 1's update started from the pretrained weights: redo it by hand
     from pipeline.model.transformer import ModelConfig, Transformer
 
@@ -56,8 +58,8 @@ def test_sft_starts_from_pretrained_weights_and_trains_only_labels(tmp_path, pre
     rows = PackedRows(data / "train")
     order = GlobalOrder(len(rows), 1337, 4, 1, 1, 0)
     b = rows.batch(order.next_step()[0], torch.device("cpu"))
-    logits, loss = model(b["input_ids"], targets=b["targets"], segment_ids=b["segment_ids"])
-    assert first_loss == pytest.approx(loss.item(), rel=1e-5)
+    loss = token_loss_sum(model(b["input_ids"], segment_ids=b["segment_ids"]), b["targets"])
+    assert first_loss == pytest.approx(loss.item() / int((b["targets"] != -100).sum()), rel=1e-5)
     assert (b["targets"] == -100).any() and (b["targets"] != -100).any()
 
 
@@ -72,7 +74,7 @@ def test_refuses_an_unfinished_pretrain(tmp_path, pretrained):
     (unfinished / c.path.name / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(SFTError, match="not pretrain's final checkpoint"):
         run_sft(sft_cfg(), sft_data(tmp_path / "sft"), unfinished, tmp_path / "models", tmp_path / "sft.csv")
-    with pytest.raises(SFTError, match="run the pretrain stage first"):
+    with pytest.raises(SFTError, match="run `dvc repro pretrain` first"):
         run_sft(sft_cfg(), sft_data(tmp_path / "sft2"), tmp_path / "nothing", tmp_path / "m2", tmp_path / "s.csv")
 
 
@@ -82,9 +84,9 @@ def test_sft_seq_len_beyond_model_is_refused(tmp_path, pretrained):
 
 
 def test_sft_params_validate_data_and_training_keys():
-    cfg = sft_cfg(overlong="truncate", sources=[{"path": "x.jsonl", "format": "alpaca"}])
-    assert cfg.overlong == "truncate" and cfg.sources[0].format == "alpaca" and cfg.lr == 1e-3
-    with pytest.raises(ConfigError, match=r"sft\.overlong"):
-        sft_cfg(overlong="cut")
-    with pytest.raises(ConfigError, match=r"sft\.sources\.0\.format"):
-        sft_cfg(sources=[{"path": "x.jsonl", "format": "openai"}])
+    cfg = sft_cfg(data={"overlong": "truncate", "sources": [{"path": "x.jsonl", "format": "alpaca"}]})
+    assert cfg.data.overlong == "truncate" and cfg.data.sources[0].format == "alpaca" and cfg.optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"sft\.data\.overlong"):
+        sft_cfg(data={"overlong": "cut"})
+    with pytest.raises(ConfigError, match=r"sft\.data\.sources\.0\.format"):
+        sft_cfg(data={"sources": [{"path": "x.jsonl", "format": "openai"}]})

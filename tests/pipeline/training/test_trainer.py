@@ -11,16 +11,25 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.config import ConfigError, parse_section
 from pipeline.model.transformer import Transformer
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
-from pipeline.training.trainer import NonFiniteError, TrainConfig, lr_at, param_groups, resolve_precision
-from tests.helpers import write_packed
+from pipeline.training.config import ScheduleSection
+from pipeline.training.optimizer import lr_at, param_groups
+from pipeline.training.precision import resolve_precision
+from pipeline.training.trainer import NonFiniteError
+from tests.helpers import train_params, write_packed
 
-TINY = {"model": {"preset": "tiny"}, "precision": "fp32", "micro_batch_size": 4, "max_steps": 12,
-        "warmup_steps": 2, "lr": 1e-2, "min_lr": 1e-3, "log_every": 1, "eval_every": 6, "eval_rows": 16,
-        "checkpoint_every": 4, "keep_checkpoints": 2, "track": False, "peak_flops": 1e15}
+TINY = train_params({"model": {"preset": "tiny"}}, precision="fp32", micro_batch_size=4, max_steps=12,
+                    warmup_steps=2, lr=1e-2, min_lr=1e-3, log_every=1, eval_every=6, eval_rows=16,
+                    checkpoint_every=4, keep_checkpoints=2, track=False, peak_flops=1e15)
 
 
 def cfg(**kw):
-    return parse_section(PretrainConfig, {**TINY, **kw}, "pretrain")
+    return parse_section(PretrainConfig, train_params(TINY, **kw), "pretrain")
+
+
+def report(tmp_path):
+    import json
+
+    return json.loads((tmp_path / "models" / "report.json").read_text())
 
 
 def run(tmp_path, **kw):
@@ -78,12 +87,12 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatc
     calls = {"n": 0}
 
     def poisoned(self, idx, *a, **kw):
-        logits, loss = original(self, idx, *a, **kw)
+        logits = original(self, idx, *a, **kw)
         if self.training:
             calls["n"] += 1
             if calls["n"] >= 7:  # micro-batch 7 = step 7
                 logits = logits * float("nan")
-        return logits, loss
+        return logits
 
     monkeypatch.setattr(Transformer, "forward", poisoned)
     with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) at step 7.*step-00000004.*intact"):
@@ -96,11 +105,11 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatc
 
 
 def test_lr_schedule_warmup_cosine_floor():
-    c = parse_section(TrainConfig, {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "max_steps": 110}, "pretrain")
-    assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
-    assert lr_at(60, c) == pytest.approx(0.55)
-    assert lr_at(110, c) == pytest.approx(0.1) and lr_at(500, c) == pytest.approx(0.1)
-    assert all(lr_at(s, c) >= lr_at(s + 1, c) for s in range(10, 120))
+    c = ScheduleSection(min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert lr_at(0, 1.0, c) == pytest.approx(0.1) and lr_at(9, 1.0, c) == pytest.approx(1.0)
+    assert lr_at(60, 1.0, c) == pytest.approx(0.55)
+    assert lr_at(110, 1.0, c) == pytest.approx(0.1) and lr_at(500, 1.0, c) == pytest.approx(0.1)
+    assert all(lr_at(s, 1.0, c) >= lr_at(s + 1, 1.0, c) for s in range(10, 120))
 
 
 def test_no_weight_decay_on_norms_and_embeddings():
@@ -119,7 +128,7 @@ def test_precision_resolution():
 
 def test_bf16_autocast_on_cpu_trains(tmp_path):
     m = run(tmp_path, precision="bf16", max_steps=6)
-    assert m["precision"] == "bf16" and math.isfinite(m["final_loss"])
+    assert report(tmp_path)["precision"] == "bf16" and math.isfinite(m["final_loss"])
 
 
 def test_activation_checkpointing_gives_same_losses(tmp_path):
@@ -132,12 +141,14 @@ def test_activation_checkpointing_gives_same_losses(tmp_path):
 
 
 @pytest.mark.parametrize("bad, key", [
-    ({"precision": "fp8"}, "pretrain.precision"),
-    ({"lr": -1}, "pretrain.lr"),
+    ({"precision": "fp8"}, "pretrain.compute.precision"),
+    ({"lr": -1}, "pretrain.optimizer.lr"),
     ({"model": {"preset": "huge"}}, "pretrain.model.preset"),
     ({"model": {"n_layers": 2}}, "pretrain.model.n_layers"),
-    ({"min_lr": 1.0, "lr": 0.1}, "min_lr"),
-    ({"nproc_per_node": 0}, "pretrain.nproc_per_node"),
+    ({"min_lr": 1.0, "lr": 0.1}, "schedule.min_lr"),
+    ({"nproc_per_node": 0}, "pretrain.launch.nproc_per_node"),
+    ({"warmup_steps": 20, "max_steps": 10}, "warmup_steps"),
+    ({"log_every": 5, "logging": {"evry": 2}}, "pretrain.logging.evry"),
 ])
 def test_params_validation(bad, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -146,7 +157,7 @@ def test_params_validation(bad, key):
 
 def test_fp16_uses_a_grad_scaler_whose_state_is_checkpointed(tmp_path):
     m = run(tmp_path, precision="fp16", max_steps=4, checkpoint_every=2)
-    assert m["precision"] == "fp16" and math.isfinite(m["final_loss"])
+    assert report(tmp_path)["precision"] == "fp16" and math.isfinite(m["final_loss"])
     state = ckpt.load_state(ckpt.latest(tmp_path / "models"), "trainer.pt")
     assert state["scaler"]["scale"] > 0 and state["scaler"]["_growth_tracker"] == 4
     # a resume restores the scaler: drop the last checkpoint and run again
@@ -165,3 +176,23 @@ def test_compile_flag_trains_and_saves_uncompiled_names(tmp_path):
 
     with safe_open(str(ckpt.latest(tmp_path / "models").path / "model.safetensors"), "pt") as f:
         assert not any(k.startswith("_orig_mod") for k in f.keys())
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_autocast_takes_effect_inside_the_training_step(tmp_path, precision, dtype):
+    """The trainer's forward runs its matmuls in the configured dtype: if autocast
+    stopped taking effect, the bf16 case would see fp32 activations."""
+    from pipeline.training.trainer import Trainer
+
+    packed = write_packed(tmp_path / "packed")
+    c = cfg(precision=precision, max_steps=4)
+    trainer = Trainer("pretrain", c, c.model.build(64, 32), packed / "train", packed / "val", tmp_path / "models",
+                      tmp_path / "plots.csv", data_id="x")
+    seen = []
+    trainer.model.layers[0].attention.wq.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    try:
+        trainer.train_step()
+        trainer.evaluate()
+    finally:
+        trainer.close()
+    assert seen and set(seen) == {dtype}
