@@ -55,7 +55,7 @@ def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine
 
 
 def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
-    last = ckpt.latest(Path(pretrain_dir))
+    last = ckpt.resolve(Path(pretrain_dir))  # verified; a damaged newest one raises CheckpointError
     if last is None:
         raise SFTError(f"no checkpoint in {pretrain_dir}; run the pretrain stage first")
     if not last.meta.get("final"):
