@@ -382,7 +382,8 @@ class CheckpointManager:
                     log.warning("%s; skipping it and resuming from the older %s", err, c.path.name)
             return c
         if errors:
-            raise CheckpointError(f"{self.folder}: no intact checkpoint to resume from ({'; '.join(map(str, errors))}); "
+            damage = "; ".join(map(str, errors))
+            raise CheckpointError(f"{self.folder}: no intact checkpoint to resume from ({damage}); "
                                   f"move the damaged step-* folders out of {self.folder} to start a fresh run")
         return None
 
