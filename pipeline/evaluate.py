@@ -77,7 +77,7 @@ def token_bytes(tokenizer) -> np.ndarray:
 
 
 def load_checkpoint_model(folder: Path, device: torch.device) -> tuple[Transformer, ckpt.Checkpoint]:
-    last = ckpt.latest(Path(folder))
+    last = ckpt.resolve(Path(folder))  # verified; a damaged newest one raises CheckpointError
     if last is None:
         raise EvaluateError(f"no checkpoint in {folder}; run its training stage first")
     model = Transformer(ModelConfig(**last.meta["model"]))

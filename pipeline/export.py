@@ -121,7 +121,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     if unknown:
         raise ValueError(f"unknown card_info key(s) {', '.join(unknown)}; known: {', '.join(CARD_KEYS)}")
     folder, out_dir, tokenizer_path = Path(checkpoint_folder), Path(out_dir), Path(tokenizer_path)
-    checkpoint = ckpt.Checkpoint(folder, -1) if (folder / "meta.json").is_file() else ckpt.latest(folder)
+    checkpoint = ckpt.resolve(folder)  # verified; a damaged newest one raises CheckpointError
     if checkpoint is None:
         raise ExportError(f"{folder}: no complete checkpoint to export")
     meta = checkpoint.meta

@@ -176,7 +176,7 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
         model.load_state_dict(state, strict=True)
         tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path / "tokenizer.json")
     else:
-        checkpoint = ckpt.Checkpoint(path, -1) if (path / "meta.json").is_file() else ckpt.latest(path)
+        checkpoint = ckpt.resolve(path)  # verified; a damaged newest one raises CheckpointError
         if checkpoint is None:
             raise FileNotFoundError(f"{path}: no exported model (config.json + model.safetensors) "
                                     "and no complete checkpoint")

@@ -15,11 +15,26 @@ into place and the parent fsynced. A kill before the rename leaves a
 complete checkpoint. Old checkpoints are removed only after the new one is in
 place, first renamed to ``.trash-*`` so that a half-deleted folder never looks
 complete. Nothing here unpickles arbitrary objects.
+
+Every load is verified first (:func:`verify`: each file's size and sha256
+against ``meta.json``), so weights from a damaged file are never used. Which
+checkpoint a reader gets depends on what it asks for:
+
+- resuming a run (:meth:`CheckpointManager.resume_point`) falls back past
+  damaged checkpoints to the newest intact one, with a warning naming each
+  damaged file: losing a few steps is better than losing the run;
+- evaluate, export, generate and sft's init-from (:func:`resolve`) ask for *the*
+  result of a run, its newest checkpoint; if that one is damaged they fail and
+  name it, rather than quietly report on or ship an older model.
+
+A ``step-*`` folder without ``meta.json`` cannot be verified and counts as
+damaged, never as absent.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -33,15 +48,19 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from pipeline.errors import StageError
 from pipeline.files import fsync_path, sha256_file
+from pipeline.runner import StageError
+
+log = logging.getLogger("pipeline.training.checkpoint")
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt", "meta.json")
+SUPERSEDED = "superseded"  # <folder>/superseded/<fingerprint>/step-N: checkpoints of earlier runs
 
 
 class CheckpointError(StageError):
-    pass
+    """A checkpoint is damaged or none can be used; the message is one line that
+    names the file and the checkpoint (a StageError: stages print it as is)."""
 
 
 @dataclass(frozen=True)
@@ -90,21 +109,122 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def complete_checkpoints(folder: Path) -> list[Checkpoint]:
-    """Complete checkpoints in ``folder``, oldest first."""
+# --- finding checkpoints -------------------------------------------------------------------------
+
+
+def step_folders(folder: Path) -> list[Checkpoint]:
+    """Every ``step-*`` folder in ``folder``, oldest first, whole or damaged
+    (unverified). Interrupted saves (``.tmp-*``) are not among them."""
     if not folder.is_dir():
         return []
     out = []
     for p in folder.iterdir():
         m = STEP_RE.match(p.name)
-        if m and p.is_dir() and all((p / f).exists() for f in FILES):
+        if m and p.is_dir():
             out.append(Checkpoint(p, int(m.group(1))))
     return sorted(out, key=lambda c: c.step)
 
 
+def complete_checkpoints(folder: Path) -> list[Checkpoint]:
+    """``step-*`` folders that hold all four files, oldest first. A cheap listing:
+    nothing is verified, so use :func:`resolve` or :meth:`CheckpointManager.resume_point`
+    to pick a checkpoint to load."""
+    return [c for c in step_folders(folder) if all((c.path / f).exists() for f in FILES)]
+
+
 def latest(folder: Path) -> Checkpoint | None:
+    """The newest of :func:`complete_checkpoints` (unverified)."""
     cps = complete_checkpoints(folder)
     return cps[-1] if cps else None
+
+
+def resolve(path: Path) -> Checkpoint | None:
+    """The checkpoint ``path`` names, verified: ``path`` itself when it is one
+    checkpoint (a ``step-*`` folder, or any folder with a ``meta.json``), else
+    the newest ``step-*`` folder in the run folder ``path``.
+
+    This is for readers that want the result of a run (evaluate, export,
+    generate, sft's init-from): if the newest checkpoint is damaged they get a
+    CheckpointError naming the file, never an older checkpoint in its place, so
+    that no metric, export or fine-tune silently comes from a model other than
+    the one training ended with. Returns None when ``path`` holds no checkpoint.
+    """
+    path = Path(path)
+    if STEP_RE.match(path.name) and path.is_dir():
+        found: Checkpoint | None = Checkpoint(path, int(path.name[len("step-"):]))
+    elif (path / "meta.json").is_file():
+        verify(path)
+        return Checkpoint(path, int(_read_meta(path).get("step", -1)))
+    else:
+        folders = step_folders(path)
+        found = folders[-1] if folders else None
+    if found is not None:
+        verify(found)
+    return found
+
+
+# --- verification ----------------------------------------------------------------------------------
+
+# resolved path -> stat signature of its files when they last verified; a changed,
+# replaced or re-saved file changes the signature and is hashed again
+_verified: dict[Path, tuple] = {}
+
+
+def verify(ckpt: Checkpoint | Path) -> None:
+    """Check that ``meta.json`` exists and parses, and that every file it records
+    has the recorded size and sha256. Raises CheckpointError naming the first
+    damaged file and its checkpoint, in one line. Each checkpoint is hashed once
+    per process while its files stay unchanged."""
+    path = ckpt.path if isinstance(ckpt, Checkpoint) else Path(ckpt)
+    key = path.resolve()
+    signature = _signature(path)
+    if signature is not None and _verified.get(key) == signature:
+        return
+
+    def damaged(file: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{path / file}: {what} (checkpoint {path.name} is damaged)")
+
+    if not (path / "meta.json").is_file():
+        raise damaged("meta.json", "missing, so the checkpoint cannot be verified")
+    try:
+        files = _read_meta(path)["files"]
+        records = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in files.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise damaged("meta.json", f"unreadable ({type(err).__name__}: {err})".replace("\n", " ")) from err
+    for name in FILES[:-1]:
+        if name not in records:
+            raise damaged("meta.json", f"records no size and sha256 for {name}")
+    for name, (size, sha256) in records.items():
+        if Path(name).name != name or name == "meta.json":
+            raise damaged("meta.json", f"records the file name {name!r}, which is not a file of a checkpoint")
+        file = path / name
+        if not file.is_file():
+            raise damaged(name, "missing, though meta.json records it")
+        actual = file.stat().st_size
+        if actual != size:
+            raise damaged(name, f"size {actual} bytes differs from the {size} recorded in meta.json")
+        if sha256_file(file) != sha256:
+            raise damaged(name, "sha256 differs from the one recorded in meta.json")
+    if signature is not None:
+        _verified[key] = signature
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / "meta.json").read_text())
+    if not isinstance(meta, dict):
+        raise TypeError("meta.json is not a JSON object")
+    return meta
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        return tuple((e.name, s.st_ino, s.st_size, s.st_mtime_ns) for e in entries for s in [e.stat()])
+    except OSError:
+        return None
+
+
+# --- saving and removing ---------------------------------------------------------------------------
 
 
 def sweep(folder: Path) -> None:
@@ -124,7 +244,9 @@ def save(
     meta: dict[str, Any],
     keep: int,
 ) -> Checkpoint:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep``.
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` up
+    to ``step`` (a newer one, left by a run that resumed from before it, is
+    replaced when the run reaches its step; the new checkpoint is never removed).
 
     ``trainer_state`` holds the scheduler, scaler, data position and the list of
     every rank's RNG state; it must contain only tensors and plain containers.
@@ -154,66 +276,131 @@ def save(
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(tmp, final)
     fsync_path(folder)
-    discard(complete_checkpoints(folder)[:-keep])
+    discard([c for c in complete_checkpoints(folder) if c.step <= step][:-keep])
     return Checkpoint(final, step)
 
 
 def discard(checkpoints: list[Checkpoint]) -> None:
+    """Delete ``checkpoints`` (renamed to ``.trash-*`` first, so that a
+    half-deleted folder never looks like a checkpoint)."""
     for c in checkpoints:
         trash = c.path.parent / f".trash-{c.path.name}-{os.getpid()}"
         os.replace(c.path, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
 
+# --- loading ---------------------------------------------------------------------------------------
+
+
 def load_model_weights(ckpt: Checkpoint | Path, model: torch.nn.Module) -> None:
+    """Verify the checkpoint, then load its weights into ``model`` (strict).
+    Raises CheckpointError, leaving ``model`` untouched, if it is damaged."""
     path = ckpt.path if isinstance(ckpt, Checkpoint) else Path(ckpt)
-    _check_sizes(path)
+    verify(path)
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
     if missing or unexpected:  # strict=True raises already; keep the contract explicit
         raise CheckpointError(f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})")
 
 
 def load_state(ckpt: Checkpoint, name: str) -> Any:
-    _check_sizes(ckpt.path)
+    """Verify the checkpoint, then read its ``name`` (``optimizer.pt`` or
+    ``trainer.pt``) with ``weights_only=True``, on the CPU."""
+    verify(ckpt)
     return torch.load(ckpt.path / name, map_location="cpu", weights_only=True)
 
 
-def _check_sizes(path: Path) -> None:
-    meta_path = path / "meta.json"
-    if not meta_path.exists():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
-    for name, info in json.loads(meta_path.read_text()).get("files", {}).items():
-        size = (path / name).stat().st_size if (path / name).exists() else -1
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path / name}: size {size} != recorded {info['bytes']}; checkpoint is damaged")
+# --- one run's checkpoint folder -------------------------------------------------------------------
 
 
 class CheckpointManager:
-    """Owns one run's checkpoint folder (interim: to be replaced by the verified manager)."""
+    """The checkpoints of one training run in ``folder``: those whose meta
+    ``fingerprint`` is ``fingerprint``. Built on every rank; only the main rank
+    (``is_main``) changes the folder."""
 
     def __init__(self, folder: Path, *, fingerprint: str, keep: int, is_main: bool):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
         self.folder, self.fingerprint, self.keep, self.is_main = Path(folder), fingerprint, keep, is_main
 
     def prepare(self) -> None:
+        """Main rank only (no-op elsewhere); call it before the other ranks look,
+        e.g. before a barrier. Sweeps the leftovers of interrupted saves and
+        moves the checkpoints of other runs (another fingerprint: params, model
+        or data changed) to ``<folder>/superseded/<their fingerprint>/step-N``,
+        with one warning saying where they went. Nothing is deleted. A
+        checkpoint whose meta cannot be read stays: :meth:`resume_point`
+        reports it as damaged."""
         if not self.is_main:
             return
         sweep(self.folder)
-        stale = [c for c in complete_checkpoints(self.folder) if c.meta.get("fingerprint") != self.fingerprint]
-        if stale:
-            import logging
-            logging.getLogger(__name__).warning(
-                "params, model or data changed since the checkpoints in %s were written: "
-                "starting a fresh run and removing %d old checkpoint(s)", self.folder, len(stale))
-            discard(stale)
+        moved: dict[Path, int] = {}
+        for c in step_folders(self.folder):
+            try:
+                theirs = _read_meta(c.path).get("fingerprint")
+            except (OSError, ValueError, TypeError):
+                continue
+            if theirs == self.fingerprint:
+                continue
+            name = str(theirs) if re.fullmatch(r"[0-9A-Za-z_.-]{1,64}", str(theirs)) else "unknown"
+            dest_dir = self.folder / SUPERSEDED / name
+            dest_dir.mkdir(parents=True, exist_ok=True)
+            dest, n = dest_dir / c.path.name, 1
+            while dest.exists():  # the same run superseded twice: keep both
+                n += 1
+                dest = dest_dir / f"{c.path.name}-{n}"
+            os.replace(c.path, dest)
+            fsync_path(dest_dir)
+            moved[dest_dir] = moved.get(dest_dir, 0) + 1
+        if moved:
+            fsync_path(self.folder)
+            where = ", ".join(f"{n} to {d}" for d, n in moved.items())
+            log.warning("params, model or data changed since the checkpoints in %s were written: starting a fresh "
+                        "run; moved %d checkpoint(s) of the earlier run(s) aside (%s); delete them if you do not "
+                        "need them", self.folder, sum(moved.values()), where)
 
     def resume_point(self) -> Checkpoint | None:
-        return latest(self.folder)
+        """The newest intact checkpoint of this run, verified. Damaged ones newer
+        than it are skipped with a warning each (on the main rank) naming the
+        file and checkpoint; a ``step-*`` folder whose meta cannot be read counts
+        as this run's and damaged. Returns None when the run has no checkpoint;
+        raises CheckpointError (one line naming the damage) when it has some
+        but none is intact."""
+        errors: list[CheckpointError] = []
+        for c in reversed(step_folders(self.folder)):
+            try:
+                if _read_meta(c.path).get("fingerprint") != self.fingerprint:
+                    continue  # another run's: prepare() moves it aside
+            except (OSError, ValueError, TypeError):
+                pass  # unreadable meta: verify() names it below
+            try:
+                verify(c)
+            except CheckpointError as err:
+                errors.append(err)
+                continue
+            if self.is_main:
+                for err in errors:
+                    log.warning("%s; skipping it and resuming from the older %s", err, c.path.name)
+            return c
+        if errors:
+            damage = "; ".join(map(str, errors))
+            raise CheckpointError(f"{self.folder}: no intact checkpoint to resume from ({damage}); "
+                                  f"move the damaged step-* folders out of {self.folder} to start a fresh run")
+        return None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
-             meta: dict[str, Any]) -> Checkpoint:
-        return save(self.folder, step, model, optimizer, trainer_state, {**meta, "fingerprint": self.fingerprint}, self.keep)
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any], meta: dict[str, Any]) -> Checkpoint:
+        """Main rank only: write checkpoint ``step`` atomically with this run's
+        fingerprint in its meta, then keep the newest ``keep`` (see :func:`save`)."""
+        if not self.is_main:
+            raise RuntimeError("CheckpointManager.save runs on the main rank only")
+        return save(self.folder, step, model, optimizer, trainer_state,
+                    {**meta, "fingerprint": self.fingerprint}, self.keep)
 
     def load(self, ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Verify ``ckpt``, load its weights into ``model`` and its state into
+        ``optimizer``, and return its trainer_state dict. A damaged checkpoint
+        raises CheckpointError before anything is loaded."""
+        verify(ckpt)
         load_model_weights(ckpt, model)
         optimizer.load_state_dict(load_state(ckpt, "optimizer.pt"))
         return load_state(ckpt, "trainer.pt")

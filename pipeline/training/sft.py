@@ -70,8 +70,9 @@ class SFTConfig(TrainConfig):
 
 
 def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
-    """pretrain's final checkpoint; a one-line SFTError when there is none."""
-    last = ckpt.latest(Path(pretrain_dir))
+    """pretrain's final checkpoint, verified; a one-line SFTError when there is none,
+    a CheckpointError naming the file when the newest one is damaged."""
+    last = ckpt.resolve(Path(pretrain_dir))
     if last is None:
         raise SFTError(f"no checkpoint in {pretrain_dir}; run `dvc repro pretrain` first")
     if not last.meta.get("final"):

@@ -117,3 +117,226 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, root, delay
     assert all(torch.all(p == float(last.step)) for p in model.parameters())
     ckpt.load_state(last, "optimizer.pt")
     assert json.loads((last.path / "meta.json").read_text())["step"] == last.step
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def flip_byte(file):
+    """Corrupt ``file`` without changing its size, as a bad disk would."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def manager(tmp_path, fingerprint="a" * 16, keep=3, is_main=True):
+    return ckpt.CheckpointManager(tmp_path, fingerprint=fingerprint, keep=keep, is_main=is_main)
+
+
+def run_saves(m, steps, model=None):
+    model = model or Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    model.out(model.emb(torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+    for s in steps:
+        m.save(s, model, opt, {"step": s}, {"note": "x"})
+    return model
+
+
+def test_verify_hashes_each_checkpoint_once_until_a_file_changes(tmp_path, monkeypatch):
+    c = make(tmp_path, 1)
+    calls = []
+    real = ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file", lambda p: calls.append(p) or real(p))
+    ckpt.verify(c)
+    ckpt.load_model_weights(c, Tiny())
+    ckpt.load_state(c, "optimizer.pt")
+    ckpt.load_state(c, "trainer.pt")
+    assert len(calls) == 3  # model, optimizer, trainer: hashed by the first verify only
+    flip_byte(c.path / "trainer.pt")  # a change after a verify is still caught
+    with pytest.raises(ckpt.CheckpointError, match="trainer.pt: sha256 differs"):
+        ckpt.load_state(c, "trainer.pt")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "trainer.pt"])
+def test_resume_falls_back_past_a_flipped_byte_with_a_warning(tmp_path, caplog, name):
+    m = manager(tmp_path)
+    run_saves(m, [1, 2, 3])
+    flip_byte(tmp_path / "step-00000003" / name)
+    with caplog.at_level("WARNING"):
+        assert m.resume_point().step == 2
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"{tmp_path / 'step-00000003' / name}: sha256 differs from the one recorded in meta.json" in warning
+    assert "checkpoint step-00000003 is damaged" in warning and "resuming from the older step-00000002" in warning
+
+
+def test_a_truncated_file_is_named_with_its_size(tmp_path):
+    m = manager(tmp_path)
+    run_saves(m, [1, 2])
+    f = tmp_path / "step-00000002" / "model.safetensors"
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 7)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(ckpt.Checkpoint(f.parent, 2))
+    assert str(err.value) == (f"{f}: size {size - 7} bytes differs from the {size} recorded in meta.json "
+                              "(checkpoint step-00000002 is damaged)")
+    assert m.resume_point().step == 1
+
+
+def test_a_step_folder_without_meta_is_damaged_not_absent(tmp_path, caplog):
+    m = manager(tmp_path)
+    run_saves(m, [1, 2])
+    (tmp_path / "step-00000002" / "meta.json").unlink()
+    with caplog.at_level("WARNING"):
+        assert m.resume_point().step == 1
+    assert f"{tmp_path / 'step-00000002' / 'meta.json'}: missing" in caplog.text
+    assert "checkpoint step-00000002 is damaged" in caplog.text
+    (tmp_path / "step-00000001" / "meta.json").write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000001/meta.json: unreadable"):
+        m.resume_point()
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
+    m = manager(tmp_path)
+    run_saves(m, [1, 2])
+    flip_byte(tmp_path / "step-00000001" / "optimizer.pt")
+    (tmp_path / "step-00000002" / "meta.json").unlink()
+    with pytest.raises(ckpt.CheckpointError) as err:
+        m.resume_point()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{tmp_path}: no intact checkpoint to resume from")
+    assert "step-00000002/meta.json: missing" in msg and "step-00000001/optimizer.pt: sha256 differs" in msg
+    # the stage runner prints StageErrors as one line, without a traceback
+    from pipeline.runner import StageError
+    assert isinstance(err.value, StageError)
+    assert manager(tmp_path / "empty").resume_point() is None
+
+
+def test_damaged_weights_are_never_loaded(tmp_path):
+    c = make(tmp_path, 1)
+    flip_byte(c.path / "model.safetensors")
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match="model.safetensors: sha256 differs"):
+        ckpt.load_model_weights(c, model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_manager_load_checks_every_file_before_loading_any(tmp_path):
+    m = manager(tmp_path)
+    run_saves(m, [1])
+    c = ckpt.Checkpoint(tmp_path / "step-00000001", 1)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    assert m.load(c, model, opt) == {"step": 1} and opt.state_dict()["state"][0]["step"].item() == 1
+    flip_byte(c.path / "optimizer.pt")
+    fresh = Tiny()
+    before = fresh.emb.weight.clone()
+    with pytest.raises(ckpt.CheckpointError, match="optimizer.pt: sha256 differs"):
+        m.load(c, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert torch.equal(fresh.emb.weight, before)
+
+
+# --------------------------------------------------------------------------- the manager
+
+
+def test_manager_saves_its_fingerprint_and_keeps_the_newest(tmp_path):
+    m = manager(tmp_path, keep=2)
+    run_saves(m, [1, 2, 3, 4])
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [3, 4]
+    assert ckpt.latest(tmp_path).meta["fingerprint"] == "a" * 16
+    assert m.resume_point().step == 4
+    with pytest.raises(RuntimeError, match="main rank only"):
+        run_saves(manager(tmp_path, is_main=False), [5])
+
+
+def test_a_save_never_removes_the_checkpoint_it_wrote(tmp_path):
+    # resumed from step 2 past a damaged step 4: saving step 3 with keep=1 must keep step 3
+    m = manager(tmp_path, keep=1)
+    run_saves(m, [4])
+    run_saves(m, [3])
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [3, 4]
+
+
+def test_superseded_checkpoints_are_moved_aside_not_deleted(tmp_path, caplog):
+    old = manager(tmp_path, fingerprint="old")
+    run_saves(old, [1, 2])
+    digests = {p.name: ckpt.sha256_file(p) for p in (tmp_path / "step-00000002").iterdir()}
+    (tmp_path / ".tmp-step-00000003-99").mkdir()  # an interrupted save
+    new = manager(tmp_path, fingerprint="new")
+    new.prepare()
+    new.prepare()  # nothing left to move: no second warning
+    aside = tmp_path / "superseded" / "old"
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000001", "step-00000002"]
+    assert {p.name: ckpt.sha256_file(p) for p in (aside / "step-00000002").iterdir()} == digests
+    assert ckpt.step_folders(tmp_path) == [] and not (tmp_path / ".tmp-step-00000003-99").exists()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert str(aside) in warning and "delete them if you do not need them" in warning
+    assert new.resume_point() is None
+    # the old run comes back and is superseded again: both generations are kept
+    run_saves(old, [1])
+    new.prepare()
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000001", "step-00000001-2", "step-00000002"]
+
+
+def test_prepare_does_nothing_off_the_main_rank(tmp_path):
+    run_saves(manager(tmp_path, fingerprint="old"), [1])
+    other = manager(tmp_path, fingerprint="new", is_main=False)
+    other.prepare()
+    assert [c.step for c in ckpt.step_folders(tmp_path)] == [1]
+    assert other.resume_point() is None  # another run's checkpoint is never resumed
+
+
+# --------------------------------------------------------------------------- readers of a run's result
+
+
+@pytest.fixture()
+def damaged_run(tmp_path):
+    """A run folder with an intact step 5 and a newest step 6 whose weights are damaged."""
+    from tests.helpers import save_checkpoint, tiny_config, tiny_model
+
+    model = tiny_model(tiny_config(64))
+    save_checkpoint(tmp_path / "sft", model, step=5, meta={"final": True})
+    c = save_checkpoint(tmp_path / "sft", model, step=6, meta={"final": True})
+    flip_byte(c.path / "model.safetensors")
+    return tmp_path / "sft", f"{c.path / 'model.safetensors'}: sha256 differs"
+
+
+def test_evaluate_refuses_a_damaged_newest_checkpoint(damaged_run):
+    from pipeline.evaluate import load_checkpoint_model
+
+    folder, named = damaged_run
+    with pytest.raises(ckpt.CheckpointError, match=named):
+        load_checkpoint_model(folder, torch.device("cpu"))
+
+
+def test_export_refuses_a_damaged_newest_checkpoint(damaged_run, tmp_path):
+    from pipeline.export import export_model
+
+    folder, named = damaged_run
+    with pytest.raises(ckpt.CheckpointError, match=named):
+        export_model(folder, tmp_path / "tokenizer.json", tmp_path / "export", card_info={})
+    assert not (tmp_path / "export").exists()
+
+
+def test_generate_refuses_a_damaged_checkpoint(damaged_run, tmp_path):
+    from pipeline.model.generate import load_for_inference
+
+    folder, named = damaged_run
+    for path in (folder, folder / "step-00000006"):
+        with pytest.raises(ckpt.CheckpointError, match=named):
+            load_for_inference(path, tokenizer_path=tmp_path / "tokenizer.json")
+    (folder / "step-00000006" / "meta.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="step-00000006/meta.json: missing"):
+        load_for_inference(folder / "step-00000006", tokenizer_path=tmp_path / "tokenizer.json")
+
+
+def test_sft_refuses_a_damaged_pretrain_checkpoint(damaged_run):
+    from pipeline.training.sft import pretrained
+
+    folder, named = damaged_run
+    with pytest.raises(ckpt.CheckpointError, match=named):
+        pretrained(folder)
+    ckpt.discard([ckpt.Checkpoint(folder / "step-00000006", 6)])
+    assert pretrained(folder).step == 5
