@@ -33,6 +33,7 @@ from pipeline.data.shards import PackedRows
 from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.progress import progress
 from pipeline.training.trainer import autocast, resolve_precision
+from pipeline.errors import StageError
 
 
 class SampleConfig(BaseModel):
@@ -60,7 +61,7 @@ class EvaluateConfig(StageConfig):
     samples: SampleConfig = Field(default_factory=SampleConfig)
 
 
-class EvaluateError(RuntimeError):
+class EvaluateError(StageError):
     pass
 
 

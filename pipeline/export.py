@@ -59,6 +59,7 @@ from pipeline.config import StageConfig
 from pipeline.files import fsync_path, sha256_file
 from pipeline.model.transformer import ModelConfig, num_params
 from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
+from pipeline.errors import StageError
 
 DTYPE = "float32"
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
@@ -98,7 +99,7 @@ class ExportConfig(StageConfig):
     limitations: str | None = Field(None, description="model card text; null = the default")
 
 
-class ExportError(RuntimeError):
+class ExportError(StageError):
     """The checkpoint or tokenizer cannot be exported (missing, mismatched)."""
 
 

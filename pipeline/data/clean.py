@@ -62,6 +62,7 @@ from pipeline.config import StageConfig
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
 from pipeline.files import atomic_path
 from pipeline.progress import progress
+from pipeline.errors import StageError
 
 SCHEMA = pa.schema(
     [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]
@@ -71,7 +72,7 @@ EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
 
 
-class CleanError(RuntimeError):
+class CleanError(StageError):
     """The clean stage cannot produce a corpus: missing or unreadable input, or
     nothing left after cleaning."""
 

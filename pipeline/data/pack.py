@@ -98,6 +98,7 @@ from pipeline.data.tokenizer import (
     open_docs,
     special_ids,
 )
+from pipeline.errors import StageError
 
 log = logging.getLogger("pipeline.data.pack")
 
@@ -122,7 +123,7 @@ class PackConfig(StageConfig):
                             description="text bytes per tokenizer task (a larger document is one task)")
 
 
-class PackError(RuntimeError):
+class PackError(StageError):
     """Packing cannot proceed: missing input, too little data, or a bad packed directory."""
 
 

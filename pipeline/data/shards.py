@@ -14,8 +14,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.errors import StageError
 
-class DataError(RuntimeError):
+
+class DataError(StageError):
     pass
 
 

@@ -34,12 +34,13 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from pipeline.files import fsync_path, sha256_file
+from pipeline.errors import StageError
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt", "meta.json")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StageError):
     pass
 
 

@@ -23,11 +23,12 @@ from pipeline.files import read_json, write_json
 from pipeline.model.transformer import ModelConfig
 from pipeline.data.sft_data import SFTDataConfig, build_sft_data
 from pipeline.training.trainer import TrainConfig, Trainer
+from pipeline.errors import StageError
 
 BUILD_METRICS = "build_metrics.json"
 
 
-class SFTError(RuntimeError):
+class SFTError(StageError):
     pass
 
 

@@ -29,6 +29,7 @@ from typing import Callable, Literal
 from pydantic import Field
 
 from pipeline.config import StageConfig
+from pipeline.errors import StageError
 
 def lock_name() -> str:
     """One lock per host: on a shared filesystem the launchers of a multi-node run
@@ -50,7 +51,7 @@ class LaunchConfig(StageConfig):
     max_restarts: int = Field(0, ge=0, description="torchrun restarts on worker failure")
 
 
-class TrainerBusyError(RuntimeError):
+class TrainerBusyError(StageError):
     """Another trainer is alive on the same checkpoint folder."""
 
 
