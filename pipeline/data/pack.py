@@ -88,7 +88,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.files import atomic_path, read_json, sha256_file, write_json
+from pipeline.files import atomic_path, available_cores, read_json, sha256_file, write_json
 from pipeline.progress import progress
 from pipeline.data.tokenizer import (
     EOT_ID,
@@ -244,11 +244,7 @@ def _encode_task(message: bytes) -> Encoded:
 
 
 def resolve_workers(num_workers: int) -> int:
-    if num_workers:
-        return num_workers
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return num_workers or available_cores()
 
 
 def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[bytes]:
