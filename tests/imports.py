@@ -61,11 +61,10 @@ def _import_nodes(body: list[ast.stmt], module_level_only: bool) -> Iterator[ast
 
 
 @lru_cache(maxsize=None)
-def imported_files(path: Path, module_level_only: bool = False) -> frozenset[Path]:
-    """The project files whose code runs when ``path``'s imports run: each imported
-    module, the package ``__init__.py`` files on its way, and for ``from p import
-    name`` the submodule ``p/name.py`` when there is one. Relative imports resolve
-    against ``path``'s package."""
+def imported_modules(path: Path, module_level_only: bool = False) -> frozenset[str]:
+    """The project modules ``path`` names in its imports: ``import a.b`` -> a.b;
+    ``from a import b`` -> a.b when a/b is a module, else a (b is a name in it).
+    Relative imports resolve against ``path``'s package."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = module_name(path).split(".")
     if path.name != "__init__.py":
@@ -79,10 +78,18 @@ def imported_files(path: Path, module_level_only: bool = False) -> frozenset[Pat
         if node.level:
             anchor = package[: len(package) - (node.level - 1)]
             base = ".".join([*anchor, *([base] if base else [])])
-        modules.add(base)
-        modules.update(f"{base}.{alias.name}" for alias in node.names)
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            modules.add(sub if module_file(sub) is not None else base)
+    return frozenset(m for m in modules if module_file(m) is not None)
+
+
+@lru_cache(maxsize=None)
+def imported_files(path: Path, module_level_only: bool = False) -> frozenset[Path]:
+    """The project files whose code runs when ``path``'s imports run: each imported
+    module and the package ``__init__.py`` files on its way."""
     files: set[Path] = set()
-    for module in modules:
+    for module in imported_modules(path, module_level_only):
         parts = module.split(".")
         for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__.py and a/b/__init__.py first
             found = module_file(".".join(parts[:i]))
