@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeline.errors import StageError
+
 DEFAULT_PARAMS = Path("params.yaml")
 
 # stage name -> "module:Class". Lazy, so that loading the ingest config does not
@@ -37,7 +39,7 @@ SCHEMAS: dict[str, str] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(StageError, ValueError):
     """A params file or section failed validation. The message names dotted keys."""
 
 
@@ -86,14 +88,30 @@ def parse_section(schema: type[C], data: Any, prefix: str, source: str = "params
         raise ConfigError(f"{source} is invalid:\n{format_validation_error(err, prefix)}") from None
 
 
+def load_yaml(path: str | Path) -> Any:
+    """The parsed contents of the YAML file ``path`` (None for an empty file).
+    Raises ConfigError for a missing file or invalid YAML, naming the file and,
+    for invalid YAML, the line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path} is not valid YAML{at}: {problem}") from None
+
+
 def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
+    """The whole params file, checked to be a mapping of known stage sections."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"params file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    data = load_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.training import checkpoint as ckpt
 from pipeline.config import StageConfig
 from pipeline.data.shards import PackedRows
+from pipeline.errors import StageError
 from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.progress import progress
+from pipeline.training import checkpoint as ckpt
 from pipeline.training.loss import IGNORE_INDEX, token_loss_sum
 from pipeline.training.precision import autocast, resolve_precision
 
@@ -60,7 +61,7 @@ class EvaluateConfig(StageConfig):
     samples: SampleConfig = Field(default_factory=SampleConfig)
 
 
-class EvaluateError(RuntimeError):
+class EvaluateError(StageError):
     pass
 
 

@@ -33,7 +33,7 @@ Choices
       without such strings both give identical ids.
 
 The folder is built beside ``out_dir`` under a hidden temporary name, every file
-fsynced, then swapped in by rename, so readers (and DVC, whose output it is)
+fsynced, then swapped in by rename (``pipeline.files.atomic_dir``), so readers (and DVC, whose output it is)
 never see a half-written export. A crash between the two renames of the swap
 leaves no ``out_dir`` but a complete ``.trash-*`` copy of the previous one.
 """
@@ -56,9 +56,10 @@ from pipeline.model import generate as gen
 from pipeline.model import hf_adapter
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.config import StageConfig
-from pipeline.files import fsync_path, sha256_file
+from pipeline.files import atomic_dir, sha256_file
 from pipeline.model.transformer import ModelConfig, num_params
 from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
+from pipeline.errors import StageError
 
 DTYPE = "float32"
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
@@ -98,7 +99,7 @@ class ExportConfig(StageConfig):
     limitations: str | None = Field(None, description="model card text; null = the default")
 
 
-class ExportError(RuntimeError):
+class ExportError(StageError):
     """The checkpoint or tokenizer cannot be exported (missing, mismatched)."""
 
 
@@ -130,11 +131,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     except ValueError as err:  # a tokenizer that does not belong to this model
         raise ExportError(str(err)) from err
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(out_dir)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_file(hf_adapter.to_hf(model.state_dict(), config), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_adapter.hf_config(
@@ -159,15 +156,8 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
                                                   sha256_file(tmp / "model.safetensors")), encoding="utf-8")
         # safetensors creates its file owner-only; give it the mode the other files got
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
-        summary["files"] = {}
-        for f in sorted(tmp.iterdir()):
-            fsync_path(f)
-            summary["files"][f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-        fsync_path(tmp)
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+                            for f in sorted(tmp.iterdir())}
     return summary
 
 
@@ -305,28 +295,5 @@ def _table(header: tuple[str, str], rows: Any) -> list[str]:
     return [f"| {header[0]} | {header[1]} |", "| --- | --- |", *(f"| {_cell(k)} | {_cell(v)} |" for k, v in rows)]
 
 
-# --------------------------------------------------------------------------- atomic folder
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def _sweep(out_dir: Path) -> None:
-    """Remove temporary and trash folders that interrupted exports left beside out_dir."""
-    for p in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):
-        shutil.rmtree(p, ignore_errors=True)
-    for p in out_dir.parent.glob(f".trash-{out_dir.name}-*"):
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def _swap_in(tmp: Path, out_dir: Path) -> None:
-    trash = out_dir.parent / f".trash-{out_dir.name}-{os.getpid()}"
-    if out_dir.exists() or out_dir.is_symlink():
-        if out_dir.is_dir() and not out_dir.is_symlink():
-            os.replace(out_dir, trash)
-        else:
-            out_dir.unlink()
-    os.replace(tmp, out_dir)
-    fsync_path(out_dir.parent)
-    shutil.rmtree(trash, ignore_errors=True)

@@ -1,9 +1,12 @@
 """Small file helpers that are honest about state.
 
-Anything that must survive a crash goes through :func:`atomic_write`: it is
-written to a temporary name in the same directory, fsynced, renamed over the
-target, and the directory is fsynced, so a reader sees the old file or the new
-one and never half of either.
+Anything that must survive a crash goes through :func:`atomic_write` (or
+:func:`atomic_path` for writers that want a filename, :func:`atomic_dir` for a
+whole folder): it is written to a temporary name in the same directory, fsynced,
+renamed over the target, and the directory is fsynced, so a reader sees the old
+file or the new one and never half of either.
+
+:func:`available_cores` is the one count of the cores this process may use.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -68,6 +72,50 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty folder beside ``path`` (``.tmp-<name>-<pid>``) to fill; on
+    clean exit fsync every file in it and the folder, then swap it in for ``path``
+    by rename. On error the temporary folder is removed and ``path`` is untouched.
+
+    Leftovers of interrupted runs beside ``path`` are removed first. The swap is
+    two renames (old folder to ``.trash-<name>-<pid>``, new folder to ``path``);
+    a crash between them leaves no ``path`` but a complete trash copy of the old
+    one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for pattern in (f".tmp-{path.name}-*", f".trash-{path.name}-*"):
+        for leftover in path.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    trash = path.parent / f".trash-{path.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for p in sorted(tmp.rglob("*"), reverse=True):  # files before the folders holding them
+            fsync_path(p)
+        fsync_path(tmp)
+        if path.is_dir() and not path.is_symlink():
+            os.replace(path, trash)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS has one
+    (a container or ``taskset`` limit), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def write_json(path: str | Path, data: Any) -> None:

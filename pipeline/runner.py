@@ -1,15 +1,16 @@
 """What every stage's ``main()`` shares: load its params section, run, write its
-metrics, and turn expected failures into one clear line and exit code 2."""
+metrics, and turn expected failures (:class:`pipeline.errors.StageError`) into
+one line, ``error: stage <name> failed: <message>``, and exit code 2."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 from pipeline import layout
-from pipeline.config import ConfigError, StageConfig, load_params
+from pipeline.config import StageConfig, load_params
 from pipeline.errors import StageError
 from pipeline.files import write_json
 from pipeline.tracking.lineage import record_experiment
@@ -35,31 +36,43 @@ def numeric_metrics(metrics: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def run_stage(stage: str, body: Callable[..., dict], *, expected: tuple[type[BaseException], ...] = (),
-              artifacts: tuple = (), pass_tracker: bool = False) -> None:
+def fail(stage: str, err: StageError, rank: int | None = None) -> NoReturn:
+    """Print an expected failure as one line on stderr and exit 2. A message of
+    several lines (a ConfigError lists one bad key a line) is joined with "; "."""
+    who = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
+    print(f"error: {who} failed: {one_line(str(err))}", file=sys.stderr)
+    sys.exit(2)
+
+
+def one_line(message: str) -> str:
+    out = ""
+    for line in filter(None, (part.strip() for part in message.splitlines())):
+        out += line if not out else (" " if out.endswith(":") else "; ") + line
+    return out
+
+
+def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), pass_tracker: bool = False) -> None:
     """Load ``params.yaml[stage]``, call ``body(cfg) -> metrics`` (or
     ``body(cfg, tracker)`` with ``pass_tracker``), write ``metrics/<stage>.json``
     and log the run to MLflow (a child of ``$MLFLOW_PARENT_RUN_ID`` when a flow
-    set one) with ``artifacts`` attached. Config errors and ``expected`` errors
-    exit 2 with their message rather than a traceback."""
+    set one) with ``artifacts`` attached. A StageError (config errors included)
+    exits 2 with its message rather than a traceback."""
     from pipeline.tracking.tracker import Tracker
 
     setup_logging()
     t0 = time.perf_counter()
     try:
         cfg = load_params(stage)
-    except ConfigError as err:
-        print(f"error: stage {stage} failed: {err}", file=sys.stderr)
-        sys.exit(2)
+    except StageError as err:
+        fail(stage, err)
     with Tracker(stage) as tracker:
         tracker.log_params(cfg, prefix=stage)
         try:
             metrics = body(cfg, tracker) if pass_tracker else body(cfg)
-        except (StageError, *expected) as err:
+        except StageError as err:
             tracker.set_tags({"error": str(err)[:1000]})
             tracker.end("FAILED")
-            print(f"error: stage {stage} failed: {err}", file=sys.stderr)
-            sys.exit(2)
+            fail(stage, err)
         metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
         write_json(layout.metrics_path(stage), metrics)
         tracker.log_metrics(numeric_metrics(metrics))
@@ -70,36 +83,30 @@ def run_stage(stage: str, body: Callable[..., dict], *, expected: tuple[type[Bas
 
 
 def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[StageConfig], dict],
-                       prepare: Callable[[StageConfig], object] | None = None,
-                       expected: tuple[type[BaseException], ...] = ()) -> None:
+                       prepare: Callable[[StageConfig], object] | None = None) -> None:
     """Entry point of a torchrun stage.
 
     Outside torchrun (as DVC runs it): validate params, take the trainer lock on
     ``lock_folder``, run ``prepare(cfg)`` once if given, start ``torchrun -m
     <module>`` with the launch settings from params, and exit with its code.
     Inside torchrun: run ``body`` on every rank; rank 0 writes
-    ``metrics/<stage>.json``. ``expected`` errors print one line, no traceback.
+    ``metrics/<stage>.json``. A StageError prints one line, no traceback.
     """
     import os
 
-    from pipeline.training.torchrun import LaunchConfig, TrainerBusyError, die_with_parent, inside_torchrun, launch
+    from pipeline.training.torchrun import die_with_parent, inside_torchrun, launch
     from pipeline.training.trainer import NonFiniteError
 
     setup_logging()
     try:
         cfg = load_params(stage)
-    except ConfigError as err:
-        print(f"error: stage {stage} failed: {err}", file=sys.stderr)
-        sys.exit(2)
+    except StageError as err:
+        fail(stage, err)
     if not inside_torchrun():
         try:
             code = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
-        except TrainerBusyError as err:
-            print(f"error: stage {stage} refused to start: {err}", file=sys.stderr)
-            sys.exit(2)
-        except (StageError, *expected) as err:
-            print(f"error: stage {stage} failed: {err}", file=sys.stderr)
-            sys.exit(2)
+        except StageError as err:  # TrainerBusyError included
+            fail(stage, err)
         if code != 0:
             print(f"error: stage {stage} failed (torchrun exit code {code}); see the rank's message above",
                   file=sys.stderr)
@@ -113,11 +120,10 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     except NonFiniteError as err:
         print(f"error: stage {stage} (rank {rank}) stopped: {err}", file=sys.stderr)
         sys.exit(3)
-    except (StageError, *expected) as err:
-        print(f"error: stage {stage} (rank {rank}) failed: {err}", file=sys.stderr)
-        sys.exit(2)
+    except StageError as err:
+        fail(stage, err, rank)
     if rank == 0:
         metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
         write_json(layout.metrics_path(stage), metrics)
-        record_experiment(stage, enabled=getattr(cfg, "track", True))
+        record_experiment(stage, enabled=cfg.logging.track)
         log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})

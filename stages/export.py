@@ -11,6 +11,8 @@ from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
 
 
 def main(cfg: ExportConfig, tracker) -> dict:
+    if not layout.metrics_path("evaluate").is_file():
+        raise ExportError(f"{layout.metrics_path('evaluate')} not found; run `dvc repro evaluate` first")
     evaluation = read_json(layout.metrics_path("evaluate"))
     source = layout.SFT_MODEL if cfg.source == "sft" else layout.PRETRAIN_MODEL
     lineage = {**git_tags(), **{f"dvc.{k}": v for k, v in dvc_stage_hashes().items()}}
@@ -28,4 +30,4 @@ def main(cfg: ExportConfig, tracker) -> dict:
 
 
 if __name__ == "__main__":
-    run_stage("export", main, expected=(ExportError,), pass_tracker=True)
+    run_stage("export", main, pass_tracker=True)

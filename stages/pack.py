@@ -2,7 +2,7 @@
 
 from pipeline import layout
 from pipeline.runner import run_stage
-from pipeline.data.pack import PackConfig, PackError, run_pack
+from pipeline.data.pack import PackConfig, run_pack
 
 
 def main(cfg: PackConfig) -> dict:
@@ -10,4 +10,4 @@ def main(cfg: PackConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_stage("pack", main, expected=(PackError,))
+    run_stage("pack", main)

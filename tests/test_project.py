@@ -1,7 +1,10 @@
 """The project's own files agree with each other: one name per stage everywhere,
-every shipped params section validates, and each DVC stage depends on exactly
-its own params section and its own code."""
+every shipped params section validates, each DVC stage depends on exactly its own
+params section (its code deps: tests/test_deps.py), and the import graph has the
+shape of the design: stages/ and flows/ call into pipeline/, never the reverse,
+and pipeline/ has no import cycles."""
 
+import ast
 import importlib.util
 import subprocess
 
@@ -11,6 +14,7 @@ import yaml
 from pipeline import layout
 from pipeline.config import SCHEMAS, load_params
 from tests.conftest import ROOT
+from tests.imports import imported_modules, module_name, pipeline_modules, rel
 
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -31,8 +35,7 @@ def test_each_stage_depends_on_its_own_params_code_and_writes_its_metrics(stage)
     spec = DVC[stage]
     assert spec["params"] == [stage], "a stage tracks exactly its own params section"
     deps = spec["deps"]
-    assert f"stages/{stage}.py" in deps
-    assert any(d.startswith("pipeline/") for d in deps)
+    assert f"stages/{stage}.py" in deps  # and the rest of its code: tests/test_deps.py
     metrics = [next(iter(m)) if isinstance(m, dict) else m for m in spec["metrics"]]
     assert metrics == [str(layout.metrics_path(stage))]
 
@@ -62,3 +65,63 @@ def test_readme_params_reference_is_current():
     readme = (ROOT / "README.md").read_text()
     assert reference(ROOT / "params.yaml") in readme, "run `python -m pipeline.reference --write`"
 
+
+# --------------------------------------------------------------------------- import graph
+
+# which top-level packages each may import (imports inside functions included)
+MAY_IMPORT = {"pipeline": {"pipeline"}, "stages": {"pipeline", "stages"}, "flows": {"pipeline", "flows"}}
+
+
+def test_imports_point_from_stages_and_flows_into_pipeline_never_back():
+    problems = []
+    for layer, allowed in MAY_IMPORT.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for module in sorted(imported_modules(path)):
+                if module.split(".")[0] not in allowed:
+                    problems.append(f"{rel(path)} imports {module}: {layer}/ may import only {sorted(allowed)}")
+    assert not problems, "\n".join(problems)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as [a, b, ..., a], or None (depth-first search)."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if cycle := visit(nxt):
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if cycle := visit(node):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_pipeline_has_no_import_cycles():
+    """Module-level imports only: an import inside a function runs on call, when
+    every module is loaded, so it cannot break an import; it is how a module defers
+    a heavy dependency (torch, mlflow). Package ``__init__.py`` files count only
+    when an import names the package itself."""
+    graph = {module_name(p): {m for m in imported_modules(p, module_level_only=True) if m.startswith("pipeline")}
+             for p in pipeline_modules()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_pipeline_module_opens_with_a_docstring():
+    missing = [rel(p) for p in pipeline_modules() if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert not missing, f"modules without an opening docstring: {', '.join(missing)}"

@@ -38,7 +38,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import multiprocessing
-import os
 import re
 import time
 import unicodedata
@@ -60,8 +59,9 @@ from rensa import RMinHash, RMinHashLSH
 from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
-from pipeline.files import atomic_path
+from pipeline.files import atomic_path, available_cores
 from pipeline.progress import progress
+from pipeline.errors import StageError
 
 SCHEMA = pa.schema(
     [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]
@@ -71,7 +71,7 @@ EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
 
 
-class CleanError(RuntimeError):
+class CleanError(StageError):
     """The clean stage cannot produce a corpus: missing or unreadable input, or
     nothing left after cleaning."""
 
@@ -366,12 +366,6 @@ def _processed(pf: pq.ParquetFile, cfg: CleanConfig, workers: int) -> Iterator[t
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _available_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path) -> dict:
     """Clean ``in_path`` (Parquet, ingest schema) into ``out_path`` (same schema)
     and write the quarantine sample to ``quarantine_path``. Returns the metrics.
@@ -387,7 +381,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     pf = _open_input(in_path)
     # No more workers than batches: a tiny input runs in-process, without spawning.
     batches = -(-pf.metadata.num_rows // cfg.batch_docs)
-    workers = max(1, min(cfg.num_workers or _available_cores(), batches))
+    workers = max(1, min(cfg.num_workers or available_cores(), batches))
     exact = ExactDedup() if cfg.exact_dedup.enabled else None
     near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
     ledger = Ledger(per_reason=cfg.quarantine_per_reason)

@@ -30,6 +30,7 @@ from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
 from pipeline.files import atomic_path
 from pipeline.progress import progress
+from pipeline.errors import StageError
 
 Format = Literal["auto", "text", "jsonl", "json", "parquet", "csv", "hf"]
 SplitBy = Literal["file", "paragraph", "line"]
@@ -82,7 +83,7 @@ class IngestConfig(StageConfig):
     row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
 
 
-class IngestError(RuntimeError):
+class IngestError(StageError):
     """A source cannot be ingested at all (missing path, unreadable dataset)."""
 
 

@@ -88,7 +88,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.files import atomic_path, read_json, sha256_file, write_json
+from pipeline.files import atomic_path, available_cores, read_json, sha256_file, write_json
 from pipeline.progress import progress
 from pipeline.data.tokenizer import (
     EOT_ID,
@@ -98,6 +98,7 @@ from pipeline.data.tokenizer import (
     open_docs,
     special_ids,
 )
+from pipeline.errors import StageError
 
 log = logging.getLogger("pipeline.data.pack")
 
@@ -122,7 +123,7 @@ class PackConfig(StageConfig):
                             description="text bytes per tokenizer task (a larger document is one task)")
 
 
-class PackError(RuntimeError):
+class PackError(StageError):
     """Packing cannot proceed: missing input, too little data, or a bad packed directory."""
 
 
@@ -243,11 +244,7 @@ def _encode_task(message: bytes) -> Encoded:
 
 
 def resolve_workers(num_workers: int) -> int:
-    if num_workers:
-        return num_workers
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return num_workers or available_cores()
 
 
 def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[bytes]:

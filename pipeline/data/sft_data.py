@@ -88,6 +88,7 @@ from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, ChatFormatErro
 from pipeline.files import atomic_path, sha256_file, write_json
 from pipeline.progress import progress
 from pipeline.data.tokenizer import EOT_ID, PAD_ID, TokenizerError, load_tokenizer, special_ids
+from pipeline.errors import StageError
 
 FORMAT = "pipeline.sft_data/1"
 MANIFEST = "manifest.json"

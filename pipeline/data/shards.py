@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+
 from pipeline.errors import StageError
 
 

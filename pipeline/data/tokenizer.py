@@ -51,6 +51,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pipeline.config import StageConfig
 from pipeline.files import atomic_write, sha256_file
 from pipeline.progress import enabled as progress_enabled
+from pipeline.errors import StageError
 
 log = logging.getLogger("pipeline.data.tokenizer")
 
@@ -98,7 +99,7 @@ class TokenizerConfig(StageConfig):
     seed: int = Field(0, ge=0, description="chooses the sample")
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(StageError):
     """The tokenizer cannot be trained or loaded (missing input, empty corpus, bad file)."""
 
 

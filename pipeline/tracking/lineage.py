@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from pipeline.errors import StageError
+
 log = logging.getLogger(__name__)
 
 PARENT_RUN_NAME = "pipeline"
@@ -66,7 +68,7 @@ _RAN = re.compile(r"^Running stage '(?P<stage>[^']+)'")
 _RESTORED = re.compile(r"^Stage '(?P<stage>[^']+)' is cached - skipping run")
 
 
-class LineageError(RuntimeError):
+class LineageError(StageError):
     """DVC could not describe the pipeline (no dvc.yaml, a broken graph, a bad target)."""
 
 

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from pipeline.errors import StageError
 from pipeline.files import fsync_path, sha256_file
-from pipeline.runner import StageError
 
 log = logging.getLogger("pipeline.training.checkpoint")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.config import ConfigError, flatten, load_params, parse_section, read_params
+from pipeline.config import ConfigError, flatten, load_params, load_yaml, parse_section, read_params
 from pipeline.data.ingest import IngestConfig
 
 
@@ -52,6 +52,15 @@ def test_section_must_be_mapping_and_file_must_exist(tmp_path):
         load_params("ingest", tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_params("ingest", write(tmp_path, "ingest: {a: [\n"))
+
+
+def test_load_yaml_reads_a_file_and_names_where_it_is_invalid(tmp_path):
+    assert load_yaml(write(tmp_path, "a: [1, 2]\n")) == {"a": [1, 2]}
+    assert load_yaml(write(tmp_path, "")) is None
+    with pytest.raises(ConfigError, match=r"params\.yaml is not valid YAML \(line 2, column 3\): mapping values"):
+        load_yaml(write(tmp_path, "a: 1\n b: 2\n"))
+    with pytest.raises(ConfigError, match="missing.yaml: file not found"):
+        load_yaml(tmp_path / "missing.yaml")
 
 
 def test_empty_section_gives_defaults(tmp_path):
