@@ -7,13 +7,13 @@ settings in params.
 
 from pipeline import layout
 from pipeline.runner import run_training_stage
-from pipeline.training.pretrain import PretrainConfig, read_manifest, run_pretrain
+from pipeline.training.pretrain import PretrainConfig, prepare_pretrain, run_pretrain
 
 OUT = layout.PRETRAIN_MODEL
 
 
 def prepare(cfg: PretrainConfig) -> None:
-    read_manifest(layout.PACKED)
+    prepare_pretrain(cfg, layout.PACKED, OUT)
 
 
 def main(cfg: PretrainConfig) -> dict:

@@ -11,7 +11,8 @@ from pipeline.training.sft import SFTConfig, prepare_sft, run_sft
 
 
 def prepare(cfg: SFTConfig) -> dict:
-    return prepare_sft(cfg, layout.TOKENIZER_JSON, layout.SFT_DATA, layout.SFT_QUARANTINE, layout.PRETRAIN_MODEL)
+    return prepare_sft(cfg, layout.TOKENIZER_JSON, layout.SFT_DATA, layout.SFT_QUARANTINE, layout.PRETRAIN_MODEL,
+                       layout.SFT_MODEL)
 
 
 def main(cfg: SFTConfig) -> dict:

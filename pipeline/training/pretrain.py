@@ -21,7 +21,7 @@ from pipeline.files import read_json, write_json
 from pipeline.model.transformer import PRESETS, ModelConfig, build_config
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import Section, TrainConfig
-from pipeline.training.trainer import Trainer
+from pipeline.training.trainer import Trainer, check_resume
 
 REPORT = "report.json"
 
@@ -69,15 +69,27 @@ def read_manifest(packed_dir: Path) -> dict[str, Any]:
     return read_json(path)
 
 
-def run_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
-    """Train on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
+def plan(cfg: PretrainConfig, packed_dir: Path) -> tuple[ModelConfig, str, dict[str, Any]]:
+    """The model to build, the data identity and the checkpoint metadata, from pack's manifest."""
     manifest = read_manifest(packed_dir)
     model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
     data_id = manifest.get("tokenizer_sha256", "") + ":" + ",".join(
         s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])
+    return model_cfg, data_id, {"tokenizer_sha256": manifest.get("tokenizer_sha256"),
+                                "vocab_size": manifest["vocab_size"]}
+
+
+def prepare_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path) -> None:
+    """Once, in the launcher: the packed data exists and the run can start or resume."""
+    model_cfg, data_id, _ = plan(cfg, packed_dir)
+    check_resume(cfg, model_cfg, out_dir, data_id=data_id)
+
+
+def run_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
+    """Train on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
+    model_cfg, data_id, meta = plan(cfg, packed_dir)
     trainer = Trainer("pretrain", cfg, model_cfg, Path(packed_dir) / "train", Path(packed_dir) / "val",
-                      out_dir, csv_path, data_id=data_id,
-                      extra_meta={"tokenizer_sha256": manifest.get("tokenizer_sha256"), "vocab_size": manifest["vocab_size"]})
+                      out_dir, csv_path, data_id=data_id, extra_meta=meta)
     try:
         summary = trainer.fit()
         if not trainer.d.is_main:

@@ -26,7 +26,7 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import (CheckpointSection, DataSection, EvalSection, OptimizerSection, ScheduleSection,
                                       TrainConfig)
 from pipeline.training.pretrain import write_report
-from pipeline.training.trainer import Trainer
+from pipeline.training.trainer import Trainer, check_resume
 
 BUILD_METRICS = "build_metrics.json"
 
@@ -81,17 +81,9 @@ def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
     return last
 
 
-def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine_path: Path,
-                pretrain_dir: Path) -> dict[str, Any]:
-    """Once, before the ranks start: check that pretrain finished, then build the SFT shards."""
-    pretrained(pretrain_dir)
-    metrics = build_sft_data(cfg.data, tokenizer_path, data_dir, quarantine_path)
-    write_json(Path(data_dir) / BUILD_METRICS, metrics)
-    return metrics
-
-
-def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
-    """Fine-tune on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
+def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
+         ) -> tuple[ckpt.Checkpoint, ModelConfig, str, dict[str, Any]]:
+    """The starting checkpoint, its model, the data identity and the checkpoint metadata."""
     init = pretrained(pretrain_dir)
     model_cfg = ModelConfig(**init.meta["model"])
     manifest = read_json(Path(data_dir) / "manifest.json")
@@ -102,10 +94,28 @@ def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, c
         raise SFTError("the SFT data was tokenized with a different tokenizer than the pretrained model's; "
                        "rerun `dvc repro sft` after `dvc repro tokenizer pretrain`")
     data_id = ",".join(s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])
+    meta = {"tokenizer_sha256": manifest["tokenizer_sha256"], "init_from": str(init.path),
+            "vocab_size": model_cfg.vocab_size}
+    return init, model_cfg, data_id, meta
+
+
+def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine_path: Path,
+                pretrain_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Once, in the launcher: check that pretrain finished, build the SFT shards,
+    and check that the run can start or resume."""
+    pretrained(pretrain_dir)
+    metrics = build_sft_data(cfg.data, tokenizer_path, data_dir, quarantine_path)
+    write_json(Path(data_dir) / BUILD_METRICS, metrics)
+    init, model_cfg, data_id, _ = plan(cfg, data_dir, pretrain_dir)
+    check_resume(cfg, model_cfg, out_dir, data_id=data_id, init_from=init)
+    return metrics
+
+
+def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
+    """Fine-tune on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
+    init, model_cfg, data_id, meta = plan(cfg, data_dir, pretrain_dir)
     trainer = Trainer("sft", cfg, model_cfg, Path(data_dir) / "train", Path(data_dir) / "val", out_dir, csv_path,
-                      data_id=data_id, init_from=init,
-                      extra_meta={"tokenizer_sha256": manifest["tokenizer_sha256"], "init_from": str(init.path),
-                                  "vocab_size": model_cfg.vocab_size})
+                      data_id=data_id, init_from=init, extra_meta=meta)
     try:
         summary = trainer.fit()
         if not trainer.d.is_main:

@@ -55,6 +55,26 @@ class NonFiniteError(StageError):
     """Loss or gradient norm became NaN/inf. The last good checkpoint is untouched."""
 
 
+def run_fingerprint(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int, data_id: str,
+                    init_from: ckpt.Checkpoint | None) -> str:
+    """The identity of a run (pipeline/training/config.py) with the global batch of ``world_size`` ranks."""
+    global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * world_size
+    return run_identity(cfg, model_cfg.to_dict(), global_batch, data_id,
+                        init_from.meta.get("fingerprint") if init_from else None)
+
+
+def check_resume(cfg: TrainConfig, model_cfg: ModelConfig, out_dir: Path, *, data_id: str,
+                 init_from: ckpt.Checkpoint | None = None) -> ckpt.Checkpoint | None:
+    """Launcher side, before any rank starts: the checkpoint this run will resume
+    from (verified), or None for a fresh run. Raises the one-line CheckpointError
+    when this run has checkpoints and none is intact, so that a damaged folder
+    stops the stage before any rank starts. Reads only: rank 0 moves other runs'
+    checkpoints aside when it starts."""
+    fingerprint = run_fingerprint(cfg, model_cfg, cfg.launch.nproc_per_node * cfg.launch.nnodes, data_id, init_from)
+    manager = ckpt.CheckpointManager(Path(out_dir), fingerprint=fingerprint, keep=cfg.checkpoint.keep, is_main=True)
+    return manager.resume_point()
+
+
 class Trainer:
     """Train ``model_cfg`` on the rows in ``train_dir``, checkpointing into ``out_dir``.
 
@@ -88,8 +108,7 @@ class Trainer:
                                  cfg.batch.grad_accum_steps, d.world_size, d.rank)
         self.step, self.loss_spikes, self._loss_ema = 0, 0, None
 
-        self.fingerprint = run_identity(cfg, model_cfg.to_dict(), self.order.global_batch, data_id,
-                                        init_from.meta.get("fingerprint") if init_from else None)
+        self.fingerprint = run_fingerprint(cfg, model_cfg, d.world_size, data_id, init_from)
         self.checkpoints = ckpt.CheckpointManager(self.out_dir, fingerprint=self.fingerprint,
                                                   keep=cfg.checkpoint.keep, is_main=d.is_main)
         self.checkpoints.prepare()

@@ -146,3 +146,42 @@ def test_mlflow_outage_does_not_stop_training(tmp_path):
     assert "mlflow" in r.stderr.lower()  # one warning says where the metrics went
     offline = list((p / ".tracking-offline").glob("*.jsonl"))
     assert offline and "loss" in offline[0].read_text()
+
+
+def one_error_line(r, stage_name="pretrain"):
+    """An expected failure: exit 2, and stderr's only error is one line naming the stage."""
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: stage {stage_name} failed:"), r.stderr[-3000:]
+    return errors[0]
+
+
+def test_pretrain_before_pack_is_one_line_naming_the_fix(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"pretrain": BASE}))
+    line = one_error_line(stage(tmp_path, timeout=60))
+    assert "data/packed/manifest.json" in line and "dvc repro pack" in line
+    assert not (tmp_path / "models").exists() or not list((tmp_path / "models").rglob("step-*"))
+
+
+def test_a_damaged_checkpoint_is_named_and_resume_falls_back_or_stops(tmp_path):
+    p = project(tmp_path, max_steps=4, checkpoint_every=2, keep_checkpoints=2)
+    assert stage(p).returncode == 0
+    folder = p / "models" / "pretrain"
+    newest, older = ckpt.latest(folder), ckpt.complete_checkpoints(folder)[0]
+    assert (newest.step, older.step) == (4, 2)
+    reference = losses(p)
+    weights_file = newest.path / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights_file.write_bytes(bytes(data))
+    # the newest is damaged: resume from step 2, with a warning naming the file, and redo steps 3-4 exactly
+    r = stage(p)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step-00000004/model.safetensors" in r.stderr and "resumed from" in r.stderr
+    assert losses(p) == reference
+    # every checkpoint damaged: one line, and nothing is trained from the damaged weights
+    for c in ckpt.complete_checkpoints(folder):
+        (c.path / "optimizer.pt").write_bytes(b"truncated")
+    line = one_error_line(stage(p))
+    assert "optimizer.pt" in line and "damaged" in line
