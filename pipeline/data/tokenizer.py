@@ -177,6 +177,16 @@ def open_docs(docs_path: Path, error: type[Exception]) -> pq.ParquetFile:
     return pf
 
 
+def open_tokenizer(path: Path, error: type[Exception]) -> tuple[Tokenizer, dict[str, int]]:
+    """:func:`load_tokenizer` and its :func:`special_ids`; a missing or invalid
+    tokenizer raises ``error`` with the TokenizerError's message."""
+    try:
+        tok = load_tokenizer(path)
+        return tok, special_ids(tok)
+    except TokenizerError as e:
+        raise error(str(e)) from e
+
+
 def _greedy(order: np.ndarray, sizes: np.ndarray, budget: int, taken: np.ndarray) -> None:
     """Mark docs in ``order`` as taken while they fit in ``budget``; a doc that does
     not fit is passed over, so one huge document cannot crowd the rest out."""
