@@ -60,7 +60,7 @@ from rensa import RMinHash, RMinHashLSH
 from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
-from pipeline.files import atomic_path
+from pipeline.files import atomic_path, write_json
 from pipeline.progress import progress
 
 SCHEMA = pa.schema(
@@ -372,9 +372,17 @@ def _available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path) -> dict:
+def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
+              report_path: str | Path | None = None) -> dict:
     """Clean ``in_path`` (Parquet, ingest schema) into ``out_path`` (same schema)
-    and write the quarantine sample to ``quarantine_path``. Returns the metrics.
+    and write the quarantine sample to ``quarantine_path``.
+
+    Returns the metrics: docs_in, docs_out, dropped (total), bytes_in, bytes_out,
+    kept_frac, num_workers, mb_per_s. The report, written to ``report_path`` when
+    given, holds ``dropped`` by reason (every enabled filter and dedup pass,
+    fired or not, so reports diff cleanly), ``docs_changed_by_normalise``,
+    ``near_dedup`` (candidates checked and rejected, ids kept in the index) and
+    ``filters_enabled``.
 
     Raises CleanError when the input is missing, unreadable or lacks a column,
     and when no document survives (the quarantine is still written then, and
@@ -458,20 +466,24 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             f"docs_out={docs_out} dropped={dropped}"
         )
     seconds = time.perf_counter() - t0
+    if report_path is not None:
+        write_json(report_path, {
+            "dropped": dropped,
+            "docs_changed_by_normalise": changed,
+            "near_dedup": {
+                "candidates_checked": near.candidates_checked,
+                "candidates_below_threshold": near.candidates_rejected,
+                "kept_in_index": len(near.ids),
+            } if near is not None else {},
+            "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
+        })
     return {
         "docs_in": docs_in,
         "docs_out": docs_out,
-        "dropped": dropped,
+        "dropped": sum(dropped.values()),
         "bytes_in": bytes_in,
         "bytes_out": bytes_out,
-        "docs_changed_by_normalise": changed,
         "kept_frac": round(docs_out / docs_in, 4),
-        "near_dedup": {
-            "candidates_checked": near.candidates_checked,
-            "candidates_below_threshold": near.candidates_rejected,
-            "kept_in_index": len(near.ids),
-        } if near is not None else {},
-        "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
         "num_workers": workers,
         "mb_per_s": round(bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
     }
