@@ -70,7 +70,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.data.shards import ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
+from pipeline.data.shards import ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.progress import progress
 from pipeline.data.tokenizer import (
     EOT_ID,
@@ -357,8 +357,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     under ``out_dir`` (format in the module docstring). Stale shards of an earlier
     run are removed first; on failure no manifest is left behind.
 
-    Returns metrics: docs, text_bytes, tokens, per split {docs, empty_docs, tokens,
-    rows, dropped_tail_tokens, shards (count)}, tokens_per_s, mb_per_s (text MB), workers.
+    Returns metrics: docs, text_bytes, tokens, per split {rows, tokens},
+    tokens_per_s, mb_per_s (text MB), workers, pack_seconds. The manifest is the
+    report: per split docs, empty_docs, dropped_tail_tokens and the shards.
     Raises PackError on missing input or tokenizer, an empty or single-document
     corpus, or a split too small to fill one row.
 
@@ -407,7 +408,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         "docs": docs,
         "text_bytes": text_bytes,
         "tokens": total_tokens,
-        **split_counts(splits),
+        **{s: {"rows": info["rows"], "tokens": info["tokens"]} for s, info in splits.items()},
         "tokens_per_s": round(total_tokens / seconds),
         "mb_per_s": round(text_bytes / seconds / 1e6, 3),
         "workers": workers,

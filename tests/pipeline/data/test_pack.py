@@ -110,11 +110,12 @@ def test_doc_starts_mark_every_document_boundary(docs, packed):
 
 def test_split_is_by_document_and_seeded(docs, packed):
     path, _, items = docs
-    _, metrics = packed
+    out, _ = packed
     plan = plan_splits(pq.ParquetFile(path), CFG.seed, CFG.val_fraction)
     val = {i for i, _ in items if plan.split_of(i) == "val"}
     assert 0 < len(val) < len(items)
-    assert metrics["val"]["docs"] == len(val) and metrics["train"]["docs"] == len(items) - len(val)
+    splits = read_json(out / MANIFEST)["splits"]
+    assert splits["val"]["docs"] == len(val) and splits["train"]["docs"] == len(items) - len(val)
     # the rule is a pure function of (seed, id); another seed gives another split
     assert all((split_hash(CFG.seed, i) < val_threshold(CFG.val_fraction)) == (i in val) for i, _ in items)
     other = plan_splits(pq.ParquetFile(path), CFG.seed + 1, CFG.val_fraction)
@@ -143,7 +144,7 @@ def test_manifest_and_accounting(docs, packed):
     assert (m["seed"], m["val_fraction"], m["forced"]) == (3, 0.2, {})
     assert m["docs"] == len(items) == metrics["docs"] == m["splits"]["train"]["docs"] + m["splits"]["val"]["docs"]
     assert m["tokens"] == metrics["tokens"] == m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
-    assert metrics["train"]["empty_docs"] + metrics["val"]["empty_docs"] == 1
+    assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == 1
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     listed = sorted(e["path"] for s in m["splits"].values() for e in s["shards"])
     assert files == sorted([MANIFEST, *listed])
@@ -212,8 +213,10 @@ def test_tiny_corpus_forces_one_doc_into_each_split(docs, tmp_path):
     plan = plan_splits(pq.ParquetFile(path), 0, 0.01)
     assert list(plan.forced.values()) == ["val"]
     m = run_pack(PackConfig(seq_len=8, val_fraction=0.01, num_workers=1), path, tok, tmp_path / "out")
-    assert m["train"]["docs"] == 1 and m["val"]["docs"] == 1
-    assert read_json(tmp_path / "out" / MANIFEST)["forced"] == plan.forced
+    manifest = read_json(tmp_path / "out" / MANIFEST)
+    assert manifest["splits"]["train"]["docs"] == 1 and manifest["splits"]["val"]["docs"] == 1
+    assert m["train"]["rows"] >= 1 and m["val"]["rows"] >= 1
+    assert manifest["forced"] == plan.forced
     # the other way: with seed 4 both ids hash below 0.5, so the larger hash goes to train
     assert all(SplitPlan(2, 4, val_threshold(0.5)).split_of(i) == "val" for i in "ab")
     plan = plan_splits(pq.ParquetFile(path), 4, 0.5)
