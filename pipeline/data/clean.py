@@ -377,12 +377,12 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     """Clean ``in_path`` (Parquet, ingest schema) into ``out_path`` (same schema)
     and write the quarantine sample to ``quarantine_path``.
 
-    Returns the metrics: docs_in, docs_out, dropped (total), bytes_in, bytes_out,
-    kept_frac, num_workers, mb_per_s. The report, written to ``report_path`` when
-    given, holds ``dropped`` by reason (every enabled filter and dedup pass,
-    fired or not, so reports diff cleanly), ``docs_changed_by_normalise``,
-    ``near_dedup`` (candidates checked and rejected, ids kept in the index) and
-    ``filters_enabled``.
+    Returns the metrics: docs and bytes written, dropped (documents), kept_frac,
+    workers, mb_per_s. The report, written to ``report_path`` when given, holds
+    docs_in and bytes_in, ``dropped`` by reason (every enabled filter and dedup
+    pass, fired or not, so reports diff cleanly; ``docs_in == docs +
+    sum(dropped)``), ``docs_changed_by_normalise``, ``near_dedup`` (candidates
+    checked and rejected, ids kept in the index) and ``filters_enabled``.
 
     Raises CleanError when the input is missing, unreadable or lacks a column,
     and when no document survives (the quarantine is still written then, and
@@ -468,6 +468,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     seconds = time.perf_counter() - t0
     if report_path is not None:
         write_json(report_path, {
+            "docs_in": docs_in,
+            "bytes_in": bytes_in,
             "dropped": dropped,
             "docs_changed_by_normalise": changed,
             "near_dedup": {
@@ -478,12 +480,10 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
         })
     return {
-        "docs_in": docs_in,
-        "docs_out": docs_out,
+        "docs": docs_out,
+        "bytes": bytes_out,
         "dropped": sum(dropped.values()),
-        "bytes_in": bytes_in,
-        "bytes_out": bytes_out,
         "kept_frac": round(docs_out / docs_in, 4),
-        "num_workers": workers,
+        "workers": workers,
         "mb_per_s": round(bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
     }

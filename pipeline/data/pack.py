@@ -357,9 +357,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     under ``out_dir`` (format in the module docstring). Stale shards of an earlier
     run are removed first; on failure no manifest is left behind.
 
-    Returns metrics: docs, text_bytes, tokens, per split {rows, tokens},
-    tokens_per_s, mb_per_s (text MB), workers, pack_seconds. The manifest is the
-    report: per split docs, empty_docs, dropped_tail_tokens and the shards.
+    Returns metrics: docs, bytes (of text), tokens, train_rows, val_rows, tokens_per_s,
+    mb_per_s (text MB), workers, pack_seconds. The manifest is the report: per
+    split docs, empty_docs, tokens, dropped_tail_tokens and the shards.
     Raises PackError on missing input or tokenizer, an empty or single-document
     corpus, or a split too small to fill one row.
 
@@ -406,9 +406,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     seconds = time.perf_counter() - t0
     return {
         "docs": docs,
-        "text_bytes": text_bytes,
+        "bytes": text_bytes,
         "tokens": total_tokens,
-        **{s: {"rows": info["rows"], "tokens": info["tokens"]} for s, info in splits.items()},
+        **{f"{s}_rows": info["rows"] for s, info in splits.items()},
         "tokens_per_s": round(total_tokens / seconds),
         "mb_per_s": round(text_bytes / seconds / 1e6, 3),
         "workers": workers,

@@ -110,7 +110,7 @@ def test_text_is_normalised_and_schema_kept(tmp_path):
     ]
     assert pq.read_schema(tmp_path / "out" / "docs.parquet").equals(SCHEMA)
     assert report(tmp_path)["docs_changed_by_normalise"] == 1
-    assert metrics["bytes_in"] == 33 + 14 and metrics["bytes_out"] == 28 + 14
+    assert report(tmp_path)["bytes_in"] == 33 + 14 and metrics["bytes"] == 28 + 14
 
 
 def test_exact_dedup_keeps_first_occurrence(tmp_path):
@@ -159,10 +159,10 @@ MIXED = [
 
 def test_accounting_identity_on_mixed_input(tmp_path):
     metrics, docs, quarantine = run(tmp_path, MIXED, batch_docs=2, row_group_docs=3)
-    assert metrics["docs_in"] == len(MIXED) == 9
-    assert metrics["docs_out"] == len(docs) == 4
-    dropped = report(tmp_path)["dropped"]
-    assert metrics["docs_in"] == metrics["docs_out"] + sum(dropped.values()) == metrics["docs_out"] + metrics["dropped"]
+    docs_in, dropped = report(tmp_path)["docs_in"], report(tmp_path)["dropped"]
+    assert docs_in == len(MIXED) == 9
+    assert metrics["docs"] == len(docs) == 4
+    assert docs_in == metrics["docs"] + sum(dropped.values()) == metrics["docs"] + metrics["dropped"]
     fired = {k: v for k, v in dropped.items() if v}
     assert fired == {"c4_lorem_ipsum": 1, "exact_duplicate": 1, "too_short": 1, "gopher_dup_lines": 1,
                      "near_duplicate": 1}
@@ -171,7 +171,7 @@ def test_accounting_identity_on_mixed_input(tmp_path):
     rep = report(tmp_path)
     assert set(rep["filters_enabled"]) | {"exact_duplicate", "near_duplicate"} == set(dropped)
     assert rep["near_dedup"]["candidates_checked"] >= 1 and rep["near_dedup"]["kept_in_index"] == 4
-    assert metrics["bytes_out"] == sum(len(d["text"].encode()) for d in docs)
+    assert metrics["bytes"] == sum(len(d["text"].encode()) for d in docs)
     assert pq.ParquetFile(tmp_path / "out" / "docs.parquet").metadata.num_row_groups == 2  # 3 + 1 rows
     assert [d["id"] for d in docs] == ["id000", "id004", "id006", "id008"]
 
@@ -195,16 +195,16 @@ def test_output_is_identical_for_any_worker_count(tmp_path):
         d = tmp_path / f"w{workers}"
         d.mkdir()
         metrics, docs, quarantine = run(d, texts, num_workers=workers, batch_docs=3)
-        assert metrics.pop("num_workers") == workers
+        assert metrics.pop("workers") == workers
         metrics.pop("mb_per_s")
         results.append((metrics, report(d), docs, quarantine))
     assert results[0] == results[1]
-    assert results[0][0]["docs_out"] == 4 + 20
+    assert results[0][0]["docs"] == 4 + 20
 
 
 def test_workers_are_capped_by_the_number_of_batches(tmp_path):
     metrics, _, _ = run(tmp_path, [code(1), code(2)], num_workers=4, batch_docs=64)
-    assert metrics["num_workers"] == 1
+    assert metrics["workers"] == 1
 
 
 def test_empty_after_cleaning_is_a_clear_error(tmp_path):
