@@ -70,7 +70,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.data.shards import ShardWriter, clear_outputs, row_schema, write_manifest
+from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.progress import progress
 from pipeline.data.tokenizer import (
     EOT_ID,
@@ -82,7 +82,6 @@ from pipeline.data.tokenizer import (
 log = logging.getLogger("pipeline.data.pack")
 
 FORMAT = "pipeline.pack/1"
-SPLITS = ("train", "val")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # pack holds one shard per split in memory: 256 MiB of int32 each at most.
 MAX_SHARD_TOKENS = 1 << 26

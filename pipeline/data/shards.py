@@ -196,8 +196,8 @@ def verify(out_dir: str | Path, fmt: str | None = None, *, sha256: bool = True) 
                 raise DataError(f"{path}: sha256 does not match the manifest")
             shard = _Shard(path)
             if shard.input_ids.shape[1] != manifest["row_len"] or len(shard) != entry["rows"]:
-                raise DataError(f"{path}: {shard.input_ids.shape} rows x row_len, manifest says "
-                                f"{entry['rows']} x {manifest['row_len']}")
+                raise DataError(f"{path}: {len(shard)} rows of {shard.input_ids.shape[1]} tokens, manifest says "
+                                f"{entry['rows']} rows of {manifest['row_len']}")
     return manifest
 class PackedRows:
     """All rows of one split, memory-mapped shard by shard: nothing is copied, so

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -125,6 +127,10 @@ def test_manifest_lists_shards_with_their_sha256(tmp_path, tok_path):
     assert split_counts(m["splits"]) == {"train": {"rows": 3, "shards": 2}}
     with pytest.raises(DataError, match="expected 'other/1'"):
         read_manifest(tmp_path, "other/1")
+    m["splits"]["train"]["shards"][1]["rows"] = 2
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="1 rows of 4 tokens, manifest says 2 rows of 4"):
+        verify(tmp_path, sha256=False)
     (tmp_path / "train" / "shard-00009.arrow").write_bytes(b"stray")
     with pytest.raises(DataError, match="does not list"):
         verify(tmp_path)
