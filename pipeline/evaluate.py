@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.config import StageConfig
+from pipeline.files import write_json
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
 from pipeline.model.transformer import ModelConfig, Transformer
@@ -63,6 +64,9 @@ class EvaluateConfig(StageConfig):
 
 class EvaluateError(StageError):
     pass
+
+
+SCORES = ("val_loss", "perplexity", "bits_per_byte")  # per model and split in metrics/evaluate.json
 
 
 def token_bytes(tokenizer) -> np.ndarray:
@@ -116,11 +120,15 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
     }
 
 
-def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[str, Path], tokenizer_path: Path
-                    ) -> tuple[dict[str, Any], dict[str, Transformer]]:
+def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[str, Path], tokenizer_path: Path,
+                    report_path: Path | None = None) -> tuple[dict[str, Any], dict[str, Transformer]]:
     """Score every model on every split. Returns ``({model: {metric: value,
-    <split>: {...}}}, loaded models)``; the top-level metrics of each model are
-    those on the first split (the packed pretraining val split)."""
+    <split>: {metric: value}}}, loaded models)`` with the metrics val_loss,
+    perplexity and bits_per_byte; the top-level metrics of each model are those
+    on the first split (the packed pretraining val split). The report, written
+    to ``report_path`` when given, holds per model the checkpoint scored
+    (``checkpoint``, ``checkpoint_step``) and per split the ``tokens`` and
+    ``bytes`` scored."""
     from pipeline.data.tokenizer import load_tokenizer
     from pipeline.training.distributed import pick_device
 
@@ -129,6 +137,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     nbytes = token_bytes(load_tokenizer(tokenizer_path))
     data = {name: PackedRows(path) for name, path in splits.items()}
     out: dict[str, Any] = {}
+    report: dict[str, Any] = {}
     loaded: dict[str, Transformer] = {}
     for model_name, folder in models.items():
         model, last = load_checkpoint_model(folder, device)
@@ -136,14 +145,12 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
         per_split = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
                                  doc_mask=cfg.doc_mask, device=device, precision=precision)
                      for name, rows in data.items()}
-        first = next(iter(per_split.values()))
-        out[model_name] = {
-            "val_loss": first["val_loss"],
-            "perplexity": first["perplexity"],
-            "bits_per_byte": first["bits_per_byte"],
-            "checkpoint_step": last.step,
-            **per_split,
-        }
+        scores = {name: {k: v[k] for k in SCORES} for name, v in per_split.items()}
+        out[model_name] = {**next(iter(scores.values())), **scores}
+        report[model_name] = {"checkpoint": str(last.path), "checkpoint_step": last.step,
+                              **{name: {k: v[k] for k in ("tokens", "bytes")} for name, v in per_split.items()}}
+    if report_path is not None:
+        write_json(report_path, report)
     return out, loaded
 
 

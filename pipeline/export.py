@@ -12,7 +12,9 @@ writes::
     README.md                model card: architecture, metrics, lineage, use, limitations
 
 so that ``AutoModelForCausalLM.from_pretrained(out)`` and
-``AutoTokenizer.from_pretrained(out)`` work without ``trust_remote_code``.
+``AutoTokenizer.from_pretrained(out)`` work without ``trust_remote_code``. The
+export stage then adds ``report.json`` (:func:`write_report`): the summary and
+the registry's outcome.
 
 Choices
     * eos: the tokenizer's ``eos_token`` is ``<|im_end|>``, because the exported
@@ -56,12 +58,14 @@ from pipeline.model import generate as gen
 from pipeline.model import hf_adapter
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.config import StageConfig
-from pipeline.files import atomic_dir, sha256_file
+from pipeline.files import atomic_dir, sha256_file, write_json
 from pipeline.model.transformer import ModelConfig, num_params
 from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
 from pipeline.errors import StageError
 
 DTYPE = "float32"
+REPORT = "report.json"  # beside the Hugging Face files, written after registration
+METRICS = ("params", "vocab_size", "step")
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
 CARD_KEYS = {
     "name": "title of the model card",
@@ -159,6 +163,14 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                             for f in sorted(tmp.iterdir())}
     return summary
+
+
+def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``out_dir/report.json``: the :func:`export_model` summary (paths,
+    hashes, the file listing) and the model registry's outcome. Returns the
+    metrics, the numbers compared across exports: params, vocab_size, step."""
+    write_json(Path(out_dir) / REPORT, {**summary, "registry": registry})
+    return {k: summary[k] for k in METRICS}
 
 
 # --------------------------------------------------------------------------- file contents

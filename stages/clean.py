@@ -1,13 +1,15 @@
-"""clean: data/ingest/docs.parquet -> data/clean/docs.parquet (+ quarantine, metrics/clean.json)."""
+"""clean: data/ingest/docs.parquet -> data/clean/docs.parquet (+ quarantine, report; metrics/clean.json)."""
 
 from pipeline import layout
 from pipeline.runner import run_stage
 from pipeline.data.clean import CleanConfig, run_clean
 
+REPORT = layout.CLEAN_DIR / "report.json"
+
 
 def main(cfg: CleanConfig) -> dict:
-    return run_clean(cfg, layout.INGEST_DOCS, layout.CLEAN_DOCS, layout.CLEAN_QUARANTINE)
+    return run_clean(cfg, layout.INGEST_DOCS, layout.CLEAN_DOCS, layout.CLEAN_QUARANTINE, REPORT)
 
 
 if __name__ == "__main__":
-    run_stage("clean", main)
+    run_stage("clean", main, artifacts=(REPORT,))

@@ -1,10 +1,10 @@
 """export: models/sft -> models/export, a Hugging Face folder with a model card,
 registered in MLflow as a new version (alias ``candidate``; ``champion`` moves
-only when the evaluate metrics beat the current champion's)."""
+only when the evaluate metrics beat the current champion's), and its report.json."""
 
 from pipeline import layout
 from pipeline.runner import run_stage
-from pipeline.export import ExportConfig, ExportError, export_model
+from pipeline.export import REPORT, ExportConfig, ExportError, export_model, write_report
 from pipeline.files import read_json
 from pipeline.promote import register_export
 from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
@@ -25,9 +25,8 @@ def main(cfg: ExportConfig, tracker) -> dict:
         registry = register_export(layout.EXPORT_DIR, model_name=cfg.model_name, metrics=evaluation,
                                    run_id=tracker.run_id, primary_metric=cfg.primary_metric,
                                    lower_is_better=cfg.lower_is_better, tags=lineage)
-    return {"export": {k: v for k, v in summary.items() if k != "files"}, "files": summary["files"],
-            "registry": registry}
+    return write_report(layout.EXPORT_DIR, summary, registry)
 
 
 if __name__ == "__main__":
-    run_stage("export", main, pass_tracker=True)
+    run_stage("export", main, pass_tracker=True, artifacts=(layout.EXPORT_DIR / REPORT,))

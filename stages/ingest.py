@@ -1,13 +1,15 @@
-"""ingest: raw sources -> data/ingest/docs.parquet (+ quarantine, metrics/ingest.json)."""
+"""ingest: raw sources -> data/ingest/docs.parquet (+ quarantine, report; metrics/ingest.json)."""
 
 from pipeline import layout
 from pipeline.runner import run_stage
 from pipeline.data.ingest import IngestConfig, run_ingest
 
+REPORT = layout.INGEST_DIR / "report.json"
+
 
 def main(cfg: IngestConfig) -> dict:
-    return run_ingest(cfg, layout.INGEST_DOCS, layout.INGEST_QUARANTINE)
+    return run_ingest(cfg, layout.INGEST_DOCS, layout.INGEST_QUARANTINE, REPORT)
 
 
 if __name__ == "__main__":
-    run_stage("ingest", main)
+    run_stage("ingest", main, artifacts=(REPORT,))

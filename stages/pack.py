@@ -1,4 +1,5 @@
-"""pack: clean docs + tokenizer -> data/packed/{train,val}/shard-*.arrow + manifest (+ metrics/pack.json)."""
+"""pack: clean docs + tokenizer -> data/packed/{train,val}/shard-*.arrow + manifest, the report
+(+ metrics/pack.json)."""
 
 from pipeline import layout
 from pipeline.runner import run_stage
@@ -10,4 +11,4 @@ def main(cfg: PackConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_stage("pack", main)
+    run_stage("pack", main, artifacts=(layout.PACKED_MANIFEST,))

@@ -1,13 +1,15 @@
-"""tokenizer: data/clean/docs.parquet -> data/tokenizer/tokenizer.json (+ metrics/tokenizer.json)."""
+"""tokenizer: data/clean/docs.parquet -> data/tokenizer/tokenizer.json (+ report; metrics/tokenizer.json)."""
 
 from pipeline import layout
 from pipeline.runner import run_stage
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 
+REPORT = layout.TOKENIZER_DIR / "report.json"
+
 
 def main(cfg: TokenizerConfig) -> dict:
-    return train_tokenizer(cfg, layout.CLEAN_DOCS, layout.TOKENIZER_JSON)
+    return train_tokenizer(cfg, layout.CLEAN_DOCS, layout.TOKENIZER_JSON, REPORT)
 
 
 if __name__ == "__main__":
-    run_stage("tokenizer", main)
+    run_stage("tokenizer", main, artifacts=(REPORT,))

@@ -62,8 +62,10 @@ def test_all_stages_ran_and_wrote_metrics(project):
     for stage in STAGES:
         assert (root / "metrics" / f"{stage}.json").exists(), stage
     ingest, clean = metrics(root, "ingest"), metrics(root, "clean")
-    assert ingest["docs"] == clean["docs_in"]
-    assert clean["docs_in"] == clean["docs_out"] + sum(clean["dropped"].values())
+    clean_report = json.loads((root / "data" / "clean" / "report.json").read_text())
+    assert ingest["docs"] == clean_report["docs_in"]
+    assert clean_report["docs_in"] == clean["docs"] + sum(clean_report["dropped"].values())
+    assert clean["dropped"] == sum(clean_report["dropped"].values())
     pre = metrics(root, "pretrain")
     assert pre["steps"] == 150 and pre["val_loss"] < pre["unigram_entropy"]
     ev = metrics(root, "evaluate")

@@ -49,11 +49,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypedDict
 
 from tokenizers import Tokenizer
 
+from pipeline.data.shards import IGNORE_INDEX
 from pipeline.data.tokenizer import IM_END, IM_START, special_ids
-
-# pipeline.training.loss.IGNORE_INDEX, repeated so that data preparation does not import torch;
-# a test checks that they agree.
-IGNORE_INDEX = -100
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant")

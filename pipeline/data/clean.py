@@ -59,7 +59,7 @@ from rensa import RMinHash, RMinHashLSH
 from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
-from pipeline.files import atomic_path, available_cores
+from pipeline.files import atomic_path, available_cores, write_json
 from pipeline.progress import progress
 from pipeline.errors import StageError
 
@@ -366,9 +366,17 @@ def _processed(pf: pq.ParquetFile, cfg: CleanConfig, workers: int) -> Iterator[t
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path) -> dict:
+def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
+              report_path: str | Path | None = None) -> dict:
     """Clean ``in_path`` (Parquet, ingest schema) into ``out_path`` (same schema)
-    and write the quarantine sample to ``quarantine_path``. Returns the metrics.
+    and write the quarantine sample to ``quarantine_path``.
+
+    Returns the metrics: docs and bytes written, dropped (documents), kept_frac,
+    workers, mb_per_s. The report, written to ``report_path`` when given, holds
+    docs_in and bytes_in, ``dropped`` by reason (every enabled filter and dedup
+    pass, fired or not, so reports diff cleanly; ``docs_in == docs +
+    sum(dropped)``), ``docs_changed_by_normalise``, ``near_dedup`` (candidates
+    checked and rejected, ids kept in the index) and ``filters_enabled``.
 
     Raises CleanError when the input is missing, unreadable or lacks a column,
     and when no document survives (the quarantine is still written then, and
@@ -452,20 +460,24 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             f"docs_out={docs_out} dropped={dropped}"
         )
     seconds = time.perf_counter() - t0
+    if report_path is not None:
+        write_json(report_path, {
+            "docs_in": docs_in,
+            "bytes_in": bytes_in,
+            "dropped": dropped,
+            "docs_changed_by_normalise": changed,
+            "near_dedup": {
+                "candidates_checked": near.candidates_checked,
+                "candidates_below_threshold": near.candidates_rejected,
+                "kept_in_index": len(near.ids),
+            } if near is not None else {},
+            "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
+        })
     return {
-        "docs_in": docs_in,
-        "docs_out": docs_out,
-        "dropped": dropped,
-        "bytes_in": bytes_in,
-        "bytes_out": bytes_out,
-        "docs_changed_by_normalise": changed,
+        "docs": docs_out,
+        "bytes": bytes_out,
+        "dropped": sum(dropped.values()),
         "kept_frac": round(docs_out / docs_in, 4),
-        "near_dedup": {
-            "candidates_checked": near.candidates_checked,
-            "candidates_below_threshold": near.candidates_rejected,
-            "kept_in_index": len(near.ids),
-        } if near is not None else {},
-        "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
-        "num_workers": workers,
+        "workers": workers,
         "mb_per_s": round(bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
     }

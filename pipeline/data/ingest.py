@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
-from pipeline.files import atomic_path
+from pipeline.files import atomic_path, write_json
 from pipeline.progress import progress
 from pipeline.errors import StageError
 
@@ -480,8 +480,15 @@ def iter_items(files: list[InputFile], cfg: IngestConfig) -> Iterator[tuple[Inpu
             yield f, Skip("unreadable", "file", detail=str(e))
 
 
-def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | Path) -> dict:
-    """Read every source into ``out_path`` (Parquet). Returns the metrics dict."""
+def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | Path,
+               report_path: str | Path | None = None) -> dict:
+    """Read every source into ``out_path`` (Parquet) and a sample of the skipped
+    records into ``quarantine_path``.
+
+    Returns the metrics: docs, bytes, files, skipped (total). The report, written
+    to ``report_path`` when given, holds ``skipped`` by reason, ``capped`` (whether
+    ``max_bytes`` stopped the reading) and ``docs_per_source``.
+    Raises IngestError when no document was read."""
     files = resolve_sources(cfg)
     ledger = Ledger(per_reason=cfg.quarantine_per_reason)
     total_bytes = sum(f.path.stat().st_size for f in files if f.path.is_file())
@@ -525,11 +532,6 @@ def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | P
             f"ingest produced no documents from {len(files)} file(s); skipped: {ledger.as_dict()} "
             f"(see {quarantine_path})"
         )
-    return {
-        "docs": docs,
-        "bytes": nbytes,
-        "skipped": ledger.as_dict(),
-        "files": len(files),
-        "capped": capped,
-        "docs_per_source": per_source,
-    }
+    if report_path is not None:
+        write_json(report_path, {"skipped": ledger.as_dict(), "capped": capped, "docs_per_source": per_source})
+    return {"docs": docs, "bytes": nbytes, "files": len(files), "skipped": ledger.total}

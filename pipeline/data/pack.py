@@ -27,33 +27,15 @@ training uses ``inputs = row[:-1]`` and ``targets = row[1:]``. The last
 ``tokens mod row_len`` tokens of each split do not fill a row and are dropped;
 their count is ``dropped_tail_tokens``.
 
-*Shards.* Arrow IPC **file** format (``pyarrow.ipc.open_file`` on a
-``pyarrow.memory_map`` reads them without copying), uncompressed, one record batch
-per shard, at most ``max(1, shard_tokens // row_len)`` rows; shards in name order
-are in stream order. Columns:
-
-- ``input_ids``: ``fixed_size_list<int32>[row_len]``, never null.
-- ``doc_starts``: ``list<int32>``, never null: the sorted offsets ``p`` in the row
-  at which a document segment starts. Always contains 0 (a row that begins in the
-  middle of a document still begins a segment); every other ``p`` has
-  ``row[p - 1] == eot_id``. The tokens from one start up to the next start (or the
-  row end) belong to one document. :func:`segment_ids_from_starts` turns this into
-  per-position segment ids for a block-diagonal causal mask.
-
-The schema metadata repeats ``format``, ``row_len`` and ``eot_id``.
-
-*Manifest* (``manifest.json``, written last and atomically; a directory without it
-is incomplete): ``format``, ``seq_len``, ``row_len``, ``dtype`` ("int32"),
-``vocab_size``, ``eot_id``, ``pad_id``, ``special_ids`` (role -> id),
-``tokenizer_sha256``, ``seed``, ``val_fraction``, ``docs``, ``forced``
-(id -> split), ``tokens`` (both splits), and ``splits.{train,val}`` with ``docs``,
+*Shards and manifest.* In the packed-row format of :mod:`pipeline.data.shards`
+(format ``pipeline.pack/1``; no ``labels`` column), at most
+``max(1, shard_tokens // row_len)`` rows per shard. Every ``doc_starts`` offset
+``p > 0`` has ``row[p - 1] == eot_id``; the schema metadata adds ``eot_id``. The
+manifest's own fields are ``seed``, ``val_fraction``, ``docs``, ``forced`` (id ->
+split) and ``tokens`` (both splits), and each split lists ``docs``,
 ``empty_docs``, ``tokens`` (incl. EOTs; ``= rows · row_len + dropped_tail_tokens``),
-``rows``, ``dropped_tail_tokens`` and ``shards: [{path (relative to out_dir), rows,
-sha256}]``.
-
-*Reading.* :func:`open_split` returns a :class:`PackedSplit`: ``len()``, ``split[i]
--> (row, doc_starts)``, ``rows(idx)`` and ``segment_ids(idx, length)`` for batches,
-and ``shards``, each with a zero-copy ``input_ids`` view ``(rows, row_len)`` int32.
+``rows`` and ``dropped_tail_tokens``. Read it with
+:class:`pipeline.data.shards.PackedRows`.
 
 Speed: tokenization runs in ``num_workers`` processes, each with its own
 single-threaded tokenizer (the library's own threads scale poorly on some
@@ -88,24 +70,20 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.files import atomic_path, available_cores, read_json, sha256_file, write_json
+from pipeline.files import available_cores
+from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.progress import progress
 from pipeline.data.tokenizer import (
     EOT_ID,
-    PAD_ID,
-    TokenizerError,
     load_tokenizer,
     open_docs,
-    special_ids,
+    open_tokenizer,
 )
 from pipeline.errors import StageError
 
 log = logging.getLogger("pipeline.data.pack")
 
 FORMAT = "pipeline.pack/1"
-MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
-SHARD_GLOB = "shard-*.arrow"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # pack holds one shard per split in memory: 256 MiB of int32 each at most.
 MAX_SHARD_TOKENS = 1 << 26
@@ -289,11 +267,7 @@ def _encoded_batches(pf: pq.ParquetFile, tokenizer_path: Path, plan: SplitPlan, 
 
 
 def packed_schema(row_len: int) -> pa.Schema:
-    return pa.schema(
-        [pa.field("input_ids", pa.list_(pa.int32(), row_len), nullable=False),
-         pa.field("doc_starts", pa.list_(pa.int32()), nullable=False)],
-        metadata={"format": FORMAT, "row_len": str(row_len), "eot_id": str(EOT_ID)},
-    )
+    return row_schema(FORMAT, row_len, metadata={"eot_id": str(EOT_ID)})
 
 
 def cut_rows(stream: np.ndarray, starts: np.ndarray, row_len: int
@@ -319,15 +293,14 @@ class SplitWriter:
     """Accumulates one split's token stream into shards of ``shard_rows`` rows."""
 
     def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int):
-        self.out_dir, self.split, self.row_len, self.shard_rows = out_dir, split, row_len, shard_rows
-        self.schema = packed_schema(row_len)
+        self.split, self.row_len, self.shard_rows = split, row_len, shard_rows
+        self.writer = ShardWriter(out_dir, split, packed_schema(row_len))
         self.carry = np.empty(0, np.int32)
         self.carry_starts = np.empty(0, np.int64)
         self.buf = np.empty((0, row_len), np.int32)  # allocated on first row, so a tiny split stays tiny
         self.buf_rows = 0
         self.counts: list[np.ndarray] = []
         self.offsets: list[np.ndarray] = []
-        self.shards: list[dict] = []
         self.docs = self.empty_docs = self.tokens = self.rows = 0
 
     def add(self, flat: np.ndarray, lens: np.ndarray, docs: int, empty: int) -> None:
@@ -359,17 +332,9 @@ class SplitWriter:
         if self.buf_rows == 0:
             return
         n = self.buf_rows
-        ids = pa.FixedSizeListArray.from_arrays(pa.array(self.buf[:n].reshape(-1)), self.row_len)
         list_offsets = np.zeros(n + 1, np.int32)
         np.cumsum(np.concatenate(self.counts), out=list_offsets[1:])
-        starts = pa.ListArray.from_arrays(pa.array(list_offsets), pa.array(np.concatenate(self.offsets)))
-        batch = pa.record_batch([ids, starts], schema=self.schema)
-        rel = f"{self.split}/shard-{len(self.shards):05d}.arrow"
-        path = self.out_dir / rel
-        with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, \
-                pa.ipc.new_file(sink, self.schema) as writer:
-            writer.write_batch(batch)
-        self.shards.append({"path": rel, "rows": n, "sha256": sha256_file(path)})
+        self.writer.write(self.buf[:n], list_offsets, np.concatenate(self.offsets))
         self.rows += n
         self.buf_rows = 0
         self.counts, self.offsets = [], []
@@ -381,17 +346,7 @@ class SplitWriter:
         if self.tokens != self.rows * self.row_len + dropped:
             raise AssertionError(f"{self.split}: token accounting is off")
         return {"docs": self.docs, "empty_docs": self.empty_docs, "tokens": self.tokens, "rows": self.rows,
-                "dropped_tail_tokens": dropped, "shards": self.shards}
-
-
-def _clear_outputs(out_dir: Path) -> None:
-    # The manifest goes first: a directory without one is incomplete by contract.
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for split in SPLITS:
-        d = out_dir / split
-        if d.is_dir():
-            for p in [*d.glob(SHARD_GLOB), *d.glob(".shard-*.tmp")]:
-                p.unlink()
+                "dropped_tail_tokens": dropped, "shards": self.writer.shards}
 
 
 def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path, out_dir: str | Path) -> dict:
@@ -399,8 +354,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     under ``out_dir`` (format in the module docstring). Stale shards of an earlier
     run are removed first; on failure no manifest is left behind.
 
-    Returns metrics: docs, text_bytes, tokens, per split {docs, empty_docs, tokens,
-    rows, dropped_tail_tokens, shards (count)}, tokens_per_s, mb_per_s (text MB), workers.
+    Returns metrics: docs, bytes (of text), tokens, train_rows, val_rows, tokens_per_s,
+    mb_per_s (text MB), workers, pack_seconds. The manifest is the report: per
+    split docs, empty_docs, tokens, dropped_tail_tokens and the shards.
     Raises PackError on missing input or tokenizer, an empty or single-document
     corpus, or a split too small to fill one row.
 
@@ -409,16 +365,12 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     """
     t0 = time.perf_counter()
     docs_path, tokenizer_path, out_dir = Path(docs_path), Path(tokenizer_path), Path(out_dir)
-    try:
-        tok = load_tokenizer(tokenizer_path)
-        specials = special_ids(tok)
-    except TokenizerError as e:
-        raise PackError(str(e)) from e
+    tok, specials = open_tokenizer(tokenizer_path, PackError)
     pf = open_docs(docs_path, PackError)
     plan = plan_splits(pf, cfg.seed, cfg.val_fraction, where=str(docs_path))
     workers = resolve_workers(cfg.num_workers)
     row_len = cfg.seq_len + 1
-    _clear_outputs(out_dir)
+    clear_outputs(out_dir)
     shard_rows = max(1, cfg.shard_tokens // row_len)
     writers = {s: SplitWriter(out_dir, s, row_len, shard_rows) for s in SPLITS}
     docs = text_bytes = 0
@@ -441,33 +393,19 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                     f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
                 )
     except BaseException:
-        _clear_outputs(out_dir)
+        clear_outputs(out_dir)
         raise
     total_tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
-    write_json(out_dir / MANIFEST, {
-        "format": FORMAT,
-        "seq_len": cfg.seq_len,
-        "row_len": row_len,
-        "dtype": "int32",
-        "vocab_size": tok.get_vocab_size(),
-        "eot_id": EOT_ID,
-        "pad_id": PAD_ID,
-        "special_ids": specials,
-        "tokenizer_sha256": sha256_file(tokenizer_path),
-        "seed": cfg.seed,
-        "val_fraction": cfg.val_fraction,
-        "docs": docs,
-        "forced": plan.forced,
-        "tokens": total_tokens,
-        "splits": splits,
-    })
+    write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
+                   special_ids=specials, tokenizer_path=tokenizer_path, labels=False, splits=splits, fields={
+                       "seed": cfg.seed, "val_fraction": cfg.val_fraction, "docs": docs, "forced": plan.forced,
+                       "tokens": total_tokens})
     seconds = time.perf_counter() - t0
     return {
         "docs": docs,
-        "text_bytes": text_bytes,
+        "bytes": text_bytes,
         "tokens": total_tokens,
-        **{s: {**{k: v for k, v in info.items() if k != "shards"}, "shards": len(info["shards"])}
-           for s, info in splits.items()},
+        **{f"{s}_rows": info["rows"] for s, info in splits.items()},
         "tokens_per_s": round(total_tokens / seconds),
         "mb_per_s": round(text_bytes / seconds / 1e6, 3),
         "workers": workers,
@@ -475,118 +413,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     }
 
 
-# --- reading ----------------------------------------------------------------------------------
-
-
-def segment_ids_from_starts(starts: np.ndarray, length: int) -> np.ndarray:
-    """``(length,)`` int32: the index of the document segment each position belongs
-    to, 0 for the first. ``starts`` is one row's ``doc_starts``; starts at or beyond
-    ``length`` are ignored, so ``length=seq_len`` gives the ids for ``row[:-1]``."""
-    seg = np.zeros(length, np.int32)
-    starts = np.asarray(starts)
-    seg[starts[(starts > 0) & (starts < length)]] = 1
-    return np.cumsum(seg, dtype=np.int32)
-
-
-@dataclass
-class Shard:
-    """One record batch of a shard file, backed by its memory map (no copies)."""
-
-    path: Path
-    input_ids: np.ndarray  # (rows, row_len) int32, read-only
-    start_offsets: np.ndarray  # (rows + 1,) int32: row i's starts are start_values[o[i]:o[i+1]]
-    start_values: np.ndarray  # int32
-
-    def doc_starts(self, i: int) -> np.ndarray:
-        return self.start_values[self.start_offsets[i]:self.start_offsets[i + 1]]
-
-
-class PackedSplit:
-    """All rows of one split, in stream order, across shards."""
-
-    def __init__(self, manifest: dict, split: str, shards: list[Shard]):
-        self.manifest, self.split, self.shards = manifest, split, shards
-        self.row_len: int = manifest["row_len"]
-        self.seq_len: int = manifest["seq_len"]
-        self.eot_id: int = manifest["eot_id"]
-        self.pad_id: int = manifest["pad_id"]
-        self.vocab_size: int = manifest["vocab_size"]
-        self._first_row = np.cumsum([0] + [len(s.input_ids) for s in shards])
-
-    def __len__(self) -> int:
-        return int(self._first_row[-1])
-
-    def _locate(self, i: int) -> tuple[Shard, int]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"row {i} out of range for {len(self)} rows")
-        i %= len(self)
-        k = int(np.searchsorted(self._first_row, i, side="right")) - 1
-        return self.shards[k], i - int(self._first_row[k])
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(row (row_len,) int32 view, doc_starts (k,) int32)``."""
-        shard, j = self._locate(i)
-        return shard.input_ids[j], shard.doc_starts(j)
-
-    def rows(self, idx: np.ndarray) -> np.ndarray:
-        """``(len(idx), row_len)`` int32, gathered (a copy)."""
-        return np.stack([self[int(i)][0] for i in idx]) if len(idx) else np.empty((0, self.row_len), np.int32)
-
-    def segment_ids(self, idx: np.ndarray, length: int | None = None) -> np.ndarray:
-        """``(len(idx), length)`` int32 segment ids; ``length`` defaults to ``seq_len``
-        (the input positions)."""
-        length = self.seq_len if length is None else length
-        out = np.empty((len(idx), length), np.int32)
-        for r, i in enumerate(idx):
-            out[r] = segment_ids_from_starts(self[int(i)][1], length)
-        return out
-
-
-def read_manifest(out_dir: str | Path) -> dict:
-    path = Path(out_dir) / MANIFEST
-    if not path.is_file():
-        raise PackError(f"{path} not found; the pack stage has not completed in {out_dir}")
-    manifest = read_json(path)
-    if manifest.get("format") != FORMAT:
-        raise PackError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def open_split(out_dir: str | Path, split: str, verify: bool = False) -> PackedSplit:
-    """Memory-map every shard of ``split`` listed in the manifest and check its
-    schema and row count (and, with ``verify``, its sha256). Raises PackError on a
-    missing manifest or shard, or a shard that disagrees with the manifest."""
-    out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    if split not in manifest["splits"]:
-        raise PackError(f"no split {split!r} in {out_dir / MANIFEST}; splits are {list(manifest['splits'])}")
-    row_len = manifest["row_len"]
-    expected = packed_schema(row_len)
-    shards: list[Shard] = []
-    for entry in manifest["splits"][split]["shards"]:
-        path = out_dir / entry["path"]
-        if not path.is_file():
-            raise PackError(f"{path}: listed in the manifest but missing")
-        if verify and sha256_file(path) != entry["sha256"]:
-            raise PackError(f"{path}: sha256 does not match the manifest")
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        if not reader.schema.equals(expected):
-            raise PackError(f"{path}: schema {reader.schema} is not the packed schema for row_len {row_len}")
-        rows = 0
-        for b in range(reader.num_record_batches):
-            batch = reader.get_batch(b)
-            ids = batch.column(0)
-            starts = batch.column(1)
-            shards.append(Shard(
-                path,
-                ids.flatten().to_numpy(zero_copy_only=True).reshape(-1, row_len),
-                starts.offsets.to_numpy(zero_copy_only=True),
-                starts.values.to_numpy(zero_copy_only=True),
-            ))
-            rows += batch.num_rows
-        if rows != entry["rows"]:
-            raise PackError(f"{path}: {rows} rows, manifest says {entry['rows']}")
-    return PackedSplit(manifest, split, shards)
+# --- yardstick --------------------------------------------------------------------------------
 
 
 def baseline_encode(texts: list[str], tokenizer_path: str | Path, batch_docs: int = 1024) -> dict:

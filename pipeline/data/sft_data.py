@@ -4,7 +4,8 @@ Input: ``SFTDataConfig.sources``, each ``{path, format}``. ``path`` is a file, a
 directory (its ``*.json``, ``*.jsonl`` and ``*.ndjson`` files, recursively, dot-files
 left out) or a glob; ``.jsonl``/``.ndjson`` files hold one record per line, ``.json``
 files an array of records (or one record). ``path`` may instead name a built-in
-dataset, ``builtin:<name>`` (:data:`BUILTIN_DATASETS`). ``format`` is one of
+dataset, ``builtin:<name>`` (:data:`BUILTIN_DATASETS`; ``stdlib-docstrings`` is
+:mod:`pipeline.data.stdlib_qa`). ``format`` is one of
 :data:`pipeline.data.chat.FORMAT_NAMES`; ``auto`` detects it per record.
 
 Accounting. Every record read is either an example in ``train`` or ``val`` or a
@@ -28,19 +29,13 @@ one is dropped (``overlong: drop``, reason ``too_long``) or cut to ``row_len``
 tokens (``overlong: truncate``, counted as ``truncated``); a cut that leaves no
 labelled token past the first position is dropped as ``too_long`` as well.
 
-On-disk format (``pipeline.sft_data/1``), under ``out_dir``::
-
-    train/shard-00000.arrow ...   val/shard-00000.arrow ...   manifest.json
-
-Shards are Arrow IPC *file* format, one record batch of at most ``shard_rows``
-rows each, read by :class:`pipeline.data.PackedRows`. Columns:
-
-- ``input_ids``: ``fixed_size_list<int32>[row_len]``;
-- ``labels``: same shape: the token id where the loss is taken, -100 elsewhere,
-  aligned with ``input_ids`` (training uses ``input_ids[:-1]`` -> ``labels[1:]``);
-- ``doc_starts``: ``list<int32>``, the sorted offsets where a segment starts. Every
-  example starts a segment; the padding (``pad_id``, label -100) that fills the
-  rest of a row is a segment of its own. Offset 0 is always present.
+Output. Under ``out_dir``, in the packed-row format of
+:mod:`pipeline.data.shards` (format ``pipeline.sft_data/1``), at most
+``shard_rows`` rows per shard, with the ``labels`` column: the token id where
+the loss is taken, -100 elsewhere (training uses ``input_ids[:-1]`` ->
+``labels[1:]``). Every example starts a segment in ``doc_starts``; the padding
+(``pad_id``, label -100) that fills the rest of a row is a segment of its own.
+The schema metadata adds ``pad_id`` and ``ignore_index``.
 
 With ``pack: true`` a row holds as many whole examples as fit (best-fit
 decreasing by length; an example never spans rows), so with document masking no
@@ -49,14 +44,12 @@ are then put in a seeded random order, so that any prefix of ``val`` (which
 evaluation reads) is a fair sample. ``label`` at an example's first position is
 always -100, so no example is trained to follow its row-neighbour.
 
-``manifest.json`` (written last, atomically): ``format``, ``seq_len``, ``row_len``,
-``dtype``, ``ignore_index``, ``vocab_size``, ``eot_id``, ``pad_id``,
-``special_ids``, ``tokenizer_sha256``, ``chat_template`` (the Jinja text),
-``pack``, ``overlong``, ``seed``, ``val_fraction``, ``python`` (the version whose
-stdlib a built-in dataset was derived from), ``sources`` (per source: path,
-format, records, examples, capped), ``forced``, and ``splits.{train,val}`` with
-``examples``, ``truncated``, ``rows``, ``tokens`` (example tokens, padding not
-counted), ``label_tokens``, ``pad_tokens`` and ``shards: [{path, rows, sha256}]``.
+The manifest's own fields are ``chat_template`` (the Jinja text), ``pack``,
+``overlong``, ``seed``, ``val_fraction``, ``python`` (the version whose stdlib a
+built-in dataset was derived from), ``sources`` (per source: path, format,
+records, examples, capped) and ``forced``; each split lists ``examples``,
+``truncated``, ``rows``, ``tokens`` (example tokens, padding not counted),
+``label_tokens`` and ``pad_tokens``.
 
 Examples are held in memory as token arrays between reading and packing: SFT
 sets are small, and packing and the tiny-split rule need them all.
@@ -64,15 +57,11 @@ sets are small, and packing and the tiny-split rule need them all.
 
 from __future__ import annotations
 
-import ast
 import bisect
-import functools
 import glob
 import hashlib
 import json
-import os
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,14 +74,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.errors import StageError
 from pipeline.data.accounting import Ledger
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, ChatFormatError, encode_chat, to_messages
-from pipeline.files import atomic_path, sha256_file, write_json
+from pipeline.data import stdlib_qa
+from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.progress import progress
-from pipeline.data.tokenizer import EOT_ID, PAD_ID, TokenizerError, load_tokenizer, special_ids
-from pipeline.errors import StageError
+from pipeline.data.tokenizer import PAD_ID, open_tokenizer
 
 FORMAT = "pipeline.sft_data/1"
-MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
 BUILTIN_PREFIX = "builtin:"
 SUFFIX_KINDS: dict[str, str] = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}
 
@@ -101,185 +88,9 @@ ChatFormatName = Literal["auto", "messages", "sharegpt", "alpaca"]
 
 # --- built-in datasets -------------------------------------------------------------------------
 
-# Directories of the stdlib that are tests, tools, vendored wheels, generated tables or
-# deprecated; their docstrings make poor or misleading answers.
-STDLIB_SKIP_DIRS = frozenset({
-    "test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "distutils", "ensurepip",
-    "pydoc_data", "encodings", "site-packages", "dist-packages", "lib-dynload", "__pycache__",
-})
-STDLIB_MAX_FILE_BYTES = 400_000  # larger files are generated tables, not documented APIs
-ANSWER_CHARS = (30, 700)  # first paragraphs outside this range are too thin or too long
-SIGNATURE_CHARS = 60  # longer parameter lists end in ", ..."
-DEFAULT_CHARS = 20  # longer default values show as "..."
-
-FUNCTION_QUESTIONS = (
-    "What does `{name}({sig})` do?",
-    "Explain what `{name}({sig})` does in the Python standard library.",
-    "In Python's `{module}` module, what is `{short}` used for?",
-    "Briefly, what happens when you call `{name}({sig})`?",
-)
-CLASS_QUESTIONS = (
-    "What is the `{name}` class in Python's standard library?",
-    "What does the class `{name}({sig})` represent?",
-    "In Python's `{module}` module, what is the class `{short}` for?",
-)
-
-
-def _digest(text: str, person: bytes, size: int = 8) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=size, person=person).digest()
-
-
-def _signature(args: ast.arguments, drop_first: bool) -> str:
-    """A short, readable parameter list (annotations left out)."""
-    def default(node: ast.expr | None) -> str:
-        text = ast.unparse(node) if node is not None else ""
-        return text if len(text) <= DEFAULT_CHARS else "..."
-
-    positional = [*args.posonlyargs, *args.args]
-    pos_defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-    parts: list[str] = []
-    # Parameters named with a leading underscore are private (caching tricks such as
-    # ``_w=WHITESPACE.match``), not part of the documented call.
-    for i, (a, d) in enumerate(zip(positional, pos_defaults)):
-        if not (i == 0 and drop_first) and not a.arg.startswith("_"):
-            parts.append(a.arg if d is None else f"{a.arg}={default(d)}")
-        if args.posonlyargs and i == len(args.posonlyargs) - 1 and parts:
-            parts.append("/")
-    kwonly = [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if not a.arg.startswith("_")]
-    if args.vararg:
-        parts.append(f"*{args.vararg.arg}")
-    elif kwonly:
-        parts.append("*")
-    for a, d in kwonly:
-        parts.append(a.arg if d is None else f"{a.arg}={default(d)}")
-    if args.kwarg:
-        parts.append(f"**{args.kwarg.arg}")
-    out = ""
-    for p in parts:
-        nxt = f"{out}, {p}" if out else p
-        if len(nxt) > SIGNATURE_CHARS:
-            return f"{out}, ..." if out else "..."
-        out = nxt
-    return out
-
-
-def _first_paragraph(doc: str, name: str) -> str | None:
-    """The docstring's first prose paragraph, unwrapped; None if unsuitable."""
-    paras = [p.strip() for p in doc.split("\n\n") if p.strip()]
-    # Some docstrings open with a signature line ("dumps(obj) -> str"); skip it.
-    if paras and paras[0].startswith(f"{name}("):
-        paras = paras[1:]
-    # Unwrapping a doctest would garble it; such a docstring has no prose summary.
-    if not paras or ">>>" in paras[0]:
-        return None
-    text = " ".join(line.strip() for line in paras[0].splitlines())
-    if not ANSWER_CHARS[0] <= len(text) <= ANSWER_CHARS[1] or not any(c.isalpha() for c in text):
-        return None
-    return text
-
-
-def _question(kind: str, qualname: str, module: str, sig: str | None) -> str:
-    templates = CLASS_QUESTIONS if kind == "class" else FUNCTION_QUESTIONS
-    if sig is None:  # a class without __init__: no parameter list to show
-        templates = tuple(t for t in templates if "({sig})" not in t)
-    pick = int.from_bytes(_digest(qualname, b"sft-phr"), "big") % len(templates)
-    name = f"{module}.{qualname}"
-    return templates[pick].format(name=name, sig=sig or "", module=module, short=qualname)
-
-
-def _module_defs(tree: ast.Module) -> Iterator[tuple[str, str, ast.AST, bool]]:
-    """(kind, qualname, node, is_method) for public top-level functions and classes
-    and the public methods defined directly in those classes."""
-    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
-    for node in tree.body:
-        if isinstance(node, funcs) and not node.name.startswith("_"):
-            yield "function", node.name, node, False
-        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-            yield "class", node.name, node, False
-            for m in node.body:
-                if isinstance(m, funcs) and not m.name.startswith("_"):
-                    yield "function", f"{node.name}.{m.name}", m, True
-
-
-def _class_signature(node: ast.ClassDef) -> str | None:
-    for m in node.body:
-        if isinstance(m, ast.FunctionDef) and m.name == "__init__":
-            return _signature(m.args, drop_first=True)
-    return None
-
-
-def stdlib_files(root: Path) -> list[Path]:
-    """Public ``.py`` files under ``root`` in sorted order, skipping
-    :data:`STDLIB_SKIP_DIRS`, private modules and packages, and huge files."""
-    out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in STDLIB_SKIP_DIRS and not d.startswith(("_", ".", "config-")))
-        for f in sorted(filenames):
-            p = Path(dirpath) / f
-            if f.endswith(".py") and (f == "__init__.py" or not f.startswith("_")) \
-                    and p.stat().st_size <= STDLIB_MAX_FILE_BYTES:
-                out.append(p)
-    return out
-
-
-def stdlib_qa(root: str | Path | None = None) -> list[tuple[str, str, str]]:
-    """Question/answer pairs about the public API of the Python stdlib at ``root``
-    (default: this interpreter's, from ``sysconfig``), derived with ``ast`` only:
-    nothing is imported. Returns ``(location, question, answer)`` triples, one per
-    distinct question and location (the first in file order wins), ordered by a
-    hash of the question so that any prefix is spread over the whole library."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    seen: set[str] = set()
-    out: list[tuple[bytes, str, str, str]] = []
-    for path in stdlib_files(root):
-        rel = path.relative_to(root).with_suffix("")
-        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-        if not parts:
-            continue
-        module = ".".join(parts)
-        try:
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
-            continue  # a stray template or foreign-syntax file is not part of the API
-        for kind, qualname, node, is_method in _module_defs(tree):
-            doc = ast.get_docstring(node, clean=True)
-            if not doc:
-                continue
-            answer = _first_paragraph(doc, qualname.rsplit(".", 1)[-1])
-            if answer is None:
-                continue
-            if kind == "class":
-                sig = _class_signature(node)
-            else:
-                is_static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list)
-                sig = _signature(node.args, drop_first=is_method and not is_static)
-            question = _question(kind, qualname, module, sig)
-            location = f"{rel.as_posix()}.py:{qualname}"
-            # A name defined twice (a property's setter, a redefinition) keeps its first.
-            if question in seen or location in seen:
-                continue
-            seen.update((question, location))
-            out.append((_digest(question, b"sft-ord"), location, question, answer))
-    out.sort()
-    return [(loc, q, a) for _, loc, q, a in out]
-
-
-@functools.lru_cache(maxsize=2)
-def _stdlib_qa_cached(root: str) -> tuple[tuple[str, str, str], ...]:
-    # The stdlib does not change under a running process; tests and a stage that
-    # read it twice pay for the parse once.
-    return tuple(stdlib_qa(root))
-
-
-def builtin_stdlib_docstrings() -> Iterator[tuple[str, dict]]:
-    for loc, q, a in _stdlib_qa_cached(sysconfig.get_paths()["stdlib"]):
-        yield loc, {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-
-
 # name -> generator of (location, record in the ``messages`` format).
 BUILTIN_DATASETS: dict[str, Callable[[], Iterator[tuple[str, dict]]]] = {
-    "stdlib-docstrings": builtin_stdlib_docstrings,
+    "stdlib-docstrings": stdlib_qa.records,
 }
 
 
@@ -434,6 +245,10 @@ class Example:
     truncated: bool = False
 
 
+def _digest(text: str, person: bytes, size: int = 8) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=size, person=person).digest()
+
+
 def conversation_key(messages: list[dict]) -> str:
     """Content identity of a conversation: the same roles and texts give the same key."""
     canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
@@ -490,33 +305,20 @@ def build_rows(examples: list[Example], row_len: int, pack: bool, pad_id: int, s
 
 
 def sft_schema(row_len: int) -> pa.Schema:
-    return pa.schema(
-        [pa.field("input_ids", pa.list_(pa.int32(), row_len), nullable=False),
-         pa.field("labels", pa.list_(pa.int32(), row_len), nullable=False),
-         pa.field("doc_starts", pa.list_(pa.int32()), nullable=False)],
-        metadata={"format": FORMAT, "row_len": str(row_len), "pad_id": str(PAD_ID),
-                  "ignore_index": str(IGNORE_INDEX)},
-    )
+    return row_schema(FORMAT, row_len, labels=True,
+                      metadata={"pad_id": str(PAD_ID), "ignore_index": str(IGNORE_INDEX)})
 
 
 def write_split(out_dir: Path, split: str, examples: list[Example], cfg: SFTDataConfig) -> dict:
     """Pack one split and write its shards; return its manifest entry."""
     row_len = cfg.seq_len + 1
     ids, labels, starts = build_rows(examples, row_len, cfg.pack, PAD_ID, cfg.seed)
-    schema = sft_schema(row_len)
-    shards = []
-    for s, lo in enumerate(range(0, len(ids), cfg.shard_rows)):
+    start_offsets = np.cumsum([0] + [len(st) for st in starts])
+    start_values = np.fromiter((p for st in starts for p in st), np.int32, count=int(start_offsets[-1]))
+    writer = ShardWriter(out_dir, split, sft_schema(row_len))
+    for lo in range(0, len(ids), cfg.shard_rows):
         hi = min(lo + cfg.shard_rows, len(ids))
-        batch = pa.record_batch([
-            pa.FixedSizeListArray.from_arrays(pa.array(ids[lo:hi].reshape(-1)), row_len),
-            pa.FixedSizeListArray.from_arrays(pa.array(labels[lo:hi].reshape(-1)), row_len),
-            pa.array(starts[lo:hi], pa.list_(pa.int32())),
-        ], schema=schema)
-        rel = f"{split}/shard-{s:05d}.arrow"
-        with atomic_path(out_dir / rel) as tmp:
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                writer.write_batch(batch)
-        shards.append({"path": rel, "rows": hi - lo, "sha256": sha256_file(out_dir / rel)})
+        writer.write(ids[lo:hi], start_offsets[lo:hi + 1], start_values, labels[lo:hi])
     tokens = sum(len(e.ids) for e in examples)
     label_tokens = int((labels != IGNORE_INDEX).sum())
     if label_tokens != sum(int((e.labels != IGNORE_INDEX).sum()) for e in examples):
@@ -528,18 +330,8 @@ def write_split(out_dir: Path, split: str, examples: list[Example], cfg: SFTData
         "tokens": tokens,
         "label_tokens": label_tokens,
         "pad_tokens": ids.size - tokens,
-        "shards": shards,
+        "shards": writer.shards,
     }
-
-
-def _clear_outputs(out_dir: Path) -> None:
-    # The manifest goes first: a directory without one is incomplete by contract.
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for split in SPLITS:
-        d = out_dir / split
-        if d.is_dir():
-            for p in [*d.glob("shard-*.arrow"), *d.glob(".shard-*.tmp")]:
-                p.unlink()
 
 
 def _force_nonempty(splits: dict[str, list[Example]]) -> int:
@@ -572,13 +364,9 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     """
     t0 = time.perf_counter()
     tokenizer_path, out_dir = Path(tokenizer_path), Path(out_dir)
-    try:
-        tok = load_tokenizer(tokenizer_path)
-        specials = special_ids(tok)
-    except TokenizerError as e:
-        raise SFTDataError(str(e)) from e
+    tok, specials = open_tokenizer(tokenizer_path, SFTDataError)
     files = [resolve_source(src, i) for i, src in enumerate(cfg.sources)]
-    _clear_outputs(out_dir)
+    clear_outputs(out_dir)
     row_len = cfg.seq_len + 1
     threshold = int(cfg.val_fraction * 2**64)
     ledger = Ledger(per_reason=cfg.quarantine_per_reason)
@@ -643,35 +431,24 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     try:
         written = {s: write_split(out_dir, s, splits[s], cfg) for s in SPLITS}
     except BaseException:
-        _clear_outputs(out_dir)
+        clear_outputs(out_dir)
         raise
     uses_builtin = any(s.path.startswith(BUILTIN_PREFIX) for s in cfg.sources)
-    write_json(out_dir / MANIFEST, {
-        "format": FORMAT,
-        "seq_len": cfg.seq_len,
-        "row_len": row_len,
-        "dtype": "int32",
-        "ignore_index": IGNORE_INDEX,
-        "vocab_size": tok.get_vocab_size(),
-        "eot_id": EOT_ID,
-        "pad_id": PAD_ID,
-        "special_ids": specials,
-        "tokenizer_sha256": sha256_file(tokenizer_path),
-        "chat_template": CHAT_TEMPLATE_JINJA,
-        "pack": cfg.pack,
-        "overlong": cfg.overlong,
-        "seed": cfg.seed,
-        "val_fraction": cfg.val_fraction,
-        "python": sys.version.split()[0] if uses_builtin else None,
-        "sources": per_source,
-        "forced": forced,
-        "splits": written,
-    })
+    write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
+                   special_ids=specials, tokenizer_path=tokenizer_path, labels=True, splits=written, fields={
+                       "chat_template": CHAT_TEMPLATE_JINJA,
+                       "pack": cfg.pack,
+                       "overlong": cfg.overlong,
+                       "seed": cfg.seed,
+                       "val_fraction": cfg.val_fraction,
+                       "python": sys.version.split()[0] if uses_builtin else None,
+                       "sources": per_source,
+                       "forced": forced,
+                   })
     positions = sum(w["rows"] for w in written.values()) * row_len
     return {
         "examples_in": examples_in,
-        **{s: {**{k: v for k, v in w.items() if k != "shards"}, "shards": len(w["shards"])}
-           for s, w in written.items()},
+        **split_counts(written),
         "skipped": ledger.as_dict(),
         "truncated": sum(w["truncated"] for w in written.values()),
         "forced": forced,

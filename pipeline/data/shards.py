@@ -1,26 +1,209 @@
-"""The packed-row shard format: memory-mapped reading of packed training rows.
+"""The packed-row format: one module that writes, lists and reads training rows.
 
-A split folder holds Arrow IPC files (``*.arrow``) with a fixed-size list column
-``input_ids`` (one row = ``seq_len + 1`` tokens), a list column ``doc_starts``
-(offsets in the row where a document segment begins) and, for SFT, an optional
-``labels`` column of the same shape with -100 where no loss is taken.
+pack (pretraining text) and the SFT data builder (chat examples) both write
+their output with this module, and the trainer and evaluate read it back with
+:class:`PackedRows`. An output folder (``data/packed``, ``data/sft``) holds::
+
+    train/shard-00000.arrow, train/shard-00001.arrow, ...
+    val/shard-00000.arrow, ...
+    manifest.json
+
+*Shards.* Arrow IPC **file** format (``pyarrow.ipc.open_file`` on a
+``pyarrow.memory_map`` reads them without copying), uncompressed, one record
+batch per shard; shards in name order are in row order. Columns, never null:
+
+- ``input_ids``: ``fixed_size_list<int32>[row_len]``, one row of
+  ``row_len = seq_len + 1`` tokens; training uses ``row[:-1]`` as inputs and
+  ``row[1:]`` as targets.
+- ``labels`` (SFT only): the same shape, the token id where the loss is taken and
+  -100 elsewhere, aligned with ``input_ids``.
+- ``doc_starts``: ``list<int32>``, the sorted offsets in the row where a document
+  segment begins; always contains 0 (a row that begins mid-document still
+  begins a segment). :meth:`PackedRows.segment_ids` turns them into per-position
+  segment ids for a block-diagonal causal mask.
+
+The schema metadata holds ``format`` and ``row_len`` and what the writer adds.
+A shard is written under a temporary name, fsynced and renamed, so a reader
+never sees part of one under its final name.
+
+*Manifest* (``manifest.json``, written last and atomically; a folder without it
+is incomplete): ``format``, ``seq_len``, ``row_len``, ``dtype`` ("int32"),
+``ignore_index`` (with labels), ``vocab_size``, ``eot_id``, ``pad_id``,
+``special_ids``, ``tokenizer_sha256``, the writer's own fields, and last
+``splits.{train,val}``: the writer's counts and ``shards: [{path (relative to the
+folder), rows, sha256}]``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import torch
 
+from pipeline.data.tokenizer import EOT_ID, PAD_ID
 from pipeline.errors import StageError
+from pipeline.files import atomic_path, read_json, sha256_file, write_json
+
+if TYPE_CHECKING:  # torch is needed only to hand batches to the trainer
+    import torch
+
+MANIFEST = "manifest.json"
+IGNORE_INDEX = -100  # a label that takes no part in the loss: SFT prompt tokens, padding
+SPLITS = ("train", "val")
 
 
 class DataError(StageError):
-    pass
+    """A packed-row folder or shard is missing, incomplete or not in this format."""
 
 
+# --- writing ----------------------------------------------------------------------------------
+
+
+def row_schema(fmt: str, row_len: int, *, labels: bool = False, metadata: Mapping[str, str] | None = None
+               ) -> pa.Schema:
+    """The shard schema: ``input_ids``, ``labels`` if asked, ``doc_starts``."""
+    row = pa.list_(pa.int32(), row_len)
+    fields = [pa.field("input_ids", row, nullable=False)]
+    if labels:
+        fields.append(pa.field("labels", row, nullable=False))
+    fields.append(pa.field("doc_starts", pa.list_(pa.int32()), nullable=False))
+    return pa.schema(fields, metadata={"format": fmt, "row_len": str(row_len), **(metadata or {})})
+
+
+class ShardWriter:
+    """Writes one split's shards ``<split>/shard-00000.arrow``, ... under ``out_dir``
+    in order, each atomically, and lists them (``shards``) for the manifest."""
+
+    def __init__(self, out_dir: str | Path, split: str, schema: pa.Schema):
+        self.out_dir, self.split, self.schema = Path(out_dir), split, schema
+        self.row_len: int = schema.field("input_ids").type.list_size
+        self.has_labels = "labels" in schema.names
+        self.shards: list[dict[str, Any]] = []
+
+    @property
+    def rows(self) -> int:
+        return sum(s["rows"] for s in self.shards)
+
+    def write(self, input_ids: np.ndarray, start_offsets: np.ndarray, start_values: np.ndarray,
+              labels: np.ndarray | None = None) -> dict[str, Any]:
+        """Write the next shard: ``input_ids`` (and ``labels``) ``(n, row_len)`` int32;
+        row ``i`` starts segments at ``start_values[start_offsets[i]:start_offsets[i + 1]]``
+        (``start_offsets`` has ``n + 1`` entries). Returns its manifest entry.
+        Raises ValueError when the arrays do not fit the schema."""
+        n = len(input_ids)
+        if n == 0 or input_ids.shape != (n, self.row_len) or input_ids.dtype != np.int32:
+            raise ValueError(f"input_ids must be a non-empty (rows, {self.row_len}) int32 array, "
+                             f"got {input_ids.shape} {input_ids.dtype}")
+        if (labels is not None) != self.has_labels:
+            raise ValueError("labels must be given exactly when the schema has a labels column")
+        if labels is not None and (labels.shape != input_ids.shape or labels.dtype != np.int32):
+            raise ValueError(f"labels must match input_ids: got {labels.shape} {labels.dtype}")
+        if len(start_offsets) != n + 1:
+            raise ValueError(f"start_offsets needs {n + 1} entries for {n} rows, got {len(start_offsets)}")
+        lo, hi = int(start_offsets[0]), int(start_offsets[-1])
+        offsets = np.asarray(start_offsets, np.int32) - lo
+        values = np.asarray(start_values[lo:hi], np.int32)
+        if np.any(np.diff(offsets) < 1) or np.any(values[offsets[:-1]] != 0):
+            raise ValueError("every row's doc_starts must begin with 0")
+        columns = [pa.FixedSizeListArray.from_arrays(pa.array(input_ids.reshape(-1)), self.row_len)]
+        if labels is not None:
+            columns.append(pa.FixedSizeListArray.from_arrays(pa.array(labels.reshape(-1)), self.row_len))
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
+        batch = pa.record_batch(columns, schema=self.schema)
+        rel = f"{self.split}/shard-{len(self.shards):05d}.arrow"
+        path = self.out_dir / rel
+        with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, \
+                pa.ipc.new_file(sink, self.schema) as writer:
+            writer.write_batch(batch)
+        entry = {"path": rel, "rows": n, "sha256": sha256_file(path)}
+        self.shards.append(entry)
+        return entry
+
+
+def clear_outputs(out_dir: str | Path) -> None:
+    """Remove the manifest and every shard (and temporary shard) of a folder."""
+    out_dir = Path(out_dir)
+    # The manifest goes first: a folder without one is incomplete by contract.
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    for split in SPLITS:
+        d = out_dir / split
+        if d.is_dir():
+            for p in [*d.glob("shard-*.arrow"), *d.glob(".shard-*.tmp")]:
+                p.unlink()
+
+
+def write_manifest(out_dir: str | Path, *, fmt: str, seq_len: int, vocab_size: int, special_ids: dict[str, int],
+                   tokenizer_path: str | Path, labels: bool, fields: Mapping[str, Any],
+                   splits: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Write ``manifest.json`` (see the module docstring) atomically and return it.
+    ``fields`` are the writer's own keys; each split's entry holds its counts and
+    ``shards``."""
+    manifest: dict[str, Any] = {"format": fmt, "seq_len": seq_len, "row_len": seq_len + 1, "dtype": "int32"}
+    if labels:
+        manifest["ignore_index"] = IGNORE_INDEX
+    manifest.update({
+        "vocab_size": vocab_size,
+        "eot_id": EOT_ID,
+        "pad_id": PAD_ID,
+        "special_ids": special_ids,
+        "tokenizer_sha256": sha256_file(tokenizer_path),
+        **fields,
+        "splits": splits,
+    })
+    write_json(Path(out_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def split_counts(splits: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each split's counts, with its shard list replaced by the number of shards."""
+    return {s: {**{k: v for k, v in info.items() if k != "shards"}, "shards": len(info["shards"])}
+            for s, info in splits.items()}
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def read_manifest(out_dir: str | Path, fmt: str | None = None) -> dict[str, Any]:
+    """The manifest of a complete folder. Raises DataError when it is missing or
+    (with ``fmt``) of another format."""
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path} not found; the stage that writes {out_dir} has not completed")
+    manifest = read_json(path)
+    if fmt is not None and manifest.get("format") != fmt:
+        raise DataError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
+    return manifest
+
+
+def verify(out_dir: str | Path, fmt: str | None = None, *, sha256: bool = True) -> dict[str, Any]:
+    """Check a folder against its manifest: every listed shard exists, has the
+    listed rows, the manifest's row length and (with ``sha256``) the listed
+    digest, and no unlisted shard lies beside them. Returns the manifest; raises
+    DataError on the first disagreement."""
+    out_dir = Path(out_dir)
+    manifest = read_manifest(out_dir, fmt)
+    for split, info in manifest["splits"].items():
+        listed = {e["path"] for e in info["shards"]}
+        extra = sorted(p.relative_to(out_dir).as_posix() for p in (out_dir / split).glob("*.arrow")
+                       if p.relative_to(out_dir).as_posix() not in listed)
+        if extra:
+            raise DataError(f"{out_dir / extra[0]}: a shard the manifest does not list")
+        for entry in info["shards"]:
+            path = out_dir / entry["path"]
+            if not path.is_file():
+                raise DataError(f"{path}: listed in the manifest but missing")
+            if sha256 and sha256_file(path) != entry["sha256"]:
+                raise DataError(f"{path}: sha256 does not match the manifest")
+            shard = _Shard(path)
+            if shard.input_ids.shape[1] != manifest["row_len"] or len(shard) != entry["rows"]:
+                raise DataError(f"{path}: {len(shard)} rows of {shard.input_ids.shape[1]} tokens, manifest says "
+                                f"{entry['rows']} rows of {manifest['row_len']}")
+    return manifest
 class PackedRows:
     """All rows of one split, memory-mapped shard by shard: nothing is copied, so
     memory does not grow with the corpus; a batch gathers its rows from the shards
@@ -82,6 +265,8 @@ class PackedRows:
 
     def batch(self, rows: np.ndarray, device: torch.device, doc_mask: bool = True) -> dict[str, torch.Tensor]:
         """Inputs, targets (-100 = no loss) and segment ids for ``rows``."""
+        import torch
+
         ids = torch.from_numpy(self.input_ids(rows).astype(np.int64))
         labels = self.labels(rows)
         tgt = torch.from_numpy(labels.astype(np.int64)) if labels is not None else ids

@@ -49,7 +49,7 @@ from pydantic import Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.config import StageConfig
-from pipeline.files import atomic_write, sha256_file
+from pipeline.files import atomic_write, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
 from pipeline.errors import StageError
 
@@ -178,6 +178,16 @@ def open_docs(docs_path: Path, error: type[Exception]) -> pq.ParquetFile:
     return pf
 
 
+def open_tokenizer(path: Path, error: type[Exception]) -> tuple[Tokenizer, dict[str, int]]:
+    """:func:`load_tokenizer` and its :func:`special_ids`; a missing or invalid
+    tokenizer raises ``error`` with the TokenizerError's message."""
+    try:
+        tok = load_tokenizer(path)
+        return tok, special_ids(tok)
+    except TokenizerError as e:
+        raise error(str(e)) from e
+
+
 def _greedy(order: np.ndarray, sizes: np.ndarray, budget: int, taken: np.ndarray) -> None:
     """Mark docs in ``order`` as taken while they fit in ``budget``; a doc that does
     not fit is passed over, so one huge document cannot crowd the rest out."""
@@ -274,13 +284,17 @@ def check_roundtrip(tok: Tokenizer, items: Iterator[tuple[str, str]]) -> tuple[i
     return n, nbytes, ntok
 
 
-def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path) -> dict:
+def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,
+                    report_path: str | Path | None = None) -> dict:
     """Train on a sample of ``docs_path``, verify, write ``out_path`` atomically.
 
     Returns metrics: vocab_size (actual; smaller than asked when the sample has too
-    few distinct pairs), sample_bytes/docs, heldout_bytes/docs, bytes_per_token on
-    the held-out docs (on the sample when the corpus is too small to hold any out),
-    roundtrip_ok, roundtrip_docs, train_seconds, sha256.
+    few distinct pairs), bytes_per_token on the held-out docs (on the sample when
+    the corpus is too small to hold any out), sample_bytes, train_seconds,
+    total_seconds. The report, written to ``report_path`` when given, holds
+    vocab_size_requested, corpus_docs/bytes, sample_docs, heldout_docs/bytes,
+    bytes_per_token_on ("heldout" or "sample"), roundtrip_ok, roundtrip_docs and
+    the sha256 of ``out_path``.
     Raises TokenizerError on missing input, an empty corpus or a failed round-trip;
     ``out_path`` is then left as it was.
     """
@@ -318,19 +332,22 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
 
     with atomic_write(out_path) as f:
         f.write(tok.to_str(pretty=True))
+    if report_path is not None:
+        write_json(report_path, {
+            "vocab_size_requested": cfg.vocab_size,
+            **stats,
+            "sample_docs": len(sample),
+            "heldout_docs": len(heldout),
+            "heldout_bytes": sum(len((t or "").encode("utf-8")) for _, t in heldout),
+            "bytes_per_token_on": measured_on,
+            "roundtrip_ok": True,
+            "roundtrip_docs": n_check + len(ROUNDTRIP_PROBES),
+            "sha256": sha256_file(out_path),
+        })
     return {
         "vocab_size": tok.get_vocab_size(),
-        "vocab_size_requested": cfg.vocab_size,
-        **stats,
-        "sample_docs": len(sample),
-        "sample_bytes": sample_bytes,
-        "heldout_docs": len(heldout),
-        "heldout_bytes": sum(len((t or "").encode("utf-8")) for _, t in heldout),
         "bytes_per_token": round(check_bytes / max(check_tokens, 1), 4),
-        "bytes_per_token_on": measured_on,
-        "roundtrip_ok": True,
-        "roundtrip_docs": n_check + len(ROUNDTRIP_PROBES),
+        "sample_bytes": sample_bytes,
         "train_seconds": round(train_seconds, 3),
         "total_seconds": round(time.perf_counter() - t0, 3),
-        "sha256": sha256_file(out_path),
     }

@@ -16,7 +16,7 @@ without any permutation:
   ``n_head // n_kv_head`` query heads (head ``h`` reads kv head ``h // n_rep``).
 
 Packed rows hold several documents. ``segment_ids`` (B, T) says which document
-each position belongs to (``pipeline.data.pack.segment_ids_from_starts`` derives them
+each position belongs to (``pipeline.data.shards.PackedRows.segment_ids`` derives them
 from a row's ``doc_starts``); attention is then causal *and* block-diagonal, so
 no token sees another document. RoPE positions stay 0..T-1 along the row: with
 RoPE, attention scores depend only on the distance between two positions, so a

@@ -1,8 +1,8 @@
 """The token loss: one definition for training, validation and evaluation.
 
 The model returns logits; every caller scores them here. The loss is a *sum*
-over positions whose target is not ``IGNORE_INDEX`` (padding, SFT prompt
-tokens), computed in fp32 whatever the autocast dtype, so that callers can
+over positions whose target is not ``IGNORE_INDEX`` (the packed-row format's
+no-loss label: padding, SFT prompt tokens), computed in fp32 whatever the autocast dtype, so that callers can
 normalise by the token count they need (a rank's micro-batch, the global batch,
 a whole val split).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from pipeline.data.shards import IGNORE_INDEX
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

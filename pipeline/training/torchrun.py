@@ -30,7 +30,7 @@ from pydantic import Field
 
 from pipeline.errors import StageError
 from pipeline.config import StageConfig
-from pipeline.errors import StageError
+
 
 def lock_name() -> str:
     """One lock per host: on a shared filesystem the launchers of a multi-node run

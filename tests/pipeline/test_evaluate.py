@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from pipeline.config import parse_section
 from pipeline.data.shards import PackedRows
+from pipeline.files import read_json
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
 from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, write_split
 
@@ -66,9 +67,13 @@ def test_evaluate_models_and_seeded_samples(tmp_path, tok_path):
         save_checkpoint(tmp_path / name, tiny_model(tiny_config(vocab), seed=seed))
     cfg = parse_section(EvaluateConfig, {"batch_size": 4, "samples": {"max_new_tokens": 8}}, "evaluate")
     metrics, models = evaluate_models(cfg, {"a": tmp_path / "a", "b": tmp_path / "b"},
-                                      {"text": tmp_path / "val"}, tok_path)
+                                      {"text": tmp_path / "val"}, tok_path, tmp_path / "report.json")
     assert set(metrics) == {"a", "b"} and metrics["a"]["val_loss"] != metrics["b"]["val_loss"]
-    assert {"val_loss", "perplexity", "bits_per_byte"} <= set(metrics["a"]) and "text" in metrics["a"]
+    assert set(metrics["a"]) == {"val_loss", "perplexity", "bits_per_byte", "text"}
+    assert metrics["a"]["text"] == {k: metrics["a"][k] for k in ("val_loss", "perplexity", "bits_per_byte")}
+    report = read_json(tmp_path / "report.json")
+    assert report["a"]["checkpoint_step"] == 5 and report["a"]["checkpoint"].startswith(str(tmp_path / "a"))
+    assert report["a"]["text"]["tokens"] > 0 and report["a"]["text"]["bytes"] > 0
     s1 = record_samples(cfg.samples, models, tok_path)
     s2 = record_samples(cfg.samples, models, tok_path)
     assert s1 == s2 and len(s1) == 2 * (len(cfg.samples.prompts) + len(cfg.samples.chat))

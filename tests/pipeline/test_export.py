@@ -16,7 +16,7 @@ import yaml
 
 from pipeline.model import hf_adapter
 from pipeline.data.chat import encode_chat, encode_prompt
-from pipeline.export import ExportConfig, ExportError, export_model
+from pipeline.export import ExportConfig, ExportError, export_model, write_report
 from pipeline.model.generate import CHAT_STOP_IDS, generate, load_for_inference
 from pipeline.files import sha256_file
 from pipeline.data.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
@@ -225,6 +225,16 @@ def test_summary_describes_the_files(exported, tok_path):
         assert info["sha256"] == sha256_file(out / name)
     assert summary["tokenizer_sha256"] == sha256_file(tok_path)  # copied byte for byte
     assert summary["step"] == 5 and summary["tie_word_embeddings"] == model.config.tie_embeddings
+
+
+def test_report_keeps_the_summary_and_metrics_keep_the_numbers(exported, tmp_path):
+    _, _, _, summary = exported
+    registry = {"registered": False, "reason": "export.register_model is false"}
+    metrics = write_report(tmp_path, summary, registry)
+    assert metrics == {"params": summary["params"], "vocab_size": summary["vocab_size"], "step": 5}
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report == {**json.loads(json.dumps(summary)), "registry": registry}
+    assert report["files"]["model.safetensors"]["sha256"] and report["checkpoint"] == summary["checkpoint"]
 
 
 def test_export_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path, tok, tok_path):

@@ -232,8 +232,3 @@ def test_encode_prompt(tok):
     with pytest.raises(ChatFormatError, match="last_not_assistant"):
         encode_chat(tok, [U, A, U])
 
-
-def test_ignore_index_agrees_with_the_model():
-    from pipeline.training.loss import IGNORE_INDEX as MODEL_IGNORE_INDEX
-
-    assert IGNORE_INDEX == MODEL_IGNORE_INDEX

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.data.clean import SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
 from pipeline.config import ConfigError, load_params, parse_section
+from pipeline.files import read_json
 
 from tests.conftest import ROOT
 
@@ -33,10 +34,14 @@ def write_docs(path, texts, row_group_size=3):
 def run(tmp_path, texts, **kw):
     inp = write_docs(tmp_path / "in.parquet", texts)
     out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
-    metrics = run_clean(cfg(**kw), inp, out, q)
+    metrics = run_clean(cfg(**kw), inp, out, q, tmp_path / "out" / "report.json")
     docs = pq.read_table(out).to_pylist()
     quarantine = [json.loads(line) for line in q.read_text().splitlines()]
     return metrics, docs, quarantine
+
+
+def report(tmp_path):
+    return read_json(tmp_path / "out" / "report.json")
 
 
 def prose(n: int, seed: int) -> str:
@@ -104,19 +109,19 @@ def test_text_is_normalised_and_schema_kept(tmp_path):
         {"id": "id001", "text": "caf\u00e9 = brewed", "source": "src/1.py", "location": "file"},
     ]
     assert pq.read_schema(tmp_path / "out" / "docs.parquet").equals(SCHEMA)
-    assert metrics["docs_changed_by_normalise"] == 1
-    assert metrics["bytes_in"] == 33 + 14 and metrics["bytes_out"] == 28 + 14
+    assert report(tmp_path)["docs_changed_by_normalise"] == 1
+    assert report(tmp_path)["bytes_in"] == 33 + 14 and metrics["bytes"] == 28 + 14
 
 
 def test_exact_dedup_keeps_first_occurrence(tmp_path):
     a = code(1)
     metrics, docs, quarantine = run(tmp_path, [a, code(2), a.replace("\n", "   \r\n"), a])
     assert [d["id"] for d in docs] == ["id000", "id001"]
-    assert metrics["dropped"]["exact_duplicate"] == 2
+    assert report(tmp_path)["dropped"]["exact_duplicate"] == 2
     assert [q["source"] for q in quarantine] == ["src/2.py", "src/3.py"]
 
     metrics, docs, _ = run(tmp_path, [a, a], exact_dedup={"enabled": False}, near_dedup={"enabled": False})
-    assert len(docs) == 2 and "exact_duplicate" not in metrics["dropped"]
+    assert len(docs) == 2 and "exact_duplicate" not in report(tmp_path)["dropped"]
 
 
 def test_near_dedup_drops_small_edits_and_keeps_unrelated(tmp_path):
@@ -127,7 +132,7 @@ def test_near_dedup_drops_small_edits_and_keeps_unrelated(tmp_path):
     texts = [" ".join(base), prose(400, seed=2), " ".join(edited)]
     metrics, docs, quarantine = run(tmp_path, texts)
     assert [d["id"] for d in docs] == ["id000", "id001"]
-    assert metrics["dropped"]["near_duplicate"] == 1
+    assert report(tmp_path)["dropped"]["near_duplicate"] == 1
     (q,) = quarantine
     assert q["reason"] == "near_duplicate" and q["source"] == "src/2.py"
     assert "id id002:" in q["detail"] and "with kept id id000" in q["detail"]
@@ -154,15 +159,19 @@ MIXED = [
 
 def test_accounting_identity_on_mixed_input(tmp_path):
     metrics, docs, quarantine = run(tmp_path, MIXED, batch_docs=2, row_group_docs=3)
-    assert metrics["docs_in"] == len(MIXED) == 9
-    assert metrics["docs_out"] == len(docs) == 4
-    assert metrics["docs_in"] == metrics["docs_out"] + sum(metrics["dropped"].values())
-    fired = {k: v for k, v in metrics["dropped"].items() if v}
+    docs_in, dropped = report(tmp_path)["docs_in"], report(tmp_path)["dropped"]
+    assert docs_in == len(MIXED) == 9
+    assert metrics["docs"] == len(docs) == 4
+    assert docs_in == metrics["docs"] + sum(dropped.values()) == metrics["docs"] + metrics["dropped"]
+    fired = {k: v for k, v in dropped.items() if v}
     assert fired == {"c4_lorem_ipsum": 1, "exact_duplicate": 1, "too_short": 1, "gopher_dup_lines": 1,
                      "near_duplicate": 1}
-    # Every enabled reason is listed, fired or not, so metrics diff cleanly across runs.
-    assert "gopher_bullet_lines" in metrics["dropped"] and "c4_curly_braces" not in metrics["dropped"]
-    assert metrics["bytes_out"] == sum(len(d["text"].encode()) for d in docs)
+    # Every enabled reason is listed, fired or not, so reports diff cleanly across runs.
+    assert "gopher_bullet_lines" in dropped and "c4_curly_braces" not in dropped
+    rep = report(tmp_path)
+    assert set(rep["filters_enabled"]) | {"exact_duplicate", "near_duplicate"} == set(dropped)
+    assert rep["near_dedup"]["candidates_checked"] >= 1 and rep["near_dedup"]["kept_in_index"] == 4
+    assert metrics["bytes"] == sum(len(d["text"].encode()) for d in docs)
     assert pq.ParquetFile(tmp_path / "out" / "docs.parquet").metadata.num_row_groups == 2  # 3 + 1 rows
     assert [d["id"] for d in docs] == ["id000", "id004", "id006", "id008"]
 
@@ -170,7 +179,7 @@ def test_accounting_identity_on_mixed_input(tmp_path):
 def test_quarantine_records_reason_source_location_and_text(tmp_path):
     texts = [code(1)] + [code(1)] * 3 + ["lorem ipsum"]
     metrics, _, quarantine = run(tmp_path, texts, quarantine_per_reason=1)
-    assert metrics["dropped"]["exact_duplicate"] == 3
+    assert report(tmp_path)["dropped"]["exact_duplicate"] == 3
     assert [(q["reason"], q["source"], q["location"]) for q in quarantine] == [
         ("exact_duplicate", "src/1.py", "file"),
         ("c4_lorem_ipsum", "src/4.py", "file"),
@@ -186,16 +195,16 @@ def test_output_is_identical_for_any_worker_count(tmp_path):
         d = tmp_path / f"w{workers}"
         d.mkdir()
         metrics, docs, quarantine = run(d, texts, num_workers=workers, batch_docs=3)
-        assert metrics.pop("num_workers") == workers
+        assert metrics.pop("workers") == workers
         metrics.pop("mb_per_s")
-        results.append((metrics, docs, quarantine))
+        results.append((metrics, report(d), docs, quarantine))
     assert results[0] == results[1]
-    assert results[0][0]["docs_out"] == 4 + 20
+    assert results[0][0]["docs"] == 4 + 20
 
 
 def test_workers_are_capped_by_the_number_of_batches(tmp_path):
     metrics, _, _ = run(tmp_path, [code(1), code(2)], num_workers=4, batch_docs=64)
-    assert metrics["num_workers"] == 1
+    assert metrics["workers"] == 1
 
 
 def test_empty_after_cleaning_is_a_clear_error(tmp_path):

@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import parse_section
+from pipeline.files import read_json
 from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
 
 
@@ -15,10 +16,14 @@ def cfg(**kw):
 
 def run(tmp_path, **kw):
     out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
-    metrics = run_ingest(cfg(**kw), out, q)
+    metrics = run_ingest(cfg(**kw), out, q, tmp_path / "out" / "report.json")
     table = pq.read_table(out)
     quarantine = [json.loads(line) for line in q.read_text().splitlines()]
     return metrics, table.to_pylist(), quarantine
+
+
+def report(tmp_path):
+    return read_json(tmp_path / "out" / "report.json")
 
 
 def test_text_split_modes(tmp_path):
@@ -58,7 +63,7 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(d)}], max_doc_bytes=1_000_000)
 
     assert sorted(x["text"] for x in docs) == ["a fine record", "hello world"]
-    assert metrics["skipped"] == {
+    assert report(tmp_path)["skipped"] == {
         "bad_type": 1,
         "binary": 1,
         "empty_file": 1,
@@ -69,7 +74,8 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
         "too_large": 2,
     }
     # accounting: 5 files of one record each + 8 JSONL records = docs + skips
-    assert metrics["docs"] + sum(metrics["skipped"].values()) == 5 + 8
+    assert metrics["docs"] + sum(report(tmp_path)["skipped"].values()) == 5 + 8
+    assert metrics["skipped"] == 11
     reasons = {(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine}
     assert ("latin1.txt", "non_utf8") in reasons and ("huge.txt", "too_large") in reasons
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
@@ -80,7 +86,7 @@ def test_line_mode_keeps_good_lines_around_bad_bytes(tmp_path):
     f.write_bytes(b"good one\nbad \xff line\ngood two\n")
     metrics, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}])
     assert [d["text"] for d in docs] == ["good one", "good two"]
-    assert metrics["skipped"] == {"non_utf8": 1}
+    assert report(tmp_path)["skipped"] == {"non_utf8": 1} and metrics["skipped"] == 1
 
 
 def test_record_formats(tmp_path):
@@ -94,7 +100,7 @@ def test_record_formats(tmp_path):
     ])
     assert [d["text"] for d in docs] == ["p1", "p2", "c1, with comma", "c2", "j1", "j2"]
     assert [d["location"] for d in docs][:2] == ["row:0", "row:2"]
-    assert metrics["skipped"] == {"missing_field": 1, "malformed_json": 1}
+    assert report(tmp_path)["skipped"] == {"missing_field": 1, "malformed_json": 1}
 
 
 def test_hf_save_to_disk(tmp_path):
@@ -134,14 +140,15 @@ def test_duplicate_paths_are_counted_once(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("text")
     metrics, docs, _ = run(tmp_path, sources=[{"path": str(f)}, {"path": str(tmp_path / "*.txt")}])
-    assert len(docs) == 1 and metrics["skipped"] == {"duplicate_path": 1}
+    assert len(docs) == 1 and report(tmp_path)["skipped"] == {"duplicate_path": 1}
 
 
 def test_max_bytes_cap_stops_reading(tmp_path):
     for i in range(10):
         (tmp_path / f"{i}.txt").write_text("z" * 100)
     metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_bytes=250)
-    assert metrics["capped"] is True and len(docs) == 3 and metrics["bytes"] == 300
+    assert report(tmp_path)["capped"] is True and len(docs) == 3 and metrics["bytes"] == 300
+    assert report(tmp_path)["docs_per_source"] == {str(tmp_path / "*.txt"): 3}
 
 
 def test_stdlib_placeholder_and_exclude():

@@ -8,19 +8,18 @@ import pytest
 from pipeline.config import ConfigError, parse_section
 from pipeline.files import read_json, sha256_file
 from pipeline.data.pack import (
-    MANIFEST,
+    FORMAT,
     PackConfig,
     PackError,
     SplitPlan,
     cut_rows,
     encode_docs,
-    open_split,
     plan_splits,
     run_pack,
-    segment_ids_from_starts,
     split_hash,
     val_threshold,
 )
+from pipeline.data.shards import MANIFEST, DataError, PackedRows, verify
 from pipeline.data.tokenizer import (
     EOT,
     EOT_ID,
@@ -72,7 +71,7 @@ def expected_streams(items, docs_path, tok_path, cfg):
 
 
 def all_rows(split):
-    return np.concatenate([s.input_ids for s in split.shards])
+    return np.concatenate(list(split.iter_input_ids()))
 
 
 def test_rows_are_the_split_stream_cut_into_fixed_lengths(docs, packed):
@@ -81,14 +80,14 @@ def test_rows_are_the_split_stream_cut_into_fixed_lengths(docs, packed):
     streams, _ = expected_streams(items, path, tok, CFG)
     manifest = read_json(out / MANIFEST)
     for name in ("train", "val"):
-        split = open_split(out, name)
+        split = PackedRows(out / name)
         rows = all_rows(split)
         info = manifest["splits"][name]
         assert rows.shape == (info["rows"], CFG.seq_len + 1) and rows.dtype == np.int32
         assert len(streams[name]) == info["tokens"] == info["rows"] * 32 + info["dropped_tail_tokens"]
         assert info["dropped_tail_tokens"] < 32
         np.testing.assert_array_equal(rows.reshape(-1), streams[name][:rows.size])
-        assert metrics[name]["rows"] == info["rows"] and metrics[name]["tokens"] == info["tokens"]
+        assert metrics[f"{name}_rows"] == info["rows"]
     assert len(manifest["splits"]["train"]["shards"]) > 1
 
 
@@ -97,12 +96,12 @@ def test_doc_starts_mark_every_document_boundary(docs, packed):
     out, _ = packed
     _, starts = expected_streams(items, path, tok, CFG)
     for name in ("train", "val"):
-        split = open_split(out, name)
+        split = PackedRows(out / name)
+        rows, seg = split.input_ids(np.arange(len(split))), split.segment_ids(np.arange(len(split)))
         got = []
         for i in range(len(split)):
-            row, s = split[i]
-            assert s[0] == 0 and np.all(np.diff(s) > 0) and s[-1] < 32
-            assert np.all(row[s[1:] - 1] == EOT_ID)
+            s = np.flatnonzero(np.diff(seg[i], prepend=-1))  # where a segment starts
+            assert np.all(rows[i][s[1:] - 1] == EOT_ID)
             got.extend(i * 32 + s)
         cut = len(split) * 32
         want = sorted(set(range(0, cut, 32)) | {p for p in starts[name] if p < cut})
@@ -111,11 +110,12 @@ def test_doc_starts_mark_every_document_boundary(docs, packed):
 
 def test_split_is_by_document_and_seeded(docs, packed):
     path, _, items = docs
-    _, metrics = packed
+    out, _ = packed
     plan = plan_splits(pq.ParquetFile(path), CFG.seed, CFG.val_fraction)
     val = {i for i, _ in items if plan.split_of(i) == "val"}
     assert 0 < len(val) < len(items)
-    assert metrics["val"]["docs"] == len(val) and metrics["train"]["docs"] == len(items) - len(val)
+    splits = read_json(out / MANIFEST)["splits"]
+    assert splits["val"]["docs"] == len(val) and splits["train"]["docs"] == len(items) - len(val)
     # the rule is a pure function of (seed, id); another seed gives another split
     assert all((split_hash(CFG.seed, i) < val_threshold(CFG.val_fraction)) == (i in val) for i, _ in items)
     other = plan_splits(pq.ParquetFile(path), CFG.seed + 1, CFG.val_fraction)
@@ -144,7 +144,7 @@ def test_manifest_and_accounting(docs, packed):
     assert (m["seed"], m["val_fraction"], m["forced"]) == (3, 0.2, {})
     assert m["docs"] == len(items) == metrics["docs"] == m["splits"]["train"]["docs"] + m["splits"]["val"]["docs"]
     assert m["tokens"] == metrics["tokens"] == m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
-    assert metrics["train"]["empty_docs"] + metrics["val"]["empty_docs"] == 1
+    assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == 1
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     listed = sorted(e["path"] for s in m["splits"].values() for e in s["shards"])
     assert files == sorted([MANIFEST, *listed])
@@ -154,7 +154,7 @@ def test_manifest_and_accounting(docs, packed):
         assert sum(e["rows"] for e in s["shards"]) == s["rows"]
         # shard_tokens = 40 rows and a bit: rounded down to whole rows
         assert all(e["rows"] == 40 for e in s["shards"][:-1]) and 0 < s["shards"][-1]["rows"] <= 40
-    assert metrics["text_bytes"] == sum(len(t.encode()) for _, t in items)
+    assert metrics["bytes"] == sum(len(t.encode()) for _, t in items)
     assert metrics["tokens_per_s"] > 0 and metrics["mb_per_s"] > 0
 
 
@@ -165,40 +165,24 @@ def test_worker_encoding_appends_one_eot_per_doc_and_ignores_special_strings(doc
     assert np.flatnonzero(flat == EOT_ID).tolist() == [lens[0] - 1, len(flat) - 1]
 
 
-def test_reader_is_zero_copy_and_verifies(packed, tmp_path):
+def test_output_verifies_against_its_manifest(packed, tmp_path):
     out, _ = packed
-    split = open_split(out, "train", verify=True)
-    shard = split.shards[0]
-    assert not shard.input_ids.flags.owndata and not shard.input_ids.flags.writeable
-    row, _ = split[len(split) - 1]
-    np.testing.assert_array_equal(row, split.shards[-1].input_ids[-1])
-    np.testing.assert_array_equal(split.rows(np.array([0, len(split) - 1])), np.stack([split[0][0], row]))
-    seg = split.segment_ids(np.array([0, 1]))
-    assert seg.shape == (2, 31) and seg[0, 0] == 0
-    with pytest.raises(IndexError):
-        split[len(split)]
-
+    assert verify(out, FORMAT)["splits"]["train"]["rows"] == len(PackedRows(out / "train"))
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     victim = bad / read_json(bad / MANIFEST)["splits"]["val"]["shards"][0]["path"]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 1
     victim.write_bytes(bytes(data))
-    open_split(bad, "val")  # without verify, a flipped token is not noticed
-    with pytest.raises(PackError, match="sha256"):
-        open_split(bad, "val", verify=True)
+    verify(bad, sha256=False)  # without the digest, a flipped token is not noticed
+    with pytest.raises(DataError, match="sha256"):
+        verify(bad)
     victim.unlink()
-    with pytest.raises(PackError, match="missing"):
-        open_split(bad, "val")
+    with pytest.raises(DataError, match="missing"):
+        verify(bad)
     (bad / MANIFEST).unlink()
-    with pytest.raises(PackError, match="not found"):
-        open_split(bad, "train")
-
-
-def test_segment_ids_from_starts():
-    np.testing.assert_array_equal(segment_ids_from_starts(np.array([0, 3, 5]), 7), [0, 0, 0, 1, 1, 2, 2])
-    np.testing.assert_array_equal(segment_ids_from_starts(np.array([0, 3, 6]), 6), [0, 0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(segment_ids_from_starts(np.array([0]), 3), [0, 0, 0])
+    with pytest.raises(DataError, match="not found"):
+        verify(bad)
 
 
 def test_cut_rows_against_a_reference():
@@ -229,8 +213,10 @@ def test_tiny_corpus_forces_one_doc_into_each_split(docs, tmp_path):
     plan = plan_splits(pq.ParquetFile(path), 0, 0.01)
     assert list(plan.forced.values()) == ["val"]
     m = run_pack(PackConfig(seq_len=8, val_fraction=0.01, num_workers=1), path, tok, tmp_path / "out")
-    assert m["train"]["docs"] == 1 and m["val"]["docs"] == 1
-    assert read_json(tmp_path / "out" / MANIFEST)["forced"] == plan.forced
+    manifest = read_json(tmp_path / "out" / MANIFEST)
+    assert manifest["splits"]["train"]["docs"] == 1 and manifest["splits"]["val"]["docs"] == 1
+    assert m["train_rows"] >= 1 and m["val_rows"] >= 1
+    assert manifest["forced"] == plan.forced
     # the other way: with seed 4 both ids hash below 0.5, so the larger hash goes to train
     assert all(SplitPlan(2, 4, val_threshold(0.5)).split_of(i) == "val" for i in "ab")
     plan = plan_splits(pq.ParquetFile(path), 4, 0.5)

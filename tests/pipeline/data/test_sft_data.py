@@ -1,10 +1,5 @@
-import hashlib
 import json
-import os
-import subprocess
 import sys
-import sysconfig
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -13,18 +8,15 @@ import torch
 
 from pipeline.data.chat import IGNORE_INDEX
 from pipeline.config import ConfigError, parse_section
-from pipeline.data.shards import PackedRows
+from pipeline.data.shards import MANIFEST, PackedRows
 from pipeline.files import read_json, sha256_file
 from pipeline.data.sft_data import (
     FORMAT,
-    MANIFEST,
     SFTDataConfig,
     SFTDataError,
     SFTSource,
-    BUILTIN_DATASETS,
     build_sft_data,
     pack_examples,
-    stdlib_qa,
 )
 from pipeline.data.tokenizer import IM_END, IM_START_ID, PAD_ID
 from tests.pipeline.data.test_chat import tiny_tokenizer
@@ -286,42 +278,11 @@ def test_max_examples_caps_each_source(tmp_path, tok_path, three_formats):
     assert all(s["capped"] for s in m["sources"].values())
 
 
-def test_builtin_stdlib_dataset(tmp_path, tok_path):
-    t0 = time.perf_counter()
-    full = list(BUILTIN_DATASETS["stdlib-docstrings"]())
-    assert time.perf_counter() - t0 < 20  # a few seconds normally; this is a shared CPU
-    assert len(full) >= 1000
-    questions = [r["messages"][0]["content"] for _, r in full]
-    answers = [r["messages"][1]["content"] for _, r in full]
-    assert len(set(questions)) == len(questions)
-    assert len(set(answers)) > len(full) // 2  # not one boilerplate answer
-    by_loc = dict(full)
-    assert len(by_loc) == len(full)
-    q, a = (m["content"] for m in by_loc["json/__init__.py:dump"]["messages"])
-    assert q == "What does `json.dump(obj, fp, *, skipkeys=False, ensure_ascii=True, ...)` do?"
-    assert a.startswith("Serialize ``obj`` as a JSON formatted stream to ``fp``")
-    q, _ = (m["content"] for m in by_loc["json/decoder.py:JSONDecoder.decode"]["messages"])
-    assert "`json.decoder.JSONDecoder.decode(s)`" in q  # its private _w=WHITESPACE.match left out
-    assert not any("site-packages" in loc or loc.startswith("test/") for loc in by_loc)
-    # Ordered by a hash of the question, so a capped prefix spans the library.
-    assert len({loc.split("/")[0].split(".")[0] for loc in list(by_loc)[:300]}) > 50
-
-    out, m = build(tmp_path, tok_path, seq_len=256, max_examples=600)  # the default source
+def test_builtin_dataset_is_the_default_source(tmp_path, tok_path):
+    out, m = build(tmp_path, tok_path, seq_len=256, max_examples=600)
     assert m["examples_in"] == 600 and m["sources"]["builtin:stdlib-docstrings"]["capped"]
     assert m["train"]["examples"] + m["val"]["examples"] >= 500
     assert read_json(out / MANIFEST)["python"] == sys.version.split()[0]
-
-
-def test_builtin_is_identical_across_processes():
-    root = os.path.join(sysconfig.get_paths()["stdlib"], "email")
-    code = ("import hashlib, json; from pipeline.data.sft_data import stdlib_qa; "
-            f"print(hashlib.sha256(json.dumps(stdlib_qa({root!r})).encode()).hexdigest())")
-    here = hashlib.sha256(json.dumps(stdlib_qa(root)).encode()).hexdigest()
-    assert len(stdlib_qa(root)) >= 50
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert got.stdout.strip() == here
 
 
 def test_errors(tmp_path, tok_path):

@@ -1,10 +1,23 @@
+import json
+
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.data.shards import DataError, PackedRows
-from pipeline.training.sampler import GlobalOrder, eval_rows
+from pipeline.files import sha256_file
+from pipeline.data.shards import (
+    MANIFEST,
+    DataError,
+    PackedRows,
+    ShardWriter,
+    clear_outputs,
+    read_manifest,
+    row_schema,
+    split_counts,
+    verify,
+    write_manifest,
+)
 
 
 def write_split(d, rows, starts, labels=None, shards=2):
@@ -62,42 +75,122 @@ def test_missing_split_is_clear(tmp_path):
         PackedRows(tmp_path)
 
 
-def collect(order, steps):
-    return [np.concatenate(order.next_step()) for _ in range(steps)]
+def offsets_of(starts):
+    return np.cumsum([0] + [len(s) for s in starts]), np.array([p for s in starts for p in s], np.int32)
 
 
-def test_global_order_same_rows_for_any_split_over_ranks():
-    one = GlobalOrder(100, seed=3, micro_batch=4, grad_accum=2, world_size=1, rank=0)
-    r0 = GlobalOrder(100, seed=3, micro_batch=4, grad_accum=1, world_size=2, rank=0)
-    r1 = GlobalOrder(100, seed=3, micro_batch=4, grad_accum=1, world_size=2, rank=1)
-    for a, b, c in zip(collect(one, 30), collect(r0, 30), collect(r1, 30)):
-        assert set(a) == set(b) | set(c)  # same rows in each step
-        assert not set(b) & set(c)  # no rank sees another rank's rows
+def write_format(out, tok_path, rows, starts, labels=None, shard_rows=2):
+    """One split ``train`` written with ShardWriter, and its manifest."""
+    schema = row_schema("test/1", rows.shape[1], labels=labels is not None, metadata={"x": "1"})
+    writer = ShardWriter(out, "train", schema)
+    offsets, values = offsets_of(starts)
+    for lo in range(0, len(rows), shard_rows):
+        hi = min(lo + shard_rows, len(rows))
+        writer.write(rows[lo:hi], offsets[lo:hi + 1], values, None if labels is None else labels[lo:hi])
+    splits = {"train": {"rows": writer.rows, "shards": writer.shards}}
+    write_manifest(out, fmt="test/1", seq_len=rows.shape[1] - 1, vocab_size=9, special_ids={"eot": 0},
+                   tokenizer_path=tok_path, labels=labels is not None, fields={"seed": 1}, splits=splits)
+    return writer
 
 
-def test_global_order_epochs_and_state_roundtrip():
-    o = GlobalOrder(10, seed=1, micro_batch=3, grad_accum=1, world_size=1, rank=0)
-    first_epoch = collect(o, 3)
-    assert len(set(np.concatenate(first_epoch))) == 9  # tail of 1 row skipped
-    state = o.state_dict()
-    ahead = collect(o, 5)
-    o2 = GlobalOrder(10, seed=1, micro_batch=3, grad_accum=1, world_size=1, rank=0)
-    o2.load_state_dict(state)
-    assert [x.tolist() for x in collect(o2, 5)] == [x.tolist() for x in ahead]
-    assert state == {"epoch": 0, "consumed": 9, "seed": 1}
-    # epochs reshuffle
-    assert collect(GlobalOrder(10, 1, 9, 1, 1, 0), 2)[1].tolist() != collect(GlobalOrder(10, 1, 9, 1, 1, 0), 1)[0].tolist()
+def test_writer_round_trip_through_the_reader(tmp_path, tok_path):
+    rows = np.arange(5 * 6, dtype=np.int32).reshape(5, 6)
+    starts = [[0], [0, 2], [0, 1, 5], [0], [0, 3]]
+    labels = np.where(rows % 3 == 0, -100, rows).astype(np.int32)
+    writer = write_format(tmp_path, tok_path, rows, starts, labels)
+    assert [s["path"] for s in writer.shards] == [f"train/shard-0000{i}.arrow" for i in range(3)]
+    data = PackedRows(tmp_path / "train")
+    assert len(data) == 5 and data.row_len == 6 and data.seq_len == 5 and data.has_labels
+    every = np.arange(5)
+    np.testing.assert_array_equal(data.input_ids(every), rows)
+    np.testing.assert_array_equal(data.labels(every), labels)
+    want = [np.cumsum(np.isin(np.arange(6), s)) - 1 for s in starts]
+    np.testing.assert_array_equal(data.segment_ids(every), want)
+    b = data.batch(np.array([2]), torch.device("cpu"))
+    assert b["targets"].tolist() == [labels[2, 1:].tolist()] and b["segment_ids"].tolist() == [[0, 1, 1, 1, 1]]
+    schema = pa.ipc.open_file(str(tmp_path / writer.shards[0]["path"])).schema
+    assert schema.names == ["input_ids", "labels", "doc_starts"]
+    assert schema.metadata == {b"format": b"test/1", b"row_len": b"6", b"x": b"1"}
 
 
-def test_global_batch_larger_than_split_and_seed_mismatch():
-    with pytest.raises(DataError, match="needs 16 rows"):
-        GlobalOrder(10, seed=0, micro_batch=8, grad_accum=1, world_size=2, rank=0)
-    o = GlobalOrder(10, seed=0, micro_batch=2, grad_accum=1, world_size=1, rank=0)
-    with pytest.raises(DataError, match="seed"):
-        o.load_state_dict({"epoch": 0, "consumed": 0, "seed": 9})
+def test_manifest_lists_shards_with_their_sha256(tmp_path, tok_path):
+    rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 3)
+    m = read_manifest(tmp_path, "test/1")
+    assert list(m)[:4] == ["format", "seq_len", "row_len", "dtype"] and list(m)[-1] == "splits"
+    assert "ignore_index" not in m and m["seed"] == 1 and m["tokenizer_sha256"] == sha256_file(tok_path)
+    for entry in m["splits"]["train"]["shards"]:
+        assert sha256_file(tmp_path / entry["path"]) == entry["sha256"]
+    assert [e["rows"] for e in m["splits"]["train"]["shards"]] == [2, 1]
+    assert verify(tmp_path, "test/1") == m
+    assert split_counts(m["splits"]) == {"train": {"rows": 3, "shards": 2}}
+    with pytest.raises(DataError, match="expected 'other/1'"):
+        read_manifest(tmp_path, "other/1")
+    m["splits"]["train"]["shards"][1]["rows"] = 2
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="1 rows of 4 tokens, manifest says 2 rows of 4"):
+        verify(tmp_path, sha256=False)
+    (tmp_path / "train" / "shard-00009.arrow").write_bytes(b"stray")
+    with pytest.raises(DataError, match="does not list"):
+        verify(tmp_path)
+    clear_outputs(tmp_path)
+    assert not (tmp_path / MANIFEST).exists() and not list(tmp_path.rglob("*.arrow"))
 
 
-def test_eval_rows_partition():
-    parts = [eval_rows(11, None, 3, r) for r in range(3)]
-    assert sorted(np.concatenate(parts).tolist()) == list(range(11))
-    assert eval_rows(11, 4, 1, 0).tolist() == [0, 1, 2, 3]
+def test_a_failed_write_leaves_no_shard_under_its_final_name(tmp_path, monkeypatch):
+    writer = ShardWriter(tmp_path, "train", row_schema("test/1", 4))
+    one = np.zeros((1, 4), np.int32)
+    writer.write(one, np.array([0, 1]), np.array([0]))
+    seen = {}
+    real = pa.ipc.new_file
+
+    def failing(sink, schema):
+        w = real(sink, schema)
+        w.write_batch(pa.record_batch([pa.array([[1, 2, 3, 4]], pa.list_(pa.int32(), 4)),
+                                       pa.array([[0]], pa.list_(pa.int32()))], schema=schema))
+        seen["final"] = (tmp_path / "train" / "shard-00001.arrow").exists()
+        seen["tmp"] = [p.name for p in (tmp_path / "train").glob(".shard-00001.arrow.*.tmp")]
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pa.ipc, "new_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        writer.write(one, np.array([0, 1]), np.array([0]))
+    assert seen == {"final": False, "tmp": [seen["tmp"][0]]}  # written under a temporary name only
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["shard-00000.arrow"]
+    assert len(writer.shards) == 1
+
+
+@pytest.mark.parametrize("ids, offsets, values, labels, msg", [
+    (np.zeros((2, 4), np.int64), [0, 1, 2], [0, 0], None, "int32"),
+    (np.zeros((2, 5), np.int32), [0, 1, 2], [0, 0], None, r"\(rows, 4\)"),
+    (np.zeros((0, 4), np.int32), [0], [], None, "non-empty"),
+    (np.zeros((2, 4), np.int32), [0, 1], [0], None, "needs 3 entries"),
+    (np.zeros((2, 4), np.int32), [0, 1, 1], [0], None, "begin with 0"),
+    (np.zeros((2, 4), np.int32), [0, 1, 2], [0, 2], None, "begin with 0"),
+    (np.zeros((2, 4), np.int32), [0, 1, 2], [0, 0], np.zeros((2, 4), np.int32), "labels must be given"),
+])
+def test_writer_rejects_bad_input(tmp_path, ids, offsets, values, labels, msg):
+    writer = ShardWriter(tmp_path, "train", row_schema("test/1", 4))
+    with pytest.raises(ValueError, match=msg):
+        writer.write(ids, np.array(offsets), np.array(values, np.int32), labels)
+    assert not (tmp_path / "train").exists() or not list((tmp_path / "train").iterdir())
+
+
+def test_reader_rejects_bad_shards(tmp_path):
+    write_split(tmp_path / "a", [np.arange(5), np.arange(5)], [[0], [0]], shards=2)
+    table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(6), pa.int32()), 6),
+                      "doc_starts": pa.array([[0]], pa.list_(pa.int32()))})
+    with pa.ipc.new_file(str(tmp_path / "a" / "shard-00002.arrow"), table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(DataError, match="different row lengths"):
+        PackedRows(tmp_path / "a")
+    wide = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(5), pa.int64()), 5)
+    for name, cols, msg in [("b", {"input_ids": wide}, "no column 'doc_starts'"),
+                            ("c", {"input_ids": wide, "doc_starts": pa.array([[0]], pa.list_(pa.int32()))},
+                             "must be int32")]:
+        (tmp_path / name).mkdir()
+        table = pa.table(cols)
+        with pa.ipc.new_file(str(tmp_path / name / "shard-00000.arrow"), table.schema) as w:
+            w.write_table(table)
+        with pytest.raises(DataError, match=msg):
+            PackedRows(tmp_path / name)

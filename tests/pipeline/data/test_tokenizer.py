@@ -8,6 +8,7 @@ import pytest
 from tokenizers import normalizers, trainers
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.files import read_json, sha256_file
 from pipeline.data.tokenizer import (
     EOT,
     IM_END,
@@ -64,8 +65,8 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("tokout") / "tokenizer.json"
-    metrics = train_tokenizer(SMALL, corpus, out)
-    return out, metrics
+    metrics = train_tokenizer(SMALL, corpus, out, out.parent / "report.json")
+    return out, metrics, read_json(out.parent / "report.json")
 
 
 def test_special_tokens_have_fixed_ids(trained):
@@ -103,16 +104,17 @@ def test_special_strings_in_text_are_not_special(trained):
     assert 0 in load_tokenizer(trained[0], parse_special=True).encode(text).ids
 
 
-def test_metrics_and_output(trained, corpus):
-    out, m = trained
-    assert m["roundtrip_ok"] is True
-    assert m["vocab_size"] <= SMALL.vocab_size
+def test_metrics_report_and_output(trained, corpus):
+    out, m, report = trained
+    assert report["roundtrip_ok"] is True
+    assert m["vocab_size"] <= SMALL.vocab_size == report["vocab_size_requested"]
     assert m["vocab_size"] == load_tokenizer(out).get_vocab_size()
     assert 0 < m["sample_bytes"] <= SMALL.sample_bytes
-    assert m["heldout_docs"] > 0 and m["bytes_per_token_on"] == "heldout"
+    assert report["heldout_docs"] > 0 and report["bytes_per_token_on"] == "heldout"
     assert m["bytes_per_token"] > 1.0  # BPE merged something
-    assert m["corpus_docs"] == 200
-    assert [p.name for p in out.parent.iterdir()] == ["tokenizer.json"]  # no temp files left
+    assert report["corpus_docs"] == 200
+    assert report["sha256"] == sha256_file(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "tokenizer.json"]  # no temp files left
     json.loads(out.read_text())
 
 
@@ -152,9 +154,9 @@ def test_huge_single_document_is_clipped_to_the_bound(tmp_path):
     docs = tmp_path / "docs.parquet"
     write_docs(docs, [("big", "word " * 5_000), ("big2", "more text " * 3_000)])
     cfg = TokenizerConfig(vocab_size=300, sample_bytes=2_000, eval_bytes=1_000)
-    m = train_tokenizer(cfg, docs, tmp_path / "t.json")
+    m = train_tokenizer(cfg, docs, tmp_path / "t.json", tmp_path / "report.json")
     assert 0 < m["sample_bytes"] <= 2_000
-    assert m["sample_docs"] == 1
+    assert read_json(tmp_path / "report.json")["sample_docs"] == 1
 
 
 def test_roundtrip_check_catches_a_lossy_tokenizer():

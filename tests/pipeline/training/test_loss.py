@@ -39,9 +39,3 @@ def test_loss_is_fp32_when_the_model_runs_in_bf16():
     logits = m(tokens(2, 8))
     assert logits.dtype == torch.bfloat16
     assert token_loss_sum(logits, tokens(2, 8, seed=2)).dtype == torch.float32
-
-
-def test_the_chat_data_and_the_loss_agree_on_the_ignore_index():
-    from pipeline.data.chat import IGNORE_INDEX as DATA_IGNORE_INDEX
-
-    assert DATA_IGNORE_INDEX == IGNORE_INDEX
