@@ -28,7 +28,7 @@ from pipeline.training.config import (CheckpointSection, DataSection, EvalSectio
 from pipeline.training.pretrain import write_report
 from pipeline.training.trainer import Trainer, check_resume
 
-BUILD_METRICS = "build_metrics.json"
+DATA_REPORT = "report.json"  # data/sft/report.json: the SFT data build, per source and split
 
 
 class SFTError(StageError):
@@ -105,10 +105,20 @@ def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine
     and check that the run can start or resume."""
     pretrained(pretrain_dir)
     metrics = build_sft_data(cfg.data, tokenizer_path, data_dir, quarantine_path)
-    write_json(Path(data_dir) / BUILD_METRICS, metrics)
+    write_json(Path(data_dir) / DATA_REPORT, metrics)
     init, model_cfg, data_id, _ = plan(cfg, data_dir, pretrain_dir)
     check_resume(cfg, model_cfg, out_dir, data_id=data_id, init_from=init)
     return metrics
+
+
+def data_metrics(build: dict[str, Any]) -> dict[str, Any]:
+    """The SFT data build's numbers worth comparing across runs; the per-source
+    and per-reason tables stay in data/sft/report.json."""
+    splits = [build[s] for s in ("train", "val")]
+    return {"examples_in": build["examples_in"], "examples": sum(s["examples"] for s in splits),
+            "skipped": sum(build["skipped"].values()), "truncated": build["truncated"], "fill": build["fill"],
+            "train_rows": build["train"]["rows"], "val_rows": build["val"]["rows"],
+            "label_tokens": sum(s["label_tokens"] for s in splits)}
 
 
 def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
@@ -120,8 +130,8 @@ def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, c
         summary = trainer.fit()
         if not trainer.d.is_main:
             return {}
-        build = Path(data_dir) / BUILD_METRICS
-        summary["data"] = read_json(build) if build.exists() else {}
+        report = Path(data_dir) / DATA_REPORT
+        summary["data"] = data_metrics(read_json(report)) if report.exists() else {}
         summary["init_step"] = init.step
         write_report(out_dir, trainer, init_from={"path": str(init.path), "step": init.step,
                                                   "fingerprint": init.meta.get("fingerprint")})

@@ -90,3 +90,22 @@ def test_sft_params_validate_data_and_training_keys():
         sft_cfg(data={"overlong": "cut"})
     with pytest.raises(ConfigError, match=r"sft\.data\.sources\.0\.format"):
         sft_cfg(data={"sources": [{"path": "x.jsonl", "format": "openai"}]})
+
+
+def test_sft_metrics_keep_the_data_build_numbers_and_leave_the_tables_to_the_report(tmp_path):
+    from pipeline.data.sft_data import SFTDataConfig, build_sft_data
+    from pipeline.training.sft import data_metrics
+    from tests.pipeline.data.test_sft_data import messages_rec, write_jsonl
+    from tests.pipeline.data.test_chat import tiny_tokenizer
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(tiny_tokenizer().to_str())
+    lines = [messages_rec(i) for i in range(12)] + [{"messages": "not a list"}, {"nothing": 1}]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    cfg = SFTDataConfig(sources=[{"path": str(tmp_path / "chat.jsonl")}], seq_len=64, val_fraction=0.25)
+    build = build_sft_data(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
+    m = data_metrics(build)
+    assert m["examples_in"] == 12 + 2 and m["skipped"] == 2 and m["examples"] == 12
+    assert m["examples"] + m["skipped"] == m["examples_in"]  # every record is accounted for
+    assert m["train_rows"] == build["train"]["rows"] > 0 and m["val_rows"] == build["val"]["rows"] > 0
+    assert all(isinstance(v, (int, float)) for v in m.values())
