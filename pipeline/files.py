@@ -34,21 +34,9 @@ def fsync_path(path: str | Path) -> None:
 def atomic_write(path: str | Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
     """Open a temporary file beside ``path``; on clean exit fsync it and rename it
     over ``path``. On error the temporary file is removed and ``path`` is untouched."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     binary = "b" in mode
-    try:
-        with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=None if binary else encoding) as f:
+        yield f
 
 
 @contextlib.contextmanager

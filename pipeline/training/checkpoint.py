@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from pipeline.errors import StageError
-from pipeline.files import fsync_path, sha256_file
+from pipeline.files import atomic_dir, fsync_path, sha256_file
 
 log = logging.getLogger("pipeline.training.checkpoint")
 
@@ -255,27 +255,14 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     sweep(folder)
     final = step_dir(folder, step)
-    tmp = folder / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    files = {}
-    for name in FILES[:-1]:
-        fsync_path(tmp / name)
-        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-    meta = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
-    with open(tmp / "meta.json", "w") as f:
-        json.dump(meta, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it atomically
-        trash = folder / f".trash-{final.name}-{os.getpid()}"
-        os.replace(final, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_path(folder)
+    with atomic_dir(final) as tmp:  # re-saving a step (after a resume) replaces it atomically
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(trainer_state, tmp / "trainer.pt")
+        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+                 for name in FILES[:-1]}
+        meta = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
     discard([c for c in complete_checkpoints(folder) if c.step <= step][:-keep])
     return Checkpoint(final, step)
 
