@@ -86,12 +86,18 @@ def parse_section(schema: type[C], data: Any, prefix: str, source: str = "params
         raise ConfigError(f"{source} is invalid:\n{format_validation_error(err, prefix)}") from None
 
 
+def load_yaml(path: str | Path) -> Any:
+    """The YAML document at ``path`` (None for an empty file). Raises OSError and
+    yaml.YAMLError."""
+    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+
+
 def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"params file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     if data is None:
