@@ -53,13 +53,9 @@ class StageInfo:
 
     @property
     def is_data_stage(self) -> bool:
-        """True when it has outputs and neither reads nor writes a model (nothing
-        under ``models/``): ingest, clean, tokenizer, pack. Such a stage is a pure
-        function of its inputs on CPU, so a retry is cheap and often cures a
-        transient failure. Stages that touch models hold accelerators; the
-        training ones resume from their own checkpoints on the next run, and a
-        failure of any of them (non-finite loss, a bad export) would most likely
-        repeat."""
+        """True when it has outputs and neither reads nor writes anything under
+        ``models/`` (ingest, clean, tokenizer, pack): a CPU function of its inputs,
+        which the flows retry (see ``flows/pipeline.py``)."""
         paths = self.deps + self.outs
         return bool(self.outs) and not any(p.startswith(MODELS_PREFIX) for p in paths)
 
@@ -209,18 +205,12 @@ def current_stage_fingerprint(stage: str, root: str | Path = ".") -> str | None:
 
 
 def read_metrics(root: str | Path, stage: StageInfo) -> dict[str, Any]:
-    """The stage's metrics files merged into one dict (the stage's own keys, as
-    written); files that are missing or unreadable are skipped."""
-    return read_metric_files(root, stage.metrics)
-
-
-def read_metric_files(root: str | Path, paths: Sequence[str]) -> dict[str, Any]:
-    """Metrics files (JSON or YAML) under ``root`` merged into one dict; files that
-    are missing or unreadable are skipped."""
+    """The stage's metrics files (JSON or YAML) merged into one dict, with the
+    stage's own keys as written; missing or unreadable files are skipped."""
     from pipeline.config import load_yaml
 
     merged: dict[str, Any] = {}
-    for rel in paths:
+    for rel in stage.metrics:
         path = Path(root) / rel
         try:
             data = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else load_yaml(path)

@@ -60,13 +60,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from pipeline.tracking.lineage import (  # re-exported: the trainer and stages import them from here
-    current_stage_fingerprint,
-    dvc_stage_hashes,
-    load_stages,
-    read_metrics,
-    select,
-)
+# current_stage_fingerprint and dvc_stage_hashes are re-exported: the trainer and stages import them from here.
+from pipeline.tracking.lineage import current_stage_fingerprint, dvc_stage_hashes, load_stages, read_metrics, select
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +92,7 @@ class TrackingOfflineWarning(UserWarning):
 
 
 class TrackingWarning(UserWarning):
-    """A caller-side problem the tracker skipped (e.g. a conflicting param value)."""
+    """A caller-side problem the tracker skipped (a conflicting param value, a missing artifact)."""
 
 
 # --------------------------------------------------------------------------- where
@@ -120,11 +115,9 @@ def tracking_uri(root: str | Path | None = None) -> str:
 
 
 def artifact_location(uri: str | None = None, root: str | Path | None = None) -> str | None:
-    """The absolute artifact root to give a new experiment for ``uri``:
-    ``file://<root>/mlartifacts`` for the default database and for a server on this
-    machine (so that runs logged to ``mlflow.db`` directly keep working), the
-    ``mlartifacts`` folder beside the database for another SQLite file, and None
-    (the server decides) for a remote server or databricks."""
+    """The absolute artifact root for a new experiment at ``uri``: ``mlartifacts``
+    beside a SQLite database, ``<root>/mlartifacts`` for a server on this machine
+    (so runs logged to ``mlflow.db`` directly share it), None for a remote server."""
     uri = uri or tracking_uri(root)
     if uri.startswith("databricks"):
         return None
@@ -316,10 +309,7 @@ class Tracker:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if exc_type is None:
-            self.end("FINISHED")
-        else:
-            self.end("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+        self.end("FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
         return False
 
     def start(self) -> Tracker:
@@ -443,9 +433,6 @@ class Tracker:
         self._pending_metrics.extend(rows)
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
-
-    def log_metric(self, key: str, value: Any, step: int | None = None) -> None:
-        self.log_metrics({key: value}, step)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file, or a directory under its own name, into the run's
