@@ -10,9 +10,9 @@ reconfigures the root logger on import), so that tests can reach it.
 * MLflow: :func:`parent_run` opens the ``pipeline`` parent run of one flow run.
   Its id goes to every stage process as ``MLFLOW_PARENT_RUN_ID``
   (:meth:`ParentRun.child_env`), and ``pipeline.tracking.tracker.Tracker`` in each
-  stage nests its run under it. After the stages, :meth:`ParentRun.record` gives
-  it the project's git tags, one ``dvc.stage_hash.<stage>`` per ``dvc.lock``
-  entry, ``dvc.exp_name`` when ``DVC_EXP_NAME`` is set, ``pipeline.status.<stage>``
+  stage nests its run under it. The parent carries the project's git tags,
+  ``dvc.exp_name`` when ``DVC_EXP_NAME`` is set, and, from :meth:`ParentRun.record`
+  after the stages, one ``dvc.stage_hash.<stage>`` per ``dvc.lock`` entry, ``pipeline.status.<stage>``
   (ran, restored, skipped, failed, not_run), every selected stage's params section
   flattened (``pack.seq_len``), its scalar metrics as ``<stage>.<key>`` (the same
   names whether the stage ran or was skipped), and ``pipeline_summary.json``.
