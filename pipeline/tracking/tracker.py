@@ -221,11 +221,12 @@ def git_tags(cwd: str | Path = ".") -> dict[str, str]:
 
 
 def metric_values(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numbers of a (nested) metrics dict under dotted names, bools as 0/1;
-    strings, nulls and NaN are dropped, since an MLflow metric is a number."""
+    """The numeric leaves of a (nested) metrics dict under dotted names, NaN kept;
+    strings, bools, lists and nulls are dropped, since an MLflow metric is a number."""
     from pipeline.config import flatten
 
-    return {k: float(v) for k, v in flatten(dict(metrics), prefix).items() if isinstance(v, (int, float)) and v == v}
+    flat = flatten(dict(metrics), prefix)
+    return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _key(name: Any) -> str:
