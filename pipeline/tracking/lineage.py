@@ -176,6 +176,8 @@ def dvc_stage_hashes(root: str | Path = ".") -> dict[str, str]:
     project) and DVC's errors (an invalid lock file)."""
     from dvc.dvcfile import Lockfile
 
+    if not (Path(root) / "dvc.lock").exists():
+        return {}
     with _open(root) as repo:
         data = Lockfile(repo, str(Path(repo.root_dir) / "dvc.lock")).load() or {}
     return {name: _run_cache_key(entry) for name, entry in (data.get("stages") or {}).items()}

@@ -323,7 +323,7 @@ class Tracker:
         if self.uri.startswith(("http://", "https://")):
             for var, value in HTTP_DEFAULTS.items():
                 os.environ.setdefault(var, value)
-        self._tags = self._run_tags()
+        self._tags.update(self._run_tags())
         if reason is None:
             try:
                 self._create_run()
