@@ -1,6 +1,7 @@
 """pipeline/tracking/tracker.py: rank-0 MLflow logging, batching, DVC/git tags, and the
-outage path; pipeline/tracking/lineage.py: DVC's stage hashes. Every MLflow store here is a SQLite file under tmp; the repo's
-mlflow.db is never touched (PIPELINE_ROOT points into tmp for every test)."""
+outage path; pipeline/tracking/lineage.py: DVC's stage hashes. Every MLflow store
+here is a SQLite file under tmp; the repo's mlflow.db is never touched
+(PIPELINE_ROOT points into tmp for every test)."""
 
 from __future__ import annotations
 
@@ -412,6 +413,25 @@ def test_failing_flush_mid_run_switches_to_offline(client, monkeypatch):
     assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == list(range(30))
     run = client.get_run(t.run_id)
     assert run.info.status == "FINISHED" and run.data.params["late"] == "1"
+
+
+@pytest.mark.timeout(60)
+def test_offline_artifacts_are_kept_even_if_the_file_is_gone_before_replay(tmp_path, monkeypatch, db, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    meta = tmp_path / "meta.json"
+    meta.write_text('{"step": 7}')
+    with pytest.warns(TrackingOfflineWarning):
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_artifact(meta)
+    meta.unlink()  # e.g. the next run rewrote its checkpoint folder
+
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    assert tracking.main(["replay", str(t.offline_path)]) == 0
+    run_id = capsys.readouterr().out.split()[-1]
+    local = MlflowClient(db[1]).download_artifacts(run_id, "meta.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == {"step": 7}
 
 
 def test_failure_while_ending_the_run_is_kept_offline(client, monkeypatch):
