@@ -1,5 +1,7 @@
 """Prefect flows over the DVC pipeline: ``python -m flows.pipeline`` runs it once,
-``python -m flows.retrain`` serves it on a cron schedule.
+``python -m flows.retrain`` serves it on a cron schedule. ``flows/runtime.py``
+holds what they need that does not import Prefect (running a stage, task options,
+the summary, the MLflow parent run).
 
 Two Prefect defaults are changed here, before any flow module imports Prefect
 (the caller's environment still wins):

@@ -20,7 +20,7 @@ no work. What Prefect adds on top:
 * the output of DVC and of the stage streamed line by line into the task's log;
 * a markdown artifact ``pipeline-summary``: each stage's status (ran, restored
   from DVC's run cache, skipped as unchanged, failed, not run), time and metrics;
-* one MLflow parent run per flow run (``pipeline.tracking.lineage.parent_run``); each
+* one MLflow parent run per flow run (``flows.runtime.parent_run``); each
   stage process gets ``MLFLOW_PARENT_RUN_ID``, so its own run nests under it.
 
 Stages run one at a time: ``dvc repro`` holds a repository-wide lock, so two
@@ -44,21 +44,18 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from pipeline.tracking.lineage import (
+from flows.runtime import (
     DEFAULT_RETRIES,
     DEFAULT_RETRY_DELAY_S,
-    StageInfo,
     base_env,
     dvc_bin,
-    load_stages,
     parent_run,
     parse_status,
-    read_metrics,
-    select,
     stream_command,
     summary_markdown,
     task_options,
 )
+from pipeline.tracking.lineage import StageInfo, load_stages, read_metrics, select
 
 TAIL_LINES = 40  # lines of a failed stage's output repeated in its error
 

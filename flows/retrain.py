@@ -42,7 +42,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline
-from pipeline.tracking.lineage import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages, load_stages, select
+from flows.runtime import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages
+from pipeline.tracking.lineage import load_stages, select
 
 DEPLOYMENT = "retrain"
 DEFAULT_CRON = "0 3 * * *"

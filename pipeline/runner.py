@@ -13,7 +13,7 @@ from pipeline import layout
 from pipeline.config import StageConfig, load_params
 from pipeline.errors import StageError
 from pipeline.files import write_json
-from pipeline.tracking.lineage import record_experiment
+from pipeline.tracking.tracker import metric_values, record_experiment
 
 log = logging.getLogger("pipeline")
 
@@ -22,18 +22,6 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
-
-
-def numeric_metrics(metrics: dict, prefix: str = "") -> dict[str, float]:
-    """The numbers in a (nested) metrics dict, with dotted names, for MLflow."""
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(numeric_metrics(v, f"{key}."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
-            out[key] = float(v)
-    return out
 
 
 def fail(stage: str, err: StageError, rank: int | None = None) -> NoReturn:
@@ -75,7 +63,7 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
             fail(stage, err)
         metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
         write_json(layout.metrics_path(stage), metrics)
-        tracker.log_metrics(numeric_metrics(metrics))
+        tracker.log_metrics(metric_values(metrics))
         for path in artifacts:
             tracker.log_artifact(path)
     record_experiment(stage, enabled=tracker.active and not tracker.offline)

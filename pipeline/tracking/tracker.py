@@ -1,4 +1,5 @@
-"""MLflow tracking for pipeline stages: rank-0 only, batched, and outage-proof.
+"""The project's thin layer over MLflow: one run per stage, logged from rank 0,
+nested under its pipeline run, tagged with its lineage, and never lost.
 
 Usage, in a stage or a trainer::
 
@@ -6,68 +7,48 @@ Usage, in a stage or a trainer::
 
     with Tracker("pretrain") as t:              # run name = stage name
         t.log_params(cfg)                       # config (model or dict), flattened to dotted names
-        t.log_params({"world_size": 2, "precision": "bf16"})
         for step in ...:
             t.log_metrics({"loss": loss, "lr": lr}, step=step)   # buffered
         t.log_artifact("models/pretrain/meta.json")
         t.log_dict(summary, "summary.json")
-    # t.run_id is None and t.offline is True when MLflow could not be reached.
 
-Where things go
-    * Project root (``project_root()``): ``$PIPELINE_ROOT``, else ``$DVC_ROOT``, else
-      the current directory. DVC sets ``DVC_ROOT`` for every stage command and, under
-      ``dvc exp run --temp`` / ``--queue``, points it at the *original* repository
-      rather than the temporary copy the stage runs in. So ``mlflow.db``,
-      ``mlartifacts/`` and ``.tracking-offline/`` land in the real repository and
-      survive DVC deleting that copy.
-    * Tracking URI (``tracking_uri()``): ``$MLFLOW_TRACKING_URI`` when set, else
-      ``sqlite:///<root>/mlflow.db``, the same database ``make mlflow`` serves.
-    * Experiment (``ensure_experiment()``): ``$MLFLOW_EXPERIMENT_NAME`` or
-      ``llm-pipeline``. When we create it, its artifact location is an absolute
-      ``file://`` URI (``artifact_location()``): ``<root>/mlartifacts`` for the
-      default database and for a server on this machine, the ``mlartifacts`` folder
-      beside the database for another SQLite URI, and the server's own default for
-      a remote server. ``make mlflow`` serves that same folder
-      (``--artifacts-destination``), so runs logged directly to ``mlflow.db`` show
-      up in its UI with their artifacts. Runs land in ``mlartifacts/<run id>/``;
-      experiments the server itself created use ``mlartifacts/<exp id>/<run id>/``.
-    * DVC files (``dvc.yaml``, ``dvc.lock``, ``params.yaml``) and git state are read
-      from the current directory: that is the copy whose code and params are running.
+What this module owns; the rest is MLflow's (batch splitting, value limits, the
+user and source tags from its context providers) or DVC's (``lineage.py``):
 
-Behaviour
-    * Only rank 0 logs (``rank`` argument, else ``$RANK``). Other ranks, and
-      ``enabled=False`` or ``PIPELINE_TRACKING=0``, get a no-op tracker that never
-      imports mlflow.
-    * Metrics are buffered and sent with ``MlflowClient.log_batch`` every
-      ``flush_every_s`` seconds or ``flush_every_n`` records, and at the end. Params
-      and tags are sent in batches as soon as they are logged.
-    * Runs are children of ``$MLFLOW_PARENT_RUN_ID`` when set, in the parent's
-      experiment so that the UI nests them.
-    * Outage: an http(s) server is probed at ``<uri>/health`` with a 3 s timeout
-      before mlflow is imported. If it is unreachable, or any MLflow call fails
-      later (start, a flush, an artifact, ending the run), the tracker emits one
-      ``TrackingOfflineWarning`` and from then on writes every record it would have
-      sent to ``<root>/.tracking-offline/<stage>-<utc time>-<pid>.jsonl``. Nothing is
-      raised. ``replay_offline()`` loads such a file into MLflow later. For http(s)
-      URIs the tracker also sets short MLflow HTTP retry and timeout defaults (see
-      ``HTTP_DEFAULTS``) unless the user already set them, so a server that dies
-      mid-run costs seconds, not MLflow's default minutes of retries.
+* Where: the project root is ``$PIPELINE_ROOT``, else ``$DVC_ROOT`` (under ``dvc
+  exp run --temp``/``--queue`` DVC points it at the real repository, not the
+  throw-away copy), else the current directory. The tracking URI is
+  ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db``, which ``make
+  mlflow`` serves. A new experiment (``$MLFLOW_EXPERIMENT_NAME`` or
+  ``llm-pipeline``) gets an absolute artifact root, ``<root>/mlartifacts``
+  (:func:`artifact_location`), so its artifacts outlive DVC's copies.
+* Who logs: rank 0 (``rank``, else ``$RANK``). Other ranks, ``enabled=False`` and
+  ``PIPELINE_TRACKING=0`` get a no-op tracker that never imports mlflow.
+* Naming and nesting: the run is named after the stage, and is a child of
+  ``$MLFLOW_PARENT_RUN_ID`` (a flow's parent run) in that run's experiment. Under
+  ``dvc exp run`` without one, each experiment gets its own parent run
+  (:func:`experiment_parent`), which :func:`record_experiment` keeps up to date.
+* Lineage tags: :func:`git_tags` of the current directory, ``dvc.stage``,
+  ``dvc.stage_hash`` (what ``dvc.lock`` will record for the stage),
+  ``dvc.exp_name`` and ``dvc.exp_baseline_rev``.
+* Batching: metrics are buffered and sent with one ``log_batch`` every
+  ``flush_every_s`` seconds or ``flush_every_n`` records, and at the end.
+* Outage: an http(s) server is probed at ``<uri>/health`` (3 s) first, and MLflow's
+  HTTP retries are cut to seconds (``HTTP_DEFAULTS``). When the server is
+  unreachable, or any MLflow call fails later, the tracker emits one
+  ``TrackingOfflineWarning`` and goes on logging, through MLflow, into a local
+  store ``<root>/.tracking-offline/<stage>-<utc time>-<pid>/`` (``mlflow.db`` and
+  ``mlartifacts/``; the run's tags, params and end status included). Nothing is
+  raised. ``python -m pipeline.tracking.tracker replay DIR`` loads it into the real
+  server later, into the same run when that still exists.
 
-Environment read: MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, MLFLOW_PARENT_RUN_ID,
-PIPELINE_ROOT, PIPELINE_TRACKING, RANK, MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING, and the
-variables DVC sets for stage commands: DVC_ROOT, DVC_STAGE, DVC_EXP_NAME and
-DVC_EXP_BASELINE_REV (the last two only under ``dvc exp run``; see
-``dvc/repo/experiments/queue/base.py`` and ``dvc/stage/run.py`` in dvc 3.67).
-
-Importing this module is cheap: mlflow, pydantic and the YAML parsers are imported
-inside the functions that need them.
+Importing this module is cheap: mlflow, DVC, pydantic and YAML are imported inside
+the functions that need them.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import getpass
-import hashlib
 import json
 import logging
 import os
@@ -77,7 +58,10 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import IO, Any, Iterator, Mapping
+from typing import Any, Callable, Mapping
+
+# current_stage_fingerprint and dvc_stage_hashes are re-exported: the trainer and stages import them from here.
+from pipeline.tracking.lineage import current_stage_fingerprint, dvc_stage_hashes, load_stages, read_metrics, select
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +70,8 @@ DB_FILE = "mlflow.db"
 ARTIFACTS_DIR = "mlartifacts"
 OFFLINE_DIR = ".tracking-offline"
 PROBE_TIMEOUT_S = 3.0
-
-# MLflow's limits from mlflow.utils.validation, copied so that this module imports
-# without mlflow; tests/pipeline/tracking/test_tracker.py checks that they still agree.
-MAX_PARAM_VAL_LENGTH = 6000
-MAX_TAG_VAL_LENGTH = 8000
-MAX_ENTITY_KEY_LENGTH = 250
-MAX_PARAMS_TAGS_PER_BATCH = 100
-MAX_ENTITIES_PER_BATCH = 1000
-TRUNCATED = "...[truncated]"
+EXPERIMENT_PARENT_NAME = "pipeline"
+MAX_TAG_VAL_LENGTH = 8000  # mlflow.utils.validation's; pipeline/promote.py cuts version tags to it
 
 # MLflow's own defaults retry for about four minutes with a 120 s timeout per try,
 # which would freeze a training loop whose server went away. These bound one failing
@@ -105,27 +82,24 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
 
-# Names MLflow accepts for params, metrics and tags (it also allows ':' off Windows;
-# we don't, so the same names work everywhere).
+# Names MLflow accepts everywhere (it raises on others, which would cost the batch).
 _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
+_MAX_KEY_LENGTH = 250
 
 
 class TrackingOfflineWarning(UserWarning):
-    """MLflow could not be reached or failed; records go to a local JSONL file."""
+    """MLflow could not be reached or failed; records go to a local store."""
 
 
 class TrackingWarning(UserWarning):
-    """A caller-side problem the tracker skipped (e.g. a conflicting param value)."""
+    """A caller-side problem the tracker skipped (a conflicting param value, a missing artifact)."""
 
 
 # --------------------------------------------------------------------------- where
 
 
 def project_root() -> Path:
-    """The directory that holds mlflow.db, mlartifacts/ and .tracking-offline/.
-
-    ``$PIPELINE_ROOT``, else ``$DVC_ROOT`` (the original repo even inside a
-    ``dvc exp run --temp`` copy), else the current directory; always absolute."""
+    """``$PIPELINE_ROOT``, else ``$DVC_ROOT``, else the current directory; absolute."""
     for var in ("PIPELINE_ROOT", "DVC_ROOT"):
         if os.environ.get(var):
             return Path(os.environ[var]).resolve()
@@ -141,13 +115,9 @@ def tracking_uri(root: str | Path | None = None) -> str:
 
 
 def artifact_location(uri: str | None = None, root: str | Path | None = None) -> str | None:
-    """The absolute artifact root to give a new experiment for ``uri``.
-
-    ``file://<root>/mlartifacts`` for a server on this machine too, so that an
-    experiment first created through ``make mlflow`` still takes artifacts when a
-    later run writes to ``mlflow.db`` directly (a proxied ``mlflow-artifacts:``
-    location needs the server). None for remote servers and databricks: the
-    server decides."""
+    """The absolute artifact root for a new experiment at ``uri``: ``mlartifacts``
+    beside a SQLite database, ``<root>/mlartifacts`` for a server on this machine
+    (so runs logged to ``mlflow.db`` directly share it), None for a remote server."""
     uri = uri or tracking_uri(root)
     if uri.startswith("databricks"):
         return None
@@ -169,8 +139,8 @@ def experiment_name() -> str:
 
 
 def ensure_experiment(name: str | None = None, *, uri: str | None = None, client: Any = None) -> str:
-    """Return the id of experiment ``name``, creating it with an absolute artifact
-    location if needed, and restoring it if it was deleted. Raises MLflow's errors."""
+    """The id of experiment ``name``, created with :func:`artifact_location` or
+    restored if deleted. Raises MLflow's errors."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -181,8 +151,7 @@ def ensure_experiment(name: str | None = None, *, uri: str | None = None, client
     if exp is None:
         try:
             return client.create_experiment(name, artifact_location=artifact_location(uri))
-        except MlflowException:
-            # Another rank-0 process (a parallel queued experiment) created it first.
+        except MlflowException:  # another rank-0 process (a parallel queued experiment) won the race
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
@@ -192,9 +161,8 @@ def ensure_experiment(name: str | None = None, *, uri: str | None = None, client
 
 
 def server_command(port: int = 5000, host: str = "127.0.0.1", root: str | Path | None = None) -> tuple[list[str], dict[str, str]]:
-    """argv and extra environment for a local MLflow UI over the default database;
-    the same command as ``make mlflow``. One worker and no job runner: healthy in
-    about 9 s, and no consumer processes left behind (see ENVIRONMENT.md)."""
+    """argv and extra environment for ``make mlflow``'s UI over the default database.
+    One worker and no job runner: healthy in about 9 s, and nothing left behind."""
     root = Path(root).resolve() if root is not None else project_root()
     mlflow_bin = Path(sys.executable).with_name("mlflow")
     argv = [
@@ -211,6 +179,7 @@ def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     probed (one GET of ``<uri>/health``, no retries); others are tried for real."""
     if not uri.startswith(("http://", "https://")):
         return None
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -220,194 +189,19 @@ def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     except urllib.error.HTTPError:
         return None  # it answered: reachable, even if /health is not served there
     except Exception as err:  # refused, timed out, DNS, or not speaking HTTP at all
-        import ssl
-
         reason = getattr(err, "reason", None) or err
         if isinstance(reason, ssl.SSLError):
             return None  # it answered; MLflow's own TLS settings may accept it
         return f"{uri} is unreachable ({reason})"
 
 
-# --------------------------------------------------------------------------- DVC
-
-
-def _load_yaml(path: Path) -> Any:
-    # DVC parses its files with ruamel (YAML 1.2); PyYAML (YAML 1.1) reads e.g. 1e-3
-    # as a string, which would change the hash. Fall back only if ruamel is missing.
-    text = path.read_text(encoding="utf-8")
-    try:
-        from ruamel.yaml import YAML
-    except ImportError:
-        import yaml
-
-        return yaml.safe_load(text)
-    return YAML(typ="safe").load(text)
-
-
-def _drop_keys(node: Any, names: tuple[str, ...]) -> Any:
-    if isinstance(node, list):
-        return [_drop_keys(x, names) for x in node]
-    if isinstance(node, dict):
-        return {k: _drop_keys(v, names) for k, v in node.items() if k not in names}
-    return node
-
-
-def lock_entry_hash(entry: Mapping[str, Any]) -> str:
-    """DVC's run-cache key for one stage's ``dvc.lock`` entry.
-
-    sha256 of the sorted JSON of cmd, deps (path and md5), params values and the
-    out *paths*, with ``size``/``nfiles`` removed at every level: what DVC 3
-    computes in ``dvc/stage/cache.py`` to name ``.dvc/cache/runs/<k[:2]>/<k>``. It
-    changes exactly when the stage's command, inputs or params change, and outputs
-    don't affect it."""
-    entry = dict(entry)
-    entry["outs"] = [out["path"] for out in entry.get("outs", [])]
-    data = _drop_keys(entry, ("size", "nfiles"))
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()
-
-
-def dvc_stage_hashes(root: str | Path = ".") -> dict[str, str]:
-    """``{stage: lock_entry_hash}`` for every stage recorded in ``root/dvc.lock``;
-    empty if there is no lock file. Raises on an unreadable lock file."""
-    lock = Path(root) / "dvc.lock"
-    if not lock.exists():
-        return {}
-    stages = (_load_yaml(lock) or {}).get("stages") or {}
-    return {name: lock_entry_hash(entry) for name, entry in stages.items()}
-
-
-def _md5_file(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _md5_dir(path: Path) -> str:
-    # DVC 3's directory hash: md5 of the sorted JSON list of {md5, relpath}, plus
-    # ".dir". .dvcignore patterns are not applied; DVC's own folders are skipped.
-    entries = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if d not in (".git", ".dvc", ".hg")]
-        for name in filenames:
-            full = Path(dirpath, name)
-            entries.append({"md5": _md5_file(full), "relpath": full.relative_to(path).as_posix()})
-    entries.sort(key=lambda e: e["relpath"])
-    return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
-
-
-def _path_of(item: Any) -> str:
-    return next(iter(item)) if isinstance(item, dict) else str(item)
-
-
-def _lookup(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
-
-
-def current_stage_fingerprint(stage: str, root: str | Path = ".") -> str | None:
-    """The :func:`lock_entry_hash` that ``dvc.lock`` will record for ``stage`` once
-    it finishes with the current inputs, computed from ``dvc.yaml``, ``params.yaml``
-    and the files on disk. Call it while the stage runs: the lock still holds the
-    previous run's entry then.
-
-    Deps that are an upstream stage's output path take their hash from that
-    stage's (already current) lock entry; other deps are hashed here, which costs
-    a read of those files. Returns None where this cannot mirror DVC: a stage not
-    in ``dvc.yaml``, ``foreach``/``matrix``/``${}`` templating, a ``wdir``, a
-    missing dep or param, or a non-YAML params file. Assumes DVC 3 (md5) hashing."""
-    root = Path(root)
-    try:
-        spec = ((_load_yaml(root / "dvc.yaml") or {}).get("stages") or {}).get(stage)
-        if not isinstance(spec, dict) or "cmd" not in spec:
-            return None
-        if {"foreach", "matrix", "wdir"} & spec.keys() or "${" in json.dumps(spec):
-            return None
-        lock_path = root / "dvc.lock"
-        lock_stages = ((_load_yaml(lock_path) or {}).get("stages") or {}) if lock_path.exists() else {}
-        upstream = {
-            out["path"]: out
-            for name, entry in lock_stages.items() if name != stage
-            for out in entry.get("outs", [])
-        }
-
-        deps = []
-        for path in sorted(_path_of(d) for d in spec.get("deps") or []):
-            if path in upstream:
-                deps.append({**upstream[path], "path": path})
-            elif (root / path).is_dir():
-                deps.append({"path": path, "hash": "md5", "md5": _md5_dir(root / path)})
-            elif (root / path).is_file():
-                deps.append({"path": path, "hash": "md5", "md5": _md5_file(root / path)})
-            else:
-                return None
-
-        params: dict[str, dict[str, Any]] = {}
-        for item in spec.get("params") or []:
-            files = item if isinstance(item, dict) else {"params.yaml": [item]}
-            for fname, keys in files.items():
-                if not fname.endswith((".yaml", ".yml")):
-                    return None
-                tree = _load_yaml(root / fname) or {}
-                values = params.setdefault(fname, {})
-                for key in keys or list(tree):
-                    values[key] = _lookup(tree, key)
-
-        entry: dict[str, Any] = {"cmd": spec["cmd"]}
-        if deps:
-            entry["deps"] = deps
-        if params:
-            entry["params"] = params
-        outs = [_path_of(o) for field in ("outs", "metrics", "plots") for o in spec.get(field) or []]
-        entry["outs"] = [{"path": p} for p in sorted(outs)]
-        return lock_entry_hash(entry)
-    except Exception as err:  # a missing key or a YAML syntax error must not stop a training run
-        log.debug("no DVC fingerprint for stage %r: %s", stage, err)
-        return None
-
-
-# --------------------------------------------------------------------------- git
-
-
-EXPERIMENT_PARENT_NAME = "pipeline"
-
-
-def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
-    """The run that groups every stage of one ``dvc exp run`` experiment: found by
-    its ``dvc.exp_name`` tag, or created (named ``pipeline``, like a flow's parent
-    run, with the whole params.yaml flattened as params) and marked finished at
-    once, since MLflow nests children under a finished parent just as well.
-    Stages of an experiment run one after another, so find-or-create is enough."""
-    from mlflow.entities import Param
-
-    found = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`dvc.exp_name` = '{exp_name}' and tags.`pipeline.parent` = 'true'",
-        max_results=1,
-    )
-    if found:
-        return found[0].info.run_id
-    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", **git_tags()}
-    if os.environ.get("DVC_EXP_BASELINE_REV"):
-        tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
-    run = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags)
-    params_file = Path("params.yaml")
-    if params_file.exists():
-        from pipeline.config import flatten
-
-        flat = flatten(_load_yaml(params_file) or {})
-        params = [Param(_key(k), _value(v, MAX_PARAM_VAL_LENGTH)) for k, v in flat.items()]
-        for i in range(0, len(params), 100):
-            client.log_batch(run.info.run_id, params=params[i:i + 100])
-    client.set_terminated(run.info.run_id, "FINISHED")
-    return run.info.run_id
+# --------------------------------------------------------------------------- values
 
 
 def git_tags(cwd: str | Path = ".") -> dict[str, str]:
-    """``mlflow.source.git.commit`` (HEAD, shown by the MLflow UI) and ``git.dirty``
-    ("true" if tracked files differ from HEAD); empty outside a git checkout."""
+    """``mlflow.source.git.commit`` of the checkout at ``cwd`` (MLflow's own tag
+    names the checkout of the main script, which need not be the project) and
+    ``git.dirty`` ("true" if tracked files differ from HEAD); empty outside git."""
 
     def git(*args: str) -> str | None:
         try:
@@ -426,27 +220,32 @@ def git_tags(cwd: str | Path = ".") -> dict[str, str]:
     return tags
 
 
-# --------------------------------------------------------------------------- values
+def metric_values(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric leaves of a (nested) metrics dict under dotted names, NaN kept;
+    strings, bools, lists and nulls are dropped, since an MLflow metric is a number."""
+    from pipeline.config import flatten
+
+    flat = flatten(dict(metrics), prefix)
+    return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _key(name: Any) -> str:
-    key = _BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_"
-    return key[:MAX_ENTITY_KEY_LENGTH]
+    return (_BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_")[:_MAX_KEY_LENGTH]
 
 
-def _value(value: Any, limit: int) -> str:
-    if isinstance(value, (list, tuple, dict)):
-        text = json.dumps(value, default=str)
-    else:
-        text = str(value)
-    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
+def _text(value: Any) -> str:
+    # MLflow cuts values that are too long itself.
+    return json.dumps(value, default=str) if isinstance(value, (list, tuple, dict)) else str(value)
 
 
 def _env_flag(name: str, default: bool) -> bool:
     raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    return raw not in ("0", "false", "no", "off")
+    return default if not raw else raw not in ("0", "false", "no", "off")
+
+
+def _short(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".splitlines()[0]
+    return text if len(text) <= 300 else text[:299] + "…"
 
 
 # --------------------------------------------------------------------------- tracker
@@ -460,9 +259,9 @@ class Tracker:
     and lets the exception propagate. No method raises because of MLflow; caller
     errors (a metric that is not a number) do raise.
 
-    Attributes: ``run_id`` (None on other ranks and when offline from the start),
-    ``offline`` (True once records go to ``offline_path``), ``active`` (rank 0 and
-    enabled)."""
+    Attributes: ``run_id`` (the server's run; None on other ranks and when offline
+    from the start), ``offline`` (True once records go to ``offline_path``),
+    ``active`` (rank 0 and enabled)."""
 
     def __init__(
         self,
@@ -473,53 +272,45 @@ class Tracker:
         system_metrics: bool | None = None,
         tags: Mapping[str, Any] | None = None,
         parent_run_id: str | None = None,
+        uri: str | None = None,
         flush_every_s: float = 10.0,
         flush_every_n: int = 1000,
     ) -> None:
         self.stage = stage
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        if enabled is None:
-            enabled = _env_flag("PIPELINE_TRACKING", True)
-        self.active = bool(enabled) and self.rank == 0
+        self.active = bool(_env_flag("PIPELINE_TRACKING", True) if enabled is None else enabled) and self.rank == 0
         if system_metrics is None:
             system_metrics = _env_flag("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", True)
         self.system_metrics = system_metrics
         self.parent_run_id = parent_run_id or os.environ.get("MLFLOW_PARENT_RUN_ID") or None
+        self.uri = uri
         self.flush_every_s = flush_every_s
         self.flush_every_n = flush_every_n
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.offline = False
         self.offline_path: Path | None = None
-        self.uri: str | None = None
 
         self._extra_tags = dict(tags or {})
-        self._client: Any = None
+        self._client: Any = None  # the server's client, or the offline store's; None: records are dropped
+        self._run: str | None = None  # the run id in that store
         self._monitor: Any = None
         self._started = self._ended = False
-        self._params: dict[str, str] = {}  # everything logged, for conflicts and the offline header
+        self._params: dict[str, str] = {}  # everything logged: conflicts, and the offline run's header
         self._tags: dict[str, str] = {}
         self._pending_params: dict[str, str] = {}
         self._pending_tags: dict[str, str] = {}
         self._pending_metrics: list[tuple[str, float, int, int]] = []  # key, value, ms, step
         self._last_flush = time.monotonic()
-        self._offline_file: IO[str] | None = None
         self._keys: dict[str, str] = {}
 
     # -- lifecycle
 
     def __enter__(self) -> Tracker:
-        self.start()
-        return self
+        return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if exc_type is None:
-            status = "FINISHED"
-        elif issubclass(exc_type, KeyboardInterrupt):
-            status = "KILLED"
-        else:
-            status = "FAILED"
-        self.end(status)
+        self.end("FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
         return False
 
     def start(self) -> Tracker:
@@ -527,9 +318,12 @@ class Tracker:
         if not self.active or self._started:
             return self
         self._started = True
-        self.uri = tracking_uri()
-        self._tags.update(self._run_tags())
+        self.uri = self.uri or tracking_uri()
         reason = probe(self.uri)
+        if self.uri.startswith(("http://", "https://")):
+            for var, value in HTTP_DEFAULTS.items():
+                os.environ.setdefault(var, value)
+        self._tags.update(self._run_tags())
         if reason is None:
             try:
                 self._create_run()
@@ -540,14 +334,9 @@ class Tracker:
         return self
 
     def _run_tags(self) -> dict[str, str]:
-        tags = {
-            "pipeline.stage": self.stage,
-            "dvc.stage": os.environ.get("DVC_STAGE") or self.stage,
-            "mlflow.user": _user(),
-            "mlflow.source.name": " ".join(sys.argv)[:MAX_TAG_VAL_LENGTH] or self.stage,
-            "mlflow.source.type": "LOCAL",
-        }
-        tags.update(git_tags())
+        from mlflow.tracking.context.registry import resolve_tags  # user, source name and type
+
+        tags = {"pipeline.stage": self.stage, "dvc.stage": os.environ.get("DVC_STAGE") or self.stage, **git_tags()}
         for var, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.exp_baseline_rev")):
             if os.environ.get(var):
                 tags[tag] = os.environ[var]
@@ -556,13 +345,10 @@ class Tracker:
             tags["dvc.stage_hash"] = fingerprint
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
-        tags.update({str(k): v for k, v in self._extra_tags.items()})
-        return {_key(k): _value(v, MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
+        tags.update(self._extra_tags)
+        return {_key(k): _text(v) for k, v in resolve_tags(tags).items()}
 
     def _create_run(self) -> None:
-        if self.uri.startswith(("http://", "https://")):
-            for var, value in HTTP_DEFAULTS.items():
-                os.environ.setdefault(var, value)
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
@@ -581,10 +367,10 @@ class Tracker:
             exp_id = ensure_experiment(uri=self.uri, client=client)
         exp_name = os.environ.get("DVC_EXP_NAME")
         if not self.parent_run_id and exp_name and self.stage != EXPERIMENT_PARENT_NAME:
-            self.parent_run_id = experiment_parent(client, exp_id, exp_name)
-            self._tags["mlflow.parentRunId"] = self.parent_run_id
+            self.parent_run_id = self._tags["mlflow.parentRunId"] = experiment_parent(client, exp_id, exp_name)
         run = client.create_run(exp_id, run_name=self.stage, tags=self._tags)
         self._client, self.experiment_id, self.run_id = client, exp_id, run.info.run_id
+        self._run = self.run_id
         log.info("MLflow run %s (%s) in experiment %s at %s", self.run_id, self.stage, exp_id, self.uri)
         if self.system_metrics:
             try:
@@ -602,45 +388,35 @@ class Tracker:
             return
         self.flush()
         self._ended = True
-        if not self.offline:
-            if self._monitor is not None:
-                self._monitor.finish()  # catches its own errors
-            try:
-                self._client.set_terminated(self.run_id, status)
-            except Exception as err:
-                self._go_offline(f"ending run {self.run_id} failed: {_short(err)}")
-        if self.offline:
-            self._write({"type": "end", "status": status, "time": time.time()})
-            self._close_offline()
+        if self._monitor is not None:
+            self._monitor.finish()  # catches its own errors
+        self._call(f"ending run {self.run_id}", lambda c, run: c.set_terminated(run, status))
 
     # -- logging
 
     def log_params(self, params: Any, prefix: str = "") -> None:
-        """Log a config (pydantic model or nested dict, flattened to dotted names)
-        plus any flat extras. Values are stringified and cut to MLflow's 6000-char
-        limit. Re-logging a key with a different value is skipped with a
-        TrackingWarning, since MLflow params are immutable."""
+        """Log a config (pydantic model or nested dict, flattened to dotted names).
+        Values are stringified (MLflow cuts long ones). Re-logging a key with a
+        different value is skipped with a TrackingWarning: MLflow params are immutable."""
         if not self.active:
             return
         from pipeline.config import flatten
 
         for key, value in flatten(params, prefix).items():
-            key, text = _key(key), _value(value, MAX_PARAM_VAL_LENGTH)
+            key, text = _key(key), _text(value)
             old = self._params.get(key)
             if old is not None and old != text:
                 warnings.warn(f"param {key!r} already logged as {old!r}; ignoring {text!r}", TrackingWarning, stacklevel=2)
-                continue
-            if old is None:
+            elif old is None:
                 self._params[key] = self._pending_params[key] = text
         self.flush()
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        """Set run tags (values cut to 8000 chars); sent at once in one batch."""
+        """Set run tags; sent at once in one batch."""
         if not self.active:
             return
         for key, value in tags.items():
-            key = _key(key)
-            self._tags[key] = self._pending_tags[key] = _value(value, MAX_TAG_VAL_LENGTH)
+            self._tags[_key(key)] = self._pending_tags[_key(key)] = _text(value)
         self.flush()
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -648,8 +424,7 @@ class Tracker:
         a value that is not a number, before anything is buffered."""
         if not self.active:
             return
-        now = int(time.time() * 1000)
-        step = int(step or 0)
+        now, step = int(time.time() * 1000), int(step or 0)
         rows = []
         for name, value in metrics.items():
             key = self._keys.get(name)
@@ -660,9 +435,6 @@ class Tracker:
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
-    def log_metric(self, key: str, value: Any, step: int | None = None) -> None:
-        self.log_metrics({key: value}, step)
-
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file, or a directory under its own name, into the run's
         artifacts. A missing path is skipped with a TrackingWarning."""
@@ -671,34 +443,20 @@ class Tracker:
         path = Path(path)
         if not path.exists():
             warnings.warn(f"artifact {path} does not exist; skipped", TrackingWarning, stacklevel=2)
-            return
-        if not self.offline:
-            try:
-                if path.is_dir():
-                    dest = f"{artifact_path}/{path.name}" if artifact_path else path.name
-                    self._client.log_artifacts(self.run_id, str(path), dest)
-                else:
-                    self._client.log_artifact(self.run_id, str(path), artifact_path)
-                return
-            except Exception as err:
-                self._go_offline(f"uploading {path} failed: {_short(err)}")
-        # The file stays where it is; the record says where to find it for replay.
-        self._write({"type": "artifact", "local_path": str(path.resolve()), "artifact_path": artifact_path})
+        elif path.is_dir():
+            dest = f"{artifact_path}/{path.name}" if artifact_path else path.name
+            self._call(f"uploading {path}", lambda c, run: c.log_artifacts(run, str(path), dest))
+        else:
+            self._call(f"uploading {path}", lambda c, run: c.log_artifact(run, str(path), artifact_path))
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
         """Store ``data`` as a JSON/YAML artifact named ``artifact_file``."""
-        if not self.active or not self._started:
-            return
-        if not self.offline:
-            try:
-                self._client.log_dict(self.run_id, data, artifact_file)
-                return
-            except Exception as err:
-                self._go_offline(f"logging {artifact_file} failed: {_short(err)}")
-        self._write({"type": "dict", "artifact_file": artifact_file, "data": data})
+        if self.active and self._started:
+            self._call(f"logging {artifact_file}", lambda c, run: c.log_dict(run, data, artifact_file))
 
     def flush(self) -> None:
-        """Send (or, offline, write) everything buffered. Never raises for MLflow."""
+        """Send everything buffered in one ``log_batch`` (MLflow splits it to its
+        request limits). Never raises for MLflow."""
         self._last_flush = time.monotonic()
         if not self.active or not self._started or self._ended:
             return
@@ -706,37 +464,36 @@ class Tracker:
         if not (params or tags or metrics):
             return
         self._pending_params, self._pending_tags, self._pending_metrics = {}, {}, []
-        if not self.offline:
-            chunks = list(_chunks(list(params.items()), list(tags.items()), metrics))
-            for i, (p, t, m) in enumerate(chunks):
-                try:
-                    self._send(p, t, m)
-                except Exception as err:
-                    # Unknown how much of this chunk landed; keep it and the rest locally.
-                    self._go_offline(f"log_batch to {self.uri} failed: {_short(err)}")
-                    for p, t, m in chunks[i:]:
-                        self._write_records(dict(p), dict(t), m)
-                    return
-            return
-        self._write_records(params, tags, metrics)
-
-    def _send(self, params: list, tags: list, metrics: list) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
-        self._client.log_batch(
-            self.run_id,
-            metrics=[Metric(k, v, ts, s) for k, v, ts, s in metrics],
-            params=[Param(k, v) for k, v in params],
-            tags=[RunTag(k, v) for k, v in tags],
-            synchronous=True,
-        )
+        batch = {
+            "metrics": [Metric(*row) for row in metrics],
+            "params": [Param(k, v) for k, v in params.items()],
+            "tags": [RunTag(k, v) for k, v in tags.items()],
+        }
+        self._call(f"log_batch to {self.uri}", lambda c, run: c.log_batch(run, **batch, synchronous=True))
 
-    # -- offline
+    # -- outage
+
+    def _call(self, what: str, fn: Callable[[Any, str], Any]) -> None:
+        """``fn(client, run_id)``; if it fails on the server, go offline and do it
+        again in the offline store (unknown how much landed: it is all kept)."""
+        while self._client is not None:
+            try:
+                fn(self._client, self._run)
+                return
+            except Exception as err:
+                if self.offline:
+                    log.error("%s failed in the offline store %s: %s", what, self.offline_path, _short(err))
+                    return
+                self._go_offline(f"{what} failed: {_short(err)}")
 
     def _go_offline(self, reason: str) -> None:
+        """Switch to a fresh local MLflow store holding this run's tags and params so far."""
         if self.offline:
             return
         self.offline = True
+        self._client = None
         if self._monitor is not None:
             # Don't join it: its thread may be stuck in a request to the dead server.
             event = getattr(self._monitor, "_shutdown_event", None)
@@ -744,168 +501,174 @@ class Tracker:
                 event.set()
             self._monitor = None
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        path = project_root() / OFFLINE_DIR / f"{self.stage}-{stamp}-{os.getpid()}.jsonl"
+        path = project_root() / OFFLINE_DIR / f"{self.stage}-{stamp}-{os.getpid()}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._offline_file = open(path, "a", encoding="utf-8", buffering=1)
-            self.offline_path = path
-        except OSError as err:
-            reason += f"; and {path} is not writable ({err}), so records are dropped"
+            from mlflow import MlflowClient
+            from mlflow.entities import Param
+
+            path.mkdir(parents=True, exist_ok=True)
+            uri = offline_uri(path)
+            client = MlflowClient(uri)
+            offline_tags = {"pipeline.offline.reason": reason[:1000], "pipeline.offline.tracking_uri": self.uri}
+            if self.run_id:
+                offline_tags["pipeline.offline.run_id"] = self.run_id
+            run = client.create_run(ensure_experiment(uri=uri, client=client), run_name=self.stage,
+                                    tags={**self._tags, **offline_tags})
+            client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in self._params.items()])
+            self._client, self._run, self.offline_path = client, run.info.run_id, path
+        except Exception as err:
+            reason += f"; and the offline store {path} failed ({_short(err)}), so records are dropped"
         warnings.warn(
             f"MLflow tracking is offline for stage {self.stage!r}: {reason}. "
-            f"Training continues; records go to {self.offline_path}.",
+            f"Training continues; records go to {self.offline_path} "
+            f"(load them later with `python -m pipeline.tracking.tracker replay DIR`).",
             TrackingOfflineWarning,
             stacklevel=3,
         )
-        self._write({
-            "type": "run", "stage": self.stage, "experiment": experiment_name(), "tracking_uri": self.uri,
-            "run_id": self.run_id, "parent_run_id": self.parent_run_id, "reason": reason, "time": time.time(),
-        })
-        # The header repeats what was already sent, so the file alone can rebuild the run.
-        self._write({"type": "tags", "tags": self._tags})
-        if self._params:
-            self._write({"type": "params", "params": self._params})
-
-    def _write_records(self, params: Mapping[str, str], tags: Mapping[str, str], metrics: list) -> None:
-        if params:
-            self._write({"type": "params", "params": dict(params)})
-        if tags:
-            self._write({"type": "tags", "tags": dict(tags)})
-        for key, value, ts, step in metrics:
-            self._write({"type": "metric", "key": key, "value": value, "timestamp": ts, "step": step})
-
-    def _write(self, record: dict) -> None:
-        if self._offline_file is None:
-            return
-        try:
-            self._offline_file.write(json.dumps(record, default=str) + "\n")
-        except (OSError, ValueError) as err:
-            log.error("cannot write %s: %s", self.offline_path, err)
-
-    def _close_offline(self) -> None:
-        if self._offline_file is None:
-            return
-        try:
-            self._offline_file.flush()
-            os.fsync(self._offline_file.fileno())
-            self._offline_file.close()
-        except (OSError, ValueError) as err:
-            log.error("cannot close %s: %s", self.offline_path, err)
-        self._offline_file = None
 
 
-def _chunks(params: list, tags: list, metrics: list) -> Iterator[tuple[list, list, list]]:
-    """Split into log_batch calls within MLflow's per-request limits."""
-    while params or tags or metrics:
-        p, params = params[:MAX_PARAMS_TAGS_PER_BATCH], params[MAX_PARAMS_TAGS_PER_BATCH:]
-        t, tags = tags[:MAX_PARAMS_TAGS_PER_BATCH], tags[MAX_PARAMS_TAGS_PER_BATCH:]
-        room = MAX_ENTITIES_PER_BATCH - len(p) - len(t)
-        m, metrics = metrics[:room], metrics[room:]
-        yield p, t, m
+# --------------------------------------------------------------------------- dvc exp run
 
 
-def _short(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".splitlines()[0]
-    return text if len(text) <= 300 else text[:299] + "…"
+def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
+    """The run that groups every stage of one ``dvc exp run`` experiment: found by
+    its ``dvc.exp_name`` tag, or created (named ``pipeline``, like a flow's parent
+    run, with the whole params.yaml flattened as params) and marked finished at
+    once, since MLflow nests children under a finished parent just as well.
+    Stages of an experiment run one after another, so find-or-create is enough."""
+    from mlflow.entities import Param
+
+    from pipeline.config import flatten, load_yaml
+
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`dvc.exp_name` = '{exp_name}' and tags.`pipeline.parent` = 'true'",
+        max_results=1,
+    )
+    if found:
+        return found[0].info.run_id
+    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", **git_tags()}
+    if os.environ.get("DVC_EXP_BASELINE_REV"):
+        tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
+    run_id = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags).info.run_id
+    if Path("params.yaml").exists():
+        flat = flatten(load_yaml("params.yaml") or {})
+        client.log_batch(run_id, params=[Param(_key(k), _text(v)) for k, v in flat.items()])
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
 
 
-def _user() -> str:
+def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) -> None:
+    """Under ``dvc exp run``: bring the experiment's parent run (:func:`experiment_parent`)
+    up to date once ``stage`` has written its metrics, so that it carries what a
+    flow's parent carries: metrics ``<stage>.<key>`` of ``stage`` and every stage
+    upstream of it in DVC's graph (whether they ran here or were restored from the
+    run cache), and tags ``dvc.stage_hash.<stage>`` (``stage`` itself as DVC will
+    record it).
+
+    ``root`` is the workspace the stage runs in (the temporary copy under
+    ``--temp``/``--queue``), not ``DVC_ROOT``. A no-op outside an experiment, off
+    rank 0, with tracking off, or when MLflow is unreachable; never raises."""
+    exp_name = os.environ.get("DVC_EXP_NAME")
+    if not (enabled and exp_name and _env_flag("PIPELINE_TRACKING", True)) or int(os.environ.get("RANK", "0")) != 0:
+        return
+    uri = tracking_uri()
+    reason = probe(uri)
+    if reason:
+        log.warning("experiment %s: parent run not updated: %s", exp_name, reason)
+        return
     try:
-        return getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        return "unknown"
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, RunTag
+
+        stages = select(load_stages(root), [stage])
+        metrics: dict[str, float] = {}
+        for s in stages:
+            metrics.update(metric_values(read_metrics(root, s), s.name))
+        names = {s.name for s in stages}
+        tags = {f"dvc.stage_hash.{k}": v for k, v in dvc_stage_hashes(root).items() if k in names}
+        own = current_stage_fingerprint(stage, root)
+        if own:
+            tags[f"dvc.stage_hash.{stage}"] = own
+        client = MlflowClient(uri)
+        parent = experiment_parent(client, ensure_experiment(uri=uri, client=client), exp_name)
+        now = int(time.time() * 1000)
+        client.log_batch(parent, metrics=[Metric(_key(k), v, now, 0) for k, v in metrics.items()],
+                         tags=[RunTag(_key(k), v) for k, v in tags.items()])
+    except Exception as err:  # the stage already succeeded; lineage must not fail it
+        log.warning("experiment %s: parent run not updated: %s", exp_name, err)
 
 
 # --------------------------------------------------------------------------- replay
 
 
-def read_offline(path: str | Path) -> list[dict]:
-    """The records of an offline file; a torn last line (a crash mid-write) is dropped."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("%s: skipped a malformed line", path)
-    return records
+def offline_uri(path: str | Path) -> str:
+    """The MLflow URI of an offline store: its folder, or the ``mlflow.db`` in it."""
+    path = Path(path).resolve()
+    return f"sqlite:///{path / DB_FILE if path.is_dir() or not path.suffix else path}"
 
 
 def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
-    """Load an offline JSONL file into MLflow and return the run id.
+    """Load the run of an offline store into MLflow (``uri``, default
+    :func:`tracking_uri`) and return its run id there.
 
-    The records go into the run named in the file if it still exists (the server
-    died mid-run), else into a new run named after the stage (under its parent, if
-    it had one). The run is marked with the recorded end status, or FAILED if the
-    file has none. Raises MLflow's errors: this is an offline tool, not a trainer."""
+    The records go into the run the tracker had started on the server if it still
+    exists (the server died mid-run), else into a new run named after the stage
+    (under its parent, if that exists). The run ends with the status the tracker
+    gave it, or FAILED if the process died first. Raises MLflow's errors: this is
+    an offline tool, not a trainer."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.exceptions import MlflowException
+    from mlflow.utils.file_utils import local_file_uri_to_path
 
-    records = read_offline(path)
-    header = next((r for r in records if r["type"] == "run"), {})
-    uri = uri or tracking_uri()
-    client = MlflowClient(uri)
-    params: dict[str, str] = {}
-    tags: dict[str, str] = {}
-    metrics = []
-    for r in records:
-        if r["type"] == "params":
-            params.update(r["params"])
-        elif r["type"] == "tags":
-            tags.update(r["tags"])
-        elif r["type"] == "metric":
-            metrics.append(Metric(r["key"], float(r["value"]), r["timestamp"], r["step"]))
-
-    run_id = header.get("run_id")
+    src = MlflowClient(offline_uri(path))
+    (run,) = src.search_runs([e.experiment_id for e in src.search_experiments()])
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("pipeline.offline.")}
+    client = MlflowClient(uri or tracking_uri())
+    run_id = run.data.tags.get("pipeline.offline.run_id")
     if run_id:
         try:
             client.get_run(run_id)
         except MlflowException:
             run_id = None
     if run_id is None:
-        exp_id = ensure_experiment(header.get("experiment"), uri=uri, client=client)
-        parent = tags.get("mlflow.parentRunId")
-        if parent:
+        exp_name = src.get_experiment(run.info.experiment_id).name
+        exp_id = ensure_experiment(exp_name, uri=client.tracking_uri, client=client)
+        if "mlflow.parentRunId" in tags:
             try:
-                exp_id = client.get_run(parent).info.experiment_id
+                exp_id = client.get_run(tags["mlflow.parentRunId"]).info.experiment_id
             except MlflowException:
                 tags.pop("mlflow.parentRunId")
-        run_id = client.create_run(exp_id, run_name=header.get("stage"), tags=tags).info.run_id
-    for p, t, m in _chunks([Param(k, v) for k, v in params.items()], [RunTag(k, v) for k, v in tags.items()], metrics):
-        client.log_batch(run_id, metrics=m, params=p, tags=t, synchronous=True)
-    for r in records:
-        if r["type"] == "artifact" and Path(r["local_path"]).exists():
-            local = Path(r["local_path"])
-            if local.is_dir():
-                dest = f"{r['artifact_path']}/{local.name}" if r["artifact_path"] else local.name
-                client.log_artifacts(run_id, str(local), dest)
-            else:
-                client.log_artifact(run_id, str(local), r["artifact_path"])
-        elif r["type"] == "dict":
-            client.log_dict(run_id, r["data"], r["artifact_file"])
-    end = next((r for r in reversed(records) if r["type"] == "end"), None)
-    client.set_terminated(run_id, end["status"] if end else "FAILED")
+        run_id = client.create_run(exp_id, run_name=run.info.run_name, tags=tags).info.run_id
+    metrics = [Metric(m.key, m.value, m.timestamp, m.step)
+               for key in run.data.metrics for m in src.get_metric_history(run.info.run_id, key)]
+    client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in run.data.params.items()],
+                     tags=[RunTag(k, v) for k, v in tags.items()])
+    artifacts = Path(local_file_uri_to_path(run.info.artifact_uri))
+    if artifacts.is_dir() and any(artifacts.iterdir()):
+        client.log_artifacts(run_id, str(artifacts))
+    client.set_terminated(run_id, run.info.status if run.info.status in ("FINISHED", "FAILED", "KILLED") else "FAILED")
     return run_id
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.tracking.tracker ui [--port N]`` runs the local MLflow UI;
-    ``python -m pipeline.tracking.tracker replay FILE...`` loads offline files."""
+    ``python -m pipeline.tracking.tracker replay DIR...`` loads offline stores."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m pipeline.tracking.tracker")
     sub = parser.add_subparsers(dest="cmd", required=True)
     ui = sub.add_parser("ui", help="serve the project's mlflow.db and mlartifacts/")
     ui.add_argument("--port", type=int, default=5000)
-    rp = sub.add_parser("replay", help="load .tracking-offline/*.jsonl files into MLflow")
-    rp.add_argument("files", nargs="+", type=Path)
+    rp = sub.add_parser("replay", help="load .tracking-offline/<run>/ stores into MLflow")
+    rp.add_argument("dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.cmd == "ui":
         cmd, env = server_command(args.port)
         os.execvpe(cmd[0], cmd, {**os.environ, **env})
-    for f in args.files:
-        print(f"{f} -> run {replay_offline(f)}")
+    for d in args.dirs:
+        print(f"{d} -> run {replay_offline(d)}")
     return 0
 
 

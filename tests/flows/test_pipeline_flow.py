@@ -1,5 +1,5 @@
-"""flows/pipeline.py and pipeline/tracking/lineage.py: the stage graph comes from DVC, data
-stages get retries and training stages don't, timeouts kill the whole stage, a
+"""flows/pipeline.py, flows/runtime.py and pipeline/tracking/lineage.py: the stage
+graph comes from DVC, data stages get retries and training stages don't, timeouts kill the whole stage, a
 second run is a no-op by DVC's own account, and MLflow gets one parent run per
 flow run with each stage's run nested under it.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows import runtime
 from pipeline.tracking import lineage
 from pipeline.tracking.lineage import StageInfo
 from tests.conftest import BIN, ROOT, project_copy
@@ -149,24 +150,24 @@ def test_task_options_retry_data_stages_only_and_time_out_as_configured():
     evaluate = StageInfo("evaluate", "x", deps=("models/sft",), outs=("data/evaluate",))
     assert data.is_data_stage and not train.is_data_stage and not evaluate.is_data_stage
 
-    opts = lineage.task_options(data, retries=3, retry_delay_s=5)
+    opts = runtime.task_options(data, retries=3, retry_delay_s=5)
     assert (opts["retries"], opts["retry_delay_seconds"]) == (3, 5)
-    assert opts["timeout_seconds"] == lineage.DATA_TIMEOUT_S
+    assert opts["timeout_seconds"] == runtime.DATA_TIMEOUT_S
     assert opts["task_run_name"] == "clean"
-    opts = lineage.task_options(train, retries=3)
+    opts = runtime.task_options(train, retries=3)
     assert (opts["retries"], opts["timeout_seconds"]) == (0, None)
 
-    assert lineage.task_options(train, timeouts={"pretrain": 60})["timeout_seconds"] == 60
-    assert lineage.task_options(train, timeouts={"*": 90})["timeout_seconds"] == 90
-    assert lineage.task_options(data, timeouts={"clean": 0, "*": 90})["timeout_seconds"] is None
-    assert lineage.task_options(train, retries=2, retry_stages=["pretrain"])["retries"] == 2
-    assert lineage.task_options(data, retries=2, retry_stages=[])["retries"] == 0
+    assert runtime.task_options(train, timeouts={"pretrain": 60})["timeout_seconds"] == 60
+    assert runtime.task_options(train, timeouts={"*": 90})["timeout_seconds"] == 90
+    assert runtime.task_options(data, timeouts={"clean": 0, "*": 90})["timeout_seconds"] is None
+    assert runtime.task_options(train, retries=2, retry_stages=["pretrain"])["retries"] == 2
+    assert runtime.task_options(data, retries=2, retry_stages=[])["retries"] == 0
 
 
 def test_parse_status_reads_what_dvc_did():
-    assert lineage.parse_status(["Running stage 'pack':", "> python -m stages.pack"]) == "ran"
-    assert lineage.parse_status(["Stage 'pack' is cached - skipping run, checking out outputs"]) == "restored"
-    assert lineage.parse_status(["Stage 'pack' didn't change, skipping", "Data and pipelines are up to date."]) == "skipped"
+    assert runtime.parse_status(["Running stage 'pack':", "> python -m stages.pack"]) == "ran"
+    assert runtime.parse_status(["Stage 'pack' is cached - skipping run, checking out outputs"]) == "restored"
+    assert runtime.parse_status(["Stage 'pack' didn't change, skipping", "Data and pipelines are up to date."]) == "skipped"
 
 
 def test_summary_lists_every_stage_with_its_status_and_metrics():
@@ -175,7 +176,7 @@ def test_summary_lists_every_stage_with_its_status_and_metrics():
         {"stage": "ingest", "status": "skipped", "seconds": 1.0, "metrics": {"docs": 10, "seconds": 3.0}},
         {"stage": "clean", "status": "failed", "seconds": None, "metrics": {}},
     ]
-    md = lineage.summary_markdown(stages, results)
+    md = runtime.summary_markdown(stages, results)
     assert "**0 of 3 stages ran**" in md
     assert "| ingest | skipped | 1.0 | docs=10 |" in md  # the stage's own seconds metric is not repeated
     assert "| clean | failed |  | - |" in md
@@ -183,10 +184,10 @@ def test_summary_lists_every_stage_with_its_status_and_metrics():
 
 
 def test_child_env_makes_stage_runs_children_of_the_parent():
-    env = lineage.ParentRun(root=Path("."), uri="sqlite:////x/mlflow.db", run_id="abc").child_env({"A": "1"})
+    env = runtime.ParentRun(root=Path("."), uri="sqlite:////x/mlflow.db", run_id="abc").child_env({"A": "1"})
     assert env == {"A": "1", "MLFLOW_PARENT_RUN_ID": "abc", "MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"}
     # No parent (tracking off): an inherited id must not leak into the stages.
-    env = lineage.ParentRun(root=Path("."), uri="u").child_env({"MLFLOW_PARENT_RUN_ID": "stale"})
+    env = runtime.ParentRun(root=Path("."), uri="u").child_env({"MLFLOW_PARENT_RUN_ID": "stale"})
     assert "MLFLOW_PARENT_RUN_ID" not in env
 
 
@@ -210,7 +211,7 @@ def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
 
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        lineage.stream_command([sys.executable, str(script)], tmp_path, dict(os.environ), emit, kill_grace_s=1.0)
+        runtime.stream_command([sys.executable, str(script)], tmp_path, dict(os.environ), emit, kill_grace_s=1.0)
     child = int(next(line for line in seen if line.startswith("pids ")).split()[1])
     deadline = time.monotonic() + 5
     while alive(child) and time.monotonic() < deadline:
@@ -221,7 +222,7 @@ def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
 
 def test_stream_command_returns_exit_code_and_lines_in_order(tmp_path):
     got: list[str] = []
-    code, lines = lineage.stream_command(
+    code, lines = runtime.stream_command(
         [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
         tmp_path, dict(os.environ), got.append)
     assert code == 3 and lines == got and set(lines) == {"out", "err"}
@@ -292,7 +293,7 @@ def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
     first = run_flow(root, env, "--targets", "pack")
     assert first.returncode == 0, first.stdout[-5000:]
     assert statuses(first.stdout) == {s: "ran" for s in DATA_STAGES}
-    assert not {k: v for k, v in lineage.changed_stages(root).items() if k in DATA_STAGES}, "DVC: all up to date"
+    assert not {k: v for k, v in runtime.changed_stages(root).items() if k in DATA_STAGES}, "DVC: all up to date"
     lock = (root / "dvc.lock").read_bytes()
     mtimes = {p: p.stat().st_mtime_ns for s in DATA_STAGES for p in (root / "metrics").glob(f"{s}.json")}
     assert len(mtimes) == len(DATA_STAGES)
@@ -319,7 +320,7 @@ def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
     assert set(p1.data.metrics) == set(p2.data.metrics), "metric names are the same across runs"
     assert any(k.startswith("pack.") for k in p1.data.metrics)
 
-    if "Tracker" in (ROOT / "pipeline" / "cli.py").read_text():  # per-stage child runs
+    if "Tracker" in (ROOT / "pipeline" / "runner.py").read_text():  # per-stage child runs
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p1.info.run_id]
         assert sorted(r.info.run_name for r in children) == sorted(DATA_STAGES)
         for c in children:
@@ -394,7 +395,7 @@ def test_editing_only_evaluate_params_makes_dvc_rerun_only_evaluate_and_descenda
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     r = subprocess.run([str(BIN / "dvc"), "commit", "-f", "-q"], cwd=root, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert lineage.changed_stages(root) == {}, "baseline: DVC sees everything up to date"
+    assert runtime.changed_stages(root) == {}, "baseline: DVC sees everything up to date"
 
     params = yaml.safe_load((root / "params.yaml").read_text())
     tracked = next(p for p in spec["evaluate"]["params"] if isinstance(p, str))  # "evaluate" or "evaluate.key"
@@ -409,7 +410,7 @@ def test_editing_only_evaluate_params_makes_dvc_rerun_only_evaluate_and_descenda
     parent[leaf[-1]] = _changed_value(parent[leaf[-1]])
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
-    changed = set(lineage.changed_stages(root))
+    changed = set(runtime.changed_stages(root))
     allowed = {"evaluate"} | lineage.descendants(stages, "evaluate")
     assert "evaluate" in changed, f"editing {'.'.join(leaf)} did not make evaluate stale"
     assert changed <= allowed, f"editing {'.'.join(leaf)} also invalidated {sorted(changed - allowed)}"

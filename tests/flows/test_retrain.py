@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.tracking.lineage import changed_stages, stop_group
+from flows.runtime import changed_stages, stop_group
 from tests.conftest import BIN, project_copy
 
 pytestmark = pytest.mark.slow

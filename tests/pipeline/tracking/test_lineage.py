@@ -1,5 +1,5 @@
-"""Lineage helpers that read dvc.yaml directly (inside a running stage, where DVC
-holds the repo lock)."""
+"""pipeline/tracking/lineage.py: the upstream closure of a stage, from DVC's own
+stage graph (the same one the flows run)."""
 
 from pipeline.tracking.lineage import upstream_closure
 from tests.conftest import ROOT
@@ -13,6 +13,9 @@ def test_upstream_closure_follows_outputs_in_dvc_yaml_order():
 
 
 def test_upstream_closure_matches_deps_under_an_output_folder_only(tmp_path):
+    from dvc.repo import Repo
+
+    Repo.init(str(tmp_path), no_scm=True).close()
     (tmp_path / "dvc.yaml").write_text(
         "stages:\n"
         "  a: {cmd: x, outs: [data/a]}\n"

@@ -1,6 +1,7 @@
 """pipeline/tracking/tracker.py: rank-0 MLflow logging, batching, DVC/git tags, and the
-outage path. Every MLflow store here is a SQLite file under tmp; the repo's
-mlflow.db is never touched (PIPELINE_ROOT points into tmp for every test)."""
+outage path; pipeline/tracking/lineage.py: DVC's stage hashes. Every MLflow store
+here is a SQLite file under tmp; the repo's mlflow.db is never touched
+(PIPELINE_ROOT points into tmp for every test)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pipeline.tracking.tracker import (
     artifact_location,
     current_stage_fingerprint,
     dvc_stage_hashes,
-    read_offline,
+    offline_uri,
     replay_offline,
     server_command,
     tracking_uri,
@@ -108,6 +109,15 @@ def offline_warnings(caught) -> list:
     return [w for w in caught if issubclass(w.category, TrackingOfflineWarning)]
 
 
+def offline_run(tracker):
+    """The client of a tracker's offline store, and the one run in it."""
+    from mlflow import MlflowClient
+
+    local = MlflowClient(offline_uri(tracker.offline_path))
+    (run,) = local.search_runs([e.experiment_id for e in local.search_experiments()])
+    return local, run
+
+
 # --------------------------------------------------------------------------- import, locations
 
 
@@ -160,20 +170,18 @@ def test_server_command_matches_make_mlflow(tmp_path):
         assert "--artifacts-destination $(abspath mlartifacts)" in text
 
 
-def test_copied_limits_match_mlflow():
-    from mlflow.utils import validation
-
-    assert tracking.MAX_PARAM_VAL_LENGTH == validation.MAX_PARAM_VAL_LENGTH
-    assert tracking.MAX_TAG_VAL_LENGTH == validation.MAX_TAG_VAL_LENGTH
-    assert tracking.MAX_ENTITY_KEY_LENGTH == validation.MAX_ENTITY_KEY_LENGTH
-    assert tracking.MAX_PARAMS_TAGS_PER_BATCH == validation.MAX_PARAMS_TAGS_PER_BATCH
-    assert tracking.MAX_ENTITIES_PER_BATCH == validation.MAX_ENTITIES_PER_BATCH
+def test_metric_values_are_the_numeric_leaves_under_dotted_names():
+    flat = tracking.metric_values({"sft": {"bits_per_byte": 1.5, "ok": True, "note": "x", "n": None},
+                                   "steps": 3, "bad": float("nan"), "sizes": [1, 2]}, "eval")
+    assert flat.keys() == {"eval.sft.bits_per_byte", "eval.steps", "eval.bad"}
+    assert flat["eval.sft.bits_per_byte"] == 1.5 and flat["eval.steps"] == 3.0 and flat["eval.bad"] != flat["eval.bad"]
 
 
 # --------------------------------------------------------------------------- online
 
 
 def test_params_are_flattened_truncated_and_batched(client, batch_calls):
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
     from pydantic import BaseModel
 
     class Model(BaseModel):
@@ -192,13 +200,12 @@ def test_params_are_flattened_truncated_and_batched(client, batch_calls):
     params = client.get_run(t.run_id).data.params
     assert params["pretrain.model.n_layer"] == "4"
     assert params["pretrain.model.betas"] == "[0.9, 0.95]"
-    assert len(params["pretrain.note"]) == tracking.MAX_PARAM_VAL_LENGTH
-    assert params["pretrain.note"].endswith(tracking.TRUNCATED)
+    assert params["pretrain.note"] == "x" * MAX_PARAM_VAL_LENGTH  # cut to MLflow's limit, not an error
     assert params["world_size"] == "2" and params["precision"] == "bf16"
     assert params["opt.lr"] == "0.0003" and params["bad key_"] == "1"
     assert all(params[k] == str(v) for k, v in wide.items())
-    # one batch per log_params call, plus one more for the 150-wide one; end adds none
-    assert batch_calls["log_batch"] == 4
+    # one batch per log_params call (MLflow splits the 150-wide one to its request limit); end adds none
+    assert batch_calls["log_batch"] == 3
 
 
 def test_conflicting_param_is_skipped_not_fatal(client):
@@ -250,6 +257,9 @@ def test_other_ranks_and_disabled_trackers_log_nothing(tmp_path, monkeypatch):
 def test_tags_record_git_dvc_and_stage(client, git_repo, monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=git_repo, capture_output=True, text=True).stdout.strip()
     (git_repo / "train.py").write_text("print('edited')\n")  # tracked change: dirty
+    from dvc.repo import Repo
+
+    Repo.init(str(git_repo)).close()
     (git_repo / "dvc.yaml").write_text("stages:\n  pretrain:\n    cmd: python train.py\n    deps: [train.py]\n    outs: [out]\n")
     monkeypatch.setenv("DVC_EXP_NAME", "lusty-pike")
     monkeypatch.setenv("DVC_EXP_BASELINE_REV", head)
@@ -260,7 +270,7 @@ def test_tags_record_git_dvc_and_stage(client, git_repo, monkeypatch):
     assert tags["mlflow.source.git.commit"] == head and tags["git.dirty"] == "true"
     assert tags["pipeline.stage"] == "pretrain" and tags["dvc.stage"] == "pretrain"
     assert tags["dvc.exp_name"] == "lusty-pike" and tags["dvc.exp_baseline_rev"] == head
-    assert tags["dvc.stage_hash"] == current_stage_fingerprint("pretrain")
+    assert tags["dvc.stage_hash"] == current_stage_fingerprint("pretrain") is not None
     assert tags["team"] == "llm" and tags["note"] == "late"
 
 
@@ -352,15 +362,12 @@ def test_unreachable_server_goes_offline_quickly_with_one_warning(tmp_path, monk
     assert t.offline and t.run_id is None
 
     assert t.offline_path.parent == repo / ".tracking-offline"
-    records = read_offline(t.offline_path)
-    assert records[0]["type"] == "run" and records[0]["stage"] == "pretrain"
-    params = {k: v for r in records if r["type"] == "params" for k, v in r["params"].items()}
-    assert params == {"model.n_layer": "2", "world_size": "2"}
-    tags = {k: v for r in records if r["type"] == "tags" for k, v in r["tags"].items()}
-    assert tags["pipeline.stage"] == "pretrain" and tags["mlflow.parentRunId"] == "abc"
-    assert [r["step"] for r in records if r["type"] == "metric"] == list(range(50))
-    assert {"type": "dict", "artifact_file": "summary.json", "data": {"tokens": 123}} in records
-    assert records[-1]["type"] == "end" and records[-1]["status"] == "FINISHED"
+    local, kept = offline_run(t)
+    assert kept.info.run_name == "pretrain" and kept.info.status == "FINISHED"
+    assert kept.data.params == {"model.n_layer": "2", "world_size": "2"}
+    assert kept.data.tags["pipeline.stage"] == "pretrain" and kept.data.tags["mlflow.parentRunId"] == "abc"
+    assert [m.step for m in local.get_metric_history(kept.info.run_id, "loss")] == list(range(50))
+    assert json.loads(Path(local.download_artifacts(kept.info.run_id, "summary.json")).read_text()) == {"tokens": 123}
 
     # Nothing is lost: the file loads into MLflow later (the unknown parent is dropped).
     from mlflow import MlflowClient
@@ -394,18 +401,37 @@ def test_failing_flush_mid_run_switches_to_offline(client, monkeypatch):
     assert t.offline and t.run_id is not None
     assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == list(range(10))
 
-    records = read_offline(t.offline_path)
-    assert records[0]["run_id"] == t.run_id and "server went away" in records[0]["reason"]
-    assert [r["step"] for r in records if r["type"] == "metric"] == list(range(10, 30))
-    params = {k: v for r in records if r["type"] == "params" for k, v in r["params"].items()}
-    assert params == {"lr": "0.1", "late": "1"}
-    assert records[-1]["type"] == "end" and records[-1]["status"] == "FINISHED"
+    local, kept = offline_run(t)
+    assert kept.data.tags["pipeline.offline.run_id"] == t.run_id
+    assert "server went away" in kept.data.tags["pipeline.offline.reason"]
+    assert [m.step for m in local.get_metric_history(kept.info.run_id, "loss")] == list(range(10, 30))
+    assert kept.data.params == {"lr": "0.1", "late": "1"}
+    assert kept.info.status == "FINISHED"
 
     # Replaying fills in the same run (replay makes its own, unpatched client).
     assert replay_offline(t.offline_path, uri=client.tracking_uri) == t.run_id
     assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == list(range(30))
     run = client.get_run(t.run_id)
     assert run.info.status == "FINISHED" and run.data.params["late"] == "1"
+
+
+@pytest.mark.timeout(60)
+def test_offline_artifacts_are_kept_even_if_the_file_is_gone_before_replay(tmp_path, monkeypatch, db, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    meta = tmp_path / "meta.json"
+    meta.write_text('{"step": 7}')
+    with pytest.warns(TrackingOfflineWarning):
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_artifact(meta)
+    meta.unlink()  # e.g. the next run rewrote its checkpoint folder
+
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    assert tracking.main(["replay", str(t.offline_path)]) == 0
+    run_id = capsys.readouterr().out.split()[-1]
+    local = MlflowClient(db[1]).download_artifacts(run_id, "meta.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == {"step": 7}
 
 
 def test_failure_while_ending_the_run_is_kept_offline(client, monkeypatch):
@@ -421,9 +447,9 @@ def test_failure_while_ending_the_run_is_kept_offline(client, monkeypatch):
             monkeypatch.setattr(t._client, "set_terminated", server_gone)
     assert len(offline_warnings(caught)) == 1
     assert client.get_metric_history(t.run_id, "loss")[0].value == 2.0  # flushed before the failure
-    records = read_offline(t.offline_path)
-    assert "ending run" in records[0]["reason"]
-    assert records[-1]["type"] == "end" and records[-1]["status"] == "FINISHED"
+    _, kept = offline_run(t)
+    assert "ending run" in kept.data.tags["pipeline.offline.reason"]
+    assert kept.info.status == "FINISHED"
 
 
 # --------------------------------------------------------------------------- DVC

@@ -1,0 +1,291 @@
+"""What the flows need around Prefect, kept importable without Prefect (which
+reconfigures the root logger on import), so that tests can reach it.
+
+* Running a stage: :func:`stream_command` runs ``dvc repro --single-item`` in its
+  own process group and streams its lines; :func:`stop_group` takes the group
+  down; :func:`parse_status` reads what DVC did; :func:`changed_stages` asks
+  ``dvc status`` what is stale.
+* Prefect: :func:`task_options` (retries and timeouts per stage) and
+  :func:`summary_markdown` (the ``pipeline-summary`` artifact).
+* MLflow: :func:`parent_run` opens the ``pipeline`` parent run of one flow run.
+  Its id goes to every stage process as ``MLFLOW_PARENT_RUN_ID``
+  (:meth:`ParentRun.child_env`), and ``pipeline.tracking.tracker.Tracker`` in each
+  stage nests its run under it. The parent carries the project's git tags,
+  ``dvc.exp_name`` when ``DVC_EXP_NAME`` is set, and, from :meth:`ParentRun.record`
+  after the stages, one ``dvc.stage_hash.<stage>`` per ``dvc.lock`` entry, ``pipeline.status.<stage>``
+  (ran, restored, skipped, failed, not_run), every selected stage's params section
+  flattened (``pack.seq_len``), its scalar metrics as ``<stage>.<key>`` (the same
+  names whether the stage ran or was skipped), and ``pipeline_summary.json``.
+
+The stage graph itself comes from DVC: ``pipeline.tracking.lineage``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from pipeline.config import load_yaml
+from pipeline.tracking import tracker as tracking
+from pipeline.tracking.lineage import LineageError, StageInfo, dvc_stage_hashes, read_metrics
+
+log = logging.getLogger(__name__)
+
+PARENT_RUN_NAME = tracking.EXPERIMENT_PARENT_NAME
+
+DEFAULT_RETRIES = 2
+DEFAULT_RETRY_DELAY_S = 30.0
+DATA_TIMEOUT_S = 4 * 3600.0
+KILL_GRACE_S = 30.0
+
+# How `dvc repro --single-item` reports what it did (dvc 3.x: dvc/stage/__init__.py,
+# dvc/stage/run.py). tests/flows/test_pipeline_flow.py fails if they drift.
+_RAN = re.compile(r"^Running stage '(?P<stage>[^']+)'")
+_RESTORED = re.compile(r"^Stage '(?P<stage>[^']+)' is cached - skipping run")
+
+
+def dvc_bin() -> str:
+    """The ``dvc`` next to this interpreter (the project's venv), else the one on PATH."""
+    exe = Path(sys.executable).with_name("dvc")
+    return str(exe) if exe.exists() else "dvc"
+
+
+def base_env() -> dict[str, str]:
+    """The environment for DVC subprocesses: ours, with this interpreter's bin folder
+    first on PATH. DVC runs each stage's ``cmd`` (``python -m stages.x``) through a
+    shell; without this, ``.venv/bin/python -m flows.pipeline`` from an unactivated
+    shell would run stages with whatever ``python`` comes first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("PYTHONUNBUFFERED", "1")  # stage logs reach the flow's logger as they happen
+    return env
+
+
+def changed_stages(root: str | Path = ".", targets: Sequence[str] = ()) -> dict[str, Any]:
+    """DVC's own verdict on what is stale: ``dvc status --json`` at ``root``, as
+    ``{stage name: [what changed, ...]}``; empty when everything is up to date.
+    ``.dvc`` files that changed appear under their path. Raises LineageError when
+    DVC fails."""
+    proc = subprocess.run(
+        [dvc_bin(), "status", "--json", *targets], cwd=root, env=base_env(),
+        capture_output=True, text=True, timeout=600,
+    )
+    if proc.returncode != 0:
+        raise LineageError(f"dvc status failed in {root}: {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    out = proc.stdout.strip()
+    # DVC prints its JSON on the last line; anything before it is a notice.
+    return json.loads(out.splitlines()[-1]) if out else {}
+
+
+def parse_status(lines: Sequence[str]) -> str:
+    """What ``dvc repro --single-item`` did, from its output: ``ran``,
+    ``restored`` (outputs checked out from DVC's run cache) or ``skipped``
+    (unchanged; also frozen stages)."""
+    status = "skipped"
+    for line in lines:
+        if _RAN.match(line):
+            return "ran"
+        if _RESTORED.match(line):
+            status = "restored"
+    return status
+
+
+def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], emit: Callable[[str], None],
+                   kill_grace_s: float = KILL_GRACE_S) -> tuple[int, list[str]]:
+    """Run ``cmd`` in a new process group, passing each output line (stdout and
+    stderr merged, in order) to ``emit``; return the exit code and all lines.
+
+    The wait is a loop of short waits, so an exception raised into this thread
+    (Prefect's timeout: an alarm signal on the main thread, an injected exception
+    on a worker thread; or Ctrl-C) lands within half a second. Whatever ends the
+    wait early, the whole group (dvc, the stage, a torchrun launcher, which
+    forwards the signal to its ranks) gets SIGTERM, then SIGKILL if anything is
+    still alive after ``kill_grace_s``; then the exception propagates."""
+    proc = subprocess.Popen(
+        list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1, start_new_session=True,
+    )
+    lines: list[str] = []
+    q: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            q.put(raw.rstrip("\n"))
+        q.put(None)
+
+    reader = threading.Thread(target=pump, name=f"pump-{proc.pid}", daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                line = q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            lines.append(line)
+            emit(line)
+        return proc.wait(), lines
+    except BaseException:
+        stop_group(proc, kill_grace_s)
+        raise
+    finally:
+        reader.join(timeout=5)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM ``proc``'s process group; SIGKILL it if any member outlives
+    ``grace_s``. Returns once the group is gone (or after a last 10 s wait)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, or its zombie keeps the group "alive"
+        if not _group_alive(proc.pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def task_options(stage: StageInfo, retries: int = DEFAULT_RETRIES, retry_delay_s: float = DEFAULT_RETRY_DELAY_S,
+                 retry_stages: Sequence[str] | None = None,
+                 timeouts: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Prefect task options for ``stage``: ``retries`` for data stages (or for
+    exactly ``retry_stages`` when given), none for the others; the timeout from
+    ``timeouts`` (stage name -> seconds, ``"*"`` for every stage not named; 0
+    means none), else ``DATA_TIMEOUT_S`` for data stages and none for the rest,
+    since a pretraining run may rightly take days."""
+    retried = stage.name in retry_stages if retry_stages is not None else stage.is_data_stage
+    timeouts = timeouts or {}
+    timeout = timeouts.get(stage.name, timeouts.get("*", DATA_TIMEOUT_S if stage.is_data_stage else None))
+    return {
+        "name": f"stage-{stage.name}",
+        "task_run_name": stage.name,
+        "retries": retries if retried else 0,
+        "retry_delay_seconds": retry_delay_s,
+        "timeout_seconds": timeout if timeout else None,
+    }
+
+
+def summary_markdown(stages: Sequence[StageInfo], results: Sequence[Mapping[str, Any]], max_metrics: int = 8) -> str:
+    """A markdown report: how many stages ran, then one table row per stage with
+    its status (``not run`` when it has no result), seconds and up to
+    ``max_metrics`` scalar metrics (the current values, whether or not it ran)."""
+    by_name = {r["stage"]: r for r in results}
+    rows = ["| stage | status | seconds | metrics |", "|---|---|---:|---|"]
+    for s in stages:
+        r = by_name.get(s.name, {"status": "not run"})
+        flat = tracking.metric_values(r.get("metrics") or {})
+        flat.pop("seconds", None)
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in list(flat.items())[:max_metrics])
+        if len(flat) > max_metrics:
+            shown += f", … (+{len(flat) - max_metrics})"
+        secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else ""
+        rows.append(f"| {s.name} | {r['status']} | {secs} | {shown or '-'} |")
+    ran = [r["stage"] for r in results if r["status"] in ("ran", "restored")]
+    head = f"**{len(ran)} of {len(stages)} stages ran** ({', '.join(ran) or 'none: everything was up to date'})"
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def _fmt(v: float) -> str:
+    return f"{int(v)}" if float(v).is_integer() and abs(v) < 1e15 else f"{v:.4g}"
+
+
+@dataclass
+class ParentRun:
+    """The MLflow parent of one pipeline run. ``run_id`` is None when tracking is
+    off (``PIPELINE_TRACKING=0``) or MLflow is unreachable; stages then log
+    top-level runs (or nothing), and the pipeline still runs."""
+
+    root: Path
+    uri: str
+    run_id: str | None = None
+    tracker: Any = field(default=None, repr=False)
+
+    def child_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``env`` (default :func:`base_env`) plus what makes a stage's run a child
+        of this one: ``MLFLOW_PARENT_RUN_ID`` and the same ``MLFLOW_TRACKING_URI``.
+        The URI is pinned because a stage resolves its default database from
+        ``DVC_ROOT``, which need not be where the flow was started."""
+        env = dict(base_env() if env is None else env)
+        if self.run_id:
+            env["MLFLOW_PARENT_RUN_ID"] = self.run_id
+            env["MLFLOW_TRACKING_URI"] = self.uri
+        else:
+            env.pop("MLFLOW_PARENT_RUN_ID", None)
+        return env
+
+    def record(self, stages: Sequence[StageInfo], results: Sequence[Mapping[str, Any]]) -> None:
+        """Log params, metrics, lineage tags and the summary of a finished (or
+        failed) pipeline run. Never raises because of MLflow (the Tracker doesn't)."""
+        t = self.tracker
+        if t is None:
+            return
+        by_name = {r["stage"]: r for r in results}
+        try:
+            path = self.root / "params.yaml"
+            params = (load_yaml(path) or {}) if path.exists() else {}
+        except Exception as err:  # the run already happened; a bad params file only costs the params
+            log.warning("params not logged: %s", err)
+            params = {}
+        sections = {s.name: params[s.name] for s in stages if isinstance(params.get(s.name), (dict, list))}
+        t.log_params(sections)
+        metrics: dict[str, float] = {}
+        for s in stages:
+            metrics.update(tracking.metric_values(read_metrics(self.root, s), s.name))
+        ran = [r["stage"] for r in results if r.get("status") in ("ran", "restored")]
+        metrics["pipeline.stages_ran"] = float(len(ran))
+        metrics["pipeline.seconds"] = float(sum(r.get("seconds") or 0.0 for r in results))
+        t.log_metrics(metrics)
+        tags = {f"pipeline.status.{s.name}": by_name.get(s.name, {}).get("status", "not_run") for s in stages}
+        tags["pipeline.stages_ran"] = ",".join(ran) or "-"
+        try:
+            tags.update({f"dvc.stage_hash.{k}": v for k, v in dvc_stage_hashes(self.root).items()})
+        except Exception as err:  # an unreadable lock file must not fail a finished run
+            log.warning("dvc.lock hashes not logged: %s", err)
+        t.set_tags(tags)
+        t.log_dict({"stages": list(results)}, "pipeline_summary.json")
+
+
+@contextmanager
+def parent_run(root: str | Path, tags: Mapping[str, Any] | None = None) -> Iterator[ParentRun]:
+    """Open the ``pipeline`` parent run for the project at ``root`` and end it
+    FINISHED, or FAILED (KILLED on KeyboardInterrupt) if the block raises.
+
+    Runs go to ``$MLFLOW_TRACKING_URI``, else ``<root>/mlflow.db`` (the stages'
+    own default), in ``$MLFLOW_EXPERIMENT_NAME`` or ``llm-pipeline``. Git tags are
+    read from ``root``, not from the current directory."""
+    root = Path(root).resolve()
+    uri = tracking.tracking_uri(root)
+    extra = {**tracking.git_tags(root), **(tags or {})}
+    tracker = tracking.Tracker(PARENT_RUN_NAME, rank=0, system_metrics=False, tags=extra, uri=uri).start()
+    run = ParentRun(root=root, uri=uri, run_id=tracker.run_id, tracker=tracker if tracker.active else None)
+    with tracker:
+        yield run
