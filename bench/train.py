@@ -113,7 +113,8 @@ def stage_run(args, project: Path, steps: int, warmup: int) -> float:
         "logging": {"every": warmup, "track": False, "peak_flops": 1.0e12},
     }}
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
     out = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=project, env=env, capture_output=True,
                          text=True)
     if out.returncode != 0:

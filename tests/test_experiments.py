@@ -56,11 +56,11 @@ def test_each_dvc_experiment_is_its_own_parent_run(tmp_path):
             assert child.data.tags["dvc.exp_name"] == name
             # the parent carries each stage's metrics as <stage>.<metric> and its dvc.lock hash
             assert parent.data.tags[f"dvc.stage_hash.{stage}"] == child.data.tags["dvc.stage_hash"]
-            for key in ("docs", "bytes") if stage == "ingest" else ("docs_in", "docs_out"):
+            for key in ("docs", "bytes") if stage == "ingest" else ("docs", "dropped"):
                 assert parent.data.metrics[f"{stage}.{key}"] == child.data.metrics[key], (name, stage, key)
         # dvc exp show names a file's first column "metrics/<stage>.json:<key>", the rest "<key>"
-        docs_out = next(v for k, v in shown[name].items() if k.split(":")[-1] == "docs_out")
-        assert float(docs_out) == parent.data.metrics["clean.docs_out"]
+        kept = next(v for k, v in shown[name].items() if k.split(":")[-1] == "kept_frac")
+        assert float(kept) == parent.data.metrics["clean.kept_frac"]
     assert {f"dvc.stage_hash.{s}": h for s, h in workspace_hashes.items()} == {
         k: v for k, v in parents["exp-a"].data.tags.items() if k.startswith("dvc.stage_hash.")}
     sizes = [parents[n].data.metrics["ingest.bytes"] for n in EXPERIMENTS]
