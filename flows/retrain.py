@@ -78,8 +78,8 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
     """``(cron, timezone)`` from ``--cron``, else ``$PIPELINE_RETRAIN_CRON``, else
     ``DEFAULT_CRON``, checked with Prefect's own schedule validator; raises
     ValueError naming the source when the expression or the time zone is invalid."""
-    from pydantic import ValidationError
     from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
 
     value, source = cli_value, "--cron"
     if not value:

@@ -27,9 +27,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.config import StageConfig
-from pipeline.files import write_json
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
+from pipeline.files import write_json
 from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.progress import progress
 from pipeline.training import checkpoint as ckpt
@@ -159,8 +159,8 @@ def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_
     sample for sample. Raw prompts go to every model; chat prompts are rendered
     with the ChatML template and stop at end of turn."""
     from pipeline.data.chat import encode_prompt
-    from pipeline.model.generate import generate
     from pipeline.data.tokenizer import load_tokenizer, special_ids
+    from pipeline.model.generate import generate
 
     tok = load_tokenizer(tokenizer_path)
     ids = special_ids(tok)

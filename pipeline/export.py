@@ -53,15 +53,15 @@ import yaml
 from pydantic import Field
 from safetensors.torch import save_file
 
-from pipeline.training import checkpoint as ckpt
-from pipeline.model import generate as gen
-from pipeline.model import hf_adapter
-from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.config import StageConfig
-from pipeline.files import atomic_dir, sha256_file, write_json
-from pipeline.model.transformer import ModelConfig, num_params
+from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
 from pipeline.errors import StageError
+from pipeline.files import atomic_dir, sha256_file, write_json
+from pipeline.model import generate as gen
+from pipeline.model import hf_adapter
+from pipeline.model.transformer import ModelConfig, num_params
+from pipeline.training import checkpoint as ckpt
 
 DTYPE = "float32"
 REPORT = "report.json"  # beside the Hugging Face files, written after registration

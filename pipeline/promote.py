@@ -42,7 +42,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.tracking.tracker import HTTP_DEFAULTS, MAX_TAG_VAL_LENGTH, ensure_experiment, git_tags, probe, tracking_uri
+from pipeline.tracking.tracker import (
+    HTTP_DEFAULTS,
+    MAX_TAG_VAL_LENGTH,
+    ensure_experiment,
+    git_tags,
+    probe,
+    tracking_uri,
+)
 
 CANDIDATE = "candidate"
 CHAMPION = "champion"

@@ -1,8 +1,8 @@
 """clean: data/ingest/docs.parquet -> data/clean/docs.parquet (+ quarantine, report; metrics/clean.json)."""
 
 from pipeline import layout
-from pipeline.runner import run_stage
 from pipeline.data.clean import CleanConfig, run_clean
+from pipeline.runner import run_stage
 
 REPORT = layout.CLEAN_DIR / "report.json"
 

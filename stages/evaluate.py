@@ -2,9 +2,9 @@
 -> metrics/evaluate.json (+ data/evaluate/samples.json and report.json, logged to MLflow)."""
 
 from pipeline import layout
-from pipeline.runner import run_stage
 from pipeline.evaluate import EvaluateConfig, evaluate_models, record_samples
 from pipeline.files import write_json
+from pipeline.runner import run_stage
 
 SAMPLES = layout.EVALUATE_DIR / "samples.json"
 REPORT = layout.EVALUATE_DIR / "report.json"

@@ -3,10 +3,10 @@ registered in MLflow as a new version (alias ``candidate``; ``champion`` moves
 only when the evaluate metrics beat the current champion's), and its report.json."""
 
 from pipeline import layout
-from pipeline.runner import run_stage
 from pipeline.export import REPORT, ExportConfig, ExportError, export_model, write_report
 from pipeline.files import read_json
 from pipeline.promote import register_export
+from pipeline.runner import run_stage
 from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
 
 

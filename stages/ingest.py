@@ -1,8 +1,8 @@
 """ingest: raw sources -> data/ingest/docs.parquet (+ quarantine, report; metrics/ingest.json)."""
 
 from pipeline import layout
-from pipeline.runner import run_stage
 from pipeline.data.ingest import IngestConfig, run_ingest
+from pipeline.runner import run_stage
 
 REPORT = layout.INGEST_DIR / "report.json"
 

@@ -2,8 +2,8 @@
 (+ metrics/pack.json)."""
 
 from pipeline import layout
-from pipeline.runner import run_stage
 from pipeline.data.pack import PackConfig, run_pack
+from pipeline.runner import run_stage
 
 
 def main(cfg: PackConfig) -> dict:

@@ -1,8 +1,8 @@
 """tokenizer: data/clean/docs.parquet -> data/tokenizer/tokenizer.json (+ report; metrics/tokenizer.json)."""
 
 from pipeline import layout
-from pipeline.runner import run_stage
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
+from pipeline.runner import run_stage
 
 REPORT = layout.TOKENIZER_DIR / "report.json"
 

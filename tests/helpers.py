@@ -10,10 +10,10 @@ import pyarrow as pa
 import torch
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 
-from pipeline.training import checkpoint as ckpt
+from pipeline.data.tokenizer import SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 from pipeline.files import sha256_file
 from pipeline.model.transformer import ModelConfig, Transformer, build_config
-from pipeline.data.tokenizer import SPECIAL_TOKENS, build_tokenizer, load_tokenizer
+from pipeline.training import checkpoint as ckpt
 
 
 def synthetic_docs(n_docs: int, vocab: int, seed: int, eot: int = 0) -> list[np.ndarray]:

@@ -56,12 +56,12 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
-from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
+from pipeline.data.accounting import Ledger
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
+from pipeline.errors import StageError
 from pipeline.files import atomic_path, available_cores, write_json
 from pipeline.progress import progress
-from pipeline.errors import StageError
 
 SCHEMA = pa.schema(
     [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]

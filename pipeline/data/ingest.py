@@ -26,11 +26,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.data.accounting import Ledger
 from pipeline.config import StageConfig
+from pipeline.data.accounting import Ledger
+from pipeline.errors import StageError
 from pipeline.files import atomic_path, write_json
 from pipeline.progress import progress
-from pipeline.errors import StageError
 
 Format = Literal["auto", "text", "jsonl", "json", "parquet", "csv", "hf"]
 SplitBy = Literal["file", "paragraph", "line"]

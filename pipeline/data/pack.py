@@ -70,9 +70,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.files import available_cores
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
-from pipeline.progress import progress
 from pipeline.data.tokenizer import (
     EOT_ID,
     load_tokenizer,
@@ -80,6 +78,8 @@ from pipeline.data.tokenizer import (
     open_tokenizer,
 )
 from pipeline.errors import StageError
+from pipeline.files import available_cores
+from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.pack")
 

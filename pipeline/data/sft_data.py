@@ -71,13 +71,13 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.errors import StageError
+from pipeline.data import stdlib_qa
 from pipeline.data.accounting import Ledger
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, ChatFormatError, encode_chat, to_messages
-from pipeline.data import stdlib_qa
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
-from pipeline.progress import progress
 from pipeline.data.tokenizer import PAD_ID, open_tokenizer
+from pipeline.errors import StageError
+from pipeline.progress import progress
 
 FORMAT = "pipeline.sft_data/1"
 BUILTIN_PREFIX = "builtin:"

@@ -49,9 +49,9 @@ from pydantic import Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.config import StageConfig
+from pipeline.errors import StageError
 from pipeline.files import atomic_write, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
-from pipeline.errors import StageError
 
 log = logging.getLogger("pipeline.data.tokenizer")
 

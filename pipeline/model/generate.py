@@ -34,13 +34,13 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from pipeline.training import checkpoint as ckpt
 from pipeline import layout
-from pipeline.model import hf_adapter
 from pipeline.data.chat import encode_prompt
-from pipeline.files import sha256_file
-from pipeline.model.transformer import KVCache, ModelConfig, Transformer
 from pipeline.data.tokenizer import EOT_ID, IM_END_ID, load_tokenizer
+from pipeline.files import sha256_file
+from pipeline.model import hf_adapter
+from pipeline.model.transformer import KVCache, ModelConfig, Transformer
+from pipeline.training import checkpoint as ckpt
 
 # Sampling defaults, shared by the CLI and the exported generation_config.json.
 DEFAULT_MAX_NEW_TOKENS = 64

@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-
 # --------------------------------------------------------------------------- config
 
 

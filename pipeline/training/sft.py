@@ -23,8 +23,14 @@ from pipeline.errors import StageError
 from pipeline.files import read_json, write_json
 from pipeline.model.transformer import ModelConfig
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.config import (CheckpointSection, DataSection, EvalSection, OptimizerSection, ScheduleSection,
-                                      TrainConfig)
+from pipeline.training.config import (
+    CheckpointSection,
+    DataSection,
+    EvalSection,
+    OptimizerSection,
+    ScheduleSection,
+    TrainConfig,
+)
 from pipeline.training.pretrain import write_report
 from pipeline.training.trainer import Trainer, check_resume
 

@@ -28,8 +28,8 @@ from typing import Callable, Literal
 
 from pydantic import Field
 
-from pipeline.errors import StageError
 from pipeline.config import StageConfig
+from pipeline.errors import StageError
 
 
 def lock_name() -> str:

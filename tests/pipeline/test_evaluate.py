@@ -7,11 +7,9 @@ import torch.nn.functional as F
 
 from pipeline.config import parse_section
 from pipeline.data.shards import PackedRows
-from pipeline.files import read_json
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
+from pipeline.files import read_json
 from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, write_split
-
-
 
 
 def test_token_bytes_counts_utf8_bytes_and_zero_for_specials(tok_path):

@@ -14,12 +14,21 @@ import pytest
 import torch
 import yaml
 
-from pipeline.model import hf_adapter
 from pipeline.data.chat import encode_chat, encode_prompt
+from pipeline.data.tokenizer import (
+    EOT_ID,
+    IM_END,
+    IM_END_ID,
+    PAD,
+    PAD_ID,
+    ROUNDTRIP_PROBES,
+    SPECIAL_TOKENS,
+    load_tokenizer,
+)
 from pipeline.export import ExportConfig, ExportError, export_model, write_report
-from pipeline.model.generate import CHAT_STOP_IDS, generate, load_for_inference
 from pipeline.files import sha256_file
-from pipeline.data.tokenizer import EOT_ID, IM_END, IM_END_ID, PAD, PAD_ID, ROUNDTRIP_PROBES, SPECIAL_TOKENS, load_tokenizer
+from pipeline.model import hf_adapter
+from pipeline.model.generate import CHAT_STOP_IDS, generate, load_for_inference
 from tests.helpers import save_checkpoint, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")

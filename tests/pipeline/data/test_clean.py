@@ -8,10 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.clean import SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
 from pipeline.config import ConfigError, load_params, parse_section
+from pipeline.data.clean import SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
 from pipeline.files import read_json
-
 from tests.conftest import ROOT
 
 

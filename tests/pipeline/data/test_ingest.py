@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import parse_section
-from pipeline.files import read_json
 from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
+from pipeline.files import read_json
 
 
 def cfg(**kw):

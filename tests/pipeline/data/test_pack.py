@@ -6,7 +6,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
-from pipeline.files import read_json, sha256_file
 from pipeline.data.pack import (
     FORMAT,
     PackConfig,
@@ -27,6 +26,7 @@ from pipeline.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+from pipeline.files import read_json, sha256_file
 from tests.pipeline.data.test_tokenizer import make_docs, write_docs
 
 # Small rows and shards so that a tiny corpus spans many rows, shards and tasks.

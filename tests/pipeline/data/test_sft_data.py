@@ -6,10 +6,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.data.chat import IGNORE_INDEX
 from pipeline.config import ConfigError, parse_section
-from pipeline.data.shards import MANIFEST, PackedRows
-from pipeline.files import read_json, sha256_file
+from pipeline.data.chat import IGNORE_INDEX
 from pipeline.data.sft_data import (
     FORMAT,
     SFTDataConfig,
@@ -18,7 +16,9 @@ from pipeline.data.sft_data import (
     build_sft_data,
     pack_examples,
 )
+from pipeline.data.shards import MANIFEST, PackedRows
 from pipeline.data.tokenizer import IM_END, IM_START_ID, PAD_ID
+from pipeline.files import read_json, sha256_file
 from tests.pipeline.data.test_chat import tiny_tokenizer
 
 

@@ -5,7 +5,6 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.files import sha256_file
 from pipeline.data.shards import (
     MANIFEST,
     DataError,
@@ -18,6 +17,7 @@ from pipeline.data.shards import (
     verify,
     write_manifest,
 )
+from pipeline.files import sha256_file
 
 
 def write_split(d, rows, starts, labels=None, shards=2):

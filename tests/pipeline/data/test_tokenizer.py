@@ -8,7 +8,6 @@ import pytest
 from tokenizers import normalizers, trainers
 
 from pipeline.config import ConfigError, parse_section
-from pipeline.files import read_json, sha256_file
 from pipeline.data.tokenizer import (
     EOT,
     IM_END,
@@ -25,6 +24,7 @@ from pipeline.data.tokenizer import (
     special_ids,
     train_tokenizer,
 )
+from pipeline.files import read_json, sha256_file
 
 WORDS = ["def", "return", "self", "value", "import", "the", "data", "for", "in", "if", "else", "None",
          "naïve", "café", "日本", "数据", "🎉", "x", "y", "print", "class", "lambda"]

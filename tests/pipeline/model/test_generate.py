@@ -13,8 +13,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from pipeline.training import checkpoint as ckpt
 from pipeline.data.chat import encode_prompt
+from pipeline.data.tokenizer import EOT_ID, load_tokenizer
+from pipeline.files import sha256_file
 from pipeline.model.generate import (
     CHAT_STOP_IDS,
     TEXT_STOP_IDS,
@@ -23,12 +24,9 @@ from pipeline.model.generate import (
     main,
     sample_next,
 )
-from pipeline.files import sha256_file
 from pipeline.model.transformer import Transformer
-from pipeline.data.tokenizer import EOT_ID, load_tokenizer
-
+from pipeline.training import checkpoint as ckpt
 from tests.helpers import save_checkpoint, tiny_config, tiny_model
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

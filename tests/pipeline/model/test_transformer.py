@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.training.loss import token_loss_sum
 from pipeline.model.transformer import (
     PRESETS,
     KVCache,
@@ -20,6 +19,7 @@ from pipeline.model.transformer import (
     flops_per_token,
     num_params,
 )
+from pipeline.training.loss import token_loss_sum
 
 VOCAB = 97  # odd size, so a vocab/d_model mix-up shows up as a shape error
 

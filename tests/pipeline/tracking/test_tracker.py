@@ -28,7 +28,6 @@ from pipeline.tracking.tracker import (
     server_command,
     tracking_uri,
 )
-
 from tests.conftest import ROOT
 
 BIN = Path(sys.executable).parent

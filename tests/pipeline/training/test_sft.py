@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.training import checkpoint as ckpt
 from pipeline.config import ConfigError, parse_section
+from pipeline.training import checkpoint as ckpt
+from pipeline.training.loss import token_loss_sum
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
 from pipeline.training.sft import SFTConfig, SFTError, run_sft
-from pipeline.training.loss import token_loss_sum
 from tests.helpers import synthetic_docs, train_params, write_packed, write_split
 
 TRAIN = train_params(precision="fp32", micro_batch_size=4, warmup_steps=1, log_every=1, eval_every=100,
@@ -95,8 +95,8 @@ def test_sft_params_validate_data_and_training_keys():
 def test_sft_metrics_keep_the_data_build_numbers_and_leave_the_tables_to_the_report(tmp_path):
     from pipeline.data.sft_data import SFTDataConfig, build_sft_data
     from pipeline.training.sft import data_metrics
-    from tests.pipeline.data.test_sft_data import messages_rec, write_jsonl
     from tests.pipeline.data.test_chat import tiny_tokenizer
+    from tests.pipeline.data.test_sft_data import messages_rec, write_jsonl
 
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tokenizer().to_str())

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from pipeline.training import checkpoint as ckpt
 from pipeline.config import ConfigError, parse_section
 from pipeline.model.transformer import Transformer
-from pipeline.training.pretrain import PretrainConfig, run_pretrain
+from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import ScheduleSection
 from pipeline.training.optimizer import lr_at, param_groups
 from pipeline.training.precision import resolve_precision
+from pipeline.training.pretrain import PretrainConfig, run_pretrain
 from pipeline.training.trainer import NonFiniteError
 from tests.helpers import train_params, write_packed
 
