@@ -59,34 +59,45 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class CsvLog:
-    """``plots/<stage>.csv``, appended and flushed per row. On resume, rows after
-    the checkpoint's step are cut so the file matches the run."""
+    """``plots/<stage>.csv``, appended and flushed per row, and the same rows in
+    ``history`` beside the checkpoints.
+
+    DVC deletes a stage's plain outputs (the plots CSV) before it reruns the
+    stage, but keeps its ``persist`` checkpoint folder; so on resume the curve up
+    to the checkpoint's step is read back from ``history``, and rows after that
+    step are cut, so that the file matches the run."""
 
     COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "val_loss", "elapsed_s"]
 
-    def __init__(self, path: Path, resume_step: int):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, resume_step: int, history: Path):
         kept: list[dict[str, str]] = []
-        if resume_step > 0 and path.exists():
-            with open(path, newline="") as f:
+        source = history if history.exists() else path
+        if resume_step > 0 and source.exists():
+            with open(source, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, self.COLUMNS)
+        self.last_loss = float(kept[-1]["loss"]) if kept and kept[-1].get("loss") else None
+        self._files, self._writers = [], []
+        for target in (path, history):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            f = open(target, "w", newline="")
+            w = csv.DictWriter(f, self.COLUMNS, extrasaction="ignore")
             w.writeheader()
             w.writerows(kept)
-        self.last_loss = float(kept[-1]["loss"]) if kept and kept[-1].get("loss") else None
-        self._f = open(path, "a", newline="")
-        self._w = csv.DictWriter(self._f, self.COLUMNS)
+            f.flush()
+            self._files.append(f)
+            self._writers.append(w)
 
     def write(self, row: dict[str, Any]) -> None:
-        self._w.writerow({k: ("" if row.get(k) is None else row[k]) for k in self.COLUMNS})
-        self._f.flush()
+        cells = {k: ("" if row.get(k) is None else row[k]) for k in self.COLUMNS}
+        for f, w in zip(self._files, self._writers):
+            w.writerow(cells)
+            f.flush()
         if row.get("loss") is not None:
-            self.last_loss = float(f"{row['loss']}")  # as written: the CSV's text is the record
+            self.last_loss = float(row["loss"])
 
     def close(self) -> None:
-        self._f.close()
+        for f in self._files:
+            f.close()
 
 
 class MetricsLogger:
@@ -97,10 +108,11 @@ class MetricsLogger:
     ranks on one node share one processor; GPUs are one device per rank).
     """
 
-    def __init__(self, stage: str, cfg: LoggingSection, d: Dist, csv_path: Path, *, precision_dtype: torch.dtype,
-                 nnodes: int, tokens_per_step: int, flops_per_token: float, max_steps: int):
+    def __init__(self, stage: str, cfg: LoggingSection, d: Dist, csv_path: Path, history: Path, *,
+                 precision_dtype: torch.dtype, nnodes: int, tokens_per_step: int, flops_per_token: float,
+                 max_steps: int):
         self.stage, self.cfg, self.d = stage, cfg, d
-        self.csv_path = Path(csv_path)
+        self.csv_path, self.history = Path(csv_path), Path(history)
         self.tokens_per_step, self.flops_per_token, self.max_steps = tokens_per_step, flops_per_token, max_steps
         devices = d.world_size if d.device.type == "cuda" else max(1, nnodes)
         if cfg.peak_flops:
@@ -122,7 +134,7 @@ class MetricsLogger:
         self._t_start = self._window_t = time.perf_counter()
         self._window_steps = 0
         if self.d.is_main:
-            self._csv = CsvLog(self.csv_path, start_step)
+            self._csv = CsvLog(self.csv_path, start_step, self.history)
             self._stack.callback(self._csv.close)
             if self.cfg.track:
                 from pipeline.tracking.tracker import Tracker

@@ -49,6 +49,7 @@ from pipeline.training.sampler import GlobalOrder, eval_rows
 from pipeline.training.torchrun import hold_shared
 
 log = logging.getLogger("pipeline.training")
+CURVE = "curve.csv"  # <out_dir>/curve.csv: the plots CSV's rows, kept beside the checkpoints for resume
 
 
 class NonFiniteError(StageError):
@@ -123,8 +124,9 @@ class Trainer:
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32
-        self.metrics = MetricsLogger(stage, cfg.logging, d, Path(csv_path), precision_dtype=measure_dtype,
-                                     nnodes=cfg.launch.nnodes, tokens_per_step=self.tokens_per_step,
+        self.metrics = MetricsLogger(stage, cfg.logging, d, Path(csv_path), self.out_dir / CURVE,
+                                     precision_dtype=measure_dtype, nnodes=cfg.launch.nnodes,
+                                     tokens_per_step=self.tokens_per_step,
                                      flops_per_token=flops_per_token(model_cfg, self.seq_len),
                                      max_steps=cfg.schedule.max_steps)
 

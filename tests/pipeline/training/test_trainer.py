@@ -196,3 +196,23 @@ def test_autocast_takes_effect_inside_the_training_step(tmp_path, precision, dty
     finally:
         trainer.close()
     assert seen and set(seen) == {dtype}
+
+
+def test_the_curve_survives_dvc_deleting_the_plots_csv_before_a_resume(tmp_path):
+    """DVC deletes plots/<stage>.csv (a plain output) before it reruns a stage, but
+    keeps the persist checkpoint folder: a resumed run still reports the whole curve."""
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    run(tmp_path / "a", max_steps=12)
+    run(tmp_path / "b", max_steps=12)
+    uninterrupted = [(r["step"], r["loss"]) for r in read_csv(tmp_path / "a" / "plots.csv")]
+    for c in ckpt.complete_checkpoints(tmp_path / "b" / "models"):  # a crash after step 8
+        if c.step > 8:
+            ckpt.discard([c])
+    (tmp_path / "b" / "plots.csv").unlink()
+    assert run(tmp_path / "b", max_steps=12)["resumed_from_step"] == 8
+    assert [(r["step"], r["loss"]) for r in read_csv(tmp_path / "b" / "plots.csv")] == uninterrupted
+    # a rerun with nothing left to train (a code-only change) keeps the curve and the final loss too
+    (tmp_path / "b" / "plots.csv").unlink()
+    m = run(tmp_path / "b", max_steps=12)
+    assert [(r["step"], r["loss"]) for r in read_csv(tmp_path / "b" / "plots.csv")] == uninterrupted
+    assert m["final_loss"] == float(uninterrupted[-1][1])
