@@ -137,7 +137,7 @@ def run_sft(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path, out_dir: Path, c
         if not trainer.d.is_main:
             return {}
         report = Path(data_dir) / DATA_REPORT
-        summary["data"] = data_metrics(read_json(report)) if report.exists() else {}
+        summary.update(data_metrics(read_json(report)) if report.exists() else {})
         summary["init_step"] = init.step
         write_report(out_dir, trainer, init_from={"path": str(init.path), "step": init.step,
                                                   "fingerprint": init.meta.get("fingerprint")})
