@@ -121,7 +121,8 @@ class MetricsLogger:
             peak = measure_peak_flops(d.device, precision_dtype) if d.is_main else None
             self.peak_flops_total = float(distributed.broadcast_object(peak, d)) * devices
             self.peak_source = "measured"
-        self.tokens_per_s = self.mfu = 0.0
+        self.tokens_per_s: float | None = None  # None until a step is timed (a resumed, finished run)
+        self.mfu: float | None = None
         self._csv: CsvLog | None = None
         self._bar = None
         self._tracker: Any = None

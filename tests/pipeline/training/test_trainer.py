@@ -216,3 +216,4 @@ def test_the_curve_survives_dvc_deleting_the_plots_csv_before_a_resume(tmp_path)
     m = run(tmp_path / "b", max_steps=12)
     assert [(r["step"], r["loss"]) for r in read_csv(tmp_path / "b" / "plots.csv")] == uninterrupted
     assert m["final_loss"] == float(uninterrupted[-1][1])
+    assert m["resumed_from_step"] == 12 and m["tokens_per_s"] is None and m["mfu"] is None  # nothing timed, not 0
