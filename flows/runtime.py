@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from pipeline.config import load_yaml
+from pipeline.config import load_yaml, metric_values
 from pipeline.tracking import tracker as tracking
 from pipeline.tracking.lineage import LineageError, StageInfo, dvc_stage_hashes, read_metrics
 
@@ -202,7 +202,7 @@ def summary_markdown(stages: Sequence[StageInfo], results: Sequence[Mapping[str,
     rows = ["| stage | status | seconds | metrics |", "|---|---|---:|---|"]
     for s in stages:
         r = by_name.get(s.name, {"status": "not run"})
-        flat = tracking.metric_values(r.get("metrics") or {})
+        flat = metric_values(r.get("metrics") or {})
         flat.pop("seconds", None)
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in list(flat.items())[:max_metrics])
         if len(flat) > max_metrics:
@@ -259,7 +259,7 @@ class ParentRun:
         t.log_params(sections)
         metrics: dict[str, float] = {}
         for s in stages:
-            metrics.update(tracking.metric_values(read_metrics(self.root, s), s.name))
+            metrics.update(metric_values(read_metrics(self.root, s), s.name))
         ran = [r["stage"] for r in results if r.get("status") in ("ran", "restored")]
         metrics["pipeline.stages_ran"] = float(len(ran))
         metrics["pipeline.seconds"] = float(sum(r.get("seconds") or 0.0 for r in results))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -149,3 +149,10 @@ def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
 
     walk(data, prefix)
     return out
+
+
+def metric_values(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric leaves of a (nested) metrics dict under dotted names, NaN kept;
+    strings, bools, lists and nulls are dropped, since a metric is a number."""
+    flat = flatten(dict(metrics), prefix)
+    return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -53,7 +53,7 @@ import yaml
 from pydantic import Field
 from safetensors.torch import save_file
 
-from pipeline.config import StageConfig
+from pipeline.config import StageConfig, flatten
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
 from pipeline.errors import StageError
@@ -235,14 +235,14 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
         ("weights", f"{DTYPE}, safetensors"),
     ]), ""]
 
-    metrics = _flatten(card_info.get("metrics") or {})
+    metrics = flatten(dict(card_info.get("metrics") or {}))
     lines += ["## Evaluation", ""]
     lines += _table(("metric", "value"), metrics.items()) if metrics else ["No evaluation metrics were recorded."]
     lines.append("")
 
     training = {k: meta.get(k) for k in ("stage", "step", "tokens_seen", "precision", "world_size", "saved_at")
                 if meta.get(k) is not None}
-    training.update({f"metrics.{k}": v for k, v in _flatten(meta.get("metrics") or {}).items()})
+    training.update({f"metrics.{k}": v for k, v in flatten(dict(meta.get("metrics") or {})).items()})
     lines += ["## Training (the exported checkpoint)", "", *_table(("", ""), training.items()), ""]
 
     lineage = {
@@ -251,7 +251,7 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
         "checkpoint fingerprint": summary["fingerprint"],
         "tokenizer sha256": summary["tokenizer_sha256"],
         "model.safetensors sha256": weights_sha256,
-        **_flatten(card_info.get("lineage") or {}),
+        **flatten(dict(card_info.get("lineage") or {})),
     }
     lines += ["## Lineage", "", *_table(("", ""), ((k, v) for k, v in lineage.items() if v is not None)), ""]
 
@@ -281,16 +281,6 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
         "```", "",
     ]
     return "\n".join(lines)
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _cell(value: Any) -> str:

@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline.config import metric_values
 from pipeline.tracking.tracker import (
     HTTP_DEFAULTS,
     MAX_TAG_VAL_LENGTH,
@@ -74,18 +75,6 @@ def should_promote(new: float | None, current: float | None, lower_is_better: bo
     return new < current if lower_is_better else new > current
 
 
-def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of a nested dict under dotted names (NaN kept, booleans and
-    strings dropped): ``{"sft": {"bits_per_byte": 1.3}} -> {"sft.bits_per_byte": 1.3}``."""
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        if isinstance(value, Mapping):
-            out.update(flatten_metrics(value, f"{prefix}{key}."))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[f"{prefix}{key}"] = float(value)
-    return out
-
-
 def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping[str, Any],
                     run_id: str | None = None, primary_metric: str = DEFAULT_PRIMARY_METRIC,
                     lower_is_better: bool = True, tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -110,7 +99,7 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
     if uri.startswith(("http://", "https://")):
         for var, value in HTTP_DEFAULTS.items():  # seconds, not minutes, if the server dies now
             os.environ.setdefault(var, value)
-    flat = flatten_metrics(metrics)
+    flat = metric_values(metrics)
     done: dict[str, Any] = {}
     try:
         from mlflow import MlflowClient

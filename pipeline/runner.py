@@ -10,10 +10,10 @@ import time
 from typing import Callable, NoReturn
 
 from pipeline import layout
-from pipeline.config import StageConfig, load_params
+from pipeline.config import StageConfig, load_params, metric_values
 from pipeline.errors import StageError
 from pipeline.files import write_json
-from pipeline.tracking.tracker import metric_values, record_experiment
+from pipeline.tracking.tracker import record_experiment
 
 log = logging.getLogger("pipeline")
 

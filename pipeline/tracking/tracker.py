@@ -220,15 +220,6 @@ def git_tags(cwd: str | Path = ".") -> dict[str, str]:
     return tags
 
 
-def metric_values(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numeric leaves of a (nested) metrics dict under dotted names, NaN kept;
-    strings, bools, lists and nulls are dropped, since an MLflow metric is a number."""
-    from pipeline.config import flatten
-
-    flat = flatten(dict(metrics), prefix)
-    return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
 def _key(name: Any) -> str:
     return (_BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_")[:_MAX_KEY_LENGTH]
 
@@ -580,6 +571,8 @@ def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) 
     try:
         from mlflow import MlflowClient
         from mlflow.entities import Metric, RunTag
+
+        from pipeline.config import metric_values
 
         stages = select(load_stages(root), [stage])
         metrics: dict[str, float] = {}

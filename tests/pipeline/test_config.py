@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.config import ConfigError, flatten, load_params, load_yaml, parse_section, read_params
+from pipeline.config import ConfigError, flatten, load_params, load_yaml, metric_values, parse_section, read_params
 from pipeline.data.ingest import IngestConfig
 
 
@@ -81,3 +81,10 @@ def test_flatten_uses_dotted_names():
     assert flat["ingest.max_bytes"] == 10
     assert flat["ingest.sources.0.path"] == "x"
     assert flat["ingest.sources.0.split_by"] == "file"
+
+
+def test_metric_values_are_the_numeric_leaves_under_dotted_names():
+    flat = metric_values({"sft": {"bits_per_byte": 1.5, "ok": True, "note": "x", "n": None},
+                                   "steps": 3, "bad": float("nan"), "sizes": [1, 2]}, "eval")
+    assert flat.keys() == {"eval.sft.bits_per_byte", "eval.steps", "eval.bad"}
+    assert flat["eval.sft.bits_per_byte"] == 1.5 and flat["eval.steps"] == 3.0 and flat["eval.bad"] != flat["eval.bad"]

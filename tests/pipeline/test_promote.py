@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.export import export_model
 from pipeline.files import sha256_file
-from pipeline.promote import CANDIDATE, CHAMPION, RegistryWarning, flatten_metrics, register_export, should_promote
+from pipeline.promote import CANDIDATE, CHAMPION, RegistryWarning, register_export, should_promote
 from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
 
 NAN = float("nan")
@@ -37,12 +37,6 @@ NAN = float("nan")
 ])
 def test_should_promote(new, current, lower, expected):
     assert should_promote(new, current, lower) is expected
-
-
-def test_flatten_metrics_keeps_numbers_under_dotted_names():
-    flat = flatten_metrics({"sft": {"bits_per_byte": 1.5, "ok": True, "note": "x"}, "steps": 3, "bad": NAN})
-    assert flat.keys() == {"sft.bits_per_byte", "steps", "bad"}
-    assert flat["sft.bits_per_byte"] == 1.5 and flat["steps"] == 3.0 and math.isnan(flat["bad"])
 
 
 # --------------------------------------------------------------------------- against MLflow

@@ -169,13 +169,6 @@ def test_server_command_matches_make_mlflow(tmp_path):
         assert "--artifacts-destination $(abspath mlartifacts)" in text
 
 
-def test_metric_values_are_the_numeric_leaves_under_dotted_names():
-    flat = tracking.metric_values({"sft": {"bits_per_byte": 1.5, "ok": True, "note": "x", "n": None},
-                                   "steps": 3, "bad": float("nan"), "sizes": [1, 2]}, "eval")
-    assert flat.keys() == {"eval.sft.bits_per_byte", "eval.steps", "eval.bad"}
-    assert flat["eval.sft.bits_per_byte"] == 1.5 and flat["eval.steps"] == 3.0 and flat["eval.bad"] != flat["eval.bad"]
-
-
 # --------------------------------------------------------------------------- online
 
 
