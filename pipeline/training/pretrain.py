@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 from pydantic import Field, field_validator
 
-from pipeline.data.shards import PackedRows
-from pipeline.errors import StageError
-from pipeline.files import read_json, write_json
+from pipeline.data import shards
+from pipeline.data.shards import DataError, PackedRows
+from pipeline.files import write_json
 from pipeline.model.transformer import PRESETS, ModelConfig, build_config
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import Section, TrainConfig
@@ -61,17 +61,12 @@ class PretrainConfig(TrainConfig):
     model: ModelSection = Field(default_factory=ModelSection)
 
 
-def read_manifest(packed_dir: Path) -> dict[str, Any]:
-    """The pack stage's manifest; a one-line StageError when pack has not run."""
-    path = Path(packed_dir) / "manifest.json"
-    if not path.exists():
-        raise StageError(f"{path} not found: the packed data is missing; run `dvc repro pack` first")
-    return read_json(path)
-
-
 def plan(cfg: PretrainConfig, packed_dir: Path) -> tuple[ModelConfig, str, dict[str, Any]]:
     """The model to build, the data identity and the checkpoint metadata, from pack's manifest."""
-    manifest = read_manifest(packed_dir)
+    try:
+        manifest = shards.read_manifest(packed_dir)
+    except DataError as err:
+        raise DataError(f"{err}; run `dvc repro pack` first") from None
     model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
     data_id = manifest.get("tokenizer_sha256", "") + ":" + ",".join(
         s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeline.data import shards
 from pipeline.data.sft_data import SFTDataConfig, build_sft_data
 from pipeline.errors import StageError
 from pipeline.files import read_json, write_json
@@ -92,7 +93,7 @@ def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
     """The starting checkpoint, its model, the data identity and the checkpoint metadata."""
     init = pretrained(pretrain_dir)
     model_cfg = ModelConfig(**init.meta["model"])
-    manifest = read_json(Path(data_dir) / "manifest.json")
+    manifest = shards.read_manifest(data_dir)
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise SFTError(f"sft.data.seq_len {cfg.data.seq_len} exceeds the pretrained model's max_seq_len "
                        f"{model_cfg.max_seq_len}; lower it")
