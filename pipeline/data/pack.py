@@ -73,6 +73,7 @@ from pipeline.config import StageConfig
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
     EOT_ID,
+    load_specials,
     load_tokenizer,
     open_docs,
     open_tokenizer,
@@ -184,17 +185,19 @@ def _init_worker(tokenizer_path: str, plan: SplitPlan, schema: pa.Schema, parent
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=load_tokenizer(tokenizer_path), plan=plan, schema=schema)
+    _WORKER.update(tok=load_tokenizer(tokenizer_path), eot=load_specials(tokenizer_path).eot_id, plan=plan,
+                   schema=schema)
 
 
-def encode_docs(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
-    """Encode ``texts``; return (flat ids with EOT after each non-empty doc, per-doc
-    lengths including that EOT, number of docs that gave no tokens)."""
+def encode_docs(tok: Any, texts: list[str], eot_id: int = EOT_ID) -> tuple[np.ndarray, np.ndarray, int]:
+    """Encode ``texts``; return (flat ids with ``eot_id`` after each non-empty doc,
+    per-doc lengths including that EOT, number of docs that gave no tokens). The
+    end-of-text id is the tokenizer's own (``Specials.eot_id``)."""
     encs = tok.encode_batch(texts)
     lens = np.fromiter(map(len, encs), np.int64, count=len(encs))
     flat = np.fromiter(chain.from_iterable(e.ids for e in encs), np.int32, count=int(lens.sum()))
     kept = lens[lens > 0]
-    flat = np.insert(flat, np.cumsum(kept), np.int32(EOT_ID))
+    flat = np.insert(flat, np.cumsum(kept), np.int32(eot_id))
     return flat, (kept + 1).astype(np.int32), len(lens) - len(kept)
 
 
@@ -216,7 +219,7 @@ def _encode_task(message: bytes) -> Encoded:
         routed[plan.split_of(doc_id)].append(text or "")
     parts = {}
     for split, texts in routed.items():
-        flat, lens, empty = encode_docs(_WORKER["tok"], texts)
+        flat, lens, empty = encode_docs(_WORKER["tok"], texts, _WORKER["eot"])
         parts[split] = (flat, lens, len(texts), empty)
     return Encoded(batch.num_rows, nbytes, parts)
 
@@ -266,8 +269,8 @@ def _encoded_batches(pf: pq.ParquetFile, tokenizer_path: Path, plan: SplitPlan, 
 # --- packing and writing ----------------------------------------------------------------------
 
 
-def packed_schema(row_len: int) -> pa.Schema:
-    return row_schema(FORMAT, row_len, metadata={"eot_id": str(EOT_ID)})
+def packed_schema(row_len: int, eot_id: int = EOT_ID) -> pa.Schema:
+    return row_schema(FORMAT, row_len, metadata={"eot_id": str(eot_id)})
 
 
 def cut_rows(stream: np.ndarray, starts: np.ndarray, row_len: int
@@ -292,9 +295,9 @@ def cut_rows(stream: np.ndarray, starts: np.ndarray, row_len: int
 class SplitWriter:
     """Accumulates one split's token stream into shards of ``shard_rows`` rows."""
 
-    def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int):
+    def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int, eot_id: int = EOT_ID):
         self.split, self.row_len, self.shard_rows = split, row_len, shard_rows
-        self.writer = ShardWriter(out_dir, split, packed_schema(row_len))
+        self.writer = ShardWriter(out_dir, split, packed_schema(row_len, eot_id))
         self.carry = np.empty(0, np.int32)
         self.carry_starts = np.empty(0, np.int64)
         self.buf = np.empty((0, row_len), np.int32)  # allocated on first row, so a tiny split stays tiny
@@ -372,7 +375,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     row_len = cfg.seq_len + 1
     clear_outputs(out_dir)
     shard_rows = max(1, cfg.shard_tokens // row_len)
-    writers = {s: SplitWriter(out_dir, s, row_len, shard_rows) for s in SPLITS}
+    writers = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"]) for s in SPLITS}
     docs = text_bytes = 0
     try:
         with progress(total=plan.docs, unit="doc", desc="pack") as bar:

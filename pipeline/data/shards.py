@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.tokenizer import EOT_ID, PAD_ID
 from pipeline.errors import StageError
 from pipeline.files import atomic_path, read_json, sha256_file, write_json
 
@@ -146,8 +145,8 @@ def write_manifest(out_dir: str | Path, *, fmt: str, seq_len: int, vocab_size: i
         manifest["ignore_index"] = IGNORE_INDEX
     manifest.update({
         "vocab_size": vocab_size,
-        "eot_id": EOT_ID,
-        "pad_id": PAD_ID,
+        "eot_id": special_ids["eot"],
+        "pad_id": special_ids["pad"],
         "special_ids": special_ids,
         "tokenizer_sha256": sha256_file(tokenizer_path),
         **fields,

@@ -22,6 +22,16 @@ sees them. Note that other loaders of ``tokenizer.json`` (e.g.
 ``transformers``) parse special strings by default; that flag is not stored in
 the file.
 
+Adopting a published model's tokenizer: with ``source`` set to a local Hugging
+Face model folder, the stage trains nothing. It copies that folder's tokenizer
+files byte for byte into ``data/tokenizer/hf/`` (and its ``tokenizer.json`` to
+``data/tokenizer/tokenizer.json``, so that every later stage reads the same
+file either way), and records in ``specials.json`` which of its tokens play our
+roles: the end-of-text token that pack puts between documents, padding, bos,
+the ids that stop generation (end of turn first) and the chat template.
+:func:`load_specials` reads that file; for our own tokenizer it returns the
+fixed ids above and no template (ChatML).
+
 Sample: every document gets a rank, a 64-bit hash of ``(seed, id)``. Documents
 are taken whole in rank order, each one that still fits in ``sample_bytes`` of
 UTF-8 (one that does not is passed over; if none fits at all, a prefix of the
@@ -36,21 +46,25 @@ batches: once for ids and sizes, once for the chosen texts.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import Field
+from pydantic import Field, field_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
-from pipeline.files import atomic_write, sha256_file, write_json
+from pipeline.files import atomic_dir, atomic_write, read_json, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
 
 log = logging.getLogger("pipeline.data.tokenizer")
@@ -88,7 +102,15 @@ ROUNDTRIP_PROBES: tuple[str, ...] = (
 )
 
 
+SOURCE_TRAIN = "train"
+TRAINING_KEYS = ("vocab_size", "min_frequency", "sample_bytes", "eval_bytes", "seed")
+
+
 class TokenizerConfig(StageConfig):
+    source: str = Field(SOURCE_TRAIN, description="train (a byte-level BPE on the clean docs) or the path of a "
+                        "local Hugging Face model folder whose tokenizer is adopted (then the training keys are ignored)")
+    eot_token: str | None = Field(None, description="adopted tokenizers: the token pack puts between documents "
+                                  "(null: the tokenizer's own end-of-text token, detected)")
     vocab_size: int = Field(8192, ge=BYTE_ALPHABET + len(SPECIAL_TOKENS), le=262_144,
                             description="target vocabulary size, specials and the 256 byte tokens included")
     min_frequency: int = Field(2, ge=1, description="a pair seen fewer times is never merged")
@@ -98,9 +120,105 @@ class TokenizerConfig(StageConfig):
                             description="held-out bytes for the compression and round-trip check")
     seed: int = Field(0, ge=0, description="chooses the sample")
 
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("give 'train' or the path of a local Hugging Face model folder")
+        return v
+
+    @property
+    def adopts(self) -> bool:
+        return self.source != SOURCE_TRAIN
+
 
 class TokenizerError(StageError):
     """The tokenizer cannot be trained or loaded (missing input, empty corpus, bad file)."""
+
+
+# --- which token plays which role ------------------------------------------------------------
+
+SPECIALS_FILE = "specials.json"
+HF_DIR = "hf"
+# Files of a Hugging Face tokenizer, copied byte for byte when one is adopted.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                      "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+# End-of-text tokens of the families we know, in the order they are looked for:
+# GPT-2/Qwen, Llama 3, SentencePiece models (Llama 2, Mistral), Gemma, DeepSeek.
+EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
+
+
+@dataclass(frozen=True)
+class Specials:
+    """The token ids each later stage needs, whatever tokenizer is in use.
+
+    eot_id     separates documents in pack (no document ever contains it)
+    pad_id     fills SFT rows (never trained: labels are ignored there)
+    bos_id     the tokenizer's begin-of-sequence token, or None
+    eos_ids    ids that end generation, end of turn first
+    chat_template  the tokenizer's own jinja chat template; None means ChatML
+    source     "train", or the Hugging Face folder the tokenizer was adopted from
+    hf_files   tokenizer files of that folder, copied under ``data/tokenizer/hf/``
+    special_ids    every id that text can never encode to (the added special tokens)
+    """
+
+    eot_id: int
+    pad_id: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    chat_template: str | None = None
+    source: str = SOURCE_TRAIN
+    hf_files: tuple[str, ...] = ()
+    special_ids: tuple[int, ...] = field(default=tuple(range(len(SPECIAL_TOKENS))))
+    texts: dict[str, str] = field(default_factory=dict)  # role -> token text, for reports and configs
+
+    @property
+    def own(self) -> bool:
+        """True for the pipeline's own trained tokenizer (fixed ids, ChatML)."""
+        return self.source == SOURCE_TRAIN
+
+    def ids(self) -> dict[str, int]:
+        """Role -> id for the packed manifests: eot and pad always, then whatever else is known."""
+        out = {"eot": self.eot_id, "pad": self.pad_id}
+        if self.own:
+            out.update(im_start=IM_START_ID, im_end=IM_END_ID)
+        elif self.bos_id is not None:
+            out["bos"] = self.bos_id
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_ids"], d["hf_files"], d["special_ids"] = list(self.eos_ids), list(self.hf_files), list(self.special_ids)
+        return d
+
+
+OWN_SPECIALS = Specials(eot_id=EOT_ID, pad_id=PAD_ID, bos_id=None, eos_ids=(IM_END_ID, EOT_ID),
+                        texts={"eot": EOT, "pad": PAD, "im_start": IM_START, "im_end": IM_END})
+
+
+def tokenizer_dir(path: str | Path) -> Path:
+    """The tokenizer folder for a folder or its ``tokenizer.json``."""
+    path = Path(path)
+    return path.parent if path.suffix == ".json" else path
+
+
+def load_specials(path: str | Path) -> Specials:
+    """The roles recorded beside a tokenizer (``path``: the folder or its
+    ``tokenizer.json``). A folder without ``specials.json`` holds our own
+    tokenizer (as written before adoption existed): the fixed ids and ChatML."""
+    file = tokenizer_dir(path) / SPECIALS_FILE
+    if not file.is_file():
+        return OWN_SPECIALS
+    try:
+        d = read_json(file)
+        return Specials(eot_id=int(d["eot_id"]), pad_id=int(d["pad_id"]),
+                        bos_id=None if d.get("bos_id") is None else int(d["bos_id"]),
+                        eos_ids=tuple(int(i) for i in d["eos_ids"]), chat_template=d.get("chat_template"),
+                        source=str(d.get("source", SOURCE_TRAIN)), hf_files=tuple(d.get("hf_files", ())),
+                        special_ids=tuple(int(i) for i in d.get("special_ids", ())),
+                        texts=dict(d.get("texts", {})))
+    except (ValueError, KeyError, TypeError) as e:
+        raise TokenizerError(f"{file}: unreadable ({type(e).__name__}: {e}); rerun the tokenizer stage") from e
 
 
 # --- loading and sharing ---------------------------------------------------------------------
@@ -134,7 +252,8 @@ def load_tokenizer(path: str | Path, parse_special: bool = False) -> Tokenizer:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception with the parse error
         raise TokenizerError(f"{path}: not a valid tokenizer file: {e}") from e
-    special_ids(tok)
+    if load_specials(path).own:
+        special_ids(tok)
     tok.encode_special_tokens = not parse_special
     return tok
 
@@ -179,11 +298,12 @@ def open_docs(docs_path: Path, error: type[Exception]) -> pq.ParquetFile:
 
 
 def open_tokenizer(path: Path, error: type[Exception]) -> tuple[Tokenizer, dict[str, int]]:
-    """:func:`load_tokenizer` and its :func:`special_ids`; a missing or invalid
-    tokenizer raises ``error`` with the TokenizerError's message."""
+    """:func:`load_tokenizer` and its roles (:meth:`Specials.ids`: ``eot`` and
+    ``pad`` always); a missing or invalid tokenizer raises ``error`` with the
+    TokenizerError's message."""
     try:
         tok = load_tokenizer(path)
-        return tok, special_ids(tok)
+        return tok, load_specials(path).ids()
     except TokenizerError as e:
         raise error(str(e)) from e
 
@@ -262,14 +382,16 @@ def _clip_utf8(text: str, max_bytes: int) -> str:
 # --- training --------------------------------------------------------------------------------
 
 
-def check_roundtrip(tok: Tokenizer, items: Iterator[tuple[str, str]]) -> tuple[int, int, int]:
+def check_roundtrip(tok: Tokenizer, items: Iterator[tuple[str, str]],
+                    specials: tuple[int, ...] = tuple(range(len(SPECIAL_TOKENS)))) -> tuple[int, int, int]:
     """Encode and decode each ``(name, text)``; return (count, bytes, tokens).
     Raises TokenizerError naming the first text that does not round-trip or that
-    encodes to a special id."""
+    encodes to one of the ``specials`` ids."""
     n = nbytes = ntok = 0
+    special = set(specials)
     for name, text in items:
         ids = tok.encode(text).ids
-        if ids and min(ids) < len(SPECIAL_TOKENS):
+        if special.intersection(ids):
             raise TokenizerError(f"round-trip check: {name} encodes to a special token id")
         back = tok.decode(ids, skip_special_tokens=False)
         if back != text:
@@ -332,6 +454,8 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
 
     with atomic_write(out_path) as f:
         f.write(tok.to_str(pretty=True))
+    _write_specials(out_path.parent, OWN_SPECIALS)
+    _remove_adopted(out_path.parent)
     if report_path is not None:
         write_json(report_path, {
             "vocab_size_requested": cfg.vocab_size,
@@ -351,3 +475,169 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
         "train_seconds": round(train_seconds, 3),
         "total_seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+# --- adopting a Hugging Face model's tokenizer -----------------------------------------------
+
+
+def _write_specials(out_dir: Path, specials: Specials) -> None:
+    write_json(Path(out_dir) / SPECIALS_FILE, specials.to_json())
+
+
+def _remove_adopted(out_dir: Path) -> None:
+    """Our own tokenizer replaces an adopted one: its copied files go (they are
+    copies of the user's folder, which stays untouched)."""
+    shutil.rmtree(Path(out_dir) / HF_DIR, ignore_errors=True)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
+    """The folder's default chat template, where transformers looks for it:
+    ``chat_template.jinja``, then ``chat_template.json``, then ``tokenizer_config.json``
+    (a string, or a list of named templates of which "default" is used)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template: Any = None
+    if (folder / "chat_template.json").is_file():
+        template = read_json(folder / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None) -> Specials:
+    """The roles of a Hugging Face tokenizer's tokens, from ``tokenizer_config.json``
+    (or ``special_tokens_map.json``), ``generation_config.json`` and the vocabulary.
+    Raises TokenizerError, one line, when no end-of-text token can be found or a
+    named token is not in the vocabulary."""
+    folder = Path(folder)
+    tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    tok_map = read_json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").is_file() else {}
+
+    def named(role: str) -> str | None:
+        return _token_text(tok_config.get(role)) or _token_text(tok_map.get(role))
+
+    def id_of(text: str | None, what: str) -> int | None:
+        if text is None:
+            return None
+        got = tok.token_to_id(text)
+        if got is None:
+            raise TokenizerError(f"{folder}: the {what} {text!r} is not in the tokenizer's vocabulary")
+        return got
+
+    eos_text, bos_text, pad_text = named("eos_token"), named("bos_token"), named("pad_token")
+    if eot_token is not None:
+        eot_text = eot_token
+    else:
+        eot_text = next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), eos_text)
+    if eot_text is None:
+        raise TokenizerError(f"{folder}: no end-of-text token found (looked for {', '.join(EOT_CANDIDATES)} and "
+                             "tokenizer_config.json's eos_token); name one with tokenizer.eot_token")
+    eot_id = id_of(eot_text, "end-of-text token (tokenizer.eot_token)" if eot_token else "end-of-text token")
+    eos: list[int] = []
+    eos_id = id_of(eos_text, "eos_token")
+    if eos_id is not None:
+        eos.append(eos_id)
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():
+        gen_eos = read_json(gen_file).get("eos_token_id")
+        eos.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+    eos.append(eot_id)
+    special = sorted(t.id for t in tok.get_added_tokens_decoder().values() if t.special) \
+        if hasattr(tok, "get_added_tokens_decoder") else []
+    pad_id = id_of(pad_text, "pad_token")
+    texts = {"eot": eot_text, "pad": pad_text or eot_text}
+    texts.update({k: v for k, v in (("bos", bos_text), ("eos", eos_text)) if v})
+    return Specials(eot_id=eot_id, pad_id=eot_id if pad_id is None else pad_id, bos_id=id_of(bos_text, "bos_token"),
+                    eos_ids=tuple(dict.fromkeys(eos)), chat_template=read_chat_template(folder, tok_config),
+                    source=str(folder), hf_files=tuple(f for f in HF_TOKENIZER_FILES if (folder / f).is_file()),
+                    special_ids=tuple(special), texts=texts)
+
+
+def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
+    """The ``tokenizer.json`` of a Hugging Face folder; a one-line TokenizerError
+    when the folder or the file is missing or unreadable."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise TokenizerError(f"tokenizer.source {folder} is not a folder; give 'train' or a local Hugging Face "
+                             "model folder")
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        hint = (" (it has only a SentencePiece tokenizer.model: convert it once with transformers, "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))"
+                if (folder / "tokenizer.model").is_file() else "")
+        raise TokenizerError(f"{folder} has no tokenizer.json{hint}")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust side raises a bare Exception with the parse error
+        raise TokenizerError(f"{file}: not a valid tokenizer file: {e}") from e
+
+
+def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,
+                    report_path: str | Path | None = None) -> dict:
+    """Adopt the tokenizer of the Hugging Face folder ``cfg.source`` instead of
+    training one: copy its tokenizer files byte for byte to ``<out dir>/hf/`` and
+    its ``tokenizer.json`` to ``out_path``, write ``specials.json``, and measure
+    bytes per token and the round trip on held-out clean documents (a tokenizer
+    that does not round-trip exactly, e.g. SentencePiece's space handling, is
+    counted in ``roundtrip_failures`` and warned about, not refused: it is the
+    model's own). Returns metrics like :func:`train_tokenizer`."""
+    t0 = time.perf_counter()
+    folder, out_path = Path(cfg.source).expanduser(), Path(out_path)
+    ignored = sorted(set(TRAINING_KEYS) & cfg.model_fields_set)
+    if ignored:
+        log.warning("tokenizer.source is a Hugging Face folder: ignoring the training key(s) %s",
+                    ", ".join(f"tokenizer.{k}" for k in ignored))
+    tok = open_hf_tokenizer(folder)
+    specials = hf_specials(folder, tok, cfg.eot_token)
+    out_dir = out_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out_dir / HF_DIR) as tmp:
+        for name in specials.hf_files:
+            shutil.copyfile(folder / name, tmp / name)
+    with atomic_write(out_path, "wb") as f:
+        f.write((folder / "tokenizer.json").read_bytes())
+    _write_specials(out_dir, specials)
+
+    tok.encode_special_tokens = True
+    _, heldout_mask, stats = choose_sample(docs_path, 0, cfg.eval_bytes, cfg.seed) if Path(docs_path).is_file() \
+        else (None, None, {"corpus_docs": 0, "corpus_bytes": 0})
+    heldout = _read_rows(Path(docs_path), heldout_mask)[0] if heldout_mask is not None else []
+    failures, nbytes, ntok = 0, 0, 0
+    for name, text in [*((f"probe {i}", s) for i, s in enumerate(ROUNDTRIP_PROBES)),
+                       *((f"document {i!r}", t or "") for i, t in heldout)]:
+        try:
+            _, b, n = check_roundtrip(tok, [(name, text)], specials.special_ids)
+        except TokenizerError as e:
+            if failures == 0:
+                log.warning("the adopted tokenizer does not round-trip every text exactly (first: %s)", e)
+            failures += 1
+            continue
+        if name.startswith("document"):
+            nbytes, ntok = nbytes + b, ntok + n
+    if report_path is not None:
+        write_json(report_path, {"source": str(folder), **stats, "heldout_docs": len(heldout),
+                                 "roundtrip_failures": failures, "specials": specials.to_json(),
+                                 "sha256": sha256_file(out_path)})
+    log.info("adopted the tokenizer of %s: %d tokens, end of text %r (id %d), chat template: %s",
+             folder, tok.get_vocab_size(), specials.texts["eot"], specials.eot_id,
+             "yes" if specials.chat_template else "none (ChatML for sft)")
+    return {"vocab_size": tok.get_vocab_size(), "bytes_per_token": round(nbytes / max(ntok, 1), 4),
+            "roundtrip_failures": failures, "total_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def build(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,
+          report_path: str | Path | None = None) -> dict:
+    """The tokenizer stage: train one, or adopt a Hugging Face model's (``cfg.source``)."""
+    if cfg.adopts:
+        return adopt_tokenizer(cfg, docs_path, out_path, report_path)
+    return train_tokenizer(cfg, docs_path, out_path, report_path)

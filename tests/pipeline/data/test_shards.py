@@ -88,7 +88,7 @@ def write_format(out, tok_path, rows, starts, labels=None, shard_rows=2):
         hi = min(lo + shard_rows, len(rows))
         writer.write(rows[lo:hi], offsets[lo:hi + 1], values, None if labels is None else labels[lo:hi])
     splits = {"train": {"rows": writer.rows, "shards": writer.shards}}
-    write_manifest(out, fmt="test/1", seq_len=rows.shape[1] - 1, vocab_size=9, special_ids={"eot": 0},
+    write_manifest(out, fmt="test/1", seq_len=rows.shape[1] - 1, vocab_size=9, special_ids={"eot": 0, "pad": 1},
                    tokenizer_path=tok_path, labels=labels is not None, fields={"seed": 1}, splits=splits)
     return writer
 

@@ -9,6 +9,8 @@ from tokenizers import normalizers, trainers
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.tokenizer import (
+    OWN_SPECIALS,
+    load_specials,
     EOT,
     IM_END,
     IM_START,
@@ -114,7 +116,8 @@ def test_metrics_report_and_output(trained, corpus):
     assert m["bytes_per_token"] > 1.0  # BPE merged something
     assert report["corpus_docs"] == 200
     assert report["sha256"] == sha256_file(out)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "tokenizer.json"]  # no temp files left
+    assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "specials.json", "tokenizer.json"]  # no temp files
+    assert load_specials(out) == OWN_SPECIALS
     json.loads(out.read_text())
 
 
