@@ -61,6 +61,8 @@ def project_copy(dest: Path, params_overrides: dict | None = None) -> Path:
             shutil.copy2(src, dest / name)
     (dest / "data" / "raw").mkdir(parents=True)
     shutil.copy2(ROOT / "data" / "raw" / "README.md", dest / "data" / "raw" / "README.md")
+    (dest / "models" / "base").mkdir(parents=True)
+    shutil.copy2(ROOT / "models" / "base" / "README.md", dest / "models" / "base" / "README.md")
     if params_overrides:
         params = yaml.safe_load((dest / "params.yaml").read_text())
         for dotted, value in params_overrides.items():

@@ -46,7 +46,6 @@ batches: once for ids and sizes, once for the chosen texts.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import shutil
 import time
@@ -390,7 +389,7 @@ def check_roundtrip(tok: Tokenizer, items: Iterator[tuple[str, str]],
     n = nbytes = ntok = 0
     special = set(specials)
     for name, text in items:
-        ids = tok.encode(text).ids
+        ids = tok.encode(text, add_special_tokens=False).ids  # no bos a post-processor would add
         if special.intersection(ids):
             raise TokenizerError(f"round-trip check: {name} encodes to a special token id")
         back = tok.decode(ids, skip_special_tokens=False)
@@ -552,8 +551,7 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
         gen_eos = read_json(gen_file).get("eos_token_id")
         eos.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
     eos.append(eot_id)
-    special = sorted(t.id for t in tok.get_added_tokens_decoder().values() if t.special) \
-        if hasattr(tok, "get_added_tokens_decoder") else []
+    special = sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     pad_id = id_of(pad_text, "pad_token")
     texts = {"eot": eot_text, "pad": pad_text or eot_text}
     texts.update({k: v for k, v in (("bos", bos_text), ("eos", eos_text)) if v})

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # Stages that read or write anything under this folder train, evaluate or export
 # a model; every other stage with outputs is a data stage.
+BASE_PREFIX = "models/base"
 MODELS_PREFIX = "models/"
 
 
@@ -55,10 +56,12 @@ class StageInfo:
 
     @property
     def is_data_stage(self) -> bool:
-        """True when it has outputs and neither reads nor writes anything under
-        ``models/`` (ingest, clean, tokenizer, pack): a CPU function of its inputs,
-        which the flows retry (see ``flows/pipeline.py``)."""
-        paths = self.deps + self.outs
+        """True when it has outputs and neither reads nor writes a trained model
+        under ``models/`` (ingest, clean, tokenizer, pack): a CPU function of its
+        inputs, which the flows retry (see ``flows/pipeline.py``). ``models/base``
+        holds published models given as inputs (the tokenizer reads their tokenizer
+        files), so reading it does not count."""
+        paths = self.outs + tuple(d for d in self.deps if not d.startswith(BASE_PREFIX))
         return bool(self.outs) and not any(p.startswith(MODELS_PREFIX) for p in paths)
 
 

@@ -1,16 +1,24 @@
-"""pretrain: train the model from scratch on the packed shards.
+"""pretrain: train the model on the packed shards, from scratch or from ``init_from``.
 
 Runs on every rank under torchrun (stages/pretrain.py launches it). Reads
 ``data/packed/{train,val}``, writes checkpoints to ``models/pretrain/``, the
 live curve to ``plots/pretrain.csv``, and returns the summary that rank 0 writes
 to ``metrics/pretrain.json``; what is not a number to compare (precision, the
 final checkpoint's path) goes to ``models/pretrain/report.json``.
+
+With ``init_from`` (pipeline/training/init.py) the architecture and the starting
+weights come from a local Hugging Face model or a checkpoint of ours, and the
+keys of ``pretrain.model`` are ignored (with a warning naming them).
+``schedule.max_steps: 0`` then passes the initial model through unchanged as
+the stage's output, so that sft, evaluate and export run on it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import logging
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -21,7 +29,10 @@ from pipeline.files import write_json
 from pipeline.model.transformer import PRESETS, ModelConfig, build_config
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import Section, TrainConfig
+from pipeline.training.init import InitError, InitSource, check_tokenizer, resolve_init
 from pipeline.training.trainer import Trainer, check_resume
+
+log = logging.getLogger("pipeline.training")
 
 REPORT = "report.json"
 
@@ -59,32 +70,69 @@ class ModelSection(Section):
 
 class PretrainConfig(TrainConfig):
     model: ModelSection = Field(default_factory=ModelSection)
+    init_from: str | None = Field(None, description="null (random init), a local Hugging Face model folder, or a "
+                                  "checkpoint folder of ours (any stage, any step, previous/ runs included)")
+    init_optimizer: bool = Field(False, description="with init_from a checkpoint of ours: also load its AdamW moments")
 
 
-def plan(cfg: PretrainConfig, packed_dir: Path) -> tuple[ModelConfig, str, dict[str, Any]]:
-    """The model to build, the data identity and the checkpoint metadata, from pack's manifest."""
+def plan(cfg: PretrainConfig, packed_dir: Path, *, warn: bool = False
+         ) -> tuple[ModelConfig, str, dict[str, Any], InitSource | None]:
+    """The model to build, the data identity, the checkpoint metadata and the
+    starting point, from pack's manifest and ``init_from``. ``warn``: log what
+    params are ignored (once, in the launcher)."""
     try:
         manifest = shards.read_manifest(packed_dir)
     except DataError as err:
         raise DataError(f"{err}; run `dvc repro pack` first") from None
-    model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
+    init = resolve_init(cfg.init_from, warn_outside_base=warn)
+    if init is None:
+        if cfg.schedule.max_steps == 0:
+            raise InitError("pretrain.schedule.max_steps 0 passes init_from through unchanged, but init_from is "
+                            "null; set pretrain.init_from or train at least one step")
+        if cfg.init_optimizer:
+            raise InitError("pretrain.init_optimizer needs init_from to name a checkpoint of ours")
+        model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
+    else:
+        check_tokenizer(init, manifest)
+        if cfg.init_optimizer and init.kind != "checkpoint":
+            raise InitError(f"pretrain.init_optimizer: {init.path} is a Hugging Face model, which has no optimizer "
+                            "state; set it to false")
+        model_cfg = init.model
+        if manifest["seq_len"] > model_cfg.max_seq_len:
+            raise InitError(f"pack.seq_len {manifest['seq_len']} exceeds the max_seq_len {model_cfg.max_seq_len} "
+                            f"of {init.path}; lower pack.seq_len")
+        ignored = sorted(cfg.model.model_fields_set)
+        if warn and ignored:
+            log.warning("init_from is set: the architecture comes from %s, so pretrain.model key(s) %s are ignored",
+                        init.path, ", ".join(ignored))
     data_id = manifest.get("tokenizer_sha256", "") + ":" + ",".join(
         s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])
-    return model_cfg, data_id, {"tokenizer_sha256": manifest.get("tokenizer_sha256"),
-                                "vocab_size": manifest["vocab_size"]}
+    meta = {"tokenizer_sha256": manifest.get("tokenizer_sha256"), "vocab_size": manifest["vocab_size"],
+            **(init.meta if init else {})}
+    return model_cfg, data_id, meta, init
+
+
+def _init_kwargs(cfg: PretrainConfig, init: InitSource | None) -> dict[str, Any]:
+    """How the Trainer starts the run from ``init`` (nothing for random init)."""
+    if init is None:
+        return {}
+    if init.kind == "checkpoint":
+        return {"init_from": init.checkpoint, "init_optimizer": cfg.init_optimizer}
+    return {"init_weights": init.load_weights, "init_id": init.init_id}
 
 
 def prepare_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path) -> None:
-    """Once, in the launcher: the packed data exists and the run can start or resume."""
-    model_cfg, data_id, _ = plan(cfg, packed_dir)
-    check_resume(cfg, model_cfg, out_dir, data_id=data_id)
+    """Once, in the launcher: the packed data and the starting point exist, and
+    the run can start or resume."""
+    model_cfg, data_id, _, init = plan(cfg, packed_dir, warn=True)
+    check_resume(cfg, model_cfg, out_dir, data_id=data_id, **_init_kwargs(cfg, init))
 
 
 def run_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
     """Train on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
-    model_cfg, data_id, meta = plan(cfg, packed_dir)
+    model_cfg, data_id, meta, init = plan(cfg, packed_dir)
     trainer = Trainer("pretrain", cfg, model_cfg, Path(packed_dir) / "train", Path(packed_dir) / "val",
-                      out_dir, csv_path, data_id=data_id, extra_meta=meta)
+                      out_dir, csv_path, data_id=data_id, extra_meta=meta, **_init_kwargs(cfg, init))
     try:
         summary = trainer.fit()
         if not trainer.d.is_main:

@@ -101,8 +101,10 @@ def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
         raise SFTError("the SFT data was tokenized with a different tokenizer than the pretrained model's; "
                        "rerun `dvc repro sft` after `dvc repro tokenizer pretrain`")
     data_id = ",".join(s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"])
+    # The original Hugging Face config travels on, so that export writes the same family.
+    carried = {k: init.meta[k] for k in ("hf_config", "hf_generation_config") if k in init.meta}
     meta = {"tokenizer_sha256": manifest["tokenizer_sha256"], "init_from": str(init.path),
-            "vocab_size": model_cfg.vocab_size}
+            "vocab_size": model_cfg.vocab_size, **carried}
     return init, model_cfg, data_id, meta
 
 

@@ -1,0 +1,154 @@
+"""Where a run's starting weights come from: ``init_from``.
+
+``pretrain.init_from`` names one of
+
+* nothing (``null``): random initialisation from the seed;
+* a local Hugging Face model folder (``config.json`` plus ``model.safetensors``
+  or a sharded ``model.safetensors.index.json``): the architecture and weights
+  of that model (pipeline/model/hf_adapter.py reads them);
+* a checkpoint of ours, from any stage and step: a run folder
+  (``models/sft``: its newest checkpoint), a ``step-*`` folder, or one under
+  ``previous/<run-id>/``: a warm start of a new run from its weights (and, with
+  ``init_optimizer``, its AdamW moments).
+
+:func:`resolve_init` turns the param into an :class:`InitSource`: the model to
+build, an identity for the run fingerprint (content hashes, so that replacing
+the model folder starts a new run), the tokenizer the model belongs with, and
+the metadata that travels with every checkpoint of the new run (the original
+``config.json``, so that export writes the same family). Every problem is one
+line (:class:`InitError`), raised before any rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.errors import StageError
+from pipeline.files import sha256_file
+from pipeline.model import hf_adapter
+from pipeline.model.transformer import ModelConfig, Transformer
+from pipeline.training import checkpoint as ckpt
+
+log = logging.getLogger("pipeline.training")
+
+BASE_DIR = Path("models/base")  # DVC tracks this folder as a dep of tokenizer and pretrain
+
+
+class InitError(StageError):
+    """init_from names nothing usable, or a model that does not fit the data."""
+
+
+@dataclass(frozen=True)
+class InitSource:
+    kind: Literal["hf", "checkpoint"]
+    path: Path
+    model: ModelConfig
+    init_id: str  # goes into the run identity
+    tokenizer_sha256: str | None  # sha256 of the tokenizer.json this model was trained with, when known
+    meta: dict[str, Any] = field(default_factory=dict)  # carried into every checkpoint of the new run
+    checkpoint: ckpt.Checkpoint | None = None
+
+    def load_weights(self, model: Transformer) -> None:
+        """Copy the starting weights into ``model`` (built from :attr:`model`)."""
+        if self.kind == "hf":
+            hf_adapter.load_hf_weights(model, self.path)
+        else:
+            ckpt.load_model_weights(self.checkpoint, model)
+
+
+def _folder_id(folder: Path, names: list[str]) -> str:
+    """sha256 over the named files' contents: the identity of a model folder."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        h.update(name.encode() + b"\0" + sha256_file(folder / name).encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
+def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> InitSource | None:
+    """The starting point named by ``init_from`` (None for random initialisation).
+    Raises InitError (one line) for a path that is neither kind, a damaged
+    checkpoint, or a Hugging Face model we do not implement."""
+    if init_from is None:
+        return None
+    path = Path(init_from).expanduser()
+    if not path.exists():
+        raise InitError(f"init_from {path} does not exist; give a local Hugging Face model folder (under "
+                        f"{BASE_DIR}/) or a checkpoint folder of ours")
+    if hf_adapter.is_hf_model_folder(path):
+        return _from_hf(path, warn_outside_base)
+    try:
+        found = ckpt.resolve(path)
+    except ckpt.CheckpointError as err:
+        raise InitError(f"init_from: {err}") from None
+    if found is None:
+        raise InitError(f"init_from {path} is neither a Hugging Face model folder (config.json and "
+                        "model.safetensors or model.safetensors.index.json) nor a checkpoint of ours (meta.json)")
+    return _from_checkpoint(found)
+
+
+def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
+    config = json.loads((folder / "config.json").read_text())
+    try:
+        model = hf_adapter.config_from_hf(config)
+    except StageError as err:
+        raise InitError(f"init_from {folder}: {err}") from None
+    except ValueError as err:
+        raise InitError(f"init_from {folder}: {err}") from None
+    if warn_outside_base and not _inside(folder, BASE_DIR):
+        log.warning("init_from %s is outside %s/, so DVC does not see changes to it: a replaced model there "
+                    "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR)
+    weights = hf_adapter.weight_files(folder)
+    tok = folder / "tokenizer.json"
+    meta: dict[str, Any] = {"init_from": str(folder), "hf_config": config}
+    if (folder / "generation_config.json").is_file():
+        meta["hf_generation_config"] = json.loads((folder / "generation_config.json").read_text())
+    return InitSource(kind="hf", path=folder, model=model,
+                      init_id="hf:" + _folder_id(folder, ["config.json", *weights]),
+                      tokenizer_sha256=sha256_file(tok) if tok.is_file() else None, meta=meta)
+
+
+def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
+    meta = found.meta
+    carried = {k: meta[k] for k in ("hf_config", "hf_generation_config") if k in meta}
+    return InitSource(kind="checkpoint", path=found.path, model=ModelConfig(**meta["model"]),
+                      init_id="ckpt:" + str(meta.get("fingerprint")) + ":" + meta["files"]["model.safetensors"]["sha256"][:16],
+                      tokenizer_sha256=meta.get("tokenizer_sha256"),
+                      meta={"init_from": str(found.path), **carried}, checkpoint=found)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def check_tokenizer(init: InitSource, manifest: dict[str, Any], tokenizer_source: str | None = None) -> None:
+    """The packed data's tokenizer and the initial model belong together: the same
+    tokenizer.json when the model's is known, and every token id inside the
+    model's embedding table. Raises InitError, one line, otherwise."""
+    vocab = int(manifest["vocab_size"])
+    data_sha = manifest.get("tokenizer_sha256")
+    if init.tokenizer_sha256 is not None and data_sha is not None and init.tokenizer_sha256 != data_sha:
+        fix = (f"set tokenizer.source: {init.path}" if init.kind == "hf"
+               else "use the tokenizer that checkpoint was trained with")
+        raise InitError(f"the tokenizer of the packed data (data/tokenizer, sha256 {data_sha[:12]}) is not the one "
+                        f"{init.path} was trained with (sha256 {init.tokenizer_sha256[:12]}); {fix}, then "
+                        "`dvc repro`")
+    if vocab > init.model.vocab_size:
+        raise InitError(f"the tokenizer has {vocab} tokens but {init.path} embeds only {init.model.vocab_size}; "
+                        "they do not belong together")
+    if init.tokenizer_sha256 is None:
+        log.warning("%s ships no tokenizer.json, so the pairing with data/tokenizer cannot be checked beyond the "
+                    "vocabulary size (%d <= %d)", init.path, vocab, init.model.vocab_size)
+
+
+def ignored_model_keys(model_section: Any) -> list[str]:
+    """Keys of ``pretrain.model`` given in params that an initial model overrides."""
+    return sorted(model_section.model_fields_set)
