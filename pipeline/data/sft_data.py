@@ -166,7 +166,7 @@ class SFTDataConfig(BaseModel):
     chat_template: str = Field("auto", min_length=1, description="auto (the tokenizer's own template, else ChatML), "
                                "chatml, or the path of a .jinja chat template")
     template_date: dt.date = Field(DEFAULT_DATE, description="the date chat templates read as today (strftime_now), "
-                                   "pinned so that the data is reproducible")
+                                   "YYYY-MM-DD, pinned so that the data is reproducible")
 
 
 class SFTDataError(StageError):
