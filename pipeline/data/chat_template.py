@@ -152,17 +152,18 @@ class ChatTemplate:
     variables: dict[str, str] = field(default_factory=dict)
     specials: dict[str, int] = field(default_factory=dict)
     date: dt.date = DEFAULT_DATE
+    special_re: re.Pattern = field(init=False, repr=False, compare=False)
     _layouts: dict[tuple, "_Layout"] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Longest first, so that a token wins over another that is its prefix.
+        self.special_re = re.compile("|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True))
+                                     or "(?!)")
 
     @property
     def text(self) -> str:
         """The jinja text (ChatML's for the built-in path), as a model folder would ship it."""
         return CHAT_TEMPLATE_JINJA if self.source is None else self.source
-
-    @property
-    def special_re(self) -> re.Pattern:
-        # Longest first, so that a token wins over another that is its prefix.
-        return re.compile("|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True)) or "(?!)")
 
 
 # --- choosing --------------------------------------------------------------------------------
@@ -279,8 +280,8 @@ class _Layout:
 
 
 def _fail(template: ChatTemplate, why: str) -> ChatTemplateError:
-    return ChatTemplateError(f"chat template {template.name}: {why}; SFT cannot tell what the assistant wrote "
-                             "(use sft.data.chat_template: chatml or a .jinja file)")
+    return ChatTemplateError(f"chat template {template.name}: {why}, so what the assistant wrote cannot be located "
+                             "(set sft.data.chat_template to chatml or a .jinja file)")
 
 
 def _split(text: str) -> list[str | int]:
@@ -520,7 +521,16 @@ def check_template(tok: Tokenizer, template: ChatTemplate) -> tuple[int, ...]:
         except TemplateSkip as e:
             if e.reason == "template_error" and probe[0]["role"] == "system":
                 continue
+            if e.reason == "no_roundtrip":
+                raise ChatTemplateError(f"the tokenizer does not give back the text of chat template {template.name} "
+                                        f"(probe conversation {n}: {e.detail}); SFT needs an exact round trip") from e
             raise _fail(template, f"probe conversation {n}: {e}") from e
         layout = _layout(template, tuple(m["role"] for m in probe), add_generation_prompt=False, spans=True)
         ends.update(dict.fromkeys(template.specials[t] for t in layout.end_tokens))
     return tuple(ends)
+
+
+def stop_ids(tok: Tokenizer, template: ChatTemplate, eos_ids: Sequence[int]) -> tuple[int, ...]:
+    """The ids generation should stop at: the template's end-of-turn ids
+    (:func:`check_template`), then the tokenizer's ``eos_ids`` (Specials.eos_ids)."""
+    return tuple(dict.fromkeys((*check_template(tok, template), *eos_ids)))

@@ -99,6 +99,7 @@ from pipeline.data.chat_template import (
     check_template,
     encode_conversation,
     load_chat_template,
+    stop_ids,
 )
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.data.tokenizer import load_specials, open_tokenizer
@@ -401,7 +402,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     specials = load_specials(tokenizer_path)
     template = load_chat_template(cfg.chat_template, tokenizer_path, tok, cfg.template_date)
     end_of_turn = check_template(tok, template)
-    stop_ids = tuple(dict.fromkeys((*end_of_turn, *specials.eos_ids)))
+    stops = stop_ids(tok, template, specials.eos_ids)
     if not set(end_of_turn) <= set(specials.eos_ids):
         log.warning("chat template %s closes assistant turns with id(s) %s, which are not among the tokenizer's "
                     "eos ids %s: generation must stop at them too (manifest stop_ids)", template.name,
@@ -485,7 +486,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                        "chat_template_name": template.name,
                        "template_date": template.date.isoformat(),
                        "end_of_turn_ids": list(end_of_turn),
-                       "stop_ids": list(stop_ids),
+                       "stop_ids": list(stops),
                        "pack": cfg.pack,
                        "overlong": cfg.overlong,
                        "seed": cfg.seed,

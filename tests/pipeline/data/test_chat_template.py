@@ -293,3 +293,25 @@ def test_general_path_gives_the_chatml_path_ids_and_labels(own, n):
     assert encode_conversation(tok, evil, general) == encode_chat(tok, evil)
     for k in range(1, len(msgs) + 1):
         assert encode_prompt(tok, msgs[:k], general) == encode_prompt(tok, msgs[:k], fast)
+
+
+def test_text_that_does_not_round_trip_is_skipped(fam):
+    # Qwen's tokenizers normalize to NFC, so a decomposed "é" comes back composed.
+    msgs = [{"role": "user", "content": "cafe\u0301?"}, {"role": "assistant", "content": "Yes."}]
+    if not fam.name.startswith("qwen"):
+        encode_conversation(fam.tok, msgs, fam.template)
+        return
+    with pytest.raises(TemplateSkip) as e:
+        encode_conversation(fam.tok, msgs, fam.template)
+    assert e.value.reason == "no_roundtrip"
+
+
+def test_tokenizer_that_does_not_round_trip_the_template_fails(own):
+    from tokenizers import Tokenizer, normalizers
+
+    d, tok = own
+    lossy = Tokenizer.from_str(tok.to_str())
+    lossy.normalizer = normalizers.Lowercase()
+    template = ChatTemplate("chatml (jinja)", CHAT_TEMPLATE_JINJA, {}, load_chat_template("auto", d, tok).specials)
+    with pytest.raises(ChatTemplateError, match="does not give back the text of chat template chatml"):
+        check_template(lossy, template)
