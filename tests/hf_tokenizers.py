@@ -3,9 +3,10 @@
 :func:`save_family_tokenizer` trains a byte-level BPE with ``tokenizers`` on a
 small built-in corpus (or the given one), adds the family's special tokens and
 writes the folder with transformers' ``save_pretrained``, so that it looks like
-what the model repos ship: ``tokenizer.json``, ``tokenizer_config.json``,
-``special_tokens_map.json`` (where transformers still writes it),
-``chat_template.jinja`` and, where the real repos have one,
+what the model repos ship, as transformers 5 writes it: ``tokenizer.json``,
+``tokenizer_config.json`` (with the ``tokenizer_class`` the real repos name;
+transformers 5 writes no ``special_tokens_map.json``), ``chat_template.jinja`` and,
+where the real repos have one,
 ``generation_config.json`` with the family's stop ids.
 
 The chat templates are written in each family's real style, as their model
