@@ -34,6 +34,11 @@ Each message renders as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; a promp
 for generation ends with ``<|im_start|>assistant\\n``. :data:`CHAT_TEMPLATE_JINJA`
 renders the same text for ``transformers``' ``apply_chat_template``.
 
+This is the template of our own tokenizer; a model's own template (an adopted
+Hugging Face tokenizer's, or a ``.jinja`` file) is rendered and labelled by
+:mod:`pipeline.data.chat_template`, which falls back to the functions here for
+ChatML on our tokenizer.
+
 Tokenization matches what Hugging Face does with that template (special strings
 split out as single ids, the text between them byte-level-BPE encoded as one
 piece), with one deliberate difference: the special ids come only from the

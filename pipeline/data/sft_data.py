@@ -8,11 +8,24 @@ dataset, ``builtin:<name>`` (:data:`BUILTIN_DATASETS`; ``stdlib-docstrings`` is
 :mod:`pipeline.data.stdlib_qa`). ``format`` is one of
 :data:`pipeline.data.chat.FORMAT_NAMES`; ``auto`` detects it per record.
 
+Template. ``chat_template`` is ``auto`` (the tokenizer's own chat template when it
+brings one, as an adopted Hugging Face tokenizer does, else ChatML), ``chatml``,
+or the path of a ``.jinja`` file. Conversations are rendered and labelled by
+:mod:`pipeline.data.chat_template`: only what the assistant writes is trained,
+its closing end-of-turn token included. The template is tried on probe
+conversations before any record is read; one whose assistant spans cannot be
+located stops the build with one line. ``template_date`` is the day templates
+read as today (Llama 3.x writes it into every system block), pinned so that
+the data is reproducible.
+
 Accounting. Every record read is either an example in ``train`` or ``val`` or a
 skip counted by reason and sampled into the quarantine JSONL (source, location,
 reason, detail, the record): the converter reasons of :data:`pipeline.data.chat.REASONS`,
 plus ``malformed_json``, ``non_utf8``, ``duplicate`` (a conversation identical to
-an earlier one; dropping it keeps copies out of both splits) and ``too_long``.
+an earlier one; dropping it keeps copies out of both splits), ``too_long``, and
+the template's reasons of :data:`pipeline.data.chat_template.TEMPLATE_REASONS`
+(a conversation the template refuses or rewrites, or whose text does not
+survive encode/decode).
 ``examples_in == train + val + sum(skipped)`` is checked. ``max_examples`` caps the
 records read from each source (its first ones in the source's order).
 
@@ -24,7 +37,7 @@ example hashes into ``val`` the one with the smallest ``h`` is moved there, and
 when all do the one with the largest goes to ``train`` (counted in ``forced``).
 
 Length. An example of ``n`` tokens fits a row when ``n <= row_len = seq_len + 1``
-(its last token, the ``\\n`` after ``<|im_end|>``, is only ever a target). A longer
+(its last token, e.g. ChatML's ``\\n`` after ``<|im_end|>``, is only ever a target). A longer
 one is dropped (``overlong: drop``, reason ``too_long``) or cut to ``row_len``
 tokens (``overlong: truncate``, counted as ``truncated``); a cut that leaves no
 labelled token past the first position is dropped as ``too_long`` as well.
@@ -34,7 +47,7 @@ Output. Under ``out_dir``, in the packed-row format of
 ``shard_rows`` rows per shard, with the ``labels`` column: the token id where
 the loss is taken, -100 elsewhere (training uses ``input_ids[:-1]`` ->
 ``labels[1:]``). Every example starts a segment in ``doc_starts``; the padding
-(``pad_id``, label -100) that fills the rest of a row is a segment of its own.
+(the tokenizer's ``pad_id``, label -100) that fills the rest of a row is a segment of its own.
 The schema metadata adds ``pad_id`` and ``ignore_index``.
 
 With ``pack: true`` a row holds as many whole examples as fit (best-fit
@@ -44,7 +57,11 @@ are then put in a seeded random order, so that any prefix of ``val`` (which
 evaluation reads) is a fair sample. ``label`` at an example's first position is
 always -100, so no example is trained to follow its row-neighbour.
 
-The manifest's own fields are ``chat_template`` (the Jinja text), ``pack``,
+The manifest's own fields are ``chat_template`` (the Jinja text),
+``chat_template_name`` (``chatml``, ``tokenizer (<source>)`` or the file),
+``template_date``, ``end_of_turn_ids`` (the ids that close assistant turns),
+``stop_ids`` (those and the tokenizer's eos ids: where generation from a model
+trained on this data should stop), ``pack``,
 ``overlong``, ``seed``, ``val_fraction``, ``python`` (the version whose stdlib a
 built-in dataset was derived from), ``sources`` (per source: path, format,
 records, examples, capped) and ``forced``; each split lists ``examples``,
@@ -58,9 +75,11 @@ sets are small, and packing and the tiny-split rule need them all.
 from __future__ import annotations
 
 import bisect
+import datetime as dt
 import glob
 import hashlib
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -73,11 +92,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline.data import stdlib_qa
 from pipeline.data.accounting import Ledger
-from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, ChatFormatError, encode_chat, to_messages
+from pipeline.data.chat import IGNORE_INDEX, ChatFormatError, to_messages
+from pipeline.data.chat_template import (
+    DEFAULT_DATE,
+    TemplateSkip,
+    check_template,
+    encode_conversation,
+    load_chat_template,
+    stop_ids,
+)
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
-from pipeline.data.tokenizer import PAD_ID, open_tokenizer
+from pipeline.data.tokenizer import load_specials, open_tokenizer
 from pipeline.errors import StageError
 from pipeline.progress import progress
+
+log = logging.getLogger("pipeline.data.sft_data")
 
 FORMAT = "pipeline.sft_data/1"
 BUILTIN_PREFIX = "builtin:"
@@ -135,6 +164,10 @@ class SFTDataConfig(BaseModel):
     max_examples: int | None = Field(None, ge=1, description="records read per source, first ones; null = all")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
     shard_rows: int = Field(16_384, ge=1, description="rows per Arrow shard file")
+    chat_template: str = Field("auto", min_length=1, description="auto (the tokenizer's own template, else ChatML), "
+                               "chatml, or the path of a .jinja chat template")
+    template_date: dt.date = Field(DEFAULT_DATE, description="the date chat templates read as today (strftime_now), "
+                                   "YYYY-MM-DD, pinned so that the data is reproducible")
 
 
 class SFTDataError(StageError):
@@ -304,18 +337,18 @@ def build_rows(examples: list[Example], row_len: int, pack: bool, pad_id: int, s
     return ids, labels, starts
 
 
-def sft_schema(row_len: int) -> pa.Schema:
+def sft_schema(row_len: int, pad_id: int) -> pa.Schema:
     return row_schema(FORMAT, row_len, labels=True,
-                      metadata={"pad_id": str(PAD_ID), "ignore_index": str(IGNORE_INDEX)})
+                      metadata={"pad_id": str(pad_id), "ignore_index": str(IGNORE_INDEX)})
 
 
-def write_split(out_dir: Path, split: str, examples: list[Example], cfg: SFTDataConfig) -> dict:
+def write_split(out_dir: Path, split: str, examples: list[Example], cfg: SFTDataConfig, pad_id: int) -> dict:
     """Pack one split and write its shards; return its manifest entry."""
     row_len = cfg.seq_len + 1
-    ids, labels, starts = build_rows(examples, row_len, cfg.pack, PAD_ID, cfg.seed)
+    ids, labels, starts = build_rows(examples, row_len, cfg.pack, pad_id, cfg.seed)
     start_offsets = np.cumsum([0] + [len(st) for st in starts])
     start_values = np.fromiter((p for st in starts for p in st), np.int32, count=int(start_offsets[-1]))
-    writer = ShardWriter(out_dir, split, sft_schema(row_len))
+    writer = ShardWriter(out_dir, split, sft_schema(row_len, pad_id))
     for lo in range(0, len(ids), cfg.shard_rows):
         hi = min(lo + cfg.shard_rows, len(ids))
         writer.write(ids[lo:hi], start_offsets[lo:hi + 1], start_values, labels[lo:hi])
@@ -350,8 +383,8 @@ def _force_nonempty(splits: dict[str, list[Example]]) -> int:
 
 def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Path,
                    quarantine_path: str | Path) -> dict:
-    """Read ``cfg.sources``, convert, encode with :func:`pipeline.data.chat.encode_chat`,
-    split, pack and write shards and manifest under ``out_dir`` (format in the
+    """Read ``cfg.sources``, convert, encode with the chat template
+    (:func:`pipeline.data.chat_template.encode_conversation`), split, pack and write shards and manifest under ``out_dir`` (format in the
     module docstring) and the quarantine sample to ``quarantine_path``. Stale
     shards of an earlier run are removed first; on failure no manifest is left.
 
@@ -360,11 +393,20 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     forced, fill (share of row positions that are example tokens), sources
     {path: {records, examples, capped}}, seconds.
     Raises SFTDataError on a missing source path or tokenizer (before any
-    reading), or when the examples kept cannot fill both splits.
+    reading), or when the examples kept cannot fill both splits;
+    ChatTemplateError (one line) for a chat template that cannot be used.
     """
     t0 = time.perf_counter()
     tokenizer_path, out_dir = Path(tokenizer_path), Path(out_dir)
-    tok, specials = open_tokenizer(tokenizer_path, SFTDataError)
+    tok, special_ids = open_tokenizer(tokenizer_path, SFTDataError)
+    specials = load_specials(tokenizer_path)
+    template = load_chat_template(cfg.chat_template, tokenizer_path, tok, cfg.template_date)
+    end_of_turn = check_template(tok, template)
+    stops = stop_ids(tok, template, specials.eos_ids)
+    if not set(end_of_turn) <= set(specials.eos_ids):
+        log.warning("chat template %s closes assistant turns with id(s) %s, which are not among the tokenizer's "
+                    "eos ids %s: generation must stop at them too (manifest stop_ids)", template.name,
+                    list(end_of_turn), list(specials.eos_ids))
     files = [resolve_source(src, i) for i, src in enumerate(cfg.sources)]
     clear_outputs(out_dir)
     row_len = cfg.seq_len + 1
@@ -400,7 +442,11 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                 ledger.record("duplicate", name, raw.location, text, f"same conversation as an earlier record ({key})")
                 continue
             seen.add(key)
-            ids, labels = encode_chat(tok, messages)
+            try:
+                ids, labels = encode_conversation(tok, messages, template)
+            except TemplateSkip as e:
+                ledger.record(e.reason, name, raw.location, text, e.detail)
+                continue
             truncated = False
             if len(ids) > row_len:
                 kept = cfg.overlong == "truncate" and any(x != IGNORE_INDEX for x in labels[1:row_len])
@@ -429,14 +475,18 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
             "add data, or fix the records quarantined there")
 
     try:
-        written = {s: write_split(out_dir, s, splits[s], cfg) for s in SPLITS}
+        written = {s: write_split(out_dir, s, splits[s], cfg, specials.pad_id) for s in SPLITS}
     except BaseException:
         clear_outputs(out_dir)
         raise
     uses_builtin = any(s.path.startswith(BUILTIN_PREFIX) for s in cfg.sources)
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
-                   special_ids=specials, tokenizer_path=tokenizer_path, labels=True, splits=written, fields={
-                       "chat_template": CHAT_TEMPLATE_JINJA,
+                   special_ids=special_ids, tokenizer_path=tokenizer_path, labels=True, splits=written, fields={
+                       "chat_template": template.text,
+                       "chat_template_name": template.name,
+                       "template_date": template.date.isoformat(),
+                       "end_of_turn_ids": list(end_of_turn),
+                       "stop_ids": list(stops),
                        "pack": cfg.pack,
                        "overlong": cfg.overlong,
                        "seed": cfg.seed,

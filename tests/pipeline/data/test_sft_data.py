@@ -331,3 +331,96 @@ def test_config_defaults():
     assert (cfg.seq_len, cfg.pack, cfg.overlong) == (256, True, "drop")
     with pytest.raises(Exception):
         cfg.seq_len = 3  # frozen: safe to embed in a stage config
+
+
+# --- the model's own chat template -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def adopted(tmp_path_factory):
+    """``family`` -> a tokenizer folder adopted from a tiny Hugging Face folder of it."""
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer
+    from tests.hf_tokenizers import save_family_tokenizer
+
+    def make(family):
+        base = tmp_path_factory.mktemp(family)
+        src = save_family_tokenizer(family, base / "hf")
+        adopt_tokenizer(TokenizerConfig(source=str(src)), base / "no-docs.parquet", base / "tokenizer" / "tokenizer.json")
+        return base / "tokenizer" / "tokenizer.json"
+    return make
+
+
+END_OF_TURN = {"qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>"}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "mistral"])
+def test_adopted_tokenizer_rows_use_its_template_pad_and_end_of_turn(tmp_path, three_formats, adopted, family):
+    from pipeline.data.tokenizer import load_specials, load_tokenizer
+
+    path = adopted(family)
+    tok, specials = load_tokenizer(path), load_specials(path)
+    out, m = build(tmp_path, path, sources=[SFTSource(path=str(three_formats))], seq_len=200)
+    assert m["skipped"] == {} and m["train"]["examples"] + m["val"]["examples"] == 30
+    manifest = read_json(out / MANIFEST)
+    eot = tok.token_to_id(END_OF_TURN[family])
+    assert manifest["chat_template_name"].startswith("tokenizer (") and manifest["chat_template"] == specials.chat_template
+    assert manifest["pad_id"] == specials.pad_id and manifest["end_of_turn_ids"] == [eot]
+    assert manifest["stop_ids"][0] == eot and set(specials.eos_ids) <= set(manifest["stop_ids"])
+    texts, padded = [], 0
+    first = {"qwen2": "<|im_start|>", "qwen3": "<|im_start|>", "llama3": "<|begin_of_text|>", "mistral": "<s>"}
+    for split in ("train", "val"):
+        ids, labels, starts = read_split(out, split)
+        texts += assistant_texts(tok, ids, labels)
+        for row, lab, st in zip(ids, labels, starts):
+            n_examples = len(st) - (row[st[-1]] == specials.pad_id)
+            assert all(row[s] == tok.token_to_id(first[family]) for s in st[:n_examples])
+            if n_examples < len(st):  # the rest of the row is padding, never trained
+                padded += 1
+                assert (row[st[-1]:] == specials.pad_id).all() and (lab[st[-1]:] == IGNORE_INDEX).all()
+    assert padded > 0
+    lead = " " if family == "mistral" else ""
+    think = "<think>\n\n</think>\n\n" if family == "qwen3" else ""
+    assert sorted(texts) == sorted(lead + think + qa(i)[1] + END_OF_TURN[family] for i in range(30))
+
+
+def test_qwen3_reasoning_in_content_is_a_counted_skip(tmp_path, adopted):
+    path = adopted("qwen3")
+    records = [messages_rec(i) for i in range(6)] + [
+        {"messages": [{"role": "user", "content": "Why?"},
+                      {"role": "assistant", "content": "<think>\nsince\n</think>\n\nBecause."}]}]
+    write_jsonl(tmp_path / "d.jsonl", records)
+    _, m = build(tmp_path, path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))])
+    assert m["skipped"] == {"template_rewrites_content": 1}
+    q = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    assert q[0]["reason"] == "template_rewrites_content" and q[0]["location"] == "line:7"
+
+
+def test_chat_template_file_overrides_chatml(tmp_path, tok_path, tok, three_formats):
+    from tests.hf_tokenizers import QWEN2_TEMPLATE
+
+    template = tmp_path / "qwen.jinja"
+    template.write_text(QWEN2_TEMPLATE)  # ChatML tokens, plus a default system prompt
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))], seq_len=200,
+                   chat_template=str(template))
+    manifest = read_json(out / MANIFEST)
+    assert manifest["chat_template_name"] == str(template) and manifest["chat_template"] == QWEN2_TEMPLATE
+    ids, labels, _ = read_split(out, "train")
+    assert tok.decode(ids[0].tolist(), skip_special_tokens=False).startswith(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    assert set(assistant_texts(tok, ids, labels)) <= {qa(i)[1] + IM_END for i in range(30)}
+    chatml, _ = build(tmp_path, tok_path, "chatml", sources=[SFTSource(path=str(three_formats))], seq_len=200)
+    assert read_json(chatml / MANIFEST)["chat_template_name"] == "chatml"
+    assert read_json(chatml / MANIFEST)["splits"]["train"]["tokens"] < manifest["splits"]["train"]["tokens"]
+
+
+def test_unusable_template_fails_in_one_line_before_reading(tmp_path, tok_path, three_formats):
+    from pipeline.data.chat_template import ChatTemplateError
+
+    bad = tmp_path / "upper.jinja"
+    bad.write_text("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content|upper + '<|im_end|>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    with pytest.raises(ChatTemplateError) as e:
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))], chat_template=str(bad))
+    assert "\n" not in str(e.value) and str(bad) in str(e.value)
+    assert not (tmp_path / "out-quarantine.jsonl").exists()
+    with pytest.raises(ChatTemplateError, match="neither auto, chatml nor an existing"):
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))], chat_template="nope.jinja")
