@@ -154,22 +154,30 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     return out, loaded
 
 
-def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_path: Path) -> list[dict[str, Any]]:
+def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_path: Path,
+                   sft_manifest: Path | None = None) -> list[dict[str, Any]]:
     """Complete every fixed prompt with every model, seeded, so runs can be compared
     sample for sample. Raw prompts go to every model; chat prompts are rendered
-    with the ChatML template and stop at end of turn."""
-    from pipeline.data.chat import encode_prompt
-    from pipeline.data.tokenizer import load_tokenizer, special_ids
+    with the template the SFT data was rendered with (``sft_manifest``; ChatML
+    without one) and stop at its end of turn or the tokenizer's eos."""
+    from pipeline.data.chat_template import encode_prompt, template_of_sft_data
+    from pipeline.data.tokenizer import load_specials, load_tokenizer
+    from pipeline.files import read_json
     from pipeline.model.generate import generate
 
     tok = load_tokenizer(tokenizer_path)
-    ids = special_ids(tok)
-    stops = [ids["eot"], ids["im_end"]]
+    specials = load_specials(tokenizer_path)
+    manifest = read_json(sft_manifest) if sft_manifest is not None and Path(sft_manifest).is_file() else {}
+    template = template_of_sft_data(manifest, tokenizer_path, tok)
+    chat_stops = list(manifest.get("stop_ids") or specials.eos_ids)
+    text_stops = list(dict.fromkeys([specials.eot_id, *specials.eos_ids]))
     out = []
     for name, model in models.items():
-        kinds = [("text", p, tok.encode(p).ids) for p in cfg.prompts]
-        kinds += [("chat", p, encode_prompt(tok, [{"role": "user", "content": p}])) for p in cfg.chat]
-        for i, (kind, prompt, prompt_ids) in enumerate(kinds):
+        kinds = [("text", p, tok.encode(p, add_special_tokens=False).ids or [specials.eot_id], text_stops)
+                 for p in cfg.prompts]
+        kinds += [("chat", p, encode_prompt(tok, [{"role": "user", "content": p}], template), chat_stops)
+                  for p in cfg.chat]
+        for i, (kind, prompt, prompt_ids, stops) in enumerate(kinds):
             new = generate(model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                            top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed + i, stop_ids=stops)
             out.append({"model": name, "kind": kind, "prompt": prompt, "seed": cfg.seed + i,

@@ -14,7 +14,8 @@ def main(cfg: EvaluateConfig) -> dict:
     models = {"pretrain": layout.PRETRAIN_MODEL, "sft": layout.SFT_MODEL}
     splits = {"text": layout.PACKED / "val", "chat": layout.SFT_DATA / "val"}
     metrics, loaded = evaluate_models(cfg, models, splits, layout.TOKENIZER_JSON, REPORT)
-    write_json(SAMPLES, record_samples(cfg.samples, loaded, layout.TOKENIZER_JSON))
+    write_json(SAMPLES, record_samples(cfg.samples, loaded, layout.TOKENIZER_JSON,
+                                         layout.SFT_DATA / "manifest.json"))
     return metrics
 
 

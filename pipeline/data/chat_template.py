@@ -229,6 +229,19 @@ def load_chat_template(choice: str, tokenizer_path: str | Path, tok: Tokenizer, 
     return ChatTemplate(str(path), source, variables, specials, date)
 
 
+def template_of_sft_data(manifest: Mapping[str, Any], tokenizer_path: str | Path, tok: Tokenizer) -> ChatTemplate:
+    """The template the SFT data (``data/sft/manifest.json``) was rendered with,
+    so that prompts at evaluation and generation are rendered the same way.
+    A manifest written before templates were recorded means ChatML."""
+    name = manifest.get("chat_template_name", "chatml")
+    date = dt.date.fromisoformat(manifest["template_date"]) if manifest.get("template_date") else DEFAULT_DATE
+    folder = tokenizer_dir(tokenizer_path)
+    roles = load_specials(folder)
+    variables = _token_variables(folder, roles.texts, tok, roles.eos_ids, roles.bos_id)
+    source = None if name == "chatml" and roles.own else manifest.get("chat_template") or CHAT_TEMPLATE_JINJA
+    return ChatTemplate(name, source, variables, tokenizer_specials(tok), date)
+
+
 # --- rendering -------------------------------------------------------------------------------
 
 
