@@ -1,0 +1,95 @@
+"""The README recipe "Fine-tune a Hugging Face model on your chat data", as a new
+user follows it: a local Qwen2-style model folder under ``models/base/``, only
+``params.yaml`` edited, then ``dvc repro``. One slow module sharing one run."""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import BIN, project_copy
+from tests.hf_models import save_tiny_hf_folder
+
+pytestmark = pytest.mark.slow
+
+BASE = "models/base/qwen2-tiny"
+RECIPE = {  # the README recipe's params, at test size
+    "ingest.max_bytes": 200_000,
+    "tokenizer.source": BASE,
+    "pack.seq_len": 64,
+    "pretrain.init_from": BASE, "pretrain.schedule.max_steps": 0, "pretrain.schedule.warmup_steps": 0,
+    "sft.data.seq_len": 64, "sft.data.max_examples": 200, "sft.data.overlong": "truncate",
+    "sft.batch.micro_batch_size": 8, "sft.schedule.max_steps": 6, "sft.schedule.warmup_steps": 1,
+    "sft.eval.every": 3, "sft.checkpoint.every": 3, "sft.logging.every": 3, "sft.optimizer.lr": 1.0e-3,
+    "evaluate.max_rows": 8, "evaluate.samples": {"max_new_tokens": 4},
+    "export.register_model": False,
+}
+
+
+def dvc(cwd, *args, env=None):
+    out = subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = project_copy(tmp_path_factory.mktemp("hf-recipe"), RECIPE)
+    save_tiny_hf_folder("qwen2", root / BASE)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    return root, env, dvc(root, "repro", env=env)
+
+
+def test_every_stage_ran_from_the_base_model(project):
+    root, _, out = project
+    assert re.findall(r"Running stage '([\w-]+)'", out) == [
+        "ingest", "clean", "tokenizer", "pack", "pretrain", "sft", "evaluate", "export"]
+    pre = json.loads((root / "metrics" / "pretrain.json").read_text())
+    assert pre["steps"] == 0  # max_steps 0: the base model passed through
+    assert "init_from is set" in out and "pretrain.model key(s) preset are ignored" in out
+    assert json.loads((root / "metrics" / "sft.json").read_text())["steps"] == 6
+
+
+def test_pass_through_keeps_the_base_weights(project):
+    root, _, _ = project
+    from safetensors.torch import load_file
+
+    from pipeline.model import hf_adapter
+    from pipeline.training import checkpoint as ckpt
+
+    step0 = ckpt.resolve(root / "models" / "pretrain")
+    assert step0.step == 0 and step0.meta["final"]
+    _, base = hf_adapter.load_hf_model(root / BASE)
+    ours = load_file(str(step0.path / "model.safetensors"))
+    for name, tensor in base.state_dict().items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_export_is_the_same_family_with_the_original_tokenizer(project):
+    root, _, _ = project
+    import transformers
+
+    export, base = root / "models" / "export", root / BASE
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["model_type"] == "qwen2"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (export / name).read_bytes() == (base / name).read_bytes(), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    assert tok.chat_template == (base / "chat_template.jinja").read_text()
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_sft_trained_only_the_assistant_with_the_models_template(project):
+    root, _, _ = project
+    manifest = json.loads((root / "data" / "sft" / "manifest.json").read_text())
+    assert manifest["chat_template_name"].startswith("tokenizer (")
+    im_end = json.loads((root / "data" / "tokenizer" / "specials.json").read_text())["texts"].get("eos")
+    assert im_end is not None
