@@ -51,20 +51,20 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", "llama",
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 2048, "num_key_value_heads": None,
                      "head_dim": None},
-           extra_config={"attention_bias": False, "mlp_bias": False}),
+           extra_config={"attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False}),
     Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True,
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32,
                      "head_dim": None},
            # Qwen2 always has q/k/v biases; transformers ignores this key, it is written for other readers.
-           extra_config={"attention_bias": True, **_QWEN_EXTRA}, layer_types=True),
+           extra_config={"attention_bias": True, "attention_dropout": 0.0, **_QWEN_EXTRA}, layer_types=True),
     Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True,
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32,
                      "head_dim": 128},
-           extra_config={"attention_bias": False, **_QWEN_EXTRA}, layer_types=True),
+           extra_config={"attention_bias": False, "attention_dropout": 0.0, **_QWEN_EXTRA}, layer_types=True),
     Family("mistral", "MistralForCausalLM", "mistral",
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                      "head_dim": None, "sliding_window": 4096},
-           extra_config={"sliding_window": None}),
+           extra_config={"attention_dropout": 0.0, "sliding_window": None}),
 )}
 BY_ARCHITECTURE: dict[str, Family] = {f.architecture: f for f in FAMILIES.values()}
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES.values()}
