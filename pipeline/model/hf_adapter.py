@@ -13,7 +13,10 @@ which of its optional entries, biases and q/k norms, a model has). With tied
 embeddings Hugging Face stores the matrix once, as ``model.embed_tokens.weight``,
 and re-ties ``lm_head`` on load (``tie_word_embeddings: true``); so
 ``output.weight`` is left out on export and re-created from the embedding on
-import, and a stored ``lm_head.weight`` is then ignored, as transformers ignores it.
+import. A stored ``lm_head.weight`` beside ``tie_word_embeddings: true`` is
+ignored when it equals the embedding (transformers ties them then); when it
+differs, transformers 4 ignores it and transformers 5 unties the two, so the
+folder is refused rather than read one way or the other.
 
 What a config.json may ask for is checked before any weight is read
 (:func:`config_from_hf`); anything the model does not compute exactly like
@@ -176,10 +179,12 @@ def hf_config(config: ModelConfig, *, bos_token_id: int | None = None, eos_token
     about); likewise ``dtype`` and ``torch_dtype``.
 
     ``original``: the config.json of the model a run started from. The result
-    is then that file with :data:`OWN_KEYS` set from ``config``, so the export
-    keeps whatever else the original says (token ids, ``max_position_embeddings``
-    (Mistral's is larger than our max_seq_len when its window capped it),
-    ``sliding_window``, ``transformers_version``…); token ids given here still win.
+    is then that file with ``dtype`` and ``torch_dtype`` set, and those of
+    :data:`OWN_KEYS` that it has set from ``config``: the export keeps the
+    original's style (transformers 4 or 5) and whatever else it says (token ids,
+    ``max_position_embeddings``, which is larger than our max_seq_len where
+    Mistral's window capped it, ``sliding_window``, ``transformers_version``…).
+    Token ids given here still win.
     """
     family = FAMILIES[config.family]
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -218,7 +223,8 @@ def hf_config(config: ModelConfig, *, bos_token_id: int | None = None, eos_token
     if original is None:
         return out
     merged = dict(original)
-    merged.update({k: out[k] for k in OWN_KEYS if k in out and (k != "layer_types" or k in original)})
+    merged.update({k: out[k] for k in OWN_KEYS if k in out and k in original})
+    merged.update(dtype=dtype, torch_dtype=dtype)
     merged.update({k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
                                      ("pad_token_id", pad_token_id)) if v is not None})
     return merged
@@ -492,3 +498,18 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
             with safe_open(str(path), framework="pt") as f:
                 for key, ours in pairs:
                     targets[ours].copy_(f.get_tensor(key))  # one tensor at a time, cast to the model's dtype
+    if config.tie_embeddings:
+        _check_stored_head(model, folder, files)
+
+
+def _check_stored_head(model: Transformer, folder: Path, files: Mapping[Path, list[str]]) -> None:
+    for path, names in files.items():
+        if "lm_head.weight" in names:
+            with safe_open(str(path), framework="pt") as f:
+                head = f.get_tensor("lm_head.weight")
+            embedding = model.tok_embeddings.weight
+            if not torch.equal(head.to(embedding), embedding):
+                raise UnsupportedModelError(
+                    f"{folder}: tie_word_embeddings is true but the stored lm_head.weight differs from "
+                    "model.embed_tokens.weight (transformers 4 would ignore it, transformers 5 unties the two): "
+                    "set tie_word_embeddings in config.json to what the model is")
