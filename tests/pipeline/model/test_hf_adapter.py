@@ -230,6 +230,25 @@ def test_config_round_trip(family, rope_scaling):
     assert merged["dtype"] == merged["torch_dtype"] == "float32"
 
 
+@pytest.mark.parametrize("style", ["transformers-5", "transformers-4"])
+def test_our_values_replace_the_originals_in_its_own_style(style):
+    import dataclasses
+
+    original = saved_config("llama", rope_scaling=True, tie=False)
+    if style == "transformers-4":
+        rope = dict(original.pop("rope_parameters"))
+        original.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    config = dataclasses.replace(config_from_hf(original), vocab_size=512, rope_theta=2e5, tie_embeddings=True,
+                                 norm_eps=1e-5)
+    merged = hf_config(config, original=original)
+    assert config_from_hf(merged) == config
+    assert (merged["vocab_size"], merged["tie_word_embeddings"], merged["rms_norm_eps"]) == (512, True, 1e-5)
+    assert ("rope_parameters" in merged) == (style == "transformers-5")  # no key the original lacked
+    assert ("rope_theta" in merged) == (style == "transformers-4")
+    assert merged["bos_token_id"] == original["bos_token_id"] == 1
+    assert hf_config(config, original=original, bos_token_id=7)["bos_token_id"] == 7
+
+
 def test_transformers_4_and_5_styles_read_alike():
     t5 = saved_config("llama", rope_scaling=True)
     assert "rope_theta" not in t5 and t5["rope_parameters"]["rope_type"] == "llama3"
