@@ -463,8 +463,7 @@ def _config_of(folder: Path) -> ModelConfig:
 def _copy_weights(model: Transformer, folder: Path) -> None:
     """Check every tensor's name, dtype and shape from the headers, then copy them in one by one."""
     config = model.config
-    if config.tie_embeddings:  # to_empty (or a caller's .to()) may have untied them
-        model.output.weight = model.tok_embeddings.weight
+    model.tie_weights()  # to_empty (or a caller's .to()) may have untied them
     targets = dict(model.named_parameters())  # a tied head appears once, as the embedding
     files = weight_files(folder)
     plan: dict[Path, list[tuple[str, str]]] = {}  # file -> [(their name, our name)]

@@ -406,7 +406,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.init_weights()
+        if self.output.weight.is_meta:  # no values to draw (and meta normal_ costs a slow first import)
+            self.tie_weights()
+        else:
+            self.init_weights()
 
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere, biases to 0, norms to 1, and the projections that write
@@ -426,6 +429,10 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the head the embedding matrix, if the config ties them."""
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
