@@ -35,6 +35,10 @@ class Family:
     model_type: str  # config.json "model_type"
     qkv_bias: bool = False  # q, k and v projections carry biases (o does not)
     qk_norm: bool = False  # per-head RMSNorm on q and k
+    # transformers reads config.json's "attention_bias" (true: biases on q, k, v and o, which we do not have)
+    attention_bias_key: bool = False
+    # config.json's "sliding_window" limits attention in every layer (Mistral); Qwen's needs use_sliding_window
+    sliding_window_everywhere: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
     extra_config: dict[str, Any] = field(default_factory=dict)
     # config.json lists each layer's attention kind ("layer_types", with "max_window_layers"):
@@ -48,7 +52,7 @@ _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embedd
 _QWEN_EXTRA = {"use_sliding_window": False, "sliding_window": None}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", "LlamaForCausalLM", "llama",
+    Family("llama", "LlamaForCausalLM", "llama", attention_bias_key=True,
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 2048, "num_key_value_heads": None,
                      "head_dim": None},
            extra_config={"attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False}),
@@ -57,11 +61,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                      "head_dim": None},
            # Qwen2 always has q/k/v biases; transformers ignores this key, it is written for other readers.
            extra_config={"attention_bias": True, "attention_dropout": 0.0, **_QWEN_EXTRA}, layer_types=True),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True,
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True, attention_bias_key=True,
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32,
                      "head_dim": 128},
            extra_config={"attention_bias": False, "attention_dropout": 0.0, **_QWEN_EXTRA}, layer_types=True),
-    Family("mistral", "MistralForCausalLM", "mistral",
+    Family("mistral", "MistralForCausalLM", "mistral", sliding_window_everywhere=True,
            defaults={**_COMMON_DEFAULTS, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                      "head_dim": None, "sliding_window": 4096},
            extra_config={"attention_dropout": 0.0, "sliding_window": None}),

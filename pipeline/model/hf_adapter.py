@@ -245,7 +245,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     the model does not implement exactly; nothing has been read but the dict.
     """
     family = _family(hf)
-    get = lambda key: hf[key] if hf.get(key) is not None else family.defaults.get(key)  # noqa: E731
+
+    def get(key: str) -> Any:  # as transformers reads it: the file's value, else the family's default
+        return hf[key] if hf.get(key) is not None else family.defaults.get(key)
+
     problems = [f"config.json lacks {key}" for key in
                 ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                 if hf.get(key) is None]
@@ -256,7 +259,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"unsupported Hugging Face model ({family.architecture}): " + "; ".join(problems))
 
     max_seq_len = get("max_position_embeddings")
-    window = get("sliding_window") if family.name == "mistral" else None
+    window = get("sliding_window") if family.sliding_window_everywhere else None
     if window is not None and window < max_seq_len:
         log.warning("%s: sliding_window %d < max_position_embeddings %d: max_seq_len capped at %d, where full "
                     "attention computes exactly what the window does", family.architecture, window, max_seq_len, window)
@@ -305,7 +308,7 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     problems = []
     if get("hidden_act") != "silu":
         problems.append(f"hidden_act {get('hidden_act')!r} (supported: silu, the SwiGLU gate)")
-    if family.name in ("llama", "qwen3") and hf.get("attention_bias"):
+    if family.attention_bias_key and hf.get("attention_bias"):
         problems.append("attention_bias true: biases on the q/k/v/o projections are not supported "
                         "(only Qwen2ForCausalLM's q/k/v biases are)")
     if hf.get("mlp_bias"):
