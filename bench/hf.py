@@ -13,8 +13,9 @@ on the meta device, filled with seeded bf16 noise and saved with
   ``AutoModelForCausalLM.from_pretrained(..., dtype=float32)``: wall time and
   peak resident memory (VmHWM), the latter also as a ratio to the model's fp32
   parameter bytes after subtracting the process's resident memory before
-  loading (Python, torch). The goal for ours is one fp32 copy plus the pages of
-  the file mapping: ratio <= 1 + (file bytes / fp32 bytes) = 1.5 for a bf16 file.
+  loading (Python, torch). The aim for ours is one fp32 copy plus the pages of
+  the file mapping, 1 + (file bytes / fp32 bytes) = 1.5 for a bf16 file, plus
+  the one tensor being converted at a time.
 * train: forward, cross-entropy, backward and a fused AdamW step on one
   ``--batch`` x ``--seq-len`` batch, our model against transformers' model of the
   same weights: tokens/s over ``--steps`` steps after ``--warmup``, and peak
@@ -239,10 +240,10 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     print()
     o, t, ratio = summary["ours"], summary["transformers"], report["ours_over_transformers"]
-    goal = 1 + file_mb / fp32_mb
+    aim = 1 + file_mb / fp32_mb
     print(f"{report['params'] / 1e6:,.0f}M parameters = {fp32_mb:,.0f} MB in fp32, file {file_mb:,.0f} MB (bf16)")
     print(f"load  ours {o['load_s']:.1f} s, +{o['load_added_mb']:,.0f} MB resident = {o['load_added_over_fp32']:.2f}x "
-          f"fp32 (goal <= {goal:.2f}: one fp32 copy + the file mapping); transformers {t['load_s']:.1f} s, "
+          f"fp32 (one fp32 copy + the whole file mapped: {aim:.2f}x); transformers {t['load_s']:.1f} s, "
           f"+{t['load_added_mb']:,.0f} MB = {t['load_added_over_fp32']:.2f}x; ours/transformers time "
           f"{ratio['load_s']:.2f}, memory {ratio['load_added_mb']:.2f}")
     print(f"train ours {o['train_tokens_per_s']:.0f} tok/s, peak {o['train_peak_mb']:,.0f} MB = "

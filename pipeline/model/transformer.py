@@ -406,10 +406,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if self.output.weight.is_meta:  # no values to draw (and meta normal_ costs a slow first import)
-            self.tie_weights()
-        else:
-            self.init_weights()
+        self.init_weights()
 
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere, biases to 0, norms to 1, and the projections that write
