@@ -376,8 +376,9 @@ def is_hf_model_folder(path: str | Path) -> bool:
     return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / WEIGHTS_INDEX).is_file())
 
 
-def weight_files(folder: str | Path) -> dict[Path, list[str]]:
-    """The safetensors files of a model folder and the tensor names each holds.
+def weight_files(folder: str | Path) -> dict[str, list[str]]:
+    """The safetensors files of a model folder (names relative to it, in order)
+    and the tensor names each holds.
 
     Reads only the headers (and the index, for sharded weights). Raises
     UnsupportedModelError for a folder without safetensors weights, a shard the
@@ -402,13 +403,13 @@ def weight_files(folder: str | Path) -> dict[Path, list[str]]:
         hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
         raise UnsupportedModelError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
     out = {}
-    for path, listed in files.items():
+    for path, listed in sorted(files.items()):
         with safe_open(str(path), framework="pt") as f:
             held = list(f.keys())
         if listed is not None and set(listed) - set(held):
             raise UnsupportedModelError(f"{path}: lacks {', '.join(sorted(set(listed) - set(held)))}, "
                                         f"which {WEIGHTS_INDEX} places there")
-        out[path] = listed if listed is not None else held
+        out[str(path.relative_to(folder))] = listed if listed is not None else held
     return out
 
 
@@ -469,10 +470,10 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
     model.tie_weights()  # to_empty (or a caller's .to()) may have untied them
     targets = dict(model.named_parameters())  # a tied head appears once, as the embedding
     files = weight_files(folder)
-    plan: dict[Path, list[tuple[str, str]]] = {}  # file -> [(their name, our name)]
+    plan: dict[str, list[tuple[str, str]]] = {}  # file -> [(their name, our name)]
     unexpected, bad = [], []
-    for path, names in files.items():
-        with safe_open(str(path), framework="pt") as f:
+    for file, names in files.items():
+        with safe_open(str(folder / file), framework="pt") as f:
             for key in names:
                 if (key == "lm_head.weight" and config.tie_embeddings) or IGNORED.search(key):
                     continue  # transformers ignores these too
@@ -486,7 +487,7 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
                     bad.append(f"{key} is {dtype} (supported: {', '.join(FILE_DTYPES)})")
                 elif shape != list(targets[ours].shape):
                     bad.append(f"{key} has shape {shape}, the config says {list(targets[ours].shape)}")
-                plan.setdefault(path, []).append((key, ours))
+                plan.setdefault(file, []).append((key, ours))
     missing = sorted(set(targets) - {ours for pairs in plan.values() for _, ours in pairs})
     problems = [f"unexpected tensor(s) {', '.join(sorted(unexpected))}"] if unexpected else []
     problems += bad
@@ -496,18 +497,18 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
         raise UnsupportedModelError(f"{folder}: weights do not fit {FAMILIES[config.family].architecture} "
                                     f"of this config: {'; '.join(problems)}")
     with torch.no_grad():
-        for path, pairs in plan.items():
-            with safe_open(str(path), framework="pt") as f:
+        for file, pairs in plan.items():
+            with safe_open(str(folder / file), framework="pt") as f:
                 for key, ours in pairs:
                     targets[ours].copy_(f.get_tensor(key))  # one tensor at a time, cast to the model's dtype
     if config.tie_embeddings:
         _check_stored_head(model, folder, files)
 
 
-def _check_stored_head(model: Transformer, folder: Path, files: Mapping[Path, list[str]]) -> None:
-    for path, names in files.items():
+def _check_stored_head(model: Transformer, folder: Path, files: Mapping[str, list[str]]) -> None:
+    for file, names in files.items():
         if "lm_head.weight" in names:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_open(str(folder / file), framework="pt") as f:
                 head = f.get_tensor("lm_head.weight")
             embedding = model.tok_embeddings.weight
             if not torch.equal(head.to(embedding), embedding):

@@ -103,6 +103,10 @@ def test_sharded_folder_loads_like_a_single_file(folders):
     sharded, single = folders("qwen2", sharded=True), folders("qwen2")
     assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    files = hf_adapter.weight_files(sharded)
+    assert list(files) == sorted(p.name for p in sharded.glob("model-*.safetensors"))  # names, relative
+    assert sorted(k for keys in files.values() for k in keys) == sorted(
+        json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"])
     assert is_hf_model_folder(sharded) and is_hf_model_folder(single)
     a, b = load_hf_model(sharded)[1], load_hf_model(single)[1]
     assert a.state_dict().keys() == b.state_dict().keys()
