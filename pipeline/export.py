@@ -3,7 +3,7 @@
 ``export_model("models/sft", "data/tokenizer/tokenizer.json", "models/export", card_info=...)``
 writes::
 
-    config.json              LlamaForCausalLM config (pipeline.model.hf_adapter.hf_config)
+    config.json              the model family's config (pipeline.model.hf_adapter.hf_config)
     model.safetensors        weights under Hugging Face names, float32
     generation_config.json   eos = [<|im_end|>, <|endoftext|>], pad, sampling defaults
     tokenizer.json           byte-identical copy of ours (same sha256)
@@ -17,6 +17,14 @@ export stage then adds ``report.json`` (:func:`write_report`): the summary and
 the registry's outcome.
 
 Choices
+    * Family: a model trained from scratch is a ``LlamaForCausalLM``. A run
+      started from a Hugging Face model keeps that model's family
+      (``ModelConfig.family``: Qwen2 with its biases, Qwen3 with its q/k norms,
+      Llama with its RoPE scaling, ...), and its checkpoints carry the original
+      config.json as meta ``hf_config``: the export's config.json is that file
+      with our values for everything our ModelConfig describes (shapes, RoPE,
+      norms, tying, dtype float32), so it differs from the original only where
+      the model does.
     * eos: the tokenizer's ``eos_token`` is ``<|im_end|>``, because the exported
       model is the chat (SFT) model and chat front ends stop at the tokenizer's
       eos. ``generation_config.json`` (and ``config.json``) list both
@@ -60,7 +68,8 @@ from pipeline.errors import StageError
 from pipeline.files import atomic_dir, sha256_file, write_json
 from pipeline.model import generate as gen
 from pipeline.model import hf_adapter
-from pipeline.model.transformer import ModelConfig, num_params
+from pipeline.model.families import FAMILIES
+from pipeline.model.transformer import ModelConfig, Transformer, num_params
 from pipeline.training import checkpoint as ckpt
 
 DTYPE = "float32"
@@ -115,7 +124,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     checkpoint is exported) or one ``step-XXXXXXXX`` folder. ``card_info`` feeds
     the model card; its keys are those of ``CARD_KEYS``, all optional.
 
-    Returns ``{out_dir, checkpoint, stage, step, fingerprint, params, vocab_size,
+    Returns ``{out_dir, checkpoint, stage, step, fingerprint, architecture, params, vocab_size,
     tie_word_embeddings, dtype, tokenizer_sha256, files: {name: {bytes, sha256}}}``.
     Raises ExportError for a missing checkpoint or a tokenizer other than the one
     the checkpoint was trained with, TokenizerError for a missing or invalid
@@ -136,20 +145,15 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         raise ExportError(str(err)) from err
 
     with atomic_dir(out_dir) as tmp:
-        save_file(hf_adapter.to_hf(model.state_dict(), config), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        _write_json(tmp / "config.json", hf_adapter.hf_config(
-            config, bos_token_id=EOT_ID, eos_token_id=list(STOP_IDS), pad_token_id=PAD_ID, dtype=DTYPE))
-        _write_json(tmp / "generation_config.json", generation_config())
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(config.max_seq_len))
-        _write_json(tmp / "special_tokens_map.json", SPECIAL_TOKENS_MAP)
+        write_model_files(tmp, model, meta)
+        write_tokenizer_files(tmp, tokenizer_path, config)
         summary = {
             "out_dir": str(out_dir),
             "checkpoint": str(checkpoint.path),
             "stage": meta.get("stage"),
             "step": meta.get("step"),
             "fingerprint": meta.get("fingerprint"),
+            "architecture": FAMILIES[config.family].architecture,
             "params": num_params(model),
             "vocab_size": config.vocab_size,
             "tie_word_embeddings": config.tie_embeddings,
@@ -163,6 +167,34 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                             for f in sorted(tmp.iterdir())}
     return summary
+
+
+def write_model_files(folder: Path, model: Transformer, meta: Mapping[str, Any], *,
+                      token_ids: Mapping[str, Any] | None = None) -> None:
+    """``model.safetensors`` and ``config.json`` of ``model`` in ``folder``, in its family.
+
+    ``meta`` is the checkpoint's: with ``meta["hf_config"]`` (the config.json of
+    the Hugging Face model the run started from) config.json is that file updated
+    with our values (:func:`pipeline.model.hf_adapter.hf_config`); otherwise it is
+    written from scratch. ``token_ids`` ({bos,eos,pad}_token_id) are written as
+    given; None keeps the original's, or, for a model of ours, our tokenizer's.
+    """
+    config = model.config
+    save_file(hf_adapter.to_hf(model.state_dict(), config), str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    original = meta.get("hf_config")
+    if token_ids is None:
+        token_ids = {} if original else {"bos_token_id": EOT_ID, "eos_token_id": list(STOP_IDS), "pad_token_id": PAD_ID}
+    _write_json(folder / "config.json", hf_adapter.hf_config(config, dtype=DTYPE, original=original, **token_ids))
+
+
+def write_tokenizer_files(folder: Path, tokenizer_path: Path, config: ModelConfig) -> None:
+    """The tokenizer's files and ``generation_config.json`` (its stop and pad ids)
+    in ``folder``: ``tokenizer.json`` byte for byte, and our ChatML set-up."""
+    _write_json(folder / "generation_config.json", generation_config())
+    shutil.copyfile(tokenizer_path, folder / "tokenizer.json")
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(config.max_seq_len))
+    _write_json(folder / "special_tokens_map.json", SPECIAL_TOKENS_MAP)
 
 
 def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,8 +243,9 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
                weights_sha256: str) -> str:
     """The README.md text: YAML metadata, then Markdown sections."""
     name = card_info.get("name") or "llm-pipeline model"
+    family = FAMILIES[config.family]
     front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
-                             "tags": ["llama", "causal-lm", "llm-pipeline"]}
+                             "tags": [family.model_type, "causal-lm", "llm-pipeline"]}
     if card_info.get("license"):
         front["license"] = card_info["license"]
     out_dir = summary["out_dir"]
@@ -222,11 +255,14 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
         lines += [card_info["description"].strip(), ""]
 
     lines += ["## Model", "", *_table(("", ""), [
-        ("architecture", "`LlamaForCausalLM`: decoder-only, RoPE, SwiGLU, RMSNorm, grouped-query attention"),
+        ("architecture", f"`{family.architecture}`: decoder-only, RoPE{' (llama3 scaling)' if config.rope_scaling else ''}, "
+                         "SwiGLU, RMSNorm, grouped-query attention"
+                         f"{', q/k/v biases' if config.qkv_bias else ''}{', q/k RMSNorm' if config.qk_norm else ''}"),
         ("parameters", f"{n / 1e6:.2f}M ({n:,}; a tied embedding counted once)"),
         ("layers", config.n_layer),
         ("hidden size", config.d_model),
         ("attention heads / key-value heads", f"{config.n_head} / {config.n_kv_head}"),
+        ("head dimension", config.head_dim),
         ("MLP hidden size", config.ffn_hidden),
         ("vocabulary", config.vocab_size),
         ("context length", config.max_seq_len),

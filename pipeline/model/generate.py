@@ -25,13 +25,11 @@ returned ids, so a caller can tell a finished answer from a cut one), after
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from pipeline import layout
@@ -145,18 +143,13 @@ def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int =
 # --------------------------------------------------------------------------- loading
 
 
-def is_hf_folder(path: str | Path) -> bool:
-    """True for an exported Hugging Face folder (config.json + model.safetensors)."""
-    path = Path(path)
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-
-
 def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = None,
                        device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, ModelConfig]:
     """(model in eval mode on ``device``, tokenizer, config) from any model folder.
 
-    ``path`` is an exported Hugging Face folder (``models/export``: its own
-    ``tokenizer.json`` is used), a training checkpoint folder (``models/sft``,
+    ``path`` is a Hugging Face model folder of a supported family (an export of
+    ours, ``models/export``, or a published model; its own ``tokenizer.json``
+    is used; see ``pipeline.model.hf_adapter.load_hf_model``), a training checkpoint folder (``models/sft``,
     ``models/pretrain``: its latest complete checkpoint), or one
     ``step-XXXXXXXX`` checkpoint. Checkpoints hold no tokenizer: it comes from
     ``tokenizer_path`` (default ``data/tokenizer/tokenizer.json``), and if the
@@ -165,21 +158,18 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
     special ids (see ``pipeline.data.tokenizer.load_tokenizer``).
 
     Raises FileNotFoundError when ``path`` holds no model, ValueError for a
-    mismatched tokenizer or an unsupported config, and CheckpointError /
+    mismatched tokenizer or an unsupported model (UnsupportedModelError), and CheckpointError /
     RuntimeError for damaged or mismatched weights.
     """
     path = Path(path)
-    if is_hf_folder(path):
-        config = hf_adapter.config_from_hf(json.loads((path / "config.json").read_text()))
-        model = Transformer(config)
-        state = hf_adapter.from_hf(load_file(str(path / "model.safetensors")), config)
-        model.load_state_dict(state, strict=True)
+    if hf_adapter.is_hf_model_folder(path):
+        config, model = hf_adapter.load_hf_model(path)
         tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path / "tokenizer.json")
     else:
         checkpoint = ckpt.resolve(path)  # verified; a damaged newest one raises CheckpointError
         if checkpoint is None:
-            raise FileNotFoundError(f"{path}: no exported model (config.json + model.safetensors) "
-                                    "and no complete checkpoint")
+            raise FileNotFoundError(f"{path}: no Hugging Face model (config.json + model.safetensors or "
+                                    "its index) and no complete checkpoint")
         meta = checkpoint.meta
         config = ModelConfig(**meta["model"])
         model = Transformer(config)

@@ -15,6 +15,17 @@ without any permutation:
 * No biases anywhere; ``n_kv_head`` key/value heads are shared by groups of
   ``n_head // n_kv_head`` query heads (head ``h`` reads kv head ``h // n_rep``).
 
+The other Hugging Face families (``pipeline.model.families``) need four options,
+all off by default:
+
+* ``head_dim`` set explicitly (Qwen3, some Mistrals): wq maps d_model to
+  n_head * head_dim, which need not be d_model, and wo maps it back;
+* ``qkv_bias`` (Qwen2): wq, wk and wv add a bias;
+* ``qk_norm`` (Qwen3): each query and key head is RMS-normalised over head_dim,
+  with its own learnt scale, before RoPE;
+* ``rope_scaling`` (Llama 3.1+): the ``llama3`` rule stretches the low RoPE
+  frequencies by ``factor`` (:func:`llama3_inv_freq`).
+
 Packed rows hold several documents. ``segment_ids`` (B, T) says which document
 each position belongs to (``pipeline.data.shards.PackedRows.segment_ids`` derives them
 from a row's ``doc_starts``); attention is then causal *and* block-diagonal, so
@@ -36,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.model.families import FAMILIES, LLAMA3_ROPE_KEYS
 
 # --------------------------------------------------------------------------- config
 
@@ -59,13 +72,19 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # For Hugging Face families (see the module doc); the defaults are the plain Llama layout.
+    head_dim: int | None = None  # None: d_model // n_head
+    qkv_bias: bool = False  # Qwen2: biases on wq, wk, wv
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", **LLAMA3_ROPE_KEYS}; None: plain RoPE
+    family: str = "llama"  # the Hugging Face architecture it converts to: a key of families.FAMILIES
 
     def __post_init__(self) -> None:
         problems = []
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "multiple_of", "max_seq_len",
-                     "n_kv_head", "ffn_hidden"):
+                     "n_kv_head", "ffn_hidden", "head_dim"):
             value = getattr(self, name)
-            if value is None and name in ("n_kv_head", "ffn_hidden"):
+            if value is None and name in ("n_kv_head", "ffn_hidden", "head_dim"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name} must be a positive integer (got {value!r})")
@@ -73,8 +92,19 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name} must be a positive number (got {value!r})")
-        if not isinstance(self.tie_embeddings, bool):
-            problems.append(f"tie_embeddings must be true or false (got {self.tie_embeddings!r})")
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false (got {getattr(self, name)!r})")
+        family = FAMILIES.get(self.family) if isinstance(self.family, str) else None
+        if family is None:
+            problems.append(f"family must be one of {', '.join(FAMILIES)} (got {self.family!r})")
+        else:  # each family is one architecture in transformers: its options are not free
+            for name in ("qkv_bias", "qk_norm"):
+                if getattr(self, name) != getattr(family, name):
+                    problems.append(f"family {self.family!r} ({family.architecture}) has {name} = "
+                                    f"{str(getattr(family, name)).lower()} (got {getattr(self, name)!r})")
+        if self.rope_scaling is not None:
+            problems += _rope_scaling_problems(self.rope_scaling)
         if problems:  # the checks below assume positive integers
             raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
 
@@ -82,25 +112,51 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", llama_ffn_hidden(self.d_model, self.multiple_of))
+        if self.rope_scaling is not None:  # a plain dict with exactly the keys the rule reads
+            object.__setattr__(self, "rope_scaling", {
+                "rope_type": "llama3", **{k: float(self.rope_scaling[k]) for k in LLAMA3_ROPE_KEYS[:3]},
+                "original_max_position_embeddings": int(self.rope_scaling["original_max_position_embeddings"])})
 
-        if self.d_model % self.n_head:
-            problems.append(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        elif self.head_dim % 2:
-            problems.append(f"head_dim = d_model / n_head = {self.head_dim} must be even for RoPE, "
-                            "which rotates pairs of dimensions")
+        if self.head_dim is None:
+            if self.d_model % self.n_head:
+                problems.append(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            else:
+                object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        if self.head_dim is not None and self.head_dim % 2:
+            problems.append(f"head_dim = {'d_model / n_head = ' if self.d_model == self.n_head * self.head_dim else ''}"
+                            f"{self.head_dim} must be even for RoPE, which rotates pairs of dimensions")
         if self.n_head % self.n_kv_head:
             problems.append(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}), "
                             "so that each kv head serves a whole group of query heads")
         if problems:
             raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict, with derived values filled in; ``ModelConfig(**d)`` round-trips."""
-        return asdict(self)
+        """Plain dict, with derived values filled in; ``ModelConfig(**d)`` round-trips.
+
+        The Hugging Face options (head_dim, qkv_bias, qk_norm, rope_scaling, family)
+        are left out where they have their default (or derived) value, so that a
+        plain Llama-layout model has the dict it had before they existed: its run
+        fingerprint and checkpoint metadata, both built from this dict, stay the same.
+        """
+        d = asdict(self)
+        defaults = {"head_dim": self.d_model // self.n_head, "qkv_bias": False, "qk_norm": False,
+                    "rope_scaling": None, "family": "llama"}
+        return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}
+
+
+def _rope_scaling_problems(scaling: Any) -> list[str]:
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        return [f"rope_scaling must be null or {{rope_type: llama3, {', '.join(LLAMA3_ROPE_KEYS)}}} (got {scaling!r})"]
+    problems = [f"rope_scaling.{k} must be a positive number (got {scaling.get(k)!r})" for k in LLAMA3_ROPE_KEYS
+                if not isinstance(scaling.get(k), (int, float)) or isinstance(scaling.get(k), bool)
+                or not scaling.get(k) > 0]
+    if not problems and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        problems.append("rope_scaling.high_freq_factor must be larger than low_freq_factor")
+    unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_ROPE_KEYS})
+    if unknown:
+        problems.append(f"rope_scaling has unknown key(s) {', '.join(unknown)}")
+    return problems
 
 
 def llama_ffn_hidden(d_model: int, multiple_of: int = 256) -> int:
@@ -175,17 +231,43 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, shape (T, head_dim), in fp32.
 
-    Dimension pair (i, i + head_dim/2) rotates at frequency theta^(-2i/head_dim).
+    Dimension pair (i, i + head_dim/2) rotates at frequency theta^(-2i/head_dim),
+    rescaled by :func:`llama3_inv_freq` when ``scaling`` is given.
     Computed per call from the positions: it costs T * head_dim/2 multiplies,
     and unlike a cached buffer it cannot be silently cast to bf16 by ``.to()``.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in scaling.items() if k != "rope_type"})
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim): both halves share a frequency
     return angles.cos(), angles.sin()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: stretch the slow frequencies, keep the fast ones.
+
+    A frequency whose wavelength (2*pi / inv_freq, in positions) is longer than
+    original_max_position_embeddings / low_freq_factor never completed a turn in
+    pretraining: it is divided by ``factor``, so the context can grow by that
+    factor without unseen angles. Wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor stay; those in between
+    are interpolated. The operations and their order are those of transformers'
+    ``_compute_llama3_parameters``, so that logits match to the last bits.
+    """
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -226,17 +308,24 @@ class Attention(nn.Module):
         self.n_head = config.n_head
         self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.d_model, config.n_head * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=False)
+        self.wq = nn.Linear(config.d_model, config.n_head * config.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=False)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # one scale per head dimension, shared by all heads
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0, start_pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim)  # (B, T, n_head, head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, n_kv_head, head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.qk_norm:  # over head_dim, each head on its own
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, start_pos, k, v)  # (B, n_kv_head, start_pos + T, head_dim)
@@ -320,7 +409,7 @@ class Transformer(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Normal(0, init_std) everywhere, norms to 1, and the projections that write
+        """Normal(0, init_std) everywhere, biases to 0, norms to 1, and the projections that write
         into the residual stream (wo, w2) scaled by 1/sqrt(2 * n_layer): each layer
         adds two such terms, so this keeps the residual's variance from growing
         with depth (GPT-2). Also (re)ties the head, which ``to_empty`` unties: call
@@ -331,10 +420,16 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear):
                 is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the head the embedding matrix, if the config ties them."""
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -360,7 +455,8 @@ class Transformer(nn.Module):
 
         # Built once per forward and shared by every layer.
         positions = torch.arange(start_pos, start_pos + T, device=idx.device)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (T, head_dim)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
+                                self.config.rope_scaling)  # (T, head_dim)
         if segment_ids is not None:
             mask = document_mask(segment_ids)  # (B, 1, T, T)
         elif cache is not None:
@@ -403,7 +499,9 @@ def _attention_params(c: ModelConfig) -> int:
 
 
 def _params_per_layer(c: ModelConfig) -> int:
-    return _attention_params(c) + 3 * c.d_model * c.ffn_hidden + 2 * c.d_model  # + two norms
+    biases = (c.n_head + 2 * c.n_kv_head) * c.head_dim if c.qkv_bias else 0
+    qk_norms = 2 * c.head_dim if c.qk_norm else 0
+    return _attention_params(c) + biases + qk_norms + 3 * c.d_model * c.ffn_hidden + 2 * c.d_model  # + two norms
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:
@@ -411,8 +509,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
 
     N_matmul counts every weight that multiplies an activation for each token: all
     linear layers of every block plus the output head (even when it is tied to the
-    embedding, because the head is still a matmul), but not the embedding lookup
-    or norm scales. Each such weight costs 2 FLOPs forward and 4 backward, hence 6.
+    embedding, because the head is still a matmul), but not the embedding lookup,
+    biases or norm scales. Each such weight costs 2 FLOPs forward and 4 backward, hence 6.
     The second term is attention itself: QK^T and attention*V each take
     2 * seq_len * n_head * head_dim FLOPs forward per token per layer, again
     tripled for the backward pass: 3 * 2 * 2 = 12. This is PaLM's formula

@@ -201,6 +201,84 @@ def test_kv_cache_decoding_matches_full_forward(model):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
+# The other families' options, each with its parameters perturbed off their init
+# (biases 0 and norm scales 1 would hide a bias or norm dropped on one path).
+FAMILY_OPTIONS = {
+    "qwen2": dict(family="qwen2", qkv_bias=True),
+    "qwen3": dict(family="qwen3", qk_norm=True, head_dim=32),  # n_head * head_dim = 128 != d_model = 64
+    "llama3-rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+}
+
+
+def perturbed(config: ModelConfig) -> Transformer:
+    m = model_for(config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.mark.parametrize("name", FAMILY_OPTIONS)
+def test_kv_cache_decoding_matches_full_forward_for_each_family(name):
+    m = perturbed(tiny(**FAMILY_OPTIONS[name]))
+    idx = tokens(2, 14)
+    full = m(idx)
+    cache = KVCache(m.config, batch_size=2, max_len=14)
+    assert cache.k.shape[-1] == m.config.head_dim
+    steps = [m(idx[:, :5], cache=cache)] + [m(idx[:, p:p + 1], cache=cache, start_pos=p) for p in range(5, 14)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_family_options_shape_the_model():
+    q2 = model_for(tiny(**FAMILY_OPTIONS["qwen2"])).layers[0].attention
+    assert q2.wq.bias.shape == (64,) and q2.wk.bias.shape == q2.wv.bias.shape == (32,) and q2.wo.bias is None
+    assert torch.equal(q2.wq.bias, torch.zeros(64))
+    c3 = tiny(**FAMILY_OPTIONS["qwen3"])
+    q3 = model_for(c3).layers[0].attention
+    assert q3.wq.weight.shape == (4 * 32, 64) and q3.wk.weight.shape == (2 * 32, 64) and q3.wo.weight.shape == (64, 128)
+    assert q3.q_norm.weight.shape == q3.k_norm.weight.shape == (32,)
+    assert not hasattr(model_for(tiny()).layers[0].attention, "q_norm")
+
+
+@pytest.mark.parametrize("name", FAMILY_OPTIONS)
+def test_accounting_for_each_family(name):
+    c = tiny(**FAMILY_OPTIONS[name])
+    m = model_for(c)
+    assert num_params(m) == num_params(c)
+    assert num_params(m, exclude_embedding=True) == num_params(c, exclude_embedding=True)
+    matmul_weights = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, nn.Linear))
+    assert flops_per_token(c, 50) == 6 * matmul_weights + 12 * c.n_layer * c.n_head * c.head_dim * 50
+
+
+def test_new_fields_stay_out_of_to_dict_at_their_defaults():
+    """Run fingerprints and checkpoint meta of a plain model are built from to_dict:
+    the options added for other families must not change them."""
+    assert set(tiny().to_dict()) == {"vocab_size", "n_layer", "n_head", "d_model", "n_kv_head", "ffn_hidden",
+                                     "multiple_of", "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings",
+                                     "init_std"}
+    assert tiny(head_dim=16) == tiny() and "head_dim" not in tiny(head_dim=16).to_dict()
+    for options in FAMILY_OPTIONS.values():
+        c = tiny(**options)
+        assert ModelConfig(**c.to_dict()) == c
+        assert set(options) <= set(c.to_dict())
+
+
+def test_llama3_rope_keeps_fast_frequencies_and_stretches_slow_ones():
+    from pipeline.model.transformer import llama3_inv_freq
+
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    # wavelengths 2*pi/inv_freq: 6.3, 19.9, 62.8, 199, ... positions; with an original
+    # context of 64: < 64/4 = 16 kept, > 64/1 = 64 divided by factor, in between blended
+    out = llama3_inv_freq(inv_freq, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)
+    assert torch.equal(out[:1], inv_freq[:1])
+    assert torch.equal(out[3:], inv_freq[3:] / 8.0)
+    assert ((out[1:3] < inv_freq[1:3]) & (out[1:3] > inv_freq[1:3] / 8.0)).all()
+
+
 def test_kv_cache_overflow_is_an_error(model):
     cache = KVCache(model.config, batch_size=1, max_len=4)
     with pytest.raises(ValueError, match="KV cache holds 4"):
@@ -264,6 +342,19 @@ def test_build_config_errors(args, message):
     ({"d_model": 64.0}, "d_model must be a positive integer"),
 ])
 def test_config_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"family": "gpt2"}, "family must be one of llama, qwen2, qwen3, mistral"),
+    ({"family": "qwen2"}, r"family 'qwen2' \(Qwen2ForCausalLM\) has qkv_bias = true"),
+    ({"qk_norm": True}, r"family 'llama' \(LlamaForCausalLM\) has qk_norm = false"),
+    ({"head_dim": 15}, "head_dim = 15 must be even"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling must be null or {rope_type: llama3"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor must be a positive"),
+])
+def test_family_option_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny(**overrides)
 

@@ -1,0 +1,371 @@
+"""Tests for pipeline/model/hf_adapter.py and pipeline/model/families.py: Hugging Face
+folders of each family load into our model and compute transformers' logits,
+in every file layout (tied or not, sharded, bf16/fp16/fp32); config.json reads
+both transformers 4 and 5 styles and round-trips; everything we do not
+implement is refused before any work, in one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.errors import StageError
+from pipeline.model import hf_adapter
+from pipeline.model.families import FAMILIES
+from pipeline.model.hf_adapter import (
+    UnsupportedModelError,
+    config_from_hf,
+    hf_config,
+    is_hf_model_folder,
+    load_hf_model,
+    load_hf_weights,
+)
+from pipeline.model.transformer import Transformer
+from tests.hf_models import FAMILIES as HF_FAMILIES
+from tests.hf_models import LLAMA3_ROPE, save_tiny_hf_model, tiny_hf_config
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 384
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
+
+def tokens(B: int = 2, T: int = 48, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(folder, ours: Transformer, idx: torch.Tensor | None = None) -> float:
+    """Largest |logit difference| between transformers' model of ``folder`` and ``ours``."""
+    idx = tokens() if idx is None else idx
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return (theirs(input_ids=idx).logits - ours(idx)).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A lazily built tiny folder per (family, options), shared by the module."""
+    made = {}
+
+    def get(family: str, **options):
+        key = (family, *sorted(options.items()))
+        if key not in made:
+            name = "-".join([family, *(f"{k}={v}" for k, v in sorted(options.items()))]).replace(".", "_")
+            made[key] = save_tiny_hf_model(family, tmp_path_factory.mktemp(name), vocab_size=VOCAB, **options)
+        return made[key]
+
+    return get
+
+
+# --------------------------------------------------------------------------- logits parity
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_imported_model_computes_transformers_logits(folders, family, tie):
+    folder = folders(family, tie=tie)
+    config, model = load_hf_model(folder)
+    assert config.family == family and config.tie_embeddings == tie
+    assert (model.output.weight is model.tok_embeddings.weight) == tie
+    # Measured: exactly 0.0 on this CPU (same operations in the same order); logits are of order 1-5.
+    assert max_diff(folder, model) <= 1e-5
+
+
+def test_each_family_uses_its_features(folders):
+    """The parity above means something: each family's extra really is in play."""
+    qwen2 = load_hf_model(folders("qwen2"))[1]
+    assert qwen2.layers[0].attention.wq.bias.abs().max() > 0.05
+    cfg3, qwen3 = load_hf_model(folders("qwen3"))
+    assert cfg3.head_dim == 32 != cfg3.d_model // cfg3.n_head
+    assert qwen3.layers[0].attention.wq.weight.shape == (cfg3.n_head * 32, cfg3.d_model)
+    assert (qwen3.layers[0].attention.q_norm.weight - 1).abs().max() > 0.05
+
+
+def test_llama3_rope_scaling_matches_transformers_and_matters(folders):
+    folder = folders("llama", rope_scaling=True)
+    config, model = load_hf_model(folder)
+    assert config.rope_scaling == LLAMA3_ROPE
+    idx = tokens(1, 120)  # long enough for the slow, stretched frequencies to turn visibly
+    assert max_diff(folder, model, idx) <= 1e-5
+    unscaled = Transformer(config.__class__(**{**config.to_dict(), "rope_scaling": None}))
+    unscaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (unscaled(idx) - model(idx)).abs().max() > 1e-3
+
+
+def test_sharded_folder_loads_like_a_single_file(folders):
+    sharded, single = folders("qwen2", sharded=True), folders("qwen2")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    files = hf_adapter.weight_files(sharded)
+    assert list(files) == sorted(p.name for p in sharded.glob("model-*.safetensors"))  # names, relative
+    assert sorted(k for keys in files.values() for k in keys) == sorted(
+        json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"])
+    assert is_hf_model_folder(sharded) and is_hf_model_folder(single)
+    a, b = load_hf_model(sharded)[1], load_hf_model(single)[1]
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_files_become_exact_fp32_weights(folders, dtype):
+    folder = folders("qwen3", dtype=dtype, tie=False)
+    _, model = load_hf_model(folder)
+    stored = load_file(str(folder / "model.safetensors"))
+    ours = hf_adapter.to_hf(model.state_dict(), model.config)
+    assert ours.keys() == stored.keys()
+    for key, tensor in stored.items():
+        assert tensor.dtype == dtype
+        assert ours[key].dtype == torch.float32 and torch.equal(ours[key], tensor.float()), key
+
+
+def test_loading_draws_no_random_numbers_and_leaves_nothing_on_meta(folders):
+    folder = folders("llama")
+    state = torch.random.get_rng_state()
+    _, model = load_hf_model(folder)
+    assert torch.equal(torch.random.get_rng_state(), state)  # no random init pass
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_load_hf_weights_into_a_built_model(folders):
+    folder = folders("qwen2", tie=False)
+    config, reference = load_hf_model(folder)
+    model = Transformer(config)  # randomly initialised, as a trainer builds it
+    load_hf_weights(model, folder)
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.state_dict().items())
+    other = Transformer(config.__class__(**{**config.to_dict(), "norm_eps": 1e-5}))
+    with pytest.raises(UnsupportedModelError, match=r"differs from the folder's: norm_eps 1e-05 != 1e-06"):
+        load_hf_weights(other, folder)
+
+
+# --------------------------------------------------------------------------- weights that do not fit
+
+
+def rewrite_weights(src, dst, change):
+    """Copy folder ``src`` to ``dst`` with ``change(tensors)`` applied to its model.safetensors."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_stored_head_equal_to_the_tied_embedding_is_ignored_and_a_different_one_refused(folders, tmp_path):
+    def add_copy(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    folder = rewrite_weights(folders("llama", tie=True), tmp_path / "same", add_copy)
+    _, model = load_hf_model(folder)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert max_diff(folder, model) <= 1e-5
+
+    def add_other(t):
+        t["lm_head.weight"] = torch.randn_like(t["model.embed_tokens.weight"])
+
+    folder = rewrite_weights(folders("llama", tie=True), tmp_path / "other", add_other)
+    with pytest.raises(UnsupportedModelError, match="stored lm_head.weight differs from model.embed_tokens.weight"):
+        load_hf_model(folder)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"missing tensor\(s\) model.layers.1.mlp.up_proj.weight"),
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}),
+     r"unexpected tensor\(s\) model.layers.0.self_attn.o_proj.bias"),
+    (lambda t: t.update({"model.norm.weight": torch.ones(32)}), r"model.norm.weight has shape \[32\], the config says \[64\]"),
+    (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}), r"model.norm.weight is I8"),
+], ids=["missing", "unexpected", "shape", "dtype"])
+def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change, message):
+    folder = rewrite_weights(folders("qwen2"), tmp_path / "m", change)
+    with pytest.raises(UnsupportedModelError, match=message) as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
+
+
+def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(UnsupportedModelError, match=f"missing: {shard.name}"):
+        load_hf_model(folder)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((folder / "config.json").read_text())
+    (bare / "pytorch_model.bin").write_bytes(b"")
+    assert not is_hf_model_folder(bare)
+    with pytest.raises(UnsupportedModelError, match="no model.safetensors.*found pytorch_model.bin"):
+        load_hf_model(bare)
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def saved_config(family: str, **kwargs) -> dict:
+    """config.json as save_pretrained writes it for a tiny model of ``family``."""
+    config = tiny_hf_config(family, **kwargs)
+    config.architectures = [ARCHITECTURES[family]]
+    return json.loads(config.to_json_string())
+
+
+@pytest.mark.parametrize("rope_scaling", [False, True], ids=["rope", "llama3"])
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_config_round_trip(family, rope_scaling):
+    original = saved_config(family, vocab_size=VOCAB, rope_scaling=rope_scaling)
+    config = config_from_hf(original)
+    ours = hf_config(config, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    assert ours["architectures"] == [ARCHITECTURES[family]] and ours["model_type"] == family
+    assert config_from_hf(ours) == config
+    # what transformers reads from ours is what it read from the original
+    theirs = transformers.AutoConfig.for_model(**ours).to_dict()
+    for key, value in original.items():
+        if key not in ("dtype", "transformers_version", "max_window_layers"):
+            assert theirs[key] == value, key
+    # and updating the original with our values changes nothing but the dtype
+    merged = hf_config(config, original=original)
+    assert {k for k in merged if merged[k] != original.get(k, "absent")} == {"dtype", "torch_dtype"}
+    assert merged["dtype"] == merged["torch_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("style", ["transformers-5", "transformers-4"])
+def test_our_values_replace_the_originals_in_its_own_style(style):
+    import dataclasses
+
+    original = saved_config("llama", rope_scaling=True, tie=False)
+    if style == "transformers-4":
+        rope = dict(original.pop("rope_parameters"))
+        original.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    config = dataclasses.replace(config_from_hf(original), vocab_size=512, rope_theta=2e5, tie_embeddings=True,
+                                 norm_eps=1e-5)
+    merged = hf_config(config, original=original)
+    assert config_from_hf(merged) == config
+    assert (merged["vocab_size"], merged["tie_word_embeddings"], merged["rms_norm_eps"]) == (512, True, 1e-5)
+    assert ("rope_parameters" in merged) == (style == "transformers-5")  # no key the original lacked
+    assert ("rope_theta" in merged) == (style == "transformers-4")
+    assert merged["bos_token_id"] == original["bos_token_id"] == 1
+    assert hf_config(config, original=original, bos_token_id=7)["bos_token_id"] == 7
+
+
+def test_transformers_4_and_5_styles_read_alike():
+    t5 = saved_config("llama", rope_scaling=True)
+    assert "rope_theta" not in t5 and t5["rope_parameters"]["rope_type"] == "llama3"
+    rope = dict(t5["rope_parameters"])
+    t4 = {k: v for k, v in t5.items() if k != "rope_parameters"}
+    t4.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    assert config_from_hf(t4) == config_from_hf(t5)
+    assert config_from_hf(t5).rope_theta == 500000.0 and config_from_hf(t5).rope_scaling == LLAMA3_ROPE
+    # the pre-4.43 spelling "type" and a null rope_scaling beside rope_theta
+    old = {**t4, "rope_theta": 1e4, "rope_scaling": None}
+    assert config_from_hf(old).rope_scaling is None and config_from_hf(old).rope_theta == 1e4
+    typed = {**t4, "rope_scaling": {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "llama3"}}
+    assert config_from_hf(typed) == config_from_hf(t5)
+
+
+def test_our_config_json_loads_in_transformers_without_warnings(caplog):
+    import warnings
+
+    for family in HF_FAMILIES:
+        config = config_from_hf(saved_config(family, rope_scaling=family == "llama"))
+        with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="transformers"):
+            warnings.simplefilter("error")
+            theirs = transformers.AutoConfig.for_model(**hf_config(config, bos_token_id=1, eos_token_id=2))
+        assert type(theirs).__name__ == f"{ARCHITECTURES[family][:-len('ForCausalLM')]}Config"
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_keys_left_out_take_transformers_defaults():
+    minimal = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 100, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 32}
+    ours = config_from_hf(minimal)
+    theirs = transformers.Qwen3Config(**{k: v for k, v in minimal.items() if k != "architectures"})
+    assert (ours.head_dim, ours.n_kv_head, ours.max_seq_len, ours.norm_eps, ours.tie_embeddings, ours.rope_theta) == (
+        theirs.head_dim, theirs.num_key_value_heads, theirs.max_position_embeddings, theirs.rms_norm_eps,
+        theirs.tie_word_embeddings, theirs.rope_parameters["rope_theta"])
+
+
+def test_mistral_sliding_window_caps_max_seq_len(folders, caplog):
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
+        config = config_from_hf(saved_config("mistral", sliding_window=16))
+    assert config.max_seq_len == 16
+    assert "sliding_window 16 < max_position_embeddings 128: max_seq_len capped at 16" in caplog.text
+    assert config_from_hf(saved_config("mistral", sliding_window=4096)).max_seq_len == 128  # wider than the model
+    # within the window full attention is the window: transformers with the window agrees
+    folder = folders("mistral", sliding_window=16)
+    _, model = load_hf_model(folder)
+    assert max_diff(folder, model, tokens(2, 16)) <= 1e-5
+    with pytest.raises(ValueError, match="beyond max_seq_len 16"):
+        model(tokens(1, 17))
+
+
+UNSUPPORTED = {  # name: (family, config.json changes, the words the one line must hold)
+    "gpt2": ("llama", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+    "gemma": ("llama", {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
+    "mixtral": ("mistral", {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausalLM"),
+    "no-architecture": ("llama", {"architectures": None, "model_type": "phi3"}, "model_type 'phi3'"),
+    "two-architectures": ("llama", {"architectures": ["LlamaForCausalLM", "LlamaModel"]}, "LlamaModel"),
+    "model-type-mismatch": ("llama", {"model_type": "mistral"}, "model_type is 'mistral'"),
+    "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                    "rope_type 'linear'"),
+    "dynamic-rope": ("qwen2", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    "yarn-rope": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32}}, "rope_type 'yarn'"),
+    "longrope": ("mistral", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+    "llama3-incomplete": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+                          "llama3 RoPE scaling lacks low_freq_factor, high_freq_factor"),
+    "partial-rotary": ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
+    "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
+    "sliding-layers": ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]},
+                       "layer_types sliding_attention"),
+    "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "mlp-bias": ("llama", {"mlp_bias": True}, "mlp_bias true"),
+    "llama-attention-bias": ("llama", {"attention_bias": True}, "attention_bias true"),
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True}, "attention_bias true"),
+    "attention-dropout": ("mistral", {"attention_dropout": 0.1}, "attention_dropout 0.1"),
+    "quantized": ("qwen2", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config (gptq)"),
+    "odd-head-dim": ("qwen3", {"head_dim": 15}, "head_dim = 15 must be even"),
+    "no-vocab": ("llama", {"vocab_size": None}, "config.json lacks vocab_size"),
+}
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_models_are_refused_in_one_line(name, tmp_path):
+    family, change, words = UNSUPPORTED[name]
+    hf = {**saved_config(family), **change}
+    with pytest.raises(UnsupportedModelError) as err:
+        config_from_hf(hf)
+    message = str(err.value)
+    assert words in message and "\n" not in message and "supported" in message, message
+    assert isinstance(err.value, StageError) and isinstance(err.value, ValueError)
+    # a folder fails on its config.json, naming the folder, before any weight is read
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").write_bytes(b"not read")
+    with pytest.raises(UnsupportedModelError, match=f"^{tmp_path}: "):
+        load_hf_model(tmp_path)
+
+
+def test_unsupported_lists_every_problem_and_what_is_supported():
+    hf = {**saved_config("llama"), "hidden_act": "relu", "mlp_bias": True}
+    with pytest.raises(UnsupportedModelError, match=r"hidden_act 'relu' \(supported: silu.*; mlp_bias true"):
+        config_from_hf(hf)
+    with pytest.raises(UnsupportedModelError, match="supported: " + ", ".join(ARCHITECTURES.values())):
+        config_from_hf({**hf, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_the_registry_matches_the_model():
+    assert set(FAMILIES) == set(HF_FAMILIES) == set(ARCHITECTURES)
+    for name, family in FAMILIES.items():
+        assert family.architecture == ARCHITECTURES[name]
+        config = config_from_hf(saved_config(name))
+        # each family's state dict is exactly transformers' (biases, q/k norms), tied head left out
+        theirs = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(name)).state_dict()
+        with torch.device("meta"):
+            ours = Transformer(config).state_dict()
+        assert set(hf_adapter.to_hf(ours, config)) == set(theirs) - {"lm_head.weight"}
