@@ -64,7 +64,6 @@ from safetensors.torch import load_model, save_model
 from pipeline.config import flatten
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, fsync_path, sha256_file, write_json
-from pipeline.training.config import changed_keys
 
 log = logging.getLogger("pipeline.training.checkpoint")
 
@@ -368,6 +367,17 @@ def load_state(ckpt: Checkpoint, name: str) -> Any:
 
 
 # --- one run's checkpoint folder -------------------------------------------------------------------
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two identity records
+    (pipeline/training/config.py ``identity_record``), added and removed keys
+    included, e.g. ``["optimizer.lr"]``."""
+    a, b = flatten(old), flatten(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, _MISSING) != b.get(k, _MISSING))
+
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)

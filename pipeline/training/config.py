@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.config import StageConfig, flatten
+from pipeline.config import StageConfig
 from pipeline.training.torchrun import LaunchConfig
 
 
@@ -233,13 +233,3 @@ def fingerprint_of(record: dict[str, Any]) -> str:
 def run_identity(cfg: TrainConfig, model: dict[str, Any], global_batch: int, data_id: str, init_id: str | None) -> str:
     """Fingerprint of a training run: the digest of :func:`identity_record`."""
     return fingerprint_of(identity_record(cfg, model, global_batch, data_id, init_id))
-
-
-def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two identity records (added and
-    removed keys included), e.g. ``["optimizer.lr"]``."""
-    a, b = flatten(old), flatten(new)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k, _MISSING) != b.get(k, _MISSING))
-
-
-_MISSING = object()

@@ -73,7 +73,8 @@ def test_raising_max_steps_keeps_the_identity_and_other_schedule_keys_change_it(
 
 
 def test_identity_record_names_what_changed():
-    from pipeline.training.config import changed_keys, identity_record
+    from pipeline.training.checkpoint import changed_keys
+    from pipeline.training.config import identity_record
 
     cfg = PretrainConfig()
     a = identity_record(cfg, MODEL, 16, "data", None)
