@@ -414,7 +414,7 @@ class CheckpointManager:
 
     # -- the folder holds this run only --
 
-    def prepare(self, max_steps: int | None = None) -> list[MovedRun]:
+    def prepare(self, max_steps: int | None = None, in_use: Path | None = None) -> list[MovedRun]:
         """Main rank only (no-op elsewhere); call it before the other ranks look,
         e.g. before a barrier. Sweeps the leftovers of interrupted saves and moves
         the checkpoints of other runs (another fingerprint: params, model or data
@@ -426,6 +426,9 @@ class CheckpointManager:
         ``max_steps``: this run's length. When this run's newest checkpoint lies
         beyond it (``schedule.max_steps`` lowered below a step already trained),
         the run cannot continue: it is moved aside too and a fresh run starts.
+
+        ``in_use``: a checkpoint this run starts from (``init_from``); the
+        previous run that holds it is never deleted by ``keep_previous``.
 
         A checkpoint whose meta cannot be read stays: :meth:`resume_point`
         reports it as damaged. Returns the runs moved aside."""
@@ -456,7 +459,7 @@ class CheckpointManager:
                      best["path"])
         if moved:
             fsync_path(self.folder)
-        self._prune_previous()
+        self._prune_previous(in_use)
         return moved
 
     def _reason(self, meta: dict[str, Any]) -> str:
@@ -509,12 +512,17 @@ class CheckpointManager:
         runs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".tmp-", ".trash-"))]
         return sorted(runs, key=lambda p: (moved_at(p), p.name), reverse=True)
 
-    def _prune_previous(self) -> None:
+    def _prune_previous(self, in_use: Path | None) -> None:
         root = self.folder / PREVIOUS
         sweep(root)
         if self.keep_previous is None:
             return
+        used = Path(in_use).resolve() if in_use is not None else None
         for run in self.previous_runs()[self.keep_previous:]:
+            if used is not None and used.is_relative_to(run.resolve()):
+                log.warning("checkpoint.keep_previous is %d, but %s is kept: this run starts from %s",
+                            self.keep_previous, run, in_use)
+                continue
             log.warning("checkpoint.keep_previous is %d: deleting the earlier run %s", self.keep_previous, run)
             trash = root / f".trash-{run.name}-{os.getpid()}"
             os.replace(run, trash)

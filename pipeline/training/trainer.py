@@ -183,12 +183,7 @@ class Trainer:
                                                   keep=cfg.checkpoint.keep, is_main=d.is_main,
                                                   identity=self.identity, keep_best=cfg.checkpoint.keep_best,
                                                   keep_previous=cfg.checkpoint.keep_previous)
-        self.moved_aside = self.checkpoints.prepare(cfg.schedule.max_steps)
-        distributed.barrier(d)
-        last = self.checkpoints.resume_point()
-        if last is not None:
-            self._resume(last)
-        elif init_from is not None:
+        if init_from is not None:  # before prepare(), which may move or prune the folder it lies in; a resume overwrites it
             ckpt.load_model_weights(init_from, self.model)
             if init_optimizer:
                 try:
@@ -196,6 +191,13 @@ class Trainer:
                 except (ValueError, KeyError) as err:
                     raise InitError(f"init_from {init_from.path}: its optimizer state does not fit this model's "
                                     f"parameter groups ({err})".replace("\n", " ")) from None
+        self.moved_aside = self.checkpoints.prepare(cfg.schedule.max_steps,
+                                                    in_use=init_from.path if init_from else None)
+        distributed.barrier(d)
+        last = self.checkpoints.resume_point()
+        if last is not None:
+            self._resume(last)
+        elif init_from is not None:
             if d.is_main:
                 log.info("initialised weights%s from %s (step %d)", " and AdamW moments" if init_optimizer else "",
                          init_from.path, init_from.step)
@@ -249,10 +251,10 @@ class Trainer:
                 f"{new.max_steps}, so {max(0, new.max_steps - step)} more step(s) run")
         if step >= new.max_steps:
             log.info("%s", head)
-        elif new.kind == "cosine":
-            log.warning("%s. The cosine schedule is recomputed for the new length, which changes the learning rate "
-                        "of every remaining step: step %d trains at lr %.6g (it was %.6g under max_steps %d)",
-                        head, step + 1, new_lr, old_lr, old.max_steps)
+        elif new.kind == "cosine" or new.max_steps < old.max_steps:
+            log.warning("%s. The %s schedule is recomputed for the new length, which changes the learning rate of "
+                        "the remaining steps: step %d trains at lr %.6g (it was %.6g under max_steps %d)",
+                        head, new.kind, step + 1, new_lr, old_lr, old.max_steps)
         else:
             log.info("%s. wsd: the learning rate up to the old decay start (step %d) is what it always was; the "
                      "decay now runs over steps %d-%d", head, old.decay_start(), new.decay_start() + 1, new.max_steps)

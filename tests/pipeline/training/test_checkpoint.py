@@ -335,6 +335,18 @@ def test_keep_previous_deletes_the_oldest_previous_runs_naming_them(tmp_path, ca
     assert not [p for p in (tmp_path / "previous").iterdir() if p.name.startswith(".trash-")]
 
 
+def test_keep_previous_never_deletes_the_run_a_warm_start_comes_from(tmp_path, caplog):
+    for i in range(2):
+        run_saves(manager(tmp_path, fingerprint=f"run{i}"), [1])
+        manager(tmp_path, fingerprint=f"run{i + 1}").prepare()
+    init = tmp_path / "previous" / "run0" / "step-00000001"
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run9", keep=2, is_main=True, keep_previous=0)
+    with caplog.at_level("WARNING"):
+        m.prepare(in_use=init)
+    assert m.previous_runs() == [tmp_path / "previous" / "run0"] and init.is_dir()
+    assert "this run starts from" in caplog.text
+
+
 def test_prepare_does_nothing_off_the_main_rank(tmp_path):
     run_saves(manager(tmp_path, fingerprint="old"), [1])
     other = manager(tmp_path, fingerprint="new", is_main=False)

@@ -458,3 +458,20 @@ def test_max_steps_0_passes_the_initial_weights_through_as_a_final_checkpoint(tm
                 init_id="x"))
     out = load_file(str(ckpt.latest(tmp_path / "b" / "models").path / "model.safetensors"))
     assert all(torch.equal(saved[k], v) for k, v in out.items())
+
+
+def test_warm_start_from_a_checkpoint_that_its_own_run_folder_moves_aside_and_prunes(tmp_path):
+    """init_from may name a checkpoint in the run folder itself: the new run (another
+    identity) moves it to previous/ and, with keep_previous 0, deletes it; the
+    weights are read before the folder is rearranged."""
+    from safetensors.torch import load_file
+
+    fit(trainer(tmp_path, "a", cfg(max_steps=4)))
+    init = ckpt.resolve(tmp_path / "a" / "models")
+    donor = load_file(str(init.path / "model.safetensors"))
+    t = trainer(tmp_path, "a", cfg(max_steps=4, keep_previous=0), init_from=init)
+    try:
+        assert not init.path.exists() and t.step == 0
+        assert all(torch.equal(t.model.state_dict()[k], v) for k, v in donor.items())
+    finally:
+        t.close()
