@@ -59,7 +59,7 @@ from pipeline.training import distributed
 from pipeline.training.config import ScheduleSection, TrainConfig, fingerprint_of, identity_record
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
-from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, lr_at, set_schedule_lr
+from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
 from pipeline.training.parallelize import parallelize
 from pipeline.training.precision import DTYPES, autocast, resolve_precision
 from pipeline.training.sampler import GlobalOrder, eval_rows
