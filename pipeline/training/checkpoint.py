@@ -16,6 +16,17 @@ complete checkpoint. Old checkpoints are removed only after the new one is in
 place, first renamed to ``.trash-*`` so that a half-deleted folder never looks
 complete. Nothing here unpickles arbitrary objects.
 
+A run folder (``models/pretrain``) holds one run: the checkpoints whose meta
+``fingerprint`` is the current run identity. Beside them::
+
+    best.json                       the run's best checkpoint (checkpoint.keep_best)
+    previous/<fingerprint>/step-N   earlier runs, moved aside when the identity
+    previous/<fingerprint>/run.json changed: why, when, which keys; never deleted
+                                    unless checkpoint.keep_previous says so
+
+A run is never deleted because params changed; any previous run can seed a new
+one (``init_from``).
+
 Every load is verified first (:func:`verify`: each file's size and sha256
 against ``meta.json``), so weights from a damaged file are never used. Which
 checkpoint a reader gets depends on what it asks for:
@@ -24,8 +35,9 @@ checkpoint a reader gets depends on what it asks for:
   damaged checkpoints to the newest intact one, with a warning naming each
   damaged file: losing a few steps is better than losing the run;
 - evaluate, export, generate and sft's init-from (:func:`resolve`) ask for *the*
-  result of a run, its newest checkpoint; if that one is damaged they fail and
-  name it, rather than quietly report on or ship an older model.
+  result of a run, its newest checkpoint (or its recorded best one); if that one
+  is damaged they fail and name it, rather than quietly report on or ship an
+  older model.
 
 A ``step-*`` folder without ``meta.json`` cannot be verified and counts as
 damaged, never as absent.
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -48,14 +61,18 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from pipeline.config import flatten
 from pipeline.errors import StageError
-from pipeline.files import atomic_dir, fsync_path, sha256_file
+from pipeline.files import atomic_dir, fsync_path, sha256_file, write_json
 
 log = logging.getLogger("pipeline.training.checkpoint")
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt", "meta.json")
-SUPERSEDED = "superseded"  # <folder>/superseded/<fingerprint>/step-N: checkpoints of earlier runs
+PREVIOUS = "previous"  # <folder>/previous/<fingerprint>/step-N: checkpoints of earlier runs
+RUN_INFO = "run.json"  # <folder>/previous/<id>/run.json: why and when that run was moved aside
+BEST = "best.json"  # <folder>/best.json: {"step", "path", "val_loss", "fingerprint"} of the run's best checkpoint
+WHICH = ("last", "best")
 
 
 class CheckpointError(StageError):
@@ -138,18 +155,32 @@ def latest(folder: Path) -> Checkpoint | None:
     return cps[-1] if cps else None
 
 
-def resolve(path: Path) -> Checkpoint | None:
-    """The checkpoint ``path`` names, verified: ``path`` itself when it is one
-    checkpoint (a ``step-*`` folder, or any folder with a ``meta.json``), else
-    the newest ``step-*`` folder in the run folder ``path``.
+def resolve(path: Path, which: str = "last") -> Checkpoint | None:
+    """The checkpoint ``path`` names, verified.
+
+    ``which="last"``: ``path`` itself when it is one checkpoint (a ``step-*``
+    folder, or any folder with a ``meta.json``), else the newest ``step-*``
+    folder in the run folder ``path`` (``models/pretrain``, or an earlier run
+    in ``models/pretrain/previous/<id>``). ``which="best"``: the checkpoint the
+    run folder's ``best.json`` records (``checkpoint.keep_best``).
 
     This is for readers that want the result of a run (evaluate, export,
-    generate, sft's init-from): if the newest checkpoint is damaged they get a
+    generate, init-from): if the checkpoint asked for is damaged they get a
     CheckpointError naming the file, never an older checkpoint in its place, so
     that no metric, export or fine-tune silently comes from a model other than
-    the one training ended with. Returns None when ``path`` holds no checkpoint.
+    the one asked for. Returns None when ``path`` holds no checkpoint; a run
+    folder with checkpoints but no best recorded is a CheckpointError for
+    ``which="best"``. Raises ValueError for another ``which``.
     """
     path = Path(path)
+    if which not in WHICH:
+        raise ValueError(f"which checkpoint: {which!r} is not one of {', '.join(WHICH)}")
+    one = (STEP_RE.match(path.name) and path.is_dir()) or (path / "meta.json").is_file()
+    if which == "best":
+        if one:
+            raise CheckpointError(f"{path} is a single checkpoint; the best one is chosen in a run folder "
+                                  "(give the folder that holds the step-* folders)")
+        return _best_checkpoint(path)
     if STEP_RE.match(path.name) and path.is_dir():
         found: Checkpoint | None = Checkpoint(path, int(path.name[len("step-"):]))
     elif (path / "meta.json").is_file():
@@ -161,6 +192,37 @@ def resolve(path: Path) -> Checkpoint | None:
     if found is not None:
         verify(found)
     return found
+
+
+def read_best(folder: Path) -> dict[str, Any] | None:
+    """The run folder's ``best.json`` record, or None when there is none.
+    Raises CheckpointError (one line naming the file) when it is unreadable."""
+    record_path = Path(folder) / BEST
+    if not record_path.is_file():
+        return None
+    try:
+        record = json.loads(record_path.read_text())
+        step, name = int(record["step"]), str(record["path"])
+        float(record["val_loss"])
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{record_path}: unreadable ({type(err).__name__}: {err})".replace("\n", " ")) from err
+    if not STEP_RE.match(name) or int(name[len("step-"):]) != step:
+        raise CheckpointError(f"{record_path}: records {name!r} for step {step}, which is not a checkpoint folder name")
+    return record
+
+
+def _best_checkpoint(folder: Path) -> Checkpoint | None:
+    record = read_best(folder)
+    if record is None:
+        if not step_folders(folder):
+            return None
+        raise CheckpointError(f"{folder / BEST}: missing, so no best checkpoint is recorded for this run; set "
+                              "checkpoint.keep_best: true and rerun the stage, or take the last checkpoint")
+    best = Checkpoint(Path(folder) / record["path"], int(record["step"]))
+    if not best.path.is_dir():
+        raise CheckpointError(f"{best.path}: missing, though {folder / BEST} records it as the best checkpoint")
+    verify(best)
+    return best
 
 
 # --- verification ----------------------------------------------------------------------------------
@@ -243,10 +305,12 @@ def save(
     trainer_state: dict[str, Any],
     meta: dict[str, Any],
     keep: int,
+    protect: frozenset[int] = frozenset(),
 ) -> Checkpoint:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep`` up
     to ``step`` (a newer one, left by a run that resumed from before it, is
-    replaced when the run reaches its step; the new checkpoint is never removed).
+    replaced when the run reaches its step; the new checkpoint is never removed),
+    plus the steps in ``protect`` (the best checkpoint).
 
     ``trainer_state`` holds the scheduler, scaler, data position and the list of
     every rank's RNG state; it must contain only tensors and plain containers.
@@ -263,8 +327,14 @@ def save(
                  for name in FILES[:-1]}
         meta = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-    discard([c for c in complete_checkpoints(folder) if c.step <= step][:-keep])
+    trim(folder, step, keep, protect)
     return Checkpoint(final, step)
+
+
+def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset()) -> None:
+    """Delete the complete checkpoints up to ``step`` but the newest ``keep`` and those in ``protect``."""
+    older = [c for c in complete_checkpoints(folder) if c.step <= step][:-keep]
+    discard([c for c in older if c.step not in protect])
 
 
 def discard(checkpoints: list[Checkpoint]) -> None:
@@ -299,51 +369,166 @@ def load_state(ckpt: Checkpoint, name: str) -> Any:
 # --- one run's checkpoint folder -------------------------------------------------------------------
 
 
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two identity records
+    (pipeline/training/config.py ``identity_record``), added and removed keys
+    included, e.g. ``["optimizer.lr"]``."""
+    a, b = flatten(old), flatten(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, _MISSING) != b.get(k, _MISSING))
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class MovedRun:
+    """A run moved aside by :meth:`CheckpointManager.prepare`."""
+
+    path: Path  # <folder>/previous/<id>
+    fingerprint: str
+    reason: str
+    steps: tuple[int, ...]
+
+
 class CheckpointManager:
     """The checkpoints of one training run in ``folder``: those whose meta
     ``fingerprint`` is ``fingerprint``. Built on every rank; only the main rank
-    (``is_main``) changes the folder."""
+    (``is_main``) changes the folder.
 
-    def __init__(self, folder: Path, *, fingerprint: str, keep: int, is_main: bool):
+    ``identity`` is the record the fingerprint was computed from
+    (:func:`pipeline.training.config.identity_record`); it is written into every
+    checkpoint's meta so that a later run can name the keys that changed.
+    ``keep_best`` keeps the checkpoint with the lowest val loss besides the
+    newest ``keep`` and records it in ``best.json``. ``keep_previous`` bounds
+    the earlier runs kept under ``previous/`` (None: all).
+    """
+
+    def __init__(self, folder: Path, *, fingerprint: str, keep: int, is_main: bool,
+                 identity: dict[str, Any] | None = None, keep_best: bool = False, keep_previous: int | None = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
+        if keep_previous is not None and keep_previous < 0:
+            raise ValueError(f"keep_previous must be null or at least 0, got {keep_previous}")
         self.folder, self.fingerprint, self.keep, self.is_main = Path(folder), fingerprint, keep, is_main
+        self.identity, self.keep_best, self.keep_previous = identity, keep_best, keep_previous
 
-    def prepare(self) -> None:
+    # -- the folder holds this run only --
+
+    def prepare(self, max_steps: int | None = None, in_use: Path | None = None) -> list[MovedRun]:
         """Main rank only (no-op elsewhere); call it before the other ranks look,
-        e.g. before a barrier. Sweeps the leftovers of interrupted saves and
-        moves the checkpoints of other runs (another fingerprint: params, model
-        or data changed) to ``<folder>/superseded/<their fingerprint>/step-N``,
-        with one warning saying where they went. Nothing is deleted. A
-        checkpoint whose meta cannot be read stays: :meth:`resume_point`
-        reports it as damaged."""
+        e.g. before a barrier. Sweeps the leftovers of interrupted saves and moves
+        the checkpoints of other runs (another fingerprint: params, model or data
+        changed) to ``<folder>/previous/<their fingerprint>/step-N``, one folder
+        per run with a ``run.json`` saying why (the identity keys that changed,
+        when the old meta records them), and a warning each. Nothing is deleted,
+        except previous runs beyond ``keep_previous``, each named in a warning.
+
+        ``max_steps``: this run's length. When this run's newest checkpoint lies
+        beyond it (``schedule.max_steps`` lowered below a step already trained),
+        the run cannot continue: it is moved aside too and a fresh run starts.
+
+        ``in_use``: a checkpoint this run starts from (``init_from``); the
+        previous run that holds it is never deleted by ``keep_previous``.
+
+        A checkpoint whose meta cannot be read stays: :meth:`resume_point`
+        reports it as damaged. Returns the runs moved aside."""
         if not self.is_main:
-            return
+            return []
         sweep(self.folder)
-        moved: dict[Path, int] = {}
+        runs: dict[str, list[tuple[Checkpoint, dict[str, Any]]]] = {}
         for c in step_folders(self.folder):
             try:
-                theirs = _read_meta(c.path).get("fingerprint")
+                meta = _read_meta(c.path)
             except (OSError, ValueError, TypeError):
                 continue
-            if theirs == self.fingerprint:
-                continue
-            name = str(theirs) if re.fullmatch(r"[0-9A-Za-z_.-]{1,64}", str(theirs)) else "unknown"
-            dest_dir = self.folder / SUPERSEDED / name
-            dest_dir.mkdir(parents=True, exist_ok=True)
-            dest, n = dest_dir / c.path.name, 1
-            while dest.exists():  # the same run superseded twice: keep both
-                n += 1
-                dest = dest_dir / f"{c.path.name}-{n}"
-            os.replace(c.path, dest)
-            fsync_path(dest_dir)
-            moved[dest_dir] = moved.get(dest_dir, 0) + 1
+            runs.setdefault(str(meta.get("fingerprint")), []).append((c, meta))
+        mine = runs.pop(self.fingerprint, [])
+        reasons = {fp: self._reason(cps[-1][1]) for fp, cps in runs.items()}
+        if max_steps is not None and mine and mine[-1][0].step > max_steps:
+            runs[self.fingerprint] = mine
+            reasons[self.fingerprint] = (f"schedule.max_steps was lowered to {max_steps}, below this run's newest "
+                                         f"checkpoint (step {mine[-1][0].step}); a run cannot be shortened past steps "
+                                         "it has trained, so a fresh run starts")
+        moved = [self._move_aside(fp, [c for c, _ in cps], reasons[fp]) for fp, cps in runs.items()]
+        best = self._best_record(warn=True)
+        if best is not None and best.get("fingerprint") != self.fingerprint:
+            (self.folder / BEST).unlink()  # its run was moved aside with its own copy, or has no checkpoint left
+        elif best is not None and not self.keep_best:
+            (self.folder / BEST).unlink()
+            log.info("checkpoint.keep_best is off: %s no longer records or protects %s", self.folder / BEST,
+                     best["path"])
         if moved:
             fsync_path(self.folder)
-            where = ", ".join(f"{n} to {d}" for d, n in moved.items())
-            log.warning("params, model or data changed since the checkpoints in %s were written: starting a fresh "
-                        "run; moved %d checkpoint(s) of the earlier run(s) aside (%s); delete them if you do not "
-                        "need them", self.folder, sum(moved.values()), where)
+        self._prune_previous(in_use)
+        return moved
+
+    def _reason(self, meta: dict[str, Any]) -> str:
+        old = meta.get("identity")
+        if not isinstance(old, dict) or self.identity is None:
+            return "params, model, data or the starting weights changed (its checkpoints record no identity to compare)"
+        keys = changed_keys(old, self.identity)
+        if not keys:
+            return "the run identity changed (no recorded key differs: the code that computes it changed)"
+        a, b = flatten(old), flatten(self.identity)
+        shown = [f"{k} {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in keys[:6]]
+        more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+        return "changed: " + ", ".join(shown) + more
+
+    def _move_aside(self, fingerprint: str, checkpoints: list[Checkpoint], reason: str) -> MovedRun:
+        name = fingerprint if re.fullmatch(r"[0-9A-Za-z_.-]{1,64}", fingerprint) else "unknown"
+        root = self.folder / PREVIOUS
+        dest, n = root / name, 1
+        while dest.exists() and (dest / RUN_INFO).exists():  # taken by an earlier move (without run.json: interrupted, go on)
+            n += 1
+            dest = root / f"{name}-{n}"
+        dest.mkdir(parents=True, exist_ok=True)
+        for c in checkpoints:
+            os.replace(c.path, dest / c.path.name)
+        best = self._best_record(warn=False)
+        if best is not None and best.get("fingerprint") == fingerprint:
+            os.replace(self.folder / BEST, dest / BEST)
+        steps = tuple(int(p.name[len("step-"):]) for p in sorted(dest.iterdir()) if STEP_RE.match(p.name))
+        write_json(dest / RUN_INFO, {"fingerprint": fingerprint, "reason": reason, "moved_at": time.time(),
+                                     "moved_at_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": list(steps),
+                                     "from": str(self.folder)})
+        fsync_path(dest)
+        fsync_path(root)
+        log.warning("run %s moved aside to %s (%d checkpoint(s), steps %s): %s. Start a new run from it with "
+                    "init_from: %s", fingerprint, dest, len(steps), ", ".join(map(str, steps)) or "none", reason, dest)
+        return MovedRun(dest, fingerprint, reason, steps)
+
+    def previous_runs(self) -> list[Path]:
+        """The earlier runs kept under ``previous/``, newest first (by when they were moved aside)."""
+        root = self.folder / PREVIOUS
+        if not root.is_dir():
+            return []
+
+        def moved_at(run: Path) -> float:
+            try:
+                return float(json.loads((run / RUN_INFO).read_text())["moved_at"])
+            except (OSError, ValueError, TypeError, KeyError):
+                return run.stat().st_mtime
+
+        runs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".tmp-", ".trash-"))]
+        return sorted(runs, key=lambda p: (moved_at(p), p.name), reverse=True)
+
+    def _prune_previous(self, in_use: Path | None) -> None:
+        root = self.folder / PREVIOUS
+        sweep(root)
+        if self.keep_previous is None:
+            return
+        used = Path(in_use).resolve() if in_use is not None else None
+        for run in self.previous_runs()[self.keep_previous:]:
+            if used is not None and used.is_relative_to(run.resolve()):
+                log.warning("checkpoint.keep_previous is %d, but %s is kept: this run starts from %s",
+                            self.keep_previous, run, in_use)
+                continue
+            log.warning("checkpoint.keep_previous is %d: deleting the earlier run %s", self.keep_previous, run)
+            trash = root / f".trash-{run.name}-{os.getpid()}"
+            os.replace(run, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # -- this run's checkpoints --
 
     def resume_point(self) -> Checkpoint | None:
         """The newest intact checkpoint of this run, verified. Damaged ones newer
@@ -374,14 +559,40 @@ class CheckpointManager:
                                   f"move the damaged step-* folders out of {self.folder} to start a fresh run")
         return None
 
+    def best(self) -> dict[str, Any] | None:
+        """This run's ``best.json`` record (``step``, ``path``, ``val_loss``), or None."""
+        record = self._best_record(warn=False)
+        return record if record is not None and record.get("fingerprint") == self.fingerprint else None
+
+    def _best_record(self, warn: bool) -> dict[str, Any] | None:
+        try:
+            return read_best(self.folder)
+        except CheckpointError as err:
+            if warn and self.is_main:
+                log.warning("%s; ignoring it", err)
+            return None
+
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], meta: dict[str, Any]) -> Checkpoint:
+             trainer_state: dict[str, Any], meta: dict[str, Any], *, val_loss: float | None = None) -> Checkpoint:
         """Main rank only: write checkpoint ``step`` atomically with this run's
-        fingerprint in its meta, then keep the newest ``keep`` (see :func:`save`)."""
+        fingerprint and identity in its meta, then keep the newest ``keep`` (see
+        :func:`save`). With ``keep_best``, ``val_loss`` is the val loss of these
+        very weights: when it is the lowest so far, ``best.json`` is rewritten
+        (atomically, after the checkpoint is in place) to record this one, and
+        the best checkpoint is never removed by keep-last-K."""
         if not self.is_main:
             raise RuntimeError("CheckpointManager.save runs on the main rank only")
-        return save(self.folder, step, model, optimizer, trainer_state,
-                    {**meta, "fingerprint": self.fingerprint}, self.keep)
+        best = self.best() if self.keep_best else None
+        protect = frozenset([best["step"]]) if best else frozenset()
+        c = save(self.folder, step, model, optimizer, trainer_state,
+                 {**meta, "fingerprint": self.fingerprint, "identity": self.identity}, self.keep, protect)
+        if (self.keep_best and val_loss is not None and math.isfinite(val_loss)
+                and (best is None or val_loss < best["val_loss"] or best["step"] == step)):
+            write_json(self.folder / BEST, {"step": step, "path": c.path.name, "val_loss": val_loss,
+                                            "fingerprint": self.fingerprint})
+            if best is not None and best["step"] != step:
+                trim(self.folder, step, self.keep, frozenset([step]))
+        return c
 
     def load(self, ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Verify ``ckpt``, load its weights into ``model`` and its state into

@@ -8,11 +8,11 @@ spirit of torchtitan's JobConfig::
     data        what rows are trained on and how they are masked
     batch       micro-batch and accumulation (with the world size: the global batch)
     optimizer   AdamW and clipping
-    schedule    steps, warmup and the cosine floor
+    schedule    length, warmup and the LR shape (cosine or warmup-stable-decay)
     compute     device, precision, compile, activation checkpointing
     launch      torchrun settings
     eval        how often and on how many val rows
-    checkpoint  how often and how many are kept
+    checkpoint  how often, how many are kept, the best one, previous runs
     logging     console/CSV/MLflow reporting, MFU, spike counting
 
 Every section declares whether it is part of the *run identity*: what a run
@@ -21,6 +21,13 @@ only a run with the same identity (plus the resolved model, the global batch,
 the data and the starting weights). Because the flag lives on the section, a key
 added to a section is covered automatically; a new section cannot be added
 without deciding (``Section.__init_subclass__`` insists).
+
+One key of an identity section is left out on purpose: ``schedule.max_steps``
+only sets how long the run is, so raising it *continues* the run from its latest
+checkpoint, with the schedule recomputed for the new length (see
+pipeline/training/trainer.py). Keys a section ignores in its current setting
+(the WSD keys under ``kind: cosine``) are left out too, so editing them changes
+nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
     identity: ClassVar[bool]
+
+    def identity_values(self) -> dict[str, Any]:
+        """What of this section enters the run identity (when ``identity`` is True):
+        every key, unless a subclass leaves out keys that do not change what is computed."""
+        return self.model_dump(mode="json")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -73,16 +85,59 @@ class OptimizerSection(Section):
 
 
 class ScheduleSection(Section):
+    """How many optimizer steps, and the learning rate at each (pipeline/training/optimizer.py).
+
+    ``cosine``: linear warmup to ``optimizer.lr``, then cosine decay towards
+    ``min_lr`` at ``max_steps``. ``wsd`` (warmup-stable-decay): linear warmup,
+    constant peak, then decay to ``min_lr`` over the last ``decay_steps`` steps
+    (or ``decay_fraction`` of ``max_steps``), so that lengthening a run leaves
+    the learning rate up to the old decay start unchanged.
+    """
+
     identity = True
-    max_steps: int = Field(600, ge=1, description="optimizer steps; the cosine schedule ends here")
+    LENGTH: ClassVar[tuple[str, ...]] = ("max_steps",)  # set the run's length only: a change continues the run
+    WSD_ONLY: ClassVar[tuple[str, ...]] = ("decay_fraction", "decay_steps", "decay_shape")
+
+    kind: Literal["cosine", "wsd"] = Field("cosine", description="cosine | wsd (warmup-stable-decay)")
+    max_steps: int = Field(600, ge=0, description="optimizer steps; raising it continues the run; 0 = no training (the initial weights are the result)")
     warmup_steps: int = Field(50, ge=0, description="linear warmup from 0 to optimizer.lr")
-    min_lr: float = Field(3e-4, ge=0, description="floor of the cosine schedule")
+    min_lr: float = Field(3e-4, ge=0, description="floor of the schedule (reached at the end under wsd)")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of max_steps spent decaying, at the end (rounded to whole steps)")
+    decay_steps: int | None = Field(None, ge=1, description="wsd: decay length in steps; overrides decay_fraction")
+    decay_shape: Literal["linear", "1-sqrt"] = Field("linear", description="wsd: linear | 1-sqrt decay from the peak to min_lr")
 
     @model_validator(mode="after")
-    def _warmup_fits(self) -> "ScheduleSection":
+    def _phases_fit(self) -> "ScheduleSection":
+        if self.max_steps == 0:  # a pass-through run: no step takes a learning rate
+            return self
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
+        if self.kind == "wsd" and self.warmup_steps + self.decay_length() > self.max_steps:
+            given = (f"decay_steps {self.decay_steps}" if self.decay_steps is not None
+                     else f"decay_fraction {self.decay_fraction} of max_steps = {self.decay_length()} steps")
+            raise ValueError(f"wsd: warmup_steps ({self.warmup_steps}) + decay ({given}) must fit in "
+                             f"max_steps ({self.max_steps})")
         return self
+
+    def decay_length(self) -> int:
+        """WSD: steps of the final decay (at least 1)."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        return max(1, round(self.decay_fraction * self.max_steps))
+
+    def decay_start(self) -> int:
+        """WSD: the first (0-based) step whose learning rate is below the peak;
+        steps before it are warmup or stable and do not depend on ``max_steps``."""
+        return self.max_steps - self.decay_length()
+
+    def identity_values(self) -> dict[str, Any]:
+        values = self.model_dump(mode="json")
+        inert = set(self.LENGTH)
+        if self.kind != "wsd":
+            inert |= set(self.WSD_ONLY)
+        elif self.decay_steps is not None:
+            inert.add("decay_fraction")
+        return {k: v for k, v in values.items() if k not in inert}
 
 
 class ComputeSection(Section):
@@ -108,6 +163,8 @@ class CheckpointSection(Section):
     identity = False
     every: int = Field(200, ge=1, description="steps between checkpoints (and at the end)")
     keep: int = Field(2, ge=1, description="newest checkpoints of this run kept; older ones are deleted")
+    keep_best: bool = Field(False, description="also keep the checkpoint with the lowest val loss (val loss is then measured at every checkpoint); recorded in best.json")
+    keep_previous: int | None = Field(None, ge=0, description="earlier runs kept under previous/ (moved there when the run identity changes); null = all; N = the newest N, older ones are deleted")
 
 
 class LoggingSection(Section):
@@ -142,23 +199,37 @@ class TrainConfig(StageConfig):
 
 def identity_sections(cfg: TrainConfig) -> dict[str, Any]:
     """The parts of ``cfg`` that define what a run computes: every section whose
-    class says ``identity = True``, and every plain (non-section) key such as
-    ``seed``. ``model`` is left to the caller, which passes the resolved
-    ModelConfig instead of the preset name."""
+    class says ``identity = True`` (its :meth:`Section.identity_values`), and
+    every plain (non-section) key such as ``seed``. ``model`` is left to the
+    caller, which passes the resolved ModelConfig instead of the preset name."""
     out: dict[str, Any] = {}
     for name in type(cfg).model_fields:
         value = getattr(cfg, name)
         if isinstance(value, Section):
             if type(value).identity:
-                out[name] = value.model_dump(mode="json")
+                out[name] = value.identity_values()
         elif not isinstance(value, BaseModel):
             out[name] = value
     return out
 
 
-def run_identity(cfg: TrainConfig, model: dict[str, Any], global_batch: int, data_id: str, init_id: str | None) -> str:
-    """Fingerprint of a training run: its identity sections, the resolved model,
-    the global batch (not its split into micro-batches × ranks), the data and the
-    weights it started from."""
-    blob = json.dumps([identity_sections(cfg), model, global_batch, data_id, init_id], sort_keys=True, default=str)
+def identity_record(cfg: TrainConfig, model: dict[str, Any], global_batch: int, data_id: str,
+                    init_id: str | None) -> dict[str, Any]:
+    """Everything the run identity is made of, as plain JSON: the identity
+    sections, the resolved model (in place of the ``model`` section: a preset
+    name and the dimensions it stands for are the same run), the global batch
+    (not its split into micro-batches × ranks), a digest of the dataset and the
+    starting weights. Checkpoints record it (meta ``identity``) so that a later
+    run can say which keys changed."""
+    return {**identity_sections(cfg), "model": model, "global_batch": global_batch,
+            "dataset": hashlib.sha256(data_id.encode()).hexdigest()[:16], "init": init_id}
+
+
+def fingerprint_of(record: dict[str, Any]) -> str:
+    blob = json.dumps(record, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_identity(cfg: TrainConfig, model: dict[str, Any], global_batch: int, data_id: str, init_id: str | None) -> str:
+    """Fingerprint of a training run: the digest of :func:`identity_record`."""
+    return fingerprint_of(identity_record(cfg, model, global_batch, data_id, init_id))

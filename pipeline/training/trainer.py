@@ -5,12 +5,12 @@ pipeline/training/torchrun.py). Its parts each live in their own module:
 
 * config.py       the nested config and the run identity;
 * parallelize.py  activation checkpointing, compile and DDP around the model;
-* optimizer.py    AdamW and the warmup-cosine schedule;
+* optimizer.py    AdamW and the learning-rate schedules (cosine, wsd);
 * precision.py    the autocast dtype;
 * loss.py         the token loss (the model returns logits);
 * sampler.py      which rows each rank trains on at each step;
 * checkpoint.py   the checkpoint manager: identity, atomic save, keep-last-K,
-                  verification and resume;
+                  the best checkpoint, previous runs, verification and resume;
 * metrics.py      console, CSV, MLflow, MFU and memory.
 
 Loss normalisation: each micro-batch contributes ``sum(token losses) ·
@@ -19,6 +19,23 @@ averaging the update is the gradient of the mean token loss over the global
 batch, however the batch is split over ranks and micro-batches. That is what
 makes "2 ranks × 1 micro-batch" and "1 rank × 2 micro-batches" the same update,
 and it weights SFT's masked tokens correctly.
+
+How a run starts, in order of precedence:
+
+1. **resume**: ``out_dir`` holds a checkpoint of this run (same identity):
+   continue from the newest intact one, bit for bit. ``schedule.max_steps`` is
+   not part of the identity, so raising it continues the run from its latest
+   checkpoint, with the schedule recomputed for the new length (lowering it
+   below that checkpoint's step starts a fresh run instead; see
+   CheckpointManager.prepare).
+2. **warm start**: ``init_from`` (a verified checkpoint of ours: any stage, any
+   step, a previous run) gives the weights, and with ``init_optimizer`` also the
+   AdamW moments; or ``init_weights`` (e.g. a Hugging Face folder) fills the
+   model. The step counter, the schedule and the data order start at 0.
+3. **fresh**: the seeded random init.
+
+Checkpoints of any other run in ``out_dir`` are moved aside to
+``out_dir/previous/<fingerprint>/``, never deleted because params changed.
 """
 
 from __future__ import annotations
@@ -28,7 +45,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,10 +56,10 @@ from pipeline.errors import StageError
 from pipeline.model.transformer import ModelConfig, Transformer, flops_per_token, num_params
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed
-from pipeline.training.config import TrainConfig, run_identity
+from pipeline.training.config import ScheduleSection, TrainConfig, fingerprint_of, identity_record
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
-from pipeline.training.optimizer import build_optimizer, build_scheduler
+from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
 from pipeline.training.parallelize import parallelize
 from pipeline.training.precision import DTYPES, autocast, resolve_precision
 from pipeline.training.sampler import GlobalOrder, eval_rows
@@ -56,40 +73,90 @@ class NonFiniteError(StageError):
     """Loss or gradient norm became NaN/inf. The last good checkpoint is untouched."""
 
 
-def run_fingerprint(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int, data_id: str,
-                    init_from: ckpt.Checkpoint | None) -> str:
-    """The identity of a run (pipeline/training/config.py) with the global batch of ``world_size`` ranks."""
+class InitError(StageError):
+    """The starting weights do not fit this run (another model shape, or init options that contradict)."""
+
+
+def init_identity(init_from: ckpt.Checkpoint | None = None, init_id: str | None = None,
+                  init_optimizer: bool = False) -> str | None:
+    """What a run starts from, as it enters the run identity: the sha256 of
+    ``init_from``'s weights (so a checkpoint that changes, say a lengthened
+    pretrain run, starts a new run downstream), plus whether its AdamW moments
+    are loaded; or the caller's ``init_id`` for ``init_weights``; None for a
+    random init. Raises InitError for contradictory options."""
+    if init_from is not None and init_id is not None:
+        raise InitError("give init_from (a checkpoint of ours) or init_weights with init_id, not both")
+    if init_optimizer and init_from is None:
+        raise InitError("init_optimizer loads AdamW moments from a checkpoint of ours: it needs init_from")
+    if init_from is not None:
+        weights = init_from.meta["files"]["model.safetensors"]["sha256"]
+        return f"checkpoint:{weights}" + ("+optimizer" if init_optimizer else "")
+    return init_id
+
+
+def run_record(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int, data_id: str,
+               init_id: str | None) -> dict[str, Any]:
+    """The identity record (pipeline/training/config.py) with the global batch of ``world_size`` ranks."""
     global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * world_size
-    return run_identity(cfg, model_cfg.to_dict(), global_batch, data_id,
-                        init_from.meta.get("fingerprint") if init_from else None)
+    return identity_record(cfg, model_cfg.to_dict(), global_batch, data_id, init_id)
+
+
+def run_fingerprint(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int, data_id: str,
+                    init_id: str | None) -> str:
+    """The identity of a run: the digest of :func:`run_record`."""
+    return fingerprint_of(run_record(cfg, model_cfg, world_size, data_id, init_id))
 
 
 def check_resume(cfg: TrainConfig, model_cfg: ModelConfig, out_dir: Path, *, data_id: str,
-                 init_from: ckpt.Checkpoint | None = None) -> ckpt.Checkpoint | None:
+                 init_from: ckpt.Checkpoint | None = None, init_id: str | None = None,
+                 init_optimizer: bool = False) -> ckpt.Checkpoint | None:
     """Launcher side, before any rank starts: the checkpoint this run will resume
-    from (verified), or None for a fresh run. Raises the one-line CheckpointError
-    when this run has checkpoints and none is intact, so that a damaged folder
-    stops the stage before any rank starts. Reads only: rank 0 moves other runs'
-    checkpoints aside when it starts."""
-    fingerprint = run_fingerprint(cfg, model_cfg, cfg.launch.nproc_per_node * cfg.launch.nnodes, data_id, init_from)
+    from (verified), or None for a fresh run. Takes the same init arguments as
+    :class:`Trainer`. Raises the one-line CheckpointError when this run has
+    checkpoints and none is intact, so that a damaged folder stops the stage
+    before any rank starts. Reads only: rank 0 moves other runs' checkpoints
+    aside when it starts."""
+    identity = init_identity(init_from, init_id, init_optimizer)
+    fingerprint = run_fingerprint(cfg, model_cfg, cfg.launch.nproc_per_node * cfg.launch.nnodes, data_id, identity)
     manager = ckpt.CheckpointManager(Path(out_dir), fingerprint=fingerprint, keep=cfg.checkpoint.keep, is_main=True)
-    return manager.resume_point()
+    last = manager.resume_point()
+    return last if last is None or last.step <= cfg.schedule.max_steps else None  # lowered: a fresh run
 
 
 class Trainer:
     """Train ``model_cfg`` on the rows in ``train_dir``, checkpointing into ``out_dir``.
 
-    ``init_from`` (a verified checkpoint) seeds the weights of a fresh run, e.g.
-    sft starting from pretrain; a checkpoint of this run already in ``out_dir``
-    always wins, so a killed run resumes instead of restarting.
+    Starting weights of a fresh run (a checkpoint of this run already in
+    ``out_dir`` always wins, so a killed run resumes instead of restarting):
+
+    - ``init_from``: a verified checkpoint of ours (any stage and step,
+      ``previous/<id>/step-N`` included) whose model equals ``model_cfg``;
+      ``init_optimizer`` also loads its AdamW moments (the step counter, the
+      schedule and the data order still start at 0);
+    - ``init_weights(model)``: fills the freshly built model in place (e.g. from
+      a Hugging Face folder); ``init_id`` names those weights in the run
+      identity (e.g. a digest of the files) and is required with it.
+
+    The model is always built with the seeded random init first, so that the
+    default run's numbers do not depend on whether an init is given.
+    Raises InitError (one line) for an init that does not fit.
     """
 
     def __init__(self, stage: str, cfg: TrainConfig, model_cfg: ModelConfig, train_dir: Path, val_dir: Path,
                  out_dir: Path, csv_path: Path, *, data_id: str, init_from: ckpt.Checkpoint | None = None,
-                 extra_meta: dict[str, Any] | None = None):
+                 init_optimizer: bool = False, init_weights: Callable[[Transformer], None] | None = None,
+                 init_id: str | None = None, extra_meta: dict[str, Any] | None = None):
+        if (init_weights is None) != (init_id is None):
+            raise InitError("init_weights and init_id go together: init_id names the weights in the run identity")
+        if init_from is not None and ckpt_model(init_from) != model_cfg:
+            raise InitError(f"init_from {init_from.path}: its model ({describe_diff(ckpt_model(init_from), model_cfg)}) "
+                            "differs from this run's; build the run's model from the checkpoint's meta")
         self.stage, self.cfg, self.model_cfg = stage, cfg, model_cfg
         self.out_dir = Path(out_dir)
         self.extra_meta = extra_meta or {}
+        self.init_id = init_identity(init_from, init_id, init_optimizer)
+        self.init_meta = {"id": self.init_id, "from": str(init_from.path) if init_from else None,
+                          "optimizer": init_optimizer}
         self.d = d = distributed.init(cfg.compute.device)
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
@@ -108,18 +175,36 @@ class Trainer:
         self.order = GlobalOrder(len(self.train_data), cfg.seed, cfg.batch.micro_batch_size,
                                  cfg.batch.grad_accum_steps, d.world_size, d.rank)
         self.step, self.loss_spikes, self._loss_ema = 0, 0, None
+        self.resumed: ckpt.Checkpoint | None = None
 
-        self.fingerprint = run_fingerprint(cfg, model_cfg, d.world_size, data_id, init_from)
+        self.identity = run_record(cfg, model_cfg, d.world_size, data_id, self.init_id)
+        self.fingerprint = fingerprint_of(self.identity)
         self.checkpoints = ckpt.CheckpointManager(self.out_dir, fingerprint=self.fingerprint,
-                                                  keep=cfg.checkpoint.keep, is_main=d.is_main)
-        self.checkpoints.prepare()
+                                                  keep=cfg.checkpoint.keep, is_main=d.is_main,
+                                                  identity=self.identity, keep_best=cfg.checkpoint.keep_best,
+                                                  keep_previous=cfg.checkpoint.keep_previous)
+        if init_from is not None:  # before prepare(), which may move or prune the folder it lies in; a resume overwrites it
+            ckpt.load_model_weights(init_from, self.model)
+            if init_optimizer:
+                try:
+                    load_moments(self.optimizer, ckpt.load_state(init_from, "optimizer.pt"))
+                except (ValueError, KeyError) as err:
+                    raise InitError(f"init_from {init_from.path}: its optimizer state does not fit this model's "
+                                    f"parameter groups ({err})".replace("\n", " ")) from None
+        self.moved_aside = self.checkpoints.prepare(cfg.schedule.max_steps,
+                                                    in_use=init_from.path if init_from else None)
         distributed.barrier(d)
         last = self.checkpoints.resume_point()
         if last is not None:
             self._resume(last)
         elif init_from is not None:
-            ckpt.load_model_weights(init_from, self.model)
-            log.info("initialised weights from %s", init_from.path)
+            if d.is_main:
+                log.info("initialised weights%s from %s (step %d)", " and AdamW moments" if init_optimizer else "",
+                         init_from.path, init_from.step)
+        elif init_weights is not None:
+            init_weights(self.model)
+            if d.is_main:
+                log.info("initialised weights from %s", init_id)
         self.fwd_model = parallelize(self.model, cfg.compute, d)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
@@ -135,11 +220,13 @@ class Trainer:
     def _resume(self, last: ckpt.Checkpoint) -> None:
         state = self.checkpoints.load(last, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
+        before = set_schedule_lr(self.scheduler)  # this run's schedule, which may be longer than the checkpoint's
         self.scaler.load_state_dict(state["scaler"])
         self.order.load_state_dict(state["data"])
         self.step = int(state["step"])
         self.loss_spikes = int(state.get("loss_spikes", 0))
         self._loss_ema = state.get("loss_ema")
+        self.resumed = last
         rngs = state["rng"]
         if len(rngs) == self.d.world_size:
             ckpt.set_rng_state(rngs[self.d.rank])
@@ -148,9 +235,41 @@ class Trainer:
                         len(rngs), self.d.world_size)
         if self.d.is_main:
             log.info("resumed from %s (step %d)", last.path, self.step)
+            self._log_continuation(last, before[0])
+
+    def _log_continuation(self, last: ckpt.Checkpoint, old_lr: float) -> None:
+        """Say how the schedule changed when the run's length did (main rank)."""
+        try:
+            old = ScheduleSection.model_validate(last.meta.get("schedule"))
+        except ValueError:
+            return  # written before checkpoints recorded their schedule
+        new, step = self.cfg.schedule, self.step
+        if old.max_steps == new.max_steps:
+            return
+        new_lr = float(self.optimizer.param_groups[0]["lr"])
+        head = (f"continuing the run from its checkpoint at step {step}: schedule.max_steps {old.max_steps} -> "
+                f"{new.max_steps}, so {max(0, new.max_steps - step)} more step(s) run")
+        if step >= new.max_steps:
+            log.info("%s", head)
+        elif new.kind == "cosine" or new.max_steps < old.max_steps:
+            log.warning("%s. The %s schedule is recomputed for the new length, which changes the learning rate of "
+                        "the remaining steps: step %d trains at lr %.6g (it was %.6g under max_steps %d)",
+                        head, new.kind, step + 1, new_lr, old_lr, old.max_steps)
+        else:
+            log.info("%s. wsd: the learning rate up to the old decay start (step %d) is what it always was; the "
+                     "decay now runs over steps %d-%d", head, old.decay_start(), new.decay_start() + 1, new.max_steps)
+            if step > old.decay_start():
+                log.warning("the run had started decaying: its checkpoint at step %d lies inside the old decay phase "
+                            "(steps %d-%d), so step %d trains at lr %.6g again (it was %.6g) and the run differs from "
+                            "an uninterrupted %d-step run; only a checkpoint at or before step %d continues exactly "
+                            "as that run would", step, old.decay_start() + 1, old.max_steps, step + 1, new_lr,
+                            old_lr, new.max_steps, old.decay_start())
 
     def save(self, metrics: dict[str, Any]) -> None:
-        """Checkpoint the current step (a collective: every rank's RNG state is gathered)."""
+        """Checkpoint the current step (a collective: every rank's RNG state is gathered).
+        ``metrics`` holds ``loss`` and ``val_loss`` with ``val_step``, the step
+        that val loss was measured at (the best checkpoint is chosen among
+        checkpoints whose own weights were evaluated)."""
         rngs = distributed.gather_objects(ckpt.rng_state(), self.d)
         if self.d.is_main:
             state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
@@ -159,8 +278,10 @@ class Trainer:
             meta = {"stage": self.stage, "model": self.model_cfg.to_dict(), "world_size": self.d.world_size,
                     "precision": self.precision, "seq_len": self.seq_len,
                     "tokens_seen": self.step * self.tokens_per_step, "metrics": metrics,
-                    "final": self.step >= self.cfg.schedule.max_steps, **self.extra_meta}
-            self.checkpoints.save(self.step, self.model, self.optimizer, state, meta)
+                    "final": self.step >= self.cfg.schedule.max_steps,
+                    "schedule": self.cfg.schedule.model_dump(mode="json"), "init": self.init_meta, **self.extra_meta}
+            own = metrics.get("val_loss") if metrics.get("val_step") == self.step else None
+            self.checkpoints.save(self.step, self.model, self.optimizer, state, meta, val_loss=own)
         distributed.barrier(self.d)
 
     # -- steps --
@@ -234,30 +355,54 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to ``schedule.max_steps`` (from the resumed step), evaluating and
-        checkpointing on schedule; return the summary (rank 0's is complete)."""
-        cfg, start_step, val_loss = self.cfg, self.step, None
+        checkpointing on schedule; return the summary (rank 0's is complete).
+
+        A run with nothing left to train (``max_steps: 0``, or resumed at its
+        end) still evaluates, and writes a final checkpoint at its step unless
+        one is there: with ``max_steps: 0`` that is ``step-0`` holding the
+        initial weights, so that later stages can take them as this stage's result."""
+        cfg, start_step, val_loss, val_step = self.cfg, self.step, None, None
+        keep_best = cfg.checkpoint.keep_best
         with self.metrics.start(start_step) as metrics:
             metrics.log_params(self.run_params())
             while self.step < cfg.schedule.max_steps:
                 m = self.train_step()
                 last_step = self.step == cfg.schedule.max_steps
-                if self.step % cfg.eval.every == 0 or last_step:
+                save_now = self.step % cfg.checkpoint.every == 0 or last_step
+                if self.step % cfg.eval.every == 0 or last_step or (keep_best and save_now):
                     with metrics.paused():
                         m["val_loss"] = val_loss = self.evaluate()
+                        val_step = self.step
                 metrics.log(self.step, {**m, "loss_spikes": self.loss_spikes}, force=last_step or "val_loss" in m)
-                if self.step % cfg.checkpoint.every == 0 or last_step:
+                if save_now:
                     with metrics.paused():
-                        self.save({"loss": m["loss"], "val_loss": val_loss})
-            if val_loss is None:  # resumed at max_steps: nothing left to train, still report
-                val_loss = self.evaluate()
+                        self.save({"loss": m["loss"], "val_loss": val_loss, "val_step": val_step})
+            if val_loss is None:  # nothing left to train: still report
+                val_loss, val_step = self.evaluate(), self.step
+            if self.step == start_step and not (self.resumed and self.resumed.meta.get("final")):
+                # max_steps 0, or lowered to exactly the resumed step: mark this step's weights as the result
+                loss = self.resumed.meta.get("metrics", {}).get("loss") if self.resumed else None
+                self.save({"loss": loss, "val_loss": val_loss, "val_step": val_step})
             last = ckpt.latest(self.out_dir)
             summary = {"final_loss": metrics.last_logged_loss, "val_loss": val_loss,
                        "tokens_per_s": metrics.tokens_per_s, "mfu": metrics.mfu, "steps": self.step,
                        "resumed_from_step": start_step, "tokens_seen": self.step * self.tokens_per_step,
                        "loss_spikes": self.loss_spikes, "world_size": self.d.world_size,
-                       "n_params": num_params(self.model)}
+                       "n_params": num_params(self.model), **self.runs_summary()}
             metrics.log_summary(summary, self.step, last.path / "meta.json" if last else None)
         return summary
+
+    def runs_summary(self) -> dict[str, Any]:
+        """Rank 0: earlier runs moved aside by this one and kept under previous/,
+        and the best checkpoint when ``checkpoint.keep_best`` is on."""
+        if not self.d.is_main:
+            return {}
+        out: dict[str, Any] = {"moved_aside": len(self.moved_aside),
+                               "previous_runs": len(self.checkpoints.previous_runs())}
+        best = self.checkpoints.best() if self.cfg.checkpoint.keep_best else None
+        if best is not None:
+            out.update(best_step=int(best["step"]), best_val_loss=float(best["val_loss"]))
+        return out
 
     def run_params(self) -> dict[str, Any]:
         """Everything that describes this run, flattened for MLflow (rank 0 only)."""
@@ -278,3 +423,18 @@ class Trainer:
     def close(self) -> None:
         os.close(self._lock_fd)
         distributed.shutdown()
+
+
+def ckpt_model(checkpoint: ckpt.Checkpoint) -> ModelConfig | None:
+    """The model config a checkpoint's meta records (None when it records none that parses)."""
+    try:
+        return ModelConfig(**checkpoint.meta["model"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def describe_diff(theirs: ModelConfig | None, ours: ModelConfig) -> str:
+    if theirs is None:
+        return "not recorded in its meta.json"
+    a, b = theirs.to_dict(), ours.to_dict()
+    return ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k))

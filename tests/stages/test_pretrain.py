@@ -207,3 +207,63 @@ def test_a_damaged_checkpoint_is_named_and_resume_falls_back_or_stops(tmp_path):
         (c.path / "optimizer.pt").write_bytes(b"truncated")
     line = one_error_line(stage(p))
     assert "optimizer.pt" in line and "damaged" in line
+
+
+def set_params(p, **short):
+    params = yaml.safe_load((p / "params.yaml").read_text())
+    (p / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(params["pretrain"], **short)}))
+
+
+def metrics(p):
+    import json
+
+    return json.loads((p / "metrics" / "pretrain.json").read_text())
+
+
+def test_a_continued_run_killed_and_resumed_is_bit_exact_with_two_ranks(tmp_path):
+    """Raise max_steps 12 -> 36 (wsd): the continuation, SIGKILLed mid-way and
+    resumed, gives the same per-step losses, string-exact, and the same weights
+    as the continuation left alone."""
+    params = {"nproc_per_node": 2, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 12, "kind": "wsd",
+              "warmup_steps": 2, "max_steps": 12}
+    ref = project(tmp_path / "ref", **params)
+    assert stage(ref).returncode == 0
+    set_params(ref, max_steps=36)
+    r = stage(ref)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "continuing the run from its checkpoint at step 12" in r.stderr and "had started decaying" in r.stderr
+    assert metrics(ref)["resumed_from_step"] == 12 and [s for s, _ in losses(ref)] == [str(i) for i in range(1, 37)]
+    run = project(tmp_path / "run", **params)
+    assert stage(run).returncode == 0
+    set_params(run, max_steps=36)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=run, env=env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = 12 + 2 * 4 + 2  # at least one checkpoint of the continuation is on disk by then
+    wait_for_step(run / "plots" / "pretrain.csv", after, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len(losses(run))
+    assert after <= killed_at < 36
+    r = stage(run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and metrics(run)["resumed_from_step"] > 12
+    assert losses(run) == losses(ref)
+    for k, v in weights(ref).items():
+        assert torch.equal(weights(run)[k], v), k
+
+
+def test_max_steps_0_passes_the_model_through_and_a_changed_run_is_kept_under_previous(tmp_path):
+    p = project(tmp_path, nproc_per_node=1, max_steps=0)
+    r = stage(p)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(p)
+    assert m["steps"] == 0 and m["val_loss"] > 0 and (m["moved_aside"], m["previous_runs"]) == (0, 0)
+    [c] = ckpt.complete_checkpoints(p / "models" / "pretrain")
+    assert c.step == 0 and c.meta["final"]
+    set_params(p, max_steps=3, lr=5e-3)
+    r = stage(p)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert metrics(p)["steps"] == 3 and (metrics(p)["moved_aside"], metrics(p)["previous_runs"]) == (1, 1)
+    [aside] = (p / "models" / "pretrain" / "previous").iterdir()
+    assert [c.step for c in ckpt.complete_checkpoints(aside)] == [0]
+    assert "changed: optimizer.lr 0.01 -> 0.005" in r.stderr

@@ -259,25 +259,92 @@ def test_a_save_never_removes_the_checkpoint_it_wrote(tmp_path):
     assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [3, 4]
 
 
-def test_superseded_checkpoints_are_moved_aside_not_deleted(tmp_path, caplog):
+def test_other_runs_are_moved_to_previous_not_deleted(tmp_path, caplog):
     old = manager(tmp_path, fingerprint="old")
     run_saves(old, [1, 2])
     digests = {p.name: ckpt.sha256_file(p) for p in (tmp_path / "step-00000002").iterdir()}
     (tmp_path / ".tmp-step-00000003-99").mkdir()  # an interrupted save
     new = manager(tmp_path, fingerprint="new")
-    new.prepare()
-    new.prepare()  # nothing left to move: no second warning
-    aside = tmp_path / "superseded" / "old"
-    assert sorted(p.name for p in aside.iterdir()) == ["step-00000001", "step-00000002"]
+    [moved] = new.prepare()
+    assert new.prepare() == []  # nothing left to move: no second warning
+    aside = tmp_path / "previous" / "old"
+    assert moved.path == aside and moved.steps == (1, 2) and moved.fingerprint == "old"
+    assert sorted(p.name for p in aside.iterdir()) == ["run.json", "step-00000001", "step-00000002"]
     assert {p.name: ckpt.sha256_file(p) for p in (aside / "step-00000002").iterdir()} == digests
     assert ckpt.step_folders(tmp_path) == [] and not (tmp_path / ".tmp-step-00000003-99").exists()
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert str(aside) in warning and "delete them if you do not need them" in warning
+    assert str(aside) in warning and "init_from" in warning
+    assert json.loads((aside / "run.json").read_text())["steps"] == [1, 2]
     assert new.resume_point() is None
-    # the old run comes back and is superseded again: both generations are kept
+    assert ckpt.resolve(aside).step == 2  # a previous run is a run folder: init_from can name it
+    # the old run comes back and is moved aside again: the second generation gets its own folder
     run_saves(old, [1])
     new.prepare()
-    assert sorted(p.name for p in aside.iterdir()) == ["step-00000001", "step-00000001-2", "step-00000002"]
+    assert sorted(p.name for p in aside.iterdir()) == ["run.json", "step-00000001", "step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "previous" / "old-2").iterdir()) == ["run.json", "step-00000001"]
+    assert new.previous_runs() == [tmp_path / "previous" / "old-2", aside]  # newest first
+
+
+def test_the_reason_names_the_identity_keys_that_changed(tmp_path, caplog):
+    identity = {"optimizer": {"lr": 0.01, "beta1": 0.9}, "seed": 1}
+    run_saves(ckpt.CheckpointManager(tmp_path, fingerprint="old", keep=2, is_main=True, identity=identity), [1])
+    assert ckpt.latest(tmp_path).meta["identity"] == identity
+    new = ckpt.CheckpointManager(tmp_path, fingerprint="new", keep=2, is_main=True,
+                                 identity={"optimizer": {"lr": 0.005, "beta1": 0.9}, "seed": 1})
+    with caplog.at_level("WARNING"):
+        [moved] = new.prepare()
+    assert moved.reason == "changed: optimizer.lr 0.01 -> 0.005"
+    assert "optimizer.lr 0.01 -> 0.005" in caplog.text
+    assert json.loads((moved.path / "run.json").read_text())["reason"] == moved.reason
+
+
+def test_an_interrupted_move_is_completed_into_the_same_folder(tmp_path):
+    run_saves(manager(tmp_path, fingerprint="old"), [1, 2])
+    (tmp_path / "previous" / "old").mkdir(parents=True)  # killed after moving step 1: no run.json yet
+    (tmp_path / "step-00000001").rename(tmp_path / "previous" / "old" / "step-00000001")
+    [moved] = manager(tmp_path, fingerprint="new").prepare()
+    assert moved.path == tmp_path / "previous" / "old" and moved.steps == (1, 2)
+
+
+def test_lowering_max_steps_below_the_newest_checkpoint_moves_the_run_aside(tmp_path, caplog):
+    m = manager(tmp_path, fingerprint="run")
+    run_saves(m, [4, 8])
+    assert m.prepare(max_steps=8) == [] and m.prepare(max_steps=20) == []  # continuing, or at its end: kept
+    with caplog.at_level("WARNING"):
+        [moved] = m.prepare(max_steps=6)
+    assert moved.path == tmp_path / "previous" / "run" and moved.steps == (4, 8)
+    assert "schedule.max_steps was lowered to 6, below this run's newest checkpoint (step 8)" in caplog.text
+    assert m.resume_point() is None
+
+
+@pytest.mark.parametrize("keep_previous, kept", [(None, 3), (2, 2), (0, 0)])
+def test_keep_previous_deletes_the_oldest_previous_runs_naming_them(tmp_path, caplog, keep_previous, kept):
+    for i in range(3):
+        run_saves(manager(tmp_path, fingerprint=f"run{i}"), [1])
+        manager(tmp_path, fingerprint=f"run{i + 1}").prepare()
+    assert [p.name for p in manager(tmp_path).previous_runs()] == ["run2", "run1", "run0"]
+    run_saves(manager(tmp_path, fingerprint="run3"), [1])
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run4", keep=2, is_main=True, keep_previous=keep_previous)
+    with caplog.at_level("WARNING"):
+        m.prepare()
+    names = [p.name for p in m.previous_runs()]
+    assert names == ["run3", "run2", "run1", "run0"][:kept if keep_previous is not None else 4]
+    deleted = ["run3", "run2", "run1", "run0"][len(names):]
+    for name in deleted:
+        assert f"deleting the earlier run {tmp_path / 'previous' / name}" in caplog.text
+    assert not [p for p in (tmp_path / "previous").iterdir() if p.name.startswith(".trash-")]
+
+
+def test_keep_previous_never_deletes_the_run_a_warm_start_comes_from(tmp_path, caplog):
+    for i in range(2):
+        run_saves(manager(tmp_path, fingerprint=f"run{i}"), [1])
+        manager(tmp_path, fingerprint=f"run{i + 1}").prepare()
+    init = tmp_path / "previous" / "run0" / "step-00000001"
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run9", keep=2, is_main=True, keep_previous=0)
+    with caplog.at_level("WARNING"):
+        m.prepare(in_use=init)
+    assert m.previous_runs() == [tmp_path / "previous" / "run0"] and init.is_dir()
+    assert "this run starts from" in caplog.text
 
 
 def test_prepare_does_nothing_off_the_main_rank(tmp_path):

@@ -44,9 +44,77 @@ def test_every_key_of_an_identity_section_changes_the_fingerprint_and_no_other_k
                 edited = cfg.model_copy(update={name: section.model_copy(update={key: new})})
             except ValueError:
                 continue
-            assert (fingerprint(edited) != base) == type(section).identity, f"{name}.{key}"
+            counts = type(section).identity and key in section.identity_values()
+            assert (fingerprint(edited) != base) == counts, f"{name}.{key}"
             checked[type(section).identity] += 1
     assert checked[True] >= 8 and checked[False] >= 10
+
+
+@pytest.mark.parametrize("schema", [PretrainConfig, SFTConfig])
+def test_only_the_run_length_and_inert_schedule_keys_are_left_out_of_the_identity(schema):
+    cfg = schema()
+    assert set(type(cfg.schedule).model_fields) - set(cfg.schedule.identity_values()) == {
+        "max_steps", "decay_fraction", "decay_steps", "decay_shape"}  # cosine ignores the wsd keys
+    wsd = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"kind": "wsd"})})
+    assert set(wsd.schedule.identity_values()) == {"kind", "warmup_steps", "min_lr", "decay_fraction", "decay_steps",
+                                                   "decay_shape"}
+    steps = wsd.model_copy(update={"schedule": wsd.schedule.model_copy(update={"decay_steps": 5})})
+    assert "decay_fraction" not in steps.schedule.identity_values()  # decay_steps overrides it
+    assert len({fingerprint(c) for c in (cfg, wsd, steps)}) == 3
+
+
+def test_raising_max_steps_keeps_the_identity_and_other_schedule_keys_change_it():
+    cfg = PretrainConfig()
+    longer = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"max_steps": 6000})})
+    assert fingerprint(longer) == fingerprint(cfg)
+    for key, value in {"warmup_steps": 10, "min_lr": 1e-5, "kind": "wsd"}.items():
+        edited = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={key: value})})
+        assert fingerprint(edited) != fingerprint(cfg), key
+
+
+def test_identity_record_names_what_changed():
+    from pipeline.training.checkpoint import changed_keys
+    from pipeline.training.config import identity_record
+
+    cfg = PretrainConfig()
+    a = identity_record(cfg, MODEL, 16, "data", None)
+    b = identity_record(cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": 1e-3})}),
+                        {"d_model": 128}, 16, "other data", "checkpoint:abc")
+    assert changed_keys(a, b) == ["dataset", "init", "model.d_model", "optimizer.lr"]
+    assert changed_keys(a, a) == []
+
+
+def schedule(**kw):
+    return parse_section(PretrainConfig, {"schedule": kw}, "pretrain").schedule
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"kind": "wsd", "max_steps": 100, "warmup_steps": 10, "decay_steps": 91},
+     "wsd: warmup_steps (10) + decay (decay_steps 91) must fit in max_steps (100)"),
+    ({"kind": "wsd", "max_steps": 100, "warmup_steps": 10, "decay_fraction": 0.95},
+     "wsd: warmup_steps (10) + decay (decay_fraction 0.95 of max_steps = 95 steps) must fit in max_steps (100)"),
+    ({"kind": "wsd", "decay_fraction": 0}, "pretrain.schedule.decay_fraction"),
+    ({"kind": "wsd", "decay_fraction": 1.5}, "pretrain.schedule.decay_fraction"),
+    ({"kind": "wsd", "decay_steps": 0}, "pretrain.schedule.decay_steps"),
+    ({"kind": "linear"}, "pretrain.schedule.kind"),
+    ({"kind": "wsd", "decay_shape": "cosine"}, "pretrain.schedule.decay_shape"),
+    ({"max_steps": -1}, "pretrain.schedule.max_steps"),
+    ({"max_steps": 10, "warmup_steps": 10}, "warmup_steps (10) must be below max_steps (10)"),
+])
+def test_schedule_errors_are_one_line_naming_the_key(kw, message):
+    with pytest.raises(ConfigError) as err:
+        schedule(**kw)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and message in lines[1], str(err.value)  # the file, then one line for the key
+
+
+def test_valid_schedules():
+    assert schedule(max_steps=0, warmup_steps=50).max_steps == 0  # a pass-through run: no step, no warmup rule
+    s = schedule(kind="wsd", max_steps=100, warmup_steps=10, decay_steps=90)
+    assert (s.decay_length(), s.decay_start()) == (90, 10)
+    s = schedule(kind="wsd", max_steps=30, warmup_steps=2, decay_fraction=0.1)
+    assert (s.decay_length(), s.decay_start()) == (3, 27)  # 0.1 x 30 = 3.0000000000000004 rounds to 3
+    assert schedule(kind="wsd", max_steps=0).decay_length() == 1
 
 
 def test_seed_model_and_global_batch_are_identity():

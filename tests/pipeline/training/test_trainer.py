@@ -2,6 +2,7 @@
 paths (DDP equivalence, kill-and-resume, the lock) are in tests/stages/."""
 
 import csv
+import json
 import math
 
 import pytest
@@ -10,8 +11,6 @@ import torch
 from pipeline.config import ConfigError, parse_section
 from pipeline.model.transformer import Transformer
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.config import ScheduleSection
-from pipeline.training.optimizer import lr_at, param_groups
 from pipeline.training.precision import resolve_precision
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
 from pipeline.training.trainer import NonFiniteError
@@ -102,23 +101,6 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatc
     model = Transformer(cfg().model.build(64, 32))
     ckpt.load_model_weights(last, model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
-
-
-def test_lr_schedule_warmup_cosine_floor():
-    c = ScheduleSection(min_lr=0.1, warmup_steps=10, max_steps=110)
-    assert lr_at(0, 1.0, c) == pytest.approx(0.1) and lr_at(9, 1.0, c) == pytest.approx(1.0)
-    assert lr_at(60, 1.0, c) == pytest.approx(0.55)
-    assert lr_at(110, 1.0, c) == pytest.approx(0.1) and lr_at(500, 1.0, c) == pytest.approx(0.1)
-    assert all(lr_at(s, 1.0, c) >= lr_at(s + 1, 1.0, c) for s in range(10, 120))
-
-
-def test_no_weight_decay_on_norms_and_embeddings():
-    model = Transformer(cfg().model.build(64, 32))
-    decay, no_decay = param_groups(model, 0.1)
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert all("norm" in names[id(p)] or "embeddings" in names[id(p)] for p in no_decay["params"])
-    assert any("wq" in names[id(p)] for p in decay["params"])
-    assert not any("embeddings" in names[id(p)] or "norm" in names[id(p)] for p in decay["params"])
 
 
 def test_precision_resolution():
@@ -217,3 +199,279 @@ def test_the_curve_survives_dvc_deleting_the_plots_csv_before_a_resume(tmp_path)
     assert [(r["step"], r["loss"]) for r in read_csv(tmp_path / "b" / "plots.csv")] == uninterrupted
     assert m["final_loss"] == float(uninterrupted[-1][1])
     assert m["resumed_from_step"] == 12 and m["tokens_per_s"] is None and m["mfu"] is None  # nothing timed, not 0
+
+
+# --------------------------------------------------------------------------- runs: continue, previous, best, init
+
+
+def rows_of(path, cols=("step", "loss", "lr", "grad_norm")):
+    """The CSV's numbers that depend on the computation only (not on timing), string-exact."""
+    return [tuple(r[c] for c in cols) for r in read_csv(path)]
+
+
+def count_steps(monkeypatch):
+    from pipeline.training.trainer import Trainer
+
+    calls = []
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: calls.append(self.step + 1) or original(self))
+    return calls
+
+
+def test_raising_max_steps_continues_the_run_without_repeating_a_step(tmp_path, monkeypatch, caplog):
+    from pipeline.training.optimizer import lr_at
+
+    run(tmp_path, max_steps=20, checkpoint_every=5)
+    first = rows_of(tmp_path / "plots.csv")
+    steps = count_steps(monkeypatch)
+    with caplog.at_level("INFO", logger="pipeline.training"):
+        m = run(tmp_path, max_steps=30, checkpoint_every=5)
+    assert steps == list(range(21, 31))  # only the 10 new steps run
+    assert m["resumed_from_step"] == 20 and m["steps"] == 30 and (m["moved_aside"], m["previous_runs"]) == (0, 0)
+    rows = rows_of(tmp_path / "plots.csv")
+    assert [int(r[0]) for r in rows] == list(range(1, 31)) and rows[:20] == first  # steps 1-20: the first run's rows
+    # cosine: the schedule is recomputed for 30 steps, and the log says how the learning rate changed
+    new = cfg(max_steps=30).schedule
+    assert float(rows[20][2]) == lr_at(20, 1e-2, new) != lr_at(20, 1e-2, cfg(max_steps=20).schedule)
+    [warning] = [r.getMessage() for r in caplog.records if "continuing the run" in r.getMessage()]
+    assert "schedule.max_steps 20 -> 30, so 10 more step(s) run" in warning
+    assert f"step 21 trains at lr {lr_at(20, 1e-2, new):.6g} (it was {1e-3:.6g} under max_steps 20)" in warning
+    last = ckpt.latest(tmp_path / "models")
+    assert last.step == 30 and last.meta["final"] and last.meta["schedule"]["max_steps"] == 30
+
+
+WSD = {"kind": "wsd", "decay_fraction": 0.2, "warmup_steps": 2}  # 20 steps: decay over steps 17-20; 30: 25-30
+
+
+def test_a_lengthened_wsd_run_keeps_the_uninterrupted_runs_steps_up_to_the_old_decay_start(tmp_path, caplog):
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    run(tmp_path / "a", max_steps=30, **WSD)
+    uninterrupted = rows_of(tmp_path / "a" / "plots.csv")
+    run(tmp_path / "b", max_steps=20, **WSD)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        assert run(tmp_path / "b", max_steps=30, **WSD)["resumed_from_step"] == 20
+    continued = rows_of(tmp_path / "b" / "plots.csv")
+    assert continued[:16] == uninterrupted[:16]  # up to the old decay start: the same steps, bit for bit
+    assert all(c[2] < u[2] for c, u in zip(continued[16:20], uninterrupted[16:20]))  # 17-20 decayed in the 20-step run
+    assert [c[2] for c in continued[20:]] == [u[2] for u in uninterrupted[20:]]  # 21-30: the 30-step schedule's lr
+    assert continued[29][1] != uninterrupted[29][1]  # but from weights that had decayed: not the same run
+    assert ("the run had started decaying: its checkpoint at step 20 lies inside the old decay phase (steps 17-20)"
+            in caplog.text)
+
+
+def test_a_wsd_run_continued_from_before_its_decay_equals_the_uninterrupted_longer_run(tmp_path):
+    """What WSD promises: a 20-step run stopped at its decay start (here: its later
+    checkpoints are gone, as after a kill) and lengthened to 30 steps is the
+    30-step run, loss for loss and weight for weight."""
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    run(tmp_path / "a", max_steps=30, **WSD)
+    run(tmp_path / "b", max_steps=20, checkpoint_every=4, **WSD)
+    for c in ckpt.complete_checkpoints(tmp_path / "b" / "models"):
+        if c.step > 16:
+            ckpt.discard([c])
+    assert run(tmp_path / "b", max_steps=30, **WSD)["resumed_from_step"] == 16
+    assert rows_of(tmp_path / "b" / "plots.csv") == rows_of(tmp_path / "a" / "plots.csv")
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(ckpt.latest(tmp_path / x / "models").path / "model.safetensors")) for x in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_changed_lr_moves_the_old_run_to_previous_and_keep_previous_prunes(tmp_path, caplog):
+    run(tmp_path, max_steps=8)
+    with caplog.at_level("WARNING"):
+        m = run(tmp_path, max_steps=8, lr=5e-3)
+    assert m["resumed_from_step"] == 0 and (m["moved_aside"], m["previous_runs"]) == (1, 1)
+    [aside] = (tmp_path / "models" / "previous").iterdir()
+    assert [c.step for c in ckpt.complete_checkpoints(aside)] == [4, 8]
+    info = json.loads((aside / "run.json").read_text())
+    assert info["reason"] == "changed: optimizer.lr 0.01 -> 0.005" and "optimizer.lr 0.01 -> 0.005" in caplog.text
+    assert ckpt.resolve(aside).meta["identity"]["optimizer"]["lr"] == 1e-2
+    m = run(tmp_path, max_steps=8, lr=2e-3)
+    assert (m["moved_aside"], m["previous_runs"]) == (1, 2)
+    m = run(tmp_path, max_steps=8, lr=1e-3, keep_previous=1)  # only the newest previous run stays
+    assert (m["moved_aside"], m["previous_runs"]) == (1, 1)
+    [kept] = (tmp_path / "models" / "previous").iterdir()
+    assert ckpt.resolve(kept).meta["identity"]["optimizer"]["lr"] == 2e-3
+    assert f"deleting the earlier run {aside}" in caplog.text
+
+
+def test_lowering_max_steps_below_the_newest_checkpoint_starts_a_fresh_run(tmp_path, caplog):
+    run(tmp_path, max_steps=12)
+    with caplog.at_level("WARNING"):
+        m = run(tmp_path, max_steps=8)
+    assert m["resumed_from_step"] == 0 and m["steps"] == 8 and m["moved_aside"] == 1
+    assert "schedule.max_steps was lowered to 8, below this run's newest checkpoint (step 12)" in caplog.text
+    [aside] = (tmp_path / "models" / "previous").iterdir()
+    assert [c.step for c in ckpt.complete_checkpoints(aside)] == [8, 12]
+    assert ckpt.latest(tmp_path / "models").meta["schedule"]["max_steps"] == 8
+
+
+def test_lowering_max_steps_to_the_newest_checkpoint_ends_the_run_there(tmp_path, monkeypatch):
+    run(tmp_path, max_steps=12)
+    ckpt.discard([ckpt.latest(tmp_path / "models")])  # as if killed between steps 8 and 12
+    assert not ckpt.latest(tmp_path / "models").meta["final"]
+    weights = (ckpt.latest(tmp_path / "models").path / "model.safetensors").read_bytes()
+    steps = count_steps(monkeypatch)
+    m = run(tmp_path, max_steps=8)
+    assert steps == [] and m["resumed_from_step"] == 8 and m["moved_aside"] == 0
+    last = ckpt.latest(tmp_path / "models")
+    assert last.step == 8 and last.meta["final"] and (last.path / "model.safetensors").read_bytes() == weights
+
+
+def test_keep_best_keeps_and_records_the_lowest_val_loss_checkpoint(tmp_path, monkeypatch):
+    from pipeline.training.trainer import Trainer
+
+    val = {4: 2.0, 8: 1.0, 12: 1.5, 16: 1.7, 20: 1.8, 24: 0.5, 28: 0.9}
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: val[self.step])
+    m = run(tmp_path, max_steps=20, checkpoint_every=4, eval_every=100, keep_best=True)
+    folder = tmp_path / "models"
+    assert [c.step for c in ckpt.complete_checkpoints(folder)] == [8, 16, 20]  # the best besides the last 2
+    assert json.loads((folder / "best.json").read_text())["step"] == 8 and (m["best_step"], m["best_val_loss"]) == (8, 1.0)
+    best = ckpt.resolve(folder, which="best")
+    assert best.step == 8 and best.meta["metrics"]["val_loss"] == 1.0 and best.meta["metrics"]["val_step"] == 8
+    assert ckpt.resolve(folder, which="last").step == 20
+    # a better one replaces it, and the old best goes the way of keep-last-K
+    run(tmp_path, max_steps=28, checkpoint_every=4, eval_every=100, keep_best=True)
+    assert [c.step for c in ckpt.complete_checkpoints(folder)] == [24, 28]
+    assert ckpt.resolve(folder, which="best").step == 24
+    # the best is verified like any checkpoint
+    data = bytearray((folder / "step-00000024" / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / "step-00000024" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="step-00000024/model.safetensors: sha256 differs"):
+        ckpt.resolve(folder, which="best")
+    with pytest.raises(ValueError, match="'first' is not one of last, best"):
+        ckpt.resolve(folder, which="first")
+
+
+def test_keep_best_measures_val_loss_at_each_checkpoint_without_changing_training(tmp_path):
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    run(tmp_path / "a", max_steps=8, checkpoint_every=4, eval_every=100)
+    run(tmp_path / "b", max_steps=8, checkpoint_every=4, eval_every=100, keep_best=True)
+    a, b = read_csv(tmp_path / "a" / "plots.csv"), read_csv(tmp_path / "b" / "plots.csv")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert a[3]["val_loss"] == "" and b[3]["val_loss"] != ""  # step 4: evaluated only to rank the checkpoint
+    assert ckpt.resolve(tmp_path / "a" / "models", which="last").step == 8
+    with pytest.raises(ckpt.CheckpointError, match="best.json: missing, so no best checkpoint is recorded"):
+        ckpt.resolve(tmp_path / "a" / "models", which="best")
+
+
+def trainer(tmp_path, name, c=None, **kw):
+    from pipeline.training.trainer import Trainer
+
+    packed = tmp_path / "packed"
+    if not packed.exists():
+        write_packed(packed)
+    c = c or cfg(max_steps=4)
+    return Trainer("pretrain", c, c.model.build(64, 32), packed / "train", packed / "val", tmp_path / name / "models",
+                   tmp_path / name / "plots.csv", data_id="x", **kw)
+
+
+def fit(t):
+    try:
+        return t.fit()
+    finally:
+        t.close()
+
+
+def test_warm_start_from_a_checkpoint_with_and_without_its_optimizer_moments(tmp_path):
+    from safetensors.torch import load_file
+
+    fit(trainer(tmp_path, "a", cfg(max_steps=8)))
+    init = ckpt.resolve(tmp_path / "a" / "models")
+    donor = load_file(str(init.path / "model.safetensors"))
+    donor_opt = ckpt.load_state(init, "optimizer.pt")
+    fresh, plain, moments = (trainer(tmp_path, "fresh"), trainer(tmp_path, "plain", init_from=init),
+                             trainer(tmp_path, "moments", init_from=init, init_optimizer=True))
+    try:
+        for t in (plain, moments):
+            assert all(torch.equal(t.model.state_dict()[k], v) for k, v in donor.items())
+            assert t.step == 0 and t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 2)  # warmup step 1
+        assert plain.optimizer.state_dict()["state"] == {}
+        state = moments.optimizer.state_dict()["state"]
+        assert all(torch.equal(state[i]["exp_avg"], donor_opt["state"][i]["exp_avg"]) for i in state)
+        assert len({fresh.fingerprint, plain.fingerprint, moments.fingerprint}) == 3
+        assert plain.identity["init"] == f"checkpoint:{init.meta['files']['model.safetensors']['sha256']}"
+    finally:
+        for t in (fresh, moments):
+            t.close()
+    m = fit(plain)
+    assert m["resumed_from_step"] == 0 and m["steps"] == 4
+    meta = ckpt.latest(tmp_path / "plain" / "models").meta
+    assert meta["init"] == {"id": plain.identity["init"], "from": str(init.path), "optimizer": False}
+    again = trainer(tmp_path, "plain", init_from=init)  # a rerun resumes; the init is not applied again
+    assert again.step == 4 and fit(again)["resumed_from_step"] == 4
+
+
+def test_warm_start_needs_the_same_model_and_consistent_options(tmp_path):
+    from pipeline.training.trainer import InitError
+
+    fit(trainer(tmp_path, "a", cfg(max_steps=3)))
+    init = ckpt.resolve(tmp_path / "a" / "models")
+    with pytest.raises(InitError, match=r"its model \(n_layer 2 vs 3\) differs from this run's"):
+        trainer(tmp_path, "b", cfg(max_steps=3, model={"preset": "tiny", "n_layer": 3}), init_from=init)
+    with pytest.raises(InitError, match="init_optimizer .* needs init_from"):
+        trainer(tmp_path, "b", init_optimizer=True)
+    with pytest.raises(InitError, match="init_weights and init_id go together"):
+        trainer(tmp_path, "b", init_weights=lambda model: None)
+
+
+def test_init_weights_hook_fills_a_fresh_run_and_its_id_enters_the_identity(tmp_path):
+    calls = []
+
+    def fill(model):
+        calls.append(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.01)
+
+    t = trainer(tmp_path, "a", init_weights=fill, init_id="hf:abc")
+    assert calls == [t.model] and all(torch.all(p == 0.01) for p in t.model.parameters())
+    assert t.identity["init"] == "hf:abc"
+    other = trainer(tmp_path, "b", init_weights=fill, init_id="hf:def")
+    assert other.fingerprint != t.fingerprint
+    other.close()
+    fit(t)
+    assert fit(trainer(tmp_path, "a", init_weights=fill, init_id="hf:abc"))["resumed_from_step"] == 4
+    assert len(calls) == 2  # the resumed run did not call it
+
+
+def test_max_steps_0_passes_the_initial_weights_through_as_a_final_checkpoint(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    steps = count_steps(monkeypatch)
+    m = run(tmp_path, max_steps=0)
+    assert steps == [] and m["steps"] == 0 and math.isfinite(m["val_loss"]) and m["final_loss"] is None
+    [c] = ckpt.complete_checkpoints(tmp_path / "models")
+    assert c.step == 0 and c.meta["final"] and c.meta["metrics"]["val_loss"] == m["val_loss"]
+    torch.manual_seed(cfg().seed)
+    initial = Transformer(cfg().model.build(64, 32)).state_dict()
+    saved = load_file(str(c.path / "model.safetensors"))
+    assert all(torch.equal(initial[k], v) for k, v in saved.items())
+    before = c.path.stat().st_ino
+    assert run(tmp_path, max_steps=0)["resumed_from_step"] == 0
+    assert ckpt.latest(tmp_path / "models").path.stat().st_ino == before  # a rerun finds it final: not rewritten
+    # with a warm start, max_steps 0 passes the starting checkpoint's weights through
+    init = ckpt.resolve(tmp_path / "models")
+    fit(trainer(tmp_path, "b", cfg(max_steps=0, lr=5e-3), init_weights=lambda model: ckpt.load_model_weights(init, model),
+                init_id="x"))
+    out = load_file(str(ckpt.latest(tmp_path / "b" / "models").path / "model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in out.items())
+
+
+def test_warm_start_from_a_checkpoint_that_its_own_run_folder_moves_aside_and_prunes(tmp_path):
+    """init_from may name a checkpoint in the run folder itself: the new run (another
+    identity) moves it to previous/ and, with keep_previous 0, deletes it; the
+    weights are read before the folder is rearranged."""
+    from safetensors.torch import load_file
+
+    fit(trainer(tmp_path, "a", cfg(max_steps=4)))
+    init = ckpt.resolve(tmp_path / "a" / "models")
+    donor = load_file(str(init.path / "model.safetensors"))
+    t = trainer(tmp_path, "a", cfg(max_steps=4, keep_previous=0), init_from=init)
+    try:
+        assert not init.path.exists() and t.step == 0
+        assert all(torch.equal(t.model.state_dict()[k], v) for k, v in donor.items())
+    finally:
+        t.close()
