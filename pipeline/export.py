@@ -63,7 +63,7 @@ from safetensors.torch import save_file
 
 from pipeline.config import StageConfig, flatten
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
-from pipeline.data.tokenizer import EOT, EOT_ID, IM_END, PAD, PAD_ID
+from pipeline.data.tokenizer import EOT, EOT_ID, HF_DIR, IM_END, PAD, PAD_ID, load_specials, tokenizer_dir
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, sha256_file, write_json
 from pipeline.model import generate as gen
@@ -99,6 +99,8 @@ class ExportConfig(StageConfig):
     pipeline's own outputs, not from params."""
 
     source: Literal["sft", "pretrain"] = Field("sft", description="export models/sft or models/pretrain")
+    checkpoint: Literal["last", "best"] = Field("last", description="the run's last checkpoint, or its best by val "
+                                                "loss (needs checkpoint.keep_best in that stage)")
     register_model: bool = Field(True, description="register the export in the MLflow model registry "
                                                    "(skipped with a warning when MLflow is unreachable)")
     model_name: str = Field("llm-pipeline", pattern=r"^[A-Za-z0-9][\w.\-]*$",
@@ -117,12 +119,15 @@ class ExportError(StageError):
 
 
 def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_dir: str | Path, *,
-                 card_info: Mapping[str, Any]) -> dict[str, Any]:
+                 card_info: Mapping[str, Any], which: str = "last",
+                 sft_manifest: str | Path | None = None) -> dict[str, Any]:
     """Write the Hugging Face folder ``out_dir`` (see the module doc) and return a summary.
 
     ``checkpoint_folder`` is a training output folder (its latest complete
-    checkpoint is exported) or one ``step-XXXXXXXX`` folder. ``card_info`` feeds
-    the model card; its keys are those of ``CARD_KEYS``, all optional.
+    checkpoint is exported, or its best with ``which="best"``) or one
+    ``step-XXXXXXXX`` folder. ``card_info`` feeds the model card; its keys are
+    those of ``CARD_KEYS``, all optional. ``sft_manifest``: the SFT data's
+    manifest, whose chat template and stop ids the export carries.
 
     Returns ``{out_dir, checkpoint, stage, step, fingerprint, architecture, params, vocab_size,
     tie_word_embeddings, dtype, tokenizer_sha256, files: {name: {bytes, sha256}}}``.
@@ -135,7 +140,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     if unknown:
         raise ValueError(f"unknown card_info key(s) {', '.join(unknown)}; known: {', '.join(CARD_KEYS)}")
     folder, out_dir, tokenizer_path = Path(checkpoint_folder), Path(out_dir), Path(tokenizer_path)
-    checkpoint = ckpt.resolve(folder)  # verified; a damaged newest one raises CheckpointError
+    checkpoint = ckpt.resolve(folder, which)  # verified; a damaged one raises CheckpointError
     if checkpoint is None:
         raise ExportError(f"{folder}: no complete checkpoint to export")
     meta = checkpoint.meta
@@ -146,7 +151,11 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
 
     with atomic_dir(out_dir) as tmp:
         write_model_files(tmp, model, meta)
-        write_tokenizer_files(tmp, tokenizer_path, config)
+        manifest = json.loads(Path(sft_manifest).read_text()) if sft_manifest and Path(sft_manifest).is_file() else {}
+        if load_specials(tokenizer_path).own:
+            write_tokenizer_files(tmp, tokenizer_path, config)
+        else:
+            write_adopted_tokenizer_files(tmp, tokenizer_path, meta, manifest)
         summary = {
             "out_dir": str(out_dir),
             "checkpoint": str(checkpoint.path),
@@ -195,6 +204,39 @@ def write_tokenizer_files(folder: Path, tokenizer_path: Path, config: ModelConfi
     shutil.copyfile(tokenizer_path, folder / "tokenizer.json")
     _write_json(folder / "tokenizer_config.json", tokenizer_config(config.max_seq_len))
     _write_json(folder / "special_tokens_map.json", SPECIAL_TOKENS_MAP)
+
+
+def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapping[str, Any],
+                                  sft_manifest: Mapping[str, Any]) -> None:
+    """An adopted tokenizer ships as it came: every tokenizer file of the original
+    folder (``data/tokenizer/hf/``) byte for byte, its chat template included.
+    Only when SFT rendered with another template (``sft.data.chat_template``: a
+    .jinja file) is that one written as ``chat_template.jinja``, which transformers
+    prefers, so that the model is prompted the way it was trained.
+    ``generation_config.json`` is the original model's, else built from the
+    tokenizer's roles and SFT's stop ids."""
+    specials = load_specials(tokenizer_path)
+    hf_dir = tokenizer_dir(tokenizer_path) / HF_DIR
+    missing = [name for name in specials.hf_files if not (hf_dir / name).is_file()]
+    if missing:
+        raise ExportError(f"{hf_dir}: the adopted tokenizer's {', '.join(missing)} are missing; "
+                          "rerun `dvc repro tokenizer`")
+    for name in specials.hf_files:
+        shutil.copyfile(hf_dir / name, folder / name)
+    trained_with = sft_manifest.get("chat_template")
+    if trained_with and trained_with != specials.chat_template:
+        (folder / "chat_template.jinja").write_text(trained_with, encoding="utf-8")
+    generation = dict(meta.get("hf_generation_config") or {})
+    if not generation:
+        generation = {"eos_token_id": list(sft_manifest.get("stop_ids") or specials.eos_ids),
+                      "pad_token_id": specials.pad_id}
+        if specials.bos_id is not None:
+            generation["bos_token_id"] = specials.bos_id
+    elif sft_manifest.get("stop_ids"):  # the original's stop ids, plus the end of turn SFT trained
+        known = generation.get("eos_token_id")
+        known = known if isinstance(known, list) else [] if known is None else [known]
+        generation["eos_token_id"] = list(dict.fromkeys([*known, *sft_manifest["stop_ids"]]))
+    _write_json(folder / "generation_config.json", generation)
 
 
 def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapping[str, Any]) -> dict[str, Any]:

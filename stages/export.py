@@ -19,7 +19,8 @@ def main(cfg: ExportConfig, tracker) -> dict:
     card = {"metrics": evaluation, "lineage": lineage, "name": cfg.name, "license": cfg.license,
             "intended_use": cfg.intended_use, "limitations": cfg.limitations}
     summary = export_model(source, layout.TOKENIZER_JSON, layout.EXPORT_DIR,
-                           card_info={k: v for k, v in card.items() if v is not None})
+                           card_info={k: v for k, v in card.items() if v is not None}, which=cfg.checkpoint,
+                           sft_manifest=layout.SFT_DATA / "manifest.json" if cfg.source == "sft" else None)
     registry = {"registered": False, "reason": "export.register_model is false"}
     if cfg.register_model:
         registry = register_export(layout.EXPORT_DIR, model_name=cfg.model_name, metrics=evaluation,

@@ -82,3 +82,37 @@ def save_tiny_hf_model(family: str, folder: str | Path, *, vocab_size: int = 384
     model.to(dtype)
     model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": "40KB"} if sharded else {}))
     return folder
+
+
+TOKENIZER_FAMILY = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
+def save_tiny_hf_folder(family: str, folder: str | Path, *, vocab_size: int = 640, seed: int = 0,
+                        **model_kwargs: Any) -> Path:
+    """A whole model folder as the hub ships one: a tiny random ``family`` model
+    whose bos/eos/pad ids are those of the family's tokenizer
+    (:func:`tests.hf_tokenizers.save_family_tokenizer`, written into the same
+    folder with its chat template and generation config)."""
+    from tokenizers import Tokenizer
+
+    from tests.hf_tokenizers import save_family_tokenizer
+
+    folder = Path(folder)
+    tok_dir = folder.parent / f".{folder.name}-tokenizer"
+    save_family_tokenizer(TOKENIZER_FAMILY[family], tok_dir)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    assert tok.get_vocab_size() <= vocab_size, "the tokenizer must fit the model's embedding table"
+    tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+
+    def token_id(role: str) -> int | None:
+        value = tok_config.get(role)
+        value = value.get("content") if isinstance(value, dict) else value
+        return tok.token_to_id(value) if isinstance(value, str) else None
+
+    ids = {k: token_id(f"{k}_token") for k in ("bos", "eos", "pad")}
+    save_tiny_hf_model(family, folder, vocab_size=vocab_size, seed=seed,
+                       **{f"{k}_token_id": v for k, v in ids.items()}, **model_kwargs)
+    for file in tok_dir.iterdir():  # the tokenizer's generation_config.json (family stop ids) wins
+        file.replace(folder / file.name)
+    tok_dir.rmdir()
+    return folder

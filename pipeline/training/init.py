@@ -40,7 +40,8 @@ BASE_DIR = Path("models/base")  # DVC tracks this folder as a dep of tokenizer a
 
 
 class InitError(StageError):
-    """init_from names nothing usable, or a model that does not fit the data."""
+    """init_from names nothing usable, a model that does not fit the data or the
+    run (another shape), or init options that contradict each other."""
 
 
 @dataclass(frozen=True)

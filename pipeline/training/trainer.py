@@ -57,6 +57,7 @@ from pipeline.model.transformer import ModelConfig, Transformer, flops_per_token
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed
 from pipeline.training.config import ScheduleSection, TrainConfig, fingerprint_of, identity_record
+from pipeline.training.init import InitError
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
 from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
@@ -71,10 +72,6 @@ CURVE = "curve.csv"  # <out_dir>/curve.csv: the plots CSV's rows, kept beside th
 
 class NonFiniteError(StageError):
     """Loss or gradient norm became NaN/inf. The last good checkpoint is untouched."""
-
-
-class InitError(StageError):
-    """The starting weights do not fit this run (another model shape, or init options that contradict)."""
 
 
 def init_identity(init_from: ckpt.Checkpoint | None = None, init_id: str | None = None,
