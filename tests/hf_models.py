@@ -11,6 +11,7 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 

@@ -21,7 +21,7 @@ RECIPE = {  # the README recipe's params, at test size
     "tokenizer.source": BASE,
     "pack.seq_len": 64,
     "pretrain.init_from": BASE, "pretrain.schedule.max_steps": 0, "pretrain.schedule.warmup_steps": 0,
-    "sft.data.seq_len": 64, "sft.data.max_examples": 200, "sft.data.overlong": "truncate",
+    "sft.data.seq_len": 256, "sft.data.max_examples": 200, "sft.data.overlong": "truncate",
     "sft.batch.micro_batch_size": 8, "sft.schedule.max_steps": 6, "sft.schedule.warmup_steps": 1,
     "sft.eval.every": 3, "sft.checkpoint.every": 3, "sft.logging.every": 3, "sft.optimizer.lr": 1.0e-3,
     "evaluate.max_rows": 8, "evaluate.samples": {"max_new_tokens": 4},
@@ -38,7 +38,7 @@ def dvc(cwd, *args, env=None):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = project_copy(tmp_path_factory.mktemp("hf-recipe"), RECIPE)
-    save_tiny_hf_folder("qwen2", root / BASE)
+    save_tiny_hf_folder("qwen2", root / BASE, max_position_embeddings=512)
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     return root, env, dvc(root, "repro", env=env)
 
@@ -55,17 +55,19 @@ def test_every_stage_ran_from_the_base_model(project):
 
 def test_pass_through_keeps_the_base_weights(project):
     root, _, _ = project
-    from safetensors.torch import load_file
-
     from pipeline.model import hf_adapter
+    from pipeline.model.transformer import ModelConfig, Transformer
     from pipeline.training import checkpoint as ckpt
 
     step0 = ckpt.resolve(root / "models" / "pretrain")
     assert step0.step == 0 and step0.meta["final"]
+    assert step0.meta["hf_config"]["architectures"] == ["Qwen2ForCausalLM"]
     _, base = hf_adapter.load_hf_model(root / BASE)
-    ours = load_file(str(step0.path / "model.safetensors"))
-    for name, tensor in base.state_dict().items():
-        assert torch.equal(ours[name], tensor), name
+    ours = Transformer(ModelConfig(**step0.meta["model"]))
+    ckpt.load_model_weights(step0, ours)
+    theirs = base.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
 
 
 def test_export_is_the_same_family_with_the_original_tokenizer(project):
@@ -89,7 +91,25 @@ def test_export_is_the_same_family_with_the_original_tokenizer(project):
 
 def test_sft_trained_only_the_assistant_with_the_models_template(project):
     root, _, _ = project
+    import pyarrow as pa
+    from tokenizers import Tokenizer
+
     manifest = json.loads((root / "data" / "sft" / "manifest.json").read_text())
     assert manifest["chat_template_name"].startswith("tokenizer (")
-    im_end = json.loads((root / "data" / "tokenizer" / "specials.json").read_text())["texts"].get("eos")
-    assert im_end is not None
+    tok = Tokenizer.from_file(str(root / "data" / "tokenizer" / "tokenizer.json"))
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    shard = sorted((root / "data" / "sft" / "train").glob("shard-*.arrow"))[0]
+    table = pa.ipc.open_file(str(shard)).read_all()
+    trained_spans = 0
+    for ids, labels in zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist()):
+        span: list[int] = []
+        for token, label in zip(ids, labels):
+            if label != -100:
+                assert label == token
+                span.append(token)
+            elif span:  # a trained span ends with the end-of-turn token, and holds no header or prompt
+                assert span[-1] == im_end and im_start not in span
+                text = tok.decode(span, skip_special_tokens=False)
+                assert "You are Qwen" not in text and "assistant\n" not in text and "user\n" not in text
+                trained_spans, span = trained_spans + 1, []
+    assert trained_spans > 10

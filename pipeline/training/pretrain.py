@@ -75,7 +75,7 @@ class PretrainConfig(TrainConfig):
     init_optimizer: bool = Field(False, description="with init_from a checkpoint of ours: also load its AdamW moments")
 
 
-def plan(cfg: PretrainConfig, packed_dir: Path, *, warn: bool = False
+def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = False
          ) -> tuple[ModelConfig, str, dict[str, Any], InitSource | None]:
     """The model to build, the data identity, the checkpoint metadata and the
     starting point, from pack's manifest and ``init_from``. ``warn``: log what
@@ -84,6 +84,10 @@ def plan(cfg: PretrainConfig, packed_dir: Path, *, warn: bool = False
         manifest = shards.read_manifest(packed_dir)
     except DataError as err:
         raise DataError(f"{err}; run `dvc repro pack` first") from None
+    if cfg.init_from is not None and _names_live_checkpoints(Path(cfg.init_from), Path(out_dir)):
+        raise InitError(f"pretrain.init_from {cfg.init_from} names this stage's own live checkpoints, which move to "
+                        f"{out_dir}/previous/ as soon as the new run starts; name the moved copy "
+                        f"({out_dir}/previous/<run-id>/step-N) or a copy elsewhere")
     init = resolve_init(cfg.init_from, warn_outside_base=warn)
     if init is None:
         if cfg.schedule.max_steps == 0:
@@ -112,6 +116,12 @@ def plan(cfg: PretrainConfig, packed_dir: Path, *, warn: bool = False
     return model_cfg, data_id, meta, init
 
 
+def _names_live_checkpoints(path: Path, out_dir: Path) -> bool:
+    """True for ``out_dir`` itself or one of its ``step-*`` folders (not ``previous/``)."""
+    path, out_dir = path.expanduser().resolve(), out_dir.resolve()
+    return path == out_dir or (path.parent == out_dir and path.name.startswith("step-"))
+
+
 def _init_kwargs(cfg: PretrainConfig, init: InitSource | None) -> dict[str, Any]:
     """How the Trainer starts the run from ``init`` (nothing for random init)."""
     if init is None:
@@ -124,13 +134,15 @@ def _init_kwargs(cfg: PretrainConfig, init: InitSource | None) -> dict[str, Any]
 def prepare_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path) -> None:
     """Once, in the launcher: the packed data and the starting point exist, and
     the run can start or resume."""
-    model_cfg, data_id, _, init = plan(cfg, packed_dir, warn=True)
-    check_resume(cfg, model_cfg, out_dir, data_id=data_id, **_init_kwargs(cfg, init))
+    model_cfg, data_id, _, init = plan(cfg, packed_dir, out_dir, warn=True)
+    kwargs = _init_kwargs(cfg, init)
+    kwargs.pop("init_weights", None)  # the launcher only decides whether to resume
+    check_resume(cfg, model_cfg, out_dir, data_id=data_id, **kwargs)
 
 
 def run_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, csv_path: Path) -> dict[str, Any]:
     """Train on every rank; rank 0 returns the metrics and writes ``out_dir/report.json``."""
-    model_cfg, data_id, meta, init = plan(cfg, packed_dir)
+    model_cfg, data_id, meta, init = plan(cfg, packed_dir, out_dir)
     trainer = Trainer("pretrain", cfg, model_cfg, Path(packed_dir) / "train", Path(packed_dir) / "val",
                       out_dir, csv_path, data_id=data_id, extra_meta=meta, **_init_kwargs(cfg, init))
     try:
