@@ -9,19 +9,22 @@ from tokenizers import normalizers, trainers
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.tokenizer import (
-    OWN_SPECIALS,
-    load_specials,
     EOT,
+    EOT_ID,
+    HF_TOKENIZER_FILES,
     IM_END,
     IM_START,
+    OWN_SPECIALS,
     PAD,
     ROUNDTRIP_PROBES,
     SPECIAL_TOKENS,
     TokenizerConfig,
     TokenizerError,
+    build,
     build_tokenizer,
     check_roundtrip,
     choose_sample,
+    load_specials,
     load_tokenizer,
     special_ids,
     train_tokenizer,
@@ -207,3 +210,94 @@ def test_errors(tmp_path, trained):
 def test_config_errors_name_the_key(key, value, msg):
     with pytest.raises(ConfigError, match=rf"tokenizer\.{key}: .*{msg}"):
         parse_section(TokenizerConfig, {key: value}, "tokenizer")
+
+
+# --- adopting a Hugging Face model's tokenizer -------------------------------------------------
+
+# family -> (end-of-text token pack separates documents with, first stop id's text, bos text)
+ADOPTED = {
+    "qwen2": ("<|endoftext|>", "<|im_end|>", None),
+    "qwen3": ("<|endoftext|>", "<|im_end|>", None),
+    "llama3": ("<|end_of_text|>", "<|eot_id|>", "<|begin_of_text|>"),
+    "mistral": ("</s>", "</s>", "<s>"),
+}
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory):
+    from tests.hf_tokenizers import save_family_tokenizer
+
+    root = tmp_path_factory.mktemp("families")
+    return {family: save_family_tokenizer(family, root / family) for family in ADOPTED}
+
+
+def adopt(folder, out_dir, corpus, **cfg):
+    cfg = TokenizerConfig(source=str(folder), **cfg)
+    return build(cfg, corpus, out_dir / "tokenizer.json", out_dir / "report.json")
+
+
+@pytest.mark.parametrize("family", ADOPTED)
+def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(family, family_folders, corpus, tmp_path):
+    folder = family_folders[family]
+    metrics = adopt(folder, tmp_path, corpus)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    copied = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert copied == sorted(f for f in HF_TOKENIZER_FILES if (folder / f).is_file())
+    for name in copied:
+        assert (tmp_path / "hf" / name).read_bytes() == (folder / name).read_bytes(), name
+    specials = load_specials(tmp_path)
+    tok = load_tokenizer(tmp_path / "tokenizer.json")  # no fixed-id check for an adopted tokenizer
+    eot, stop, bos = ADOPTED[family]
+    assert not specials.own and specials.source == str(folder)
+    assert specials.eot_id == tok.token_to_id(eot)
+    assert specials.eos_ids[0] == tok.token_to_id(stop) and specials.eot_id in specials.eos_ids
+    assert specials.bos_id == (tok.token_to_id(bos) if bos else None)
+    assert specials.chat_template == (folder / "chat_template.jinja").read_text()
+    assert set(specials.ids()) >= {"eot", "pad"}
+    assert metrics["vocab_size"] == tok.get_vocab_size() and metrics["bytes_per_token"] > 1.0
+    # text never encodes to a special id, even when it spells one
+    assert specials.eot_id not in tok.encode(f"a {eot} b", add_special_tokens=False).ids
+
+
+def test_adopting_warns_about_ignored_training_keys_and_takes_an_eot_override(family_folders, corpus, tmp_path,
+                                                                               caplog):
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(family_folders["qwen2"], tmp_path, corpus, vocab_size=1000, seed=3, eot_token="<|im_end|>")
+    assert "ignoring the training key(s) tokenizer.seed, tokenizer.vocab_size" in caplog.text
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    assert load_specials(tmp_path).eot_id == tok.token_to_id("<|im_end|>")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.eot_token\) '<\|nope\|>' is not in the tokenizer"):
+        adopt(family_folders["qwen2"], tmp_path, corpus, eot_token="<|nope|>")
+
+
+def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
+    adopt(family_folders["llama3"], tmp_path, corpus)
+    assert (tmp_path / "hf").is_dir()
+    build(SMALL, corpus, tmp_path / "tokenizer.json", tmp_path / "report.json")
+    assert not (tmp_path / "hf").exists() and load_specials(tmp_path) == OWN_SPECIALS
+
+
+def test_adoption_errors_are_one_line(family_folders, corpus, tmp_path):
+    with pytest.raises(TokenizerError, match="is not a folder"):
+        adopt(tmp_path / "missing", tmp_path / "out", corpus)
+    spm = tmp_path / "spm"
+    spm.mkdir()
+    (spm / "tokenizer.model").write_bytes(b"\0")
+    with pytest.raises(TokenizerError, match="has no tokenizer.json .*SentencePiece tokenizer.model: convert it"):
+        adopt(spm, tmp_path / "out", corpus)
+    with pytest.raises(ConfigError, match="tokenizer.source"):
+        parse_section(TokenizerConfig, {"source": " "}, "tokenizer")
+
+
+def test_pack_separates_documents_with_the_adopted_end_of_text(family_folders, corpus, tmp_path):
+    from pipeline.data.pack import PackConfig, run_pack
+    from pipeline.data.shards import PackedRows
+
+    adopt(family_folders["llama3"], tmp_path / "tok", corpus)
+    run_pack(PackConfig(seq_len=32, num_workers=1), corpus, tmp_path / "tok" / "tokenizer.json", tmp_path / "packed")
+    manifest = read_json(tmp_path / "packed" / "manifest.json")
+    eot = load_specials(tmp_path / "tok").eot_id
+    assert eot != EOT_ID and manifest["eot_id"] == eot
+    rows = PackedRows(tmp_path / "packed" / "train")
+    ids = np.concatenate(list(rows.iter_input_ids()))
+    assert (ids == eot).sum() > 10 and not (ids == EOT_ID).any()
