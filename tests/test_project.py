@@ -46,6 +46,33 @@ def test_shipped_params_validate(stage):
     assert type(cfg).__name__.endswith("Config")
 
 
+def readme_params_excerpts() -> list[dict]:
+    """The README's ``params.yaml`` excerpts (yaml blocks whose keys are stage names)."""
+    import re
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [d for d in map(yaml.safe_load, blocks) if isinstance(d, dict) and set(d) <= set(SCHEMAS)]
+
+
+def test_readme_recipes_validate_on_top_of_the_shipped_params():
+    from pipeline.config import parse_section, schema_for
+
+    def merge(into: dict, excerpt: dict) -> None:
+        for key, value in excerpt.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value
+
+    excerpts = readme_params_excerpts()
+    assert len(excerpts) >= 3  # the recipes are there, and each one parses
+    for excerpt in excerpts:
+        params = yaml.safe_load((ROOT / "params.yaml").read_text())
+        merge(params, excerpt)
+        for stage in excerpt:
+            parse_section(schema_for(stage), params[stage], stage)
+
+
 def test_gitignore_keeps_generated_state_out_of_git():
     ignored = (ROOT / ".gitignore").read_text()
     for pattern in ("/data/*", "/models/", "/mlflow.db", "/mlartifacts/", ".venv/"):
