@@ -113,3 +113,11 @@ def test_sft_trained_only_the_assistant_with_the_models_template(project):
                 assert "You are Qwen" not in text and "assistant\n" not in text and "user\n" not in text
                 trained_spans, span = trained_spans + 1, []
     assert trained_spans > 10
+
+
+def test_the_readme_generate_command_chats_with_the_export(project):
+    root, env, _ = project
+    out = subprocess.run([str(BIN / "python"), "-m", "pipeline.model.generate", "--model", "models/export", "--chat",
+                          "Hello!", "--max-new-tokens", "4"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

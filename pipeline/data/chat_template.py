@@ -103,7 +103,7 @@ from tokenizers import Tokenizer
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, encode_chat as chatml_encode_chat
 from pipeline.data.chat import encode_prompt as chatml_encode_prompt
 from pipeline.data.chat import validate_messages
-from pipeline.data.tokenizer import HF_DIR, IM_END, IM_START, load_specials, tokenizer_dir
+from pipeline.data.tokenizer import HF_DIR, IM_END, IM_START, Specials, hf_specials, load_specials, tokenizer_dir
 from pipeline.errors import StageError
 from pipeline.files import read_json
 
@@ -240,6 +240,25 @@ def template_of_sft_data(manifest: Mapping[str, Any], tokenizer_path: str | Path
     variables = _token_variables(folder, roles.texts, tok, roles.eos_ids, roles.bos_id)
     source = None if name == "chatml" and roles.own else manifest.get("chat_template") or CHAT_TEMPLATE_JINJA
     return ChatTemplate(name, source, variables, tokenizer_specials(tok), date)
+
+
+def template_of_hf_folder(folder: str | Path, tok: Tokenizer, date: dt.date = DEFAULT_DATE
+                          ) -> tuple[ChatTemplate | None, Specials]:
+    """The chat template and token roles of a Hugging Face model folder (an export
+    of ours or a published model), read as transformers reads them; the
+    template is None when the folder has none."""
+    folder = Path(folder)
+    roles = hf_specials(folder, tok)
+    if not roles.chat_template:
+        return None, roles
+    config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    variables = {}
+    for key in TOKEN_VARIABLES:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            variables[key] = value
+    return ChatTemplate(f"tokenizer ({folder})", roles.chat_template, variables, tokenizer_specials(tok), date), roles
 
 
 # --- rendering -------------------------------------------------------------------------------

@@ -33,8 +33,15 @@ import torch
 from tokenizers import Tokenizer
 
 from pipeline import layout
-from pipeline.data.chat import encode_prompt
-from pipeline.data.tokenizer import EOT_ID, IM_END_ID, load_tokenizer
+from pipeline.data.chat_template import (
+    ChatTemplate,
+    encode_prompt,
+    load_chat_template,
+    stop_ids,
+    template_of_hf_folder,
+)
+from pipeline.data.tokenizer import EOT_ID, IM_END_ID, load_specials, load_tokenizer, open_hf_tokenizer
+from pipeline.errors import StageError
 from pipeline.files import sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import KVCache, ModelConfig, Transformer
@@ -164,7 +171,11 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
     path = Path(path)
     if hf_adapter.is_hf_model_folder(path):
         config, model = hf_adapter.load_hf_model(path)
-        tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path / "tokenizer.json")
+        if tokenizer_path:
+            tokenizer = load_tokenizer(Path(tokenizer_path))
+        else:  # the folder's own tokenizer, whatever its special ids
+            tokenizer = open_hf_tokenizer(path)
+            tokenizer.encode_special_tokens = True
     else:
         checkpoint = ckpt.resolve(path)  # verified; a damaged newest one raises CheckpointError
         if checkpoint is None:
@@ -194,18 +205,44 @@ def check_tokenizer(tokenizer_path: str | Path, expected_sha256: str | None) -> 
                          f"trained with (sha256 {expected_sha256[:12]}…); pass the right --tokenizer")
 
 
+# --------------------------------------------------------------------------- prompting
+
+
+def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path | None = None
+              ) -> tuple[ChatTemplate | None, tuple[int, ...], tuple[int, ...]]:
+    """How to prompt the model at ``path``: (chat template, chat stop ids, text
+    stop ids). A Hugging Face folder brings its own template and stop ids
+    (``tokenizer_config.json``, ``generation_config.json``); a checkpoint uses
+    the tokenizer folder's (its own template, else ChatML). The template is None
+    for ChatML on our own tokenizer."""
+    path = Path(path)
+    if hf_adapter.is_hf_model_folder(path) and not tokenizer_path:
+        template, roles = template_of_hf_folder(path, tokenizer)
+        text_stops = tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
+        if template is None:
+            return None, text_stops, text_stops
+        return template, stop_ids(tokenizer, template, roles.eos_ids), text_stops
+    tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
+    roles = load_specials(tok_path)
+    if roles.own:
+        return None, CHAT_STOP_IDS, TEXT_STOP_IDS
+    template = load_chat_template("auto", tok_path, tokenizer, key="--tokenizer")
+    return template, stop_ids(tokenizer, template, roles.eos_ids), tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
+
+
 # --------------------------------------------------------------------------- CLI
 
 
 def _encode_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]], max_seq_len: int,
-                        room: int) -> list[int]:
-    """ChatML ids for ``messages`` plus the assistant header. While ``room`` more
+                        room: int, template: ChatTemplate | None = None) -> list[int]:
+    """Ids of ``messages`` in ``template`` (None: ChatML) plus the generation
+    prompt. While ``room`` more
     tokens would not fit in ``max_seq_len``, the oldest user/assistant exchange
     after the system message is dropped (a pair, so that roles still alternate)."""
     messages = list(messages)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     while True:
-        ids = encode_prompt(tokenizer, messages, add_generation_prompt=True)
+        ids = encode_prompt(tokenizer, messages, template, add_generation_prompt=True)
         if len(ids) + room <= max_seq_len or len(messages) - first <= 1:
             return ids
         del messages[first:first + 2]
@@ -244,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         model, tokenizer, config = load_for_inference(args.model, tokenizer_path=args.tokenizer, device=args.device)
+        template, chat_stops, text_stops = prompting(args.model, tokenizer, args.tokenizer)
         if args.prompt is not None:
-            # Every training document follows an <|endoftext|>, so an empty prompt
-            # samples a document from scratch.
-            ids = tokenizer.encode(args.prompt).ids or [EOT_ID]
-            print(_reply(model, tokenizer, ids, args, TEXT_STOP_IDS))
+            # Every training document follows an end-of-text token, so an empty
+            # prompt samples a document from scratch.
+            ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids or [text_stops[0]]
+            print(_reply(model, tokenizer, ids, args, text_stops))
             return 0
         history = [{"role": "system", "content": args.system}] if args.system else []
         turns = iter(args.chat) if args.chat else _stdin_turns()
@@ -257,15 +295,16 @@ def main(argv: list[str] | None = None) -> int:
                 history = history[:1] if args.system else []
                 continue
             history.append({"role": "user", "content": text})
-            ids = _encode_chat_prompt(tokenizer, history, config.max_seq_len, room=args.max_new_tokens)
-            answer = _reply(model, tokenizer, ids, args, CHAT_STOP_IDS)
+            ids = _encode_chat_prompt(tokenizer, history, config.max_seq_len, room=args.max_new_tokens,
+                                      template=template)
+            answer = _reply(model, tokenizer, ids, args, chat_stops)
             if answer.strip():
                 history.append({"role": "assistant", "content": answer})
             else:  # a blank turn is not a valid message: forget the exchange instead
                 history.pop()
             print(answer, flush=True)
         return 0
-    except (FileNotFoundError, ValueError, ckpt.CheckpointError) as err:
+    except (FileNotFoundError, ValueError, StageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

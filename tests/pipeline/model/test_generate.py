@@ -247,3 +247,18 @@ def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok,
 def test_cli_reports_a_missing_model_without_a_traceback(capsys, tmp_path):
     assert main(["--model", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_hugging_face_folder_is_prompted_with_its_own_template_and_stop_ids(family, tmp_path, capsys):
+    from pipeline.model.generate import main, prompting
+    from tests.hf_models import save_tiny_hf_folder
+
+    folder = save_tiny_hf_folder(family, tmp_path / family, max_position_embeddings=512)
+    _, tok, _ = load_for_inference(folder)
+    template, chat_stops, text_stops = prompting(folder, tok)
+    end_of_turn = {"qwen2": "<|im_end|>", "llama": "<|eot_id|>"}[family]
+    assert template is not None and chat_stops[0] == tok.token_to_id(end_of_turn)
+    assert text_stops[0] == tok.token_to_id({"qwen2": "<|endoftext|>", "llama": "<|end_of_text|>"}[family])
+    assert main(["--model", str(folder), "--chat", "Hi", "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert main(["--model", str(folder), "--prompt", "", "--max-new-tokens", "3"]) == 0
