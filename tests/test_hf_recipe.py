@@ -121,3 +121,13 @@ def test_the_readme_generate_command_chats_with_the_export(project):
                           "Hello!", "--max-new-tokens", "4"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_replacing_the_base_model_reruns_what_depends_on_it(project):
+    root, env, _ = project
+    assert "changed" not in dvc(root, "status", env=env)
+    config = root / BASE / "generation_config.json"
+    config.write_text(config.read_text().rstrip() + "\n\n")  # any change to a file of the model folder
+    status = dvc(root, "status", env=env)
+    changed = set(re.findall(r"^(\w+):\s*$", status, re.M))
+    assert {"tokenizer", "pretrain"} <= changed, status
