@@ -30,6 +30,7 @@ from pipeline.files import sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.generate import CHAT_STOP_IDS, generate, load_for_inference
 from pipeline.model.hf_adapter import load_hf_model
+from pipeline.training import checkpoint as ckpt
 from tests.helpers import save_checkpoint, tiny_config, tiny_model
 from tests.hf_models import save_tiny_hf_model
 
@@ -413,3 +414,23 @@ def test_export_config_defaults_and_validation():
     for bad in ({"source": "export"}, {"model_name": "has space"}, {"unknown": 1}):
         with pytest.raises(ValidationError):
             ExportConfig(**bad)
+
+
+def test_export_takes_the_last_or_the_best_checkpoint(tmp_path, tok, tok_path):
+    from safetensors.torch import load_file
+
+    from pipeline.files import write_json
+
+    models = {step: tiny_model(tiny_config(tok.get_vocab_size()), seed=step) for step in (2, 4)}
+    for step, model in models.items():
+        save_checkpoint(tmp_path / "sft", model, step=step)
+    best = ckpt.step_dir(tmp_path / "sft", 2)
+    write_json(tmp_path / "sft" / ckpt.BEST, {"step": 2, "path": best.name, "val_loss": 1.0, "fingerprint": "f" * 16})
+    for which, step in (("last", 4), ("best", 2)):
+        summary = export_model(tmp_path / "sft", tok_path, tmp_path / which, card_info={}, which=which)
+        assert summary["step"] == step
+        weights = load_file(str(tmp_path / which / "model.safetensors"))
+        assert torch.equal(weights["model.embed_tokens.weight"], models[step].tok_embeddings.weight)
+    (tmp_path / "sft" / ckpt.BEST).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="no best checkpoint is recorded"):
+        export_model(tmp_path / "sft", tok_path, tmp_path / "none", card_info={}, which="best")
