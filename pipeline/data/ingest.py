@@ -105,7 +105,8 @@ class IngestConfig(StageConfig):
     sources: list[Source] = Field(
         default_factory=lambda: [Source(path="{stdlib}/**/*.py", exclude=["*/site-packages/*", "*/dist-packages/*"])],
         min_length=1,
-        description="list of {path, format, text_field, split_by, split, exclude}; see 'ingest sources' above",
+        description="list of {path, format, text_field, split_by, split, exclude, chunk_bytes}; "
+                    "see 'ingest sources' above",
     )
     max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents; null = no cap")
     max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large "

@@ -287,7 +287,7 @@ def test_chunks_keep_their_blank_lines_and_are_accounted_like_documents(tmp_path
     assert [(d["chunk"], d["text"]) for d in docs] == [
         (0, f"{paras[0]}\n\n"), (1, f"{paras[1]}\n\n\n"), (3, f"{paras[3]}\n\n"), (5, f"\n{paras[4]}\n{paras[5]}\n")]
     offsets = pq.read_table(inp).column("offset").to_pylist()
-    assert [(d["source"], d["location"], d["offset"]) for d in docs][1] == ("book.txt", f"byte:{offsets[1]}", offsets[1])
+    assert (docs[1]["source"], docs[1]["location"], docs[1]["offset"]) == ("book.txt", f"byte:{offsets[1]}", offsets[1])
     rep = report(tmp_path)
     assert rep["docs_in"] == 6 == metrics["docs"] + metrics["dropped"]
     assert {k: v for k, v in rep["dropped"].items() if v} == {"c4_lorem_ipsum": 1, "exact_duplicate": 1}

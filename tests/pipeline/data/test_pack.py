@@ -356,7 +356,8 @@ def test_consecutive_chunks_are_packed_as_one_document(chunked, tmp_path, val_by
         seg = split.segment_ids(np.arange(len(split))).reshape(-1)
         begins = np.flatnonzero(np.diff(seg, prepend=-1) != 0)
         row_begins = set(range(0, len(flat), cfg.seq_len + 1))
-        assert sorted(set(begins) - row_begins) == [p for p in starts[name] if 0 < p < len(flat) and p not in row_begins]
+        want = [p for p in starts[name] if 0 < p < len(flat) and p not in row_begins]
+        assert sorted(set(begins) - row_begins) == want
         n_docs = sum(1 for r in rows if plan.split_of(r[0], r[2], r[3]) == name)
         assert manifest["splits"][name]["docs"] == n_docs
     joined = sum(manifest["splits"][s]["joined"] for s in ("train", "val"))
