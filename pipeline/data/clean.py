@@ -1,10 +1,17 @@
 """clean: normalise, filter and deduplicate the ingested documents.
 
-Input: a Parquet file of documents ``(id, text, source, location)`` (the ingest
-output; other columns are not carried over). Output: the same schema with
-normalised text, written in row groups; a quarantine JSONL of dropped documents
-(a bounded sample per reason, via :class:`pipeline.data.accounting.Ledger`); and a
-metrics dict.
+Input: a Parquet file of documents ``(id, text, source, location, chunk,
+offset)`` (the ingest output; ``chunk`` and ``offset`` may be absent, which
+reads as null; other columns are not carried over). Output: the same schema
+with normalised text, written in row groups; a quarantine JSONL of dropped
+documents (a bounded sample per reason, via
+:class:`pipeline.data.accounting.Ledger`, with their source and location:
+``byte:<offset>`` for a chunk); and a metrics dict.
+
+Chunks of a long text (``chunk`` not null) are filtered and deduplicated like
+any document. Their normalisation skips ``strip_blank_edges``: a chunk's blank
+lines are the text's paragraph breaks, and pack joins consecutive chunks back
+into one stream.
 
 Each document goes through, in order:
 
@@ -63,9 +70,11 @@ from pipeline.errors import StageError
 from pipeline.files import atomic_path, available_cores, write_json
 from pipeline.progress import progress
 
-SCHEMA = pa.schema(
-    [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]
-)
+SCHEMA = pa.schema([
+    ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
+    ("chunk", pa.int64()), ("offset", pa.int64()),
+])
+REQUIRED = SCHEMA.names[:4]  # chunk and offset are optional in the input (null: not a chunk)
 
 EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
@@ -89,7 +98,8 @@ class NormaliseConfig(_Section):
     strip_trailing_whitespace: bool = Field(True, description="strip whitespace at the end of every line")
     max_blank_lines: int | None = Field(
         2, ge=0, description="longer runs of blank lines are shortened to this; null = keep")
-    strip_blank_edges: bool = Field(True, description="drop blank lines at the start and end of the document")
+    strip_blank_edges: bool = Field(
+        True, description="drop blank lines at the start and end of the document (not of a chunk of a text)")
 
 
 class ExactDedupConfig(_Section):
@@ -198,32 +208,34 @@ _worker: dict[str, Any] = {}
 def _init_worker(cfg: CleanConfig) -> None:
     _worker["cfg"] = cfg
     _worker["filters"] = cfg.filters.enabled()
+    _worker["chunk_normalise"] = cfg.normalise.model_copy(update={"strip_blank_edges": False})
 
 
-def process_batch(texts: list[str | None]) -> list[Result]:
-    """Normalise, filter, hash and sketch one batch. Pure given the config set by
-    :func:`_init_worker`, so batches can run in any process in any order."""
+def process_batch(texts: list[str | None], chunks: list[bool] | None = None) -> list[Result]:
+    """Normalise, filter, hash and sketch one batch; ``chunks`` marks the texts that
+    are chunks of a longer text (their blank edges are kept). Pure given the config
+    set by :func:`_init_worker`, so batches can run in any process in any order."""
     # The filters build many short-lived tuples (n-grams) and no reference cycles;
     # pausing the cyclic GC for the batch saves ~25% of the time.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _process_batch(texts)
+        return _process_batch(texts, chunks or [False] * len(texts))
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _process_batch(texts: list[str | None]) -> list[Result]:
+def _process_batch(texts: list[str | None], chunks: list[bool]) -> list[Result]:
     cfg: CleanConfig = _worker["cfg"]
     enabled = _worker["filters"]
     near = cfg.near_dedup
     out: list[Result] = []
     shingle_sets: list[list[str]] = []
     sketched: list[int] = []
-    for raw in texts:
+    for raw, is_chunk in zip(texts, chunks):
         raw = raw or ""
-        text = normalise(raw, cfg.normalise)
+        text = normalise(raw, _worker["chunk_normalise"] if is_chunk else cfg.normalise)
         changed = text != raw
         fail = first_failure(text, enabled)
         if fail is not None:
@@ -327,24 +339,34 @@ def _open_input(in_path: Path) -> pq.ParquetFile:
         pf = pq.ParquetFile(in_path, pre_buffer=False)
     except (pa.ArrowInvalid, OSError) as e:
         raise CleanError(f"{in_path} is not a readable Parquet file: {e}") from None
-    missing = [n for n in SCHEMA.names if n not in pf.schema_arrow.names]
+    missing = [n for n in REQUIRED if n not in pf.schema_arrow.names]
     if missing:
         raise CleanError(f"{in_path} lacks column(s) {missing}; has {pf.schema_arrow.names}")
     return pf
+
+
+def _batches(pf: pq.ParquetFile, batch_docs: int) -> Iterator[pa.RecordBatch]:
+    """Input batches in SCHEMA; absent optional columns read as null."""
+    names = [n for n in SCHEMA.names if n in pf.schema_arrow.names]
+    for b in pf.iter_batches(batch_size=batch_docs, columns=names):
+        columns = [b.column(n) if n in names else pa.nulls(b.num_rows, f.type) for n, f in zip(SCHEMA.names, SCHEMA)]
+        yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
+
+
+def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
+    chunk = b.column(4)
+    return b.column(1).to_pylist(), (chunk.is_valid().to_pylist() if chunk.null_count < len(chunk) else None)
 
 
 def _processed(pf: pq.ParquetFile, cfg: CleanConfig, workers: int) -> Iterator[tuple[pa.RecordBatch, list[Result]]]:
     """Yield (input batch, per-document results) in input order. With workers > 1,
     at most 2 x workers batches are in flight, so reading never runs ahead of
     processing (Pool.imap or Executor.map would consume the whole input eagerly)."""
-    batches = (
-        b if b.schema.equals(SCHEMA) else b.cast(SCHEMA)
-        for b in pf.iter_batches(batch_size=cfg.batch_docs, columns=SCHEMA.names)
-    )
+    batches = _batches(pf, cfg.batch_docs)
     if workers == 1:
         _init_worker(cfg)
         for b in batches:
-            yield b, process_batch(b.column(1).to_pylist())
+            yield b, process_batch(*_task(b))
         return
     # spawn, not fork: the parent has pyarrow and tqdm threads running. A process
     # pool executor, not multiprocessing.Pool: when a worker dies (OOM kill, or a
@@ -355,7 +377,7 @@ def _processed(pf: pq.ParquetFile, cfg: CleanConfig, workers: int) -> Iterator[t
     try:
         pending: deque = deque()
         for b in batches:
-            pending.append((b, pool.submit(process_batch, b.column(1).to_pylist())))
+            pending.append((b, pool.submit(process_batch, *_task(b))))
             if len(pending) >= 2 * workers:
                 b0, fut = pending.popleft()
                 yield b0, fut.result()
@@ -432,8 +454,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             if kept_texts:
                 kept = batch.filter(pa.array(keep))
                 pending.append(pa.RecordBatch.from_arrays(
-                    [kept.column(0), pa.array(kept_texts, pa.string()), kept.column(2), kept.column(3)],
-                    schema=SCHEMA))
+                    [kept.column(0), pa.array(kept_texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
                 pending_rows += len(kept_texts)
                 docs_out += len(kept_texts)
                 if pending_rows >= cfg.row_group_docs:

@@ -1,10 +1,16 @@
 """ingest: read raw sources into one table of documents.
 
 Input: ``ingest.sources``, a list of ``{path, format, text_field, split_by}``.
-Output: a Parquet file of documents ``(id, text, source, location)`` and a
-quarantine JSONL of skipped records. ``id`` is stable: a hash of the source
-(with placeholders such as ``{stdlib}`` kept unexpanded, so ids agree across
-machines) and the location inside it.
+Output: a Parquet file of documents ``(id, text, source, location, chunk,
+offset)`` and a quarantine JSONL of skipped records. ``id`` is stable: a hash of
+the source (with placeholders such as ``{stdlib}`` kept unexpanded, so ids agree
+across machines) and the location inside it.
+
+``split_by: chunk`` cuts a long text file into contiguous chunks (see
+:func:`read_chunks`): each chunk is a document whose ``chunk`` column holds its
+index in the file and ``offset`` its byte offset; the other modes leave both
+null. Joined back in ``chunk`` order, the chunks of a file are the file's bytes,
+less any chunk that was skipped (and the skip is counted).
 
 Every record read either becomes a document or is counted in the ledger with a
 reason; nothing is dropped silently. A missing path is an error raised before
@@ -24,7 +30,7 @@ from typing import Callable, Iterator, Literal, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.config import StageConfig
 from pipeline.data.accounting import Ledger
@@ -33,7 +39,7 @@ from pipeline.files import atomic_path, write_json
 from pipeline.progress import progress
 
 Format = Literal["auto", "text", "jsonl", "json", "parquet", "csv", "hf"]
-SplitBy = Literal["file", "paragraph", "line"]
+SplitBy = Literal["file", "paragraph", "line", "chunk"]
 
 # Placeholders usable at the start of a source path. They are resolved at run
 # time, so the same params.yaml works on every machine.
@@ -49,9 +55,12 @@ SUFFIX_FORMATS: dict[str, str] = {
     ".csv": "csv",
 }
 
-SCHEMA = pa.schema(
-    [("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string())]
-)
+SCHEMA = pa.schema([
+    ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
+    ("chunk", pa.int64()), ("offset", pa.int64()),
+])
+
+DEFAULT_CHUNK_BYTES = 65_536
 
 BINARY_SNIFF_BYTES = 8192
 
@@ -62,25 +71,57 @@ class Source(BaseModel):
     path: str = Field(min_length=1, description="a file, a directory or a glob; may start with {stdlib}")
     format: Format = "auto"
     text_field: str = Field("text", min_length=1, description="field/column holding the text (record formats)")
-    split_by: SplitBy = Field("file", description="one document per file/record, per blank-line paragraph, or per line")
+    split_by: SplitBy = Field(
+        "file", description="one document per file/record, per blank-line paragraph, per line, "
+                            "or per chunk of a text file (packed back to back)")
     split: str = Field("train", description="dataset split, for format hf")
     exclude: list[str] = Field(
         default_factory=list,
         description="fnmatch patterns on the displayed path ('*' crosses '/'), e.g. '*/site-packages/*'",
     )
+    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=1, description="split_by: chunk only: bytes per chunk, "
+                             "cut at line ends; at most max_doc_bytes")
+
+    # Source is not a StageConfig: defaults are not validated, so these run only on
+    # values written in params.yaml.
+    @field_validator("split_by")
+    @classmethod
+    def _chunk_reads_text(cls, split_by: str, info: ValidationInfo) -> str:
+        fmt = info.data.get("format")
+        if split_by == "chunk" and fmt not in (None, "auto", "text"):
+            raise ValueError(f"chunk cuts plain text files; format {fmt!r} is a record format "
+                             "(use file, paragraph or line)")
+        return split_by
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _chunk_bytes_needs_chunk(cls, chunk_bytes: int, info: ValidationInfo) -> int:
+        if info.data.get("split_by", "file") != "chunk":
+            raise ValueError("applies only to split_by: chunk")
+        return chunk_bytes
 
 
 class IngestConfig(StageConfig):
     sources: list[Source] = Field(
         default_factory=lambda: [Source(path="{stdlib}/**/*.py", exclude=["*/site-packages/*", "*/dist-packages/*"])],
         min_length=1,
-        description="list of {path, format, text_field, split_by, split, exclude}; see 'ingest sources' above",
+        description="list of {path, format, text_field, split_by, split, exclude, chunk_bytes}; "
+                    "see 'ingest sources' above",
     )
     max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents; null = no cap")
-    max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large")
+    max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large "
+                               "(split_by: chunk never skips a file for its size, only a longer line)")
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
     row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
+
+    @model_validator(mode="after")
+    def _chunks_fit(self) -> "IngestConfig":
+        for i, src in enumerate(self.sources):
+            if src.split_by == "chunk" and src.chunk_bytes > self.max_doc_bytes:
+                raise ValueError(f"sources.{i}.chunk_bytes={src.chunk_bytes} exceeds max_doc_bytes="
+                                 f"{self.max_doc_bytes}; lower it or raise max_doc_bytes")
+        return self
 
 
 class IngestError(StageError):
@@ -171,7 +212,11 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         if not candidates:
             raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})")
         for c in candidates:
-            files.append(InputFile(c, _display(c, ph, value), fmt if fmt != "auto" else _infer_format(c), src))
+            f = InputFile(c, _display(c, ph, value), fmt if fmt != "auto" else _infer_format(c), src)
+            if src.split_by == "chunk" and f.format != "text":
+                raise IngestError(f"{where}: split_by: chunk cuts plain text files, but {f.display} reads as "
+                                  f"{f.format} (set format: text to cut it as text, or exclude it)")
+            files.append(f)
     return files
 
 
@@ -182,6 +227,8 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
 class Doc:
     location: str
     text: str
+    chunk: int | None = None  # split_by: chunk: index in the file, and byte offset
+    offset: int | None = None
 
 
 @dataclass
@@ -242,6 +289,9 @@ def _texts(text: object, split_by: str, base: str, max_doc_bytes: int) -> Iterat
 
 
 def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    if f.source.split_by == "chunk":
+        yield from read_chunks(f, cfg)
+        return
     size = f.path.stat().st_size
     if size == 0:
         yield Skip("empty_file", "file")
@@ -297,6 +347,73 @@ def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
                 para, para_bytes = [], 0
         if para:
             yield from _emit_para(para, para_start, para_bytes, cfg)
+
+
+def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    """``split_by: chunk``: cut a text file into chunks of about ``chunk_bytes``,
+    streaming, so a file of any size is read (none is skipped for its size).
+
+    A chunk takes whole lines while it stays within ``chunk_bytes``; the next
+    non-blank line that would overflow it starts the next chunk. Blank lines
+    never start a chunk: they stay at the end of the one before (up to
+    ``max_doc_bytes``), so a run of blank lines is never cut in two and clean
+    normalises it as it would in the whole file. A line longer than
+    ``chunk_bytes`` is not cut: it ends the chunk it is in, which may therefore be
+    larger; a line longer than ``max_doc_bytes`` is skipped as ``too_large``.
+
+    Every chunk gets the next index, skipped ones too (``non_utf8`` for a chunk
+    with an invalid byte, ``empty_text`` for one of only whitespace), so a gap in
+    the indices marks where text is missing. Locations are ``byte:<offset>``.
+    """
+    if f.path.stat().st_size == 0:
+        yield Skip("empty_file", "file")
+        return
+    chunk_bytes, max_line = f.source.chunk_bytes, cfg.max_doc_bytes
+    with open(f.path, "rb") as fh:
+        if b"\x00" in fh.read(BINARY_SNIFF_BYTES):
+            yield Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+            return
+        fh.seek(0)
+        lines: list[bytes] = []
+        size = start = pos = index = 0
+
+        def cut() -> Item:
+            nonlocal lines, size, start, index
+            item = _chunk(b"".join(lines), index, start)
+            lines, size, start, index = [], 0, pos, index + 1
+            return item
+
+        while line := fh.readline(max_line + 1):
+            if len(line) > max_line:
+                if lines:
+                    yield cut()
+                n, head = len(line), line
+                while not line.endswith(b"\n") and (line := fh.readline(1 << 20)):
+                    n += len(line)
+                yield Skip("too_large", f"byte:{pos}", detail=f"a line of {n} bytes > max_doc_bytes={max_line}",
+                           text=head[:4000].decode("utf-8", "replace"))
+                pos += n
+                start, index = pos, index + 1
+                continue
+            blank = not line.strip()
+            if lines and size + len(line) > (max_line if blank else chunk_bytes):
+                yield cut()
+            lines.append(line)
+            size += len(line)
+            pos += len(line)
+        if lines:
+            yield cut()
+
+
+def _chunk(data: bytes, index: int, offset: int) -> Item:
+    loc = f"byte:{offset}"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Skip("non_utf8", loc, detail=f"chunk {index}: invalid UTF-8 at byte {offset + e.start} of the file")
+    if not text.strip():
+        return Skip("empty_text", loc, detail=f"chunk {index}: only whitespace")
+    return Doc(loc, text, chunk=index, offset=offset)
 
 
 def _emit_para(lines: list[str], start: int, nbytes: int, cfg: IngestConfig) -> Iterator[Item]:
@@ -496,7 +613,7 @@ def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | P
     docs = nbytes = 0
     per_source: dict[str, int] = {}
     capped = False
-    batch: dict[str, list[str]] = {k: [] for k in SCHEMA.names}
+    batch: dict[str, list] = {k: [] for k in SCHEMA.names}
 
     with atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
             progress(total=bar_total, unit="B", unit_scale=True, desc="ingest") as bar:
@@ -516,6 +633,8 @@ def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | P
             batch["text"].append(item.text)
             batch["source"].append(f.display)
             batch["location"].append(item.location)
+            batch["chunk"].append(item.chunk)
+            batch["offset"].append(item.offset)
             docs += 1
             nbytes += size
             per_source[f.source.path] = per_source.get(f.source.path, 0) + 1

@@ -1,7 +1,8 @@
 """pack: tokenize the clean documents and pack them into fixed-length training rows.
 
-Input: a Parquet table with columns ``id`` and ``text`` (``data/clean/docs.parquet``)
-and the trained ``tokenizer.json``. Output, under ``out_dir`` (``data/packed``)::
+Input: a Parquet table with columns ``id`` and ``text`` (``data/clean/docs.parquet``),
+and ``source`` and ``chunk`` where ingest cut long texts into chunks, and the
+trained ``tokenizer.json``. Output, under ``out_dir`` (``data/packed``)::
 
     train/shard-00000.arrow, train/shard-00001.arrow, ...
     val/shard-00000.arrow, ...
@@ -9,18 +10,38 @@ and the trained ``tokenizer.json``. Output, under ``out_dir`` (``data/packed``):
 
 On-disk contract (format ``pipeline.pack/1``)
 ---------------------------------------------
-*Split.* A document is in ``val`` iff ``h(seed, id) < val_fraction · 2**64``, where
-``h`` is the 64-bit big-endian BLAKE2b digest of ``f"{seed}\\0{id}"`` (person
-``pack-spl``). A document therefore always lands in the same split, whatever the
-worker count, batch size or row order. Tiny corpora: when no document hashes into
-``val``, the one with the smallest ``h`` is moved there; when every document does,
-the one with the largest ``h`` goes to ``train``. A corpus needs at least two
-distinct ids; the moved ids are recorded in the manifest under ``forced``.
+*Split* (``val_by: hash``, the default). A document is in ``val`` iff
+``h(seed, id) < val_fraction · 2**64``, where ``h`` is the 64-bit big-endian
+BLAKE2b digest of ``f"{seed}\\0{id}"`` (person ``pack-spl``). A document, or a
+chunk, therefore always lands wholly in the same split, whatever the worker
+count, batch size or row order.
 
-*Token stream.* Per split, documents in table order, each encoded with special-token
-parsing off (a literal ``"<|endoftext|>"`` in the text is ordinary bytes) and
-followed by one EOT id. A document that encodes to no tokens contributes nothing,
-not even EOT, and is counted as ``empty_docs``.
+*Split by position* (``val_by: position``), for long texts cut into chunks: the
+end of each file goes to ``val``, as nanoGPT holds out the end of its text. A
+chunk goes to val iff its middle byte lies in the last ``val_fraction`` of its
+file's text (the text of the file's chunks in the table, in chunk order), so a
+file of one chunk stays in train. Documents that are not chunks are split by
+hash. Either way each document gets a score ``u`` (the hash, or
+``(1 - middle / file bytes) · 2**64``) and goes to val iff ``u`` is below the
+threshold.
+
+*Tiny corpora.* When no document scores into ``val``, the one with the smallest
+``u`` is moved there; when every document does, the one with the largest goes to
+``train``. A corpus needs at least two distinct ids; the moved ids are recorded
+in the manifest under ``forced``.
+
+*Token stream.* Per split, documents in table order, each encoded with
+special-token parsing off (a literal ``"<|endoftext|>"`` in the text is ordinary
+bytes) and followed by one EOT id, except that a chunk joins the document before
+it in its split, with no EOT and no document start between them, when that
+document is the previous chunk of the same file (same ``source``, ``chunk`` one
+less). Consecutive chunks that both survived cleaning and landed in the same
+split are thus one document, the text of the file as one stream; a chunk dropped
+by clean (or sent to the other split, or empty) leaves a gap in the indices and
+so a document boundary. The decision uses the recorded ``source`` and ``chunk``,
+never the rows' position alone. A document that encodes to no tokens
+contributes nothing, not even EOT, and is counted as ``empty_docs``; the
+manifest counts the joins per split as ``joined``.
 
 *Rows.* The stream is cut into consecutive rows of ``row_len = seq_len + 1`` tokens;
 training uses ``inputs = row[:-1]`` and ``targets = row[1:]``. The last
@@ -32,9 +53,10 @@ their count is ``dropped_tail_tokens``.
 ``max(1, shard_tokens // row_len)`` rows per shard. Every ``doc_starts`` offset
 ``p > 0`` has ``row[p - 1] == eot_id``; the schema metadata adds ``eot_id``. The
 manifest's own fields are ``seed``, ``val_fraction``, ``docs``, ``forced`` (id ->
-split) and ``tokens`` (both splits), and each split lists ``docs``,
-``empty_docs``, ``tokens`` (incl. EOTs; ``= rows · row_len + dropped_tail_tokens``),
-``rows`` and ``dropped_tail_tokens``. Read it with
+split), ``tokens`` (both splits) and ``val_by``, and each split lists ``docs``,
+``empty_docs``, ``joined`` (chunks packed onto the chunk before), ``tokens``
+(incl. EOTs; ``= rows · row_len + dropped_tail_tokens``), ``rows`` and
+``dropped_tail_tokens``. Read it with
 :class:`pipeline.data.shards.PackedRows`.
 
 Speed: tokenization runs in ``num_workers`` processes, each with its own
@@ -61,7 +83,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain, pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -73,7 +95,6 @@ from pipeline.config import StageConfig
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
     EOT_ID,
-    load_specials,
     load_tokenizer,
     open_docs,
     open_tokenizer,
@@ -92,7 +113,8 @@ MAX_SHARD_TOKENS = 1 << 26
 
 class PackConfig(StageConfig):
     seq_len: int = Field(256, ge=8, le=1_048_576, description="tokens a model sees per row; rows hold seq_len + 1")
-    val_fraction: float = Field(0.05, gt=0.0, le=0.5, description="share of documents in the val split")
+    val_fraction: float = Field(0.05, gt=0.0, le=0.5,
+                                description="share of documents (val_by: position: of each chunked text) in val")
     seed: int = Field(0, ge=0, description="chooses the train/val split")
     num_workers: int = Field(0, ge=0, le=512, description="tokenizer processes; 0 = one per available core")
     shard_tokens: int = Field(1 << 23, ge=1, le=MAX_SHARD_TOKENS,
@@ -100,6 +122,9 @@ class PackConfig(StageConfig):
     batch_docs: int = Field(1024, ge=1, le=1_000_000, description="documents read from Parquet at a time")
     task_bytes: int = Field(1_000_000, ge=1_000, le=1_000_000_000,
                             description="text bytes per tokenizer task (a larger document is one task)")
+    val_by: Literal["hash", "position"] = Field(
+        "hash", description="hash: each document or chunk goes to val by hash(seed, id); position: the last "
+                            "val_fraction of each text cut with ingest split_by: chunk (other documents by hash)")
 
 
 class PackError(StageError):
@@ -124,42 +149,91 @@ class SplitPlan:
     seed: int
     threshold: int
     forced: dict[str, str] = field(default_factory=dict)
+    # val_by: position: source -> index of its first val chunk (a file's val chunks are its last ones)
+    first_val_chunk: dict[str, int] | None = None
 
-    def split_of(self, doc_id: str) -> str:
+    def split_of(self, doc_id: str, source: str | None = None, chunk: int | None = None) -> str:
         if doc_id in self.forced:
             return self.forced[doc_id]
+        if self.first_val_chunk is not None and chunk is not None:
+            first = self.first_val_chunk.get(source)  # type: ignore[arg-type]
+            return "val" if first is not None and chunk >= first else "train"
         return "val" if split_hash(self.seed, doc_id) < self.threshold else "train"
 
 
-def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str = "documents") -> SplitPlan:
-    """Read the ``id`` column once to apply the tiny-corpus rules (see the module
-    docstring). Raises PackError on an empty corpus, null ids, or fewer than two ids."""
+def position_score(before: int, nbytes: int, total: int) -> int:
+    """``u`` of a chunk for ``val_by: position``: ``(1 - middle / total) · 2**64``,
+    rounded down, in integers; below ``val_threshold(f)`` iff the chunk's middle
+    byte lies in the last ``f`` of its file's text."""
+    if total <= 0:
+        return 2**64 - 1
+    return ((2 * total - 2 * before - nbytes) << 64) // (2 * total)
+
+
+def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str = "documents",
+                val_by: str = "hash") -> SplitPlan:
+    """Read the ``id`` column once (and, with ``val_by: position``, ``source``,
+    ``chunk`` and the text's length) to score every document and apply the
+    tiny-corpus rules (see the module docstring). Raises PackError on an empty
+    corpus, null ids, fewer than two ids, or ``position`` without chunks."""
     threshold = val_threshold(val_fraction)
+    position = val_by == "position"
+    if position and not {"source", "chunk"} <= set(pf.schema_arrow.names):
+        raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but the "
+                        "documents have no chunk column; use ingest split_by: chunk, or pack.val_by: hash")
     n = n_val = 0
-    lo: tuple[int, str] | None = None
-    hi: tuple[int, str] | None = None
-    for batch in pf.iter_batches(batch_size=65_536, columns=["id"]):
+    lo: tuple[int, int, str] | None = None  # (u, row, id): the first of the smallest scores
+    hi: tuple[int, int, str] | None = None  # (u, -row, id): the first of the largest
+
+    def score(u: int, row: int, doc_id: str) -> None:
+        nonlocal n_val, lo, hi
+        n_val += u < threshold
+        if lo is None or (u, row) < lo[:2]:
+            lo = (u, row, doc_id)
+        if hi is None or (u, -row) > hi[:2]:
+            hi = (u, -row, doc_id)
+
+    files: dict[str | None, list[tuple[int, int, int, str]]] = {}  # source -> [(chunk, bytes, row, id)]
+    columns = ["id", "source", "chunk", "text"] if position else ["id"]
+    for batch in pf.iter_batches(batch_size=65_536, columns=columns):
         col = batch.column(0)
         if col.null_count:
             raise PackError(f"{where}: {col.null_count} document(s) have a null id")
-        for doc_id in col.to_pylist():
-            h = split_hash(seed, doc_id)
+        if position:
+            chunks = batch.column(2).to_pylist()
+            sources = batch.column(1).to_pylist()
+            sizes = pc.fill_null(pc.binary_length(batch.column(3)), 0).to_pylist()
+        for i, doc_id in enumerate(col.to_pylist()):
+            if position and chunks[i] is not None:
+                files.setdefault(sources[i], []).append((chunks[i], sizes[i], n, doc_id))
+            else:
+                score(split_hash(seed, doc_id), n, doc_id)
             n += 1
-            n_val += h < threshold
-            if lo is None or h < lo[0]:
-                lo = (h, doc_id)
-            if hi is None or h > hi[0]:
-                hi = (h, doc_id)
+    if position and not files:
+        raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but no "
+                        "document is a chunk; use ingest split_by: chunk, or pack.val_by: hash")
+    first_val: dict[str, int] | None = {} if position else None
+    for source, chunks_of in files.items():
+        chunks_of.sort(key=lambda c: c[0])
+        total = sum(c[1] for c in chunks_of)
+        before = 0
+        for chunk, nbytes, row, doc_id in chunks_of:
+            u = position_score(before, nbytes, total)
+            score(u, row, doc_id)
+            if u < threshold and source not in first_val:  # type: ignore[operator]
+                first_val[source] = chunk  # type: ignore[index]
+            before += nbytes
     if n == 0:
         raise PackError(f"{where}: the corpus is empty; nothing to pack")
-    if lo is None or hi is None or lo[1] == hi[1]:
-        raise PackError(f"{where}: {n} document(s) with one distinct id; train and val need at least two documents")
+    if lo is None or hi is None or lo[2] == hi[2]:
+        raise PackError(f"{where}: {n} document(s) with one distinct id; train and val need at least two "
+                        "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes)")
     forced: dict[str, str] = {}
     if n_val == 0:
-        forced[lo[1]] = "val"
+        forced[lo[2]] = "val"
     elif n_val == n:
-        forced[hi[1]] = "train"
-    return SplitPlan(n, seed, threshold, forced)
+        forced[hi[2]] = "train"
+    return SplitPlan(n, seed, threshold, forced, first_val)
 
 
 # --- workers ----------------------------------------------------------------------------------
@@ -185,28 +259,54 @@ def _init_worker(tokenizer_path: str, plan: SplitPlan, schema: pa.Schema, parent
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=load_tokenizer(tokenizer_path), eot=load_specials(tokenizer_path).eot_id, plan=plan,
-                   schema=schema)
+    _WORKER.update(tok=load_tokenizer(tokenizer_path), plan=plan, schema=schema)
 
 
-def encode_docs(tok: Any, texts: list[str], eot_id: int = EOT_ID) -> tuple[np.ndarray, np.ndarray, int]:
-    """Encode ``texts``; return (flat ids with ``eot_id`` after each non-empty doc,
-    per-doc lengths including that EOT, number of docs that gave no tokens). The
-    end-of-text id is the tokenizer's own (``Specials.eot_id``)."""
+def encode_docs(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Encode ``texts``; return (flat ids of the docs that gave tokens, their token
+    counts, a mask over ``texts`` of those docs). No EOT: :meth:`SplitWriter.add`
+    separates documents."""
     encs = tok.encode_batch(texts)
     lens = np.fromiter(map(len, encs), np.int64, count=len(encs))
     flat = np.fromiter(chain.from_iterable(e.ids for e in encs), np.int32, count=int(lens.sum()))
-    kept = lens[lens > 0]
-    flat = np.insert(flat, np.cumsum(kept), np.int32(eot_id))
-    return flat, (kept + 1).astype(np.int32), len(lens) - len(kept)
+    return flat, lens[lens > 0], lens > 0
+
+
+Key = tuple[str, int]  # (source, chunk) of a chunk of a long text
+
+
+def follows(prev: Key | None, key: Key | None) -> bool:
+    """Whether ``key`` is the chunk right after ``prev`` in the same file."""
+    return prev is not None and key is not None and key[0] == prev[0] and key[1] == prev[1] + 1
+
+
+@dataclass
+class Part:
+    """One task's documents routed to one split, encoded."""
+
+    flat: np.ndarray  # token ids of the docs that gave tokens, back to back
+    lens: np.ndarray  # their token counts
+    joins: np.ndarray  # bool per such doc: it continues the doc before it (joins[0] is decided by the writer)
+    docs: int  # docs routed here, including empty ones
+    empty: int  # docs that gave no tokens
+    head: Key | None  # key of the first and last doc that gave tokens (None: not a chunk)
+    tail: Key | None
+
+
+def encode_part(tok: Any, texts: list[str], keys: list[Key | None]) -> Part:
+    flat, lens, nonempty = encode_docs(tok, texts)
+    kept = [k for k, ok in zip(keys, nonempty) if ok]
+    joins = np.zeros(len(kept), bool)
+    joins[1:] = [follows(a, b) for a, b in pairwise(kept)]
+    return Part(flat, lens, joins, len(texts), len(texts) - len(kept),
+                kept[0] if kept else None, kept[-1] if kept else None)
 
 
 @dataclass
 class Encoded:
     docs: int
     text_bytes: int
-    # split -> (flat ids, doc lengths incl. EOT, docs routed there, docs with no tokens)
-    parts: dict[str, tuple[np.ndarray, np.ndarray, int, int]]
+    parts: dict[str, Part]
 
 
 def _encode_task(message: bytes) -> Encoded:
@@ -214,24 +314,30 @@ def _encode_task(message: bytes) -> Encoded:
     plan: SplitPlan = _WORKER["plan"]
     texts_col = batch.column(1)
     nbytes = pc.sum(pc.binary_length(texts_col)).as_py() or 0
-    routed: dict[str, list[str]] = {s: [] for s in SPLITS}
-    for doc_id, text in zip(batch.column(0).to_pylist(), texts_col.to_pylist()):
-        routed[plan.split_of(doc_id)].append(text or "")
-    parts = {}
-    for split, texts in routed.items():
-        flat, lens, empty = encode_docs(_WORKER["tok"], texts, _WORKER["eot"])
-        parts[split] = (flat, lens, len(texts), empty)
-    return Encoded(batch.num_rows, nbytes, parts)
+    keys: list[Key | None] = [None] * batch.num_rows
+    if batch.num_columns == 4 and batch.column(3).null_count < batch.num_rows:
+        keys = [None if c is None else (s, c) for s, c in zip(batch.column(2).to_pylist(), batch.column(3).to_pylist())]
+    routed: dict[str, tuple[list[str], list[Key | None]]] = {s: ([], []) for s in SPLITS}
+    for doc_id, text, key in zip(batch.column(0).to_pylist(), texts_col.to_pylist(), keys):
+        texts, split_keys = routed[plan.split_of(doc_id, *(key or (None, None)))]
+        texts.append(text or "")
+        split_keys.append(key)
+    return Encoded(batch.num_rows, nbytes, {s: encode_part(_WORKER["tok"], *r) for s, r in routed.items()})
 
 
 def resolve_workers(num_workers: int) -> int:
     return num_workers or available_cores()
 
 
+def task_columns(pf: pq.ParquetFile) -> list[str]:
+    """What a worker reads: ``id`` and ``text``, and ``source`` and ``chunk`` where present."""
+    return ["id", "text", *(["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else [])]
+
+
 def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[bytes]:
     """Cut the table into runs of about ``task_bytes`` of text, as IPC messages: a
     sliced batch pickles its whole parent buffers, IPC writes only the slice."""
-    for batch in pf.iter_batches(batch_size=batch_docs, columns=["id", "text"]):
+    for batch in pf.iter_batches(batch_size=batch_docs, columns=task_columns(pf)):
         if batch.num_rows == 0:
             continue
         ends = np.cumsum(pc.fill_null(pc.binary_length(batch.column(1)), 0).to_numpy(), dtype=np.int64)
@@ -250,7 +356,7 @@ def _encoded_batches(pf: pq.ParquetFile, tokenizer_path: Path, plan: SplitPlan, 
     ctx = mp.get_context("spawn")
     window: deque[Future] = deque()
     max_in_flight = 2 * workers + 2
-    schema = pa.schema([pf.schema_arrow.field("id"), pf.schema_arrow.field("text")])
+    schema = pa.schema([pf.schema_arrow.field(name) for name in task_columns(pf)])
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(str(tokenizer_path), plan, schema, os.getpid())) as ex:
         try:
@@ -293,10 +399,12 @@ def cut_rows(stream: np.ndarray, starts: np.ndarray, row_len: int
 
 
 class SplitWriter:
-    """Accumulates one split's token stream into shards of ``shard_rows`` rows."""
+    """Accumulates one split's token stream into shards of ``shard_rows`` rows.
+    :meth:`add` is where documents are separated by ``eot_id``, the tokenizer's
+    own end-of-text id (``run_pack`` passes it from the tokenizer folder)."""
 
     def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int, eot_id: int = EOT_ID):
-        self.split, self.row_len, self.shard_rows = split, row_len, shard_rows
+        self.split, self.row_len, self.shard_rows, self.eot_id = split, row_len, shard_rows, eot_id
         self.writer = ShardWriter(out_dir, split, packed_schema(row_len, eot_id))
         self.carry = np.empty(0, np.int32)
         self.carry_starts = np.empty(0, np.int64)
@@ -304,17 +412,37 @@ class SplitWriter:
         self.buf_rows = 0
         self.counts: list[np.ndarray] = []
         self.offsets: list[np.ndarray] = []
-        self.docs = self.empty_docs = self.tokens = self.rows = 0
+        self.docs = self.empty_docs = self.joined = self.tokens = self.rows = 0
+        self.last: Key | None = None  # key of the last document added, if a chunk
+        self.open = False  # a document has been added and awaits its EOT
 
-    def add(self, flat: np.ndarray, lens: np.ndarray, docs: int, empty: int) -> None:
-        self.docs += docs
-        self.empty_docs += empty
-        if not len(flat):
+    def add(self, part: Part) -> None:
+        """Append ``part``'s documents to the stream. A document is separated from
+        the one before by one EOT and starts a new segment, unless it is the next
+        chunk of the same file, which continues the previous document's segment
+        with no EOT. Each EOT is written before the document that it separates,
+        so that a chunk in the next task can still join; :meth:`finish` ends the
+        last document with its EOT."""
+        self.docs += part.docs
+        self.empty_docs += part.empty
+        if not len(part.lens):
             return
+        joins = part.joins.copy()
+        joins[0] = follows(self.last, part.head)
+        self.last = part.tail
+        self.joined += int(joins.sum())
+        begins = np.cumsum(part.lens) - part.lens  # each document's first token in part.flat
+        eot_before = ~joins
+        eot_before[0] &= self.open
+        self.open = True
+        flat = np.insert(part.flat, begins[eot_before], np.int32(self.eot_id))
+        begins += np.cumsum(eot_before)  # ... in flat, after the EOTs inserted
+        self._append(flat, begins[~joins])
+
+    def _append(self, flat: np.ndarray, doc_starts: np.ndarray) -> None:
         self.tokens += len(flat)
-        doc_starts = np.cumsum(lens, dtype=np.int64) - lens + len(self.carry)
         stream = np.concatenate((self.carry, flat))
-        starts = np.concatenate((self.carry_starts, doc_starts))
+        starts = np.concatenate((self.carry_starts, doc_starts + len(self.carry)))
         rows, counts, offsets, self.carry, self.carry_starts = cut_rows(stream, starts, self.row_len)
         done = 0
         while done < len(rows):
@@ -343,13 +471,16 @@ class SplitWriter:
         self.counts, self.offsets = [], []
 
     def finish(self) -> dict:
+        if self.open:
+            self._append(np.array([self.eot_id], np.int32), np.empty(0, np.int64))
+            self.open = False
         self._flush()
         self.buf = np.empty((0, self.row_len), np.int32)
         dropped = len(self.carry)
         if self.tokens != self.rows * self.row_len + dropped:
             raise AssertionError(f"{self.split}: token accounting is off")
-        return {"docs": self.docs, "empty_docs": self.empty_docs, "tokens": self.tokens, "rows": self.rows,
-                "dropped_tail_tokens": dropped, "shards": self.writer.shards}
+        return {"docs": self.docs, "empty_docs": self.empty_docs, "joined": self.joined, "tokens": self.tokens,
+                "rows": self.rows, "dropped_tail_tokens": dropped, "shards": self.writer.shards}
 
 
 def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path, out_dir: str | Path) -> dict:
@@ -359,7 +490,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
 
     Returns metrics: docs, bytes (of text), tokens, train_rows, val_rows, tokens_per_s,
     mb_per_s (text MB), workers, pack_seconds. The manifest is the report: per
-    split docs, empty_docs, tokens, dropped_tail_tokens and the shards.
+    split docs, empty_docs, joined, tokens, dropped_tail_tokens and the shards.
     Raises PackError on missing input or tokenizer, an empty or single-document
     corpus, or a split too small to fill one row.
 
@@ -370,7 +501,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     docs_path, tokenizer_path, out_dir = Path(docs_path), Path(tokenizer_path), Path(out_dir)
     tok, specials = open_tokenizer(tokenizer_path, PackError)
     pf = open_docs(docs_path, PackError)
-    plan = plan_splits(pf, cfg.seed, cfg.val_fraction, where=str(docs_path))
+    plan = plan_splits(pf, cfg.seed, cfg.val_fraction, where=str(docs_path), val_by=cfg.val_by)
     workers = resolve_workers(cfg.num_workers)
     row_len = cfg.seq_len + 1
     clear_outputs(out_dir)
@@ -381,7 +512,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         with progress(total=plan.docs, unit="doc", desc="pack") as bar:
             for enc in _encoded_batches(pf, tokenizer_path, plan, workers, cfg.batch_docs, cfg.task_bytes):
                 for split, part in enc.parts.items():
-                    writers[split].add(*part)
+                    writers[split].add(part)
                 docs += enc.docs
                 text_bytes += enc.text_bytes
                 bar.update(enc.docs)
@@ -401,8 +532,8 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     total_tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
                    special_ids=specials, tokenizer_path=tokenizer_path, labels=False, splits=splits, fields={
-                       "seed": cfg.seed, "val_fraction": cfg.val_fraction, "docs": docs, "forced": plan.forced,
-                       "tokens": total_tokens})
+                       "seed": cfg.seed, "val_fraction": cfg.val_fraction, "val_by": cfg.val_by, "docs": docs,
+                       "forced": plan.forced, "tokens": total_tokens})
     seconds = time.perf_counter() - t0
     return {
         "docs": docs,

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, load_params, parse_section
-from pipeline.data.clean import SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
+from pipeline.data.clean import REQUIRED, SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
 from pipeline.files import read_json
 from tests.conftest import ROOT
 
@@ -26,7 +26,9 @@ def write_docs(path, texts, row_group_size=3):
         "source": [f"src/{i}.py" for i in range(len(texts))],
         "location": ["file"] * len(texts),
     }
-    pq.write_table(pa.table(rows, schema=SCHEMA), path, row_group_size=row_group_size)
+    # the ingest columns clean requires; chunk and offset are absent and read as null
+    pq.write_table(pa.table(rows, schema=pa.schema([SCHEMA.field(n) for n in REQUIRED])), path,
+                   row_group_size=row_group_size)
     return path
 
 
@@ -104,8 +106,10 @@ def test_blank_document_normalises_to_empty():
 def test_text_is_normalised_and_schema_kept(tmp_path):
     metrics, docs, _ = run(tmp_path, ["total = compute()   \r\nvalue = 2\r\n", "caf\u00e9 = brewed"])
     assert docs == [
-        {"id": "id000", "text": "total = compute()\nvalue = 2\n", "source": "src/0.py", "location": "file"},
-        {"id": "id001", "text": "caf\u00e9 = brewed", "source": "src/1.py", "location": "file"},
+        {"id": "id000", "text": "total = compute()\nvalue = 2\n", "source": "src/0.py", "location": "file",
+         "chunk": None, "offset": None},
+        {"id": "id001", "text": "caf\u00e9 = brewed", "source": "src/1.py", "location": "file",
+         "chunk": None, "offset": None},
     ]
     assert pq.read_schema(tmp_path / "out" / "docs.parquet").equals(SCHEMA)
     assert report(tmp_path)["docs_changed_by_normalise"] == 1
@@ -254,3 +258,39 @@ def test_stage_reports_a_missing_input_in_one_line(tmp_path):
     assert r.returncode == 2
     assert "error: stage clean failed: input not found: data/ingest/docs.parquet" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def write_chunks(path, chunks, row_group_size=2):
+    """Chunks of one text file (``source`` book.txt) in the full ingest schema."""
+    offsets = [0]
+    for c in chunks[:-1]:
+        offsets.append(offsets[-1] + len(c.encode()))
+    rows = {"id": [f"c{i:03d}" for i in range(len(chunks))], "text": chunks, "source": ["book.txt"] * len(chunks),
+            "location": [f"byte:{o}" for o in offsets], "chunk": list(range(len(chunks))), "offset": offsets}
+    pq.write_table(pa.table(rows, schema=SCHEMA), path, row_group_size=row_group_size)
+    return path
+
+
+def test_chunks_keep_their_blank_lines_and_are_accounted_like_documents(tmp_path):
+    paras = [prose(30, seed=s) for s in range(6)]
+    chunks = [f"{paras[0]}\n\n", f"{paras[1]}\n\n\n\n\n", f"{paras[2]} lorem ipsum\n\n", f"{paras[3]}   \n\n",
+              f"{paras[0]}\n\n", f"\n{paras[4]}\n{paras[5]}\n"]
+    inp = write_chunks(tmp_path / "in.parquet", chunks)
+    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    for workers in (2, 1):  # the same result either way; the second run is the one inspected
+        metrics = run_clean(cfg(num_workers=workers, batch_docs=2), inp, out, q, tmp_path / "out" / "report.json")
+        docs = pq.read_table(out).to_pylist()
+        if workers == 2:
+            first = (docs, q.read_text())
+    assert (docs, q.read_text()) == first and metrics["workers"] == 1
+    # blank edges stay (they are the text's paragraph breaks); runs are still capped, trailing spaces stripped
+    assert [(d["chunk"], d["text"]) for d in docs] == [
+        (0, f"{paras[0]}\n\n"), (1, f"{paras[1]}\n\n\n"), (3, f"{paras[3]}\n\n"), (5, f"\n{paras[4]}\n{paras[5]}\n")]
+    offsets = pq.read_table(inp).column("offset").to_pylist()
+    assert (docs[1]["source"], docs[1]["location"], docs[1]["offset"]) == ("book.txt", f"byte:{offsets[1]}", offsets[1])
+    rep = report(tmp_path)
+    assert rep["docs_in"] == 6 == metrics["docs"] + metrics["dropped"]
+    assert {k: v for k, v in rep["dropped"].items() if v} == {"c4_lorem_ipsum": 1, "exact_duplicate": 1}
+    quarantine = [json.loads(line) for line in q.read_text().splitlines()]
+    assert [(x["reason"], x["source"], x["location"]) for x in quarantine] == [
+        ("c4_lorem_ipsum", "book.txt", f"byte:{offsets[2]}"), ("exact_duplicate", "book.txt", f"byte:{offsets[4]}")]

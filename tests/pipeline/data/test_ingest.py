@@ -1,3 +1,4 @@
+import itertools
 import json
 import sysconfig
 
@@ -5,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_section
+from pipeline.config import ConfigError, parse_section
 from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
 from pipeline.files import read_json
 
@@ -164,3 +165,85 @@ def test_hidden_files_skipped_unless_asked(tmp_path):
     assert [f.path.name for f in resolve_sources(cfg(sources=[{"path": str(tmp_path)}]))] == ["shown.txt"]
     got = resolve_sources(cfg(sources=[{"path": str(tmp_path)}], include_hidden=True))
     assert sorted(f.path.name for f in got) == [".secret", "shown.txt"]
+
+
+# --- split_by: chunk ---------------------------------------------------------------------------
+
+
+def chunk_source(path, chunk_bytes=100, **kw):
+    return {"path": str(path), "split_by": "chunk", "chunk_bytes": chunk_bytes, **kw}
+
+
+def test_chunks_are_the_file_cut_at_line_ends(tmp_path):
+    f = tmp_path / "book.txt"
+    paras = [" ".join(f"word{i}x{j}" for j in range(1 + i % 9)) for i in range(200)]
+    text = "Title\n\n\n\n" + "".join(p + "\n" + "\n" * (i % 3) for i, p in enumerate(paras)) + "the end"
+    f.write_text(text)
+    metrics, docs, _ = run(tmp_path, sources=[chunk_source(f)])
+    assert "".join(d["text"] for d in docs) == text  # every byte, blank lines included
+    assert [d["chunk"] for d in docs] == list(range(len(docs))) and len(docs) > 20
+    offsets = [0, *(len(d["text"].encode()) for d in docs)]
+    for d, offset in zip(docs, itertools.accumulate(offsets)):
+        assert (d["offset"], d["location"], d["source"]) == (offset, f"byte:{offset}", str(f))
+        assert d["id"] == doc_id(str(f), d["location"])
+    for d, nxt in itertools.pairwise(docs):
+        assert d["text"].endswith("\n") and nxt["text"][0] != "\n"  # a blank-line run is never cut
+        # within chunk_bytes, except for the blank lines a chunk keeps at its end
+        assert len(d["text"].rstrip("\n").encode()) + 1 <= 100
+        assert len(d["text"].encode()) + len(nxt["text"].split("\n")[0]) + 1 > 100  # the next line did not fit
+    assert docs[0]["text"].startswith("Title\n\n\n\n")
+    assert metrics["skipped"] == 0
+
+
+def test_a_file_larger_than_max_doc_bytes_is_chunked_not_skipped(tmp_path):
+    f = tmp_path / "big.txt"
+    f.write_text("a line of text\n" * 2000)  # 30 kB
+    metrics, docs, _ = run(tmp_path, sources=[chunk_source(f, chunk_bytes=1000)], max_doc_bytes=5000)
+    assert metrics["skipped"] == 0 and "".join(d["text"] for d in docs) == f.read_text()
+    # as one document, the same file is still a counted too_large skip
+    (tmp_path / "small.txt").write_text("fits")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_doc_bytes=5000)
+    assert [d["text"] for d in docs] == ["fits"] and report(tmp_path)["skipped"] == {"too_large": 1}
+    assert [(q["reason"], q["source"]) for q in quarantine] == [("too_large", str(f))]
+
+
+def test_chunk_skips_are_counted_and_leave_a_gap(tmp_path):
+    f = tmp_path / "mixed.txt"
+    long_line = "y" * 250 + "\n"  # longer than chunk_bytes, shorter than max_doc_bytes
+    huge_line = "z" * 700 + "\n"  # longer than max_doc_bytes
+    data = (b"first line\n" + long_line.encode() + b"after long\n" + huge_line.encode()
+            + b"caf\xe9 is latin-1\n" + b"x" * 96 + b"\n" + b"last\n")
+    f.write_bytes(data)
+    metrics, docs, quarantine = run(tmp_path, sources=[chunk_source(f)], max_doc_bytes=500)
+    assert [(d["chunk"], d["text"]) for d in docs] == [
+        (0, "first line\n"), (1, long_line), (2, "after long\n"), (5, "x" * 96 + "\n"), (6, "last\n")]
+    assert report(tmp_path)["skipped"] == {"non_utf8": 1, "too_large": 1}
+    where = {q["reason"]: (q["source"], q["location"]) for q in quarantine}
+    huge_at = data.index(b"zzz")
+    assert where == {"too_large": (str(f), f"byte:{huge_at}"), "non_utf8": (str(f), f"byte:{huge_at + 701}")}
+    assert metrics["docs"] + metrics["skipped"] == 7  # every chunk index is a document or a skip
+
+
+def test_a_whitespace_chunk_is_a_counted_skip(tmp_path):
+    f = tmp_path / "w.txt"
+    f.write_text(" " * 150 + "\n" + "text\n")
+    metrics, docs, _ = run(tmp_path, sources=[chunk_source(f)])
+    assert [(d["chunk"], d["text"]) for d in docs] == [(1, "text\n")]
+    assert report(tmp_path)["skipped"] == {"empty_text": 1}
+
+
+@pytest.mark.parametrize("source, extra, msg", [
+    ({"split_by": "file", "chunk_bytes": 10}, {}, r"sources\.0\.chunk_bytes: .*only to split_by: chunk"),
+    ({"split_by": "chunk", "format": "jsonl"}, {}, r"sources\.0\.split_by: .*record format"),
+    ({"split_by": "chunk", "chunk_bytes": 2000}, {"max_doc_bytes": 1000}, r"chunk_bytes=2000 exceeds max_doc_bytes"),
+])
+def test_chunk_config_errors(source, extra, msg):
+    with pytest.raises(ConfigError, match=msg):
+        cfg(sources=[{"path": "x.txt", **source}], **extra)
+
+
+def test_chunk_refuses_a_record_file(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: split_by: chunk cuts plain text.*jsonl"):
+        resolve_sources(cfg(sources=[chunk_source(tmp_path / "a.jsonl")]))
+    assert resolve_sources(cfg(sources=[chunk_source(tmp_path / "a.jsonl", format="text")]))[0].format == "text"

@@ -56,18 +56,29 @@ def packed(docs, tmp_path_factory):
     return out, metrics
 
 
-def expected_streams(items, docs_path, tok_path, cfg):
-    """The token stream of each split, built the slow obvious way."""
+def expected_streams(items, docs_path, tok_path, cfg, keys=None):
+    """The token stream of each split, built the slow obvious way: documents in
+    table order, a chunk appended to the run before it when that run's last
+    document in the split is the previous chunk of the same file, each run closed
+    by EOT. ``keys`` holds (source, chunk) or None per item."""
     tok = load_tokenizer(tok_path)
-    plan = plan_splits(pq.ParquetFile(docs_path), cfg.seed, cfg.val_fraction)
-    streams, starts = {"train": [], "val": []}, {"train": [], "val": []}
-    for doc_id, text in items:
+    plan = plan_splits(pq.ParquetFile(docs_path), cfg.seed, cfg.val_fraction, val_by=cfg.val_by)
+    runs, last = {"train": [], "val": []}, {"train": None, "val": None}
+    for (doc_id, text), key in zip(items, keys or [None] * len(items)):
+        split = plan.split_of(doc_id, *(key or (None, None)))
         ids = tok.encode(text).ids
-        if ids:
-            split = plan.split_of(doc_id)
-            starts[split].append(len(streams[split]))
-            streams[split].extend(ids + [EOT_ID])
-    return {s: np.array(v, np.int32) for s, v in streams.items()}, starts
+        if not ids:
+            continue
+        prev, last[split] = last[split], key
+        if key is not None and prev is not None and (prev[0], prev[1] + 1) == key:
+            runs[split][-1].extend(ids)
+        else:
+            runs[split].append(list(ids))
+    streams, starts = {}, {}
+    for split, rs in runs.items():
+        starts[split] = list(np.cumsum([0] + [len(r) + 1 for r in rs[:-1]]))
+        streams[split] = np.array([t for r in rs for t in r + [EOT_ID]], np.int32)
+    return streams, starts
 
 
 def all_rows(split):
@@ -141,7 +152,8 @@ def test_manifest_and_accounting(docs, packed):
     assert (m["seq_len"], m["row_len"], m["eot_id"], m["pad_id"]) == (31, 32, 0, 1)
     assert m["vocab_size"] == load_tokenizer(tok).get_vocab_size()
     assert m["tokenizer_sha256"] == sha256_file(tok)
-    assert (m["seed"], m["val_fraction"], m["forced"]) == (3, 0.2, {})
+    assert (m["seed"], m["val_fraction"], m["val_by"], m["forced"]) == (3, 0.2, "hash", {})
+    assert m["splits"]["train"]["joined"] == m["splits"]["val"]["joined"] == 0  # no chunks here
     assert m["docs"] == len(items) == metrics["docs"] == m["splits"]["train"]["docs"] + m["splits"]["val"]["docs"]
     assert m["tokens"] == metrics["tokens"] == m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
     assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == 1
@@ -158,11 +170,11 @@ def test_manifest_and_accounting(docs, packed):
     assert metrics["tokens_per_s"] > 0 and metrics["mb_per_s"] > 0
 
 
-def test_worker_encoding_appends_one_eot_per_doc_and_ignores_special_strings(docs):
+def test_worker_encoding_ignores_special_strings_and_leaves_separation_to_the_writer(docs):
     _, tok, _ = docs
-    flat, lens, empty = encode_docs(load_tokenizer(tok), [f"a {EOT} b", "", "c"])
-    assert empty == 1 and len(lens) == 2 and lens.sum() == len(flat)
-    assert np.flatnonzero(flat == EOT_ID).tolist() == [lens[0] - 1, len(flat) - 1]
+    flat, lens, nonempty = encode_docs(load_tokenizer(tok), [f"a {EOT} b", "", "c"])
+    assert nonempty.tolist() == [True, False, True] and len(lens) == 2 and lens.sum() == len(flat)
+    assert EOT_ID not in flat.tolist()  # the literal string is ordinary bytes; no EOT yet
 
 
 def test_output_verifies_against_its_manifest(packed, tmp_path):
@@ -290,3 +302,108 @@ def test_split_hash_is_pinned():
     # changing the hash would silently reshuffle every existing train/val split
     assert split_hash(0, "doc0001") == 5218321516855388672
     assert split_hash(7, "abc") == 14866354295510190835
+
+
+# --- chunks of long texts ---------------------------------------------------------------------
+
+
+def write_chunked(path, rows):
+    """rows: (id, text, source, chunk or None) in table order."""
+    import pyarrow as pa
+
+    pq.write_table(pa.table({
+        "id": [r[0] for r in rows], "text": [r[1] for r in rows], "source": [r[2] for r in rows],
+        "location": ["x"] * len(rows), "chunk": pa.array([r[3] for r in rows], pa.int64()),
+        "offset": pa.array([None] * len(rows), pa.int64()),
+    }), path, row_group_size=37)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chunked(docs, tmp_path_factory):
+    """Chunked files around plain documents: a.txt with chunk 7 missing (dropped by
+    clean) and chunks 11 and 10 in swapped rows, then c.txt's chunk 30, then b.txt
+    with an empty chunk 5."""
+    _, tok, items = docs
+    texts = [t for _, t in items if t]
+    rows = []
+    a = [k for k in range(30) if k != 7]
+    a[9:11] = [11, 10]
+    rows += [(f"a{k}", texts[k], "a.txt", k) for k in a]
+    rows += [("c30", texts[29], "c.txt", 30)]  # chunk 30 after chunk 29, but of another file
+    rows += [(f"p{i}", texts[30 + i], "plain.txt", None) for i in range(20)]
+    rows += [(f"b{k}", "" if k == 5 else texts[50 + k], "b.txt", k) for k in range(40)]
+    path = write_chunked(tmp_path_factory.mktemp("chunked") / "docs.parquet", rows)
+    return path, tok, rows
+
+
+def keys_of(rows):
+    return [None if r[3] is None else (r[2], r[3]) for r in rows]
+
+
+@pytest.mark.parametrize("val_by", ["hash", "position"])
+def test_consecutive_chunks_are_packed_as_one_document(chunked, tmp_path, val_by):
+    path, tok, rows = chunked
+    cfg = CFG.model_copy(update={"val_by": val_by, "val_fraction": 0.25})
+    run_pack(cfg, path, tok, tmp_path / "a")
+    streams, starts = expected_streams([r[:2] for r in rows], path, tok, cfg, keys_of(rows))
+    manifest = read_json(tmp_path / "a" / MANIFEST)
+    plan = plan_splits(pq.ParquetFile(path), cfg.seed, cfg.val_fraction, val_by=val_by)
+    for name in ("train", "val"):
+        split = PackedRows(tmp_path / "a" / name)
+        flat = all_rows(split).reshape(-1)
+        np.testing.assert_array_equal(flat, streams[name][:len(flat)])
+        seg = split.segment_ids(np.arange(len(split))).reshape(-1)
+        begins = np.flatnonzero(np.diff(seg, prepend=-1) != 0)
+        row_begins = set(range(0, len(flat), cfg.seq_len + 1))
+        want = [p for p in starts[name] if 0 < p < len(flat) and p not in row_begins]
+        assert sorted(set(begins) - row_begins) == want
+        n_docs = sum(1 for r in rows if plan.split_of(r[0], r[2], r[3]) == name)
+        assert manifest["splits"][name]["docs"] == n_docs
+    joined = sum(manifest["splits"][s]["joined"] for s in ("train", "val"))
+    assert joined > 20 and joined == len(rows) - 1 - sum(len(starts[s]) for s in ("train", "val"))
+    # same bytes with one worker and one chunk per task (every join crosses a task)
+    run_pack(cfg.model_copy(update={"num_workers": 1, "task_bytes": 1000, "batch_docs": 5}), path, tok, tmp_path / "b")
+    for p in sorted((tmp_path / "a").rglob("*.*")):
+        assert p.read_bytes() == (tmp_path / "b" / p.relative_to(tmp_path / "a")).read_bytes(), p
+
+
+def test_joins_follow_the_recorded_chunk_index_not_the_row_order(chunked, tmp_path):
+    path, tok, rows = chunked
+    cfg = CFG.model_copy(update={"val_fraction": 0.01, "seed": 0, "num_workers": 1})  # all but one in train
+    plan = plan_splits(pq.ParquetFile(path), cfg.seed, cfg.val_fraction)
+    assert [r[0] for r in rows if plan.split_of(r[0], r[2], r[3]) == "val"] == ["b28"]
+    run_pack(cfg, path, tok, tmp_path)
+    train = PackedRows(tmp_path / "train")
+    flat = all_rows(train).reshape(-1)
+    eots = np.flatnonzero(flat == EOT_ID)
+    lengths = {r[0]: len(load_tokenizer(tok).encode(r[1]).ids) for r in rows}
+    # a.txt: 0-6 | (7 dropped) 8 9 | 11 | 10 | 12-29; c.txt: 30; plain docs one by one;
+    # b.txt: 0-4 | (5 empty) 6-27 | (28 in val) 29-39
+    groups = [[f"a{k}" for k in range(7)], ["a8", "a9"], ["a11"], ["a10"], [f"a{k}" for k in range(12, 30)],
+              ["c30"], *[[f"p{i}"] for i in range(20)], [f"b{k}" for k in range(5)], [f"b{k}" for k in range(6, 28)],
+              [f"b{k}" for k in range(29, 40)]]
+    ends = np.cumsum([sum(lengths[d] for d in g) + 1 for g in groups]) - 1
+    assert eots.tolist() == [e for e in ends if e < len(flat)]
+    assert read_json(tmp_path / MANIFEST)["splits"]["train"]["joined"] == sum(len(g) - 1 for g in groups)
+
+
+def test_position_split_holds_out_the_end_of_each_file(tmp_path):
+    text = "x" * 99 + "\n"  # 100 bytes a chunk
+    rows = [(f"a{k}", text, "a.txt", k) for k in range(10)] + [("s0", text, "single.txt", 0)]
+    rows += [(f"p{i}", text, "plain.txt", None) for i in range(50)]
+    path = write_chunked(tmp_path / "d.parquet", rows)
+    for f, val_chunks in ((0.1, ["a9"]), (0.25, ["a8", "a9"]), (0.5, ["a5", "a6", "a7", "a8", "a9"])):
+        plan = plan_splits(pq.ParquetFile(path), 0, f, val_by="position")
+        got = [r[0] for r in rows if r[3] is not None and plan.split_of(r[0], r[2], r[3]) == "val"]
+        assert got == val_chunks, f  # the middle byte in the last f; a file of one chunk stays in train
+        plain_val = [r[0] for r in rows if r[3] is None and plan.split_of(r[0], r[2], r[3]) == "val"]
+        assert plain_val == [r[0] for r in rows if r[3] is None and split_hash(0, r[0]) < val_threshold(f)]
+    # with no chunk landing in val and no plain documents, the chunk nearest a file's end is moved there
+    only = write_chunked(tmp_path / "o.parquet", [(f"a{k}", text, "a.txt", k) for k in range(3)])
+    assert plan_splits(pq.ParquetFile(only), 0, 0.05, val_by="position").forced == {"a2": "val"}
+    plain = write_items(tmp_path / "plain.parquet", [("a", "x"), ("b", "y")])
+    with pytest.raises(PackError, match="val_by: position .* no chunk column"):
+        plan_splits(pq.ParquetFile(plain), 0, 0.1, val_by="position")
+    with pytest.raises(PackError, match="no document is a chunk"):
+        plan_splits(pq.ParquetFile(write_chunked(tmp_path / "n.parquet", rows[11:])), 0, 0.1, val_by="position")
