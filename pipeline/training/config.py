@@ -179,6 +179,7 @@ class LoggingSection(Section):
 class TrainConfig(StageConfig):
     """Everything the training loop needs; pretrain adds ``model``, sft widens ``data``."""
 
+    identity_by_init: ClassVar[frozenset[str]] = frozenset()  # plain keys the init_id stands for
     seed: int = Field(1337, description="initial weights and the global sample order")
     data: DataSection = Field(default_factory=DataSection)
     batch: BatchSection = Field(default_factory=BatchSection)
@@ -200,15 +201,16 @@ class TrainConfig(StageConfig):
 def identity_sections(cfg: TrainConfig) -> dict[str, Any]:
     """The parts of ``cfg`` that define what a run computes: every section whose
     class says ``identity = True`` (its :meth:`Section.identity_values`), and
-    every plain (non-section) key such as ``seed``. ``model`` is left to the
-    caller, which passes the resolved ModelConfig instead of the preset name."""
+    every plain (non-section) key such as ``seed``, except those that enter as
+    the starting weights' own identity (``identity_by_init``). ``model`` is left
+    to the caller, which passes the resolved ModelConfig instead of the preset name."""
     out: dict[str, Any] = {}
     for name in type(cfg).model_fields:
         value = getattr(cfg, name)
         if isinstance(value, Section):
             if type(value).identity:
                 out[name] = value.identity_values()
-        elif not isinstance(value, BaseModel):
+        elif not isinstance(value, BaseModel) and name not in cfg.identity_by_init:
             out[name] = value
     return out
 

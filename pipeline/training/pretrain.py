@@ -16,7 +16,7 @@ the stage's output, so that sft, evaluate and export run on it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import logging
 
@@ -73,6 +73,9 @@ class PretrainConfig(TrainConfig):
     init_from: str | None = Field(None, description="null (random init), a local Hugging Face model folder, or a "
                                   "checkpoint folder of ours (any stage, any step, previous/ runs included)")
     init_optimizer: bool = Field(False, description="with init_from a checkpoint of ours: also load its AdamW moments")
+    # Both enter the run identity as the content of what they load (init_id), not
+    # as a path: moving a model folder is not a new run, replacing its weights is.
+    identity_by_init: ClassVar[frozenset[str]] = frozenset({"init_from", "init_optimizer"})
 
 
 def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = False
@@ -90,9 +93,9 @@ def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = F
                         f"({out_dir}/previous/<run-id>/step-N) or a copy elsewhere")
     init = resolve_init(cfg.init_from, warn_outside_base=warn)
     if init is None:
-        if cfg.schedule.max_steps == 0:
-            raise InitError("pretrain.schedule.max_steps 0 passes init_from through unchanged, but init_from is "
-                            "null; set pretrain.init_from or train at least one step")
+        if cfg.schedule.max_steps == 0 and warn:
+            log.warning("pretrain.schedule.max_steps is 0 and init_from is null: the randomly initialised model is "
+                        "passed through untrained")
         if cfg.init_optimizer:
             raise InitError("pretrain.init_optimizer needs init_from to name a checkpoint of ours")
         model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
