@@ -9,7 +9,7 @@ spirit of torchtitan's JobConfig::
     batch       micro-batch and accumulation (with the world size: the global batch)
     optimizer   AdamW and clipping
     schedule    length, warmup and the LR shape (cosine or warmup-stable-decay)
-    compute     device, precision, compile, activation checkpointing
+    compute     device, precision, compile, activation checkpointing, attention kernel
     launch      torchrun settings
     eval        how often and on how many val rows
     checkpoint  how often, how many are kept, the best one, previous runs
@@ -147,6 +147,10 @@ class ComputeSection(Section):
         "auto", description="auto: bf16 where the device supports it (CPU included), else fp32; fp16 uses a GradScaler")
     compile: bool = Field(False, description="torch.compile the model")
     activation_checkpointing: bool = Field(False, description="recompute each block in backward to save memory")
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
+        "auto", description="attention kernel (all compute the same function): auto = sdpa on CPU, varlen on CUDA in "
+                            "bf16/fp16 else flex; sdpa = dense document mask; flex = FlexAttention block mask "
+                            "(CUDA for training); varlen = flash attention over document lengths (CUDA, bf16/fp16)")
 
 
 class LaunchSection(LaunchConfig, Section):

@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pipeline.config import flatten
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
+from pipeline.model import attention
 from pipeline.model.transformer import ModelConfig, Transformer, flops_per_token, num_params
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed
@@ -157,6 +158,7 @@ class Trainer:
         self.d = d = distributed.init(cfg.compute.device)
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
+        attention.resolve(cfg.compute.attention, d.device, self.precision)  # a backend that cannot run fails here, early
         if self.precision == "fp16" and d.device.type == "cpu":
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")
 
@@ -202,7 +204,7 @@ class Trainer:
             init_weights(self.model)
             if d.is_main:
                 log.info("initialised weights from %s", init_id)
-        self.fwd_model = parallelize(self.model, cfg.compute, d)
+        self.fwd_model = parallelize(self.model, cfg.compute, d, self.precision)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32
@@ -412,6 +414,7 @@ class Trainer:
                 "dvc_stage_hash": current_stage_fingerprint(self.stage), **flatten(self.cfg, self.stage),
                 **flatten(self.model_cfg.to_dict(), "model"), "world_size": self.d.world_size,
                 "precision.resolved": self.precision, "device": self.d.device.type,
+                "attention.resolved": self.model.attention_backend.name,
                 "global_batch_rows": self.order.global_batch, "global_batch_tokens": self.tokens_per_step,
                 "seq_len": self.seq_len, "n_params": num_params(self.model),
                 "flops_per_token": self.metrics.flops_per_token, "peak_flops_total": self.metrics.peak_flops_total,
