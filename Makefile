@@ -19,12 +19,13 @@ PREFECT_PORT ?= 4200
 export PATH := $(abspath $(BIN)):$(PATH)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help install run repro test test-fast bench mlflow clean-outputs lint
+.PHONY: help install run repro test test-fast bench memory mlflow clean-outputs lint
 
 help:
 	@echo "make run             install and run the whole pipeline on the embedded default corpus"
 	@echo "make test            install and run the tests (make test-fast skips the slow ones)"
 	@echo "make bench           benchmarks in bench/ (print side-by-side ratios)"
+	@echo "make memory          memory per GPU of every preset (SEQ_LEN=1024 GPUS=8)"
 	@echo "make mlflow          MLflow UI on http://127.0.0.1:$(MLFLOW_PORT)"
 	@echo "make flow            the pipeline as a Prefect flow (temporary local server)"
 	@echo "make prefect-server  a real Prefect server/UI on http://127.0.0.1:$(PREFECT_PORT)"
@@ -56,6 +57,9 @@ test-fast: install
 bench: install
 	$(BIN)/python -m bench.data
 	$(BIN)/python -m bench.train
+
+memory: install
+	$(BIN)/python -m pipeline.training.memory --seq-len $(or $(SEQ_LEN),1024) --gpus $(or $(GPUS),8)
 
 mlflow: install
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server \

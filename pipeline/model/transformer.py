@@ -35,7 +35,10 @@ document that starts at position 412 gets the scores (up to rounding) it would
 get starting at 0, which is how it runs at inference.
 
 Nothing here knows about DDP, AMP, compile or activation checkpointing: the
-trainer wraps ``Transformer.layers`` (one module per block) from outside.
+trainer wraps ``Transformer.layers`` (one module per block) from outside. How
+attention is computed (SDPA with a dense mask, FlexAttention, varlen flash
+attention: all the same function) is chosen from outside too
+(``pipeline.model.attention.use_backend``); the default is SDPA.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.model.attention import SDPA, document_mask  # noqa: F401  (document_mask: re-exported)
 from pipeline.model.families import FAMILIES, LLAMA3_ROPE_KEYS
 
 # --------------------------------------------------------------------------- config
@@ -303,6 +307,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    backend = SDPA()  # computes softmax(q k^T / sqrt(head_dim)) v under a mask; see pipeline.model.attention
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_head = config.n_head
@@ -329,14 +335,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, start_pos, k, v)  # (B, n_kv_head, start_pos + T, head_dim)
-        n_rep = self.n_head // self.n_kv_head
-        if n_rep > 1:
-            # Materialise the groups rather than pass enable_gqa: every SDPA backend
-            # (incl. the masked memory-efficient kernel) accepts equal head counts.
-            k = k.repeat_interleave(n_rep, dim=1)  # (B, n_head, S, head_dim)
-            v = v.repeat_interleave(n_rep, dim=1)
-        # mask None means plain causal attention, which lets SDPA pick its fastest kernel
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, n_head, T, head_dim)
+        # GQA: kv head h // (n_head / n_kv_head) serves query head h
+        y = self.backend.attend(q, k, v, mask)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.wo(y)
 
@@ -372,18 +372,6 @@ class TransformerBlock(nn.Module):
 # --------------------------------------------------------------------------- masks
 
 
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask (B, 1, T, T) from segment ids (B, T); True = may attend.
-
-    Query i sees key j iff j <= i and both belong to the same document. The
-    diagonal is always True, so no row is fully masked (which would give NaN).
-    """
-    T = segment_ids.size(1)
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
-    return (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
-
-
 def causal_mask(T: int, S: int, start_pos: int, device: torch.device) -> torch.Tensor:
     """(1, 1, T, S) mask for T new queries at start_pos..start_pos+T-1 over S cached keys.
 
@@ -399,6 +387,8 @@ def causal_mask(T: int, S: int, start_pos: int, device: torch.device) -> torch.T
 
 
 class Transformer(nn.Module):
+    attention_backend = Attention.backend  # builds the document mask its layers' backend reads
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -458,7 +448,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
                                 self.config.rope_scaling)  # (T, head_dim)
         if segment_ids is not None:
-            mask = document_mask(segment_ids)  # (B, 1, T, T)
+            mask = self.attention_backend.document_mask(segment_ids)  # sdpa: (B, 1, T, T)
         elif cache is not None:
             mask = causal_mask(T, start_pos + T, start_pos, idx.device)  # (1, 1, T, start_pos + T)
         else:

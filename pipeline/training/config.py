@@ -9,7 +9,7 @@ spirit of torchtitan's JobConfig::
     batch       micro-batch and accumulation (with the world size: the global batch)
     optimizer   AdamW and clipping
     schedule    length, warmup and the LR shape (cosine or warmup-stable-decay)
-    compute     device, precision, compile, activation checkpointing
+    compute     device, precision, compile, activation checkpointing, attention kernel
     launch      torchrun settings
     eval        how often and on how many val rows
     checkpoint  how often, how many are kept, the best one, previous runs
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -67,10 +67,16 @@ class DataSection(Section):
 
 class BatchSection(Section):
     """Only the global batch (micro × accum × world size) is part of the identity;
-    how it is split over ranks and micro-batches is not (see pipeline/training/sampler.py)."""
+    how it is split over ranks and micro-batches is not (see pipeline/training/sampler.py).
+    ``micro_batch_size: auto`` keeps the global batch of the default micro-batch
+    (16 × grad_accum_steps × world size) and picks the largest micro-batch that
+    fits, raising the accumulation steps to match (pipeline/training/memory.py);
+    its run identity is therefore the same as with 16."""
 
     identity = False
-    micro_batch_size: int = Field(16, ge=1, description="rows per rank per forward pass")
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        16, description="rows per rank per forward pass; auto: the largest that fits the device, keeping the "
+                              "global batch of 16 x grad_accum_steps x world size (grad_accum_steps is raised to match)")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step (no gradient sync until the last)")
 
 
@@ -147,6 +153,10 @@ class ComputeSection(Section):
         "auto", description="auto: bf16 where the device supports it (CPU included), else fp32; fp16 uses a GradScaler")
     compile: bool = Field(False, description="torch.compile the model")
     activation_checkpointing: bool = Field(False, description="recompute each block in backward to save memory")
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
+        "auto", description="attention kernel (all compute the same function): auto = sdpa on CPU, varlen on CUDA in "
+                            "bf16/fp16 else flex; sdpa = dense document mask; flex = FlexAttention block mask "
+                            "(CUDA for training); varlen = flash attention over document lengths (CUDA, bf16/fp16)")
 
 
 class LaunchSection(LaunchConfig, Section):
@@ -196,6 +206,12 @@ class TrainConfig(StageConfig):
         if self.schedule.min_lr > self.optimizer.lr:
             raise ValueError(f"schedule.min_lr ({self.schedule.min_lr}) must not exceed optimizer.lr ({self.optimizer.lr})")
         return self
+
+
+def requested_rows_per_rank(batch: BatchSection) -> int:
+    """micro_batch_size × grad_accum_steps, with ``auto`` standing for the default micro-batch (16)."""
+    micro = BatchSection.model_fields["micro_batch_size"].default if batch.micro_batch_size == "auto" else batch.micro_batch_size
+    return micro * batch.grad_accum_steps
 
 
 def identity_sections(cfg: TrainConfig) -> dict[str, Any]:

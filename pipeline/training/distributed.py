@@ -85,6 +85,14 @@ def all_reduce_max(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def all_reduce_min(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Elementwise minimum over ranks (``t`` itself on one rank)."""
+    if d.enabled and d.world_size > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
 def gather_objects(obj: object, d: Dist) -> list[object]:
     """Every rank's ``obj``, in rank order, on every rank (small objects only)."""
     if not d.enabled or d.world_size == 1:

@@ -53,10 +53,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pipeline.config import flatten
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
+from pipeline.model import attention
 from pipeline.model.transformer import ModelConfig, Transformer, flops_per_token, num_params
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed
-from pipeline.training.config import ScheduleSection, TrainConfig, fingerprint_of, identity_record
+from pipeline.training import memory
+from pipeline.training.config import (ScheduleSection, TrainConfig, fingerprint_of, identity_record,
+                                       requested_rows_per_rank)
 from pipeline.training.init import InitError
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
@@ -94,7 +97,7 @@ def init_identity(init_from: ckpt.Checkpoint | None = None, init_id: str | None 
 def run_record(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int, data_id: str,
                init_id: str | None) -> dict[str, Any]:
     """The identity record (pipeline/training/config.py) with the global batch of ``world_size`` ranks."""
-    global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * world_size
+    global_batch = requested_rows_per_rank(cfg.batch) * world_size  # micro_batch_size auto: the same global batch
     return identity_record(cfg, model_cfg.to_dict(), global_batch, data_id, init_id)
 
 
@@ -149,6 +152,7 @@ class Trainer:
             raise InitError(f"init_from {init_from.path}: its model ({describe_diff(ckpt_model(init_from), model_cfg)}) "
                             "differs from this run's; build the run's model from the checkpoint's meta")
         self.stage, self.cfg, self.model_cfg = stage, cfg, model_cfg
+        self.requested_micro_batch = cfg.batch.micro_batch_size
         self.out_dir = Path(out_dir)
         self.extra_meta = extra_meta or {}
         self.init_id = init_identity(init_from, init_id, init_optimizer)
@@ -157,6 +161,7 @@ class Trainer:
         self.d = d = distributed.init(cfg.compute.device)
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
+        attention.resolve(cfg.compute.attention, d.device, self.precision)  # a backend that cannot run fails here, early
         if self.precision == "fp16" and d.device.type == "cpu":
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")
 
@@ -166,6 +171,7 @@ class Trainer:
         if self.seq_len > model_cfg.max_seq_len:
             raise StageError(f"packed rows have seq_len {self.seq_len} > model max_seq_len {model_cfg.max_seq_len}")
         self.model = Transformer(model_cfg).to(d.device)
+        self.cfg = cfg = self._resolve_micro_batch(cfg)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, d.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer.lr, cfg.schedule)
         self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.precision == "fp16")
@@ -202,7 +208,7 @@ class Trainer:
             init_weights(self.model)
             if d.is_main:
                 log.info("initialised weights from %s", init_id)
-        self.fwd_model = parallelize(self.model, cfg.compute, d)
+        self.fwd_model = parallelize(self.model, cfg.compute, d, self.precision)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32
@@ -211,6 +217,44 @@ class Trainer:
                                      tokens_per_step=self.tokens_per_step,
                                      flops_per_token=flops_per_token(model_cfg, self.seq_len),
                                      max_steps=cfg.schedule.max_steps)
+
+    def _resolve_micro_batch(self, cfg: TrainConfig) -> TrainConfig:
+        """``batch.micro_batch_size: auto`` made concrete, the same on every rank
+        (the minimum over ranks); the global batch is unchanged (memory.py)."""
+        if cfg.batch.micro_batch_size != "auto":
+            return cfg
+        d, rows = self.d, requested_rows_per_rank(cfg.batch)
+        if d.device.type == "cuda":
+            micro = memory.probe_micro_batch(self._probe_step, rows,
+                                             agree=lambda m: int(distributed.all_reduce_min(torch.tensor(m, device=d.device), d)))
+        else:
+            try:
+                micro, _ = memory.choose_micro_batch(self.model_cfg, self.seq_len, cfg.batch.grad_accum_steps,
+                                                     precision=self.precision, ranks_per_node=cfg.launch.nproc_per_node,
+                                                     available=memory.available_cpu_bytes(),
+                                                     checkpointing=cfg.compute.activation_checkpointing,
+                                                     doc_mask=cfg.data.doc_mask)
+            except MemoryError as err:
+                raise StageError(str(err)) from None
+            micro = int(distributed.all_reduce_min(torch.tensor(micro), d))
+        batch = cfg.batch.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": rows // micro})
+        if d.is_main:
+            log.info("batch.micro_batch_size auto: %d rows per forward x %d accumulation steps per rank "
+                     "(global batch unchanged)", micro, rows // micro)
+        return cfg.model_copy(update={"batch": batch})
+
+    def _probe_step(self, micro: int) -> None:
+        """CUDA only: one forward and backward pass over ``micro`` rows of zeros, gradients dropped."""
+        model = self.model
+        attention.use_backend(model, attention.resolve(self.cfg.compute.attention, self.d.device, self.precision))
+        idx = torch.zeros(micro, self.seq_len, dtype=torch.long, device=self.d.device)
+        seg = idx if self.cfg.data.doc_mask else None
+        try:
+            with autocast(self.d.device, self.precision):
+                logits = model(idx, segment_ids=seg)
+            token_loss_sum(logits, idx).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
 
     # -- checkpoint state --
 
@@ -412,8 +456,10 @@ class Trainer:
                 "dvc_stage_hash": current_stage_fingerprint(self.stage), **flatten(self.cfg, self.stage),
                 **flatten(self.model_cfg.to_dict(), "model"), "world_size": self.d.world_size,
                 "precision.resolved": self.precision, "device": self.d.device.type,
+                "attention.resolved": self.model.attention_backend.name,
                 "global_batch_rows": self.order.global_batch, "global_batch_tokens": self.tokens_per_step,
                 "seq_len": self.seq_len, "n_params": num_params(self.model),
+                "batch.micro_batch_size.requested": self.requested_micro_batch,
                 "flops_per_token": self.metrics.flops_per_token, "peak_flops_total": self.metrics.peak_flops_total,
                 "peak_flops_source": self.metrics.peak_source, "run_fingerprint": self.fingerprint}
 

@@ -1,0 +1,146 @@
+"""Attention backends (pipeline/model/attention.py) against the reference: SDPA with a dense document mask.
+
+On CPU, FlexAttention runs forward only; varlen needs CUDA. The CUDA tests
+(forward and gradients of every backend, bf16) are skipped without a GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.model import attention
+from pipeline.model.attention import AttentionBackendError, Flex, SDPA, Varlen, document_mask, resolve, use_backend
+from pipeline.model.transformer import Transformer, build_config
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+T = 256  # two of FlexAttention's 128-position blocks, so documents cross block boundaries
+
+
+def segments(layout: str, B: int = 2, device: str = "cpu") -> torch.Tensor:
+    """(B, T) segment ids: one document per row, two, or many of uneven lengths."""
+    if layout == "one":
+        return torch.zeros(B, T, dtype=torch.long, device=device)
+    if layout == "two":
+        return (torch.arange(T) >= 100).long().expand(B, T).contiguous().to(device)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.rand(B, T, generator=g) < 0.05  # ~13 documents per row, lengths 1..
+    starts[:, 0] = False
+    return torch.cumsum(starts.long(), 1).to(device)
+
+
+def qkv(B=2, n_head=4, n_kv_head=2, hd=16, dtype=torch.float32, device="cpu", grad=False):
+    g = torch.Generator().manual_seed(1)
+    shapes = [(B, n_head, T, hd), (B, n_kv_head, T, hd), (B, n_kv_head, T, hd)]
+    return [torch.randn(s, generator=g).to(device, dtype).requires_grad_(grad) for s in shapes]
+
+
+def reference(q, k, v, seg):
+    """Dense-mask SDPA in fp32 with the key/value heads copied: the definition."""
+    n_rep = q.size(1) // k.size(1)
+    k, v = k.float().repeat_interleave(n_rep, 1), v.float().repeat_interleave(n_rep, 1)
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=document_mask(seg))
+
+
+@pytest.mark.parametrize("layout", ["one", "two", "many"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_flex_forward_matches_dense_sdpa_on_cpu(layout, heads):
+    q, k, v = qkv(n_head=heads[0], n_kv_head=heads[1])
+    seg = segments(layout)
+    flex = Flex()
+    y = flex.attend(q, k, v, flex.document_mask(seg))
+    torch.testing.assert_close(y, reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_block_mask_skips_blocks_across_documents():
+    """Two documents of 128: the block of queries in the second sees no key block of the first."""
+    seg = (torch.arange(T) >= 128).long()[None]
+    dense = Flex().document_mask(seg).to_dense()  # (1, 1, 2, 2) blocks that hold any unmasked pair
+    assert dense[0, 0].tolist() == [[1, 0], [0, 1]]
+
+
+def test_whole_model_with_flex_matches_sdpa_on_cpu():
+    torch.manual_seed(0)
+    model = Transformer(build_config("tiny", 97, max_seq_len=T)).eval()
+    idx = torch.randint(0, 97, (2, T))
+    seg = segments("many")
+    with torch.no_grad():
+        ref = model(idx, segment_ids=seg)
+        use_backend(model, Flex())
+        got = model(idx, segment_ids=seg)
+        plain = model(idx)  # no segment ids: every backend runs causal SDPA
+        use_backend(model, SDPA())
+        plain_ref = model(idx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(plain, plain_ref)
+
+
+def test_cpu_sdpa_keeps_copied_heads_bit_for_bit():
+    """enable_gqa gives other key/value gradients on CPU; the default run must not change."""
+    seg = segments("many")
+    for mask in (document_mask(seg), None):
+        q, k, v = qkv(grad=True)
+        y = attention.sdpa(q, k, v, mask)
+        grads = torch.autograd.grad((y * y).sum(), (q, k, v))
+        q2, k2, v2 = qkv(grad=True)
+        y2 = F.scaled_dot_product_attention(q2, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1),
+                                            attn_mask=mask, is_causal=mask is None)
+        grads2 = torch.autograd.grad((y2 * y2).sum(), (q2, k2, v2))
+        assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+def test_varlen_sequence_lengths_cover_every_document_of_every_row():
+    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
+    cu, longest = Varlen.document_mask(Varlen.__new__(Varlen), seg)
+    assert cu.tolist() == [0, 2, 5, 6, 12] and cu.dtype == torch.int32 and longest == 6
+
+
+def test_resolve_picks_sdpa_on_cpu_and_refuses_what_cannot_run():
+    cpu = torch.device("cpu")
+    assert resolve("auto", cpu, "bf16").name == "sdpa"
+    assert resolve("flex", cpu, training=False).name == "flex"
+    for name, words in [("varlen", "needs a CUDA device"), ("flex", "trains on CUDA only"),
+                        ("flash", "choose one of: auto, sdpa, flex, varlen")]:
+        with pytest.raises(AttentionBackendError, match=words) as err:
+            resolve(name, cpu, "bf16")
+        assert "\n" not in str(err.value)
+
+
+def test_trainer_config_carries_the_backend_outside_the_identity():
+    from pipeline.training.config import ComputeSection, TrainConfig, identity_sections
+
+    assert ComputeSection().attention == "auto" and not ComputeSection.identity
+    with pytest.raises(ValueError, match="attention"):
+        ComputeSection(attention="flash")
+    cfg = TrainConfig(compute={"attention": "flex"})
+    assert identity_sections(cfg) == identity_sections(TrainConfig())
+
+
+# ---------------------------------------------------------------- CUDA: every backend, forward and gradients
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["sdpa", "flex", "varlen"])
+@pytest.mark.parametrize("layout", ["one", "two", "many"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_cuda_backend_forward_and_gradients_match_reference(name, layout, heads):
+    dev = torch.device("cuda")
+    backend = resolve(name, dev, "bf16")
+    seg = segments(layout, device="cuda")
+    q, k, v = qkv(n_head=heads[0], n_kv_head=heads[1], hd=64, dtype=torch.bfloat16, device="cuda", grad=True)
+    y = backend.attend(q, k, v, backend.document_mask(seg))
+    ref = reference(q, k, v, seg)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((y.float() * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+@needs_cuda
+def test_cuda_auto_picks_a_document_masking_kernel():
+    dev = torch.device("cuda")
+    assert resolve("auto", dev, "bf16").name in ("varlen", "flex")
+    assert resolve("auto", dev, "fp32").name == "flex"
+    with pytest.raises(AttentionBackendError, match="bf16 or fp16"):
+        resolve("varlen", dev, "fp32")

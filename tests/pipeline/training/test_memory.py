@@ -1,0 +1,120 @@
+"""The memory planner (pipeline/training/memory.py): the estimate against the
+measured peak of a CPU step, the table, and ``batch.micro_batch_size: auto``."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.model.transformer import build_config
+from pipeline.training import memory
+from tests.pipeline.training.test_trainer import cfg, fit, read_csv, trainer
+
+# Peak resident memory added by building a model and AdamW and running one
+# forward + backward + optimizer step, in a fresh process. A warm-up step on a
+# throwaway model first pages in torch's code, then the peak (VmHWM) is reset.
+MEASURE = r"""
+import gc, sys, torch
+from pipeline.model.transformer import Transformer, build_config
+from pipeline.training.loss import token_loss_sum
+torch.set_num_threads(1)
+preset, vocab, B, T, precision = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+def step(model, opt, B, V):
+    idx = torch.randint(0, V, (B, T + 1))
+    seg = torch.cumsum((torch.rand(B, T) < 0.01).long(), 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logits = model(idx[:, :-1], segment_ids=seg)
+    loss = token_loss_sum(logits, idx[:, 1:])
+    del logits
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+w = Transformer(build_config("tiny", 64, max_seq_len=T))
+wo = torch.optim.AdamW(w.parameters())
+step(w, wo, 2, 64)
+del w, wo
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak
+base = status("VmRSS:")
+m = Transformer(build_config(preset, vocab, max_seq_len=T))
+opt = torch.optim.AdamW(m.parameters())
+step(m, opt, B, vocab)
+print(status("VmHWM:") - base)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+@pytest.mark.parametrize("preset, vocab, micro, seq_len, precision", [
+    ("tiny", 8192, 16, 128, "fp32"),
+    ("tiny", 8192, 16, 128, "bf16"),
+    ("mini", 8192, 16, 256, "bf16"),  # the default run's shape: the output head dominates
+    ("mini", 512, 16, 256, "fp32"),  # small vocabulary: the blocks dominate
+])
+def test_estimate_is_within_25_percent_of_the_measured_peak(preset, vocab, micro, seq_len, precision):
+    out = subprocess.run([sys.executable, "-c", MEASURE, preset, str(vocab), str(micro), str(seq_len), precision],
+                         capture_output=True, text=True, check=True)
+    measured = int(out.stdout.strip())
+    c = build_config(preset, vocab, max_seq_len=seq_len)
+    estimated = memory.estimate(c, micro, seq_len, precision=precision).total
+    assert estimated == pytest.approx(measured, rel=0.25), (estimated, measured)
+
+
+def test_estimate_shards_state_under_fsdp_and_shrinks_activations_with_checkpointing():
+    c = build_config("medium", 50304)
+    ddp = memory.estimate(c, 8, 1024)
+    fsdp = memory.estimate(c, 8, 1024, gpus=8, fsdp=True)
+    ac = memory.estimate(c, 8, 1024, checkpointing=True)
+    assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.grads == ddp.grads // 8
+    assert fsdp.params < ddp.params / 4
+    assert ac.activations < ddp.activations / 2
+    assert memory.estimate(c, 16, 1024).activations > 1.9 * memory.estimate(c, 8, 1024).activations
+
+
+def test_the_table_has_a_row_per_precision_sharding_and_checkpointing(capsys):
+    memory.main(["--preset", "tiny", "--preset", "small", "--seq-len", "2048", "--gpus", "4"])
+    out = capsys.readouterr().out
+    assert "small: 123.6M params, micro-batch 8 x 2048 tokens" in out
+    rows = [line for line in out.splitlines() if line.startswith(("bf16", "fp32"))]
+    assert len(rows) == 2 * 2 * 2 * 2 and sum("fsdp/4" in r for r in rows) == 8
+
+
+def test_choose_micro_batch_keeps_the_global_batch():
+    c = build_config("mini", 8192)
+    one_row = memory.estimate(c, 1, 256).total
+    assert memory.choose_micro_batch(c, 256, 2, precision="bf16", ranks_per_node=1, available=10**12) == (32, 1)
+    available = int(5 * one_row / memory.CPU_HEADROOM)
+    micro, accum = memory.choose_micro_batch(c, 256, 2, precision="bf16", ranks_per_node=1, available=available)
+    assert micro * accum == 32 and 1 < micro < 32  # the largest divisor of 32 that fits:
+    budget = memory.CPU_HEADROOM * available
+    assert memory.estimate(c, micro, 256).total <= budget < memory.estimate(c, 2 * micro, 256).total
+    with pytest.raises(MemoryError, match="one row of 256 tokens needs about"):
+        memory.choose_micro_batch(c, 256, 1, precision="bf16", ranks_per_node=2, available=one_row)
+
+
+def test_auto_micro_batch_trains_the_same_run_split_to_fit(tmp_path, monkeypatch):
+    fixed = trainer(tmp_path, "fixed", cfg(max_steps=3, micro_batch_size=16))
+    auto = trainer(tmp_path, "auto", cfg(max_steps=3, micro_batch_size="auto"))
+    assert auto.cfg.batch.micro_batch_size == 16 and auto.fingerprint == fixed.fingerprint
+    fit(fixed), fit(auto)
+    monkeypatch.setattr(memory, "available_cpu_bytes", lambda: 1)  # nothing fits...
+    with pytest.raises(Exception, match="one row of"):
+        trainer(tmp_path, "none", cfg(max_steps=3, micro_batch_size="auto"))
+    c = cfg(max_steps=3, micro_batch_size="auto")
+    four_rows = memory.estimate(c.model.build(64, 32), 4, 32, precision="fp32").total
+    monkeypatch.setattr(memory, "available_cpu_bytes", lambda: int(four_rows / memory.CPU_HEADROOM) + 1)
+    small = trainer(tmp_path, "small", c)
+    assert (small.cfg.batch.micro_batch_size, small.cfg.batch.grad_accum_steps) == (4, 4)
+    assert small.fingerprint == fixed.fingerprint
+    assert small.run_params() == {}  # track is off in these tests; the request is kept for MLflow
+    assert small.requested_micro_batch == "auto"
+    fit(small)
+    losses = {name: [float(r["loss"]) for r in read_csv(tmp_path / name / "plots.csv")] for name in ("fixed", "auto", "small")}
+    assert losses["auto"] == losses["fixed"]
+    assert losses["small"] == pytest.approx(losses["fixed"], rel=1e-4)
