@@ -93,9 +93,9 @@ def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = F
                         f"({out_dir}/previous/<run-id>/step-N) or a copy elsewhere")
     init = resolve_init(cfg.init_from, warn_outside_base=warn)
     if init is None:
-        if cfg.schedule.max_steps == 0 and warn:
-            log.warning("pretrain.schedule.max_steps is 0 and init_from is null: the randomly initialised model is "
-                        "passed through untrained")
+        if cfg.schedule.max_steps == 0:
+            raise InitError("pretrain.schedule.max_steps 0 passes init_from through unchanged, but init_from is "
+                            "null; set pretrain.init_from or train at least one step")
         if cfg.init_optimizer:
             raise InitError("pretrain.init_optimizer needs init_from to name a checkpoint of ours")
         model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
