@@ -163,8 +163,11 @@ def test_a_few_steps_from_a_hugging_face_model_train_and_keep_its_config(hf, tmp
     passed = ckpt.latest(tmp_path / "zero" / "models").path
     run(tmp_path, packed, "warm", init_from=str(passed), max_steps=1, warmup_steps=0)
     assert losses(tmp_path / "warm" / "plots.csv")[0] == losses(tmp_path / "run" / "plots.csv")[0]
-    # a rerun resumes the run (same identity), it does not start again from the model
+    # a rerun resumes the run (same identity), it does not start again from the model; the ignored
+    # pretrain.model keys are no part of the identity either, so switching setups does not restart it
     assert run(tmp_path, packed, init_from=str(folder), max_steps=4)["resumed_from_step"] == 4
+    m = run(tmp_path, packed, init_from=str(folder), max_steps=4, model={"preset": "small", "d_model": 96})
+    assert m["resumed_from_step"] == 4 and m["moved_aside"] == 0
 
 
 def test_a_replaced_model_folder_starts_a_new_run(hf, tmp_path):
