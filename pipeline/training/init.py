@@ -84,6 +84,12 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
                         f"{BASE_DIR}/) or a checkpoint folder of ours")
     if hf_adapter.is_hf_model_folder(path):
         return _from_hf(path, warn_outside_base)
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        try:  # a Hugging Face folder without safetensors weights: say what is there instead
+            hf_adapter.weight_files(path)
+        except StageError as err:
+            raise InitError(f"init_from {path} is a Hugging Face model folder without safetensors weights: "
+                            f"{err}") from None
     try:
         found = ckpt.resolve(path)
     except ckpt.CheckpointError as err:

@@ -44,21 +44,33 @@ def test_a_missing_path_is_one_line_naming_it(tmp_path):
     assert "Hugging Face model folder" in message and "checkpoint" in message
 
 
-@pytest.mark.parametrize("make", ["empty", "file", "config_only", "bin_weights"])
+@pytest.mark.parametrize("make", ["empty", "file", "weights_only"])
 def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
     path = tmp_path / "thing"
     if make == "file":
         path.write_text("hello")
     else:
         path.mkdir()
-    if make in ("config_only", "bin_weights"):  # config.json, but no safetensors weights
+    if make == "weights_only":  # no config.json
         save_tiny_hf_model("llama", tmp_path / "hf")
-        shutil.copy(tmp_path / "hf" / "config.json", path / "config.json")
-    if make == "bin_weights":
-        (path / "pytorch_model.bin").write_bytes(b"pickle")
+        shutil.copy(tmp_path / "hf" / "model.safetensors", path / "model.safetensors")
     message = refused(path)
     assert f"init_from {path} is neither a Hugging Face model folder" in message
     assert "model.safetensors" in message and "checkpoint of ours (meta.json)" in message
+
+
+@pytest.mark.parametrize("bin_weights", [False, True])
+def test_a_hugging_face_folder_without_safetensors_weights_says_what_it_lacks(tmp_path, bin_weights):
+    path = tmp_path / "thing"
+    path.mkdir()
+    save_tiny_hf_model("llama", tmp_path / "hf")
+    shutil.copy(tmp_path / "hf" / "config.json", path / "config.json")
+    if bin_weights:
+        (path / "pytorch_model.bin").write_bytes(b"pickle")
+    message = refused(path)
+    assert f"init_from {path} is a Hugging Face model folder without safetensors weights" in message
+    assert "no model.safetensors or model.safetensors.index.json" in message
+    assert ("found pytorch_model.bin: convert them to safetensors" in message) == bin_weights
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
