@@ -53,14 +53,17 @@ def write_split(d: Path, docs: list[np.ndarray], seq_len: int, labels: list[np.n
             "shards": [{"path": f"{d.name}/{path.name}", "rows": n_rows, "sha256": sha256_file(path)}]}
 
 
-def write_packed(out: Path, *, vocab: int = 64, seq_len: int = 32, n_docs: int = 400, seed: int = 0) -> Path:
-    """A packed dataset in the pack stage's layout (train/, val/, manifest.json)."""
+def write_packed(out: Path, *, vocab: int = 64, seq_len: int = 32, n_docs: int = 400, seed: int = 0,
+                 tokenizer: Path | None = None) -> Path:
+    """A packed dataset in the pack stage's layout (train/, val/, manifest.json).
+    ``tokenizer``: a tokenizer.json the manifest says the data was made with (its
+    sha256, as pack records it; the token ids stay synthetic, below ``vocab``)."""
     docs = synthetic_docs(n_docs, vocab, seed)
     n_val = max(2, n_docs // 10)
     splits = {"train": write_split(out / "train", docs[n_val:], seq_len),
               "val": write_split(out / "val", docs[:n_val], seq_len)}
     manifest = {"seq_len": seq_len, "row_len": seq_len + 1, "vocab_size": vocab, "eot_id": 0, "pad_id": 1,
-                "tokenizer_sha256": "synthetic", "splits": splits}
+                "tokenizer_sha256": sha256_file(tokenizer) if tokenizer else "synthetic", "splits": splits}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from safetensors import SafetensorError
+
 from pipeline.errors import StageError
 from pipeline.files import sha256_file
 from pipeline.model import hf_adapter
@@ -82,6 +84,12 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
                         f"{BASE_DIR}/) or a checkpoint folder of ours")
     if hf_adapter.is_hf_model_folder(path):
         return _from_hf(path, warn_outside_base)
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        try:  # a Hugging Face folder without safetensors weights: say what is there instead
+            hf_adapter.weight_files(path)
+        except StageError as err:
+            raise InitError(f"init_from {path} is a Hugging Face model folder without safetensors weights: "
+                            f"{err}") from None
     try:
         found = ckpt.resolve(path)
     except ckpt.CheckpointError as err:
@@ -93,21 +101,27 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
 
 
 def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
-    config = json.loads((folder / "config.json").read_text())
+    # every problem with the folder is one line, before any rank starts: a config.json
+    # that does not parse, an unsupported model, or weights whose headers are damaged
     try:
+        config = hf_adapter.read_hf_config(folder)
         model = hf_adapter.config_from_hf(config)
-    except StageError as err:
+        weights = hf_adapter.weight_files(folder)
+    except (StageError, ValueError) as err:
         raise InitError(f"init_from {folder}: {err}") from None
-    except ValueError as err:
-        raise InitError(f"init_from {folder}: {err}") from None
+    except SafetensorError as err:
+        raise InitError(f"init_from {folder}: damaged safetensors weights ({err})") from None
     if warn_outside_base and not _inside(folder, BASE_DIR):
         log.warning("init_from %s is outside %s/, so DVC does not see changes to it: a replaced model there "
                     "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR)
-    weights = hf_adapter.weight_files(folder)
     tok = folder / "tokenizer.json"
     meta: dict[str, Any] = {"init_from": str(folder), "hf_config": config}
-    if (folder / "generation_config.json").is_file():
-        meta["hf_generation_config"] = json.loads((folder / "generation_config.json").read_text())
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        try:
+            meta["hf_generation_config"] = json.loads(generation.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise InitError(f"init_from {generation}: cannot read it ({err})") from None
     return InitSource(kind="hf", path=folder, model=model,
                       init_id="hf:" + _folder_id(folder, ["config.json", *weights]),
                       tokenizer_sha256=sha256_file(tok) if tok.is_file() else None, meta=meta)

@@ -12,10 +12,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from pipeline.training import checkpoint as ckpt
 from tests.conftest import ROOT
 from tests.helpers import train_params, write_packed
+from tests.hf_models import save_tiny_hf_folder
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +26,18 @@ BASE = train_params({"model": {"preset": "tiny"}}, precision="fp32", micro_batch
                     eval_rows=16, checkpoint_every=100, track=False, peak_flops=1e9)
 
 
-def project(tmp_path, **params):
+def project(tmp_path, hf=None, **params):
+    """A project folder with packed data and params.yaml. ``hf``: a family; the run
+    starts from a tiny model of it in models/base/<family> (init_from), and the
+    data is packed with that model's tokenizer."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    write_packed(tmp_path / "data" / "packed", n_docs=600)
+    if hf is None:
+        write_packed(tmp_path / "data" / "packed", n_docs=600)
+    else:
+        folder = save_tiny_hf_folder(hf, tmp_path / "models" / "base" / hf)
+        vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+        write_packed(tmp_path / "data" / "packed", n_docs=600, vocab=vocab, tokenizer=folder / "tokenizer.json")
+        params = {"init_from": f"models/base/{hf}", **params}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(BASE, **params)}))
     return tmp_path
 
@@ -92,13 +103,22 @@ def test_sigkill_then_resume_is_bit_exact_on_cuda_in_bf16(tmp_path):
                     eval_every=200)
 
 
-def kill_and_resume(tmp_path, **overrides):
+def test_sigkill_then_resume_is_bit_exact_with_two_ranks_for_a_run_started_from_a_hugging_face_model(tmp_path):
+    kill_and_resume(tmp_path, hf="qwen2", nproc_per_node=2)
+
+
+def kill_and_resume(tmp_path, hf=None, **overrides):
     """An uninterrupted run and a run SIGKILLed mid-way then resumed give the same
-    per-step losses, string-exact, and the same final weights."""
+    per-step losses, string-exact, and the same final weights. ``hf``: both start
+    from a tiny Hugging Face model of that family (see :func:`project`)."""
     params = {"max_steps": 24, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 12, **overrides}
-    ref = project(tmp_path / "ref", **params)
-    assert stage(ref).returncode == 0
-    run = project(tmp_path / "run", **params)
+    ref = project(tmp_path / "ref", hf=hf, **params)
+    r = stage(ref)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if hf is not None:
+        assert "pretrain.model key(s) preset are ignored" in r.stderr
+        assert ckpt.latest(ref / "models" / "pretrain").meta["init"]["id"].startswith("hf:")
+    run = project(tmp_path / "run", hf=hf, **params)
     proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=run, env=env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     after = 2 * params["checkpoint_every"] + 2  # at least one checkpoint is on disk by then
@@ -253,13 +273,13 @@ def test_a_continued_run_killed_and_resumed_is_bit_exact_with_two_ranks(tmp_path
 
 
 def test_max_steps_0_passes_the_model_through_and_a_changed_run_is_kept_under_previous(tmp_path):
-    p = project(tmp_path, nproc_per_node=1, max_steps=0)
+    p = project(tmp_path, hf="llama", nproc_per_node=1, max_steps=0)
     r = stage(p)
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(p)
     assert m["steps"] == 0 and m["val_loss"] > 0 and (m["moved_aside"], m["previous_runs"]) == (0, 0)
     [c] = ckpt.complete_checkpoints(p / "models" / "pretrain")
-    assert c.step == 0 and c.meta["final"]
+    assert c.step == 0 and c.meta["final"] and c.meta["hf_config"]["architectures"] == ["LlamaForCausalLM"]
     set_params(p, max_steps=3, lr=5e-3)
     r = stage(p)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -267,3 +287,10 @@ def test_max_steps_0_passes_the_model_through_and_a_changed_run_is_kept_under_pr
     [aside] = (p / "models" / "pretrain" / "previous").iterdir()
     assert [c.step for c in ckpt.complete_checkpoints(aside)] == [0]
     assert "changed: optimizer.lr 0.01 -> 0.005" in r.stderr
+
+
+def test_max_steps_0_without_init_from_is_one_line_before_any_rank_starts(tmp_path):
+    p = project(tmp_path, nproc_per_node=2, max_steps=0)
+    line = one_error_line(stage(p, timeout=60))
+    assert "max_steps 0" in line and "init_from is null" in line
+    assert not (p / "models" / "pretrain").exists() or not list((p / "models" / "pretrain").rglob("step-*"))

@@ -438,22 +438,24 @@ def test_init_weights_hook_fills_a_fresh_run_and_its_id_enters_the_identity(tmp_
 
 
 def test_max_steps_0_passes_the_initial_weights_through_as_a_final_checkpoint(tmp_path, monkeypatch):
+    """The Trainer passes whatever it starts from through (pretrain itself refuses
+    max_steps 0 without init_from: tests/pipeline/training/test_pretrain.py)."""
     from safetensors.torch import load_file
 
     steps = count_steps(monkeypatch)
-    m = run(tmp_path, max_steps=0)
+    m = fit(trainer(tmp_path, "a", cfg(max_steps=0)))
     assert steps == [] and m["steps"] == 0 and math.isfinite(m["val_loss"]) and m["final_loss"] is None
-    [c] = ckpt.complete_checkpoints(tmp_path / "models")
+    [c] = ckpt.complete_checkpoints(tmp_path / "a" / "models")
     assert c.step == 0 and c.meta["final"] and c.meta["metrics"]["val_loss"] == m["val_loss"]
     torch.manual_seed(cfg().seed)
     initial = Transformer(cfg().model.build(64, 32)).state_dict()
     saved = load_file(str(c.path / "model.safetensors"))
     assert all(torch.equal(initial[k], v) for k, v in saved.items())
     before = c.path.stat().st_ino
-    assert run(tmp_path, max_steps=0)["resumed_from_step"] == 0
-    assert ckpt.latest(tmp_path / "models").path.stat().st_ino == before  # a rerun finds it final: not rewritten
+    assert fit(trainer(tmp_path, "a", cfg(max_steps=0)))["resumed_from_step"] == 0
+    assert ckpt.latest(tmp_path / "a" / "models").path.stat().st_ino == before  # a rerun finds it final: not rewritten
     # with a warm start, max_steps 0 passes the starting checkpoint's weights through
-    init = ckpt.resolve(tmp_path / "models")
+    init = ckpt.resolve(tmp_path / "a" / "models")
     fit(trainer(tmp_path, "b", cfg(max_steps=0, lr=5e-3), init_weights=lambda model: ckpt.load_model_weights(init, model),
                 init_id="x"))
     out = load_file(str(ckpt.latest(tmp_path / "b" / "models").path / "model.safetensors"))

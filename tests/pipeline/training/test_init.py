@@ -1,0 +1,282 @@
+"""Where a run's starting weights come from (pipeline/training/init.py):
+resolve_init for each kind of init_from, and check_tokenizer's pairing of the
+packed data with the initial model. Every refusal is one line naming the thing."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.files import sha256_file
+from pipeline.model import hf_adapter
+from pipeline.model.transformer import Transformer
+from pipeline.training.init import InitError, check_tokenizer, resolve_init
+from tests.hf_models import save_tiny_hf_folder, save_tiny_hf_model
+from tests.helpers import save_checkpoint, tiny_config, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def one_line(err) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def refused(init_from) -> str:
+    with pytest.raises(InitError) as err:
+        resolve_init(str(init_from), warn_outside_base=False)
+    return one_line(err)
+
+
+# --------------------------------------------------------------------------- resolve_init
+
+
+def test_none_is_a_random_init():
+    assert resolve_init(None) is None
+
+
+def test_a_missing_path_is_one_line_naming_it(tmp_path):
+    message = refused(tmp_path / "nowhere")
+    assert f"init_from {tmp_path / 'nowhere'} does not exist" in message
+    assert "Hugging Face model folder" in message and "checkpoint" in message
+
+
+@pytest.mark.parametrize("make", ["empty", "file", "weights_only"])
+def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
+    path = tmp_path / "thing"
+    if make == "file":
+        path.write_text("hello")
+    else:
+        path.mkdir()
+    if make == "weights_only":  # no config.json
+        save_tiny_hf_model("llama", tmp_path / "hf")
+        shutil.copy(tmp_path / "hf" / "model.safetensors", path / "model.safetensors")
+    message = refused(path)
+    assert f"init_from {path} is neither a Hugging Face model folder" in message
+    assert "model.safetensors" in message and "checkpoint of ours (meta.json)" in message
+
+
+@pytest.mark.parametrize("bin_weights", [False, True])
+def test_a_hugging_face_folder_without_safetensors_weights_says_what_it_lacks(tmp_path, bin_weights):
+    path = tmp_path / "thing"
+    path.mkdir()
+    save_tiny_hf_model("llama", tmp_path / "hf")
+    shutil.copy(tmp_path / "hf" / "config.json", path / "config.json")
+    if bin_weights:
+        (path / "pytorch_model.bin").write_bytes(b"pickle")
+    message = refused(path)
+    assert f"init_from {path} is a Hugging Face model folder without safetensors weights" in message
+    assert "no model.safetensors or model.safetensors.index.json" in message
+    assert ("found pytorch_model.bin: convert them to safetensors" in message) == bin_weights
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_hugging_face_folder_gives_its_model_config_weights_and_metadata(tmp_path, family):
+    folder = save_tiny_hf_folder(family, tmp_path / family)
+    init = resolve_init(str(folder), warn_outside_base=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert init.kind == "hf" and init.path == folder and init.checkpoint is None
+    assert init.model == hf_adapter.config_from_hf(config)
+    assert init.model.family == family and init.model.vocab_size == 640 and init.model.max_seq_len == 128
+    assert init.tokenizer_sha256 == sha256_file(folder / "tokenizer.json")
+    assert init.meta["hf_config"] == config and init.meta["init_from"] == str(folder)
+    assert init.meta["hf_generation_config"] == json.loads((folder / "generation_config.json").read_text())
+    assert init.init_id.startswith("hf:")
+    # load_weights fills a model built from init.model with the folder's weights
+    _, reference = hf_adapter.load_hf_model(folder)
+    model = Transformer(init.model)
+    init.load_weights(model)
+    for k, v in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_init_id_is_stable_and_follows_every_weight_file(tmp_path, sharded):
+    folder = save_tiny_hf_model("qwen2", tmp_path / "a", sharded=sharded)
+    first = resolve_init(str(folder), warn_outside_base=False).init_id
+    assert resolve_init(str(folder), warn_outside_base=False).init_id == first  # the same folder, the same id
+    copy = shutil.copytree(folder, tmp_path / "b")  # content, not location: a copy is the same model
+    assert resolve_init(str(copy), warn_outside_base=False).init_id == first
+    files = sorted(hf_adapter.weight_files(folder))
+    assert (len(files) > 1) == sharded
+    for name in files:  # a change in any weight file (the last shard too) is another model
+        changed = shutil.copytree(folder, tmp_path / f"changed-{name}")
+        tensors = load_file(str(changed / name))
+        key = sorted(tensors)[0]
+        tensors[key] = tensors[key] + 1.0
+        save_file(tensors, str(changed / name), metadata={"format": "pt"})
+        assert resolve_init(str(changed), warn_outside_base=False).init_id != first, name
+    retuned = shutil.copytree(folder, tmp_path / "config")
+    config = json.loads((retuned / "config.json").read_text())
+    (retuned / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    assert resolve_init(str(retuned), warn_outside_base=False).init_id != first
+
+
+def test_a_folder_outside_models_base_warns_that_dvc_does_not_track_it(tmp_path, caplog):
+    folder = save_tiny_hf_model("llama", tmp_path / "llama")
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        resolve_init(str(folder))
+    assert f"init_from {folder} is outside models/base/" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        resolve_init(str(folder), warn_outside_base=False)
+    assert caplog.text == ""
+
+
+@pytest.fixture
+def run_folder(tmp_path):
+    """A run folder of ours with checkpoints at steps 4 and 8 (different weights),
+    and a previous run under previous/<id>/ with one at step 2."""
+    run = tmp_path / "models" / "pretrain"
+    config = tiny_config(64)
+    for step, seed in ((4, 1), (8, 2)):
+        save_checkpoint(run, tiny_model(config, seed=seed), step=step,
+                        meta={"tokenizer_sha256": "t" * 64, "hf_config": {"architectures": ["LlamaForCausalLM"]}})
+    save_checkpoint(run / "previous" / "0123456789abcdef", tiny_model(config, seed=3), step=2)
+    return run
+
+
+PREVIOUS = "previous/0123456789abcdef"
+
+
+@pytest.mark.parametrize("where, found, seed", [
+    (".", "step-00000008", 2),  # a run folder: its newest checkpoint
+    ("step-00000004", "step-00000004", 1),
+    (f"{PREVIOUS}/step-00000002", f"{PREVIOUS}/step-00000002", 3),
+    (PREVIOUS, f"{PREVIOUS}/step-00000002", 3),
+])
+def test_a_checkpoint_of_ours_by_run_folder_step_folder_or_previous_run(run_folder, where, found, seed):
+    init = resolve_init(str(run_folder / where))
+    step = int(found[-8:])
+    assert init.kind == "checkpoint" and init.checkpoint.step == step
+    assert init.path.resolve() == (run_folder / found).resolve()
+    assert init.model == tiny_config(64)
+    assert init.init_id.startswith("ckpt:")
+    model = Transformer(init.model)
+    init.load_weights(model)
+    expected = tiny_model(tiny_config(64), seed=seed).state_dict()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    if step != 2:  # what the run it comes from recorded travels on: the tokenizer and the original config.json
+        assert init.tokenizer_sha256 == "t" * 64
+        assert init.meta == {"init_from": str(init.path), "hf_config": {"architectures": ["LlamaForCausalLM"]}}
+    else:
+        assert init.tokenizer_sha256 is None and "hf_config" not in init.meta
+
+
+@pytest.mark.parametrize("damage", ["weights", "meta", "optimizer_missing"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(run_folder, damage):
+    step = run_folder / "step-00000008"
+    if damage == "weights":
+        data = bytearray((step / "model.safetensors").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (step / "model.safetensors").write_bytes(bytes(data))
+        file = "model.safetensors"
+    elif damage == "meta":
+        (step / "meta.json").write_text("{not json")
+        file = "meta.json"
+    else:
+        (step / "optimizer.pt").unlink()
+        file = "optimizer.pt"
+    for path in (step, run_folder):  # named directly, or as the run's newest: never an older one in its place
+        message = refused(path)
+        assert f"{step / file}" in message and "damaged" in message
+
+
+def test_damaged_hugging_face_files_are_one_line_naming_the_folder(tmp_path):
+    folder = save_tiny_hf_folder("qwen2", tmp_path / "good")
+    bad_config = shutil.copytree(folder, tmp_path / "config")
+    (bad_config / "config.json").write_text("{not json")
+    assert f"{bad_config / 'config.json'}: cannot read" in refused(bad_config)
+    truncated = shutil.copytree(folder, tmp_path / "weights")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    message = refused(truncated)
+    assert f"init_from {truncated}" in message and "safetensors" in message
+    bad_generation = shutil.copytree(folder, tmp_path / "generation")
+    (bad_generation / "generation_config.json").write_text("{")
+    assert f"{bad_generation / 'generation_config.json'}" in refused(bad_generation)
+    sharded = save_tiny_hf_model("qwen2", tmp_path / "sharded", sharded=True)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (sharded / shard).unlink()
+    message = refused(sharded)
+    assert shard in message and "missing" in message
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+    ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
+])
+def test_an_unsupported_architecture_is_one_line_listing_the_supported_ones(tmp_path, edit, named):
+    folder = save_tiny_hf_model("llama", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    message = refused(folder)
+    assert f"init_from {folder}" in message and named in message
+    for supported in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert supported in message
+
+
+def test_an_unsupported_config_feature_is_one_line_naming_it(tmp_path):
+    folder = save_tiny_hf_model("llama", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    message = refused(folder)
+    assert "yarn" in message and "default, llama3" in message
+
+
+# --------------------------------------------------------------------------- check_tokenizer
+
+
+def manifest(vocab_size, sha):
+    return {"vocab_size": vocab_size, "tokenizer_sha256": sha}
+
+
+def test_data_made_with_the_models_tokenizer_passes(tmp_path, caplog):
+    folder = save_tiny_hf_folder("qwen2", tmp_path / "m")
+    init = resolve_init(str(folder), warn_outside_base=False)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        check_tokenizer(init, manifest(534, sha256_file(folder / "tokenizer.json")))
+    assert caplog.text == ""
+
+
+def test_data_made_with_another_tokenizer_is_one_line_telling_to_set_tokenizer_source(tmp_path):
+    folder = save_tiny_hf_folder("qwen2", tmp_path / "m")
+    init = resolve_init(str(folder), warn_outside_base=False)
+    with pytest.raises(InitError) as err:
+        check_tokenizer(init, manifest(320, "a" * 64))  # our own trained tokenizer: fits, but is another one
+    message = one_line(err)
+    assert f"set tokenizer.source: {folder}" in message and "aaaaaaaaaaaa" in message
+    assert init.tokenizer_sha256[:12] in message
+
+
+def test_data_made_with_another_tokenizer_than_a_checkpoints_is_refused(tmp_path):
+    save_checkpoint(tmp_path / "run", tiny_model(tiny_config(64)), meta={"tokenizer_sha256": "t" * 64})
+    init = resolve_init(str(tmp_path / "run"))
+    check_tokenizer(init, manifest(64, "t" * 64))
+    with pytest.raises(InitError) as err:
+        check_tokenizer(init, manifest(64, "a" * 64))
+    assert "use the tokenizer that checkpoint was trained with" in one_line(err)
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused(tmp_path, caplog):
+    folder = save_tiny_hf_model("llama", tmp_path / "m", vocab_size=384)  # no tokenizer.json: only the size is known
+    init = resolve_init(str(folder), warn_outside_base=False)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        check_tokenizer(init, manifest(384, "a" * 64))  # fills the table exactly: fine
+    with pytest.raises(InitError) as err:
+        check_tokenizer(init, manifest(385, "a" * 64))
+    assert f"the tokenizer has 385 tokens but {folder} embeds only 384" in one_line(err)
+
+
+def test_a_model_folder_without_tokenizer_json_only_warns(tmp_path, caplog):
+    folder = save_tiny_hf_model("mistral", tmp_path / "m", vocab_size=384)
+    init = resolve_init(str(folder), warn_outside_base=False)
+    assert init.tokenizer_sha256 is None
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        check_tokenizer(init, manifest(300, "a" * 64))
+    assert f"{folder} ships no tokenizer.json" in caplog.text and "300 <= 384" in caplog.text
