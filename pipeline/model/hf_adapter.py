@@ -404,13 +404,20 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
         raise UnsupportedModelError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
     out = {}
     for path, listed in sorted(files.items()):
-        with safe_open(str(path), framework="pt") as f:
-            held = list(f.keys())
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                held = list(f.keys())
+        except Exception as err:  # safetensors raises its own SafetensorError (and OSError) for a bad header
+            raise UnsupportedModelError(f"{path}: not a readable safetensors file ({one_line(err)})") from None
         if listed is not None and set(listed) - set(held):
             raise UnsupportedModelError(f"{path}: lacks {', '.join(sorted(set(listed) - set(held)))}, "
                                         f"which {WEIGHTS_INDEX} places there")
         out[str(path.relative_to(folder))] = listed if listed is not None else held
     return out
+
+
+def one_line(err: Exception) -> str:
+    return " ".join(str(err).split())[:300]
 
 
 def load_hf_model(folder: str | Path) -> tuple[ModelConfig, Transformer]:

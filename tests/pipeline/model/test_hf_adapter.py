@@ -369,3 +369,13 @@ def test_the_registry_matches_the_model():
         with torch.device("meta"):
             ours = Transformer(config).state_dict()
         assert set(hf_adapter.to_hf(ours, config)) == set(theirs) - {"lm_head.weight"}
+
+
+def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path):
+    from pipeline.model.hf_adapter import UnsupportedModelError, weight_files
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UnsupportedModelError, match=r"model\.safetensors: not a readable safetensors file") as err:
+        weight_files(tmp_path)
+    assert "\n" not in str(err.value)
