@@ -181,20 +181,26 @@ def _token_variables(folder: Path, specials_texts: Mapping[str, str], tok: Token
     folder's ``tokenizer_config.json`` when there is one, else from the roles."""
     config_file = folder / HF_DIR / "tokenizer_config.json"
     if config_file.is_file():
-        config = read_json(config_file)
-        out = {}
-        for key in TOKEN_VARIABLES:
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str) and value:
-                out[key] = value
-        return out
+        return _config_variables(config_file)
     out = {"eos_token": specials_texts.get("eos") or tok.id_to_token(eos_ids[0])} if eos_ids else {}
     if bos_id is not None:
         out["bos_token"] = tok.id_to_token(bos_id)
     if specials_texts.get("pad"):
         out["pad_token"] = specials_texts["pad"]
     return {k: v for k, v in out.items() if v}
+
+
+def _config_variables(config_file: Path) -> dict[str, str]:
+    """The special-token texts a ``tokenizer_config.json`` names (a string or an
+    AddedToken dict each), as apply_chat_template passes them to a template."""
+    config = read_json(config_file) if config_file.is_file() else {}
+    out = {}
+    for key in TOKEN_VARIABLES:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
 
 
 def load_chat_template(choice: str, tokenizer_path: str | Path, tok: Tokenizer, date: dt.date = DEFAULT_DATE,
@@ -251,13 +257,7 @@ def template_of_hf_folder(folder: str | Path, tok: Tokenizer, date: dt.date = DE
     roles = hf_specials(folder, tok)
     if not roles.chat_template:
         return None, roles
-    config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    variables = {}
-    for key in TOKEN_VARIABLES:
-        value = config.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str) and value:
-            variables[key] = value
+    variables = _config_variables(folder / "tokenizer_config.json")
     return ChatTemplate(f"tokenizer ({folder})", roles.chat_template, variables, tokenizer_specials(tok), date), roles
 
 
