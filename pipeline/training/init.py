@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -64,12 +65,26 @@ class InitSource:
             ckpt.load_model_weights(self.checkpoint, model)
 
 
+FOLDER_ID_ENV = "PIPELINE_INIT_FOLDER_ID"  # the launcher's hash, inherited by the ranks it starts
+
+
 def _folder_id(folder: Path, names: list[str]) -> str:
-    """sha256 over the named files' contents: the identity of a model folder."""
+    """sha256 over the named files' contents: the identity of a model folder.
+
+    Hashing a 7B model reads ~15 GB, so the launcher hashes once and leaves the
+    result in the environment for the ranks torchrun starts; a rank reuses it
+    only while every file still has the size and mtime it had when hashed."""
+    stat = json.dumps([str(folder.resolve()), *[[n, (folder / n).stat().st_size, (folder / n).stat().st_mtime_ns]
+                                                for n in sorted(names)]])
+    cached = os.environ.get(FOLDER_ID_ENV, "")
+    if cached.startswith(stat + "\n"):
+        return cached[len(stat) + 1:]
     h = hashlib.sha256()
     for name in sorted(names):
         h.update(name.encode() + b"\0" + sha256_file(folder / name).encode() + b"\n")
-    return h.hexdigest()[:16]
+    folder_id = h.hexdigest()[:16]
+    os.environ[FOLDER_ID_ENV] = stat + "\n" + folder_id
+    return folder_id
 
 
 def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> InitSource | None:

@@ -280,3 +280,23 @@ def test_a_model_folder_without_tokenizer_json_only_warns(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="pipeline.training"):
         check_tokenizer(init, manifest(300, "a" * 64))
     assert f"{folder} ships no tokenizer.json" in caplog.text and "300 <= 384" in caplog.text
+
+
+def test_the_folder_is_hashed_once_per_launch_unless_a_file_changes_in_place(tmp_path, monkeypatch):
+    from pipeline.training import init as init_module
+
+    monkeypatch.delenv(init_module.FOLDER_ID_ENV, raising=False)
+    folder = save_tiny_hf_model("llama", tmp_path / "m")
+    hashed = []
+    real = init_module.sha256_file
+    monkeypatch.setattr(init_module, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    first = resolve_init(str(folder), warn_outside_base=False).init_id
+    n = len(hashed)
+    assert n >= 2  # config.json and the weights
+    assert resolve_init(str(folder), warn_outside_base=False).init_id == first  # a rank after the launcher
+    assert [h for h in hashed[n:] if h != "tokenizer.json"] == []  # the weights were not read again
+    tensors = load_file(str(folder / "model.safetensors"))  # the same size, new content, in place
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key] + 1.0
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert resolve_init(str(folder), warn_outside_base=False).init_id != first
