@@ -8,6 +8,7 @@ one to four lines, and one chunk with a 'lorem ipsum' line that clean drops.
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -72,9 +73,17 @@ def book(tmp_path_factory):
     path = d / "book.txt"
     path.write_text(make_book(1_200_000), encoding="utf-8")
     ingest = parse_section(IngestConfig, {
-        "sources": [{"path": str(path), "split_by": "chunk", "chunk_bytes": CHUNK_BYTES}],
+        "sources": [{"path": path.name, "split_by": "chunk", "chunk_bytes": CHUNK_BYTES}],
         "max_doc_bytes": MAX_DOC_BYTES, "max_bytes": None}, "ingest")
-    ingest_metrics = run_ingest(ingest, d / "ingest.parquet", d / "ingest-quarantine.jsonl")
+    # A chunk's id hashes its file's path as given, and the split hashes the id: a
+    # relative path keeps the train/val layout the tests below rely on the same in
+    # every temporary folder.
+    cwd = os.getcwd()
+    os.chdir(d)
+    try:
+        ingest_metrics = run_ingest(ingest, d / "ingest.parquet", d / "ingest-quarantine.jsonl")
+    finally:
+        os.chdir(cwd)
     clean_metrics = run_clean(CleanConfig(num_workers=1), d / "ingest.parquet", d / "clean.parquet",
                               d / "quarantine.jsonl", d / "clean-report.json")
     train_tokenizer(TokenizerConfig(vocab_size=512, sample_bytes=400_000, eval_bytes=50_000), d / "clean.parquet",
@@ -232,7 +241,7 @@ def test_every_chunk_is_accounted_for_and_the_quarantine_names_file_and_offset(b
     assert report["docs_in"] == len(book["chunks"]) == book["clean"]["docs"] + sum(report["dropped"].values())
     assert {k: v for k, v in report["dropped"].items() if v} == {"c4_lorem_ipsum": 1}
     (q,) = [json.loads(line) for line in (d / "quarantine.jsonl").read_text().splitlines()]
-    assert q["source"] == str(book["path"]) and q["location"].startswith("byte:")
+    assert q["source"] == book["path"].name and q["location"].startswith("byte:")
     offset = int(q["location"].removeprefix("byte:"))
     data = book["path"].read_bytes()
     assert data[offset:].decode().startswith(q["text"][:200]) and (offset == 0 or data[offset - 1:offset] == b"\n")
