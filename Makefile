@@ -57,6 +57,7 @@ test-fast: install
 bench: install
 	$(BIN)/python -m bench.data
 	$(BIN)/python -m bench.train
+	$(BIN)/python -m bench.hf
 
 memory: install
 	$(BIN)/python -m pipeline.training.memory --seq-len $(or $(SEQ_LEN),1024) --gpus $(or $(GPUS),8)
