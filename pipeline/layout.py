@@ -32,6 +32,7 @@ PACKED_MANIFEST = PACKED / "manifest.json"
 SFT_DATA = DATA / "sft"
 SFT_QUARANTINE = SFT_DATA / "quarantine.jsonl"
 
+BASE_MODELS = MODELS / "base"  # published models to start from: users put them here
 PRETRAIN_MODEL = MODELS / "pretrain"
 SFT_MODEL = MODELS / "sft"
 EXPORT_DIR = MODELS / "export"

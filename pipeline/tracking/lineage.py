@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from pipeline import layout
 from pipeline.errors import StageError
 
 log = logging.getLogger(__name__)
 
 # Stages that read or write anything under this folder train, evaluate or export
 # a model; every other stage with outputs is a data stage.
-BASE_PREFIX = "models/base"
+BASE_PREFIX = layout.BASE_MODELS.as_posix()
 MODELS_PREFIX = "models/"
 
 

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from safetensors import SafetensorError
 
+from pipeline import layout
 from pipeline.errors import StageError
 from pipeline.files import sha256_file
 from pipeline.model import hf_adapter
@@ -39,7 +40,7 @@ from pipeline.training import checkpoint as ckpt
 
 log = logging.getLogger("pipeline.training")
 
-BASE_DIR = Path("models/base")  # DVC tracks this folder as a dep of tokenizer and pretrain
+BASE_DIR = layout.BASE_MODELS  # DVC tracks this folder as a dep of tokenizer and pretrain
 
 
 class InitError(StageError):
@@ -159,7 +160,7 @@ def _inside(path: Path, folder: Path) -> bool:
         return False
 
 
-def check_tokenizer(init: InitSource, manifest: dict[str, Any], tokenizer_source: str | None = None) -> None:
+def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
     """The packed data's tokenizer and the initial model belong together: the same
     tokenizer.json when the model's is known, and every token id inside the
     model's embedding table. Raises InitError, one line, otherwise."""
@@ -177,8 +178,3 @@ def check_tokenizer(init: InitSource, manifest: dict[str, Any], tokenizer_source
     if init.tokenizer_sha256 is None:
         log.warning("%s ships no tokenizer.json, so the pairing with data/tokenizer cannot be checked beyond the "
                     "vocabulary size (%d <= %d)", init.path, vocab, init.model.vocab_size)
-
-
-def ignored_model_keys(model_section: Any) -> list[str]:
-    """Keys of ``pretrain.model`` given in params that an initial model overrides."""
-    return sorted(model_section.model_fields_set)
