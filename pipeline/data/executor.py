@@ -263,7 +263,8 @@ class RayExecutor(Executor):
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
                 kwargs.update(num_cpus=workers, _node_ip_address="127.0.0.1")
             try:
-                ray.init(address=cfg.address, **kwargs)
+                # "local": a new instance even where `ray start` left one running on this machine.
+                ray.init(address=cfg.address or "local", **kwargs)
             except Exception as e:  # ConnectionError, ValueError, RuntimeError depending on the failure
                 where = f"the Ray cluster at {cfg.address}" if cfg.address else "a local Ray instance"
                 raise ExecutorError(f"{desc}: could not start or join {where}: {type(e).__name__}: "
@@ -284,7 +285,7 @@ class RayExecutor(Executor):
             return self.ray.get(ref)
         except RayTaskError as e:
             cause = e.cause if e.cause is not None else e
-            raise _task_failed(self.desc, index, cause, getattr(e, "traceback_str", "")) from None
+            raise _task_failed(self.desc, index, cause, str(e)) from None
         except RayError as e:  # a worker or node died, an object was lost
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ExecutorError(f"{self.desc}: task {index} was lost: {type(e).__name__}: {first}") from None
@@ -299,9 +300,21 @@ class RayExecutor(Executor):
             while pending:
                 yield self._result(*pending.popleft())
         finally:
-            for _, ref in pending:
+            self._drop([ref for _, ref in pending])
+
+    def _drop(self, refs: list) -> None:
+        """Cancel tasks whose results are no longer wanted, and collect the errors
+        of those that failed anyway, which Ray would otherwise log as unhandled."""
+        if not refs:
+            return
+        for ref in refs:
+            with contextlib.suppress(Exception):
+                self.ray.cancel(ref)
+        with contextlib.suppress(Exception):
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=10)
+            for ref in done:
                 with contextlib.suppress(Exception):
-                    self.ray.cancel(ref)
+                    self.ray.get(ref)
 
     def close(self) -> None:
         if self.started:
