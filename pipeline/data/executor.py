@@ -19,8 +19,8 @@ Kinds (``executor.kind`` in a stage's params):
   parent runs Arrow and tqdm threads), each ended by the kernel when the stage
   dies, even by SIGKILL. One worker runs in-process, spawning nothing.
 - ``ray``: Ray tasks. With no ``address`` a local Ray instance is started for
-  the stage (``num_cpus`` = the worker count, bound to 127.0.0.1, no dashboard,
-  quiet logs) and stopped after it; with an ``address`` (``auto``,
+  the stage (``num_cpus`` = the worker count, its servers bound to 127.0.0.1,
+  no dashboard, no token file written, quiet logs) and stopped after it; with an ``address`` (``auto``,
   ``ray://host:10001``) the stage joins that cluster and uses its CPUs. Ray
   worker processes are reused across tasks, and each runs the initializer once
   and keeps its state. Ray is imported only here, only for this kind.
@@ -238,6 +238,24 @@ class LocalPool(Executor):
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+# Ray's switch between a single-machine node and a cluster node. ray.init turns a
+# node address of 127.0.0.1 into the machine's reachable address and binds its
+# servers there; with this set to 0 (the name is Ray's: it is the default on
+# Windows and macOS) a new node takes the loopback address and binds to it.
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def loopback_only() -> None:
+    """Make the Ray instance this process starts next bind to 127.0.0.1 only,
+    unless the user set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER. Ray reads the variable
+    when it is imported, so where it already is, its constant is set too."""
+    if os.environ.setdefault(RAY_CLUSTER_ENV, "0") != "0":
+        return
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 class RayExecutor(Executor):
     """Ray tasks, one CPU each; see the module docstring."""
 
@@ -246,6 +264,8 @@ class RayExecutor(Executor):
     def __init__(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
                  initializer: Callable[..., None] | None, initargs: tuple):
         super().__init__(desc)
+        if cfg.address is None:
+            loopback_only()
         try:
             import ray
         except ImportError:
@@ -261,7 +281,7 @@ class RayExecutor(Executor):
                 # Token authentication would write ~/.ray/auth_token for an instance
                 # that lives as long as the stage; the user's own setting wins.
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-                kwargs.update(num_cpus=workers, _node_ip_address="127.0.0.1")
+                kwargs.update(num_cpus=workers)
             try:
                 # "local": a new instance even where `ray start` left one running on this machine.
                 ray.init(address=cfg.address or "local", **kwargs)
