@@ -26,14 +26,21 @@ Each document goes through, in order:
    (:class:`NearDedup`); candidates whose estimated Jaccard similarity with a
    kept document reaches the threshold are dropped as ``near_duplicate``.
 
-Steps 1-2 and the MinHash signatures are per document and run in a
-multiprocessing pool on batches; the dedup decisions (3-4) are sequential and
-run in the main process in input order, so the output is the same for any
-number of workers. Input is streamed batch by batch with a bounded number of
-batches in flight, so memory grows only with the dedup indexes (see
-:class:`ExactDedup` and :class:`NearDedup` for their per-document cost). On a
-synthetic 200 MB corpus (47k documents, 2 workers) the peak RSS was 324 MB for
-the main process and about 130 MB per worker.
+Steps 1-2 and the MinHash signatures are per document and run on the stage's
+executor (:mod:`pipeline.data.executor`: a local process pool, or Ray) in
+batches, at most twice the worker count in flight, results in input order. The
+dedup decisions (3-4) are made in input order, so the output is the same for any
+executor and worker count. Where they are made is ``dedup.method``:
+
+- ``memory`` (the default): in the main process, as results arrive, against
+  in-memory indexes whose size grows with the corpus (see :class:`ExactDedup`
+  and :class:`NearDedup` for their per-document cost). On a synthetic 200 MB
+  corpus (47k documents, 2 workers) the peak RSS was 324 MB for the main
+  process and about 130 MB per worker.
+- ``sharded``: as steps on disk run by the executor, each within a bounded
+  memory (:mod:`pipeline.data.dedup`), then a second pass over the input that
+  normalises the kept documents again in the workers. The same documents are
+  kept, with the same quarantine and report.
 
 Every document that enters leaves as kept or as dropped with a reason:
 ``docs_in == docs_out + sum(dropped.values())`` is checked before the metrics

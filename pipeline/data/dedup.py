@@ -60,7 +60,7 @@ EXACT_RECORD = np.dtype([("d0", "<u8"), ("d1", "<u8"), ("doc", "<i8")])
 BAND_RECORD = np.dtype([("key", "<u8"), ("doc", "<i8")])
 PAIR = np.dtype([("j", "<i8"), ("i", "<i8"), ("equal", "<u2")])  # doc j > doc i, equal signature slots
 
-PAIRS_PER_RUN = 1 << 22
+PAIRS_PER_RUN = 1 << 20
 RESOLVE_DOCS = 1 << 20
 FLUSH_BYTES = 64 << 20
 
