@@ -548,7 +548,6 @@ def _decide_sharded(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: 
                     outcomes.append((None, names[st - dedup.FILTERED], filter_detail.get(doc, ""), 0))
             start += len(ids)
             yield batch, outcomes
-        del state
     finally:
         writer.close()
         dedup.remove(work)

@@ -62,7 +62,7 @@ PAIR = np.dtype([("j", "<i8"), ("i", "<i8"), ("equal", "<u2")])  # doc j > doc i
 
 PAIRS_PER_RUN = 1 << 20
 RESOLVE_DOCS = 1 << 20
-FLUSH_BYTES = 64 << 20
+FLUSH_BYTES = 16 << 20
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _PRIME = np.uint64(0x100000001B3)
@@ -112,8 +112,13 @@ class WorkDir:
     def state(self, mode: str = "r") -> np.ndarray:
         return np.memmap(self.state_path, dtype=np.uint8, mode=mode, shape=(self.num_docs,))
 
-    def signatures(self) -> np.ndarray:
-        return np.memmap(self.sig_path, dtype=np.uint32, mode="r", shape=(self.num_docs, self.num_perm))
+    def signatures(self, fd: int, docs: np.ndarray) -> np.ndarray:
+        """The (len(docs), num_perm) signatures of ``docs``, read with pread from
+        ``fd`` (the signature file, open): a task reads its buckets' rows only,
+        and maps nothing, so its memory does not grow with the file."""
+        row = 4 * self.num_perm
+        data = b"".join(os.pread(fd, row, int(d) * row) for d in docs)
+        return np.frombuffer(data, dtype=np.uint32).reshape(len(docs), self.num_perm)
 
 
 class SignatureWriter:
@@ -207,9 +212,7 @@ def band_pairs(work: WorkDir, b: int, p: int) -> list[str]:
     rec = rec[np.lexsort((rec["doc"], rec["key"]))]
     starts = np.flatnonzero(np.r_[True, rec["key"][1:] != rec["key"][:-1]])
     sizes = np.diff(np.r_[starts, len(rec)])
-    sigs = work.signatures()
-    rows = work.num_perm // work.bands
-    lo, hi = b * rows, (b + 1) * rows
+    fd = os.open(work.sig_path, os.O_RDONLY)
     runs: list[str] = []
     buf: list[np.ndarray] = []
     buffered = 0
@@ -226,30 +229,43 @@ def band_pairs(work: WorkDir, b: int, p: int) -> list[str]:
         buf.clear()
         buffered = 0
 
-    for s, m in zip(starts[sizes > 1], sizes[sizes > 1]):
-        docs = rec["doc"][s:s + m]  # ascending
-        group = np.asarray(sigs[docs])
-        # Equal keys, unequal bands (a hash collision): split into true buckets.
-        _, bucket = np.unique(group[:, lo:hi], axis=0, return_inverse=True)
-        for k in np.unique(bucket):
-            members = np.flatnonzero(bucket.ravel() == k)
-            if len(members) < 2:
-                continue
-            sub, ids = group[members], docs[members]
-            for t in range(1, len(members)):
-                eq = sub[:t] == sub[t]
-                earlier = eq[:, :lo].reshape(t, b, rows).all(axis=2).any(axis=1) if b else np.zeros(t, bool)
-                new = ~earlier
-                if not new.any():
-                    continue
-                out = np.empty(int(new.sum()), PAIR)
-                out["j"], out["i"], out["equal"] = ids[t], ids[:t][new], eq[new].sum(axis=1)
-                buf.append(out)
-                buffered += len(out)
+    try:
+        for s, m in zip(starts[sizes > 1], sizes[sizes > 1]):
+            buffered = _bucket_pairs(work, b, rec["doc"][s:s + m], work.signatures(fd, rec["doc"][s:s + m]),
+                                     buf, buffered)
             if buffered >= PAIRS_PER_RUN:
                 spill()
+    finally:
+        os.close(fd)
     spill()
     return runs
+
+
+def _bucket_pairs(work: WorkDir, b: int, docs: np.ndarray, group: np.ndarray, buf: list[np.ndarray],
+                  buffered: int) -> int:
+    """Append to ``buf`` the pairs of one bucket (``docs`` ascending with band ``b``'s
+    key equal, ``group`` their signatures) first found in band ``b``; return the
+    new count of buffered pairs."""
+    rows = work.num_perm // work.bands
+    lo, hi = b * rows, (b + 1) * rows
+    # Equal keys, unequal bands (a hash collision): split into true buckets.
+    _, bucket = np.unique(group[:, lo:hi], axis=0, return_inverse=True)
+    for k in np.unique(bucket):
+        members = np.flatnonzero(bucket.ravel() == k)
+        if len(members) < 2:
+            continue
+        sub, ids = group[members], docs[members]
+        for t in range(1, len(members)):
+            eq = sub[:t] == sub[t]
+            earlier = eq[:, :lo].reshape(t, b, rows).all(axis=2).any(axis=1) if b else np.zeros(t, bool)
+            new = ~earlier
+            if not new.any():
+                continue
+            out = np.empty(int(new.sum()), PAIR)
+            out["j"], out["i"], out["equal"] = ids[t], ids[:t][new], eq[new].sum(axis=1)
+            buf.append(out)
+            buffered += len(out)
+    return buffered
 
 
 def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -> dict[str, Any]:
