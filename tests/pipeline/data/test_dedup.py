@@ -34,6 +34,7 @@ PLANTED = [
     code(2),                     # 10 kept
     "",                          # 11 filtered (too_short)
     " ".join(C) + " more",       # 12 near duplicate of 4
+    code(3).replace("\n", "  \r\n"),  # 13 kept, changed by normalisation
 ]
 
 
@@ -57,10 +58,11 @@ def test_planted_duplicates_and_a_chain_keep_the_same_documents(tmp_path):
     assert sharded == memory
     _, rep, docs, quarantine, _, _ = memory
     # The greedy rule, not clusters: C's only match B was dropped, so C stays.
-    assert [d["id"] for d in docs] == ["id000", "id001", "id004", "id006", "id010"]
+    assert [d["id"] for d in docs] == ["id000", "id001", "id004", "id006", "id010", "id013"]
     kept_of = {q["source"]: q["detail"].rsplit(" ", 1)[1] for q in quarantine if q["reason"] == "near_duplicate"}
     assert kept_of == {"src/2.py": "id000", "src/7.py": "id006", "src/9.py": "id006", "src/12.py": "id004"}
-    assert rep["dropped"]["exact_duplicate"] == 2 and rep["near_dedup"]["kept_in_index"] == 5
+    assert rep["dropped"]["exact_duplicate"] == 2 and rep["near_dedup"]["kept_in_index"] == 6
+    assert rep["docs_changed_by_normalise"] >= 1
     assert rep["near_dedup"]["candidates_checked"] >= 4
 
 
