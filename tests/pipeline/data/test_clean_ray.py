@@ -121,3 +121,18 @@ def test_the_stage_under_ray_runs_quietly_with_bad_documents(tmp_path):
     assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()
     metrics = json.loads((tmp_path / "metrics" / "clean.json").read_text())
     assert (metrics["docs"], metrics["dropped"], metrics["workers"]) == (2, 3, 1)
+
+
+def test_an_address_joins_that_cluster_and_uses_its_cpus():
+    address = ray.get_runtime_context().gcs_address  # this module's instance, as a cluster to join
+    code = ("import ray\n"
+            "from pipeline.data.executor import ExecutorConfig, open_executor\n"
+            "from tests.pipeline.data.test_executor import tagged\n"
+            f"with open_executor(ExecutorConfig(kind='ray', address={address!r})) as ex:\n"
+            "    print(ex.workers, [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[0] == "2 [0, 1, 4, 9]"
+    assert ray.cluster_resources().get("CPU") == 2  # the cluster outlives the stage that joined it
+
