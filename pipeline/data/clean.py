@@ -327,7 +327,8 @@ class NearDedup:
     Memory, per kept document (measured with 128 permutations, 16 bands): the
     rensa LSH index ~900 B, the stored signature 4 B x num_perm + ~33 B (545 B),
     and the kept id (~90 B for a 16-character id): about 1.5 KB, i.e. ~1.5 GB
-    per million kept documents. Larger corpora need a sharded or on-disk index.
+    per million kept documents. For larger corpora, ``dedup.method: sharded``
+    (:mod:`pipeline.data.dedup`) reaches the same decisions in bounded memory.
     """
 
     def __init__(self, cfg: NearDedupConfig) -> None:
