@@ -34,11 +34,14 @@ in-memory path uses, buckets by a 64-bit hash of the band, so the two differ
 only when two different bands collide in 64 bits.
 
 Memory per task: an exact task holds its partition (24 B per document), a band
-task its partition (16 B per document) plus the signatures of one bucket and up
-to :data:`PAIRS_PER_RUN` pairs (16 B each) before it writes a sorted run;
-:func:`resolve` maps the state bytes (1 B per document, file-backed) and holds
-the pairs of :data:`RESOLVE_DOCS` documents at a time. The work folder on disk
-takes about ``4 x num_perm + 16 x (bands + 2)`` bytes per document.
+task its partition (16 B per document) plus the signatures of one bucket (read
+with pread, nothing mapped) and up to :data:`PAIRS_PER_RUN` pairs (18 B each)
+before it writes a sorted run; :func:`resolve` maps the state bytes (1 B per
+document, file-backed) and holds the pairs of :data:`RESOLVE_DOCS` documents at
+a time; the driver buffers at most :data:`FLUSH_BYTES` of step 1's records. The
+work folder on disk takes about ``4 x num_perm + 16 x (bands + 2)`` bytes per
+document. The one cost that grows faster than the corpus: a bucket of m
+near-identical documents gives m(m-1)/2 pairs to compute (spilled to disk).
 """
 
 from __future__ import annotations
