@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import sys
 import uuid
 from collections import deque
@@ -256,6 +257,20 @@ def loopback_only() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
+    """Fail in one line when nothing answers at a ``host:port`` or
+    ``ray://host:port`` address: ray.init would retry for minutes, logging."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ExecutorError(f"{desc}: no Ray cluster answers at {address} ({type(e).__name__}: {e.strerror or e}); "
+                            "check executor.address, or start one with `ray start --head`") from None
+
+
 class RayExecutor(Executor):
     """Ray tasks, one CPU each; see the module docstring."""
 
@@ -282,6 +297,8 @@ class RayExecutor(Executor):
                 # that lives as long as the stage; the user's own setting wins.
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
                 kwargs.update(num_cpus=workers)
+            if cfg.address is not None:
+                _check_reachable(desc, cfg.address)
             try:
                 # "local": a new instance even where `ray start` left one running on this machine.
                 ray.init(address=cfg.address or "local", **kwargs)

@@ -150,6 +150,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_an_address_that_answers_nothing_is_one_line():
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ExecutorError, match=rf"^clean: no Ray cluster answers at {address} \(Connection"):
+            with open_executor(ExecutorConfig(kind="ray", address=address), desc="clean"):
+                pass
+
+
 def test_ray_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     with pytest.raises(ExecutorError, match=r"pip install '\.\[ray\]'"):
