@@ -50,6 +50,7 @@ are returned.
 from __future__ import annotations
 
 import gc
+import logging
 import hashlib
 import os
 import re
@@ -85,6 +86,9 @@ SCHEMA = pa.schema([
 ])
 REQUIRED = SCHEMA.names[:4]  # chunk and offset are optional in the input (null: not a chunk)
 
+log = logging.getLogger("pipeline.data.clean")
+
+WORK_PREFIX = ".dedup-"  # dedup.method sharded: <output folder>/.dedup-<pid>, removed at the end
 EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
 
@@ -551,7 +555,7 @@ def _decide_sharded(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: 
             yield batch, outcomes
     finally:
         writer.close()
-        dedup.remove(work)
+        dedup.remove(work.root)
 
 
 def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
@@ -584,7 +588,10 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     docs_in = docs_out = bytes_in = bytes_out = 0
     pending: list[pa.RecordBatch] = []
     pending_rows = 0
-    work_root = Path(out_path).parent / f".dedup-{os.getpid()}"
+    work_root = Path(out_path).parent / f"{WORK_PREFIX}{os.getpid()}"
+    if sharded:
+        for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
+            log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
 
     with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=batches, desc="clean") as ex, \
             atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \

@@ -46,6 +46,7 @@ near-identical documents gives m(m-1)/2 pairs to compute (spilled to disk).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -325,11 +326,36 @@ def mark(work: WorkDir, docs: np.ndarray, value: int) -> None:
         del state
 
 
-def remove(work: WorkDir) -> None:
-    """Delete the work folder's files and the folder (only files this module names)."""
-    if not work.root.is_dir():
+def remove(root: str | Path) -> None:
+    """Delete a work folder: the files this module names, then the folder (left
+    in place if anything else is in it)."""
+    root = Path(root)
+    if not root.is_dir():
         return
-    for f in work.root.iterdir():
-        if f.name == "state.u8" or f.name == "signatures.u32" or f.name.startswith(("exact-", "band-", "pairs-")):
+    for f in root.iterdir():
+        if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-")):
             os.unlink(f)
-    os.rmdir(work.root)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
+
+
+def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
+    """Remove the work folders ``<parent>/<prefix><pid>`` whose process is gone
+    (a stage killed mid-run); return them."""
+    gone = []
+    for d in Path(parent).glob(f"{prefix}*"):
+        pid = d.name[len(prefix):]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            remove(d)
+            gone.append(d)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

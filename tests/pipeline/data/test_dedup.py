@@ -1,6 +1,8 @@
 """pipeline/data/dedup.py: the sharded dedup steps keep exactly the documents the
 in-memory indexes keep, with the same quarantine and report."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -47,7 +49,7 @@ def outputs(tmp_path, texts, **kw):
 
 def both(tmp_path, texts, **kw):
     (tmp_path / "memory").mkdir()
-    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded").mkdir(exist_ok=True)
     memory = outputs(tmp_path / "memory", texts, **kw)
     sharded = outputs(tmp_path / "sharded", texts, dedup={"method": "sharded", "partition_docs": 3}, **kw)
     return memory, sharded
@@ -151,3 +153,13 @@ def test_resolve_is_greedy_in_document_order(tmp_path):
 def test_resolve_names_the_best_match_and_the_earliest_on_a_tie(tmp_path):
     res, _ = resolved(tmp_path, [(3, 0, 105), (3, 1, 120), (3, 2, 120)], num_docs=4)
     assert res["detail"] == {3: (120 / 128, 1)}
+
+
+def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path):
+    out = tmp_path / "sharded" / "out"
+    stale, live = out / ".dedup-999999999", out / f".dedup-{os.getppid()}"
+    for d in (stale, live):
+        d.mkdir(parents=True)
+        (d / "state.u8").write_bytes(b"\0")
+    both(tmp_path, PLANTED)
+    assert not stale.exists() and (live / "state.u8").exists()  # a running process's folder is left alone
