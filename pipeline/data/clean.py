@@ -26,14 +26,21 @@ Each document goes through, in order:
    (:class:`NearDedup`); candidates whose estimated Jaccard similarity with a
    kept document reaches the threshold are dropped as ``near_duplicate``.
 
-Steps 1-2 and the MinHash signatures are per document and run in a
-multiprocessing pool on batches; the dedup decisions (3-4) are sequential and
-run in the main process in input order, so the output is the same for any
-number of workers. Input is streamed batch by batch with a bounded number of
-batches in flight, so memory grows only with the dedup indexes (see
-:class:`ExactDedup` and :class:`NearDedup` for their per-document cost). On a
-synthetic 200 MB corpus (47k documents, 2 workers) the peak RSS was 324 MB for
-the main process and about 130 MB per worker.
+Steps 1-2 and the MinHash signatures are per document and run on the stage's
+executor (:mod:`pipeline.data.executor`: a local process pool, or Ray) in
+batches, at most twice the worker count in flight, results in input order. The
+dedup decisions (3-4) are made in input order, so the output is the same for any
+executor and worker count. Where they are made is ``dedup.method``:
+
+- ``memory`` (the default): in the main process, as results arrive, against
+  in-memory indexes whose size grows with the corpus (see :class:`ExactDedup`
+  and :class:`NearDedup` for their per-document cost). On a synthetic 200 MB
+  corpus (47k documents, 2 workers) the peak RSS was 324 MB for the main
+  process and about 130 MB per worker.
+- ``sharded``: as steps on disk run by the executor, each within a bounded
+  memory (:mod:`pipeline.data.dedup`), then a second pass over the input that
+  normalises the kept documents again in the workers. The same documents are
+  kept, with the same quarantine and report.
 
 Every document that enters leaves as kept or as dropped with a reason:
 ``docs_in == docs_out + sum(dropped.values())`` is checked before the metrics
@@ -43,31 +50,34 @@ are returned.
 from __future__ import annotations
 
 import gc
+import logging
 import hashlib
-import multiprocessing
+import os
 import re
 import time
 import unicodedata
 from array import array
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import closing
 from functools import lru_cache
 from operator import eq
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from rensa import RMinHash, RMinHashLSH
 
 from pipeline.config import StageConfig
+from pipeline.data import dedup
 from pipeline.data.accounting import Ledger
+from pipeline.data.executor import Executor, ExecutorConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
 from pipeline.errors import StageError
-from pipeline.files import atomic_path, available_cores, write_json
+from pipeline.files import atomic_path, write_json
 from pipeline.progress import progress
 
 SCHEMA = pa.schema([
@@ -76,6 +86,9 @@ SCHEMA = pa.schema([
 ])
 REQUIRED = SCHEMA.names[:4]  # chunk and offset are optional in the input (null: not a chunk)
 
+log = logging.getLogger("pipeline.data.clean")
+
+WORK_PREFIX = ".dedup-"  # dedup.method sharded: <output folder>/.dedup-<pid>, removed at the end
 EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
 
@@ -124,6 +137,15 @@ class NearDedupConfig(_Section):
         return bands
 
 
+class DedupConfig(_Section):
+    method: Literal["memory", "sharded"] = Field(
+        "memory", description="memory: in-memory indexes in the main process (~1.5 KB per kept document); sharded: "
+        "steps on disk run by the executor, memory bounded per worker (README 'Data stages on a Ray cluster'); "
+        "the same documents are kept")
+    partition_docs: int = Field(
+        1_000_000, ge=1, description="sharded: documents per exact/band partition task (bounds a task's memory)")
+
+
 class CleanConfig(StageConfig):
     """The ``clean:`` section of params.yaml. Sub-sections are typed models that
     reject unknown keys; ``filters`` has one entry per :data:`pipeline.data.filters.FILTERS`."""
@@ -132,11 +154,23 @@ class CleanConfig(StageConfig):
     filters: FiltersSection = Field(default_factory=FiltersSection)  # type: ignore[valid-type]
     exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
     near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
-    num_workers: int = Field(
-        0, ge=0, le=1024, description="processes for normalise+filter+MinHash; 0 = one per available core")
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    num_workers: int | None = Field(
+        None, ge=0, le=4096, description="older name of executor.num_workers, still read; null = use that")
     batch_docs: int = Field(64, ge=1, description="documents per task sent to a worker")
     row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
     quarantine_per_reason: int = Field(100, ge=0, description="dropped documents kept verbatim per reason")
+
+    @model_validator(mode="after")
+    def _legacy_num_workers(self) -> "CleanConfig":
+        if self.num_workers is None:
+            return self
+        if self.executor.num_workers not in (0, self.num_workers):
+            raise ValueError(f"num_workers={self.num_workers} and executor.num_workers={self.executor.num_workers} "
+                             "disagree; give executor.num_workers only")
+        object.__setattr__(self, "executor", self.executor.model_copy(update={"num_workers": self.num_workers}))
+        return self
 
 
 # --- normalisation -----------------------------------------------------------------------------
@@ -265,12 +299,14 @@ class ExactDedup:
     the filters. Memory: 16 B of digest per distinct document, about 140 B with
     Python's bytes object and set slot (measured)."""
 
+    DETAIL = "same normalised text as an earlier document"
+
     def __init__(self) -> None:
         self.seen: set[bytes] = set()
 
     def check(self, digest: bytes) -> str | None:
         if digest in self.seen:
-            return "same normalised text as an earlier document"
+            return self.DETAIL
         self.seen.add(digest)
         return None
 
@@ -295,7 +331,8 @@ class NearDedup:
     Memory, per kept document (measured with 128 permutations, 16 bands): the
     rensa LSH index ~900 B, the stored signature 4 B x num_perm + ~33 B (545 B),
     and the kept id (~90 B for a 16-character id): about 1.5 KB, i.e. ~1.5 GB
-    per million kept documents. Larger corpora need a sharded or on-disk index.
+    per million kept documents. For larger corpora, ``dedup.method: sharded``
+    (:mod:`pipeline.data.dedup`) reaches the same decisions in bounded memory.
     """
 
     def __init__(self, cfg: NearDedupConfig) -> None:
@@ -305,6 +342,10 @@ class NearDedup:
         self.ids: list[str] = []
         self.candidates_checked = 0
         self.candidates_rejected = 0
+
+    @staticmethod
+    def detail(jaccard: float, kept_id: str) -> str:
+        return f"jaccard~{jaccard:.3f} with kept id {kept_id}"
 
     def check(self, doc_id: str, minhash: RMinHash) -> str | None:
         sig = array("I", minhash.digest()).tobytes()
@@ -319,7 +360,7 @@ class NearDedup:
             elif j > best or (j == best and key < best_key):
                 best, best_key = j, key
         if best_key >= 0:
-            return f"jaccard~{best:.3f} with kept id {self.ids[best_key]}"
+            return self.detail(best, self.ids[best_key])
         key = len(self.signatures)
         self.lsh.insert(key, minhash)
         self.signatures.append(sig)
@@ -358,34 +399,163 @@ def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
     return b.column(1).to_pylist(), (chunk.is_valid().to_pylist() if chunk.null_count < len(chunk) else None)
 
 
-def _processed(pf: pq.ParquetFile, cfg: CleanConfig, workers: int) -> Iterator[tuple[pa.RecordBatch, list[Result]]]:
-    """Yield (input batch, per-document results) in input order. With workers > 1,
-    at most 2 x workers batches are in flight, so reading never runs ahead of
-    processing (Pool.imap or Executor.map would consume the whole input eagerly)."""
-    batches = _batches(pf, cfg.batch_docs)
-    if workers == 1:
-        _init_worker(cfg)
-        for b in batches:
-            yield b, process_batch(*_task(b))
-        return
-    # spawn, not fork: the parent has pyarrow and tqdm threads running. A process
-    # pool executor, not multiprocessing.Pool: when a worker dies (OOM kill, or a
-    # caller script without the __main__ guard that spawn needs) it raises
-    # BrokenProcessPool instead of respawning workers and waiting forever.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(cfg,))
+class _Counts:
+    """What the decision passes count besides the per-document outcomes."""
+
+    def __init__(self) -> None:
+        self.changed = 0
+        self.near: dict[str, int] = {}
+
+
+# Per document, as the writer needs it: (normalised text if kept, drop reason, detail, UTF-8 bytes if kept)
+Outcome = tuple[str | None, str | None, str, int]
+
+
+def _mapped(ex: Executor, fn: Any, pf: pq.ParquetFile, cfg: CleanConfig, task: Any = None, **kw: Any
+            ) -> Iterator[tuple[pa.RecordBatch, Any]]:
+    """(input batch, ``fn(*task(batch))``) in input order. Reading runs at most the
+    executor's window ahead of the results (Pool.imap or Executor.map would
+    consume the whole input eagerly)."""
+    task = task or _task
+    batches: deque[pa.RecordBatch] = deque()
+
+    def tasks() -> Iterator[tuple]:
+        for b in _batches(pf, cfg.batch_docs):
+            batches.append(b)
+            yield task(b)
+
+    for result in ex.map(fn, tasks(), **kw):
+        yield batches.popleft(), result
+
+
+def _decide_in_memory(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: _Counts
+                      ) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+    """``dedup.method: memory``: one pass; the dedup decisions are made here, in
+    input order, against in-memory indexes (:class:`ExactDedup`, :class:`NearDedup`)."""
+    exact = ExactDedup() if cfg.exact_dedup.enabled else None
+    near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
+    for batch, results in _mapped(ex, process_batch, pf, cfg):
+        ids = batch.column(0).to_pylist()
+        outcomes: list[Outcome] = []
+        for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
+            counts.changed += was_changed
+            if reason is None and exact is not None:
+                detail = exact.check(digest) or ""
+                reason = EXACT_DUPLICATE if detail else None
+            if reason is None and near is not None and mh is not None:
+                detail = near.check(ids[i], mh) or ""
+                reason = NEAR_DUPLICATE if detail else None
+            outcomes.append((text, None, "", nbytes) if reason is None else (None, reason, detail, 0))
+        yield batch, outcomes
+    if near is not None:
+        counts.near = {"candidates_checked": near.candidates_checked,
+                       "candidates_below_threshold": near.candidates_rejected, "kept_in_index": len(near.ids)}
+
+
+def normalise_kept(texts: list[str | None], chunks: list[bool]) -> list[tuple[str, int]]:
+    """The normalised text and its UTF-8 size for each kept document (``dedup.method:
+    sharded``, second pass); the same :func:`normalise` call as :func:`process_batch`."""
+    cfg: CleanConfig = _worker["cfg"]
+    out = []
+    for raw, is_chunk in zip(texts, chunks):
+        text = normalise(raw or "", _worker["chunk_normalise"] if is_chunk else cfg.normalise)
+        out.append((text, len(text.encode("utf-8", "surrogatepass"))))
+    return out
+
+
+def _decide_sharded(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: _Counts, work_root: Path,
+                    bar: Any) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+    """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. Pass 1
+    maps :func:`process_batch` and spills states, digests and signatures to
+    ``work_root``; the exact and band steps run as executor tasks; the decisions
+    are made in one ordered pass over the pairs; pass 2 re-reads the input and
+    normalises the kept documents in the workers. Same outcomes, in the same
+    order, as :func:`_decide_in_memory`. ``work_root`` is removed at the end."""
+    near_cfg, per_reason = cfg.near_dedup, cfg.quarantine_per_reason
+    use_exact, use_near = cfg.exact_dedup.enabled, near_cfg.enabled
+    names = [name for name, _, _ in cfg.filters.enabled()]
+    code = {name: dedup.FILTERED + k for k, name in enumerate(names)}
+    work = dedup.WorkDir(work_root, pf.metadata.num_rows, near_cfg.num_perm, near_cfg.bands, cfg.dedup.partition_docs)
+    writer = dedup.SignatureWriter(work, use_exact, use_near)
+    sampled: dict[str, int] = {}
+    filter_detail: dict[int, str] = {}  # the drops the quarantine will show
     try:
-        pending: deque = deque()
-        for b in batches:
-            pending.append((b, pool.submit(process_batch, *_task(b))))
-            if len(pending) >= 2 * workers:
-                b0, fut = pending.popleft()
-                yield b0, fut.result()
-        while pending:
-            b0, fut = pending.popleft()
-            yield b0, fut.result()
+        start = 0
+        for _, results in _mapped(ex, process_batch, pf, cfg, bar=bar, units=len):
+            n = len(results)
+            states = np.full(n, dedup.KEEP, np.uint8)
+            digests: list[bytes | None] = [None] * n
+            sigs = np.zeros((n, near_cfg.num_perm), np.uint32) if use_near else None
+            for k, (_, reason, detail, was_changed, digest, mh, _) in enumerate(results):
+                counts.changed += was_changed
+                if reason is not None:
+                    states[k] = code[reason]
+                    if sampled.get(reason, 0) < per_reason:
+                        sampled[reason] = sampled.get(reason, 0) + 1
+                        filter_detail[start + k] = detail
+                    continue
+                if use_exact:
+                    digests[k] = digest
+                if sigs is not None and mh is not None:
+                    states[k] = dedup.CANDIDATE
+                    sigs[k] = mh.digest()
+            writer.add(states, digests, sigs)
+            start += n
+        writer.close()
+
+        parts = range(work.partitions)
+        if use_exact:
+            for dups in ex.map(dedup.exact_partition, [(work, p) for p in parts]):
+                dedup.mark(work, dups, dedup.EXACT)
+        near_detail: dict[int, tuple[float, int]] = {}
+        if use_near:
+            runs = [r for rs in ex.map(dedup.band_pairs, [(work, b, p) for b in range(work.bands) for p in parts])
+                    for r in rs]
+            res = dedup.resolve(work, runs, near_cfg.threshold, per_reason)
+            near_detail = res["detail"]
+            counts.near = {"candidates_checked": res["candidates_checked"],
+                           "candidates_below_threshold": res["candidates_below_threshold"],
+                           "kept_in_index": int(np.count_nonzero(work.state() == dedup.CANDIDATE))}
+
+        state = work.state()
+        wanted = {i for _, i in near_detail.values()}
+        id_of: dict[int, str] = {}
+        at = 0
+
+        def kept_task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool]]:
+            nonlocal at
+            keep = state[at:at + b.num_rows] < dedup.EXACT
+            at += b.num_rows
+            texts, chunks = _task(b)
+            idx = np.flatnonzero(keep).tolist()
+            return [texts[i] for i in idx], [bool(chunks[i]) for i in idx] if chunks else [False] * len(idx)
+
+        start = 0
+        for batch, normalised in _mapped(ex, normalise_kept, pf, cfg, task=kept_task):
+            ids = batch.column(0).to_pylist()
+            for k, doc_id in enumerate(ids):
+                if start + k in wanted:
+                    id_of[start + k] = doc_id
+            it = iter(normalised)
+            outcomes: list[Outcome] = []
+            for k, st in enumerate(state[start:start + len(ids)].tolist()):
+                doc = start + k
+                if st < dedup.EXACT:
+                    text, nbytes = next(it)
+                    outcomes.append((text, None, "", nbytes))
+                elif st == dedup.EXACT:
+                    outcomes.append((None, EXACT_DUPLICATE, ExactDedup.DETAIL, 0))
+                elif st == dedup.NEAR:
+                    best = near_detail.get(doc)
+                    detail = NearDedup.detail(best[0], id_of[best[1]]) if best else ""
+                    outcomes.append((None, NEAR_DUPLICATE, detail, 0))
+                else:
+                    outcomes.append((None, names[st - dedup.FILTERED], filter_detail.get(doc, ""), 0))
+            start += len(ids)
+            yield batch, outcomes
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        writer.close()
+        dedup.remove(work.root)
 
 
 def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
@@ -398,30 +568,36 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     docs_in and bytes_in, ``dropped`` by reason (every enabled filter and dedup
     pass, fired or not, so reports diff cleanly; ``docs_in == docs +
     sum(dropped)``), ``docs_changed_by_normalise``, ``near_dedup`` (candidates
-    checked and rejected, ids kept in the index) and ``filters_enabled``.
+    checked and rejected, ids kept in the index) and ``filters_enabled``. All of
+    it but workers and mb_per_s is the same for any executor, worker count and
+    dedup method.
 
     Raises CleanError when the input is missing, unreadable or lacks a column,
     and when no document survives (the quarantine is still written then, and
-    ``out_path`` is left untouched). Worker processes are spawned, so a script
-    that calls this with ``num_workers != 1`` needs the usual
-    ``if __name__ == "__main__":`` guard; without it the pool breaks with
-    BrokenProcessPool."""
+    ``out_path`` is left untouched); ExecutorError (one line) when a worker fails.
+    Local worker processes are spawned, so a script that calls this with more
+    than one worker needs the usual ``if __name__ == "__main__":`` guard."""
     t0 = time.perf_counter()
     in_path = Path(in_path)
     pf = _open_input(in_path)
     # No more workers than batches: a tiny input runs in-process, without spawning.
     batches = -(-pf.metadata.num_rows // cfg.batch_docs)
-    workers = max(1, min(cfg.num_workers or available_cores(), batches))
-    exact = ExactDedup() if cfg.exact_dedup.enabled else None
-    near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
+    sharded = cfg.dedup.method == "sharded"
     ledger = Ledger(per_reason=cfg.quarantine_per_reason)
-    docs_in = docs_out = bytes_in = bytes_out = changed = 0
+    counts = _Counts()
+    docs_in = docs_out = bytes_in = bytes_out = 0
     pending: list[pa.RecordBatch] = []
     pending_rows = 0
+    work_root = Path(out_path).parent / f"{WORK_PREFIX}{os.getpid()}"
+    if sharded:
+        for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
+            log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
 
-    with atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
-            progress(total=pf.metadata.num_rows, unit="doc", desc="clean") as bar, \
-            closing(_processed(pf, cfg, workers)) as processed:
+    with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=batches, desc="clean") as ex, \
+            atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
+            progress(total=pf.metadata.num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
+        decided = _decide_sharded(pf, cfg, ex, counts, work_root, bar) if sharded else \
+            _decide_in_memory(pf, cfg, ex, counts)
 
         def flush() -> None:
             nonlocal pending_rows
@@ -430,37 +606,32 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
                 pending.clear()
                 pending_rows = 0
 
-        for batch, results in processed:
-            ids = batch.column(0).to_pylist()
-            docs_in += len(ids)
-            bytes_in += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
-            keep: list[bool] = []
-            kept_texts: list[str] = []
-            for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
-                changed += was_changed
-                if reason is None and exact is not None:
-                    detail = exact.check(digest) or ""
-                    reason = EXACT_DUPLICATE if detail else None
-                if reason is None and near is not None and mh is not None:
-                    detail = near.check(ids[i], mh) or ""
-                    reason = NEAR_DUPLICATE if detail else None
-                keep.append(reason is None)
-                if reason is None:
-                    kept_texts.append(text)
-                    bytes_out += nbytes
-                else:
-                    ledger.record(reason, batch.column(2)[i].as_py(), batch.column(3)[i].as_py(),
-                                  batch.column(1)[i].as_py(), detail=f"id {ids[i]}: {detail}")
-            if kept_texts:
-                kept = batch.filter(pa.array(keep))
-                pending.append(pa.RecordBatch.from_arrays(
-                    [kept.column(0), pa.array(kept_texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
-                pending_rows += len(kept_texts)
-                docs_out += len(kept_texts)
-                if pending_rows >= cfg.row_group_docs:
-                    flush()
-            bar.update(len(ids))
+        with closing(decided):
+            for batch, outcomes in decided:
+                ids = batch.column(0).to_pylist()
+                docs_in += len(ids)
+                bytes_in += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
+                keep: list[bool] = []
+                kept_texts: list[str] = []
+                for i, (text, reason, detail, nbytes) in enumerate(outcomes):
+                    keep.append(reason is None)
+                    if reason is None:
+                        kept_texts.append(text)
+                        bytes_out += nbytes
+                    else:
+                        ledger.record(reason, batch.column(2)[i].as_py(), batch.column(3)[i].as_py(),
+                                      batch.column(1)[i].as_py(), detail=f"id {ids[i]}: {detail}")
+                if kept_texts:
+                    kept = batch.filter(pa.array(keep))
+                    pending.append(pa.RecordBatch.from_arrays(
+                        [kept.column(0), pa.array(kept_texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
+                    pending_rows += len(kept_texts)
+                    docs_out += len(kept_texts)
+                    if pending_rows >= cfg.row_group_docs:
+                        flush()
+                bar.update(len(ids))
         flush()
+        workers = ex.workers
 
         ledger.write(quarantine_path)
         if docs_out == 0:
@@ -470,9 +641,9 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             )
 
     dropped = {name: 0 for name, _, _ in cfg.filters.enabled()}
-    if exact is not None:
+    if cfg.exact_dedup.enabled:
         dropped[EXACT_DUPLICATE] = 0
-    if near is not None:
+    if cfg.near_dedup.enabled:
         dropped[NEAR_DUPLICATE] = 0
     dropped.update(ledger.counts)
     if docs_in != docs_out + sum(dropped.values()) or docs_in != pf.metadata.num_rows:
@@ -486,12 +657,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             "docs_in": docs_in,
             "bytes_in": bytes_in,
             "dropped": dropped,
-            "docs_changed_by_normalise": changed,
-            "near_dedup": {
-                "candidates_checked": near.candidates_checked,
-                "candidates_below_threshold": near.candidates_rejected,
-                "kept_in_index": len(near.ids),
-            } if near is not None else {},
+            "docs_changed_by_normalise": counts.changed,
+            "near_dedup": counts.near if cfg.near_dedup.enabled else {},
             "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
         })
     return {

@@ -294,3 +294,11 @@ def test_chunks_keep_their_blank_lines_and_are_accounted_like_documents(tmp_path
     quarantine = [json.loads(line) for line in q.read_text().splitlines()]
     assert [(x["reason"], x["source"], x["location"]) for x in quarantine] == [
         ("c4_lorem_ipsum", "book.txt", f"byte:{offsets[2]}"), ("exact_duplicate", "book.txt", f"byte:{offsets[4]}")]
+
+
+def test_the_older_num_workers_key_still_sets_the_executor():
+    assert cfg(num_workers=3).executor.num_workers == 3
+    assert cfg(num_workers=None).executor.num_workers == 0
+    assert cfg(num_workers=2, executor={"num_workers": 2}).executor.num_workers == 2
+    with pytest.raises(ConfigError, match="num_workers=2 and executor.num_workers=3 disagree"):
+        cfg(num_workers=2, executor={"num_workers": 3})

@@ -1,0 +1,232 @@
+"""The clean stage on Ray against the local pool, and the memory of its dedup.
+
+    python -m bench.ray_data            # 2 stdlib copies (~63 MB), 3 rounds; 1 and 3 copies for dedup memory
+    python -m bench.ray_data --quick    # the default 8 MB corpus, 1 round
+
+What it measures, each run a fresh process (so Ray's start-up is included):
+
+* clean under Ray with 2 workers against Ray with 1 (goal: at least 1.6x),
+  beside the local pool's own 2-against-1 (what the machine allows at the time);
+* clean under Ray (2 workers) against the local pool (2 workers) on the same
+  corpus: wall time ratio (goal: at most 1.3x, start-up included);
+* the peak RSS of the main process and of the largest worker process, and of
+  Ray's own processes (GCS, raylet, agents) together;
+* dedup memory against corpus size: the main process and the largest worker
+  with ``dedup.method: memory`` (the index lives in the main process) and
+  ``sharded`` (bounded per task), on two corpus sizes.
+
+The corpus is the Python standard library ingested once and repeated with
+letters rotated by k in copy k, so copies are not duplicates and the dedup
+indexes grow as on a real corpus of that size. The machine may be shared:
+figures vary from run to run; the ratios compare runs made in one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MB = 1e6
+RAY_SYSTEM = ("gcs_server", "raylet", "ray::RuntimeEnv", "ray::Dashboard", "ray::IDLE_SpillWorker")
+
+
+def rot(text: str, k: int) -> str:
+    lower = "abcdefghijklmnopqrstuvwxyz"
+    table = str.maketrans(lower + lower.upper(), lower[k:] + lower[:k] + (lower[k:] + lower[:k]).upper())
+    return text.translate(table)
+
+
+def build_corpora(work: Path, copies: list[int], quick: bool, paragraphs: bool = False) -> dict[int, Path]:
+    """``n`` rot-copies of the stdlib for each n; with ``paragraphs`` every
+    blank-line-separated paragraph is a document (many short documents, as in a
+    web corpus, so that the dedup indexes are large)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.config import parse_section
+    from pipeline.data.ingest import IngestConfig, run_ingest
+
+    base = work / "stdlib.parquet"
+    section = {} if quick else {"max_bytes": None, "sources": [
+        {"path": "{stdlib}/**/*.py", "exclude": ["*/site-packages/*", "*/dist-packages/*"]}]}
+    run_ingest(parse_section(IngestConfig, section, "ingest"), base, work / "q.jsonl")
+    table = pq.read_table(base, columns=["id", "text", "source", "location"])
+    if paragraphs:
+        rows: dict[str, list] = {"id": [], "text": [], "source": [], "location": []}
+        for d in table.to_pylist():
+            for j, para in enumerate(p for p in d["text"].split("\n\n") if p.strip()):
+                rows["id"].append(f"{d['id']}/{j}")
+                rows["text"].append(para + "\n")
+                rows["source"].append(d["source"])
+                rows["location"].append(f"para:{j}")
+        table = pa.table(rows, schema=table.schema)
+    out = {}
+    for n in copies:
+        path = work / f"corpus-{'p' if paragraphs else ''}{n}x.parquet"
+        with pq.ParquetWriter(path, table.schema) as w:
+            for k in range(n):
+                w.write_table(pa.table({
+                    "id": [f"{i}-{k}" for i in table.column("id").to_pylist()],
+                    "text": [rot(t, k) for t in table.column("text").to_pylist()],
+                    "source": table.column("source"), "location": table.column("location")}, schema=table.schema),
+                    row_group_size=2000)
+        out[n] = path
+    return out
+
+
+def _child(corpus: str, out: str, section: str) -> None:
+    from pipeline.config import parse_section
+    from pipeline.data.clean import CleanConfig, run_clean
+
+    cfg = parse_section(CleanConfig, json.loads(section), "clean")
+    m = run_clean(cfg, corpus, Path(out) / "docs.parquet", Path(out) / "q.jsonl", Path(out) / "report.json")
+    print("RESULT " + json.dumps(m), flush=True)
+
+
+def _role(p: psutil.Process, main_pid: int) -> str:
+    if p.pid == main_pid:
+        return "main"
+    try:
+        name, cmd = p.name(), " ".join(p.cmdline())
+    except psutil.Error:
+        return "other"
+    if name.startswith(RAY_SYSTEM) or cmd.startswith(RAY_SYSTEM) or "ray/" in cmd or "dashboard" in cmd:
+        return "ray-system"
+    if name.startswith("ray::") or cmd.startswith("ray::") or "multiprocessing" in cmd:
+        return "worker"
+    return "other"
+
+
+def measure(corpus: Path, section: dict, work: Path) -> dict:
+    """One clean run in a fresh process tree: wall time (start-up included),
+    metrics, and peak RSS (MB) of the main process, the largest worker, and
+    Ray's own processes summed."""
+    out = Path(tempfile.mkdtemp(dir=work))
+    env = {**os.environ, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0", "RAY_AUTH_MODE": "disabled"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.ray_data", "--child", str(corpus), str(out),
+                             json.dumps(section)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    peak: dict[str, float] = {"main": 0, "worker": 0, "ray-system": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not stop.is_set():
+            system = 0
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                except psutil.Error:
+                    continue
+                role = _role(p, proc.pid)
+                if role == "ray-system":
+                    system += rss
+                elif role in peak:
+                    peak[role] = max(peak[role], rss)
+            peak["ray-system"] = max(peak["ray-system"], system)
+            stop.wait(0.1)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    stdout, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"clean run failed (exit {proc.returncode}): {section}")
+    metrics = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    files = {f: (out / f).read_bytes() for f in ("docs.parquet", "q.jsonl", "report.json")}
+    return {"wall_s": wall, "metrics": metrics, "files": files,
+            **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved speed rounds (default 3; 1 with --quick)")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(*args.child)
+        return
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    speed_n, mem_sizes = (2, [1, 2]) if args.quick else (2, [1, 3])
+    corpora = build_corpora(work, [speed_n], args.quick)
+    para = build_corpora(work, mem_sizes, args.quick, paragraphs=True)
+    import pyarrow.parquet as pq
+
+    def mb(path: Path) -> float:
+        return sum(len(t.encode()) for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()) / MB
+
+    text_mb = {speed_n: mb(corpora[speed_n])}
+    para_mb = {n: mb(p) for n, p in para.items()}
+    print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
+
+    runs = {
+        "local, 1 worker": {"executor": {"kind": "local", "num_workers": 1}},
+        "local, 2 workers": {"executor": {"kind": "local", "num_workers": 2}},
+        "ray, 1 worker": {"executor": {"kind": "ray", "num_workers": 1}},
+        "ray, 2 workers": {"executor": {"kind": "ray", "num_workers": 2}},
+    }
+    rounds: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(args.rounds):  # interleaved, so that a noisy neighbour hurts every kind alike
+        for name, section in runs.items():
+            rounds[name].append(measure(corpora[speed_n], section, work))
+    first = rounds["local, 2 workers"][0]["files"]
+    same = all(r["files"] == first for rs in rounds.values() for r in rs)
+    wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in rounds.items()}
+    print(f"\nclean on {text_mb[speed_n]:.0f} MB, {args.rounds} interleaved rounds, medians (wall time includes "
+          f"start-up; outputs byte-identical across all runs: {same})")
+    print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
+    for name, rs in rounds.items():
+        peak = {k: max(r[k] for r in rs) for k in ("peak_main_mb", "peak_worker_mb", "peak_ray-system_mb")}
+        print(f"{name:<20}{wall[name]:>8.1f}{text_mb[speed_n] / wall[name]:>8.2f}{peak['peak_main_mb']:>9}"
+              f"{peak['peak_worker_mb']:>11}{peak['peak_ray-system_mb']:>12}")
+
+    def ratio(a: str, b: str) -> str:
+        per = [x["wall_s"] / y["wall_s"] for x, y in zip(rounds[a], rounds[b])]
+        return f"{wall[a] / wall[b]:.2f}x (rounds {min(per):.2f}-{max(per):.2f})"
+
+    print(f"ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
+    print(f"local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
+          "(what the machine gives two processes now)")
+    print(f"ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} (goal <= 1.3)")
+
+    print("\ndedup memory against corpus size (local, 2 workers; one document per stdlib paragraph; peak RSS in MB)")
+    print(f"{'method':<10}{'corpus MB':>11}{'docs':>9}{'main MB':>9}{'worker MB':>11}{'wall s':>8}{'identical':>11}")
+    for n in mem_sizes:
+        base = None
+        for method in ("memory", "sharded"):
+            r = measure(para[n], {"executor": {"kind": "local", "num_workers": 2},
+                                     "dedup": {"method": method}}, work)
+            base = base or r["files"]
+            docs = json.loads(r["files"]["report.json"])["docs_in"]
+            print(f"{method:<10}{para_mb[n]:>11.0f}{docs:>9}{r['peak_main_mb']:>9}{r['peak_worker_mb']:>11}"
+                  f"{r['wall_s']:>8.1f}{str(r['files'] == base):>11}")
+
+
+def date() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+if __name__ == "__main__":
+    main()

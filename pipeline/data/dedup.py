@@ -1,0 +1,361 @@
+"""Deduplication in bounded memory, as steps an executor runs in parallel.
+
+The clean stage's in-memory dedup (:class:`pipeline.data.clean.ExactDedup` and
+:class:`~pipeline.data.clean.NearDedup`) decides each document in input order
+against everything kept before it, so its index grows with the corpus. This
+module reaches the same decisions in steps, in the spirit of datatrove's
+four-step MinHash, with every step's memory bounded by a partition, a bucket or
+a range of documents rather than by the corpus:
+
+1. **signatures** (in the workers, with normalisation and filters): each
+   document's blake2b-128 digest and MinHash signature. The driver appends them
+   to a work folder (:class:`SignatureWriter`): a per-document state byte, the
+   signatures (``num_perm`` x 4 B per document, on disk), and ``(digest, doc)``
+   and, per LSH band, ``(band hash, doc)`` records split into partitions of
+   about ``partition_docs`` documents by hash.
+2. **exact groups** (:func:`exact_partition`, one task per partition): sorted by
+   digest, every document after the first of its digest is an exact duplicate.
+   **band buckets** (:func:`band_pairs`, one task per band and partition):
+   sorted by band hash, each bucket of documents whose band is equal gives its
+   candidate pairs with their count of equal signature slots. A pair that also
+   shares an earlier band is left to that band, so each pair is written once.
+3. **decisions** (:func:`resolve`, one pass in document order over the pairs,
+   read a range of documents at a time): a document is a near duplicate when a
+   candidate pair links it to an earlier document still kept with estimated
+   Jaccard at or above the threshold. This is exactly the greedy rule of
+   NearDedup, not a cluster rule: with A~B and B~C but not A~C, B is dropped and
+   C kept, as the in-memory index does. The kept document named in a drop's
+   detail is the best match, the earliest on a tie, as there.
+4. **the filter**: the clean stage reads the state bytes while it writes the
+   output (:func:`pipeline.data.clean.run_clean`).
+
+Candidates here are documents with an equal band; rensa's index, which the
+in-memory path uses, buckets by a 64-bit hash of the band, so the two differ
+only when two different bands collide in 64 bits.
+
+Memory per task: an exact task holds its partition (24 B per document), a band
+task its partition (16 B per document) plus the signatures of one bucket (read
+with pread, nothing mapped) and up to :data:`PAIRS_PER_RUN` pairs (18 B each)
+before it writes a sorted run; :func:`resolve` maps the state bytes (1 B per
+document, file-backed) and holds the pairs of :data:`RESOLVE_DOCS` documents at
+a time; the driver buffers at most :data:`FLUSH_BYTES` of step 1's records. The
+work folder on disk takes about ``4 x num_perm + 16 x (bands + 2)`` bytes per
+document. The one cost that grows faster than the corpus: a bucket of m
+near-identical documents gives m(m-1)/2 pairs to compute (spilled to disk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# A document's state byte.
+KEEP = 0        # passed the filters; no near-dedup signature (none made, or near dedup off)
+CANDIDATE = 1   # passed the filters, has a signature; kept unless found a duplicate
+EXACT = 2       # exact duplicate of an earlier document
+NEAR = 3        # near duplicate of an earlier kept document
+FILTERED = 16   # FILTERED + k: dropped by the k-th enabled filter
+
+EXACT_RECORD = np.dtype([("d0", "<u8"), ("d1", "<u8"), ("doc", "<i8")])
+BAND_RECORD = np.dtype([("key", "<u8"), ("doc", "<i8")])
+PAIR = np.dtype([("j", "<i8"), ("i", "<i8"), ("equal", "<u2")])  # doc j > doc i, equal signature slots
+
+PAIRS_PER_RUN = 1 << 20
+RESOLVE_DOCS = 1 << 20
+FLUSH_BYTES = 16 << 20
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_PRIME = np.uint64(0x100000001B3)
+
+
+def band_keys(sigs: np.ndarray, bands: int) -> np.ndarray:
+    """(n, bands) uint64 hashes of each band of the (n, num_perm) uint32 signatures.
+    Equal bands have equal keys; unequal ones rarely do, and band_pairs checks."""
+    n, num_perm = sigs.shape
+    rows = num_perm // bands
+    cols = sigs.reshape(n, bands, rows).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        key = np.full((n, bands), _MIX, dtype=np.uint64) * (np.arange(bands, dtype=np.uint64) + np.uint64(1))
+        for r in range(rows):
+            key = (key ^ cols[:, :, r]) * _PRIME
+        key ^= key >> np.uint64(29)
+        key *= _MIX
+        key ^= key >> np.uint64(32)
+    return key
+
+
+class WorkDir:
+    """The files of one sharded dedup run under ``root``."""
+
+    def __init__(self, root: str | Path, num_docs: int, num_perm: int, bands: int, partition_docs: int):
+        self.root = Path(root)
+        self.num_docs, self.num_perm, self.bands = num_docs, num_perm, bands
+        self.partitions = max(1, -(-num_docs // partition_docs))
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "state.u8"
+
+    @property
+    def sig_path(self) -> Path:
+        return self.root / "signatures.u32"
+
+    def exact_path(self, p: int) -> Path:
+        return self.root / f"exact-{p:05d}.bin"
+
+    def band_path(self, b: int, p: int) -> Path:
+        return self.root / f"band-{b:04d}-{p:05d}.bin"
+
+    def pairs_path(self, b: int, p: int, run: int) -> Path:
+        return self.root / f"pairs-{b:04d}-{p:05d}-{run:04d}.npy"
+
+    def state(self, mode: str = "r") -> np.ndarray:
+        return np.memmap(self.state_path, dtype=np.uint8, mode=mode, shape=(self.num_docs,))
+
+    def signatures(self, fd: int, docs: np.ndarray) -> np.ndarray:
+        """The (len(docs), num_perm) signatures of ``docs``, read with pread from
+        ``fd`` (the signature file, open): a task reads its buckets' rows only,
+        and maps nothing, so its memory does not grow with the file."""
+        row = 4 * self.num_perm
+        data = b"".join(os.pread(fd, row, int(d) * row) for d in docs)
+        return np.frombuffer(data, dtype=np.uint32).reshape(len(docs), self.num_perm)
+
+
+class SignatureWriter:
+    """Step 1, driver side: appends each batch's states, digests and signatures
+    to the work folder, buffering at most FLUSH_BYTES."""
+
+    def __init__(self, work: WorkDir, exact: bool, near: bool):
+        self.work, self.exact, self.near = work, exact, near
+        work.root.mkdir(parents=True, exist_ok=True)
+        self.state_f = open(work.state_path, "wb")
+        self.sig_f = open(work.sig_path, "wb") if near else None
+        self.buffers: dict[Path, list[bytes]] = {}
+        self.buffered = 0
+        self.docs = 0
+
+    def _append(self, path: Path, data: bytes) -> None:
+        self.buffers.setdefault(path, []).append(data)
+        self.buffered += len(data)
+        if self.buffered >= FLUSH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        for path, parts in self.buffers.items():
+            with open(path, "ab") as f:
+                f.write(b"".join(parts))
+        self.buffers.clear()
+        self.buffered = 0
+
+    def add(self, states: np.ndarray, digests: list[bytes | None], sigs: np.ndarray | None) -> None:
+        """One batch in document order: ``states`` (uint8: KEEP, CANDIDATE or
+        FILTERED + k), the digest of each document that passed the filters, and
+        the (n, num_perm) uint32 signatures (rows of non-candidates are ignored)."""
+        n, start, work = len(states), self.docs, self.work
+        self.docs += n
+        self.state_f.write(np.ascontiguousarray(states, np.uint8).tobytes())
+        if self.exact:
+            have = [k for k, d in enumerate(digests) if d is not None]
+            if have:
+                rec = np.frombuffer(b"".join(digests[k] for k in have), dtype="<u8").reshape(-1, 2)
+                out = np.empty(len(have), EXACT_RECORD)
+                out["d0"], out["d1"], out["doc"] = rec[:, 0], rec[:, 1], np.asarray(have, np.int64) + start
+                part = out["d0"] % np.uint64(work.partitions)
+                for p in np.unique(part):
+                    self._append(work.exact_path(int(p)), out[part == p].tobytes())
+        if self.near and self.sig_f is not None:
+            if sigs is None:
+                sigs = np.zeros((n, work.num_perm), np.uint32)
+            self.sig_f.write(np.ascontiguousarray(sigs, np.uint32).tobytes())
+            cand = np.flatnonzero(states == CANDIDATE)
+            if len(cand):
+                keys = band_keys(sigs[cand], work.bands)
+                docs = cand.astype(np.int64) + start
+                for b in range(work.bands):
+                    out = np.empty(len(cand), BAND_RECORD)
+                    out["key"], out["doc"] = keys[:, b], docs
+                    part = out["key"] % np.uint64(work.partitions)
+                    for p in np.unique(part):
+                        self._append(work.band_path(b, int(p)), out[part == p].tobytes())
+
+    def close(self) -> None:
+        self.flush()
+        self.state_f.close()
+        if self.sig_f is not None:
+            self.sig_f.close()
+
+
+def _read(path: Path, dtype: np.dtype) -> np.ndarray:
+    return np.fromfile(path, dtype=dtype) if path.exists() else np.empty(0, dtype)
+
+
+def exact_partition(work: WorkDir, p: int) -> np.ndarray:
+    """Step 2 (exact): the documents of partition ``p`` whose digest an earlier
+    document has, sorted."""
+    rec = _read(work.exact_path(p), EXACT_RECORD)
+    if len(rec) < 2:
+        return np.empty(0, np.int64)
+    rec = rec[np.lexsort((rec["doc"], rec["d1"], rec["d0"]))]
+    same = (rec["d0"][1:] == rec["d0"][:-1]) & (rec["d1"][1:] == rec["d1"][:-1])
+    return np.sort(rec["doc"][1:][same])
+
+
+def band_pairs(work: WorkDir, b: int, p: int) -> list[str]:
+    """Step 2 (near): the candidate pairs first found in band ``b``, among the
+    documents of partition ``p`` still CANDIDATE (exact duplicates are out).
+    Writes them in runs sorted by (j, i) and returns the runs' paths."""
+    rec = _read(work.band_path(b, p), BAND_RECORD)
+    if len(rec) < 2:
+        return []
+    state = work.state()
+    rec = rec[state[rec["doc"]] == CANDIDATE]
+    rec = rec[np.lexsort((rec["doc"], rec["key"]))]
+    starts = np.flatnonzero(np.r_[True, rec["key"][1:] != rec["key"][:-1]])
+    sizes = np.diff(np.r_[starts, len(rec)])
+    fd = os.open(work.sig_path, os.O_RDONLY)
+    runs: list[str] = []
+    buf: list[np.ndarray] = []
+    buffered = 0
+
+    def spill() -> None:
+        nonlocal buffered
+        if not buf:
+            return
+        pairs = np.concatenate(buf)
+        pairs = pairs[np.lexsort((pairs["i"], pairs["j"]))]
+        path = work.pairs_path(b, p, len(runs))
+        np.save(path, pairs)
+        runs.append(str(path))
+        buf.clear()
+        buffered = 0
+
+    try:
+        for s, m in zip(starts[sizes > 1], sizes[sizes > 1]):
+            buffered = _bucket_pairs(work, b, rec["doc"][s:s + m], work.signatures(fd, rec["doc"][s:s + m]),
+                                     buf, buffered)
+            if buffered >= PAIRS_PER_RUN:
+                spill()
+    finally:
+        os.close(fd)
+    spill()
+    return runs
+
+
+def _bucket_pairs(work: WorkDir, b: int, docs: np.ndarray, group: np.ndarray, buf: list[np.ndarray],
+                  buffered: int) -> int:
+    """Append to ``buf`` the pairs of one bucket (``docs`` ascending with band ``b``'s
+    key equal, ``group`` their signatures) first found in band ``b``; return the
+    new count of buffered pairs."""
+    rows = work.num_perm // work.bands
+    lo, hi = b * rows, (b + 1) * rows
+    # Equal keys, unequal bands (a hash collision): split into true buckets.
+    _, bucket = np.unique(group[:, lo:hi], axis=0, return_inverse=True)
+    for k in np.unique(bucket):
+        members = np.flatnonzero(bucket.ravel() == k)
+        if len(members) < 2:
+            continue
+        sub, ids = group[members], docs[members]
+        for t in range(1, len(members)):
+            eq = sub[:t] == sub[t]
+            earlier = eq[:, :lo].reshape(t, b, rows).all(axis=2).any(axis=1) if b else np.zeros(t, bool)
+            new = ~earlier
+            if not new.any():
+                continue
+            out = np.empty(int(new.sum()), PAIR)
+            out["j"], out["i"], out["equal"] = ids[t], ids[:t][new], eq[new].sum(axis=1)
+            buf.append(out)
+            buffered += len(out)
+    return buffered
+
+
+def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -> dict[str, Any]:
+    """Step 3: mark near duplicates NEAR in the state file, in document order.
+
+    Returns ``candidates_checked`` and ``candidates_below_threshold`` (counted as
+    the in-memory index counts them: pairs whose earlier document is kept),
+    ``near`` (documents dropped) and ``detail``: for the first ``ids_wanted``
+    drops, doc -> (estimated Jaccard, the kept doc it matches)."""
+    state = work.state("r+")
+    opened = [np.load(r, mmap_mode="r") for r in runs]
+    num_perm = work.num_perm
+    checked = rejected = near = 0
+    detail: dict[int, tuple[float, int]] = {}
+    for lo in range(0, work.num_docs, RESOLVE_DOCS):
+        hi = lo + RESOLVE_DOCS
+        parts = [r[np.searchsorted(r["j"], lo):np.searchsorted(r["j"], hi)] for r in opened]
+        parts = [np.asarray(x) for x in parts if len(x)]
+        if not parts:
+            continue
+        pairs = np.concatenate(parts)
+        pairs = pairs[np.lexsort((pairs["i"], pairs["j"]))]
+        js, is_, equal = pairs["j"].tolist(), pairs["i"].tolist(), pairs["equal"].tolist()
+        k, n = 0, len(js)
+        while k < n:
+            j = js[k]
+            best, best_i = -1.0, -1
+            while k < n and js[k] == j:
+                i = is_[k]
+                if state[i] == CANDIDATE:
+                    checked += 1
+                    jac = equal[k] / num_perm
+                    if jac < threshold:
+                        rejected += 1
+                    elif jac > best:  # ascending i: the earliest of equal matches wins
+                        best, best_i = jac, i
+                k += 1
+            if best_i >= 0:
+                state[j] = NEAR
+                near += 1
+                if len(detail) < ids_wanted:
+                    detail[j] = (best, best_i)
+    state.flush()
+    del state
+    return {"candidates_checked": checked, "candidates_below_threshold": rejected, "near": near, "detail": detail}
+
+
+def mark(work: WorkDir, docs: np.ndarray, value: int) -> None:
+    """Set the state of ``docs`` to ``value``."""
+    if len(docs):
+        state = work.state("r+")
+        state[docs] = value
+        state.flush()
+        del state
+
+
+def remove(root: str | Path) -> None:
+    """Delete a work folder: the files this module names, then the folder (left
+    in place if anything else is in it)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for f in root.iterdir():
+        if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-")):
+            os.unlink(f)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
+
+
+def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
+    """Remove the work folders ``<parent>/<prefix><pid>`` whose process is gone
+    (a stage killed mid-run); return them."""
+    gone = []
+    for d in Path(parent).glob(f"{prefix}*"):
+        pid = d.name[len(prefix):]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            remove(d)
+            gone.append(d)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,383 @@
+"""Where a data stage's per-task work runs: a local process pool or Ray.
+
+A stage describes its parallel work as a pure function applied to a stream of
+tasks, plus a per-worker initializer (its config, a tokenizer path). Then::
+
+    with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=n_tasks) as ex:
+        for result in ex.map(process_batch, tasks):   # results in task order
+            ...
+
+:meth:`Executor.map` keeps a bounded window of tasks in flight (twice the
+worker count by default) and yields results in task order, so a stage reads its
+input no faster than the workers consume it and its output does not depend on
+which worker ran what. The same tasks give the same results under every kind
+and worker count.
+
+Kinds (``executor.kind`` in a stage's params):
+
+- ``local`` (the default): one process per worker, spawned (not forked: the
+  parent runs Arrow and tqdm threads), each ended by the kernel when the stage
+  dies, even by SIGKILL. One worker runs in-process, spawning nothing.
+- ``ray``: Ray tasks. With no ``address`` a local Ray instance is started for
+  the stage (``num_cpus`` = the worker count, its servers bound to 127.0.0.1,
+  no dashboard, no token file written, quiet logs) and stopped after it; with an ``address`` (``auto``,
+  ``ray://host:10001``) the stage joins that cluster and uses its CPUs. Ray
+  worker processes are reused across tasks, and each runs the initializer once
+  and keeps its state. Ray is imported only here, only for this kind.
+
+Errors: a :class:`~pipeline.errors.StageError` raised by a task reaches the
+caller unchanged (the runner prints it as one line). Any other exception in a
+task, a worker that dies, or a Ray cluster that cannot be reached becomes an
+:class:`ExecutorError`, one line that names the task and the exception and where
+it was raised (the worker's traceback goes to the debug log, not the terminal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import sys
+import uuid
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.errors import StageError
+from pipeline.files import available_cores
+
+log = logging.getLogger("pipeline.data.executor")
+
+
+class ExecutorConfig(BaseModel):
+    """The ``executor:`` sub-section of a data stage's params."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["local", "ray"] = Field(
+        "local", description="local: a process pool on this machine; ray: Ray tasks (pip install .[ray])")
+    address: str | None = Field(
+        None, description="ray only: null starts a local Ray instance for the stage; 'auto' or 'ray://host:10001' "
+        "joins that cluster")
+    num_workers: int = Field(
+        0, ge=0, le=4096, description="parallel workers; 0 = one per available core (ray with an address: the "
+        "cluster's CPUs)")
+
+    @model_validator(mode="after")
+    def _address_needs_ray(self) -> "ExecutorConfig":
+        if self.address is not None and self.kind != "ray":
+            raise ValueError("address is for kind: ray (a local pool has no cluster to join)")
+        if self.address is not None and not self.address.strip():
+            raise ValueError("address must be null, 'auto' or a Ray address such as ray://host:10001")
+        return self
+
+
+class ExecutorError(StageError):
+    """A task failed in a worker, a worker died, or the cluster could not be used."""
+
+
+# --- worker side ---------------------------------------------------------------------------------
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _where(traceback_text: str) -> str:
+    """' (at file.py:12 in fn)' for the innermost frame of a traceback text, or ''."""
+    frames = _FRAME.findall(traceback_text or "")
+    if not frames:
+        return ""
+    path, line, fn = frames[-1]
+    return f" (at {os.path.basename(path)}:{line} in {fn})"
+
+
+def _task_failed(desc: str, index: int, exc: BaseException, traceback_text: str) -> BaseException:
+    """The exception the caller sees for task ``index`` that raised ``exc``."""
+    if isinstance(exc, StageError):
+        return exc
+    log.debug("%s: task %d failed in a worker:\n%s", desc, index, traceback_text)
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return ExecutorError(f"{desc}: task {index} failed in a worker: {type(exc).__name__}"
+                         f"{': ' + msg if msg else ''}{_where(traceback_text)}")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """On Linux, have the kernel end this process when its parent dies, even by
+    SIGKILL (an interrupted ``dvc repro``), so that no worker is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _local_worker_init(parent_pid: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
+    die_with_parent(parent_pid)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+# Ray worker processes run tasks of many maps; each remembers which initializer
+# (by a key unique to one executor) it has run.
+_RAY_INITIALIZED: dict[str, bool] = {}
+
+
+def _ray_task(key: str, init: list, fn: Callable[..., Any], args: tuple) -> Any:
+    """Run ``fn(*args)`` in a Ray worker after the executor's initializer. ``init``
+    is ``[initializer, ObjectRef of initargs]``, wrapped in a list so that Ray does
+    not fetch the initargs for every task."""
+    if key not in _RAY_INITIALIZED:
+        initializer, ref = init
+        if initializer is not None:
+            import ray
+
+            initializer(*ray.get(ref))
+        _RAY_INITIALIZED.clear()
+        _RAY_INITIALIZED[key] = True
+    return fn(*args)
+
+
+# --- the executors -------------------------------------------------------------------------------
+
+
+class Executor:
+    """Runs ``fn(*task)`` for each task; see :meth:`map`. ``workers`` is the
+    number of tasks run at once."""
+
+    kind = "local"
+    workers = 1
+
+    def __init__(self, desc: str):
+        self.desc = desc
+
+    def map(self, fn: Callable[..., Any], tasks: Iterable[Sequence[Any]], window: int | None = None,
+            bar: Any = None, units: Callable[[Any], int] | None = None) -> Iterator[Any]:
+        """Yield ``fn(*task)`` for each task, in task order, with at most ``window``
+        tasks (default ``2 * workers``) submitted and not yet yielded; ``tasks`` is
+        consumed lazily. With a progress ``bar``, each result advances it by
+        ``units(result)`` (default 1) as it arrives. Raises as the module docstring says."""
+        window = max(1, window or 2 * self.workers)
+        for result in self._map(fn, tasks, window):
+            if bar is not None:
+                bar.update(units(result) if units is not None else 1)
+            yield result
+
+    def _map(self, fn: Callable[..., Any], tasks: Iterable[Sequence[Any]], window: int) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InProcess(Executor):
+    """One worker: the tasks run in the calling process (no spawn start-up)."""
+
+    def __init__(self, desc: str, initializer: Callable[..., None] | None, initargs: tuple):
+        super().__init__(desc)
+        if initializer is not None:
+            initializer(*initargs)
+
+    def _map(self, fn, tasks, window):
+        for task in tasks:
+            yield fn(*task)
+
+
+class LocalPool(Executor):
+    """A spawn ProcessPoolExecutor. Not multiprocessing.Pool: when a worker dies
+    (an OOM kill, or a caller script without the ``__main__`` guard that spawn
+    needs) the pool breaks with BrokenProcessPool instead of waiting forever."""
+
+    def __init__(self, desc: str, workers: int, initializer: Callable[..., None] | None, initargs: tuple):
+        super().__init__(desc)
+        self.workers = workers
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_local_worker_init,
+                                        initargs=(os.getpid(), initializer, initargs))
+
+    def _broken(self) -> ExecutorError:
+        return ExecutorError(
+            f"{self.desc}: a worker process died (killed for memory, or a script that starts the stage lacks "
+            "the `if __name__ == \"__main__\":` guard that spawned workers need); rerun, or lower num_workers")
+
+    def _result(self, index: int, fut: Future) -> Any:
+        try:
+            return fut.result()
+        except BrokenProcessPool:
+            raise self._broken() from None
+        except Exception as e:
+            cause = e.__cause__
+            raise _task_failed(self.desc, index, e, str(cause) if cause is not None else "") from None
+
+    def _map(self, fn, tasks, window):
+        pending: deque[tuple[int, Future]] = deque()
+        try:
+            for i, task in enumerate(tasks):
+                try:
+                    pending.append((i, self.pool.submit(fn, *task)))
+                except BrokenProcessPool:
+                    raise self._broken() from None
+                if len(pending) >= window:
+                    yield self._result(*pending.popleft())
+            while pending:
+                yield self._result(*pending.popleft())
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# Ray's switch between a single-machine node and a cluster node. ray.init turns a
+# node address of 127.0.0.1 into the machine's reachable address and binds its
+# servers there; with this set to 0 (the name is Ray's: it is the default on
+# Windows and macOS) a new node takes the loopback address and binds to it.
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def loopback_only() -> None:
+    """Make the Ray instance this process starts next bind to 127.0.0.1 only,
+    unless the user set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER. Ray reads the variable
+    when it is imported, so where it already is, its constant is set too."""
+    if os.environ.setdefault(RAY_CLUSTER_ENV, "0") != "0":
+        return
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
+    """Fail in one line when nothing answers at a ``host:port`` or
+    ``ray://host:port`` address: ray.init would retry for minutes, logging."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ExecutorError(f"{desc}: no Ray cluster answers at {address} ({type(e).__name__}: {e.strerror or e}); "
+                            "check executor.address, or start one with `ray start --head`") from None
+
+
+class RayExecutor(Executor):
+    """Ray tasks, one CPU each; see the module docstring."""
+
+    kind = "ray"
+
+    def __init__(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
+                 initializer: Callable[..., None] | None, initargs: tuple):
+        super().__init__(desc)
+        if cfg.address is None:
+            loopback_only()
+        try:
+            import ray
+        except ImportError:
+            raise ExecutorError("executor.kind is ray but Ray is not installed: pip install '.[ray]'") from None
+        self.ray = ray
+        self.started = False
+        if not ray.is_initialized():
+            workers = cfg.num_workers or available_cores()
+            kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING,
+                                          log_to_driver=False, configure_logging=True)
+            if cfg.address is None:
+                # A private instance for this stage, reachable from this machine only.
+                # Token authentication would write ~/.ray/auth_token for an instance
+                # that lives as long as the stage; the user's own setting wins.
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                kwargs.update(num_cpus=workers)
+            if cfg.address is not None:
+                _check_reachable(desc, cfg.address)
+            try:
+                # "local": a new instance even where `ray start` left one running on this machine.
+                ray.init(address=cfg.address or "local", **kwargs)
+            except Exception as e:  # ConnectionError, ValueError, RuntimeError depending on the failure
+                where = f"the Ray cluster at {cfg.address}" if cfg.address else "a local Ray instance"
+                raise ExecutorError(f"{desc}: could not start or join {where}: {type(e).__name__}: "
+                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+            self.started = True
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.workers = max(1, min(cfg.num_workers or cpus, cpus))
+        if max_workers is not None:
+            self.workers = max(1, min(self.workers, max_workers))
+        self.key = uuid.uuid4().hex
+        self.init = [initializer, ray.put(initargs)]
+        self.remote = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
+
+    def _result(self, index: int, ref: Any) -> Any:
+        from ray.exceptions import RayError, RayTaskError
+
+        try:
+            return self.ray.get(ref)
+        except RayTaskError as e:
+            cause = e.cause if e.cause is not None else e
+            raise _task_failed(self.desc, index, cause, str(e)) from None
+        except RayError as e:  # a worker or node died, an object was lost
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ExecutorError(f"{self.desc}: task {index} was lost: {type(e).__name__}: {first}") from None
+
+    def _map(self, fn, tasks, window):
+        pending: deque[tuple[int, Any]] = deque()
+        try:
+            for i, task in enumerate(tasks):
+                pending.append((i, self.remote.remote(self.key, self.init, fn, tuple(task))))
+                if len(pending) >= window:
+                    yield self._result(*pending.popleft())
+            while pending:
+                yield self._result(*pending.popleft())
+        finally:
+            self._drop([ref for _, ref in pending])
+
+    def _drop(self, refs: list) -> None:
+        """Cancel tasks whose results are no longer wanted, and collect the errors
+        of those that failed anyway, which Ray would otherwise log as unhandled."""
+        if not refs:
+            return
+        for ref in refs:
+            with contextlib.suppress(Exception):
+                self.ray.cancel(ref)
+        with contextlib.suppress(Exception):
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=10)
+            for ref in done:
+                with contextlib.suppress(Exception):
+                    self.ray.get(ref)
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+
+@contextlib.contextmanager
+def open_executor(cfg: ExecutorConfig, initializer: Callable[..., None] | None = None, initargs: tuple = (),
+                  max_workers: int | None = None, desc: str = "stage") -> Iterator[Executor]:
+    """An executor for ``cfg``, closed (its pool shut down, a Ray instance it
+    started stopped) on exit. ``initializer(*initargs)`` runs once in every
+    worker before its first task; ``max_workers`` caps the worker count (a stage
+    passes its task count, so a tiny input runs in-process under ``local``).
+    ``initializer``, the mapped functions and their arguments must be picklable
+    (module-level functions)."""
+    ex: Executor
+    if cfg.kind == "ray":
+        ex = RayExecutor(desc, cfg, max_workers, initializer, initargs)
+    else:
+        workers = cfg.num_workers or available_cores()
+        if max_workers is not None:
+            workers = min(workers, max_workers)
+        workers = max(1, workers)
+        ex = InProcess(desc, initializer, initargs) if workers == 1 else \
+            LocalPool(desc, workers, initializer, initargs)
+    try:
+        yield ex
+    finally:
+        ex.close()

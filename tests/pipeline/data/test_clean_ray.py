@@ -1,0 +1,138 @@
+"""The clean stage and the executor under a real local Ray instance (2 CPUs,
+one for this module, shut down at the end). Marked slow: Ray takes seconds to start."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.data.executor import ExecutorConfig, ExecutorError, loopback_only, open_executor
+from tests.conftest import ROOT
+from tests.pipeline.data.test_clean import MIXED, code, prose, report, run, write_docs
+from tests.pipeline.data.test_dedup import PLANTED
+from tests.pipeline.data.test_executor import BadInput, fails, init, tagged
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    loopback_only()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    yield
+    ray.shutdown()
+
+
+def outputs(d, texts, **kw):
+    d.mkdir()
+    metrics, docs, quarantine = run(d, texts, **kw)
+    workers = metrics.pop("workers")
+    metrics.pop("mb_per_s")
+    files = tuple((d / "out" / f).read_bytes() for f in ("docs.parquet", "quarantine.jsonl", "report.json"))
+    return workers, (metrics, files)
+
+
+def test_ray_map_keeps_order_and_runs_the_initializer_in_ray_workers():
+    with open_executor(ExecutorConfig(kind="ray", num_workers=2), init, ("cfg",)) as ex:
+        assert ex.kind == "ray" and ex.workers == 2
+        out = list(ex.map(tagged, [(x, 0.2 if x < 2 else 0.0) for x in range(8)]))
+    assert [(tag, sq) for tag, sq, _ in out] == [("cfg", x * x) for x in range(8)]
+    assert os.getpid() not in {pid for _, _, pid in out}
+    assert ray.is_initialized()  # an instance the executor did not start is left running
+
+
+def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
+    code = ("import ray, psutil\n"
+            "from pipeline.data.executor import ExecutorConfig, open_executor\n"
+            "with open_executor(ExecutorConfig(kind='ray', num_workers=1)) as ex:\n"
+            "    print(*{n['NodeManagerAddress'] for n in ray.nodes()})\n"
+            "    ports = [c for p in psutil.Process().children(recursive=True) for c in p.net_connections('tcp')\n"
+            "             if c.status == 'LISTEN']\n"
+            "    print(len(ports), *sorted({c.laddr.ip for c in ports}))\n"
+            "print(ray.is_initialized())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    node, listening, done = proc.stdout.splitlines()
+    assert node == "127.0.0.1"
+    count, *ips = listening.split()
+    assert int(count) > 0 and set(ips) <= {"127.0.0.1", "::ffff:127.0.0.1"}
+    assert done == "False"
+    assert not (tmp_path / ".ray").exists()  # no ~/.ray/auth_token for a private instance
+
+
+def test_clean_under_ray_equals_local_for_any_worker_count_and_dedup_method(tmp_path):
+    texts = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
+    _, local = outputs(tmp_path / "local", texts, batch_docs=3, num_workers=None, executor={"kind": "local", "num_workers": 1})
+    for name, kw in {
+        "ray1": {"executor": {"kind": "ray", "num_workers": 1}},
+        "ray2": {"executor": {"kind": "ray", "num_workers": 2}},
+        "ray2-sharded": {"executor": {"kind": "ray", "num_workers": 2},
+                         "dedup": {"method": "sharded", "partition_docs": 4}},
+    }.items():
+        workers, got = outputs(tmp_path / name, texts, batch_docs=3, num_workers=None, **kw)
+        assert workers == kw["executor"]["num_workers"]
+        assert got == local, name
+    metrics, (_, quarantine, rep) = local
+    rep = json.loads(rep)
+    # The accounting identity, and every reason's quarantine samples, as locally.
+    assert rep["docs_in"] == len(texts) == metrics["docs"] + sum(rep["dropped"].values())
+    reasons = {json.loads(line)["reason"] for line in quarantine.decode().splitlines()}
+    assert reasons == {k for k, v in rep["dropped"].items() if v} >= {"exact_duplicate", "near_duplicate",
+                                                                      "too_short", "c4_lorem_ipsum"}
+
+
+def test_bad_documents_under_ray_are_counted_skips(tmp_path):
+    texts = [code(1), None, "", "\x00\x01", "lorem ipsum", code(2)]
+    inp = write_docs(tmp_path / "in.parquet", texts)
+    assert inp.exists()
+    metrics, docs, quarantine = run(tmp_path, texts, batch_docs=2, num_workers=None,
+                                     executor={"kind": "ray", "num_workers": 2})
+    assert [d["id"] for d in docs] == ["id000", "id005"]
+    assert report(tmp_path)["dropped"]["too_short"] == 3 and len(quarantine) == 4
+
+
+def test_worker_errors_under_ray_are_one_line(capfd):
+    cfg = ExecutorConfig(kind="ray", num_workers=2)
+    with open_executor(cfg) as ex, pytest.raises(BadInput, match="^document 2 is unreadable$"):
+        list(ex.map(fails, [(x,) for x in range(5)]))
+    with open_executor(cfg, desc="clean") as ex, pytest.raises(ExecutorError) as err:
+        list(ex.map(fails, [(x,) for x in (0, 1, 3)]))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("clean: task 2 failed in a worker: ValueError: a bug")
+    assert "in fails" in msg
+    out, errs = capfd.readouterr()
+    assert "Traceback" not in out + errs
+
+
+def test_the_stage_under_ray_runs_quietly_with_bad_documents(tmp_path):
+    (tmp_path / "params.yaml").write_text("clean:\n  executor: {kind: ray, num_workers: 1}\n")
+    (tmp_path / "data" / "ingest").mkdir(parents=True)
+    write_docs(tmp_path / "data" / "ingest" / "docs.parquet", [code(1), None, "lorem ipsum", code(1), code(2)])
+    proc = subprocess.run([sys.executable, "-m", "stages.clean"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_PROGRESS": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()
+    metrics = json.loads((tmp_path / "metrics" / "clean.json").read_text())
+    assert (metrics["docs"], metrics["dropped"], metrics["workers"]) == (2, 3, 1)
+
+
+def test_an_address_joins_that_cluster_and_uses_its_cpus():
+    address = ray.get_runtime_context().gcs_address  # this module's instance, as a cluster to join
+    code = ("import ray\n"
+            "from pipeline.data.executor import ExecutorConfig, open_executor\n"
+            "from tests.pipeline.data.test_executor import tagged\n"
+            f"with open_executor(ExecutorConfig(kind='ray', address={address!r})) as ex:\n"
+            "    print(ex.workers, [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[0] == "2 [0, 1, 4, 9]"
+    assert ray.cluster_resources().get("CPU") == 2  # the cluster outlives the stage that joined it
+

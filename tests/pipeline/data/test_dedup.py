@@ -1,0 +1,165 @@
+"""pipeline/data/dedup.py: the sharded dedup steps keep exactly the documents the
+in-memory indexes keep, with the same quarantine and report."""
+
+import os
+
+import numpy as np
+import pytest
+
+from pipeline.data import dedup
+from tests.pipeline.data.test_clean import code, prose, report, run
+
+
+def edited(words: list[str], positions, tag: str) -> list[str]:
+    out = list(words)
+    for p in positions:
+        out[p] = f"{tag}{p}"
+    return out
+
+
+A = prose(400, seed=7).split()
+B = edited(A, range(10, 400, 67), "b")   # A~B (estimated Jaccard 0.83)
+C = edited(B, range(40, 400, 67), "c")   # B~C (0.88), but A and C are not (0.73)
+D = prose(300, seed=8).split()
+
+PLANTED = [
+    " ".join(A),                 # 0 kept
+    code(1),                     # 1 kept
+    " ".join(B),                 # 2 near duplicate of 0
+    code(1),                     # 3 exact duplicate of 1
+    " ".join(C),                 # 4 kept: its only near match (2) was dropped
+    "lorem ipsum dolor sit amet",  # 5 filtered
+    " ".join(D),                 # 6 kept
+    " ".join(D) + " tail",       # 7 near duplicate of 6
+    " ".join(B),                 # 8 exact duplicate of 2 (a dropped document)
+    " ".join(D) + " end",        # 9 near duplicate of 6
+    code(2),                     # 10 kept
+    "",                          # 11 filtered (too_short)
+    " ".join(C) + " more",       # 12 near duplicate of 4
+    code(3).replace("\n", "  \r\n"),  # 13 kept, changed by normalisation
+]
+
+
+def outputs(tmp_path, texts, **kw):
+    metrics, docs, quarantine = run(tmp_path, texts, **kw)
+    metrics.pop("mb_per_s")
+    return metrics, report(tmp_path), docs, quarantine, (tmp_path / "out" / "quarantine.jsonl").read_bytes(), \
+        (tmp_path / "out" / "docs.parquet").read_bytes()
+
+
+def both(tmp_path, texts, **kw):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "sharded").mkdir(exist_ok=True)
+    memory = outputs(tmp_path / "memory", texts, **kw)
+    sharded = outputs(tmp_path / "sharded", texts, dedup={"method": "sharded", "partition_docs": 3}, **kw)
+    return memory, sharded
+
+
+def test_planted_duplicates_and_a_chain_keep_the_same_documents(tmp_path):
+    memory, sharded = both(tmp_path, PLANTED, batch_docs=4)
+    assert sharded == memory
+    _, rep, docs, quarantine, _, _ = memory
+    # The greedy rule, not clusters: C's only match B was dropped, so C stays.
+    assert [d["id"] for d in docs] == ["id000", "id001", "id004", "id006", "id010", "id013"]
+    kept_of = {q["source"]: q["detail"].rsplit(" ", 1)[1] for q in quarantine if q["reason"] == "near_duplicate"}
+    assert kept_of == {"src/2.py": "id000", "src/7.py": "id006", "src/9.py": "id006", "src/12.py": "id004"}
+    assert rep["dropped"]["exact_duplicate"] == 2 and rep["near_dedup"]["kept_in_index"] == 6
+    assert rep["docs_changed_by_normalise"] >= 1
+    assert rep["near_dedup"]["candidates_checked"] >= 4
+
+
+def test_many_duplicates_many_batches_and_partitions(tmp_path):
+    texts = PLANTED * 3 + [prose(120, seed=s) for s in range(20)] + [prose(120, seed=3) + f" v{k}" for k in range(6)]
+    memory, sharded = both(tmp_path, texts, batch_docs=5, quarantine_per_reason=2)
+    assert sharded == memory
+    assert memory[1]["dropped"]["near_duplicate"] > 6 and memory[1]["dropped"]["exact_duplicate"] > 6
+
+
+def test_band_hash_collisions_make_no_candidates(tmp_path, monkeypatch):
+    # Every band of every document gets the same key: the band step must still
+    # pair only documents whose band is equal.
+    monkeypatch.setattr(dedup, "band_keys", lambda sigs, bands: np.zeros((len(sigs), bands), np.uint64))
+    memory, sharded = both(tmp_path, PLANTED)
+    assert sharded == memory
+
+
+def test_spilled_runs_and_ranges_give_the_same_decisions(tmp_path, monkeypatch):
+    monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)
+    monkeypatch.setattr(dedup, "RESOLVE_DOCS", 2)
+    memory, sharded = both(tmp_path, PLANTED + PLANTED, batch_docs=3)
+    assert sharded == memory
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_decisions_do_not_depend_on_the_order_of_the_runs(tmp_path, monkeypatch, order):
+    monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)
+    resolve = dedup.resolve
+    monkeypatch.setattr(dedup, "resolve", lambda work, runs, *a: resolve(work, runs[::order], *a))
+    memory, sharded = both(tmp_path, PLANTED)
+    assert sharded == memory
+
+
+def test_each_dedup_pass_can_be_off(tmp_path):
+    for exact, near in ((False, True), (True, False), (False, False)):
+        d = tmp_path / f"{exact}-{near}"
+        d.mkdir()
+        memory, sharded = both(d, PLANTED, exact_dedup={"enabled": exact}, near_dedup={"enabled": near})
+        assert sharded == memory
+
+
+def test_work_folder_is_removed(tmp_path):
+    both(tmp_path, PLANTED)
+    assert sorted(p.name for p in (tmp_path / "sharded" / "out").iterdir()) == [
+        "docs.parquet", "quarantine.jsonl", "report.json"]
+
+
+def test_exact_partition_keeps_the_first_of_each_digest(tmp_path):
+    work = dedup.WorkDir(tmp_path / "w", num_docs=6, num_perm=8, bands=2, partition_docs=100)
+    writer = dedup.SignatureWriter(work, exact=True, near=False)
+    d1, d2 = bytes(range(16)), bytes(range(1, 17))
+    writer.add(np.zeros(3, np.uint8), [d2, d1, None], None)
+    writer.add(np.zeros(3, np.uint8), [d1, d2, d2], None)
+    writer.close()
+    assert dedup.exact_partition(work, 0).tolist() == [3, 4, 5]
+
+
+def test_band_keys_are_equal_for_equal_bands_only():
+    rng = np.random.default_rng(0)
+    sigs = rng.integers(0, 2**32, size=(50, 16), dtype=np.uint32)
+    sigs[1, :8] = sigs[0, :8]
+    keys = dedup.band_keys(sigs, 2)
+    assert keys[0, 0] == keys[1, 0] and keys[0, 1] != keys[1, 1]
+    assert len(np.unique(keys[:, 1])) == 50
+
+
+def resolved(tmp_path, pairs, num_docs=3):
+    work = dedup.WorkDir(tmp_path / "w", num_docs=num_docs, num_perm=128, bands=16, partition_docs=100)
+    work.root.mkdir()
+    np.full(num_docs, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    run_file = work.root / "pairs.npy"
+    np.save(run_file, np.array(sorted(pairs), dtype=dedup.PAIR))
+    res = dedup.resolve(work, [str(run_file)], 0.8, ids_wanted=10)
+    return res, work.state().tolist()
+
+
+def test_resolve_is_greedy_in_document_order(tmp_path):
+    # 0~1 and 1~2 but not 0~2: 1 goes, and 2 stays since its only match is gone.
+    res, state = resolved(tmp_path, [(1, 0, 110), (2, 0, 50), (2, 1, 110)])
+    assert state == [dedup.CANDIDATE, dedup.NEAR, dedup.CANDIDATE]
+    assert (res["candidates_checked"], res["candidates_below_threshold"]) == (2, 1)
+    assert res["detail"] == {1: (110 / 128, 0)}
+
+
+def test_resolve_names_the_best_match_and_the_earliest_on_a_tie(tmp_path):
+    res, _ = resolved(tmp_path, [(3, 0, 105), (3, 1, 120), (3, 2, 120)], num_docs=4)
+    assert res["detail"] == {3: (120 / 128, 1)}
+
+
+def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path):
+    out = tmp_path / "sharded" / "out"
+    stale, live = out / ".dedup-999999999", out / f".dedup-{os.getppid()}"
+    for d in (stale, live):
+        d.mkdir(parents=True)
+        (d / "state.u8").write_bytes(b"\0")
+    both(tmp_path, PLANTED)
+    assert not stale.exists() and (live / "state.u8").exists()  # a running process's folder is left alone

@@ -1,0 +1,192 @@
+"""pipeline/data/executor.py with the local kinds (in-process and a spawn pool);
+the Ray kind is tested with a real local instance in test_clean_ray.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.config import ConfigError, parse_section
+from pipeline.data.clean import CleanConfig
+from pipeline.data.executor import ExecutorConfig, ExecutorError, LocalPool, InProcess, open_executor
+from pipeline.errors import StageError
+from tests.conftest import ROOT
+
+_STATE: dict = {}
+
+
+def init(tag: str) -> None:
+    _STATE["tag"] = tag
+
+
+def tagged(x: int, delay: float = 0.0) -> tuple[str, int, int]:
+    time.sleep(delay)
+    return _STATE.get("tag", "none"), x * x, os.getpid()
+
+
+class BadInput(StageError):
+    pass
+
+
+def fails(x: int) -> int:
+    if x == 2:
+        raise BadInput(f"document {x} is unreadable")
+    if x == 3:
+        raise ValueError("a bug\nwith a second line")
+    return x
+
+
+def dies(x: int) -> int:
+    if x == 1:
+        os._exit(3)
+    return x
+
+
+def local(workers: int) -> ExecutorConfig:
+    return ExecutorConfig(kind="local", num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_results_come_in_task_order_with_the_initializer_run_in_every_worker(workers):
+    # Early tasks are the slow ones, so a pool finishes them last.
+    tasks = [(x, 0.2 if x < 2 else 0.0) for x in range(8)]
+    with open_executor(local(workers), init, ("cfg",)) as ex:
+        assert isinstance(ex, InProcess if workers == 1 else LocalPool) and ex.workers == workers
+        out = list(ex.map(tagged, tasks))
+    assert [(tag, sq) for tag, sq, _ in out] == [("cfg", x * x) for x in range(8)]
+    pids = {pid for _, _, pid in out}
+    assert (pids == {os.getpid()}) if workers == 1 else (os.getpid() not in pids)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tasks_are_read_lazily_within_the_window(workers):
+    pulled = []
+
+    def tasks():
+        for x in range(20):
+            pulled.append(x)
+            yield (x,)
+
+    with open_executor(local(workers)) as ex:
+        it = ex.map(tagged, tasks(), window=3)
+        next(it)
+        assert len(pulled) <= 3
+        assert [sq for _, sq, _ in it] == [x * x for x in range(1, 20)]
+
+
+def test_max_workers_caps_the_pool_and_one_worker_runs_in_process():
+    with open_executor(local(4), max_workers=1) as ex:
+        assert isinstance(ex, InProcess)
+
+
+class Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+
+def test_the_bar_advances_by_the_units_of_each_result():
+    bar = Bar()
+    with open_executor(local(1)) as ex:
+        list(ex.map(tagged, [(x,) for x in range(5)], bar=bar, units=lambda r: r[1]))
+    assert bar.n == sum(x * x for x in range(5))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stage_error_in_a_worker_reaches_the_caller_unchanged(workers):
+    with open_executor(local(workers)) as ex, pytest.raises(BadInput, match="^document 2 is unreadable$"):
+        list(ex.map(fails, [(x,) for x in range(5)]))
+
+
+def test_any_other_worker_exception_is_one_line_naming_the_task_and_place():
+    with open_executor(local(2)) as ex, pytest.raises(ExecutorError) as err:
+        list(ex.map(fails, [(x,) for x in (0, 1, 3, 4)]))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("stage: task 2 failed in a worker: ValueError: a bug")
+    assert "test_executor.py:" in msg and "in fails" in msg
+
+
+def test_a_dying_worker_is_a_clear_error():
+    with open_executor(local(2), desc="clean") as ex, pytest.raises(ExecutorError, match="^clean: a worker process died"):
+        list(ex.map(dies, [(x,) for x in range(4)]))
+
+
+def test_workers_die_with_the_stage(tmp_path):
+    # A stage killed by SIGKILL leaves no worker behind.
+    script = (
+        "import os, sys, time\n"
+        "from pipeline.data.executor import ExecutorConfig, open_executor\n"
+        "from tests.pipeline.data.test_executor import tagged\n"
+        "if __name__ == '__main__':\n"
+        "    with open_executor(ExecutorConfig(num_workers=2)) as ex:\n"
+        "        pids = {p for _, _, p in ex.map(tagged, [(x, 0.3) for x in range(4)])}\n"
+        "        print(' '.join(map(str, pids)), flush=True)\n"
+        "        time.sleep(60)\n"
+    )
+    (tmp_path / "stage.py").write_text(script)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "stage.py")], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_address_that_answers_nothing_is_one_line():
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ExecutorError, match=rf"^clean: no Ray cluster answers at {address} \(Connection"):
+            with open_executor(ExecutorConfig(kind="ray", address=address), desc="clean"):
+                pass
+
+
+def test_ray_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ExecutorError, match=r"pip install '\.\[ray\]'"):
+        with open_executor(ExecutorConfig(kind="ray")):
+            pass
+
+
+@pytest.mark.parametrize("data,key,message", [
+    ({"executor": {"kind": "dask"}}, "clean.executor.kind", "'local' or 'ray'"),
+    ({"executor": {"address": "auto"}}, "clean.executor", "address is for kind: ray"),
+    ({"executor": {"kind": "ray", "address": " "}}, "clean.executor", "address must be null"),
+    ({"executor": {"num_workers": -1}}, "clean.executor.num_workers", "greater than or equal to 0"),
+    ({"executor": {"workers": 2}}, "clean.executor.workers", "unknown key"),
+])
+def test_executor_config_errors_name_the_dotted_key(data, key, message):
+    with pytest.raises(ConfigError) as err:
+        parse_section(CleanConfig, data, "clean")
+    assert key in str(err.value) and message in str(err.value)
+
+
+def test_importing_the_data_stages_does_not_import_ray():
+    code = ("import sys, stages.clean, stages.tokenizer, pipeline.data.clean, pipeline.data.tokenizer, "
+            "pipeline.data.executor, pipeline.data.dedup\n"
+            "from pipeline.data.executor import open_executor, ExecutorConfig\n"
+            "with open_executor(ExecutorConfig(num_workers=1)) as ex: list(ex.map(abs, [(-1,)]))\n"
+            "assert 'ray' not in sys.modules, 'ray was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
