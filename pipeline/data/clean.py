@@ -1,8 +1,8 @@
 """clean: normalise, filter and deduplicate the ingested documents.
 
 Input: a Parquet file of documents ``(id, text, source, location, chunk,
-offset)`` (the ingest output; ``chunk`` and ``offset`` may be absent, which
-reads as null; other columns are not carried over). Output: the same schema
+offset, source_name, split)`` (the ingest output; the last four may be absent,
+which reads as null; other columns are not carried over). Output: the same schema
 with normalised text, written in row groups; a quarantine JSONL of dropped
 documents (a bounded sample per reason, via
 :class:`pipeline.data.accounting.Ledger`, with their source and location:
@@ -82,9 +82,9 @@ from pipeline.progress import progress
 
 SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
-    ("chunk", pa.int64()), ("offset", pa.int64()),
+    ("chunk", pa.int64()), ("offset", pa.int64()), ("source_name", pa.string()), ("split", pa.string()),
 ])
-REQUIRED = SCHEMA.names[:4]  # chunk and offset are optional in the input (null: not a chunk)
+REQUIRED = SCHEMA.names[:4]  # the rest are optional in the input (null: not a chunk, unnamed, unmarked)
 
 log = logging.getLogger("pipeline.data.clean")
 
