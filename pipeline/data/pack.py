@@ -701,9 +701,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                 docs += task.rows
                 text_bytes += task.text_bytes
                 bar.update(task.rows)
-        if "plan" not in state:  # no task at all: an empty table
-            plan_first()
-        plan: SplitPlan = state["plan"]
+        plan: SplitPlan = state["plan"]  # _encoded plans even when the table has no rows
         splits = {s: w.finish() for s, w in state["writers"].items()}
         if docs != plan.docs or docs != splits["train"]["docs"] + splits["val"]["docs"]:
             raise AssertionError(
