@@ -61,10 +61,16 @@ split), ``tokens`` (both splits) and ``val_by``, and each split lists ``docs``,
 
 Speed: tokenization runs in ``num_workers`` processes, each with its own
 single-threaded tokenizer (the library's own threads scale poorly on some
-machines; processes scale everywhere), fed runs of about ``task_bytes`` of text in
-order. The main process only reads Parquet (``batch_docs`` rows at a time) and
-packs with numpy. At most ``2 · workers + 2`` tasks are in flight, so memory does
-not grow with the corpus.
+machines; processes scale everywhere), fed runs of at least ``task_bytes`` of text
+in order, however short the documents. A worker only encodes
+(:func:`encode_texts`: texts in, token ids and counts out, as numpy arrays); the
+main process reads Parquet (``batch_docs`` rows at a time) and does everything
+else with array operations: the split (one bit per row, planned while the
+workers start), routing, chunk joins, document starts and rows. The one
+per-document Python step left is the split hash's ``hashlib`` call (about
+0.3 µs a document; with ``val_by: position``, a chunk's score too). At most ``2 · workers + 2`` tasks are in flight, so
+memory does not grow with the corpus (the plan's bits aside: 1 MB per 8 million
+documents).
 """
 
 from __future__ import annotations
@@ -78,10 +84,10 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from itertools import chain, pairwise
+from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,10 +139,24 @@ class PackError(StageError):
 
 # --- split assignment -----------------------------------------------------------------------
 
+SPLIT_PERSON = b"pack-spl"
+
 
 def split_hash(seed: int, doc_id: str) -> int:
-    digest = hashlib.blake2b(f"{seed}\x00{doc_id}".encode(), digest_size=8, person=b"pack-spl").digest()
+    digest = hashlib.blake2b(f"{seed}\x00{doc_id}".encode(), digest_size=8, person=SPLIT_PERSON).digest()
     return int.from_bytes(digest, "big")
+
+
+def split_hashes(seed: int, ids: list[str]) -> np.ndarray:
+    """:func:`split_hash` of each id, as uint64: the seed prefix is hashed once and
+    each id continues a copy of that state, the same digest at a third of the cost."""
+    prefix = hashlib.blake2b(f"{seed}\x00".encode(), digest_size=8, person=SPLIT_PERSON)
+    digests = []
+    for doc_id in ids:
+        h = prefix.copy()
+        h.update(doc_id.encode())
+        digests.append(h.digest())
+    return np.frombuffer(b"".join(digests), ">u8").astype(np.uint64)
 
 
 def val_threshold(val_fraction: float) -> int:
@@ -151,6 +171,9 @@ class SplitPlan:
     forced: dict[str, str] = field(default_factory=dict)
     # val_by: position: source -> index of its first val chunk (a file's val chunks are its last ones)
     first_val_chunk: dict[str, int] | None = None
+    # one bit per row of the table (np.packbits, little bit order): the row is in val; what
+    # run_pack routes by. split_of is the rule it encodes, one document at a time.
+    val_bits: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def split_of(self, doc_id: str, source: str | None = None, chunk: int | None = None) -> str:
         if doc_id in self.forced:
@@ -159,6 +182,16 @@ class SplitPlan:
             first = self.first_val_chunk.get(source)  # type: ignore[arg-type]
             return "val" if first is not None and chunk >= first else "train"
         return "val" if split_hash(self.seed, doc_id) < self.threshold else "train"
+
+    def val_mask(self, start: int, stop: int) -> np.ndarray:
+        """bool per row in ``[start, stop)``: the row is in val."""
+        if self.val_bits is None:
+            raise ValueError("this plan has no per-row bits; build it with plan_splits")
+        if not 0 <= start <= stop <= self.docs:
+            raise IndexError(f"rows [{start}, {stop}) outside the plan's {self.docs}")
+        lo = start - start % 8
+        bits = np.unpackbits(self.val_bits[lo // 8:(stop + 7) // 8], bitorder="little")
+        return bits[start - lo:stop - lo].astype(bool)
 
 
 def position_score(before: int, nbytes: int, total: int) -> int:
@@ -170,48 +203,101 @@ def position_score(before: int, nbytes: int, total: int) -> int:
     return ((2 * total - 2 * before - nbytes) << 64) // (2 * total)
 
 
+class _Scores:
+    """The running count of val scores and the first of the smallest and of the
+    largest score (for the tiny-corpus rules), over documents scored in any order."""
+
+    def __init__(self, threshold: int):
+        self.threshold, self.n_val = threshold, 0
+        self.lo: tuple[int, int, str] | None = None  # (u, row, id)
+        self.hi: tuple[int, int, str] | None = None  # (u, -row, id)
+
+    def one(self, u: int, row: int, doc_id: str) -> None:
+        self.n_val += u < self.threshold
+        self._extremes(u, row, doc_id)
+
+    def many(self, u: np.ndarray, rows: np.ndarray, ids: list[str]) -> None:
+        """Score a batch; ``rows`` ascending, so np.argmin/argmax find its earliest extreme."""
+        if not len(u):
+            return
+        self.n_val += int(np.count_nonzero(u < np.uint64(self.threshold)))
+        for i in (int(np.argmin(u)), int(np.argmax(u))):
+            self._extremes(int(u[i]), int(rows[i]), ids[i])
+
+    def _extremes(self, u: int, row: int, doc_id: str) -> None:
+        if self.lo is None or (u, row) < self.lo[:2]:
+            self.lo = (u, row, doc_id)
+        if self.hi is None or (u, -row) > self.hi[:2]:
+            self.hi = (u, -row, doc_id)
+
+
+class _Bits:
+    """Appends bools and packs them eight to a byte as they come."""
+
+    def __init__(self) -> None:
+        self.packed: list[np.ndarray] = []
+        self.pending = np.empty(0, bool)
+
+    def extend(self, mask: np.ndarray) -> None:
+        mask = np.concatenate((self.pending, mask))
+        whole = len(mask) - len(mask) % 8
+        self.packed.append(np.packbits(mask[:whole], bitorder="little"))
+        self.pending = mask[whole:]
+
+    def finish(self) -> np.ndarray:
+        return np.concatenate([*self.packed, np.packbits(self.pending, bitorder="little")])
+
+
+def _set_bit(bits: np.ndarray, row: int, value: bool) -> None:
+    if value:
+        bits[row // 8] |= np.uint8(1 << row % 8)
+    else:
+        bits[row // 8] &= np.uint8(~(1 << row % 8) & 0xFF)
+
+
 def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str = "documents",
                 val_by: str = "hash") -> SplitPlan:
     """Read the ``id`` column once (and, with ``val_by: position``, ``source``,
     ``chunk`` and the text's length) to score every document and apply the
-    tiny-corpus rules (see the module docstring). Raises PackError on an empty
-    corpus, null ids, fewer than two ids, or ``position`` without chunks."""
+    tiny-corpus rules (see the module docstring); the plan holds each row's split
+    as a bit. Raises PackError on an empty corpus, null ids, fewer than two ids,
+    or ``position`` without chunks."""
     threshold = val_threshold(val_fraction)
     position = val_by == "position"
     if position and not {"source", "chunk"} <= set(pf.schema_arrow.names):
         raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but the "
                         "documents have no chunk column; use ingest split_by: chunk, or pack.val_by: hash")
-    n = n_val = 0
-    lo: tuple[int, int, str] | None = None  # (u, row, id): the first of the smallest scores
-    hi: tuple[int, int, str] | None = None  # (u, -row, id): the first of the largest
-
-    def score(u: int, row: int, doc_id: str) -> None:
-        nonlocal n_val, lo, hi
-        n_val += u < threshold
-        if lo is None or (u, row) < lo[:2]:
-            lo = (u, row, doc_id)
-        if hi is None or (u, -row) > hi[:2]:
-            hi = (u, -row, doc_id)
-
+    n = 0
+    scores = _Scores(threshold)
+    bits = _Bits()
     files: dict[str | None, list[tuple[int, int, int, str]]] = {}  # source -> [(chunk, bytes, row, id)]
     columns = ["id", "source", "chunk", "text"] if position else ["id"]
     for batch in pf.iter_batches(batch_size=65_536, columns=columns):
         col = batch.column(0)
         if col.null_count:
             raise PackError(f"{where}: {col.null_count} document(s) have a null id")
-        if position:
+        ids = col.to_pylist()
+        rows = np.arange(n, n + len(ids))
+        hashed = np.ones(len(ids), bool)  # scored by hash; chunks under position are scored below
+        if position and batch.column(2).null_count < batch.num_rows:
             chunks = batch.column(2).to_pylist()
             sources = batch.column(1).to_pylist()
             sizes = pc.fill_null(pc.binary_length(batch.column(3)), 0).to_pylist()
-        for i, doc_id in enumerate(col.to_pylist()):
-            if position and chunks[i] is not None:
-                files.setdefault(sources[i], []).append((chunks[i], sizes[i], n, doc_id))
-            else:
-                score(split_hash(seed, doc_id), n, doc_id)
-            n += 1
+            for i, c in enumerate(chunks):
+                if c is not None:
+                    files.setdefault(sources[i], []).append((c, sizes[i], n + i, ids[i]))
+                    hashed[i] = False
+        hashed_ids = ids if hashed.all() else [d for d, h in zip(ids, hashed) if h]
+        u = split_hashes(seed, hashed_ids)
+        scores.many(u, rows[hashed], hashed_ids)
+        val = np.zeros(len(ids), bool)
+        val[hashed] = u < np.uint64(threshold)  # val_fraction <= 0.5: the threshold fits in 64 bits
+        bits.extend(val)
+        n += len(ids)
     if position and not files:
         raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but no "
                         "document is a chunk; use ingest split_by: chunk, or pack.val_by: hash")
+    val_bits = bits.finish()
     first_val: dict[str, int] | None = {} if position else None
     for source, chunks_of in files.items():
         chunks_of.sort(key=lambda c: c[0])
@@ -219,24 +305,46 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
         before = 0
         for chunk, nbytes, row, doc_id in chunks_of:
             u = position_score(before, nbytes, total)
-            score(u, row, doc_id)
+            scores.one(u, row, doc_id)
             if u < threshold and source not in first_val:  # type: ignore[operator]
                 first_val[source] = chunk  # type: ignore[index]
             before += nbytes
+        first = first_val.get(source)  # type: ignore[union-attr]
+        for chunk, _, row, _ in chunks_of:
+            _set_bit(val_bits, row, first is not None and chunk >= first)
     if n == 0:
         raise PackError(f"{where}: the corpus is empty; nothing to pack")
+    lo, hi = scores.lo, scores.hi
     if lo is None or hi is None or lo[2] == hi[2]:
         raise PackError(f"{where}: {n} document(s) with one distinct id; train and val need at least two "
                         "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes)")
     forced: dict[str, str] = {}
-    if n_val == 0:
+    if scores.n_val == 0:
         forced[lo[2]] = "val"
-    elif n_val == n:
+    elif scores.n_val == n:
         forced[hi[2]] = "train"
-    return SplitPlan(n, seed, threshold, forced, first_val)
+    for doc_id, split in forced.items():  # every row with that id, as split_of decides by id
+        row0 = 0
+        for batch in pf.iter_batches(batch_size=65_536, columns=["id"]):
+            for i in np.flatnonzero(pc.equal(batch.column(0), doc_id).to_numpy(zero_copy_only=False)):
+                _set_bit(val_bits, row0 + int(i), split == "val")
+            row0 += batch.num_rows
+    return SplitPlan(n, seed, threshold, forced, first_val, val_bits)
 
 
-# --- workers ----------------------------------------------------------------------------------
+# --- encoding: a pure function of a batch of texts, run in worker processes ---------------------
+
+
+def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``texts``; return their token ids back to back (int32) and each
+    text's token count (int64). No EOT: :meth:`SplitWriter.add` separates documents.
+    ``encode_batch_fast`` gives the ids of ``encode_batch`` without computing the
+    character offsets, which pack never reads."""
+    encs = tok.encode_batch_fast(texts)
+    lens = np.fromiter(map(len, encs), np.int64, count=len(encs))
+    flat = np.fromiter(chain.from_iterable(e.ids for e in encs), np.int32, count=int(lens.sum()))
+    return flat, lens
+
 
 _WORKER: dict[str, Any] = {}
 
@@ -254,23 +362,23 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _init_worker(tokenizer_path: str, plan: SplitPlan, schema: pa.Schema, parent_pid: int) -> None:
+def _init_worker(tokenizer_path: str, schema: pa.Schema, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=load_tokenizer(tokenizer_path), plan=plan, schema=schema)
+    _WORKER.update(tok=load_tokenizer(tokenizer_path), schema=schema)
 
 
-def encode_docs(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Encode ``texts``; return (flat ids of the docs that gave tokens, their token
-    counts, a mask over ``texts`` of those docs). No EOT: :meth:`SplitWriter.add`
-    separates documents."""
-    encs = tok.encode_batch(texts)
-    lens = np.fromiter(map(len, encs), np.int64, count=len(encs))
-    flat = np.fromiter(chain.from_iterable(e.ids for e in encs), np.int32, count=int(lens.sum()))
-    return flat, lens[lens > 0], lens > 0
+def _encode_task(message: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`encode_texts` of a task's text column (an Arrow IPC message; null = "")."""
+    texts = pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"]).column(0)
+    if texts.null_count:
+        texts = pc.fill_null(texts, "")
+    return encode_texts(_WORKER["tok"], texts.to_pylist())
 
+
+# --- tasks and routing (main process, array operations only) ------------------------------------
 
 Key = tuple[str, int]  # (source, chunk) of a chunk of a long text
 
@@ -278,6 +386,37 @@ Key = tuple[str, int]  # (source, chunk) of a chunk of a long text
 def follows(prev: Key | None, key: Key | None) -> bool:
     """Whether ``key`` is the chunk right after ``prev`` in the same file."""
     return prev is not None and key is not None and key[0] == prev[0] and key[1] == prev[1] + 1
+
+
+@dataclass
+class Keys:
+    """(source, chunk) of a task's documents, as arrays; a document without a chunk has no key."""
+
+    source: pa.Array
+    chunk: np.ndarray  # int64, 0 where there is no key
+    has: np.ndarray  # bool: the document is a chunk
+
+    @classmethod
+    def of(cls, source: pa.Array, chunk: pa.Array) -> Keys | None:
+        if chunk.null_count == len(chunk):
+            return None
+        return cls(source, pc.fill_null(chunk, 0).to_numpy().astype(np.int64), chunk.is_valid().to_numpy(
+            zero_copy_only=False))
+
+    def key(self, i: int) -> Key | None:
+        return (self.source[i].as_py(), int(self.chunk[i])) if self.has[i] else None
+
+    def follows(self, idx: np.ndarray) -> np.ndarray:
+        """bool per consecutive pair of the documents at ``idx``: :func:`follows`."""
+        a, b = idx[:-1], idx[1:]
+        out = self.has[a] & self.has[b] & (self.chunk[b] == self.chunk[a] + 1)
+        if out.any():
+            src = self.source.take(pa.array(idx))
+            prev, nxt = src.slice(0, len(idx) - 1), src.slice(1)
+            same = pc.fill_null(pc.equal(prev, nxt), False).to_numpy(zero_copy_only=False)
+            same |= (prev.is_null().to_numpy(zero_copy_only=False) & nxt.is_null().to_numpy(zero_copy_only=False))
+            out &= same
+        return out
 
 
 @dataclass
@@ -293,36 +432,28 @@ class Part:
     tail: Key | None
 
 
-def encode_part(tok: Any, texts: list[str], keys: list[Key | None]) -> Part:
-    flat, lens, nonempty = encode_docs(tok, texts)
-    kept = [k for k, ok in zip(keys, nonempty) if ok]
-    joins = np.zeros(len(kept), bool)
-    joins[1:] = [follows(a, b) for a, b in pairwise(kept)]
-    return Part(flat, lens, joins, len(texts), len(texts) - len(kept),
-                kept[0] if kept else None, kept[-1] if kept else None)
-
-
-@dataclass
-class Encoded:
-    docs: int
-    text_bytes: int
-    parts: dict[str, Part]
-
-
-def _encode_task(message: bytes) -> Encoded:
-    batch = pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"])
-    plan: SplitPlan = _WORKER["plan"]
-    texts_col = batch.column(1)
-    nbytes = pc.sum(pc.binary_length(texts_col)).as_py() or 0
-    keys: list[Key | None] = [None] * batch.num_rows
-    if batch.num_columns == 4 and batch.column(3).null_count < batch.num_rows:
-        keys = [None if c is None else (s, c) for s, c in zip(batch.column(2).to_pylist(), batch.column(3).to_pylist())]
-    routed: dict[str, tuple[list[str], list[Key | None]]] = {s: ([], []) for s in SPLITS}
-    for doc_id, text, key in zip(batch.column(0).to_pylist(), texts_col.to_pylist(), keys):
-        texts, split_keys = routed[plan.split_of(doc_id, *(key or (None, None)))]
-        texts.append(text or "")
-        split_keys.append(key)
-    return Encoded(batch.num_rows, nbytes, {s: encode_part(_WORKER["tok"], *r) for s, r in routed.items()})
+def split_parts(flat: np.ndarray, lens: np.ndarray, val: np.ndarray, keys: Keys | None) -> dict[str, Part]:
+    """Route one task's encoded documents (``flat``, ``lens`` from :func:`encode_texts`)
+    to the splits by ``val`` (bool per document), in table order, with the joins
+    between consecutive chunks of a file that land in the same split."""
+    parts = {}
+    token_val = np.repeat(val, lens) if val.any() and not val.all() else None
+    for split in SPLITS:
+        want = split == "val"
+        mine = val == want
+        idx = np.flatnonzero(mine & (lens > 0))
+        if token_val is None:
+            part_flat = flat if (len(val) and val[0] == want) else flat[:0]
+        else:
+            part_flat = flat[token_val == want]
+        joins = np.zeros(len(idx), bool)
+        head = tail = None
+        if keys is not None and len(idx):
+            joins[1:] = keys.follows(idx)
+            head, tail = keys.key(int(idx[0])), keys.key(int(idx[-1]))
+        docs = int(np.count_nonzero(mine))
+        parts[split] = Part(part_flat, lens[idx], joins, docs, docs - len(idx), head, tail)
+    return parts
 
 
 def resolve_workers(num_workers: int) -> int:
@@ -330,46 +461,97 @@ def resolve_workers(num_workers: int) -> int:
 
 
 def task_columns(pf: pq.ParquetFile) -> list[str]:
-    """What a worker reads: ``id`` and ``text``, and ``source`` and ``chunk`` where present."""
-    return ["id", "text", *(["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else [])]
+    """What a task holds: ``text``, and ``source`` and ``chunk`` where present."""
+    return ["text", *(["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else [])]
 
 
-def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[bytes]:
-    """Cut the table into runs of about ``task_bytes`` of text, as IPC messages: a
-    sliced batch pickles its whole parent buffers, IPC writes only the slice."""
-    for batch in pf.iter_batches(batch_size=batch_docs, columns=task_columns(pf)):
+@dataclass
+class Task:
+    """A run of consecutive documents: ``rows`` from row ``start`` of the table."""
+
+    start: int
+    rows: int
+    text_bytes: int
+    message: bytes  # the text column as an Arrow IPC message, for a worker
+    keys: Keys | None
+
+
+def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[Task]:
+    """Cut the table into runs of at least ``task_bytes`` of text (the last one may
+    be shorter), across Parquet batches, so that a corpus of short documents still
+    gives tasks large enough that per-task costs do not count."""
+    columns = task_columns(pf)
+    pending: list[pa.RecordBatch] = []
+    size = start = 0
+
+    def column(name: str) -> pa.Array:
+        return pa.concat_arrays([b.column(name) for b in pending]) if len(pending) > 1 else pending[0].column(name)
+
+    def task() -> Task:
+        nonlocal pending, size, start
+        rows = sum(b.num_rows for b in pending)
+        keys = Keys.of(column("source"), column("chunk")) if len(columns) == 3 else None
+        # IPC writes only a slice's own bytes, where pickling a sliced array would copy its parent buffers
+        message = pa.record_batch([column("text")], names=["text"]).serialize().to_pybytes()
+        out = Task(start, rows, size, message, keys)
+        pending, size, start = [], 0, start + rows
+        return out
+
+    for batch in pf.iter_batches(batch_size=batch_docs, columns=columns):
         if batch.num_rows == 0:
             continue
-        ends = np.cumsum(pc.fill_null(pc.binary_length(batch.column(1)), 0).to_numpy(), dtype=np.int64)
-        cuts = np.searchsorted(ends, np.arange(task_bytes, int(ends[-1]), task_bytes), side="right")
-        bounds = np.unique(np.concatenate(([0], cuts, [batch.num_rows])))
-        for a, b in pairwise(bounds):
-            yield batch.slice(a, b - a).serialize().to_pybytes()
+        lengths = pc.binary_length(batch.column("text"))
+        if lengths.null_count:
+            lengths = pc.fill_null(lengths, 0)
+        ends = np.cumsum(lengths.to_numpy(), dtype=np.int64)
+        a = 0
+        while a < batch.num_rows:
+            base = int(ends[a - 1]) if a else 0
+            b = int(np.searchsorted(ends, base + task_bytes - size, side="left")) + 1  # the doc that fills it
+            b = min(b, batch.num_rows)
+            pending.append(batch.slice(a, b - a))
+            size += int(ends[b - 1]) - base
+            a = b
+            if size >= task_bytes:
+                yield task()
+    if pending:
+        yield task()
 
 
-def _encoded_batches(pf: pq.ParquetFile, tokenizer_path: Path, plan: SplitPlan, workers: int,
-                     batch_docs: int, task_bytes: int) -> Iterator[Encoded]:
-    """Encoded tasks in table order. A bounded window of futures, not Pool.imap,
-    so that a slow consumer or a slow worker cannot make the queue hold the corpus."""
+def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, workers: int, batch_docs: int, task_bytes: int,
+             plan_first: Callable[[], None]) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
+    """(task, flat, lens) in table order. The first tasks go out before
+    ``plan_first()`` runs, so that the split plan is computed while the workers
+    start. A bounded window of futures, not Pool.imap, so that a slow consumer or a
+    slow worker cannot make the queue hold the corpus."""
     # spawn, not fork: the parent holds Arrow and tokenizers thread pools that a
     # forked child would inherit in an unknown state.
     ctx = mp.get_context("spawn")
-    window: deque[Future] = deque()
     max_in_flight = 2 * workers + 2
-    schema = pa.schema([pf.schema_arrow.field(name) for name in task_columns(pf)])
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(str(tokenizer_path), plan, schema, os.getpid())) as ex:
-        try:
-            for task in _tasks(pf, batch_docs, task_bytes):
-                window.append(ex.submit(_encode_task, task))
-                if len(window) >= max_in_flight:
-                    yield window.popleft().result()
-            while window:
-                yield window.popleft().result()
-        except BaseException:
-            for fut in window:
-                fut.cancel()
-            raise
+    schema = pa.schema([pf.schema_arrow.field("text")])
+    window: deque[tuple[Task, Future]] = deque()
+    tasks = _tasks(pf, batch_docs, task_bytes)
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(str(tokenizer_path), schema, os.getpid()))
+    try:
+        def fill() -> None:
+            while len(window) < max_in_flight:
+                task = next(tasks, None)
+                if task is None:
+                    return
+                window.append((task, ex.submit(_encode_task, task.message)))
+
+        fill()
+        plan_first()
+        while window:
+            task, fut = window.popleft()
+            flat, lens = fut.result()
+            fill()
+            yield task, flat, lens
+    except BaseException:
+        ex.shutdown(wait=True, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
 
 
 # --- packing and writing ----------------------------------------------------------------------
@@ -379,23 +561,19 @@ def packed_schema(row_len: int, eot_id: int = EOT_ID) -> pa.Schema:
     return row_schema(FORMAT, row_len, metadata={"eot_id": str(eot_id)})
 
 
-def cut_rows(stream: np.ndarray, starts: np.ndarray, row_len: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Cut a token stream into full rows.
-
-    ``starts`` are the sorted stream positions where documents begin. Returns
-    ``(rows (n, row_len), starts_per_row (n,), start_offsets_in_row, rest, rest_starts)``
-    where the offsets of row ``i`` are the next ``starts_per_row[i]`` values, always
-    beginning with 0, and ``rest`` is the unfilled tail (with its own starts).
-    """
-    n = len(stream) // row_len
-    cut = n * row_len
-    row_begins = np.arange(n, dtype=np.int64) * row_len
-    pos = np.union1d(row_begins, starts[starts < cut])
-    counts = np.diff(np.searchsorted(pos, np.append(row_begins, cut)))
-    tail = starts[starts >= cut]
-    return (stream[:cut].reshape(n, row_len), counts, (pos % row_len).astype(np.int32),
-            stream[cut:].copy(), tail - cut)
+def row_starts(starts: np.ndarray, n: int, row_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``n`` rows of ``row_len`` and the sorted, distinct document starts below
+    ``n · row_len``: each row's number of segment starts, and all of them as offsets
+    in their row, row by row, each row's beginning with 0 (a row always starts a
+    segment). No sort: row ``r``'s offsets are 0, then its starts that are not on
+    its first token."""
+    row, off = np.divmod(starts, row_len)
+    inner = off != 0
+    row, off = row[inner], off[inner]
+    counts = 1 + np.bincount(row, minlength=n)
+    offsets = np.zeros(n + len(off), np.int32)
+    offsets[np.arange(len(off)) + row + 1] = off  # after the r + 1 zeros of rows 0..r and the starts before
+    return counts, offsets
 
 
 class SplitWriter:
@@ -406,12 +584,10 @@ class SplitWriter:
     def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int, eot_id: int = EOT_ID):
         self.split, self.row_len, self.shard_rows, self.eot_id = split, row_len, shard_rows, eot_id
         self.writer = ShardWriter(out_dir, split, packed_schema(row_len, eot_id))
-        self.carry = np.empty(0, np.int32)
-        self.carry_starts = np.empty(0, np.int64)
-        self.buf = np.empty((0, row_len), np.int32)  # allocated on first row, so a tiny split stays tiny
-        self.buf_rows = 0
-        self.counts: list[np.ndarray] = []
-        self.offsets: list[np.ndarray] = []
+        # the current shard's tokens, rows back to back; allocated on first use, so a tiny split stays tiny
+        self.buf = np.empty(0, np.int32)
+        self.fill = 0
+        self.starts: list[np.ndarray] = []  # document starts in buf
         self.docs = self.empty_docs = self.joined = self.tokens = self.rows = 0
         self.last: Key | None = None  # key of the last document added, if a chunk
         self.open = False  # a document has been added and awaits its EOT
@@ -440,43 +616,44 @@ class SplitWriter:
         self._append(flat, begins[~joins])
 
     def _append(self, flat: np.ndarray, doc_starts: np.ndarray) -> None:
+        """Copy ``flat`` into the shard buffer, writing each shard as it fills."""
         self.tokens += len(flat)
-        stream = np.concatenate((self.carry, flat))
-        starts = np.concatenate((self.carry_starts, doc_starts + len(self.carry)))
-        rows, counts, offsets, self.carry, self.carry_starts = cut_rows(stream, starts, self.row_len)
+        capacity = self.shard_rows * self.row_len
         done = 0
-        while done < len(rows):
-            if self.buf_rows == 0 and len(self.buf) == 0:
-                self.buf = np.empty((self.shard_rows, self.row_len), np.int32)
-            take = min(self.shard_rows - self.buf_rows, len(rows) - done)
-            self.buf[self.buf_rows:self.buf_rows + take] = rows[done:done + take]
-            c = counts[done:done + take]
-            first = int(counts[:done].sum())
-            self.counts.append(c)
-            self.offsets.append(offsets[first:first + int(c.sum())])
-            self.buf_rows += take
+        while done < len(flat):
+            if len(self.buf) == 0:
+                self.buf = np.empty(capacity, np.int32)
+            take = min(capacity - self.fill, len(flat) - done)
+            self.buf[self.fill:self.fill + take] = flat[done:done + take]
+            a, b = np.searchsorted(doc_starts, (done, done + take))
+            self.starts.append(doc_starts[a:b] - done + self.fill)
+            self.fill += take
             done += take
-            if self.buf_rows == self.shard_rows:
+            if self.fill == capacity:
                 self._flush()
 
     def _flush(self) -> None:
-        if self.buf_rows == 0:
-            return
-        n = self.buf_rows
-        list_offsets = np.zeros(n + 1, np.int32)
-        np.cumsum(np.concatenate(self.counts), out=list_offsets[1:])
-        self.writer.write(self.buf[:n], list_offsets, np.concatenate(self.offsets))
-        self.rows += n
-        self.buf_rows = 0
-        self.counts, self.offsets = [], []
+        """Write the full rows in the buffer as the next shard; the tokens of a
+        last, unfilled row are dropped (only at :meth:`finish`: a shard that fills
+        holds whole rows)."""
+        n = self.fill // self.row_len
+        if n:
+            starts = np.concatenate(self.starts) if self.starts else np.empty(0, np.int64)
+            counts, offsets = row_starts(starts[starts < n * self.row_len], n, self.row_len)
+            list_offsets = np.zeros(n + 1, np.int32)
+            np.cumsum(counts, out=list_offsets[1:])
+            self.writer.write(self.buf[:n * self.row_len].reshape(n, self.row_len), list_offsets, offsets)
+            self.rows += n
+        self.fill = 0
+        self.starts = []
 
     def finish(self) -> dict:
         if self.open:
             self._append(np.array([self.eot_id], np.int32), np.empty(0, np.int64))
             self.open = False
+        dropped = self.fill % self.row_len
         self._flush()
-        self.buf = np.empty((0, self.row_len), np.int32)
-        dropped = len(self.carry)
+        self.buf = np.empty(0, np.int32)
         if self.tokens != self.rows * self.row_len + dropped:
             raise AssertionError(f"{self.split}: token accounting is off")
         return {"docs": self.docs, "empty_docs": self.empty_docs, "joined": self.joined, "tokens": self.tokens,
@@ -501,23 +678,32 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     docs_path, tokenizer_path, out_dir = Path(docs_path), Path(tokenizer_path), Path(out_dir)
     tok, specials = open_tokenizer(tokenizer_path, PackError)
     pf = open_docs(docs_path, PackError)
-    plan = plan_splits(pf, cfg.seed, cfg.val_fraction, where=str(docs_path), val_by=cfg.val_by)
     workers = resolve_workers(cfg.num_workers)
     row_len = cfg.seq_len + 1
-    clear_outputs(out_dir)
     shard_rows = max(1, cfg.shard_tokens // row_len)
-    writers = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"]) for s in SPLITS}
+    state: dict[str, Any] = {}
+
+    def plan_first() -> None:
+        # Its own reader: the task reader is paused mid-file.
+        state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
+                                    where=str(docs_path), val_by=cfg.val_by)
+        clear_outputs(out_dir)
+        state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"]) for s in SPLITS}
+
     docs = text_bytes = 0
     try:
-        with progress(total=plan.docs, unit="doc", desc="pack") as bar:
-            for enc in _encoded_batches(pf, tokenizer_path, plan, workers, cfg.batch_docs, cfg.task_bytes):
-                for split, part in enc.parts.items():
-                    writers[split].add(part)
-                docs += enc.docs
-                text_bytes += enc.text_bytes
-                bar.update(enc.docs)
-        splits = {s: w.finish() for s, w in writers.items()}
-        if docs != splits["train"]["docs"] + splits["val"]["docs"]:
+        with progress(total=pf.metadata.num_rows, unit="doc", desc="pack") as bar:
+            for task, flat, lens in _encoded(pf, tokenizer_path, workers, cfg.batch_docs, cfg.task_bytes,
+                                              plan_first):
+                val = state["plan"].val_mask(task.start, task.start + task.rows)
+                for split, part in split_parts(flat, lens, val, task.keys).items():
+                    state["writers"][split].add(part)
+                docs += task.rows
+                text_bytes += task.text_bytes
+                bar.update(task.rows)
+        plan: SplitPlan = state["plan"]  # _encoded plans even when the table has no rows
+        splits = {s: w.finish() for s, w in state["writers"].items()}
+        if docs != plan.docs or docs != splits["train"]["docs"] + splits["val"]["docs"]:
             raise AssertionError(
                 f"{docs} documents read but {splits['train']['docs']} + {splits['val']['docs']} packed")
         for s, info in splits.items():
@@ -527,7 +713,8 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                     f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
                 )
     except BaseException:
-        clear_outputs(out_dir)
+        if "writers" in state:  # a plan error leaves an earlier run's output as it was
+            clear_outputs(out_dir)
         raise
     total_tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),

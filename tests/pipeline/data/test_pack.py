@@ -8,14 +8,19 @@ import pytest
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.pack import (
     FORMAT,
+    Keys,
     PackConfig,
     PackError,
     SplitPlan,
-    cut_rows,
-    encode_docs,
+    _tasks,
+    encode_texts,
+    follows,
     plan_splits,
+    row_starts,
     run_pack,
     split_hash,
+    split_hashes,
+    split_parts,
     val_threshold,
 )
 from pipeline.data.shards import MANIFEST, DataError, PackedRows, verify
@@ -66,7 +71,7 @@ def expected_streams(items, docs_path, tok_path, cfg, keys=None):
     runs, last = {"train": [], "val": []}, {"train": None, "val": None}
     for (doc_id, text), key in zip(items, keys or [None] * len(items)):
         split = plan.split_of(doc_id, *(key or (None, None)))
-        ids = tok.encode(text).ids
+        ids = tok.encode(text or "").ids
         if not ids:
             continue
         prev, last[split] = last[split], key
@@ -172,8 +177,8 @@ def test_manifest_and_accounting(docs, packed):
 
 def test_worker_encoding_ignores_special_strings_and_leaves_separation_to_the_writer(docs):
     _, tok, _ = docs
-    flat, lens, nonempty = encode_docs(load_tokenizer(tok), [f"a {EOT} b", "", "c"])
-    assert nonempty.tolist() == [True, False, True] and len(lens) == 2 and lens.sum() == len(flat)
+    flat, lens = encode_texts(load_tokenizer(tok), [f"a {EOT} b", "", "c"])
+    assert (lens > 0).tolist() == [True, False, True] and lens.sum() == len(flat)
     assert EOT_ID not in flat.tolist()  # the literal string is ordinary bytes; no EOT yet
 
 
@@ -197,20 +202,18 @@ def test_output_verifies_against_its_manifest(packed, tmp_path):
         verify(bad)
 
 
-def test_cut_rows_against_a_reference():
+def test_row_starts_against_a_reference():
     rng = np.random.default_rng(0)
-    for _ in range(50):
+    for _ in range(200):
         lens = rng.integers(1, 20, size=rng.integers(1, 12))
         starts = np.cumsum(lens) - lens
-        stream = rng.integers(4, 100, size=lens.sum()).astype(np.int32)
         L = int(rng.integers(2, 15))
-        rows, counts, offs, rest, rest_starts = cut_rows(stream, starts, L)
-        n = len(stream) // L
-        assert rows.shape == (n, L) and len(rest) == len(stream) - n * L
+        n = int(lens.sum()) // L
+        counts, offs = row_starts(starts[starts < n * L], n, L)
+        assert len(counts) == n and counts.sum() == len(offs) and offs.dtype == np.int32
         per_row = np.split(offs, np.cumsum(counts)[:-1]) if n else []
         for r in range(n):
             assert list(per_row[r]) == sorted({0} | {int(p - r * L) for p in starts if r * L <= p < (r + 1) * L})
-        assert list(rest_starts) == [p - n * L for p in starts if p >= n * L]
 
 
 def write_items(path, items):
@@ -407,3 +410,154 @@ def test_position_split_holds_out_the_end_of_each_file(tmp_path):
         plan_splits(pq.ParquetFile(plain), 0, 0.1, val_by="position")
     with pytest.raises(PackError, match="no document is a chunk"):
         plan_splits(pq.ParquetFile(write_chunked(tmp_path / "n.parquet", rows[11:])), 0, 0.1, val_by="position")
+
+
+# --- the array operations, each against the rule it encodes, one document at a time ----------------
+
+
+def test_split_hashes_are_split_hash():
+    ids = ["doc0001", "", "é", "a\x00b", "x" * 300, *[f"d{i}" for i in range(50)]]
+    for seed in (0, 7, 123456789):
+        assert split_hashes(seed, ids).tolist() == [split_hash(seed, i) for i in ids]
+
+
+def plan_rows(path):
+    t = pq.read_table(path)
+    cols = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
+            for c in ("id", "source", "chunk")}
+    return list(zip(cols["id"], cols["source"], cols["chunk"]))
+
+
+@pytest.mark.parametrize("val_by", ["hash", "position"])
+def test_plan_bits_are_split_of(chunked, tmp_path, val_by):
+    path, _, _ = chunked
+    for seed, f in ((0, 0.25), (3, 0.5), (1, 0.05)):
+        plan = plan_splits(pq.ParquetFile(path), seed, f, val_by=val_by)
+        want = [plan.split_of(*r) == "val" for r in plan_rows(path)]
+        assert 0 < sum(want) < len(want)
+        assert plan.val_mask(0, plan.docs).tolist() == want
+        for a, b in ((0, 1), (3, 11), (5, 8), (9, 9), (13, 90), (plan.docs - 3, plan.docs)):
+            assert plan.val_mask(a, b).tolist() == want[a:b], (a, b)
+        with pytest.raises(IndexError):
+            plan.val_mask(0, plan.docs + 1)
+    # a forced id moves every row that carries it, as split_of decides by id
+    long_text = "some words that repeat " * 30
+    dup = write_items(tmp_path / "dup.parquet", [("a", long_text), ("b", long_text), ("a", long_text)])
+    for seed, f, forced in ((0, 0.01, "val"), (4, 0.5, "train")):
+        plan = plan_splits(pq.ParquetFile(dup), seed, f)
+        assert list(plan.forced.values()) == [forced]
+        assert plan.val_mask(0, 3).tolist() == [plan.split_of(i) == "val" for i in ("a", "b", "a")]
+
+
+def test_fast_encoding_gives_the_ids_of_encode_batch(docs):
+    _, tok_path, items = docs
+    tok = load_tokenizer(tok_path)
+    texts = [t for _, t in items] + ["", " ", "\n\n\t", f"x{EOT}y", "naïve café ünïcödé 🙂", "a" * 5000]
+    flat, lens = encode_texts(tok, texts)
+    want = [e.ids for e in tok.encode_batch(texts)]
+    assert lens.tolist() == [len(w) for w in want] and flat.dtype == np.int32
+    assert flat.tolist() == [t for w in want for t in w]
+
+
+def reference_parts(flat, lens, val, keys):
+    """What split_parts computes, the slow obvious way: one document at a time."""
+    ids = np.split(flat, np.cumsum(lens)[:-1]) if len(lens) else []
+    out = {}
+    for split in ("train", "val"):
+        docs = [i for i in range(len(lens)) if bool(val[i]) == (split == "val")]
+        kept = [i for i in docs if lens[i] > 0]
+        ks = [keys[i] if keys else None for i in kept]
+        out[split] = {"flat": [t for i in kept for t in ids[i].tolist()], "lens": [int(lens[i]) for i in kept],
+                      "joins": [False] + [follows(a, b) for a, b in zip(ks, ks[1:])] if kept else [],
+                      "docs": len(docs), "empty": len(docs) - len(kept),
+                      "head": ks[0] if ks else None, "tail": ks[-1] if ks else None}
+    return out
+
+
+def test_split_parts_against_a_reference():
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 25))
+        lens = rng.integers(0, 4, size=n) * rng.integers(0, 2, size=n)  # many empty documents
+        flat = rng.integers(2, 1000, size=int(lens.sum())).astype(np.int32)
+        val = rng.random(n) < [0.0, 0.3, 1.0][trial % 3]
+        keys = None
+        if trial % 4:
+            chunk = rng.integers(0, 4, size=n)
+            chunk = np.maximum.accumulate(chunk) if trial % 2 else chunk  # runs of consecutive chunks
+            source = [rng.choice([None, "a.txt", "b.txt"]) for _ in range(n)]
+            has = rng.random(n) < 0.8
+            keys = [(source[i], int(chunk[i])) if has[i] else None for i in range(n)]
+            arrays = Keys.of(pa.array(source, pa.string()),
+                             pa.array([int(c) if h else None for c, h in zip(chunk, has)], pa.int64()))
+        else:
+            arrays = None
+        parts = split_parts(flat, lens, val, arrays)
+        want = reference_parts(flat, lens, val, keys)
+        for split, part in parts.items():
+            got = {"flat": part.flat.tolist(), "lens": part.lens.tolist(), "joins": part.joins.tolist(),
+                   "docs": part.docs, "empty": part.empty, "head": part.head, "tail": part.tail}
+            assert got == want[split], (trial, split)
+
+
+def test_tasks_cut_the_table_in_order_across_parquet_batches(tmp_path):
+    import pyarrow as pa
+
+    texts = [("x" * int(n)) if n else None for n in np.random.default_rng(1).integers(0, 60, size=500)]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(500)], "text": pa.array(texts, pa.string())}), path,
+                   row_group_size=37)
+    for batch_docs, task_bytes in ((7, 1000), (100, 1000), (1, 1000), (500, 30_000)):
+        tasks = list(_tasks(pq.ParquetFile(path), batch_docs, task_bytes))
+        assert [t.start for t in tasks] == list(np.cumsum([0] + [t.rows for t in tasks[:-1]]))
+        assert sum(t.rows for t in tasks) == 500 and all(t.keys is None for t in tasks)
+        assert all(t.text_bytes >= task_bytes for t in tasks[:-1]), batch_docs
+        # never more than the document that crosses task_bytes
+        assert all(t.text_bytes < task_bytes + 60 for t in tasks)
+        got = []
+        for t in tasks:
+            batch = pa.ipc.read_record_batch(pa.py_buffer(t.message), pa.schema([("text", pa.string())]))
+            assert batch.num_rows == t.rows and t.text_bytes == sum(len(x or "") for x in batch.column(0).to_pylist())
+            got += batch.column(0).to_pylist()
+        assert got == texts
+
+
+def test_adversarial_corpus_packs_as_the_reference_for_any_worker_count(docs, tmp_path):
+    """Null and empty texts, a duplicate id, chunks of a file with no source,
+    a chunk sequence broken by plain documents and by empty chunks, tasks of one
+    document or of many: the vectorized path gives the reference's streams, and the
+    same bytes with 1 or 3 workers."""
+    _, tok, items = docs
+    texts = [t for _, t in items if t]
+    rows = [(f"a{k}", texts[k], "a.txt", k) for k in range(12)]
+    rows[4] = ("a4", None, "a.txt", 4)
+    rows[7] = ("a7", "", "a.txt", 7)
+    rows += [(f"n{k}", texts[20 + k], None, k) for k in range(6)]  # no source: key (None, k)
+    rows += [("a12", texts[30], "a.txt", 12), ("p0", texts[31], "p.txt", None), ("a13", texts[32], "a.txt", 13)]
+    rows += [(f"q{i}", None if i % 5 == 0 else texts[40 + i], "q.txt", None) for i in range(40)]
+    rows += [("q3", texts[99], "q.txt", None)]  # a duplicate id: same split as the first q3
+    path = write_chunked(tmp_path / "adv.parquet", rows)
+    for val_by in ("hash", "position"):
+        cfg = CFG.model_copy(update={"val_by": val_by, "val_fraction": 0.3, "num_workers": 3, "task_bytes": 1000,
+                                     "batch_docs": 4})
+        run_pack(cfg, path, tok, tmp_path / val_by / "3")
+        run_pack(cfg.model_copy(update={"num_workers": 1, "task_bytes": 1_000_000, "batch_docs": 1000}), path, tok,
+                 tmp_path / val_by / "1")
+        a, b = tmp_path / val_by / "3", tmp_path / val_by / "1"
+        files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+        assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+        streams, starts = expected_streams([r[:2] for r in rows], path, tok, cfg, keys_of(rows))
+        m = read_json(a / MANIFEST)
+        for name in ("train", "val"):
+            split = PackedRows(a / name)
+            flat = all_rows(split).reshape(-1)
+            np.testing.assert_array_equal(flat, streams[name][:len(flat)])
+            seg = split.segment_ids(np.arange(len(split))).reshape(-1)
+            row_begins = set(range(0, len(flat), cfg.seq_len + 1))
+            begins = set(np.flatnonzero(np.diff(seg, prepend=-1) != 0).tolist())  # a row's first is not seen
+            assert begins - row_begins == {p for p in starts[name] if p < len(flat)} - row_begins
+        assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == sum(not r[1] for r in rows)
+        assert m["splits"]["train"]["joined"] + m["splits"]["val"]["joined"] > 5
