@@ -34,6 +34,9 @@ What it reports, per shape, every figure from this one run:
   margin comes from that call;
 * **stage start-up**: a process that imports the stage, loads the tokenizer and
   starts the workers, then exits: the fixed cost a small corpus pays;
+* **CPU seconds** of the whole stage (every process of it) against those of the
+  raw ``encode_batch`` calls alone: a ratio that a busy machine disturbs much less
+  than wall-clock ratios;
 * **peak memory** of the whole process tree of the stage (sampled every 50 ms) at
   both sizes: it must stay flat and under 1 GB.
 
@@ -51,6 +54,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -162,16 +166,17 @@ def _encode_share(tokenizer: str, corpus: str, k: int, n: int, fast: bool, barri
     tok = load_tokenizer(tokenizer)
     encode = tok.encode_batch_fast if fast else tok.encode_batch
     barrier.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = 0
     for batch in batches:
         tokens += sum(len(e) for e in encode(batch))
-    results.put((k, time.perf_counter() - t0, sum(sizes), tokens))
+    results.put((k, time.perf_counter() - t0, sum(sizes), tokens, time.process_time() - c0))
 
 
 def raw_encode(corpus: str, tokenizer: str, procs: int, fast: bool) -> dict:
     """Raw encode over the corpus in ``procs`` processes started together;
-    MB/s = all bytes / (common start to last done)."""
+    MB/s = all bytes / (common start to last done); ``encode_cpu_s``: the CPU
+    seconds of the encode calls alone, summed over the processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -187,7 +192,8 @@ def raw_encode(corpus: str, tokenizer: str, procs: int, fast: bool) -> dict:
     for p in ps:
         p.join()
     nbytes = sum(g[2] for g in got)
-    return {"seconds": seconds, "bytes": nbytes, "tokens": sum(g[3] for g in got), "mb_per_s": nbytes / seconds / 1e6}
+    return {"seconds": seconds, "bytes": nbytes, "tokens": sum(g[3] for g in got), "mb_per_s": nbytes / seconds / 1e6,
+            "encode_cpu_s": sum(g[4] for g in got)}
 
 
 def startup(tokenizer: str, workers: int) -> dict:
@@ -263,6 +269,7 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, 
                     str(out)], ROOT
     peak = {"main": 0, "tree": 0}
     stop = threading.Event()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -282,6 +289,8 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, 
     t.start()
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime  # the whole tree: it waits for its own
     stop.set()
     t.join()
     if proc.returncode != 0:
@@ -291,7 +300,7 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, 
     else:
         result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     shutil.rmtree(out)
-    return {**result, "wall_s": wall, "peak_main_mb": peak["main"] / 2**20, "peak_tree_mb": peak["tree"] / 2**20}
+    return {**result, "wall_s": wall, "cpu_s": cpu, "peak_main_mb": peak["main"] / 2**20, "peak_tree_mb": peak["tree"] / 2**20}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -325,6 +334,7 @@ def main() -> None:
     from pipeline.config import parse_section
     from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 
+    os.environ["PIPELINE_PROGRESS"] = "0"  # building the corpora: no progress bars in the report
     sizes = [args.mb] if args.quick else [args.mb, args.memory_mb]
     rounds = 1 if args.quick else args.rounds
     w = args.workers
@@ -342,6 +352,7 @@ def main() -> None:
 
         speed: dict[str, dict[str, list[float]]] = {s: {name: [] for name, _, _ in RUNS} for s in SHAPES}
         own: dict[str, list[float]] = {s: [] for s in SHAPES}
+        cpu: dict[str, dict[str, list[float]]] = {s: {"stage": [], "raw-cores": []} for s in SHAPES}
         for r in range(rounds):
             for shape in SHAPES:
                 c = corpora[shape, args.mb]
@@ -350,6 +361,10 @@ def main() -> None:
                     if name == "stage":
                         speed[shape][name].append(c["bytes"] / m["wall_s"] / 1e6)
                         own[shape].append(c["bytes"] / m["pack_seconds"] / 1e6)
+                        cpu[shape][name].append(m["cpu_s"])
+                    elif name == "raw-cores":
+                        speed[shape][name].append(m["mb_per_s"])
+                        cpu[shape][name].append(m["encode_cpu_s"])
                     elif name == "startup":
                         speed[shape][name].append(m["wall_s"])
                     else:
@@ -388,6 +403,9 @@ def main() -> None:
                          "stage_own_timer": {"median": med_own, "runs": own[shape]}},
             "startup_s": {"median": med["startup"], "runs": speed[shape]["startup"]},
             "startup_share_of_stage": med["startup"] / (c["bytes"] / 1e6 / med["stage"]),
+            "cpu_s": {k: {"median": statistics.median(v), "runs": v} for k, v in cpu[shape].items()},
+            # robust to a busy machine: CPU seconds of the raw encode calls over those of the whole stage
+            "raw_cpu_over_stage_cpu": statistics.median(cpu[shape]["raw-cores"]) / statistics.median(cpu[shape]["stage"]),
             "stage_over_raw_cores": med["stage"] / med["raw-cores"],
             "own_over_raw_cores": med_own / med["raw-cores"],
             "stage_over_raw_1": med["stage"] / med["raw-1"],
@@ -423,6 +441,9 @@ def main() -> None:
         ("MB/s: raw 1 process, per core, fast per core",
          lambda x: f"{x['mb_per_s']['raw-1']['median']:.2f}, {x['mb_per_s']['raw-cores']['median']:.2f}, "
                    f"{x['mb_per_s']['raw-fast-cores']['median']:.2f}"),
+        ("CPU s: whole stage, raw encode_batch calls", lambda x: f"{x['cpu_s']['stage']['median']:.1f}, "
+                                                                 f"{x['cpu_s']['raw-cores']['median']:.1f}"),
+        ("raw encode CPU / whole-stage CPU", lambda x: f"{x['raw_cpu_over_stage_cpu']:.2f}"),
         ("stage start-up (s, share of the stage)", lambda x: f"{x['startup_s']['median']:.2f}, "
                                                              f"{100 * x['startup_share_of_stage']:.0f}%"),
     ]

@@ -84,7 +84,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
@@ -386,13 +386,6 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lens
 
 
-def encode_docs(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`encode_texts`, as (flat ids, token counts of the docs that gave
-    tokens, a mask over ``texts`` of those docs)."""
-    flat, lens = encode_texts(tok, texts)
-    return flat, lens[lens > 0], lens > 0
-
-
 _WORKER: dict[str, Any] = {}
 
 
@@ -567,7 +560,8 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[st
 
 
 def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, workers: int, batch_docs: int, task_bytes: int,
-             plan_first: Any, extra: tuple[str, ...] = ()) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
+             plan_first: Callable[[], None], extra: tuple[str, ...] = ()
+             ) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
     """(task, flat, lens) in table order. The first tasks go out before
     ``plan_first()`` runs, so that the split plan is computed while the workers
     start. A bounded window of futures, not Pool.imap, so that a slow consumer or a
@@ -576,7 +570,7 @@ def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, workers: int, batch_docs:
     # forked child would inherit in an unknown state.
     ctx = mp.get_context("spawn")
     max_in_flight = 2 * workers + 2
-    schema = pa.schema([pf.schema_arrow.field("text").with_name("text")])
+    schema = pa.schema([pf.schema_arrow.field("text")])
     window: deque[tuple[Task, Future]] = deque()
     tasks = _tasks(pf, batch_docs, task_bytes, extra)
     ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
@@ -915,9 +909,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                 docs += task.rows
                 text_bytes += task.text_bytes
                 bar.update(task.rows)
-        if "plan" not in state:  # no task at all: an empty table
-            plan_first()
-        plan: SplitPlan = state["plan"]
+        plan: SplitPlan = state["plan"]  # _encoded plans even when the table has no rows
         sources: Sources = state["sources"]
         mixture = state["mixture"].realise(state["writers"]["train"]) if "mixture" in state else None
         splits = {s: w.finish() for s, w in state["writers"].items()}
