@@ -59,9 +59,22 @@ split), ``tokens`` (both splits) and ``val_by``, and each split lists ``docs``,
 ``dropped_tail_tokens``. Read it with
 :class:`pipeline.data.shards.PackedRows`.
 
-Speed: tokenization runs in ``num_workers`` processes, each with its own
-single-threaded tokenizer (the library's own threads scale poorly on some
-machines; processes scale everywhere), fed runs of at least ``task_bytes`` of text
+*Sources.* Where the documents carry ingest's ``source_name`` and ``split``
+columns: a document marked ``split`` ``val`` or ``train`` goes there whatever
+its hash (the tiny-corpus rules move only unmarked documents); with more than
+one source, each source's val documents are also packed alone into
+``val-source-NN/`` (listed under ``splits``, named in ``val_sources``), and the
+manifest adds ``marked`` and per source ``sources.<name>`` (documents and
+document tokens per split, EOTs not counted, and the share of the train
+tokens). With ``mixture`` the train split is the mixture's (see
+:class:`Mixture`): its ``docs`` counts copies, and ``sources`` adds the
+available, target and realised tokens, the copies and the documents dropped.
+One unmarked source without a mixture writes the manifest as before.
+
+Speed: tokenization runs on ``executor`` (:mod:`pipeline.data.executor`: a
+local process pool or Ray tasks, the same output either way), each worker with
+its own single-threaded tokenizer (the library's own threads scale poorly on
+some machines; processes scale everywhere), fed runs of at least ``task_bytes`` of text
 in order, however short the documents. A worker only encodes
 (:func:`encode_texts`: texts in, token ids and counts out, as numpy arrays); the
 main process reads Parquet (``batch_docs`` rows at a time) and does everything
@@ -75,17 +88,12 @@ documents).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
-import multiprocessing as mp
 import os
-import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -97,7 +105,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from pipeline.config import StageConfig
+from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
@@ -107,23 +115,20 @@ from pipeline.data.tokenizer import (
     open_tokenizer,
 )
 from pipeline.errors import StageError
-from pipeline.files import available_cores
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.pack")
 
 FORMAT = "pipeline.pack/1"
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # pack holds one shard per split in memory: 256 MiB of int32 each at most.
 MAX_SHARD_TOKENS = 1 << 26
 
 
-class PackConfig(StageConfig):
+class PackConfig(ParallelStageConfig):
     seq_len: int = Field(256, ge=8, le=1_048_576, description="tokens a model sees per row; rows hold seq_len + 1")
     val_fraction: float = Field(0.05, gt=0.0, le=0.5,
                                 description="share of documents (val_by: position: of each chunked text) in val")
     seed: int = Field(0, ge=0, description="chooses the train/val split")
-    num_workers: int = Field(0, ge=0, le=512, description="tokenizer processes; 0 = one per available core")
     shard_tokens: int = Field(1 << 23, ge=1, le=MAX_SHARD_TOKENS,
                               description="tokens per Arrow shard file, rounded down to whole rows (at least one)")
     batch_docs: int = Field(1024, ge=1, le=1_000_000, description="documents read from Parquet at a time")
@@ -389,21 +394,7 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 _WORKER: dict[str, Any] = {}
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel end this worker when pack dies, even by SIGKILL
-    (an interrupted ``dvc repro``); elsewhere workers exit at their next task."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _init_worker(tokenizer_path: str, schema: pa.Schema, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+def _init_worker(tokenizer_path: str, schema: pa.Schema) -> None:
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -496,10 +487,6 @@ def split_parts(flat: np.ndarray, lens: np.ndarray, val: np.ndarray, keys: Keys 
     return parts
 
 
-def resolve_workers(num_workers: int) -> int:
-    return num_workers or available_cores()
-
-
 def task_columns(pf: pq.ParquetFile) -> list[str]:
     """What a task holds: ``text``, and ``source`` and ``chunk`` where present."""
     return ["text", *(["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else [])]
@@ -559,41 +546,34 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[st
         yield task()
 
 
-def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, workers: int, batch_docs: int, task_bytes: int,
-             plan_first: Callable[[], None], extra: tuple[str, ...] = ()
-             ) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
-    """(task, flat, lens) in table order. The first tasks go out before
-    ``plan_first()`` runs, so that the split plan is computed while the workers
-    start. A bounded window of futures, not Pool.imap, so that a slow consumer or a
-    slow worker cannot make the queue hold the corpus."""
-    # spawn, not fork: the parent holds Arrow and tokenizers thread pools that a
-    # forked child would inherit in an unknown state.
-    ctx = mp.get_context("spawn")
-    max_in_flight = 2 * workers + 2
+def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
+             task_bytes: int, plan_first: Callable[[], None], extra: tuple[str, ...] = (),
+             on_open: Callable[[Executor], None] | None = None) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
+    """(task, flat, lens) in table order, encoded on the executor (a local process
+    pool or Ray: :mod:`pipeline.data.executor`). The first ``window`` tasks go out
+    before ``plan_first()`` runs, so that the split plan is computed while the
+    workers start (``plan_first`` must tolerate being called again: with one
+    in-process worker, the first result comes before that). A bounded window, so
+    that a slow consumer or a slow worker cannot make the queue hold the corpus."""
     schema = pa.schema([pf.schema_arrow.field("text")])
-    window: deque[tuple[Task, Future]] = deque()
     tasks = _tasks(pf, batch_docs, task_bytes, extra)
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(str(tokenizer_path), schema, os.getpid()))
-    try:
-        def fill() -> None:
-            while len(window) < max_in_flight:
-                task = next(tasks, None)
-                if task is None:
-                    return
-                window.append((task, ex.submit(_encode_task, task.message)))
+    sent: deque[Task] = deque()
+    with open_executor(executor, _init_worker, (str(tokenizer_path), schema), desc="pack") as ex:
+        if on_open is not None:
+            on_open(ex)
+        window = 2 * ex.workers + 2
 
-        fill()
-        plan_first()
-        while window:
-            task, fut = window.popleft()
-            flat, lens = fut.result()
-            fill()
-            yield task, flat, lens
-    except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)
-        raise
-    ex.shutdown(wait=True)
+        def feed() -> Iterator[tuple[bytes]]:
+            for i, task in enumerate(tasks):
+                if i == window - 1:
+                    plan_first()
+                sent.append(task)
+                yield (task.message,)
+            plan_first()
+
+        for flat, lens in ex.map(_encode_task, feed(), window=window):
+            yield sent.popleft(), flat, lens
+        plan_first()  # an empty table: no task at all
 
 
 # --- packing and writing ----------------------------------------------------------------------
@@ -871,7 +851,6 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     docs_path, tokenizer_path, out_dir = Path(docs_path), Path(tokenizer_path), Path(out_dir)
     tok, specials = open_tokenizer(tokenizer_path, PackError)
     pf = open_docs(docs_path, PackError)
-    workers = resolve_workers(cfg.num_workers)
     row_len = cfg.seq_len + 1
     shard_rows = max(1, cfg.shard_tokens // row_len)
     state: dict[str, Any] = {}
@@ -882,6 +861,8 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     extra = (("source_name",) if named else ()) + (("id",) if cfg.mixture else ())
 
     def plan_first() -> None:
+        if "plan" in state:
+            return
         # Its own reader: the task reader is paused mid-file.
         plan = state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
                                            where=str(docs_path), val_by=cfg.val_by)
@@ -894,8 +875,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     docs = text_bytes = 0
     try:
         with progress(total=pf.metadata.num_rows, unit="doc", desc="pack") as bar:
-            for task, flat, lens in _encoded(pf, tokenizer_path, workers, cfg.batch_docs, cfg.task_bytes,
-                                              plan_first, extra):
+            for task, flat, lens in _encoded(pf, tokenizer_path, cfg.executor, cfg.batch_docs, cfg.task_bytes,
+                                              plan_first, extra, on_open=lambda ex: state.update(workers=ex.workers)):
+                plan_first()  # one in-process worker gives its first result before the feed plans
                 val = state["plan"].val_mask(task.start, task.start + task.rows)
                 parts = split_parts(flat, lens, val, task.keys)
                 state["writers"]["val"].add(parts["val"])
@@ -948,7 +930,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
            if per_source else {}),
         "tokens_per_s": round(total_tokens / seconds),
         "mb_per_s": round(text_bytes / seconds / 1e6, 3),
-        "workers": workers,
+        "workers": state["workers"],
         "pack_seconds": round(seconds, 3),
     }
 

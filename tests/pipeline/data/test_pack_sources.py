@@ -67,7 +67,8 @@ def test_marks_that_leave_a_split_empty_are_errors(corpus, tmp_path):
     with pytest.raises(PackError, match="every document is marked split: train, so val would be empty"):
         plan_splits(pq.ParquetFile(only_train), 0, 0.1)
     # one unmarked document beside marked val ones is trained on, however it hashes
-    mixed = write_sourced(tmp_path / "m.parquet", [(r[0], r[1], r[2], "val") for r in rows[:5]] + [rows[6][:3] + (None,)])
+    rows = [(r[0], r[1], r[2], "val") for r in rows[:5]] + [rows[6][:3] + (None,)]
+    mixed = write_sourced(tmp_path / "m.parquet", rows)
     assert plan_splits(pq.ParquetFile(mixed), 0, 0.5).val_mask(0, 6).tolist() == [True] * 5 + [False]
 
 
