@@ -180,7 +180,10 @@ def read_manifest(out_dir: str | Path, fmt: str | None = None) -> dict[str, Any]
 
 def val_sources(out_dir: str | Path) -> dict[str, Path]:
     """Source name -> that source's own val split, for a packed folder made from
-    several sources (pack's ``val_sources``); empty otherwise."""
+    several sources (pack's ``val_sources``); empty otherwise, and for a folder
+    without a manifest (whose readers fail on their own, naming what is missing)."""
+    if not (Path(out_dir) / MANIFEST).is_file():
+        return {}
     manifest = read_manifest(out_dir)
     return {name: Path(out_dir) / rel for name, rel in manifest.get("val_sources", {}).items()}
 
