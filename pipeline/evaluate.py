@@ -121,12 +121,15 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
 
 
 def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[str, Path], tokenizer_path: Path,
-                    report_path: Path | None = None) -> tuple[dict[str, Any], dict[str, Transformer]]:
+                    report_path: Path | None = None, sources: dict[str, Path] | None = None,
+                    ) -> tuple[dict[str, Any], dict[str, Transformer]]:
     """Score every model on every split. Returns ``({model: {metric: value,
     <split>: {metric: value}}}, loaded models)`` with the metrics val_loss,
     perplexity and bits_per_byte; the top-level metrics of each model are those
-    on the first split (the packed pretraining val split). The report, written
-    to ``report_path`` when given, holds per model the checkpoint scored
+    on the first split (the packed pretraining val split). ``sources`` (source
+    name -> its own packed val split, see pack's ``val_sources``) adds
+    ``sources: {name: {metric: value}}`` to each model. The report, written to
+    ``report_path`` when given, holds per model the checkpoint scored
     (``checkpoint``, ``checkpoint_step``) and per split the ``tokens`` and
     ``bytes`` scored."""
     from pipeline.data.tokenizer import load_tokenizer
@@ -136,6 +139,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     precision = resolve_precision(cfg.precision, device)
     nbytes = token_bytes(load_tokenizer(tokenizer_path))
     data = {name: PackedRows(path) for name, path in splits.items()}
+    by_source = {name: PackedRows(path) for name, path in (sources or {}).items()}
     out: dict[str, Any] = {}
     report: dict[str, Any] = {}
     loaded: dict[str, Transformer] = {}
@@ -145,10 +149,17 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
         per_split = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
                                  doc_mask=cfg.doc_mask, device=device, precision=precision)
                      for name, rows in data.items()}
+        per_source = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
+                                  doc_mask=cfg.doc_mask, device=device, precision=precision)
+                      for name, rows in by_source.items()}
         scores = {name: {k: v[k] for k in SCORES} for name, v in per_split.items()}
         out[model_name] = {**next(iter(scores.values())), **scores}
         report[model_name] = {"checkpoint": str(last.path), "checkpoint_step": last.step,
                               **{name: {k: v[k] for k in ("tokens", "bytes")} for name, v in per_split.items()}}
+        if per_source:
+            out[model_name]["sources"] = {name: {k: v[k] for k in SCORES} for name, v in per_source.items()}
+            report[model_name]["sources"] = {name: {k: v[k] for k in ("tokens", "bytes")}
+                                             for name, v in per_source.items()}
     if report_path is not None:
         write_json(report_path, report)
     return out, loaded

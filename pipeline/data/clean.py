@@ -1,8 +1,8 @@
 """clean: normalise, filter and deduplicate the ingested documents.
 
 Input: a Parquet file of documents ``(id, text, source, location, chunk,
-offset)`` (the ingest output; ``chunk`` and ``offset`` may be absent, which
-reads as null; other columns are not carried over). Output: the same schema
+offset, source_name, split)`` (the ingest output; the last four may be absent,
+which reads as null; other columns are not carried over). Output: the same schema
 with normalised text, written in row groups; a quarantine JSONL of dropped
 documents (a bounded sample per reason, via
 :class:`pipeline.data.accounting.Ledger`, with their source and location:
@@ -68,13 +68,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
-from pipeline.config import StageConfig
 from pipeline.data import dedup
 from pipeline.data.accounting import Ledger
-from pipeline.data.executor import Executor, ExecutorConfig, open_executor
+from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
 from pipeline.errors import StageError
 from pipeline.files import atomic_path, write_json
@@ -82,9 +81,9 @@ from pipeline.progress import progress
 
 SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
-    ("chunk", pa.int64()), ("offset", pa.int64()),
+    ("chunk", pa.int64()), ("offset", pa.int64()), ("source_name", pa.string()), ("split", pa.string()),
 ])
-REQUIRED = SCHEMA.names[:4]  # chunk and offset are optional in the input (null: not a chunk)
+REQUIRED = SCHEMA.names[:4]  # the rest are optional in the input (null: not a chunk, unnamed, unmarked)
 
 log = logging.getLogger("pipeline.data.clean")
 
@@ -146,7 +145,7 @@ class DedupConfig(_Section):
         1_000_000, ge=1, description="sharded: documents per exact/band partition task (bounds a task's memory)")
 
 
-class CleanConfig(StageConfig):
+class CleanConfig(ParallelStageConfig):
     """The ``clean:`` section of params.yaml. Sub-sections are typed models that
     reject unknown keys; ``filters`` has one entry per :data:`pipeline.data.filters.FILTERS`."""
 
@@ -155,22 +154,9 @@ class CleanConfig(StageConfig):
     exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
     near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
-    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
-    num_workers: int | None = Field(
-        None, ge=0, le=4096, description="older name of executor.num_workers, still read; null = use that")
     batch_docs: int = Field(64, ge=1, description="documents per task sent to a worker")
     row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
     quarantine_per_reason: int = Field(100, ge=0, description="dropped documents kept verbatim per reason")
-
-    @model_validator(mode="after")
-    def _legacy_num_workers(self) -> "CleanConfig":
-        if self.num_workers is None:
-            return self
-        if self.executor.num_workers not in (0, self.num_workers):
-            raise ValueError(f"num_workers={self.num_workers} and executor.num_workers={self.executor.num_workers} "
-                             "disagree; give executor.num_workers only")
-        object.__setattr__(self, "executor", self.executor.model_copy(update={"num_workers": self.num_workers}))
-        return self
 
 
 # --- normalisation -----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.config import StageConfig
 from pipeline.errors import StageError
 from pipeline.files import available_cores
 
@@ -76,6 +77,26 @@ class ExecutorConfig(BaseModel):
             raise ValueError("address is for kind: ray (a local pool has no cluster to join)")
         if self.address is not None and not self.address.strip():
             raise ValueError("address must be null, 'auto' or a Ray address such as ray://host:10001")
+        return self
+
+
+class ParallelStageConfig(StageConfig):
+    """Base of a data stage whose work runs on an executor: its ``executor``
+    section, and ``num_workers``, the older name of ``executor.num_workers``,
+    still read (null: use that)."""
+
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    num_workers: int | None = Field(
+        None, ge=0, le=4096, description="older name of executor.num_workers, still read; null = use that")
+
+    @model_validator(mode="after")
+    def _legacy_num_workers(self) -> "ParallelStageConfig":
+        if self.num_workers is None:
+            return self
+        if self.executor.num_workers not in (0, self.num_workers):
+            raise ValueError(f"num_workers={self.num_workers} and executor.num_workers={self.executor.num_workers} "
+                             "disagree; give executor.num_workers only")
+        object.__setattr__(self, "executor", self.executor.model_copy(update={"num_workers": self.num_workers}))
         return self
 
 

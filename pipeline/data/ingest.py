@@ -2,9 +2,16 @@
 
 Input: ``ingest.sources``, a list of ``{path, format, text_field, split_by}``.
 Output: a Parquet file of documents ``(id, text, source, location, chunk,
-offset)`` and a quarantine JSONL of skipped records. ``id`` is stable: a hash of
-the source (with placeholders such as ``{stdlib}`` kept unexpanded, so ids agree
-across machines) and the location inside it.
+offset, source_name, split)`` and a quarantine JSONL of skipped records. ``id``
+is stable: a hash of the source (with placeholders such as ``{stdlib}`` kept
+unexpanded, so ids agree across machines) and the location inside it.
+
+``source`` is the file (or dataset) a document came from; ``source_name`` is the
+name of the ``ingest.sources`` entry that read it (its ``name``, by default its
+``path``), under which later stages report per source. ``split`` is the entry's
+mark: null for the default (pack splits by hash), or ``train`` / ``val`` for a
+source whose documents all go to that split (``split: val`` is a validation set
+of the user's choosing, such as a benchmark's own validation split).
 
 ``split_by: chunk`` cuts a long text file into contiguous chunks (see
 :func:`read_chunks`): each chunk is a document whose ``chunk`` column holds its
@@ -57,7 +64,7 @@ SUFFIX_FORMATS: dict[str, str] = {
 
 SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
-    ("chunk", pa.int64()), ("offset", pa.int64()),
+    ("chunk", pa.int64()), ("offset", pa.int64()), ("source_name", pa.string()), ("split", pa.string()),
 ])
 
 DEFAULT_CHUNK_BYTES = 65_536
@@ -65,8 +72,24 @@ DEFAULT_CHUNK_BYTES = 65_536
 BINARY_SNIFF_BYTES = 8192
 
 
+class HFDataset(BaseModel):
+    """Which part of a Hugging Face dataset to read: ``load_dataset(path, name, split=split)``,
+    or one split of a ``save_to_disk`` folder."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(None, min_length=1, description="the dataset's config, e.g. wikitext-103-raw-v1 "
+                             "(load_dataset's name; a save_to_disk folder has none)")
+    split: str = Field("train", min_length=1, description="the dataset split to read, e.g. validation")
+
+
+SPLIT_MARKS = ("auto", "train", "val")
+
+
 class Source(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(None, min_length=1, description="what metrics and reports call this source "
+                             "(default: its path, with the hf config and split when given)")
 
     path: str = Field(min_length=1, description="a file, a directory or a glob; may start with {stdlib}")
     format: Format = "auto"
@@ -74,7 +97,10 @@ class Source(BaseModel):
     split_by: SplitBy = Field(
         "file", description="one document per file/record, per blank-line paragraph, per line, "
                             "or per chunk of a text file (packed back to back)")
-    split: str = Field("train", description="dataset split, for format hf")
+    split: Literal["auto", "train", "val"] = Field(
+        "auto", description="where the source's documents go: auto (pack's hash split), train (all to train) "
+                            "or val (all to val: a validation set of your choosing)")
+    hf: HFDataset = Field(default_factory=HFDataset, description="format hf only: {name, split} of the dataset")
     exclude: list[str] = Field(
         default_factory=list,
         description="fnmatch patterns on the displayed path ('*' crosses '/'), e.g. '*/site-packages/*'",
@@ -84,6 +110,31 @@ class Source(BaseModel):
 
     # Source is not a StageConfig: defaults are not validated, so these run only on
     # values written in params.yaml.
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split_is_a_mark(cls, split: object) -> object:
+        if isinstance(split, str) and split not in SPLIT_MARKS:
+            raise ValueError(f"{split!r} is not one of {' | '.join(SPLIT_MARKS)}: split marks where the source's "
+                             f"documents go; the split of a Hugging Face dataset to read is hf.split "
+                             f"(hf: {{split: {split}}})")
+        return split
+
+    @field_validator("hf")
+    @classmethod
+    def _hf_reads_datasets(cls, hf: HFDataset, info: ValidationInfo) -> HFDataset:
+        if info.data.get("format") not in (None, "auto", "hf"):
+            raise ValueError(f"applies only to format hf (or auto on a dataset folder), not {info.data['format']!r}")
+        return hf
+
+    @property
+    def label(self) -> str:
+        """The source's name in metrics and reports."""
+        if self.name:
+            return self.name
+        if "hf" not in self.model_fields_set:
+            return self.path
+        return self.path + (f":{self.hf.name}" if self.hf.name else "") + f"[{self.hf.split}]"
+
     @field_validator("split_by")
     @classmethod
     def _chunk_reads_text(cls, split_by: str, info: ValidationInfo) -> str:
@@ -105,7 +156,7 @@ class IngestConfig(StageConfig):
     sources: list[Source] = Field(
         default_factory=lambda: [Source(path="{stdlib}/**/*.py", exclude=["*/site-packages/*", "*/dist-packages/*"])],
         min_length=1,
-        description="list of {path, format, text_field, split_by, split, exclude, chunk_bytes}; "
+        description="list of {path, name, format, text_field, split_by, split, hf, exclude, chunk_bytes}; "
                     "see 'ingest sources' above",
     )
     max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents; null = no cap")
@@ -123,6 +174,16 @@ class IngestConfig(StageConfig):
                                  f"{self.max_doc_bytes}; lower it or raise max_doc_bytes")
         return self
 
+    @model_validator(mode="after")
+    def _names_differ(self) -> "IngestConfig":
+        seen: dict[str, int] = {}
+        for i, src in enumerate(self.sources):
+            if src.label in seen:
+                raise ValueError(f"sources.{seen[src.label]} and sources.{i} are both called {src.label!r}; "
+                                 "give them distinct names (name: ...)")
+            seen[src.label] = i
+        return self
+
 
 class IngestError(StageError):
     """A source cannot be ingested at all (missing path, unreadable dataset)."""
@@ -137,6 +198,22 @@ class InputFile:
     display: str  # how it is named in ids and quarantine (placeholders kept)
     format: str
     source: Source
+
+    @property
+    def key(self) -> tuple:
+        """What is read: the same key from two sources is read once. A dataset's
+        splits and configs are different inputs."""
+        real = self.path.resolve() if self.path.exists() else self.path
+        return (real, self.source.hf.name, self.source.hf.split) if self.format == "hf" else (real,)
+
+
+def _hf_display(display: str, src: Source) -> str:
+    """A dataset read by config or split is named with them, so that ids of the same
+    row number in two splits differ. Without an ``hf`` section the name (and ids)
+    are the path's alone."""
+    if "hf" not in src.model_fields_set:
+        return display
+    return display + (f":{src.hf.name}" if src.hf.name else "") + f"[{src.hf.split}]"
 
 
 def expand_placeholders(path: str) -> tuple[str, str | None, str | None]:
@@ -186,7 +263,7 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         fmt = src.format
         if fmt == "hf" and not Path(expanded).exists():
             # A dataset name for datasets.load_dataset (needs the network or the HF cache).
-            files.append(InputFile(Path(expanded), src.path, "hf", src))
+            files.append(InputFile(Path(expanded), _hf_display(src.path, src), "hf", src))
             continue
         p = Path(expanded)
         if glob.has_magic(expanded):
@@ -212,7 +289,12 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         if not candidates:
             raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})")
         for c in candidates:
-            f = InputFile(c, _display(c, ph, value), fmt if fmt != "auto" else _infer_format(c), src)
+            f_fmt = fmt if fmt != "auto" else _infer_format(c)
+            if "hf" in src.model_fields_set and f_fmt != "hf":
+                raise IngestError(f"{where}: hf applies to Hugging Face datasets, but {_display(c, ph, value)} "
+                                  f"reads as {f_fmt}")
+            display = _display(c, ph, value)
+            f = InputFile(c, _hf_display(display, src) if f_fmt == "hf" else display, f_fmt, src)
             if src.split_by == "chunk" and f.format != "text":
                 raise IngestError(f"{where}: split_by: chunk cuts plain text files, but {f.display} reads as "
                                   f"{f.format} (set format: text to cut it as text, or exclude it)")
@@ -549,17 +631,23 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
 def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     import datasets
 
+    hf = f.source.hf
+    saved = _is_hf_dir(f.path)
+    if saved and hf.name:
+        raise IngestError(f"{f.display}: a save_to_disk folder has no configs; remove hf.name={hf.name!r} "
+                          "(or point the source at the dataset's repository)")
     try:
-        if f.path.exists():
+        if saved:
             ds = datasets.load_from_disk(str(f.path))
-        else:
-            ds = datasets.load_dataset(str(f.path), split=f.source.split)
+        else:  # a dataset repository: a local folder, or a name (needs the network or the HF cache)
+            ds = datasets.load_dataset(str(f.path), hf.name, split=hf.split)
     except Exception as e:  # datasets raises many types; the message is what matters
-        raise IngestError(f"{f.display}: cannot load Hugging Face dataset: {type(e).__name__}: {e}") from e
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise IngestError(f"{f.display}: cannot load Hugging Face dataset: {type(e).__name__}: {first}") from e
     if isinstance(ds, datasets.DatasetDict):
-        if f.source.split not in ds:
-            raise IngestError(f"{f.display}: no split {f.source.split!r}; splits are {list(ds)}")
-        ds = ds[f.source.split]
+        if hf.split not in ds:
+            raise IngestError(f"{f.display}: no split {hf.split!r}; splits are {list(ds)} (set hf.split)")
+        ds = ds[hf.split]
     field = f.source.text_field
     if field not in ds.column_names:
         raise IngestError(f"{f.display}: no column {field!r}; columns are {ds.column_names}")
@@ -584,9 +672,9 @@ def doc_id(source: str, location: str) -> str:
 
 
 def iter_items(files: list[InputFile], cfg: IngestConfig) -> Iterator[tuple[InputFile, Item]]:
-    seen: set[Path] = set()
+    seen: set[tuple] = set()
     for f in files:
-        key = f.path.resolve() if f.path.exists() else f.path
+        key = f.key
         if key in seen:
             yield f, Skip("duplicate_path", "file", detail="listed by more than one source")
             continue
@@ -635,9 +723,11 @@ def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | P
             batch["location"].append(item.location)
             batch["chunk"].append(item.chunk)
             batch["offset"].append(item.offset)
+            batch["source_name"].append(f.source.label)
+            batch["split"].append(None if f.source.split == "auto" else f.source.split)
             docs += 1
             nbytes += size
-            per_source[f.source.path] = per_source.get(f.source.path, 0) + 1
+            per_source[f.source.label] = per_source.get(f.source.label, 0) + 1
             bar.update(size)
             if len(batch["id"]) >= cfg.row_group_docs:
                 flush()

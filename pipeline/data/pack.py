@@ -59,9 +59,22 @@ split), ``tokens`` (both splits) and ``val_by``, and each split lists ``docs``,
 ``dropped_tail_tokens``. Read it with
 :class:`pipeline.data.shards.PackedRows`.
 
-Speed: tokenization runs in ``num_workers`` processes, each with its own
-single-threaded tokenizer (the library's own threads scale poorly on some
-machines; processes scale everywhere), fed runs of at least ``task_bytes`` of text
+*Sources.* Where the documents carry ingest's ``source_name`` and ``split``
+columns: a document marked ``split`` ``val`` or ``train`` goes there whatever
+its hash (the tiny-corpus rules move only unmarked documents); with more than
+one source, each source's val documents are also packed alone into
+``val-source-NN/`` (listed under ``splits``, named in ``val_sources``), and the
+manifest adds ``marked`` and per source ``sources.<name>`` (documents and
+document tokens per split, EOTs not counted, and the share of the train
+tokens). With ``mixture`` the train split is the mixture's (see
+:class:`Mixture`): its ``docs`` counts copies, and ``sources`` adds the
+available, target and realised tokens, the copies and the documents dropped.
+One unmarked source without a mixture writes the manifest as before.
+
+Speed: tokenization runs on ``executor`` (:mod:`pipeline.data.executor`: a
+local process pool or Ray tasks, the same output either way), each worker with
+its own single-threaded tokenizer (the library's own threads scale poorly on
+some machines; processes scale everywhere), fed runs of at least ``task_bytes`` of text
 in order, however short the documents. A worker only encodes
 (:func:`encode_texts`: texts in, token ids and counts out, as numpy arrays); the
 main process reads Parquet (``batch_docs`` rows at a time) and does everything
@@ -75,17 +88,12 @@ documents).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
-import multiprocessing as mp
 import os
-import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -97,7 +105,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from pipeline.config import StageConfig
+from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
+from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
     EOT_ID,
@@ -106,23 +115,20 @@ from pipeline.data.tokenizer import (
     open_tokenizer,
 )
 from pipeline.errors import StageError
-from pipeline.files import available_cores
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.pack")
 
 FORMAT = "pipeline.pack/1"
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # pack holds one shard per split in memory: 256 MiB of int32 each at most.
 MAX_SHARD_TOKENS = 1 << 26
 
 
-class PackConfig(StageConfig):
+class PackConfig(ParallelStageConfig):
     seq_len: int = Field(256, ge=8, le=1_048_576, description="tokens a model sees per row; rows hold seq_len + 1")
     val_fraction: float = Field(0.05, gt=0.0, le=0.5,
                                 description="share of documents (val_by: position: of each chunked text) in val")
     seed: int = Field(0, ge=0, description="chooses the train/val split")
-    num_workers: int = Field(0, ge=0, le=512, description="tokenizer processes; 0 = one per available core")
     shard_tokens: int = Field(1 << 23, ge=1, le=MAX_SHARD_TOKENS,
                               description="tokens per Arrow shard file, rounded down to whole rows (at least one)")
     batch_docs: int = Field(1024, ge=1, le=1_000_000, description="documents read from Parquet at a time")
@@ -131,6 +137,11 @@ class PackConfig(StageConfig):
     val_by: Literal["hash", "position"] = Field(
         "hash", description="hash: each document or chunk goes to val by hash(seed, id); position: the last "
                             "val_fraction of each text cut with ingest split_by: chunk (other documents by hash)")
+    mixture: dict[str, Share] = Field(
+        default_factory=dict, description="source name -> {weight: w} or {tokens: n}: each source's part of the "
+                                          "train tokens (empty: every document once); see 'Mixtures' above")
+    max_repeats: float = Field(4.0, gt=0, description="a mixture that repeats a source's documents more often "
+                                                      "than this on average is a warning with the figures")
 
 
 class PackError(StageError):
@@ -174,8 +185,14 @@ class SplitPlan:
     # one bit per row of the table (np.packbits, little bit order): the row is in val; what
     # run_pack routes by. split_of is the rule it encodes, one document at a time.
     val_bits: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # source names (ingest's source_name column), in order of first appearance; empty without the column
+    sources: tuple[str, ...] = ()
+    marked: dict[str, int] = field(default_factory=dict)  # documents marked split: train / val
 
-    def split_of(self, doc_id: str, source: str | None = None, chunk: int | None = None) -> str:
+    def split_of(self, doc_id: str, source: str | None = None, chunk: int | None = None,
+                 mark: str | None = None) -> str:
+        if mark is not None:
+            return mark
         if doc_id in self.forced:
             return self.forced[doc_id]
         if self.first_val_chunk is not None and chunk is not None:
@@ -272,25 +289,41 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
     bits = _Bits()
     files: dict[str | None, list[tuple[int, int, int, str]]] = {}  # source -> [(chunk, bytes, row, id)]
     columns = ["id", "source", "chunk", "text"] if position else ["id"]
-    for batch in pf.iter_batches(batch_size=65_536, columns=columns):
+    extra = [c for c in ("split", "source_name") if c in pf.schema_arrow.names]
+    names: dict[str, None] = {}
+    marked = {"train": 0, "val": 0}
+    for batch in pf.iter_batches(batch_size=65_536, columns=columns + extra):
         col = batch.column(0)
         if col.null_count:
             raise PackError(f"{where}: {col.null_count} document(s) have a null id")
         ids = col.to_pylist()
         rows = np.arange(n, n + len(ids))
         hashed = np.ones(len(ids), bool)  # scored by hash; chunks under position are scored below
+        mark_val = mark_train = None
+        if "split" in extra and batch.column("split").null_count < batch.num_rows:
+            mark = batch.column("split")
+            mark_val = pc.fill_null(pc.equal(mark, "val"), False).to_numpy(zero_copy_only=False)
+            mark_train = pc.fill_null(pc.equal(mark, "train"), False).to_numpy(zero_copy_only=False)
+            if mark.null_count + int(mark_val.sum()) + int(mark_train.sum()) != len(mark):
+                bad = pc.unique(pc.filter(mark, pc.invert(pc.is_in(mark, pa.array(["val", "train"]))))).to_pylist()
+                raise PackError(f"{where}: split marks {bad} are not train or val (ingest writes only those)")
+            hashed &= ~(mark_val | mark_train)
+            marked["val"] += int(mark_val.sum())
+            marked["train"] += int(mark_train.sum())
+        if "source_name" in extra:
+            names.update(dict.fromkeys(pc.unique(batch.column("source_name")).drop_null().to_pylist()))
         if position and batch.column(2).null_count < batch.num_rows:
             chunks = batch.column(2).to_pylist()
             sources = batch.column(1).to_pylist()
             sizes = pc.fill_null(pc.binary_length(batch.column(3)), 0).to_pylist()
             for i, c in enumerate(chunks):
-                if c is not None:
+                if c is not None and hashed[i]:
                     files.setdefault(sources[i], []).append((c, sizes[i], n + i, ids[i]))
                     hashed[i] = False
         hashed_ids = ids if hashed.all() else [d for d, h in zip(ids, hashed) if h]
         u = split_hashes(seed, hashed_ids)
         scores.many(u, rows[hashed], hashed_ids)
-        val = np.zeros(len(ids), bool)
+        val = np.zeros(len(ids), bool) if mark_val is None else mark_val.copy()
         val[hashed] = u < np.uint64(threshold)  # val_fraction <= 0.5: the threshold fits in 64 bits
         bits.extend(val)
         n += len(ids)
@@ -315,21 +348,33 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
     if n == 0:
         raise PackError(f"{where}: the corpus is empty; nothing to pack")
     lo, hi = scores.lo, scores.hi
-    if lo is None or hi is None or lo[2] == hi[2]:
+    n_val = scores.n_val + marked["val"]
+    forced: dict[str, str] = {}
+    if marked["val"] + marked["train"]:  # the tiny-corpus rules move only unmarked documents
+        if n_val == 0 and lo is None:
+            raise PackError(f"{where}: every document is marked split: train, so val would be empty; mark a "
+                            "validation source split: val (or leave sources at split: auto)")
+        if n_val == n and hi is None:
+            raise PackError(f"{where}: every document is marked split: val, so train would be empty; add a "
+                            "source for training (split: auto or train)")
+    elif lo is None or hi is None or lo[2] == hi[2]:
         raise PackError(f"{where}: {n} document(s) with one distinct id; train and val need at least two "
                         "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes)")
-    forced: dict[str, str] = {}
-    if scores.n_val == 0:
-        forced[lo[2]] = "val"
-    elif scores.n_val == n:
-        forced[hi[2]] = "train"
-    for doc_id, split in forced.items():  # every row with that id, as split_of decides by id
+    if n_val == 0:
+        forced[lo[2]] = "val"  # type: ignore[index]
+    elif n_val == n:
+        forced[hi[2]] = "train"  # type: ignore[index]
+    for doc_id, split in forced.items():  # every unmarked row with that id, as split_of decides by id
         row0 = 0
-        for batch in pf.iter_batches(batch_size=65_536, columns=["id"]):
-            for i in np.flatnonzero(pc.equal(batch.column(0), doc_id).to_numpy(zero_copy_only=False)):
+        for batch in pf.iter_batches(batch_size=65_536, columns=["id", *extra[:1]]):
+            hit = pc.equal(batch.column(0), doc_id)
+            if extra[:1] == ["split"]:
+                hit = pc.and_(hit, batch.column(1).is_null())
+            for i in np.flatnonzero(hit.to_numpy(zero_copy_only=False)):
                 _set_bit(val_bits, row0 + int(i), split == "val")
             row0 += batch.num_rows
-    return SplitPlan(n, seed, threshold, forced, first_val, val_bits)
+    return SplitPlan(n, seed, threshold, forced, first_val, val_bits, tuple(names),
+                     {k: v for k, v in marked.items() if v})
 
 
 # --- encoding: a pure function of a batch of texts, run in worker processes ---------------------
@@ -349,21 +394,7 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 _WORKER: dict[str, Any] = {}
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel end this worker when pack dies, even by SIGKILL
-    (an interrupted ``dvc repro``); elsewhere workers exit at their next task."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _init_worker(tokenizer_path: str, schema: pa.Schema, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+def _init_worker(tokenizer_path: str, schema: pa.Schema) -> None:
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -456,10 +487,6 @@ def split_parts(flat: np.ndarray, lens: np.ndarray, val: np.ndarray, keys: Keys 
     return parts
 
 
-def resolve_workers(num_workers: int) -> int:
-    return num_workers or available_cores()
-
-
 def task_columns(pf: pq.ParquetFile) -> list[str]:
     """What a task holds: ``text``, and ``source`` and ``chunk`` where present."""
     return ["text", *(["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else [])]
@@ -474,9 +501,10 @@ class Task:
     text_bytes: int
     message: bytes  # the text column as an Arrow IPC message, for a worker
     keys: Keys | None
+    columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _tasks
 
 
-def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[Task]:
+def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = ()) -> Iterator[Task]:
     """Cut the table into runs of at least ``task_bytes`` of text (the last one may
     be shorter), across Parquet batches, so that a corpus of short documents still
     gives tasks large enough that per-task costs do not count."""
@@ -493,11 +521,11 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[Tas
         keys = Keys.of(column("source"), column("chunk")) if len(columns) == 3 else None
         # IPC writes only a slice's own bytes, where pickling a sliced array would copy its parent buffers
         message = pa.record_batch([column("text")], names=["text"]).serialize().to_pybytes()
-        out = Task(start, rows, size, message, keys)
+        out = Task(start, rows, size, message, keys, {name: column(name) for name in extra})
         pending, size, start = [], 0, start + rows
         return out
 
-    for batch in pf.iter_batches(batch_size=batch_docs, columns=columns):
+    for batch in pf.iter_batches(batch_size=batch_docs, columns=columns + [c for c in extra if c not in columns]):
         if batch.num_rows == 0:
             continue
         lengths = pc.binary_length(batch.column("text"))
@@ -518,40 +546,34 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int) -> Iterator[Tas
         yield task()
 
 
-def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, workers: int, batch_docs: int, task_bytes: int,
-             plan_first: Callable[[], None]) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
-    """(task, flat, lens) in table order. The first tasks go out before
-    ``plan_first()`` runs, so that the split plan is computed while the workers
-    start. A bounded window of futures, not Pool.imap, so that a slow consumer or a
-    slow worker cannot make the queue hold the corpus."""
-    # spawn, not fork: the parent holds Arrow and tokenizers thread pools that a
-    # forked child would inherit in an unknown state.
-    ctx = mp.get_context("spawn")
-    max_in_flight = 2 * workers + 2
+def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
+             task_bytes: int, plan_first: Callable[[], None], extra: tuple[str, ...] = (),
+             on_open: Callable[[Executor], None] | None = None) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
+    """(task, flat, lens) in table order, encoded on the executor (a local process
+    pool or Ray: :mod:`pipeline.data.executor`). The first ``window`` tasks go out
+    before ``plan_first()`` runs, so that the split plan is computed while the
+    workers start (``plan_first`` must tolerate being called again: with one
+    in-process worker, the first result comes before that). A bounded window, so
+    that a slow consumer or a slow worker cannot make the queue hold the corpus."""
     schema = pa.schema([pf.schema_arrow.field("text")])
-    window: deque[tuple[Task, Future]] = deque()
-    tasks = _tasks(pf, batch_docs, task_bytes)
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(str(tokenizer_path), schema, os.getpid()))
-    try:
-        def fill() -> None:
-            while len(window) < max_in_flight:
-                task = next(tasks, None)
-                if task is None:
-                    return
-                window.append((task, ex.submit(_encode_task, task.message)))
+    tasks = _tasks(pf, batch_docs, task_bytes, extra)
+    sent: deque[Task] = deque()
+    with open_executor(executor, _init_worker, (str(tokenizer_path), schema), desc="pack") as ex:
+        if on_open is not None:
+            on_open(ex)
+        window = 2 * ex.workers + 2
 
-        fill()
-        plan_first()
-        while window:
-            task, fut = window.popleft()
-            flat, lens = fut.result()
-            fill()
-            yield task, flat, lens
-    except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)
-        raise
-    ex.shutdown(wait=True)
+        def feed() -> Iterator[tuple[bytes]]:
+            for i, task in enumerate(tasks):
+                if i == window - 1:
+                    plan_first()
+                sent.append(task)
+                yield (task.message,)
+            plan_first()
+
+        for flat, lens in ex.map(_encode_task, feed(), window=window):
+            yield sent.popleft(), flat, lens
+        plan_first()  # an empty table: no task at all
 
 
 # --- packing and writing ----------------------------------------------------------------------
@@ -660,6 +682,157 @@ class SplitWriter:
                 "rows": self.rows, "dropped_tail_tokens": dropped, "shards": self.writer.shards}
 
 
+# --- sources: per-source counts, val splits and mixtures ------------------------------------------
+
+
+class Sources:
+    """Per source (ingest's ``source_name``): documents and document tokens (EOTs
+    not counted) in each split and, with more than one source, the source's own
+    val split ``val-source-NN/``, its val documents packed alone, so that
+    evaluate can score each source."""
+
+    def __init__(self, names: tuple[str, ...], out_dir: Path, row_len: int, shard_rows: int, eot_id: int):
+        self.names, self.code = names, {n: i for i, n in enumerate(names)}
+        self.docs = {s: np.zeros(len(names), np.int64) for s in SPLITS}
+        self.tokens = {s: np.zeros(len(names), np.int64) for s in SPLITS}
+        self.val = {i: SplitWriter(out_dir, val_source_dir(i), row_len, shard_rows, eot_id)
+                    for i in range(len(names))} if len(names) > 1 else {}
+
+    def codes(self, column: pa.Array) -> np.ndarray:
+        """Each document's source as an index into ``names``."""
+        enc = pc.dictionary_encode(column)
+        lookup = np.array([self.code[n] for n in enc.dictionary.to_pylist()], np.int64)
+        return lookup[enc.indices.to_numpy(zero_copy_only=False)]
+
+    def add(self, codes: np.ndarray, flat: np.ndarray, lens: np.ndarray, val: np.ndarray, keys: Keys | None) -> None:
+        n = len(self.names)
+        for split, mine in (("train", ~val), ("val", val)):
+            self.docs[split] += np.bincount(codes[mine], minlength=n)
+            self.tokens[split] += np.bincount(codes[mine], weights=lens[mine], minlength=n).astype(np.int64)
+        if self.val:
+            for code in np.unique(codes[val]):
+                self.val[int(code)].add(split_parts(flat, lens, val & (codes == code), keys)["val"])
+
+    def finish_val(self) -> tuple[dict[str, str], dict[str, dict]]:
+        """Each source's own val split that fills at least one row, and every one's counts."""
+        dirs, counts = {}, {}
+        for i, w in self.val.items():
+            info = w.finish()
+            counts[val_source_dir(i)] = info
+            if info["rows"]:
+                dirs[self.names[i]] = val_source_dir(i)
+            elif info["docs"]:
+                log.warning("source %r: its %d val document(s) give %d tokens, less than one row; it gets no "
+                            "score of its own", self.names[i], info["docs"], info["tokens"])
+        return dirs, counts
+
+
+SOURCE_METRICS = ("train_tokens", "val_tokens", "share", "requested_share")
+
+
+def source_figures(sources: Sources, mixture: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Per source: documents and document tokens per split, the realised share of
+    the train tokens and, with a mixture, what was asked and how it was met."""
+    train = sources.tokens["train"]
+    if mixture is not None:
+        train = np.array([mixture.get(n, {}).get("tokens", 0) for n in sources.names], np.int64)
+    total = int(train.sum()) or 1
+    out = {}
+    for i, name in enumerate(sources.names):
+        out[name] = {"train_docs": int(sources.docs["train"][i]), "train_tokens": int(train[i]),
+                     "val_docs": int(sources.docs["val"][i]), "val_tokens": int(sources.tokens["val"][i]),
+                     "share": round(int(train[i]) / total, 6)}
+        if mixture is not None and name in mixture:
+            out[name].update({k: v for k, v in mixture[name].items() if k not in ("tokens", "docs")})
+    return out
+
+
+def val_source_dir(i: int) -> str:
+    return f"val-source-{i:02d}"
+
+
+MIX_SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("code", pa.int64()), ("order", pa.uint64()),
+                        ("source", pa.string()), ("chunk", pa.int64())])
+
+
+class Mixture:
+    """Realises ``pack.mixture`` (see :mod:`pipeline.data.mixture`). Train documents
+    are encoded once and kept in a temporary Arrow file beside the output; once
+    every source's train tokens are known, each document's copies are decided and
+    the file is read again, once per round: round ``r`` writes, in table order,
+    the documents with at least ``r`` copies. Memory: 16 bytes per train document."""
+
+    def __init__(self, cfg: PackConfig, sources: Sources, out_dir: Path):
+        self.cfg, self.sources = cfg, sources
+        self.path = out_dir / ".mixture.arrow"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.sink = pa.OSFile(str(self.path), "wb")
+        self.file = pa.ipc.new_file(self.sink, MIX_SCHEMA)
+        self.docs = 0
+
+    def add(self, task: Task, codes: np.ndarray, flat: np.ndarray, lens: np.ndarray, train: np.ndarray) -> None:
+        if not train.any():
+            return
+        offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat)).cast(pa.list_(pa.int32()))
+        keys = task.keys
+        source = keys.source if keys is not None else pa.nulls(len(lens), pa.string())
+        chunk = pa.array(keys.chunk, mask=~keys.has) if keys is not None else pa.nulls(len(lens), pa.int64())
+        order = order_keys(self.cfg.seed, task.columns["id"].to_pylist())
+        batch = pa.record_batch([tokens, pa.array(codes), pa.array(order), source.cast(pa.string()), chunk],
+                                schema=MIX_SCHEMA)
+        self.file.write_batch(batch.filter(pa.array(train)))
+        self.docs += int(train.sum())
+
+    def realise(self, writer: SplitWriter) -> dict[str, dict[str, Any]]:
+        """Write the train split; return per source its figures for the manifest."""
+        self.file.close()
+        self.sink.close()
+        names = self.sources.names
+        with pa.memory_map(str(self.path)) as source:
+            reader = pa.ipc.open_file(source)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            lens = np.concatenate([pc.list_value_length(b.column(0)).to_numpy() for b in batches] or [[]])
+            lens = lens.astype(np.int64)
+            codes = np.concatenate([b.column(1).to_numpy() for b in batches] or [[]]).astype(np.int64)
+            order = np.concatenate([b.column(2).to_numpy() for b in batches] or [[]]).astype(np.uint64)
+            available = {names[c]: int(lens[codes == c].sum()) for c in np.unique(codes)}
+            wanted = targets(available, self.cfg.mixture)
+            for line in repeat_warnings(available, wanted, self.cfg.max_repeats):
+                log.warning("%s", line)
+            copies = np.zeros(len(lens), np.int64)
+            for name, target in wanted.items():
+                mine = codes == self.sources.code[name]
+                copies[mine] = multiplicities(order[mine], lens[mine], target)
+            for r in range(1, int(copies.max(initial=0)) + 1):
+                row = 0
+                for b in batches:
+                    take = copies[row:row + b.num_rows] >= r
+                    if take.any():
+                        flat = b.column(0).values.to_numpy(zero_copy_only=False)
+                        keys = Keys.of(b.column(3), b.column(4))
+                        writer.add(split_parts(flat, lens[row:row + b.num_rows], take, keys)["val"])
+                    row += b.num_rows
+        self.path.unlink()
+        realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
+        total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1
+        return {n: {"available_tokens": available[n], "target_tokens": wanted[n], "tokens": realised[n],
+                    "requested_share": round(wanted[n] / total_wanted, 6), "share": round(realised[n] / total, 6),
+                    "docs": int((codes == self.sources.code[n]).sum()),
+                    "copies": int(copies[codes == self.sources.code[n]].sum()),
+                    "dropped_docs": int(((copies == 0) & (codes == self.sources.code[n])).sum())}
+                for n in wanted}
+
+    def discard(self) -> None:
+        try:
+            self.file.close()
+            self.sink.close()
+        except Exception:  # noqa: BLE001 - already closed, or failing on the way out anyway
+            pass
+        self.path.unlink(missing_ok=True)
+
+
 def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path, out_dir: str | Path) -> dict:
     """Tokenize ``docs_path`` with ``tokenizer_path`` and write shards and manifest
     under ``out_dir`` (format in the module docstring). Stale shards of an earlier
@@ -678,58 +851,86 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     docs_path, tokenizer_path, out_dir = Path(docs_path), Path(tokenizer_path), Path(out_dir)
     tok, specials = open_tokenizer(tokenizer_path, PackError)
     pf = open_docs(docs_path, PackError)
-    workers = resolve_workers(cfg.num_workers)
     row_len = cfg.seq_len + 1
     shard_rows = max(1, cfg.shard_tokens // row_len)
     state: dict[str, Any] = {}
+    named = "source_name" in pf.schema_arrow.names
+    if cfg.mixture and not named:
+        raise PackError(f"{docs_path}: pack.mixture weighs sources by name, but the documents have no "
+                        "source_name column; rerun ingest and clean")
+    extra = (("source_name",) if named else ()) + (("id",) if cfg.mixture else ())
 
     def plan_first() -> None:
+        if "plan" in state:
+            return
         # Its own reader: the task reader is paused mid-file.
-        state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
-                                    where=str(docs_path), val_by=cfg.val_by)
+        plan = state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
+                                           where=str(docs_path), val_by=cfg.val_by)
         clear_outputs(out_dir)
         state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"]) for s in SPLITS}
+        state["sources"] = Sources(plan.sources, out_dir, row_len, shard_rows, specials["eot"])
+        if cfg.mixture:
+            state["mixture"] = Mixture(cfg, state["sources"], out_dir)
 
     docs = text_bytes = 0
     try:
         with progress(total=pf.metadata.num_rows, unit="doc", desc="pack") as bar:
-            for task, flat, lens in _encoded(pf, tokenizer_path, workers, cfg.batch_docs, cfg.task_bytes,
-                                              plan_first):
+            for task, flat, lens in _encoded(pf, tokenizer_path, cfg.executor, cfg.batch_docs, cfg.task_bytes,
+                                              plan_first, extra, on_open=lambda ex: state.update(workers=ex.workers)):
+                plan_first()  # one in-process worker gives its first result before the feed plans
                 val = state["plan"].val_mask(task.start, task.start + task.rows)
-                for split, part in split_parts(flat, lens, val, task.keys).items():
-                    state["writers"][split].add(part)
+                parts = split_parts(flat, lens, val, task.keys)
+                state["writers"]["val"].add(parts["val"])
+                if named:
+                    codes = state["sources"].codes(task.columns["source_name"])
+                    state["sources"].add(codes, flat, lens, val, task.keys)
+                if "mixture" in state:
+                    state["mixture"].add(task, codes, flat, lens, ~val)
+                else:
+                    state["writers"]["train"].add(parts["train"])
                 docs += task.rows
                 text_bytes += task.text_bytes
                 bar.update(task.rows)
         plan: SplitPlan = state["plan"]  # _encoded plans even when the table has no rows
+        sources: Sources = state["sources"]
+        mixture = state["mixture"].realise(state["writers"]["train"]) if "mixture" in state else None
         splits = {s: w.finish() for s, w in state["writers"].items()}
-        if docs != plan.docs or docs != splits["train"]["docs"] + splits["val"]["docs"]:
-            raise AssertionError(
-                f"{docs} documents read but {splits['train']['docs']} + {splits['val']['docs']} packed")
+        train_docs = state["mixture"].docs if mixture is not None else splits["train"]["docs"]
+        if docs != plan.docs or docs != train_docs + splits["val"]["docs"]:
+            raise AssertionError(f"{docs} documents read but {train_docs} + {splits['val']['docs']} packed")
         for s, info in splits.items():
             if info["rows"] == 0:
                 raise PackError(
                     f"the {s} split has {info['tokens']} tokens from {info['docs']} document(s), fewer than one "
                     f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
                 )
+        val_sources, source_splits = sources.finish_val()
     except BaseException:
+        if "mixture" in state:
+            state["mixture"].discard()
         if "writers" in state:  # a plan error leaves an earlier run's output as it was
             clear_outputs(out_dir)
         raise
     total_tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
+    fields: dict[str, Any] = {"seed": cfg.seed, "val_fraction": cfg.val_fraction, "val_by": cfg.val_by,
+                              "docs": docs, "forced": plan.forced, "tokens": total_tokens}
+    per_source = source_figures(sources, mixture)
+    if len(sources.names) > 1 or mixture is not None or plan.marked:  # one source, unmarked: as before
+        fields.update({"marked": plan.marked, "sources": per_source, "val_sources": val_sources})
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
-                   special_ids=specials, tokenizer_path=tokenizer_path, labels=False, splits=splits, fields={
-                       "seed": cfg.seed, "val_fraction": cfg.val_fraction, "val_by": cfg.val_by, "docs": docs,
-                       "forced": plan.forced, "tokens": total_tokens})
+                   special_ids=specials, tokenizer_path=tokenizer_path, labels=False,
+                   splits={**splits, **{d: source_splits[d] for d in val_sources.values()}}, fields=fields)
     seconds = time.perf_counter() - t0
     return {
         "docs": docs,
         "bytes": text_bytes,
         "tokens": total_tokens,
         **{f"{s}_rows": info["rows"] for s, info in splits.items()},
+        **({"sources": {n: {k: v for k, v in f.items() if k in SOURCE_METRICS} for n, f in per_source.items()}}
+           if per_source else {}),
         "tokens_per_s": round(total_tokens / seconds),
         "mb_per_s": round(text_bytes / seconds / 1e6, 3),
-        "workers": workers,
+        "workers": state["workers"],
         "pack_seconds": round(seconds, 3),
     }
 

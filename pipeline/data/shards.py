@@ -123,15 +123,16 @@ class ShardWriter:
 
 
 def clear_outputs(out_dir: str | Path) -> None:
-    """Remove the manifest and every shard (and temporary shard) of a folder."""
+    """Remove the manifest and every shard (and temporary shard) of a folder, in
+    every split's subfolder (``train``, ``val``, and pack's per-source val splits)."""
     out_dir = Path(out_dir)
     # The manifest goes first: a folder without one is incomplete by contract.
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    for split in SPLITS:
-        d = out_dir / split
-        if d.is_dir():
-            for p in [*d.glob("shard-*.arrow"), *d.glob(".shard-*.tmp")]:
-                p.unlink()
+    if not out_dir.is_dir():
+        return
+    for d in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+        for p in [*d.glob("shard-*.arrow"), *d.glob(".shard-*.tmp")]:
+            p.unlink()
 
 
 def write_manifest(out_dir: str | Path, *, fmt: str, seq_len: int, vocab_size: int, special_ids: dict[str, int],
@@ -175,6 +176,16 @@ def read_manifest(out_dir: str | Path, fmt: str | None = None) -> dict[str, Any]
     if fmt is not None and manifest.get("format") != fmt:
         raise DataError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
     return manifest
+
+
+def val_sources(out_dir: str | Path) -> dict[str, Path]:
+    """Source name -> that source's own val split, for a packed folder made from
+    several sources (pack's ``val_sources``); empty otherwise, and for a folder
+    without a manifest (whose readers fail on their own, naming what is missing)."""
+    if not (Path(out_dir) / MANIFEST).is_file():
+        return {}
+    manifest = read_manifest(out_dir)
+    return {name: Path(out_dir) / rel for name, rel in manifest.get("val_sources", {}).items()}
 
 
 def verify(out_dir: str | Path, fmt: str | None = None, *, sha256: bool = True) -> dict[str, Any]:

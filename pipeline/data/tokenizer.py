@@ -39,8 +39,10 @@ first is used). So the sample is spread over the whole corpus, is the same for t
 same seed and ids whatever the row order, and never exceeds the bound (memory of
 BPE training grows with it). A held-out set for measuring compression is taken
 the same way from the other end of the rank order (at most ``eval_bytes`` and a
-tenth of the corpus) and is never trained on. The corpus is streamed twice in
-batches: once for ids and sizes, once for the chosen texts.
+tenth of the corpus) and is never trained on. Documents of a source marked
+``split: val`` (ingest) are never in the sample either: a validation set of the
+user's choosing stays unseen by every stage that learns. The corpus is streamed
+twice in batches: once for ids and sizes, once for the chosen texts.
 """
 
 from __future__ import annotations
@@ -331,11 +333,16 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     pf = open_docs(Path(docs_path), TokenizerError)
     ranks: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
-    for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["id", "text"]):
+    marked: list[np.ndarray] = []  # split: val
+    marks = "split" in pf.schema_arrow.names
+    for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["id", "text", *(["split"] if marks else [])]):
         ids = batch.column(0).to_pylist()
         ranks.append(np.fromiter((_rank(seed, str(i)) for i in ids), np.uint64, count=len(ids)))
         sizes.append(pc.fill_null(pc.binary_length(batch.column(1)), 0).to_numpy().astype(np.int64))
+        if marks:
+            marked.append(pc.fill_null(pc.equal(batch.column(2), "val"), False).to_numpy(zero_copy_only=False))
     size = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+    val_only = np.concatenate(marked) if marked else np.zeros(len(size), bool)
     total = int(size.sum())
     if total == 0:
         raise TokenizerError(f"{docs_path}: no text to train on ({len(size)} documents, 0 bytes)")
@@ -346,15 +353,20 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     # Held-out docs come from the far end of the rank order; capping them at a tenth
     # of the corpus keeps small corpora mostly available for training.
     _greedy(order[::-1][nonempty[order[::-1]]], size, min(eval_bytes, total // 10), heldout)
-    sample = heldout.copy()
-    _greedy(order[nonempty[order]], size, sample_bytes, sample)
-    sample &= ~heldout
+    sample = heldout | val_only
+    trainable = nonempty & ~val_only
+    if not trainable.any():
+        raise TokenizerError(f"{docs_path}: every document with text is marked split: val; the tokenizer has "
+                             "nothing it may train on")
+    _greedy(order[trainable[order]], size, sample_bytes, sample)
+    sample &= ~(heldout | val_only)
     if not sample.any():
         # Every document is larger than the budget: a clipped prefix of the first one in
         # rank order is better than no tokenizer. train_tokenizer does the clipping.
         # Held-out docs hold at most a tenth of the bytes, so some non-empty doc is left.
-        first = order[nonempty[order] & ~heldout[order]]
-        sample[first[0]] = True
+        first = order[trainable[order] & ~heldout[order]]
+        doc = (first if len(first) else order[trainable[order]])[0]
+        sample[doc], heldout[doc] = True, False  # the held-out set never overlaps what is trained on
     stats = {"corpus_docs": len(size), "corpus_bytes": total}
     return sample, heldout, stats
 

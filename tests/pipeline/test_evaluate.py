@@ -82,3 +82,27 @@ def test_missing_checkpoint_is_clear(tmp_path, tok_path):
     write_split(tmp_path / "val", synthetic_docs(20, 40, seed=3), seq_len=16)
     with pytest.raises(EvaluateError, match="run its training stage first"):
         evaluate_models(EvaluateConfig(), {"x": tmp_path / "none"}, {"text": tmp_path / "val"}, tok_path)
+
+
+def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    web, code = synthetic_docs(30, vocab, seed=4), synthetic_docs(20, vocab, seed=5)
+    write_split(tmp_path / "val", web + code, seq_len=16)
+    write_split(tmp_path / "val-web", web, seq_len=16)
+    write_split(tmp_path / "val-code", code, seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    sources = {"web": tmp_path / "val-web", "code": tmp_path / "val-code"}
+    metrics, models = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path,
+                                      tmp_path / "report.json", sources=sources)
+    model = models["m"]
+    for name, path in sources.items():
+        alone = score(model, PackedRows(path), token_bytes(load_tokenizer(tok_path)), batch_size=4, max_rows=None,
+                      doc_mask=True, device=torch.device("cpu"), precision="fp32")
+        assert metrics["m"]["sources"][name] == {k: alone[k] for k in ("val_loss", "perplexity", "bits_per_byte")}
+        assert read_json(tmp_path / "report.json")["m"]["sources"][name]["bytes"] == alone["bytes"]
+    assert metrics["m"]["sources"]["web"] != metrics["m"]["sources"]["code"]
+    plain, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
+    assert "sources" not in plain["m"]

@@ -107,13 +107,25 @@ def test_text_is_normalised_and_schema_kept(tmp_path):
     metrics, docs, _ = run(tmp_path, ["total = compute()   \r\nvalue = 2\r\n", "caf\u00e9 = brewed"])
     assert docs == [
         {"id": "id000", "text": "total = compute()\nvalue = 2\n", "source": "src/0.py", "location": "file",
-         "chunk": None, "offset": None},
+         "chunk": None, "offset": None, "source_name": None, "split": None},
         {"id": "id001", "text": "caf\u00e9 = brewed", "source": "src/1.py", "location": "file",
-         "chunk": None, "offset": None},
+         "chunk": None, "offset": None, "source_name": None, "split": None},
     ]
     assert pq.read_schema(tmp_path / "out" / "docs.parquet").equals(SCHEMA)
     assert report(tmp_path)["docs_changed_by_normalise"] == 1
     assert report(tmp_path)["bytes_in"] == 33 + 14 and metrics["bytes"] == 28 + 14
+
+
+def test_source_names_and_split_marks_are_carried_through(tmp_path):
+    texts = [code(1), code(1), code(2)]  # the second is an exact duplicate
+    table = pq.read_table(write_docs(tmp_path / "in.parquet", texts))
+    table = table.append_column("source_name", pa.array(["web", "web", "bench"]))
+    table = table.append_column("split", pa.array([None, None, "val"], pa.string()))
+    pq.write_table(table, tmp_path / "named.parquet")
+    out = tmp_path / "out" / "docs.parquet"
+    run_clean(cfg(), tmp_path / "named.parquet", out, tmp_path / "out" / "q.jsonl")
+    docs = pq.read_table(out).to_pylist()
+    assert [(d["id"], d["source_name"], d["split"]) for d in docs] == [("id000", "web", None), ("id002", "bench", "val")]
 
 
 def test_exact_dedup_keeps_first_occurrence(tmp_path):
@@ -266,7 +278,8 @@ def write_chunks(path, chunks, row_group_size=2):
     for c in chunks[:-1]:
         offsets.append(offsets[-1] + len(c.encode()))
     rows = {"id": [f"c{i:03d}" for i in range(len(chunks))], "text": chunks, "source": ["book.txt"] * len(chunks),
-            "location": [f"byte:{o}" for o in offsets], "chunk": list(range(len(chunks))), "offset": offsets}
+            "location": [f"byte:{o}" for o in offsets], "chunk": list(range(len(chunks))), "offset": offsets,
+            "source_name": ["book"] * len(chunks), "split": [None] * len(chunks)}
     pq.write_table(pa.table(rows, schema=SCHEMA), path, row_group_size=row_group_size)
     return path
 

@@ -247,3 +247,99 @@ def test_chunk_refuses_a_record_file(tmp_path):
     with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: split_by: chunk cuts plain text.*jsonl"):
         resolve_sources(cfg(sources=[chunk_source(tmp_path / "a.jsonl")]))
     assert resolve_sources(cfg(sources=[chunk_source(tmp_path / "a.jsonl", format="text")]))[0].format == "text"
+
+
+# --- named sources, split marks and Hugging Face configs and splits ---------------------------
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """load_dataset builds its cache in the test's folder, never in ~/.cache, and never asks the Hub."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf-cache"
+
+
+def _dataset_repo(root):
+    """A local dataset repository with two configs, as on the Hub: load_dataset(root, name, split)."""
+    import datasets
+
+    for config, split, texts in [("small", "train", ["s1", "s2"]), ("small", "validation", ["sv"]),
+                                 ("big", "train", ["b1", "b2", "b3"])]:
+        (root / config).mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_dict({"text": texts}).to_parquet(str(root / config / f"{split}.parquet"))
+    (root / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: small\n  data_files:\n  - split: train\n    path: small/train.parquet\n"
+        "  - split: validation\n    path: small/validation.parquet\n"
+        "- config_name: big\n  data_files:\n  - split: train\n    path: big/train.parquet\n---\n")
+    return root
+
+
+def test_hf_config_name_and_split(tmp_path, hf_cache):
+    repo = _dataset_repo(tmp_path / "repo")
+    _, docs, _ = run(tmp_path, sources=[
+        {"path": str(repo), "format": "hf", "hf": {"name": "big"}},
+        {"path": str(repo), "format": "hf", "hf": {"name": "small", "split": "validation"}, "split": "val"},
+    ])
+    assert [d["text"] for d in docs] == ["b1", "b2", "b3", "sv"]
+    assert [d["split"] for d in docs] == [None, None, None, "val"]
+    assert [d["source_name"] for d in docs] == [f"{repo}:big[train]"] * 3 + [f"{repo}:small[validation]"]
+    assert docs[0]["id"] != docs[3]["id"]  # row 0 of two configs: different documents
+    with pytest.raises(IngestError, match=r"cannot load Hugging Face dataset: ValueError: .*'nope' not found"):
+        run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
+
+
+def test_save_to_disk_read_split_by_split(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": ["t1", "t2"]}),
+        "validation": datasets.Dataset.from_dict({"text": ["v1"]}),
+    }).save_to_disk(str(tmp_path / "ds"))
+    ds = str(tmp_path / "ds")
+    _, docs, _ = run(tmp_path, sources=[
+        {"path": ds, "name": "wiki"},
+        {"path": ds, "name": "wiki-val", "hf": {"split": "validation"}, "split": "val"},
+        {"path": ds, "name": "wiki-again", "hf": {"split": "validation"}},  # the same input twice
+    ])
+    assert [(d["text"], d["source_name"], d["split"]) for d in docs] == [
+        ("t1", "wiki", None), ("t2", "wiki", None), ("v1", "wiki-val", "val")]
+    assert len({d["id"] for d in docs}) == 3
+    assert report(tmp_path)["skipped"] == {"duplicate_path": 1}
+    assert report(tmp_path)["docs_per_source"] == {"wiki": 2, "wiki-val": 1}
+    with pytest.raises(IngestError, match=r"no split 'test'; splits are \['train', 'validation'\]"):
+        run(tmp_path, sources=[{"path": ds, "hf": {"split": "test"}}])
+    with pytest.raises(IngestError, match="a save_to_disk folder has no configs"):
+        run(tmp_path, sources=[{"path": ds, "hf": {"name": "x"}}])
+
+
+def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("hello")
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f)}])
+    assert (docs[0]["source_name"], docs[0]["split"]) == (str(f), None)
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f), "name": "greeting", "split": "train"}])
+    assert (docs[0]["source_name"], docs[0]["split"]) == ("greeting", "train")
+    assert report(tmp_path)["docs_per_source"] == {"greeting": 1}
+
+
+@pytest.mark.parametrize("sources, message", [
+    ([{"path": "x", "format": "hf", "split": "validation"}],
+     r"'validation' is not one of auto \| train \| val: .* hf.split \(hf: \{split: validation\}\)"),
+    ([{"path": "x", "format": "jsonl", "hf": {"split": "test"}}], "applies only to format hf"),
+    ([{"path": "x", "name": "web"}, {"path": "y", "name": "web"}],
+     "sources.0 and sources.1 are both called 'web'; give them distinct names"),
+    ([{"path": "x"}, {"path": "x"}], "both called 'x'"),
+])
+def test_bad_source_marks_are_one_line_errors(sources, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg(sources=sources)
+
+
+def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
+    (tmp_path / "a.txt").write_text("hi")
+    with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: hf applies to Hugging Face datasets"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "a.txt"), "hf": {"split": "train"}}])

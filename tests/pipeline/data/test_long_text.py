@@ -18,6 +18,7 @@ import pytest
 from pipeline.config import parse_section
 from pipeline.data.clean import CleanConfig, NormaliseConfig, normalise, run_clean
 from pipeline.data.ingest import IngestConfig, run_ingest
+from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import PackConfig, plan_splits, run_pack
 from pipeline.data.shards import MANIFEST, PackedRows
 from pipeline.data.tokenizer import EOT_ID, TokenizerConfig, load_tokenizer, train_tokenizer
@@ -227,7 +228,7 @@ def test_results_are_identical_for_one_and_two_workers(book, tmp_path):
     assert pq.read_table(tmp_path / "clean.parquet").equals(pq.read_table(d / "clean.parquet"))
     assert (tmp_path / "quarantine.jsonl").read_bytes() == (d / "quarantine.jsonl").read_bytes()
     assert read_json(tmp_path / "clean-report.json") == read_json(d / "clean-report.json")
-    cfg = PACK.model_copy(update={"num_workers": 2, "task_bytes": 1000})  # a task per chunk: every join crosses one
+    cfg = PACK.model_copy(update={"executor": ExecutorConfig(num_workers=2), "task_bytes": 1000})  # a task per chunk: every join crosses one
     run_pack(cfg, tmp_path / "clean.parquet", d / "tokenizer.json", tmp_path / "packed")
     files = sorted(p.relative_to(d / "packed") for p in (d / "packed").rglob("*") if p.is_file())
     assert len(files) == 3

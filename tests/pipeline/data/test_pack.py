@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import (
     FORMAT,
     Keys,
@@ -141,7 +142,7 @@ def test_split_is_by_document_and_seeded(docs, packed):
 def test_output_does_not_depend_on_workers_or_batching(docs, packed, tmp_path):
     path, tok, _ = docs
     out, metrics = packed
-    cfg = CFG.model_copy(update={"num_workers": 1, "batch_docs": 7, "task_bytes": 50_000})
+    cfg = CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1), "batch_docs": 7, "task_bytes": 50_000})
     m1 = run_pack(cfg, path, tok, tmp_path)
     assert m1["workers"] == 1 and metrics["workers"] == 2
     assert (tmp_path / MANIFEST).read_bytes() == (out / MANIFEST).read_bytes()
@@ -275,7 +276,7 @@ def test_rerun_removes_stale_shards(docs, tmp_path):
     stale = tmp_path / "train" / "shard-00099.arrow"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"old")
-    run_pack(CFG.model_copy(update={"num_workers": 1, "shard_tokens": 1 << 20}), path, tok, tmp_path)
+    run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1), "shard_tokens": 1 << 20}), path, tok, tmp_path)
     assert not stale.exists()
     assert [p.name for p in (tmp_path / "train").iterdir()] == ["shard-00000.arrow"]
 
@@ -366,14 +367,14 @@ def test_consecutive_chunks_are_packed_as_one_document(chunked, tmp_path, val_by
     joined = sum(manifest["splits"][s]["joined"] for s in ("train", "val"))
     assert joined > 20 and joined == len(rows) - 1 - sum(len(starts[s]) for s in ("train", "val"))
     # same bytes with one worker and one chunk per task (every join crosses a task)
-    run_pack(cfg.model_copy(update={"num_workers": 1, "task_bytes": 1000, "batch_docs": 5}), path, tok, tmp_path / "b")
+    run_pack(cfg.model_copy(update={"executor": ExecutorConfig(num_workers=1), "task_bytes": 1000, "batch_docs": 5}), path, tok, tmp_path / "b")
     for p in sorted((tmp_path / "a").rglob("*.*")):
         assert p.read_bytes() == (tmp_path / "b" / p.relative_to(tmp_path / "a")).read_bytes(), p
 
 
 def test_joins_follow_the_recorded_chunk_index_not_the_row_order(chunked, tmp_path):
     path, tok, rows = chunked
-    cfg = CFG.model_copy(update={"val_fraction": 0.01, "seed": 0, "num_workers": 1})  # all but one in train
+    cfg = CFG.model_copy(update={"val_fraction": 0.01, "seed": 0, "executor": ExecutorConfig(num_workers=1)})  # all but one in train
     plan = plan_splits(pq.ParquetFile(path), cfg.seed, cfg.val_fraction)
     assert [r[0] for r in rows if plan.split_of(r[0], r[2], r[3]) == "val"] == ["b28"]
     run_pack(cfg, path, tok, tmp_path)
@@ -540,11 +541,11 @@ def test_adversarial_corpus_packs_as_the_reference_for_any_worker_count(docs, tm
     rows += [("q3", texts[99], "q.txt", None)]  # a duplicate id: same split as the first q3
     path = write_chunked(tmp_path / "adv.parquet", rows)
     for val_by in ("hash", "position"):
-        cfg = CFG.model_copy(update={"val_by": val_by, "val_fraction": 0.3, "num_workers": 3, "task_bytes": 1000,
-                                     "batch_docs": 4})
+        cfg = CFG.model_copy(update={"val_by": val_by, "val_fraction": 0.3, "executor": ExecutorConfig(num_workers=3),
+                                     "task_bytes": 1000, "batch_docs": 4})
         run_pack(cfg, path, tok, tmp_path / val_by / "3")
-        run_pack(cfg.model_copy(update={"num_workers": 1, "task_bytes": 1_000_000, "batch_docs": 1000}), path, tok,
-                 tmp_path / val_by / "1")
+        one = {"executor": ExecutorConfig(num_workers=1), "task_bytes": 1_000_000, "batch_docs": 1000}
+        run_pack(cfg.model_copy(update=one), path, tok, tmp_path / val_by / "1")
         a, b = tmp_path / val_by / "3", tmp_path / val_by / "1"
         files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
         assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())

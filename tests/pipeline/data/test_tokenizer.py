@@ -150,6 +150,19 @@ def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
     assert chosen(corpus, 0) != chosen(corpus, 1)
 
 
+def test_documents_marked_for_validation_are_never_trained_on(corpus, tmp_path):
+    table = pq.read_table(corpus)
+    marks = ["val" if i % 3 == 0 else None for i in range(table.num_rows)]
+    marked = tmp_path / "marked.parquet"
+    pq.write_table(table.append_column("split", pa.array(marks, pa.string())), marked)
+    sample, _, _ = choose_sample(marked, 10**9, 3_000, seed=0)  # a budget that would take everything
+    val = np.array([m == "val" for m in marks])
+    assert not (sample & val).any() and sample[~val].sum() > 0.8 * (~val).sum()
+    pq.write_table(table.append_column("split", pa.array(["val"] * table.num_rows)), marked)
+    with pytest.raises(TokenizerError, match="every document with text is marked split: val"):
+        choose_sample(marked, 10_000, 3_000, seed=0)
+
+
 def test_training_is_deterministic(corpus, tmp_path, trained):
     again = tmp_path / "again.json"
     train_tokenizer(SMALL, corpus, again)

@@ -1,0 +1,114 @@
+"""Data mixtures: how many times pack writes each train document, so that every
+source's share of the train tokens is the one ``pack.mixture`` asks for.
+
+A mixture maps source names (``ingest.sources[].name``, by default the source's
+path) to a ``weight`` or a ``tokens`` budget. Sources with a budget get exactly
+that many train tokens; weighted sources share the train tokens they have
+between them (so the corpus keeps its size) in proportion to their weights.
+Validation documents are never resampled.
+
+For a source with ``available`` train tokens and a ``target``, every document is
+written ``target // available`` times, and the remaining ``target mod available``
+tokens are filled with one more copy of documents taken in a seeded order (the
+BLAKE2b hash of seed and id, person ``pack-mix``), each taken only while it
+still fits. Downsampling is the case ``target < available``; upsampling repeats
+whole passes over the source. The shortfall is smaller than the shortest
+document left without its extra copy, so on real corpora the realised tokens are
+within a few of the target; and the choice depends only on the seed, the ids and
+the token counts: not on worker counts or row order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.errors import StageError
+
+
+class MixtureError(StageError):
+    """The mixture cannot be realised: unknown or unlisted sources, or a source with nothing to give."""
+
+
+class Share(BaseModel):
+    """One source's part of the train tokens: a ``weight`` or a ``tokens`` budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float | None = Field(None, gt=0, description="share of the weighted sources' train tokens")
+    tokens: int | None = Field(None, gt=0, description="train tokens to take from the source, instead of a weight")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "Share":
+        if (self.weight is None) == (self.tokens is None):
+            raise ValueError("give a weight or a tokens budget (one of them)")
+        return self
+
+
+def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[str, int]:
+    """Train tokens wanted from each source. Raises MixtureError, naming them, for
+    sources of the data without an entry and entries without data."""
+    unlisted = sorted(set(available) - set(mixture))
+    if unlisted:
+        raise MixtureError(f"pack.mixture has no entry for source(s) {unlisted}; list every train source "
+                           f"(names: {sorted(available)})")
+    unknown = sorted(set(mixture) - set(available))
+    if unknown:
+        raise MixtureError(f"pack.mixture names source(s) {unknown} that have no train documents "
+                           f"(sources with train documents: {sorted(available)})")
+    weighted = {n: s.weight for n, s in mixture.items() if s.weight is not None}
+    pool = sum(available[n] for n in weighted)
+    total_weight = sum(weighted.values())
+    out = {n: int(s.tokens) for n, s in mixture.items() if s.tokens is not None}
+    out.update({n: round(pool * w / total_weight) for n, w in weighted.items()})
+    for n, t in out.items():
+        if t > 0 and available[n] == 0:
+            raise MixtureError(f"source {n!r} has no train tokens but the mixture asks for {t}")
+    return out
+
+
+def order_keys(seed: int, ids: list[str]) -> np.ndarray:
+    """The seeded order in which documents of a source get their extra copy."""
+    return np.array([int.from_bytes(hashlib.blake2b(f"{seed}\x00{i}".encode(), digest_size=8,
+                                                    person=b"pack-mix").digest(), "big") for i in ids],
+                    dtype=np.uint64)
+
+
+def multiplicities(keys: np.ndarray, tokens: np.ndarray, target: int) -> np.ndarray:
+    """Copies of each document (``tokens[i]`` tokens, order key ``keys[i]``) whose
+    tokens sum to ``target`` as nearly as whole documents allow (see the module
+    docstring)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    total = int(tokens.sum())
+    if total == 0:
+        return np.zeros(len(tokens), dtype=np.int64)
+    full, rest = divmod(int(target), total)
+    m = np.full(len(tokens), full, dtype=np.int64)
+    if rest == 0:
+        return m
+    order = np.argsort(keys, kind="stable")
+    taken = np.cumsum(tokens[order])
+    prefix = int(np.searchsorted(taken, rest, side="right"))  # the longest prefix that fits
+    m[order[:prefix]] += 1
+    gap = rest - (int(taken[prefix - 1]) if prefix else 0)
+    for i in order[prefix:]:  # then each later document that still fits
+        if gap == 0:
+            break
+        if 0 < tokens[i] <= gap:
+            m[i] += 1
+            gap -= int(tokens[i])
+    return m
+
+
+def repeat_warnings(available: Mapping[str, int], wanted: Mapping[str, int], max_repeats: float) -> list[str]:
+    """One line per source that needs more than ``max_repeats`` passes over its documents."""
+    lines = []
+    for n in sorted(wanted):
+        if available[n] and wanted[n] / available[n] > max_repeats:
+            lines.append(f"source {n!r} has {available[n]:,} train tokens but the mixture asks for {wanted[n]:,}: "
+                         f"each document is repeated {wanted[n] / available[n]:.2f} times on average, more than "
+                         f"pack.max_repeats={max_repeats:g}")
+    return lines

@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from pipeline.data.mixture import MixtureError, Share, multiplicities, order_keys, repeat_warnings, targets
+
+
+def test_weights_share_the_weighted_tokens_and_budgets_are_exact():
+    available = {"web": 900, "code": 100, "math": 50}
+    mixture = {"web": Share(weight=0.5), "code": Share(weight=0.5), "math": Share(tokens=120)}
+    assert targets(available, mixture) == {"web": 500, "code": 500, "math": 120}
+
+
+@pytest.mark.parametrize("mixture, message", [
+    ({"web": Share(weight=1)}, r"no entry for source\(s\) \['code'\]"),
+    ({"web": Share(weight=1), "code": Share(weight=1), "math": Share(weight=1)}, r"names source\(s\) \['math'\]"),
+])
+def test_every_source_and_only_those(mixture, message):
+    with pytest.raises(MixtureError, match=message):
+        targets({"web": 10, "code": 10}, mixture)
+
+
+def test_a_share_is_a_weight_or_a_budget():
+    for bad in ({}, {"weight": 1, "tokens": 5}, {"weight": 0}, {"tokens": -1}):
+        with pytest.raises(ValidationError):
+            Share(**bad)
+
+
+def test_a_source_with_nothing_cannot_give_tokens():
+    with pytest.raises(MixtureError, match="'code' has no train tokens"):
+        targets({"web": 10, "code": 0}, {"web": Share(weight=1), "code": Share(tokens=5)})
+
+
+@pytest.mark.parametrize("huge", [[], [40_000, 25_000]])
+def test_multiplicities_fall_short_by_less_than_the_shortest_document_left_out(huge):
+    rng = np.random.default_rng(0)
+    tokens = np.concatenate([rng.integers(1, 50, 500), huge]).astype(np.int64)
+    keys = order_keys(7, [f"d{i}" for i in range(len(tokens))])
+    total = int(tokens.sum())
+    for target in (total // 3, total, 2 * total + total // 7, 10, total - 1):
+        m = multiplicities(keys, tokens, target)
+        got = int((m * tokens).sum())
+        full = target // total
+        assert m.min() >= full and m.max() <= full + 1
+        assert got <= target
+        left_out = tokens[m == full]
+        assert target - got < (left_out.min() if len(left_out) else 1), (target, got)
+
+
+def test_multiplicities_are_deterministic_and_follow_the_seed():
+    tokens = np.arange(1, 201)
+    a = multiplicities(order_keys(1, [str(i) for i in range(200)]), tokens, 5000)
+    b = multiplicities(order_keys(1, [str(i) for i in range(200)]), tokens, 5000)
+    c = multiplicities(order_keys(2, [str(i) for i in range(200)]), tokens, 5000)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_too_many_repeats_is_a_warning_with_the_figures():
+    lines = repeat_warnings({"web": 1000, "code": 100}, {"web": 550, "code": 550}, max_repeats=4)
+    assert lines == ["source 'code' has 100 train tokens but the mixture asks for 550: each document is "
+                     "repeated 5.50 times on average, more than pack.max_repeats=4"]
+    assert repeat_warnings({"web": 1000, "code": 100}, {"web": 550, "code": 550}, max_repeats=6) == []

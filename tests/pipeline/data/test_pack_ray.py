@@ -1,0 +1,41 @@
+"""pack under a real local Ray instance (2 CPUs, one for this module, shut down
+at the end): the same bytes as the local pool. Marked slow: Ray takes seconds to start."""
+
+import os
+
+import pytest
+
+from pipeline.data.executor import loopback_only
+from pipeline.data.pack import PackConfig, run_pack
+from tests.pipeline.data.test_pack_sources import CFG, corpus  # noqa: F401 - the corpus fixture
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    loopback_only()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    yield
+    ray.shutdown()
+
+
+def files(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_pack_under_ray_writes_the_bytes_of_the_local_pool(corpus, tmp_path):  # noqa: F811
+    path, tok, _ = corpus
+    mix = {"web": {"weight": 2}, "code": {"weight": 1}}
+    out = {}
+    for name, executor in {"local": {"num_workers": 2}, "ray1": {"kind": "ray", "num_workers": 1},
+                           "ray2": {"kind": "ray", "num_workers": 2}}.items():
+        cfg = PackConfig(**{**CFG, "num_workers": None}, executor=executor, mixture=mix)
+        metrics = run_pack(cfg, path, tok, tmp_path / name)
+        assert metrics["workers"] == executor["num_workers"]
+        out[name] = files(tmp_path / name)
+    assert len(out["local"]) > 6  # train and val shards, per-source val shards, the manifest
+    assert out["ray1"] == out["local"] and out["ray2"] == out["local"]

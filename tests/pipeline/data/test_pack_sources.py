@@ -1,0 +1,182 @@
+"""pack with several named sources: split marks, each source's own val split, and mixtures."""
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.mixture import MixtureError, Share
+from pipeline.data.pack import PackConfig, PackError, plan_splits, run_pack
+from pipeline.data.shards import MANIFEST, PackedRows, val_sources, verify
+from pipeline.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+from pipeline.files import read_json
+from tests.pipeline.data.test_tokenizer import make_docs
+
+CFG = dict(seq_len=15, val_fraction=0.2, seed=3, num_workers=1, shard_tokens=20 * 16, batch_docs=16,
+           task_bytes=1_500)
+
+
+def write_sourced(path, rows):
+    """rows: (id, text, source_name, split mark or None)."""
+    pq.write_table(pa.table({
+        "id": [r[0] for r in rows], "text": [r[1] for r in rows], "source": [r[2] for r in rows],
+        "location": [str(i) for i in range(len(rows))], "chunk": pa.nulls(len(rows), pa.int64()),
+        "offset": pa.nulls(len(rows), pa.int64()), "source_name": [r[2] for r in rows],
+        "split": pa.array([r[3] for r in rows], pa.string())}), path, row_group_size=40)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """web: 150 documents; code: 60 shorter ones; bench: 20 marked split: val."""
+    d = tmp_path_factory.mktemp("sources")
+    web = [(f"w{i}", t, "web", None) for i, (_, t) in enumerate(make_docs(150, seed=1))]
+    code = [(f"c{i}", t[: len(t) // 2], "code", None) for i, (_, t) in enumerate(make_docs(60, seed=2))]
+    bench = [(f"b{i}", t, "bench", "val") for i, (_, t) in enumerate(make_docs(20, seed=3))]
+    rows = [r for trio in zip(web[:60], code, web[60:120]) for r in trio] + web[120:] + bench
+    path = write_sourced(d / "docs.parquet", rows)
+    tok = d / "tokenizer.json"
+    train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), path, tok)
+    return path, tok, rows
+
+
+def test_marked_documents_go_where_they_are_marked(corpus, tmp_path):
+    path, tok, rows = corpus
+    marked = [(i, r) for i, r in enumerate(rows)]
+    rows[3] = (rows[3][0], rows[3][1], rows[3][2], "train")
+    path = write_sourced(tmp_path / "docs.parquet", rows)
+    plan = plan_splits(pq.ParquetFile(path), 3, 0.2)
+    val = plan.val_mask(0, len(rows))
+    for i, (doc_id, _, _, mark) in marked:
+        assert val[i] == (plan.split_of(doc_id, mark=rows[i][3]) == "val")
+    assert all(val[i] for i, r in enumerate(rows) if r[3] == "val")
+    assert not val[3]
+    assert 0 < val[[i for i, r in enumerate(rows) if r[3] is None]].sum() < len(rows) - 21
+    assert plan.marked == {"train": 1, "val": 20}
+    assert plan.sources == ("web", "code", "bench")
+
+
+def test_marks_that_leave_a_split_empty_are_errors(corpus, tmp_path):
+    _, tok, rows = corpus
+    only_val = write_sourced(tmp_path / "v.parquet", [(r[0], r[1], r[2], "val") for r in rows[:10]])
+    with pytest.raises(PackError, match="every document is marked split: val, so train would be empty"):
+        plan_splits(pq.ParquetFile(only_val), 0, 0.1)
+    only_train = write_sourced(tmp_path / "t.parquet", [(r[0], r[1], r[2], "train") for r in rows[:10]])
+    with pytest.raises(PackError, match="every document is marked split: train, so val would be empty"):
+        plan_splits(pq.ParquetFile(only_train), 0, 0.1)
+    # one unmarked document beside marked val ones is trained on, however it hashes
+    rows = [(r[0], r[1], r[2], "val") for r in rows[:5]] + [rows[6][:3] + (None,)]
+    mixed = write_sourced(tmp_path / "m.parquet", rows)
+    assert plan_splits(pq.ParquetFile(mixed), 0, 0.5).val_mask(0, 6).tolist() == [True] * 5 + [False]
+
+
+@pytest.fixture(scope="module")
+def packed(corpus, tmp_path_factory):
+    path, tok, _ = corpus
+    out = tmp_path_factory.mktemp("packed")
+    return out, run_pack(PackConfig(**CFG), path, tok, out)
+
+
+def test_each_source_gets_its_own_val_split(corpus, packed):
+    path, tok, rows = corpus
+    out, metrics = packed
+    manifest = verify(out)  # the per-source splits are listed with their digests
+    dirs = val_sources(out)
+    assert set(dirs) == {"web", "code", "bench"}
+    plan = plan_splits(pq.ParquetFile(path), CFG["seed"], CFG["val_fraction"])
+    val = plan.val_mask(0, len(rows))
+    t = load_tokenizer(tok)
+    for name, d in dirs.items():
+        mine = [r[1] for r, v in zip(rows, val) if v and r[2] == name]
+        info = manifest["splits"][d.name]
+        assert info["docs"] == len(mine) == manifest["sources"][name]["val_docs"]
+        stream = [x for text in mine for x in t.encode(text).ids + [manifest["eot_id"]]]
+        assert info["tokens"] == len(stream)
+        got = PackedRows(d).input_ids(np.arange(info["rows"])).reshape(-1)
+        assert got.tolist() == stream[:len(got)]
+    assert manifest["splits"]["val"]["docs"] == sum(manifest["splits"][d.name]["docs"] for d in dirs.values())
+    assert manifest["sources"]["bench"]["train_docs"] == 0 and manifest["marked"] == {"val": 20}
+    assert set(metrics["sources"]) == {"web", "code", "bench"}
+    assert metrics["sources"]["bench"]["share"] == 0
+
+
+def test_one_unmarked_source_writes_the_manifest_as_before(corpus, tmp_path):
+    path, tok, rows = corpus
+    one = write_sourced(tmp_path / "one.parquet", [(r[0], r[1], "web", None) for r in rows])
+    run_pack(PackConfig(**CFG), one, tok, tmp_path / "a")
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pq.read_table(one).drop_columns(["source_name", "split"]), plain)
+    run_pack(PackConfig(**CFG), plain, tok, tmp_path / "b")
+    a, b = read_json(tmp_path / "a" / MANIFEST), read_json(tmp_path / "b" / MANIFEST)
+    assert a == b and "sources" not in a and val_sources(tmp_path / "a") == {}
+
+
+@pytest.mark.parametrize("mixture", [
+    {"web": {"weight": 0.5}, "code": {"weight": 0.5}},          # code upsampled, web downsampled
+    {"web": {"weight": 0.9}, "code": {"weight": 0.1}},
+    {"web": {"tokens": 3000}, "code": {"weight": 1.0}},
+])
+def test_mixture_shares_are_realised(corpus, packed, tmp_path, mixture, caplog):
+    path, tok, _ = corpus
+    natural = read_json(packed[0] / MANIFEST)["sources"]
+    cfg = PackConfig(**CFG, mixture=mixture)
+    with caplog.at_level(logging.WARNING):
+        metrics = run_pack(cfg, path, tok, tmp_path / "mix")
+    manifest = verify(tmp_path / "mix")
+    src = manifest["sources"]
+    for name, share in mixture.items():
+        target = src[name]["target_tokens"]
+        assert abs(src[name]["train_tokens"] - target) <= 60  # within the shortest document left out
+        if "weight" in share:
+            want = share["weight"] / sum(s.get("weight", 0) for s in mixture.values())
+            assert src[name]["requested_share"] == pytest.approx(
+                want * (1 - 3000 / sum(x["target_tokens"] for x in src.values() if "target_tokens" in x))
+                if "tokens" in str(mixture) else want, abs=1e-4)
+        assert abs(src[name]["share"] - src[name]["requested_share"]) < 0.01
+        assert src[name]["available_tokens"] == natural[name]["train_tokens"]
+    assert metrics["sources"]["web"]["share"] == src["web"]["share"]
+    # every document is accounted for: copies written, or dropped by the mixture
+    train = manifest["splits"]["train"]
+    assert train["docs"] == sum(src[n]["copies"] for n in mixture)
+    assert all(src[n]["train_docs"] == natural[n]["train_docs"] for n in mixture)
+    assert (src["web"]["dropped_docs"] > 0) == (src["web"]["target_tokens"] < src["web"]["available_tokens"])
+    assert train["tokens"] == sum(src[n]["train_tokens"] for n in mixture) + train["docs"] - train["joined"]
+    assert manifest["splits"]["val"] == read_json(packed[0] / MANIFEST)["splits"]["val"]  # val is never resampled
+    assert not (tmp_path / "mix" / ".mixture.arrow").exists()
+
+
+def test_mixture_is_deterministic_and_follows_the_seed(corpus, tmp_path):
+    path, tok, _ = corpus
+    mix = {"web": {"weight": 1}, "code": {"weight": 1}}
+    run_pack(PackConfig(**CFG, mixture=mix), path, tok, tmp_path / "a")
+    run_pack(PackConfig(**{**CFG, "num_workers": 2, "task_bytes": 1_000}, mixture=mix), path, tok, tmp_path / "b")
+    run_pack(PackConfig(**{**CFG, "seed": 4}, mixture=mix), path, tok, tmp_path / "c")
+    a, b, c = (read_json(tmp_path / x / MANIFEST)["splits"]["train"]["shards"] for x in "abc")
+    assert [s["sha256"] for s in a] == [s["sha256"] for s in b]
+    assert [s["sha256"] for s in a] != [s["sha256"] for s in c]
+
+
+def test_a_source_repeated_too_often_is_a_warning_with_the_figures(corpus, tmp_path, caplog):
+    path, tok, _ = corpus
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.pack"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 9}}, max_repeats=2), path, tok,
+                 tmp_path / "out")
+    [line] = [r.getMessage() for r in caplog.records if "max_repeats" in r.getMessage()]
+    assert line.startswith("source 'code' has ") and "more than pack.max_repeats=2" in line
+
+
+def test_mixture_errors(corpus, tmp_path):
+    path, tok, rows = corpus
+    with pytest.raises(MixtureError, match=r"no entry for source\(s\) \['code'\]"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}}), path, tok, tmp_path / "out")
+    with pytest.raises(MixtureError, match=r"names source\(s\) \['bench'\] that have no train documents"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 1}, "bench": {"weight": 1}}),
+                 path, tok, tmp_path / "out")
+    assert not (tmp_path / "out" / MANIFEST).exists() and not (tmp_path / "out" / ".mixture.arrow").exists()
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pq.read_table(path).drop_columns(["source_name"]), plain)
+    with pytest.raises(PackError, match="no source_name column"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}}), plain, tok, tmp_path / "out")
+    assert PackConfig(**CFG, mixture={"web": {"weight": 1}}).mixture == {"web": Share(weight=1)}
