@@ -119,6 +119,7 @@ TRAIN_KEYS = {
     "min_lr": "schedule.min_lr", "kind": "schedule.kind", "decay_fraction": "schedule.decay_fraction",
     "decay_steps": "schedule.decay_steps", "decay_shape": "schedule.decay_shape", "device": "compute.device", "precision": "compute.precision",
     "compile": "compute.compile", "activation_checkpointing": "compute.activation_checkpointing",
+    "parallelism": "compute.parallelism",
     "nproc_per_node": "launch.nproc_per_node", "eval_every": "eval.every", "eval_rows": "eval.rows",
     "checkpoint_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep", "keep_best": "checkpoint.keep_best",
     "keep_previous": "checkpoint.keep_previous", "log_every": "logging.every",
