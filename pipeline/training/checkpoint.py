@@ -84,6 +84,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -616,7 +617,9 @@ def dcp_load(state: dict[str, Any], path: Path, *, no_dist: bool) -> None:
             super().load_bytes(read_item, clean)
 
     try:
-        dcp.load(state, storage_reader=Reader(path), planner=Planner(), no_dist=no_dist)
+        with warnings.catch_warnings():  # no_dist is what we asked for, not a surprise to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=Reader(path), planner=Planner(), no_dist=no_dist)
     except CheckpointError:
         raise
     except (RuntimeError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as err:

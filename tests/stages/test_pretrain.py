@@ -14,7 +14,10 @@ import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
+from pipeline.training.config import OptimizerSection
+from pipeline.training.optimizer import build_optimizer
 from tests.conftest import ROOT
 from tests.helpers import train_params, write_packed
 from tests.hf_models import save_tiny_hf_folder
@@ -58,7 +61,12 @@ def losses(cwd):
 
 
 def weights(cwd):
-    return load_file(str(ckpt.latest(cwd / "models" / "pretrain").path / "model.safetensors"))
+    """The newest checkpoint's weights, full, whichever layout it has."""
+    last = ckpt.latest(cwd / "models" / "pretrain")
+    if ckpt.is_sharded(last):
+        model = Transformer(ModelConfig(**last.meta["model"]))
+        return ckpt.full_model_state(last.path, model)
+    return load_file(str(last.path / "model.safetensors"))
 
 
 def test_two_ranks_give_the_same_update_as_one_rank_with_the_same_global_batch(tmp_path):
@@ -101,6 +109,12 @@ def test_sigkill_then_resume_is_bit_exact_on_cuda_in_bf16(tmp_path):
     # a GPU takes milliseconds a step: more steps, so that the kill lands mid-run
     kill_and_resume(tmp_path, nproc_per_node=1, device="cuda", precision="bf16", max_steps=600, checkpoint_every=20,
                     eval_every=200)
+
+
+def test_sigkill_then_resume_is_bit_exact_with_two_fsdp_ranks(tmp_path):
+    kill_and_resume(tmp_path, nproc_per_node=2, parallelism="fsdp")
+    run = tmp_path / "run" / "models" / "pretrain"
+    assert all(ckpt.is_sharded(c) and c.meta["world_size"] == 2 for c in ckpt.complete_checkpoints(run))
 
 
 def test_sigkill_then_resume_is_bit_exact_with_two_ranks_for_a_run_started_from_a_hugging_face_model(tmp_path):
@@ -294,3 +308,68 @@ def test_max_steps_0_without_init_from_is_one_line_before_any_rank_starts(tmp_pa
     line = one_error_line(stage(p, timeout=60))
     assert "max_steps 0" in line and "init_from is null" in line
     assert not (p / "models" / "pretrain").exists() or not list((p / "models" / "pretrain").rglob("step-*"))
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_on_one_rank_and_on_ddp_with_its_weights_and_exports(tmp_path, tok_path):
+    """Resharding: a checkpoint written by 2 FSDP ranks resumes on 1 FSDP rank, on
+    1 plain rank and on 2 DDP ranks (the global batch kept, so the run is the
+    same). Each resumes at the checkpoint's step with nothing left to train,
+    which re-saves that step in its own layout: its weights and AdamW state
+    equal the sharded ones exactly. The sharded checkpoint also exports to a
+    Hugging Face folder that transformers runs to our logits."""
+    import shutil
+
+    vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+
+    def make(path, **params):
+        path.mkdir(parents=True)
+        write_packed(path / "data" / "packed", n_docs=600, vocab=vocab, tokenizer=tok_path)
+        (path / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(BASE, **params)}))
+        return path
+
+    common = dict(micro_batch_size=4, max_steps=6, checkpoint_every=3, keep_checkpoints=2)
+    src = make(tmp_path / "fsdp2", nproc_per_node=2, parallelism="fsdp", grad_accum_steps=1, **common)
+    r = stage(src)
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = ckpt.resolve(src / "models" / "pretrain" / "step-00000003")
+    assert ckpt.is_sharded(saved) and saved.meta["world_size"] == 2
+    assert sorted(n for n in saved.meta["files"] if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    def training_state(c):
+        model = Transformer(ModelConfig(**c.meta["model"]))
+        optimizer = build_optimizer(model, OptimizerSection(), torch.device("cpu"))
+        ckpt.CheckpointManager(c.path.parent, fingerprint="any", keep=1, is_main=True).load(c, model, optimizer)
+        return model.state_dict(), optimizer.state_dict()["state"]
+
+    want_weights, want_moments = training_state(saved)
+    for name, nproc, parallelism, accum in [("fsdp1", 1, "fsdp", 2), ("ddp1", 1, "ddp", 2), ("ddp2", 2, "ddp", 1)]:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        ckpt.discard([ckpt.latest(dst / "models" / "pretrain")])  # keep step 3 only
+        (dst / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(
+            BASE, nproc_per_node=nproc, parallelism=parallelism, grad_accum_steps=accum, **{**common, "max_steps": 3})}))
+        r = stage(dst)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed from" in r.stderr, name
+        resaved = ckpt.latest(dst / "models" / "pretrain")
+        assert resaved.step == 3 and ckpt.is_sharded(resaved) == (parallelism == "fsdp"), name
+        assert resaved.meta["world_size"] == nproc and resaved.meta["fingerprint"] == saved.meta["fingerprint"]
+        got_weights, got_moments = training_state(resaved)
+        for k, v in want_weights.items():
+            assert torch.equal(got_weights[k], v), (name, k)
+        assert got_moments.keys() == want_moments.keys()
+        for i, moments in want_moments.items():
+            for k, v in moments.items():
+                assert torch.equal(got_moments[i][k], v), (name, i, k)
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.export import export_model
+
+    export_model(src / "models" / "pretrain", tok_path, tmp_path / "export", card_info={})
+    ours = Transformer(ModelConfig(**ckpt.latest(src / "models" / "pretrain").meta["model"])).eval()
+    ckpt.load_model_weights(ckpt.latest(src / "models" / "pretrain"), ours)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ids = torch.randint(4, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
