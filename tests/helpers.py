@@ -102,10 +102,17 @@ def tiny_model(config: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(config).eval()
 
 
-def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: dict | None = None) -> ckpt.Checkpoint:
-    """A complete training checkpoint of ``model`` in the trainer's layout."""
+def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: dict | None = None,
+                    sharded: bool = False) -> ckpt.Checkpoint:
+    """A complete training checkpoint of ``model`` in the trainer's layout
+    (``sharded``: the DCP layout an FSDP run writes, here from one process)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     base = {"stage": "sft", "fingerprint": "f" * 16, "model": model.config.to_dict(), "metrics": {"loss": 1.25}}
+    if sharded:
+        from pipeline.training.distributed import Dist
+
+        return ckpt.save_sharded(folder, step, model, optimizer, {"step": step}, {**base, **(meta or {})}, 2,
+                                 Dist(0, 0, 1, torch.device("cpu"), None))
     return ckpt.save(folder, step, model, optimizer, {"step": step}, {**base, **(meta or {})}, keep=2)
 
 

@@ -166,7 +166,11 @@ class Trainer:
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
         if self.sharded:
-            check_fsdp(d, self.precision)
+            try:
+                check_fsdp(d, self.precision)
+            except StageError:
+                self.close()
+                raise
         attention.resolve(cfg.compute.attention, d.device, self.precision)  # a backend that cannot run fails here, early
         if self.precision == "fp16" and d.device.type == "cpu":
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")
