@@ -520,8 +520,6 @@ def load_training_state(ckpt: Checkpoint, model: torch.nn.Module, optimizer: tor
     rank. The plain-into-plain case is :meth:`CheckpointManager.load`'s own."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    from pipeline.training.parallelize import is_sharded as model_is_sharded
-
     verify(ckpt)
     if is_sharded(ckpt):
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -538,6 +536,13 @@ def load_training_state(ckpt: Checkpoint, model: torch.nn.Module, optimizer: tor
     saved = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
     set_state_dict(model, optimizer, model_state_dict=full, optim_state_dict=optimizer_state_by_name(saved, model, optimizer),
                    options=StateDictOptions(full_state_dict=True))
+
+
+def model_is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model sharded by FSDP2 (pipeline/training/parallelize.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:
@@ -874,8 +879,6 @@ class CheckpointManager:
         raises CheckpointError before anything is loaded. A sharded checkpoint,
         or any checkpoint into a sharded model, goes through
         :func:`load_training_state` (``d``: this process's ranks; every rank calls)."""
-        from pipeline.training.parallelize import is_sharded as model_is_sharded
-
         verify(ckpt)
         if is_sharded(ckpt) or model_is_sharded(model):
             load_training_state(ckpt, model, optimizer, d or distributed.Dist(0, 0, 1, torch.device("cpu"), None))
