@@ -181,12 +181,15 @@ class Trainer:
         if self.seq_len > model_cfg.max_seq_len:
             raise StageError(f"packed rows have seq_len {self.seq_len} > model max_seq_len {model_cfg.max_seq_len}")
         self.model = Transformer(model_cfg).to(d.device)
-        self.cfg = cfg = self._resolve_micro_batch(cfg)
+        # FSDP on CUDA probes the micro-batch on the sharded model, once it is sharded (below)
+        probe_sharded = self.sharded and d.device.type == "cuda" and cfg.batch.micro_batch_size == "auto"
+        if not probe_sharded:
+            self.cfg = cfg = self._resolve_micro_batch(cfg)
         if not self.sharded:  # FSDP: built over the shards, once the model is sharded (below)
             self._build_optimizer()
         self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.precision == "fp16")
-        self.order = GlobalOrder(len(self.train_data), cfg.seed, cfg.batch.micro_batch_size,
-                                 cfg.batch.grad_accum_steps, d.world_size, d.rank)
+        if not probe_sharded:
+            self._build_order()
         self.step, self.loss_spikes, self._loss_ema = 0, 0, None
         self.resumed: ckpt.Checkpoint | None = None
 
@@ -227,6 +230,9 @@ class Trainer:
                 log.info("initialised weights from %s", init_id)
         self.fwd_model = parallelize(self.model, cfg.compute, d, self.precision)
         if self.sharded:
+            if probe_sharded:
+                self.cfg = cfg = self._resolve_micro_batch(cfg)
+                self._build_order()
             self._build_optimizer()
             if last is not None:
                 self._resume(last)
@@ -240,6 +246,11 @@ class Trainer:
                                      tokens_per_step=self.tokens_per_step,
                                      flops_per_token=flops_per_token(model_cfg, self.seq_len),
                                      max_steps=cfg.schedule.max_steps)
+
+    def _build_order(self) -> None:
+        b = self.cfg.batch
+        self.order = GlobalOrder(len(self.train_data), self.cfg.seed, b.micro_batch_size, b.grad_accum_steps,
+                                 self.d.world_size, self.d.rank)
 
     def _build_optimizer(self) -> None:
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer, self.d.device)
@@ -269,7 +280,8 @@ class Trainer:
                                                      precision=self.precision, ranks_per_node=cfg.launch.nproc_per_node,
                                                      available=memory.available_cpu_bytes(),
                                                      checkpointing=cfg.compute.activation_checkpointing,
-                                                     doc_mask=cfg.data.doc_mask)
+                                                     doc_mask=cfg.data.doc_mask,
+                                                     fsdp_world=d.world_size if self.sharded else None)
             except MemoryError as err:
                 raise StageError(str(err)) from None
             micro = int(distributed.all_reduce_min(torch.tensor(micro), d))

@@ -544,3 +544,10 @@ def test_fsdp_refuses_fp16_in_one_line(tmp_path):
 
     with pytest.raises(ParallelismError, match="fsdp trains in bf16 or fp32, not fp16"):
         run(tmp_path, precision="fp16", parallelism="fsdp")
+
+
+def test_fsdp_composes_with_activation_checkpointing(tmp_path):
+    (tmp_path / "ddp").mkdir(); (tmp_path / "fsdp").mkdir()
+    run(tmp_path / "ddp", max_steps=3, activation_checkpointing=True)
+    run(tmp_path / "fsdp", max_steps=3, activation_checkpointing=True, parallelism="fsdp")
+    assert losses_and_norms(tmp_path / "fsdp") == losses_and_norms(tmp_path / "ddp")
