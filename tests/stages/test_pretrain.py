@@ -345,10 +345,20 @@ def test_a_two_rank_fsdp_checkpoint_resumes_on_one_rank_and_on_ddp_with_its_weig
     assert sorted(n for n in saved.meta["files"] if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
     def training_state(c):
+        """Weights and AdamW state by parameter name, read without the code under test:
+        DCP's own converter for a sharded checkpoint, the files themselves for a single-file one."""
+        if ckpt.is_sharded(c):
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            dcp_to_torch_save(c.path, tmp_path / "full.pt")
+            full = torch.load(tmp_path / "full.pt", weights_only=False)  # written just now by this test
+            return full["model"], full["optim"]["state"]
         model = Transformer(ModelConfig(**c.meta["model"]))
-        optimizer = build_optimizer(model, OptimizerSection(), torch.device("cpu"))
-        ckpt.CheckpointManager(c.path.parent, fingerprint="any", keep=1, is_main=True).load(c, model, optimizer)
-        return model.state_dict(), optimizer.state_dict()["state"]
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in build_optimizer(model, OptimizerSection(), torch.device("cpu")).param_groups
+                 for p in g["params"]]
+        moments = torch.load(c.path / "optimizer.pt", weights_only=True)["state"]
+        return load_file(str(c.path / "model.safetensors")), {order[i]: v for i, v in moments.items()}
 
     want_weights, want_moments = training_state(saved)
     for name, nproc, parallelism, accum in [("fsdp1", 1, "fsdp", 2), ("ddp1", 1, "ddp", 2), ("ddp2", 2, "ddp", 1)]:
@@ -364,12 +374,14 @@ def test_a_two_rank_fsdp_checkpoint_resumes_on_one_rank_and_on_ddp_with_its_weig
         assert resaved.step == 3 and ckpt.is_sharded(resaved) == (parallelism == "fsdp"), name
         assert resaved.meta["world_size"] == nproc and resaved.meta["fingerprint"] == saved.meta["fingerprint"]
         got_weights, got_moments = training_state(resaved)
-        for k, v in want_weights.items():
-            assert torch.equal(got_weights[k], v), (name, k)
+        for k in got_weights.keys() & want_weights.keys():  # a single file holds a tied weight once
+            assert torch.equal(got_weights[k], want_weights[k]), (name, k)
+        assert len(got_weights.keys() & want_weights.keys()) >= len(want_weights) - 1
         assert got_moments.keys() == want_moments.keys()
-        for i, moments in want_moments.items():
+        for param, moments in want_moments.items():
+            assert moments["exp_avg"].abs().sum() > 0  # trained moments, not a fresh optimizer's
             for k, v in moments.items():
-                assert torch.equal(got_moments[i][k], v), (name, i, k)
+                assert torch.equal(torch.as_tensor(got_moments[param][k]), torch.as_tensor(v)), (name, param, k)
 
     from transformers import AutoModelForCausalLM
 
