@@ -308,16 +308,21 @@ def verify(ckpt: Checkpoint | Path) -> None:
     if not (path / "meta.json").is_file():
         raise damaged("meta.json", "missing, so the checkpoint cannot be verified")
     try:
-        files = _read_meta(path)["files"]
-        records = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in files.items()}
+        meta = _read_meta(path)
+        records = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in meta["files"].items()}
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise damaged("meta.json", f"unreadable ({type(err).__name__}: {err})".replace("\n", " ")) from err
-    sharded = _read_meta(path).get("format") == "dcp"
+    sharded = meta.get("format") == "dcp"
     for name in (SHARDED_FILES if sharded else FILES)[:-1]:
         if name not in records:
             raise damaged("meta.json", f"records no size and sha256 for {name}")
-    if sharded and not any(SHARD_RE.match(name) for name in records):
-        raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
+    if sharded:
+        if not any(SHARD_RE.match(name) for name in records):
+            raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
+        # DCP reads whichever shard files .metadata names: every one in the folder must be verified
+        for p in sorted(path.iterdir()):
+            if SHARD_RE.match(p.name) and p.name not in records:
+                raise damaged(p.name, "not recorded in meta.json, so it cannot be verified")
     for name, (size, sha256) in records.items():
         if Path(name).name != name or name == "meta.json":
             raise damaged("meta.json", f"records the file name {name!r}, which is not a file of a checkpoint")
@@ -661,7 +666,8 @@ class MovedRun:
 class CheckpointManager:
     """The checkpoints of one training run in ``folder``: those whose meta
     ``fingerprint`` is ``fingerprint``. Built on every rank; only the main rank
-    (``is_main``) changes the folder.
+    (``is_main``) changes the folder (a sharded save has every rank write its
+    shard into the main rank's temporary folder, which only the main rank renames).
 
     ``identity`` is the record the fingerprint was computed from
     (:func:`pipeline.training.config.identity_record`); it is written into every

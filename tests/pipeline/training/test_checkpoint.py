@@ -474,6 +474,14 @@ def test_a_sharded_checkpoint_without_its_index_is_damaged_not_a_file_layout(tmp
         ckpt.resolve(tmp_path)
 
 
+def test_a_shard_that_meta_json_does_not_record_is_damage(tmp_path):
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    (c / "__1_0.distcp").write_bytes((c / "__0_0.distcp").read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match=r"__1_0\.distcp: not recorded in meta.json"):
+        ckpt.load_model_weights(c, Tiny())
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
