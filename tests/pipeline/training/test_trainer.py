@@ -551,3 +551,14 @@ def test_fsdp_composes_with_activation_checkpointing(tmp_path):
     run(tmp_path / "ddp", max_steps=3, activation_checkpointing=True)
     run(tmp_path / "fsdp", max_steps=3, activation_checkpointing=True, parallelism="fsdp")
     assert losses_and_norms(tmp_path / "fsdp") == losses_and_norms(tmp_path / "ddp")
+
+
+@pytest.mark.slow
+def test_fsdp_composes_with_compile_and_activation_checkpointing(tmp_path):
+    """Each block compiled and checkpointed, then sharded: the eager run's losses
+    (compiled kernels round differently, hence the tolerance)."""
+    (tmp_path / "eager").mkdir(); (tmp_path / "fsdp").mkdir()
+    run(tmp_path / "eager", max_steps=3)
+    run(tmp_path / "fsdp", max_steps=3, parallelism="fsdp", compile=True, activation_checkpointing=True)
+    eager, fsdp = losses_and_norms(tmp_path / "eager"), losses_and_norms(tmp_path / "fsdp")
+    assert [float(x) for row in fsdp for x in row] == pytest.approx([float(x) for row in eager for x in row], rel=1e-5)
