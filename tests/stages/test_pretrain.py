@@ -126,6 +126,13 @@ def test_sigkill_then_resume_is_bit_exact_with_two_fsdp_ranks(tmp_path):
     assert all(ckpt.is_sharded(c) and c.meta["world_size"] == 2 for c in ckpt.complete_checkpoints(run))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sigkill_then_resume_is_bit_exact_with_fsdp_on_cuda_in_bf16(tmp_path):
+    # FSDP's bf16 mixed-precision policy over NCCL, on a mesh of one GPU
+    kill_and_resume(tmp_path, nproc_per_node=1, device="cuda", precision="bf16", parallelism="fsdp", max_steps=600,
+                    checkpoint_every=20, eval_every=200)
+
+
 def test_sigkill_then_resume_is_bit_exact_with_two_ranks_for_a_run_started_from_a_hugging_face_model(tmp_path):
     kill_and_resume(tmp_path, hf="qwen2", nproc_per_node=2)
 
