@@ -434,10 +434,9 @@ def save_sharded(
         torch.save(trainer_state, tmp / "trainer.pt")
         for name in (DCP_METADATA, "trainer.pt"):
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-        unrecorded = sorted(p.name for p in tmp.iterdir()) != sorted(files)
-        if unrecorded:
-            raise CheckpointError(f"{tmp}: holds files no rank recorded ({sorted(p.name for p in tmp.iterdir())} "
-                                  f"vs {sorted(files)})")
+        listed = sorted(p.name for p in tmp.iterdir())
+        if listed != sorted(files):  # every file a load reads must be verifiable
+            raise CheckpointError(f"{tmp}: holds {listed}, but the ranks recorded {sorted(files)}")
         meta = {**(meta or {}), "step": step, "format": "dcp", "world_size": d.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": dict(sorted(files.items()))}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
@@ -450,13 +449,11 @@ def _write_shards(tmp: Path, state: dict[str, Any], d: distributed.Dist) -> dict
     the shard files this rank wrote."""
     import torch.distributed.checkpoint as dcp
 
-    before = set(os.listdir(tmp))
     with warnings.catch_warnings():  # alone (no process group) is what we asked for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
                  no_dist=not d.enabled)
-    mine = [name for name in os.listdir(tmp) if name not in before and SHARD_RE.match(name)
-            and int(SHARD_RE.match(name).group(1)) == d.rank]
+    mine = [name for name in os.listdir(tmp) if (m := SHARD_RE.match(name)) and int(m.group(1)) == d.rank]
     return {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in mine}
 
 
