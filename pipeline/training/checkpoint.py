@@ -83,6 +83,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -542,6 +543,8 @@ def load_training_state(ckpt: Checkpoint, model: torch.nn.Module, optimizer: tor
 
 def model_is_sharded(model: torch.nn.Module) -> bool:
     """True for a model sharded by FSDP2 (pipeline/training/parallelize.py)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False  # nothing in this process sharded a model (and a DDP run need not load FSDP)
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)

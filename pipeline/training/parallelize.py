@@ -19,8 +19,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
@@ -72,9 +70,11 @@ def check_fsdp(d: Dist, precision: str) -> None:
                                "does not apply to sharded gradients); set compute.precision to bf16 or fp32")
 
 
-def mixed_precision(d: Dist, precision: str) -> MixedPrecisionPolicy:
+def mixed_precision(d: Dist, precision: str) -> "MixedPrecisionPolicy":  # noqa: F821
     """bf16 weights for compute with fp32 gradient reduction on CUDA in bf16;
     otherwise parameters stay in their own dtype (fp32) and autocast decides."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP's modules load only for FSDP runs
+
     if d.device.type == "cuda" and precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -86,6 +86,9 @@ def shard(model: Transformer, cfg: ComputeSection, d: Dist, precision: str) -> t
     returned; build the optimizer after this. A mesh of one rank is allowed: it
     trains like a plain run and writes the same sharded checkpoints, so a
     one-GPU run can resume on eight and back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     check_fsdp(d, precision)
     mesh = init_device_mesh(d.device.type, (d.world_size,))
     policy = mixed_precision(d, precision)
@@ -99,4 +102,6 @@ def shard(model: Transformer, cfg: ComputeSection, d: Dist, precision: str) -> t
 
 def is_sharded(module: torch.nn.Module) -> bool:
     """True for a model sharded by :func:`shard` (its parameters are DTensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
     return isinstance(module, FSDPModule)

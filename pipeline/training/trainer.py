@@ -50,8 +50,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.config import flatten
@@ -444,6 +444,12 @@ class Trainer:
             batch = self.val_data.batch(rows[i:i + mb], self.d.device, self.cfg.data.doc_mask)
             total[0] += self._loss_sum(batch).double()
             total[1] += scored_tokens(batch["targets"])
+        if self.sharded:
+            # every forward gathers weights from all ranks, so every rank runs as many as
+            # rank 0 (which has the most rows); the extra ones score nothing
+            most = len(eval_rows(len(self.val_data), self.cfg.eval.rows, self.d.world_size, 0))
+            for _ in range(math.ceil(len(rows) / mb), math.ceil(most / mb)):
+                self._loss_sum(self.val_data.batch(np.arange(1), self.d.device, self.cfg.data.doc_mask))
         total = distributed.all_reduce_mean(total, self.d) * self.d.world_size
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
@@ -526,6 +532,8 @@ class Trainer:
 def sharded_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The global gradient norm of FSDP-sharded parameters (the norm of the full
     gradients, one all-reduce), clipping them to ``max_norm`` when it is above 0."""
+    from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads)
     if isinstance(total, DTensor):

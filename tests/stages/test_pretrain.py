@@ -121,7 +121,8 @@ def test_sigkill_then_resume_is_bit_exact_on_cuda_in_bf16(tmp_path):
 
 
 def test_sigkill_then_resume_is_bit_exact_with_two_fsdp_ranks(tmp_path):
-    kill_and_resume(tmp_path, nproc_per_node=2, parallelism="fsdp")
+    # 9 val rows: rank 0 scores 2 micro-batches, rank 1 one (FSDP needs both in every forward)
+    kill_and_resume(tmp_path, nproc_per_node=2, parallelism="fsdp", eval_rows=9)
     run = tmp_path / "run" / "models" / "pretrain"
     assert all(ckpt.is_sharded(c) and c.meta["world_size"] == 2 for c in ckpt.complete_checkpoints(run))
 
