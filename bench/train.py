@@ -18,6 +18,19 @@ compared, so a noisy neighbour hurts both. The goal is stage overhead ≤ 5%.
 MFU is model FLOPs per token (6N + attention, pipeline.model.transformer.flops_per_token)
 × tokens/s over the matmul peak measured here in fp32 and in bf16 (with
 ``F.linear``, the op behind the model's weight matmuls).
+
+``--matrix`` runs the stage alone over a grid instead, for GPUs (bf16)::
+
+    python -m bench.train --matrix --device cuda                 # small, medium x 1024, 4096 x doc mask on/off
+                                                                 # x sdpa, flex, varlen x ddp, fsdp on 1 GPU
+    python -m bench.train --matrix --device cuda --nproc 8 --parallelism fsdp --presets medium
+
+Each cell is one stage run (torchrun with ``--nproc`` ranks, ``micro_batch_size:
+auto`` over a global batch of ``--tokens-per-step`` tokens) and reports tokens/s
+over the timed steps, MFU against ``--nproc`` × the bf16 matmul peak measured
+on this device, and the peak memory per device. A cell that fails (out of
+memory, a backend this device lacks) prints its one-line error and the grid
+goes on. The table is printed as Markdown and saved to bench/results/.
 """
 
 from __future__ import annotations
@@ -158,6 +171,93 @@ def compare(args, precision: str, steps: int) -> dict:
     }
 
 
+def matrix_cell(args, project: Path, preset: str, seq_len: int, doc_mask: bool, attention: str,
+                parallelism: str) -> dict:
+    """One stage run of the grid: tokens/s over the steps after warm-up, and the peak memory per device (MB)."""
+    import csv
+
+    import yaml
+
+    for p in ("models", "metrics", "plots"):
+        subprocess.run(["rm", "-rf", str(project / p)], check=True)
+    rows = max(1, args.tokens_per_step // seq_len)
+    accum = max(1, rows // 16 // args.nproc)  # micro_batch_size auto keeps 16 x accum x ranks rows per step
+    params = {"pretrain": {
+        "model": {"preset": preset, "max_seq_len": seq_len},
+        "data": {"doc_mask": doc_mask},
+        "compute": {"device": args.device, "precision": args.matrix_precision, "compile": args.compile,
+                    "attention": attention, "parallelism": parallelism,
+                    "activation_checkpointing": args.activation_checkpointing},
+        "launch": {"nproc_per_node": args.nproc},
+        "batch": {"micro_batch_size": "auto", "grad_accum_steps": accum},
+        "schedule": {"max_steps": args.warmup + args.steps, "warmup_steps": 1},
+        "eval": {"every": 10**6, "rows": 1},
+        "checkpoint": {"every": 10**6},
+        "logging": {"every": args.warmup, "track": False, "peak_flops": 1.0e12},
+    }}
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
+    out = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=project, env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]
+        return {"error": (errors or lines or ["failed"])[0][-300:]}
+    with open(project / "plots" / "pretrain.csv", newline="") as f:
+        logged = list(csv.DictReader(f))
+    timed = [float(r["tokens_per_s"]) for r in logged if int(r["step"]) > args.warmup]
+    return {"tokens_per_s": statistics.harmonic_mean(timed), "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in logged),
+            "rows_per_step": 16 * accum * args.nproc}
+
+
+def matrix(args) -> None:
+    """The grid of --matrix (see the module docstring)."""
+    import itertools
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.matrix_precision]
+    peak = measure_peak_flops(device, dtype, seconds=2.0)
+    print(f"measured {args.matrix_precision} matmul peak: {peak / 1e12:,.1f} TFLOP/s per device", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        project = Path(tmp)
+        for seq_len in args.seq_lens:
+            n_docs = max(2000, 3 * args.tokens_per_step * (args.steps + args.warmup + 2) // 20)
+            packed = project / "data" / "packed"
+            subprocess.run(["rm", "-rf", str(packed)], check=True)
+            write_packed(packed, vocab=args.vocab, seq_len=seq_len, n_docs=n_docs)
+            for preset, doc_mask, attention, parallelism in itertools.product(
+                    args.presets, args.doc_mask, args.attention, args.parallelism):
+                cfg = build_config(preset, args.vocab, max_seq_len=seq_len)
+                cell = {"preset": preset, "params": num_params(Transformer(cfg)), "seq_len": seq_len,
+                        "doc_mask": doc_mask == "on", "attention": attention, "parallelism": parallelism,
+                        "nproc": args.nproc}
+                cell.update(matrix_cell(args, project, preset, seq_len, doc_mask == "on", attention, parallelism))
+                if "tokens_per_s" in cell:
+                    cell["mfu"] = cell["tokens_per_s"] * flops_per_token(cfg, seq_len) / (peak * args.nproc)
+                results.append(cell)
+                print(json.dumps(cell), flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""),
+        "torch": torch.__version__, "precision": args.matrix_precision, "compile": args.compile,
+        "activation_checkpointing": args.activation_checkpointing, "matmul_peak_flops": peak,
+        "tokens_per_step": args.tokens_per_step, "steps": args.steps, "warmup": args.warmup, "results": results,
+    }
+    print()
+    print(f"| preset | seq | doc mask | attention | parallelism x {args.nproc} | tokens/s | MFU | peak memory / device |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        what = (f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_mb'] / 1024:,.1f} GiB"
+                if "tokens_per_s" in r else f"failed: {r['error']} | | ")
+        print(f"| {r['preset']} | {r['seq_len']} | {'on' if r['doc_mask'] else 'off'} | {r['attention']} | "
+              f"{r['parallelism']} | {what} |")
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"train-matrix-{args.device}-{args.nproc}.json").write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mini")
@@ -174,7 +274,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--compile", action="store_true")
+    grid = ap.add_argument_group("--matrix: the stage over a grid (GPU)")
+    grid.add_argument("--matrix", action="store_true")
+    grid.add_argument("--presets", nargs="+", default=["small", "medium"])
+    grid.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 4096])
+    grid.add_argument("--doc-mask", nargs="+", choices=["on", "off"], default=["on", "off"])
+    grid.add_argument("--attention", nargs="+", choices=["sdpa", "flex", "varlen"], default=["sdpa", "flex", "varlen"])
+    grid.add_argument("--parallelism", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
+    grid.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) per run")
+    grid.add_argument("--tokens-per-step", type=int, default=65536, help="global batch in tokens")
+    grid.add_argument("--matrix-precision", choices=["bf16", "fp32"], default="bf16")
+    grid.add_argument("--activation-checkpointing", action="store_true")
     args = ap.parse_args()
+    if args.matrix:
+        matrix(args)
+        return
     if args.child_plain:
         packed, steps, warmup = args.child_plain
         args.precision = args.precisions[0]

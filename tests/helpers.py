@@ -102,10 +102,17 @@ def tiny_model(config: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(config).eval()
 
 
-def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: dict | None = None) -> ckpt.Checkpoint:
-    """A complete training checkpoint of ``model`` in the trainer's layout."""
+def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: dict | None = None,
+                    sharded: bool = False) -> ckpt.Checkpoint:
+    """A complete training checkpoint of ``model`` in the trainer's layout
+    (``sharded``: the DCP layout an FSDP run writes, here from one process)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     base = {"stage": "sft", "fingerprint": "f" * 16, "model": model.config.to_dict(), "metrics": {"loss": 1.25}}
+    if sharded:
+        from pipeline.training.distributed import Dist
+
+        return ckpt.save_sharded(folder, step, model, optimizer, {"step": step}, {**base, **(meta or {})}, 2,
+                                 Dist(0, 0, 1, torch.device("cpu"), None))
     return ckpt.save(folder, step, model, optimizer, {"step": step}, {**base, **(meta or {})}, keep=2)
 
 
@@ -119,6 +126,7 @@ TRAIN_KEYS = {
     "min_lr": "schedule.min_lr", "kind": "schedule.kind", "decay_fraction": "schedule.decay_fraction",
     "decay_steps": "schedule.decay_steps", "decay_shape": "schedule.decay_shape", "device": "compute.device", "precision": "compute.precision",
     "compile": "compute.compile", "activation_checkpointing": "compute.activation_checkpointing",
+    "parallelism": "compute.parallelism",
     "nproc_per_node": "launch.nproc_per_node", "eval_every": "eval.every", "eval_rows": "eval.rows",
     "checkpoint_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep", "keep_best": "checkpoint.keep_best",
     "keep_previous": "checkpoint.keep_previous", "log_every": "logging.every",

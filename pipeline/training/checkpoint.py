@@ -41,34 +41,71 @@ checkpoint a reader gets depends on what it asks for:
 
 A ``step-*`` folder without ``meta.json`` cannot be verified and counts as
 damaged, never as absent.
+
+**Sharded checkpoints** (``compute.parallelism: fsdp``) hold the weights and
+AdamW state as torch.distributed.checkpoint (DCP) files instead::
+
+    .metadata            DCP's index of the shards (meta ``format: dcp``)
+    __<rank>_0.distcp    each rank's shards of ``{"model": ..., "optim": ...}``
+    trainer.pt, meta.json   as above
+
+Every rank writes its shard into the same hidden temporary folder (rank 0 makes
+it and names it to the others); after a barrier rank 0 writes ``trainer.pt``
+and ``meta.json``, whose ``files`` records the size and sha256 of every file
+(each rank hashes its own shard), fsyncs them all and renames the folder into
+place. So a kill at any moment still leaves the previous checkpoint whole, and
+every load is verified first, as for the single-file layout; every rank needs
+the folder on a filesystem all ranks share (as DCP does). A sharded checkpoint
+loads into any world size and into either parallelism (DCP reshards), and
+:func:`load_model_weights` reads one into a plain model in a single process
+without a process group, so evaluate, export, generate and init-from need not
+know which layout a run wrote; a single-file checkpoint loads into a sharded
+model too (:meth:`CheckpointManager.load`).
+
+DCP reads ``.metadata`` with ``pickle`` and the non-tensor values (the optimizer's
+hyperparameters) with ``torch.load(weights_only=False)``; its tensors with
+``weights_only=True``. We read both ourselves instead, ``.metadata`` with an
+unpickler that admits only DCP's own metadata classes, ``torch.Size``, dtypes
+and paths, and the values with ``weights_only=True``: a checkpoint folder from
+elsewhere cannot run code when loaded (the sha256 in meta.json proves the
+files are the ones written, not that their writer was honest).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import math
 import os
+import pickle
 import random
 import re
 import shutil
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 
 from pipeline.config import flatten
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, fsync_path, sha256_file, write_json
+from pipeline.training import distributed
 
 log = logging.getLogger("pipeline.training.checkpoint")
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt", "meta.json")
+DCP_METADATA = ".metadata"  # DCP's index of a sharded checkpoint's files
+SHARDED_FILES = (DCP_METADATA, "trainer.pt", "meta.json")  # plus one __<rank>_0.distcp per rank
+SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 PREVIOUS = "previous"  # <folder>/previous/<fingerprint>/step-N: checkpoints of earlier runs
 RUN_INFO = "run.json"  # <folder>/previous/<id>/run.json: why and when that run was moved aside
 BEST = "best.json"  # <folder>/best.json: {"step", "path", "val_loss", "fingerprint"} of the run's best checkpoint
@@ -146,7 +183,30 @@ def complete_checkpoints(folder: Path) -> list[Checkpoint]:
     """``step-*`` folders that hold all four files, oldest first. A cheap listing:
     nothing is verified, so use :func:`resolve` or :meth:`CheckpointManager.resume_point`
     to pick a checkpoint to load."""
-    return [c for c in step_folders(folder) if all((c.path / f).exists() for f in FILES)]
+    return [c for c in step_folders(folder) if all((c.path / f).exists() for f in required_files(c.path))]
+
+
+def is_sharded(path: Checkpoint | Path) -> bool:
+    """True for a sharded (DCP) checkpoint folder, written by an FSDP run."""
+    path = path.path if isinstance(path, Checkpoint) else Path(path)
+    return (path / DCP_METADATA).is_file()
+
+
+def required_files(path: Path) -> tuple[str, ...]:
+    """The files a complete checkpoint in ``path`` has, by its layout."""
+    return SHARDED_FILES if is_sharded(path) else FILES
+
+
+def weights_id(checkpoint: Checkpoint) -> str:
+    """A digest of a verified checkpoint's weights as its meta records them: the
+    sha256 of ``model.safetensors``, or for a sharded checkpoint the sha256 over
+    its DCP files' sha256 (those hold the AdamW state too)."""
+    files = checkpoint.meta["files"]
+    if "model.safetensors" in files:
+        return str(files["model.safetensors"]["sha256"])
+    shards = sorted((name, info["sha256"]) for name, info in files.items()
+                    if name == DCP_METADATA or SHARD_RE.match(name))
+    return hashlib.sha256(json.dumps(shards).encode()).hexdigest()
 
 
 def latest(folder: Path) -> Checkpoint | None:
@@ -249,13 +309,21 @@ def verify(ckpt: Checkpoint | Path) -> None:
     if not (path / "meta.json").is_file():
         raise damaged("meta.json", "missing, so the checkpoint cannot be verified")
     try:
-        files = _read_meta(path)["files"]
-        records = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in files.items()}
+        meta = _read_meta(path)
+        records = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in meta["files"].items()}
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise damaged("meta.json", f"unreadable ({type(err).__name__}: {err})".replace("\n", " ")) from err
-    for name in FILES[:-1]:
+    sharded = meta.get("format") == "dcp"
+    for name in (SHARDED_FILES if sharded else FILES)[:-1]:
         if name not in records:
             raise damaged("meta.json", f"records no size and sha256 for {name}")
+    if sharded:
+        if not any(SHARD_RE.match(name) for name in records):
+            raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
+        # DCP reads whichever shard files .metadata names: every one in the folder must be verified
+        for p in sorted(path.iterdir()):
+            if SHARD_RE.match(p.name) and p.name not in records:
+                raise damaged(p.name, "not recorded in meta.json, so it cannot be verified")
     for name, (size, sha256) in records.items():
         if Path(name).name != name or name == "meta.json":
             raise damaged("meta.json", f"records the file name {name!r}, which is not a file of a checkpoint")
@@ -331,6 +399,65 @@ def save(
     return Checkpoint(final, step)
 
 
+def save_sharded(
+    folder: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any] | None,
+    meta: dict[str, Any] | None,
+    keep: int,
+    d: distributed.Dist,
+    protect: frozenset[int] = frozenset(),
+) -> Checkpoint:
+    """Write sharded checkpoint ``step`` (see the module docstring) and keep the
+    newest ``keep`` as :func:`save` does. A collective: every rank calls it with
+    its own shards; ``trainer_state`` and ``meta`` are used on the main rank only
+    (they may be None elsewhere). Works for a sharded model and a plain one alike."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = step_dir(folder, step)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    if not d.is_main:
+        tmp = Path(distributed.broadcast_object(None, d))
+        distributed.gather_objects(_write_shards(tmp, state, d), d)
+        distributed.barrier(d)
+        return Checkpoint(final, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    sweep(folder)
+    with atomic_dir(final) as tmp:
+        distributed.broadcast_object(str(tmp), d)
+        files: dict[str, dict[str, Any]] = {}
+        for part in distributed.gather_objects(_write_shards(tmp, state, d), d):
+            files.update(part)
+        distributed.barrier(d)  # DCP's .metadata is written by rank 0 inside dcp.save; the shards by all
+        torch.save(trainer_state, tmp / "trainer.pt")
+        for name in (DCP_METADATA, "trainer.pt"):
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        listed = sorted(p.name for p in tmp.iterdir())
+        if listed != sorted(files):  # every file a load reads must be verifiable
+            raise CheckpointError(f"{tmp}: holds {listed}, but the ranks recorded {sorted(files)}")
+        meta = {**(meta or {}), "step": step, "format": "dcp", "world_size": d.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": dict(sorted(files.items()))}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+    trim(folder, step, keep, protect)
+    return Checkpoint(final, step)
+
+
+def _write_shards(tmp: Path, state: dict[str, Any], d: distributed.Dist) -> dict[str, dict[str, Any]]:
+    """Every rank: DCP-save ``state`` into ``tmp``; return the size and sha256 of
+    the shard files this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # alone (no process group) is what we asked for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                 no_dist=not d.enabled)
+    mine = [name for name in os.listdir(tmp) if (m := SHARD_RE.match(name)) and int(m.group(1)) == d.rank]
+    return {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in mine}
+
+
 def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset()) -> None:
     """Delete the complete checkpoints up to ``step`` but the newest ``keep`` and those in ``protect``."""
     older = [c for c in complete_checkpoints(folder) if c.step <= step][:-keep]
@@ -350,13 +477,34 @@ def discard(checkpoints: list[Checkpoint]) -> None:
 
 
 def load_model_weights(ckpt: Checkpoint | Path, model: torch.nn.Module) -> None:
-    """Verify the checkpoint, then load its weights into ``model`` (strict).
-    Raises CheckpointError, leaving ``model`` untouched, if it is damaged."""
+    """Verify the checkpoint, then load its weights into ``model`` (strict), a
+    plain (unsharded) model, in this process alone: no process group is needed
+    or used, whichever layout the checkpoint has. Raises CheckpointError,
+    leaving ``model`` untouched, if it is damaged."""
     path = ckpt.path if isinstance(ckpt, Checkpoint) else Path(ckpt)
     verify(path)
+    if is_sharded(path):
+        full = full_model_state(path, model)
+        model.load_state_dict(full, strict=True)
+        return
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
     if missing or unexpected:  # strict=True raises already; keep the contract explicit
         raise CheckpointError(f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})")
+
+
+def full_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A verified sharded checkpoint's weights as one full state dict shaped like
+    ``model.state_dict()`` (a plain model), read in this process without a
+    process group. Raises CheckpointError when the names differ from the model's."""
+    wanted = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
+    saved = {k[len("model."):] for k in read_dcp_metadata(path).state_dict_metadata if k.startswith("model.")}
+    if saved != set(wanted):
+        missing, unexpected = sorted(set(wanted) - saved), sorted(saved - set(wanted))
+        raise CheckpointError(f"{path}: weights do not match the model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]})")
+    state = {"model": wanted}
+    dcp_load(state, path, no_dist=True)
+    return state["model"]
 
 
 def load_state(ckpt: Checkpoint, name: str) -> Any:
@@ -364,6 +512,131 @@ def load_state(ckpt: Checkpoint, name: str) -> Any:
     ``trainer.pt``) with ``weights_only=True``, on the CPU."""
     verify(ckpt)
     return torch.load(ckpt.path / name, map_location="cpu", weights_only=True)
+
+
+def load_training_state(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        d: distributed.Dist) -> None:
+    """Verify ``ckpt`` and load its weights and AdamW state into ``model`` and
+    ``optimizer``, whatever the layouts: a sharded checkpoint into a sharded or
+    a plain model (DCP reshards to this world size), a single-file checkpoint
+    into a sharded model (full tensors, sharded as they load). Call on every
+    rank. The plain-into-plain case is :meth:`CheckpointManager.load`'s own."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    verify(ckpt)
+    if is_sharded(ckpt):
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp_load(state, ckpt.path, no_dist=not (d.enabled and model_is_sharded(model)))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return
+    full = load_file(str(ckpt.path / "model.safetensors"))
+    for names in _tied_names(model):  # safetensors stores a tied weight once, under one of its names
+        present = [n for n in names if n in full]
+        for n in names:
+            if present and n not in full:
+                full[n] = full[present[0]]
+    saved = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
+    set_state_dict(model, optimizer, model_state_dict=full, optim_state_dict=optimizer_state_by_name(saved, model, optimizer),
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def model_is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model sharded by FSDP2 (pipeline/training/parallelize.py)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False  # nothing in this process sharded a model (and a DDP run need not load FSDP)
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _tied_names(model: torch.nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def optimizer_state_by_name(saved: dict[str, Any], model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of a single-file checkpoint (parameters by
+    position) keyed by parameter name instead, as torch.distributed's state-dict
+    API takes it. Positions follow ``optimizer``'s param groups, which the
+    trainer builds in the same order for a plain and a sharded model."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    try:
+        state = {by_index[int(i)]: v for i, v in saved["state"].items()}
+        groups = [{**g, "params": [by_index[int(i)] for i in g["params"]]} for g in saved["param_groups"]]
+    except (IndexError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"optimizer state does not fit this model's parameters ({err})") from None
+    return {"state": state, "param_groups": groups}
+
+
+# DCP's metadata classes, the only globals a sharded checkpoint's .metadata may name
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_DCP_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch.distributed.checkpoint.metadata  # noqa: F401  (the module the names below come from)
+
+        allowed = (module in _DCP_MODULES and not name.startswith("__")) or (module, name) in _DCP_GLOBALS
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a checkpoint's {DCP_METADATA}")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: Path) -> Any:
+    """The DCP ``Metadata`` of a sharded checkpoint, unpickled with only DCP's
+    own classes allowed. Raises CheckpointError naming the file otherwise."""
+    file = Path(path) / DCP_METADATA
+    try:
+        with open(file, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{file}: unreadable ({type(err).__name__}: {err})".replace("\n", " ")) from None
+
+
+def dcp_load(state: dict[str, Any], path: Path, *, no_dist: bool) -> None:
+    """``torch.distributed.checkpoint.load`` of ``path`` into ``state`` in place,
+    reading .metadata with :func:`read_dcp_metadata` and non-tensor values with
+    ``weights_only=True``. ``no_dist``: this process reads alone (no collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_dcp_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)  # then handed on re-serialised: nothing else is unpickled
+            clean = io.BytesIO()
+            torch.save(obj, clean)
+            clean.seek(0)
+            super().load_bytes(read_item, clean)
+
+    try:
+        with warnings.catch_warnings():  # no_dist is what we asked for, not a surprise to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=Reader(path), planner=Planner(), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: cannot load the sharded checkpoint ({type(err).__name__}: {first})") from None
 
 
 # --- one run's checkpoint folder -------------------------------------------------------------------
@@ -393,7 +666,8 @@ class MovedRun:
 class CheckpointManager:
     """The checkpoints of one training run in ``folder``: those whose meta
     ``fingerprint`` is ``fingerprint``. Built on every rank; only the main rank
-    (``is_main``) changes the folder.
+    (``is_main``) changes the folder (a sharded save has every rank write its
+    shard into the main rank's temporary folder, which only the main rank renames).
 
     ``identity`` is the record the fingerprint was computed from
     (:func:`pipeline.training.config.identity_record`); it is written into every
@@ -573,19 +847,29 @@ class CheckpointManager:
             return None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], meta: dict[str, Any], *, val_loss: float | None = None) -> Checkpoint:
+             trainer_state: dict[str, Any], meta: dict[str, Any], *, val_loss: float | None = None,
+             sharded: distributed.Dist | None = None) -> Checkpoint:
         """Main rank only: write checkpoint ``step`` atomically with this run's
         fingerprint and identity in its meta, then keep the newest ``keep`` (see
         :func:`save`). With ``keep_best``, ``val_loss`` is the val loss of these
         very weights: when it is the lowest so far, ``best.json`` is rewritten
         (atomically, after the checkpoint is in place) to record this one, and
-        the best checkpoint is never removed by keep-last-K."""
+        the best checkpoint is never removed by keep-last-K.
+
+        ``sharded``: write the sharded layout (:func:`save_sharded`) instead; a
+        collective then, called on every rank of ``sharded`` (``trainer_state``,
+        ``meta`` and ``val_loss`` count on the main rank only)."""
+        if sharded is not None and not self.is_main:
+            return save_sharded(self.folder, step, model, optimizer, None, None, self.keep, sharded)
         if not self.is_main:
             raise RuntimeError("CheckpointManager.save runs on the main rank only")
         best = self.best() if self.keep_best else None
         protect = frozenset([best["step"]]) if best else frozenset()
-        c = save(self.folder, step, model, optimizer, trainer_state,
-                 {**meta, "fingerprint": self.fingerprint, "identity": self.identity}, self.keep, protect)
+        meta = {**meta, "fingerprint": self.fingerprint, "identity": self.identity}
+        if sharded is not None:
+            c = save_sharded(self.folder, step, model, optimizer, trainer_state, meta, self.keep, sharded, protect)
+        else:
+            c = save(self.folder, step, model, optimizer, trainer_state, meta, self.keep, protect)
         if (self.keep_best and val_loss is not None and math.isfinite(val_loss)
                 and (best is None or val_loss < best["val_loss"] or best["step"] == step)):
             write_json(self.folder / BEST, {"step": step, "path": c.path.name, "val_loss": val_loss,
@@ -594,11 +878,17 @@ class CheckpointManager:
                 trim(self.folder, step, self.keep, frozenset([step]))
         return c
 
-    def load(self, ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def load(self, ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             d: distributed.Dist | None = None) -> dict[str, Any]:
         """Verify ``ckpt``, load its weights into ``model`` and its state into
         ``optimizer``, and return its trainer_state dict. A damaged checkpoint
-        raises CheckpointError before anything is loaded."""
+        raises CheckpointError before anything is loaded. A sharded checkpoint,
+        or any checkpoint into a sharded model, goes through
+        :func:`load_training_state` (``d``: this process's ranks; every rank calls)."""
         verify(ckpt)
+        if is_sharded(ckpt) or model_is_sharded(model):
+            load_training_state(ckpt, model, optimizer, d or distributed.Dist(0, 0, 1, torch.device("cpu"), None))
+            return load_state(ckpt, "trainer.pt")
         load_model_weights(ckpt, model)
         optimizer.load_state_dict(load_state(ckpt, "optimizer.pt"))
         return load_state(ckpt, "trainer.pt")

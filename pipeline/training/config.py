@@ -9,7 +9,7 @@ spirit of torchtitan's JobConfig::
     batch       micro-batch and accumulation (with the world size: the global batch)
     optimizer   AdamW and clipping
     schedule    length, warmup and the LR shape (cosine or warmup-stable-decay)
-    compute     device, precision, compile, activation checkpointing, attention kernel
+    compute     device, precision, compile, activation checkpointing, attention kernel, DDP or FSDP
     launch      torchrun settings
     eval        how often and on how many val rows
     checkpoint  how often, how many are kept, the best one, previous runs
@@ -157,6 +157,10 @@ class ComputeSection(Section):
         "auto", description="attention kernel (all compute the same function): auto = sdpa on CPU, varlen on CUDA in "
                             "bf16/fp16 else flex; sdpa = dense document mask; flex = FlexAttention block mask "
                             "(CUDA for training); varlen = flash attention over document lengths (CUDA, bf16/fp16)")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp = full weights, gradients and AdamW state on every rank, one checkpoint file each; "
+                           "fsdp = FSDP2 shards them over the ranks (each block, then the root), sharded DCP "
+                           "checkpoints; bf16 params with fp32 gradient reduction on CUDA in bf16")
 
 
 class LaunchSection(LaunchConfig, Section):

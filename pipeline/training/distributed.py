@@ -43,8 +43,12 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init(requested_device: str = "auto") -> Dist:
-    """Join the process group torchrun describes (or run alone without one)."""
+def init(requested_device: str = "auto", need_group: bool = False) -> Dist:
+    """Join the process group torchrun describes (or run alone without one).
+
+    ``need_group``: outside torchrun, still make a process group of this one
+    process (an in-memory store, no network), for code that needs one even alone:
+    FSDP's device mesh and sharded checkpoints."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -57,6 +61,11 @@ def init(requested_device: str = "auto") -> Dist:
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     elif dist.is_initialized():
         backend = dist.get_backend()
+    elif need_group:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        world, rank, local_rank = 1, 0, 0
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if backend == "nccl" else None)
     return Dist(rank, local_rank, world, device, backend)
 
 

@@ -147,7 +147,7 @@ def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
     meta = found.meta
     carried = {k: meta[k] for k in ("hf_config", "hf_generation_config") if k in meta}
     return InitSource(kind="checkpoint", path=found.path, model=ModelConfig(**meta["model"]),
-                      init_id="ckpt:" + str(meta.get("fingerprint")) + ":" + meta["files"]["model.safetensors"]["sha256"][:16],
+                      init_id="ckpt:" + str(meta.get("fingerprint")) + ":" + ckpt.weights_id(found)[:16],
                       tokenizer_sha256=meta.get("tokenizer_sha256"),
                       meta={"init_from": str(found.path), **carried}, checkpoint=found)
 

@@ -117,17 +117,22 @@ def available_cpu_bytes() -> int:
 
 
 def choose_micro_batch(c: ModelConfig, seq_len: int, grad_accum: int, *, precision: str, ranks_per_node: int,
-                       available: int, checkpointing: bool = False, doc_mask: bool = True) -> tuple[int, int]:
+                       available: int, checkpointing: bool = False, doc_mask: bool = True,
+                       fsdp_world: int | None = None) -> tuple[int, int]:
     """CPU: (micro_batch, grad_accum) with micro_batch x grad_accum equal to
     AUTO_TARGET_MICRO x ``grad_accum``, the largest micro-batch whose estimate
     fits in CPU_HEADROOM of ``available`` shared by ``ranks_per_node`` ranks.
+    ``fsdp_world``: the model is sharded over that many ranks (FSDP).
     Raises MemoryError (one line) when not even one row fits."""
     rows = AUTO_TARGET_MICRO * grad_accum
     budget = CPU_HEADROOM * available / ranks_per_node
+    sharding = {"fsdp": True, "gpus": fsdp_world} if fsdp_world else {}
     for m in divisors_up_to(rows):
-        if estimate(c, m, seq_len, precision=precision, checkpointing=checkpointing, doc_mask=doc_mask).total <= budget:
+        if estimate(c, m, seq_len, precision=precision, checkpointing=checkpointing, doc_mask=doc_mask,
+                    **sharding).total <= budget:
             return m, rows // m
-    one = estimate(c, 1, seq_len, precision=precision, checkpointing=checkpointing, doc_mask=doc_mask).total
+    one = estimate(c, 1, seq_len, precision=precision, checkpointing=checkpointing, doc_mask=doc_mask,
+                   **sharding).total
     raise MemoryError(f"batch.micro_batch_size auto: one row of {seq_len} tokens needs about {one / GIB:.2f} GiB, "
                       f"more than {budget / GIB:.2f} GiB available per rank; use a smaller model or seq_len")
 

@@ -1,6 +1,18 @@
 """Wrapping the model for training, from the outside: the attention backend,
-activation checkpointing, torch.compile and DDP. The model's own code knows nothing of any of them, and
-its parameter names (hence checkpoints) are the same with or without them."""
+activation checkpointing, torch.compile, and DDP or FSDP2. The model's own code
+knows nothing of any of them, and its parameter names (hence checkpoints) are
+the same with or without them.
+
+``compute.parallelism: fsdp`` shards with FSDP2 (``fully_shard``) over a 1-D
+device mesh of all ranks: each transformer block is its own unit (its weights
+are gathered just before its forward and backward and freed after), then the
+root takes what is left (embeddings, final norm, the tied head). On CUDA in
+bf16 the gathered weights are bf16 and gradients are reduced in fp32
+(MixedPrecisionPolicy); the sharded master weights and AdamW state stay fp32.
+autocast still runs around the forward as with DDP, so the ops it keeps in fp32
+(softmax, norms, the loss) stay there. Activation checkpointing and compile are
+applied per block before sharding, as torchtitan does. On CPU (gloo) FSDP runs
+in fp32 parameters with autocast alone, which is what the tests use."""
 
 from __future__ import annotations
 
@@ -10,10 +22,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from pipeline.errors import StageError
 from pipeline.model import attention
 from pipeline.model.transformer import Transformer
 from pipeline.training.config import ComputeSection
 from pipeline.training.distributed import Dist
+
+
+class ParallelismError(StageError):
+    """A parallelism setting this run cannot use (one line)."""
 
 
 def enable_activation_checkpointing(model: Transformer) -> None:
@@ -33,9 +50,58 @@ def parallelize(model: Transformer, cfg: ComputeSection, d: Dist, precision: str
     attention.use_backend(model, attention.resolve(cfg.attention, d.device, precision))
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if cfg.parallelism == "fsdp":
+        return shard(model, cfg, d, precision)
     wrapped: torch.nn.Module = model
     if cfg.compile:
         wrapped = torch.compile(model)
     if d.world_size > 1:
         wrapped = DDP(wrapped, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     return wrapped
+
+
+def check_fsdp(d: Dist, precision: str) -> None:
+    """Raise ParallelismError (one line) when FSDP cannot run here."""
+    if not d.enabled:
+        raise ParallelismError("compute.parallelism fsdp needs a process group (torchrun, or "
+                               "distributed.init(need_group=True) in one process)")
+    if precision == "fp16":
+        raise ParallelismError("compute.parallelism fsdp trains in bf16 or fp32, not fp16 (its gradient scaler "
+                               "does not apply to sharded gradients); set compute.precision to bf16 or fp32")
+
+
+def mixed_precision(d: Dist, precision: str) -> "MixedPrecisionPolicy":  # noqa: F821
+    """bf16 weights for compute with fp32 gradient reduction on CUDA in bf16;
+    otherwise parameters stay in their own dtype (fp32) and autocast decides."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP's modules load only for FSDP runs
+
+    if d.device.type == "cuda" and precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: Transformer, cfg: ComputeSection, d: Dist, precision: str) -> torch.nn.Module:
+    """FSDP2 over all ranks: each block, then the root. ``model`` is changed in
+    place (its parameters become DTensor shards under the same names) and
+    returned; build the optimizer after this. A mesh of one rank is allowed: it
+    trains like a plain run and writes the same sharded checkpoints, so a
+    one-GPU run can resume on eight and back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    check_fsdp(d, precision)
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    policy = mixed_precision(d, precision)
+    for block in model.layers:
+        if cfg.compile:
+            block.compile()  # per block, before sharding: FSDP's hooks stay outside the compiled graph
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """True for a model sharded by :func:`shard` (its parameters are DTensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)

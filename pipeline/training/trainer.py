@@ -4,7 +4,7 @@ One ``Trainer`` runs on every rank (torchrun starts them; see
 pipeline/training/torchrun.py). Its parts each live in their own module:
 
 * config.py       the nested config and the run identity;
-* parallelize.py  activation checkpointing, compile and DDP around the model;
+* parallelize.py  activation checkpointing, compile, and DDP or FSDP2 around the model;
 * optimizer.py    AdamW and the learning-rate schedules (cosine, wsd);
 * precision.py    the autocast dtype;
 * loss.py         the token loss (the model returns logits);
@@ -18,7 +18,10 @@ world / (valid tokens in the whole global batch)``, so after DDP's gradient
 averaging the update is the gradient of the mean token loss over the global
 batch, however the batch is split over ranks and micro-batches. That is what
 makes "2 ranks × 1 micro-batch" and "1 rank × 2 micro-batches" the same update,
-and it weights SFT's masked tokens correctly.
+and it weights SFT's masked tokens correctly. FSDP averages the reduce-scattered
+gradients over the ranks as DDP does, so the same holds under ``compute.parallelism:
+fsdp``; its gradient norm and clipping work on the sharded gradients (DTensors)
+and equal the unsharded ones.
 
 How a run starts, in order of precedence:
 
@@ -47,6 +50,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -64,7 +68,7 @@ from pipeline.training.init import InitError
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
 from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
-from pipeline.training.parallelize import parallelize
+from pipeline.training.parallelize import check_fsdp, parallelize
 from pipeline.training.precision import DTYPES, autocast, resolve_precision
 from pipeline.training.sampler import GlobalOrder, eval_rows
 from pipeline.training.torchrun import hold_shared
@@ -89,8 +93,7 @@ def init_identity(init_from: ckpt.Checkpoint | None = None, init_id: str | None 
     if init_optimizer and init_from is None:
         raise InitError("init_optimizer loads AdamW moments from a checkpoint of ours: it needs init_from")
     if init_from is not None:
-        weights = init_from.meta["files"]["model.safetensors"]["sha256"]
-        return f"checkpoint:{weights}" + ("+optimizer" if init_optimizer else "")
+        return f"checkpoint:{ckpt.weights_id(init_from)}" + ("+optimizer" if init_optimizer else "")
     return init_id
 
 
@@ -158,9 +161,16 @@ class Trainer:
         self.init_id = init_identity(init_from, init_id, init_optimizer)
         self.init_meta = {"id": self.init_id, "from": str(init_from.path) if init_from else None,
                           "optimizer": init_optimizer}
-        self.d = d = distributed.init(cfg.compute.device)
+        self.sharded = cfg.compute.parallelism == "fsdp"
+        self.d = d = distributed.init(cfg.compute.device, need_group=self.sharded)
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
+        if self.sharded:
+            try:
+                check_fsdp(d, self.precision)
+            except StageError:
+                self.close()
+                raise
         attention.resolve(cfg.compute.attention, d.device, self.precision)  # a backend that cannot run fails here, early
         if self.precision == "fp16" and d.device.type == "cpu":
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")
@@ -171,12 +181,15 @@ class Trainer:
         if self.seq_len > model_cfg.max_seq_len:
             raise StageError(f"packed rows have seq_len {self.seq_len} > model max_seq_len {model_cfg.max_seq_len}")
         self.model = Transformer(model_cfg).to(d.device)
-        self.cfg = cfg = self._resolve_micro_batch(cfg)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, d.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer.lr, cfg.schedule)
+        # FSDP on CUDA probes the micro-batch on the sharded model, once it is sharded (below)
+        probe_sharded = self.sharded and d.device.type == "cuda" and cfg.batch.micro_batch_size == "auto"
+        if not probe_sharded:
+            self.cfg = cfg = self._resolve_micro_batch(cfg)
+        if not self.sharded:  # FSDP: built over the shards, once the model is sharded (below)
+            self._build_optimizer()
         self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.precision == "fp16")
-        self.order = GlobalOrder(len(self.train_data), cfg.seed, cfg.batch.micro_batch_size,
-                                 cfg.batch.grad_accum_steps, d.world_size, d.rank)
+        if not probe_sharded:
+            self._build_order()
         self.step, self.loss_spikes, self._loss_ema = 0, 0, None
         self.resumed: ckpt.Checkpoint | None = None
 
@@ -186,9 +199,14 @@ class Trainer:
                                                   keep=cfg.checkpoint.keep, is_main=d.is_main,
                                                   identity=self.identity, keep_best=cfg.checkpoint.keep_best,
                                                   keep_previous=cfg.checkpoint.keep_previous)
+        moments_from = None
         if init_from is not None:  # before prepare(), which may move or prune the folder it lies in; a resume overwrites it
             ckpt.load_model_weights(init_from, self.model)
-            if init_optimizer:
+            if init_optimizer and self.sharded:
+                moments_from = init_from  # loaded once the optimizer exists over the shards
+            elif init_optimizer and ckpt.is_sharded(init_from):
+                self._load_moments_sharded(init_from)
+            elif init_optimizer:
                 try:
                     load_moments(self.optimizer, ckpt.load_state(init_from, "optimizer.pt"))
                 except (ValueError, KeyError) as err:
@@ -198,8 +216,10 @@ class Trainer:
                                                     in_use=init_from.path if init_from else None)
         distributed.barrier(d)
         last = self.checkpoints.resume_point()
-        if last is not None:
+        if last is not None and not self.sharded:
             self._resume(last)
+        elif last is not None:
+            pass  # FSDP: resumed once the model is sharded
         elif init_from is not None:
             if d.is_main:
                 log.info("initialised weights%s from %s (step %d)", " and AdamW moments" if init_optimizer else "",
@@ -209,6 +229,15 @@ class Trainer:
             if d.is_main:
                 log.info("initialised weights from %s", init_id)
         self.fwd_model = parallelize(self.model, cfg.compute, d, self.precision)
+        if self.sharded:
+            if probe_sharded:
+                self.cfg = cfg = self._resolve_micro_batch(cfg)
+                self._build_order()
+            self._build_optimizer()
+            if last is not None:
+                self._resume(last)
+            elif moments_from is not None:
+                self._load_moments_sharded(moments_from)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32
@@ -217,6 +246,24 @@ class Trainer:
                                      tokens_per_step=self.tokens_per_step,
                                      flops_per_token=flops_per_token(model_cfg, self.seq_len),
                                      max_steps=cfg.schedule.max_steps)
+
+    def _build_order(self) -> None:
+        b = self.cfg.batch
+        self.order = GlobalOrder(len(self.train_data), self.cfg.seed, b.micro_batch_size, b.grad_accum_steps,
+                                 self.d.world_size, self.d.rank)
+
+    def _build_optimizer(self) -> None:
+        self.optimizer = build_optimizer(self.model, self.cfg.optimizer, self.d.device)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optimizer.lr, self.cfg.schedule)
+
+    def _load_moments_sharded(self, init_from: ckpt.Checkpoint) -> None:
+        """init_optimizer where the model or ``init_from`` is sharded: load the
+        checkpoint's weights and AdamW moments (they are the weights already
+        loaded), keeping this run's hyperparameters as :func:`load_moments` does."""
+        keep = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        ckpt.load_training_state(init_from, self.model, self.optimizer, self.d)
+        for group, settings in zip(self.optimizer.param_groups, keep, strict=True):
+            group.update(settings)
 
     def _resolve_micro_batch(self, cfg: TrainConfig) -> TrainConfig:
         """``batch.micro_batch_size: auto`` made concrete, the same on every rank
@@ -233,7 +280,8 @@ class Trainer:
                                                      precision=self.precision, ranks_per_node=cfg.launch.nproc_per_node,
                                                      available=memory.available_cpu_bytes(),
                                                      checkpointing=cfg.compute.activation_checkpointing,
-                                                     doc_mask=cfg.data.doc_mask)
+                                                     doc_mask=cfg.data.doc_mask,
+                                                     fsdp_world=d.world_size if self.sharded else None)
             except MemoryError as err:
                 raise StageError(str(err)) from None
             micro = int(distributed.all_reduce_min(torch.tensor(micro), d))
@@ -259,7 +307,7 @@ class Trainer:
     # -- checkpoint state --
 
     def _resume(self, last: ckpt.Checkpoint) -> None:
-        state = self.checkpoints.load(last, self.model, self.optimizer)
+        state = self.checkpoints.load(last, self.model, self.optimizer, self.d)
         self.scheduler.load_state_dict(state["scheduler"])
         before = set_schedule_lr(self.scheduler)  # this run's schedule, which may be longer than the checkpoint's
         self.scaler.load_state_dict(state["scaler"])
@@ -312,6 +360,8 @@ class Trainer:
         that val loss was measured at (the best checkpoint is chosen among
         checkpoints whose own weights were evaluated)."""
         rngs = distributed.gather_objects(ckpt.rng_state(), self.d)
+        if self.sharded and not self.d.is_main:
+            self.checkpoints.save(self.step, self.model, self.optimizer, {}, {}, sharded=self.d)
         if self.d.is_main:
             state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                      "data": self.order.state_dict(), "rng": rngs, "loss_spikes": self.loss_spikes,
@@ -322,7 +372,8 @@ class Trainer:
                     "final": self.step >= self.cfg.schedule.max_steps,
                     "schedule": self.cfg.schedule.model_dump(mode="json"), "init": self.init_meta, **self.extra_meta}
             own = metrics.get("val_loss") if metrics.get("val_step") == self.step else None
-            self.checkpoints.save(self.step, self.model, self.optimizer, state, meta, val_loss=own)
+            self.checkpoints.save(self.step, self.model, self.optimizer, state, meta, val_loss=own,
+                                  sharded=self.d if self.sharded else None)
         distributed.barrier(self.d)
 
     # -- steps --
@@ -345,13 +396,17 @@ class Trainer:
         loss_total = torch.zeros((), device=d.device)
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
+            if self.sharded:  # FSDP's no_sync: gradients reduce-scatter after the last micro-batch only
+                model.set_requires_gradient_sync(last)
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 loss_sum = self._loss_sum(batch)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_total += loss_sum.detach()
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.cfg.optimizer.grad_clip > 0:
+        if self.sharded:
+            grad_norm = sharded_grad_norm(params, self.cfg.optimizer.grad_clip)
+        elif self.cfg.optimizer.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
@@ -389,6 +444,12 @@ class Trainer:
             batch = self.val_data.batch(rows[i:i + mb], self.d.device, self.cfg.data.doc_mask)
             total[0] += self._loss_sum(batch).double()
             total[1] += scored_tokens(batch["targets"])
+        if self.sharded:
+            # every forward gathers weights from all ranks, so every rank runs as many as
+            # rank 0 (which has the most rows); the extra ones score nothing
+            most = len(eval_rows(len(self.val_data), self.cfg.eval.rows, self.d.world_size, 0))
+            for _ in range(math.ceil(len(rows) / mb), math.ceil(most / mb)):
+                self._loss_sum(self.val_data.batch(np.arange(1), self.d.device, self.cfg.data.doc_mask))
         total = distributed.all_reduce_mean(total, self.d) * self.d.world_size
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
@@ -466,6 +527,20 @@ class Trainer:
     def close(self) -> None:
         os.close(self._lock_fd)
         distributed.shutdown()
+
+
+def sharded_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The global gradient norm of FSDP-sharded parameters (the norm of the full
+    gradients, one all-reduce), clipping them to ``max_norm`` when it is above 0."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def ckpt_model(checkpoint: ckpt.Checkpoint) -> ModelConfig | None:

@@ -78,6 +78,24 @@ def test_evaluate_models_and_seeded_samples(tmp_path, tok_path):
     assert {s["kind"] for s in s1} == {"text", "chat"}
 
 
+def test_a_sharded_checkpoint_evaluates_like_the_single_file_one(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.training import checkpoint as ckpt
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)
+    model = tiny_model(tiny_config(vocab), seed=4)
+    save_checkpoint(tmp_path / "file", model)
+    save_checkpoint(tmp_path / "sharded", model, sharded=True)
+    assert ckpt.is_sharded(ckpt.latest(tmp_path / "sharded"))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4, "samples": {"max_new_tokens": 4}}, "evaluate")
+    metrics, models = evaluate_models(cfg, {"file": tmp_path / "file", "sharded": tmp_path / "sharded"},
+                                      {"text": tmp_path / "val"}, tok_path)
+    assert metrics["sharded"] == metrics["file"]
+    for k, v in models["file"].state_dict().items():
+        assert torch.equal(models["sharded"].state_dict()[k], v), k
+
+
 def test_missing_checkpoint_is_clear(tmp_path, tok_path):
     write_split(tmp_path / "val", synthetic_docs(20, 40, seed=3), seq_len=16)
     with pytest.raises(EvaluateError, match="run its training stage first"):

@@ -434,3 +434,18 @@ def test_export_takes_the_last_or_the_best_checkpoint(tmp_path, tok, tok_path):
     (tmp_path / "sft" / ckpt.BEST).unlink()
     with pytest.raises(ckpt.CheckpointError, match="no best checkpoint is recorded"):
         export_model(tmp_path / "sft", tok_path, tmp_path / "none", card_info={}, which="best")
+
+
+def test_a_sharded_checkpoint_exports_the_same_folder(tmp_path, tok, tok_path):
+    """An FSDP run's DCP checkpoint exports the weights a single-file one does."""
+    from safetensors.torch import load_file
+
+    model = tiny_model(tiny_config(tok.get_vocab_size()), seed=3)
+    save_checkpoint(tmp_path / "file", model, meta={"tokenizer_sha256": sha256_file(tok_path)})
+    save_checkpoint(tmp_path / "sharded", model, meta={"tokenizer_sha256": sha256_file(tok_path)}, sharded=True)
+    assert ckpt.is_sharded(ckpt.latest(tmp_path / "sharded"))
+    a = export_model(tmp_path / "file", tok_path, tmp_path / "a", card_info={})
+    b = export_model(tmp_path / "sharded", tok_path, tmp_path / "b", card_info={})
+    wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a["files"]["config.json"] == b["files"]["config.json"]

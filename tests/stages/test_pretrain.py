@@ -14,7 +14,10 @@ import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
+from pipeline.training.config import OptimizerSection
+from pipeline.training.optimizer import build_optimizer
 from tests.conftest import ROOT
 from tests.helpers import train_params, write_packed
 from tests.hf_models import save_tiny_hf_folder
@@ -58,7 +61,12 @@ def losses(cwd):
 
 
 def weights(cwd):
-    return load_file(str(ckpt.latest(cwd / "models" / "pretrain").path / "model.safetensors"))
+    """The newest checkpoint's weights, full, whichever layout it has."""
+    last = ckpt.latest(cwd / "models" / "pretrain")
+    if ckpt.is_sharded(last):
+        model = Transformer(ModelConfig(**last.meta["model"]))
+        return ckpt.full_model_state(last.path, model)
+    return load_file(str(last.path / "model.safetensors"))
 
 
 def test_two_ranks_give_the_same_update_as_one_rank_with_the_same_global_batch(tmp_path):
@@ -74,6 +82,17 @@ def test_two_ranks_give_the_same_update_as_one_rank_with_the_same_global_batch(t
     l2, l1 = losses(two), losses(one)
     assert [s for s, _ in l2] == ["1", "2", "3"]
     assert [float(x) for _, x in l2] == pytest.approx([float(x) for _, x in l1], rel=1e-5)
+    # FSDP on 2 ranks, 2 micro-batches each (gradients reduce-scattered after the second only) against DDP with
+    # the same split: only the reduction differs (another split alone moves AdamW's weights by ~1e-5 in 3 steps)
+    split = dict(nproc_per_node=2, micro_batch_size=2, grad_accum_steps=2, max_steps=3)
+    ddp, fsdp = project(tmp_path / "ddp", **split), project(tmp_path / "fsdp", parallelism="fsdp", **split)
+    for p in (ddp, fsdp):
+        r = stage(p)
+        assert r.returncode == 0, r.stderr[-3000:]
+    wd, wf = weights(ddp), weights(fsdp)
+    for k in wd:
+        torch.testing.assert_close(wf[k], wd[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert [float(x) for _, x in losses(fsdp)] == pytest.approx([float(x) for _, x in l1], rel=1e-5)
     # and a different global batch really is a different update (the comparison can fail)
     three = project(tmp_path / "three", nproc_per_node=1, micro_batch_size=4, grad_accum_steps=1, max_steps=3)
     assert stage(three).returncode == 0
@@ -101,6 +120,20 @@ def test_sigkill_then_resume_is_bit_exact_on_cuda_in_bf16(tmp_path):
     # a GPU takes milliseconds a step: more steps, so that the kill lands mid-run
     kill_and_resume(tmp_path, nproc_per_node=1, device="cuda", precision="bf16", max_steps=600, checkpoint_every=20,
                     eval_every=200)
+
+
+def test_sigkill_then_resume_is_bit_exact_with_two_fsdp_ranks(tmp_path):
+    # 9 val rows: rank 0 scores 2 micro-batches, rank 1 one (FSDP needs both in every forward)
+    kill_and_resume(tmp_path, nproc_per_node=2, parallelism="fsdp", eval_rows=9)
+    run = tmp_path / "run" / "models" / "pretrain"
+    assert all(ckpt.is_sharded(c) and c.meta["world_size"] == 2 for c in ckpt.complete_checkpoints(run))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sigkill_then_resume_is_bit_exact_with_fsdp_on_cuda_in_bf16(tmp_path):
+    # FSDP's bf16 mixed-precision policy over NCCL, on a mesh of one GPU
+    kill_and_resume(tmp_path, nproc_per_node=1, device="cuda", precision="bf16", parallelism="fsdp", max_steps=600,
+                    checkpoint_every=20, eval_every=200)
 
 
 def test_sigkill_then_resume_is_bit_exact_with_two_ranks_for_a_run_started_from_a_hugging_face_model(tmp_path):
@@ -294,3 +327,80 @@ def test_max_steps_0_without_init_from_is_one_line_before_any_rank_starts(tmp_pa
     line = one_error_line(stage(p, timeout=60))
     assert "max_steps 0" in line and "init_from is null" in line
     assert not (p / "models" / "pretrain").exists() or not list((p / "models" / "pretrain").rglob("step-*"))
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_on_one_rank_and_on_ddp_with_its_weights_and_exports(tmp_path, tok_path):
+    """Resharding: a checkpoint written by 2 FSDP ranks resumes on 1 FSDP rank, on
+    1 plain rank and on 2 DDP ranks (the global batch kept, so the run is the
+    same). Each resumes at the checkpoint's step with nothing left to train,
+    which re-saves that step in its own layout: its weights and AdamW state
+    equal the sharded ones exactly. The sharded checkpoint also exports to a
+    Hugging Face folder that transformers runs to our logits."""
+    import shutil
+
+    vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+
+    def make(path, **params):
+        path.mkdir(parents=True)
+        write_packed(path / "data" / "packed", n_docs=600, vocab=vocab, tokenizer=tok_path)
+        (path / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(BASE, **params)}))
+        return path
+
+    common = dict(micro_batch_size=4, max_steps=6, checkpoint_every=3, keep_checkpoints=2)
+    src = make(tmp_path / "fsdp2", nproc_per_node=2, parallelism="fsdp", grad_accum_steps=1, **common)
+    r = stage(src)
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = ckpt.resolve(src / "models" / "pretrain" / "step-00000003")
+    assert ckpt.is_sharded(saved) and saved.meta["world_size"] == 2
+    assert sorted(n for n in saved.meta["files"] if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    def training_state(c):
+        """Weights and AdamW state by parameter name, read without the code under test:
+        DCP's own converter for a sharded checkpoint, the files themselves for a single-file one."""
+        if ckpt.is_sharded(c):
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            dcp_to_torch_save(c.path, tmp_path / "full.pt")
+            full = torch.load(tmp_path / "full.pt", weights_only=False)  # written just now by this test
+            return full["model"], full["optim"]["state"]
+        model = Transformer(ModelConfig(**c.meta["model"]))
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in build_optimizer(model, OptimizerSection(), torch.device("cpu")).param_groups
+                 for p in g["params"]]
+        moments = torch.load(c.path / "optimizer.pt", weights_only=True)["state"]
+        return load_file(str(c.path / "model.safetensors")), {order[i]: v for i, v in moments.items()}
+
+    want_weights, want_moments = training_state(saved)
+    for name, nproc, parallelism, accum in [("fsdp1", 1, "fsdp", 2), ("ddp1", 1, "ddp", 2), ("ddp2", 2, "ddp", 1)]:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        ckpt.discard([ckpt.latest(dst / "models" / "pretrain")])  # keep step 3 only
+        (dst / "params.yaml").write_text(yaml.safe_dump({"pretrain": train_params(
+            BASE, nproc_per_node=nproc, parallelism=parallelism, grad_accum_steps=accum, **{**common, "max_steps": 3})}))
+        r = stage(dst)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed from" in r.stderr, name
+        resaved = ckpt.latest(dst / "models" / "pretrain")
+        assert resaved.step == 3 and ckpt.is_sharded(resaved) == (parallelism == "fsdp"), name
+        assert resaved.meta["world_size"] == nproc and resaved.meta["fingerprint"] == saved.meta["fingerprint"]
+        got_weights, got_moments = training_state(resaved)
+        for k in got_weights.keys() & want_weights.keys():  # a single file holds a tied weight once
+            assert torch.equal(got_weights[k], want_weights[k]), (name, k)
+        assert len(got_weights.keys() & want_weights.keys()) >= len(want_weights) - 1
+        assert got_moments.keys() == want_moments.keys()
+        for param, moments in want_moments.items():
+            assert moments["exp_avg"].abs().sum() > 0  # trained moments, not a fresh optimizer's
+            for k, v in moments.items():
+                assert torch.equal(torch.as_tensor(got_moments[param][k]), torch.as_tensor(v)), (name, param, k)
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.export import export_model
+
+    export_model(src / "models" / "pretrain", tok_path, tmp_path / "export", card_info={})
+    ours = Transformer(ModelConfig(**ckpt.latest(src / "models" / "pretrain").meta["model"])).eval()
+    ckpt.load_model_weights(ckpt.latest(src / "models" / "pretrain"), ours)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ids = torch.randint(4, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.files import sha256_file
 from pipeline.training import checkpoint as ckpt
+from pipeline.training.distributed import Dist
 
 
 class Tiny(torch.nn.Module):
@@ -88,7 +91,8 @@ def test_trainer_state_needs_no_pickle(tmp_path):
 WRITER = textwrap.dedent("""
     import sys, torch
     from pipeline.training import checkpoint as ckpt
-    folder = sys.argv[1]
+    from pipeline.training.distributed import Dist
+    folder, layout = sys.argv[1], sys.argv[2]
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 256)).sum().backward(); opt.step()
@@ -98,14 +102,19 @@ WRITER = textwrap.dedent("""
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float(step))
-        ckpt.save(ckpt.Path(folder), step, model, opt, {"step": step}, {}, keep=2)
+        if layout == "sharded":
+            ckpt.save_sharded(ckpt.Path(folder), step, model, opt, {"step": step}, {}, 2, Dist(0, 0, 1, torch.device("cpu"), None))
+        else:
+            ckpt.save(ckpt.Path(folder), step, model, opt, {"step": step}, {}, keep=2)
         print(step, flush=True)
 """)
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.13, 0.29, 0.41])
-def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, root, delay):
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=root, stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("layout,delay", [("file", 0.05), ("file", 0.13), ("file", 0.29), ("file", 0.41),
+                                          ("sharded", 0.07), ("sharded", 0.23)])
+def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, root, layout, delay):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), layout], cwd=root, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "1"  # at least one save finished
     time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
@@ -115,7 +124,8 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, root, delay
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     ckpt.load_model_weights(last, model)
     assert all(torch.all(p == float(last.step)) for p in model.parameters())
-    ckpt.load_state(last, "optimizer.pt")
+    assert ckpt.is_sharded(last) == (layout == "sharded")
+    assert ckpt.load_state(last, "trainer.pt") == {"step": last.step}
     assert json.loads((last.path / "meta.json").read_text())["step"] == last.step
 
 
@@ -407,3 +417,95 @@ def test_sft_refuses_a_damaged_pretrain_checkpoint(damaged_run):
         pretrained(folder)
     ckpt.discard([ckpt.Checkpoint(folder / "step-00000006", 6)])
     assert pretrained(folder).step == 5
+
+
+# --------------------------------------------------------------------------- sharded (DCP) checkpoints
+
+ALONE = Dist(0, 0, 1, torch.device("cpu"), None)  # one process, no process group
+
+
+def sharded(folder, steps, model=None, keep=2):
+    model = model or Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    model.out(model.emb(torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+    m = manager(folder, keep=keep)
+    for s in steps:
+        m.save(s, model, opt, {"step": s}, {"note": "x"}, sharded=ALONE)
+    return model, opt
+
+
+def test_a_sharded_checkpoint_round_trips_without_a_process_group(tmp_path):
+    model, opt = sharded(tmp_path, [1, 2, 3, 4])
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [3, 4]  # keep-last-K
+    c = ckpt.resolve(tmp_path)
+    assert c.step == 4 and ckpt.is_sharded(c) and c.meta["format"] == "dcp" and c.meta["fingerprint"] == "a" * 16
+    assert set(c.meta["files"]) == {".metadata", "__0_0.distcp", "trainer.pt"}
+    fresh = Tiny()
+    ckpt.load_model_weights(c, fresh)  # evaluate, export, generate and init-from read it like this
+    assert torch.equal(fresh.emb.weight, model.emb.weight) and fresh.out.weight is fresh.emb.weight
+    other = Tiny()
+    other_opt = torch.optim.AdamW(other.parameters())
+    assert manager(tmp_path).load(c, other, other_opt) == {"step": 4}
+    assert torch.equal(other.emb.weight, model.emb.weight)
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(other_opt.state_dict()["state"][0][k], v), k
+    assert other_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert ckpt.weights_id(c) == ckpt.weights_id(ckpt.resolve(c.path)) != ckpt.weights_id(ckpt.resolve(tmp_path / "step-00000003"))
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "trainer.pt"])
+def test_a_damaged_shard_is_named_and_nothing_is_loaded(tmp_path, name, caplog):
+    sharded(tmp_path, [1, 2])
+    flip_byte(tmp_path / "step-00000002" / name)
+    fresh = Tiny()
+    before = fresh.emb.weight.clone()
+    with pytest.raises(ckpt.CheckpointError, match=f"step-00000002/{name}: sha256 differs"):
+        ckpt.load_model_weights(tmp_path / "step-00000002", fresh)
+    assert torch.equal(fresh.emb.weight, before)
+    assert manager(tmp_path).resume_point().step == 1  # resume falls back past it
+
+
+def test_a_sharded_checkpoint_without_its_index_is_damaged_not_a_file_layout(tmp_path):
+    sharded(tmp_path, [1])
+    (tmp_path / "step-00000001" / ".metadata").unlink()
+    assert ckpt.latest(tmp_path) is None
+    with pytest.raises(ckpt.CheckpointError, match=r"\.metadata: missing, though meta.json records it"):
+        ckpt.resolve(tmp_path)
+
+
+def test_a_shard_that_meta_json_does_not_record_is_damage(tmp_path):
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    (c / "__1_0.distcp").write_bytes((c / "__0_0.distcp").read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match=r"__1_0\.distcp: not recorded in meta.json"):
+        ckpt.load_model_weights(c, Tiny())
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_metadata_index_that_would_run_code_is_refused(tmp_path):
+    """DCP itself unpickles .metadata with plain pickle; ours admits only DCP's
+    classes, so even a file whose sha256 meta.json vouches for runs nothing."""
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    marker = tmp_path / "ran"
+    (c / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    meta = json.loads((c / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": (c / ".metadata").stat().st_size, "sha256": sha256_file(c / ".metadata")}
+    (c / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="global posix.system is not allowed"):
+        ckpt.load_model_weights(c, Tiny())
+    assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
+    sharded(tmp_path, [1])
+    with pytest.raises(ckpt.CheckpointError, match="weights do not match the model"):
+        ckpt.load_model_weights(tmp_path / "step-00000001", torch.nn.Linear(3, 3))

@@ -118,3 +118,17 @@ def test_auto_micro_batch_trains_the_same_run_split_to_fit(tmp_path, monkeypatch
     losses = {name: [float(r["loss"]) for r in read_csv(tmp_path / name / "plots.csv")] for name in ("fixed", "auto", "small")}
     assert losses["auto"] == losses["fixed"]
     assert losses["small"] == pytest.approx(losses["fixed"], rel=1e-4)
+
+
+def test_choose_micro_batch_counts_fsdp_shards():
+    """Under FSDP each rank holds 1/N of the weights, gradients and AdamW state,
+    so a budget too small for one unsharded row fits one when sharded."""
+    c = build_config("small", 8192)
+    ddp = memory.estimate(c, 1, 256, precision="fp32").total
+    fsdp = memory.estimate(c, 1, 256, precision="fp32", gpus=8, fsdp=True).total
+    available = int((ddp + fsdp) / 2 / memory.CPU_HEADROOM)
+    with pytest.raises(MemoryError):
+        memory.choose_micro_batch(c, 256, 1, precision="fp32", ranks_per_node=1, available=available)
+    micro, accum = memory.choose_micro_batch(c, 256, 1, precision="fp32", ranks_per_node=1, available=available,
+                                             fsdp_world=8)
+    assert micro >= 1 and micro * accum == 16

@@ -109,3 +109,20 @@ def test_sft_metrics_keep_the_data_build_numbers_and_leave_the_tables_to_the_rep
     assert m["examples"] + m["skipped"] == m["examples_in"]  # every record is accounted for
     assert m["train_rows"] == build["train"]["rows"] > 0 and m["val_rows"] == build["val"]["rows"] > 0
     assert all(isinstance(v, (int, float)) for v in m.values())
+
+
+def test_sft_starts_from_a_sharded_pretrain_checkpoint(tmp_path, pretrained):
+    """An FSDP pretrain run's sharded checkpoint seeds sft (plain or FSDP) exactly
+    as the single-file checkpoint of the same run does."""
+    cfg = parse_section(PretrainConfig, train_params(TRAIN, model={"preset": "tiny"}, max_steps=6,
+                                                     parallelism="fsdp"), "pretrain")
+    run_pretrain(cfg, write_packed(tmp_path / "packed"), tmp_path / "pre", tmp_path / "pretrain.csv")
+    assert ckpt.is_sharded(ckpt.latest(tmp_path / "pre")) and not ckpt.is_sharded(ckpt.latest(pretrained))
+    data = sft_data(tmp_path / "sft")
+    curves = {}
+    for name, source, parallelism in [("file", pretrained, "ddp"), ("sharded", tmp_path / "pre", "ddp"),
+                                      ("sharded-fsdp", tmp_path / "pre", "fsdp")]:
+        run_sft(sft_cfg(parallelism=parallelism), data, source, tmp_path / name, tmp_path / f"{name}.csv")
+        curves[name] = open(tmp_path / f"{name}.csv").read().splitlines()[1:]
+        curves[name] = [row.split(",")[1] for row in curves[name]]
+    assert curves["sharded"] == curves["file"] == curves["sharded-fsdp"]

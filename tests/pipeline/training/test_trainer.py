@@ -13,7 +13,7 @@ from pipeline.model.transformer import Transformer
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.precision import resolve_precision
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
-from pipeline.training.trainer import NonFiniteError
+from pipeline.training.trainer import NonFiniteError, ckpt_model
 from tests.helpers import train_params, write_packed
 
 TINY = train_params({"model": {"preset": "tiny"}}, precision="fp32", micro_batch_size=4, max_steps=12,
@@ -477,3 +477,88 @@ def test_warm_start_from_a_checkpoint_that_its_own_run_folder_moves_aside_and_pr
         assert all(torch.equal(t.model.state_dict()[k], v) for k, v in donor.items())
     finally:
         t.close()
+
+
+# --------------------------------------------------------------------------- FSDP on one rank (2 ranks: tests/stages)
+
+
+def losses_and_norms(path):
+    return [(r["loss"], r["grad_norm"]) for r in read_csv(path / "plots.csv")]
+
+
+def test_fsdp_on_one_rank_trains_like_ddp_and_writes_sharded_checkpoints(tmp_path):
+    """A mesh of one rank is a plain run: the same losses and gradient norms
+    (string-exact, through gradient accumulation and clipping), the same final
+    weights, written as a sharded checkpoint."""
+    (tmp_path / "ddp").mkdir(); (tmp_path / "fsdp").mkdir()
+    run(tmp_path / "ddp", max_steps=6, grad_accum_steps=2, micro_batch_size=2, grad_clip=0.5)
+    run(tmp_path / "fsdp", max_steps=6, grad_accum_steps=2, micro_batch_size=2, grad_clip=0.5, parallelism="fsdp")
+    assert losses_and_norms(tmp_path / "fsdp") == losses_and_norms(tmp_path / "ddp")
+    assert any(float(n) > 0.5 for _, n in losses_and_norms(tmp_path / "ddp"))  # clipping took effect
+    a, b = ckpt.latest(tmp_path / "ddp" / "models"), ckpt.latest(tmp_path / "fsdp" / "models")
+    assert not ckpt.is_sharded(a) and ckpt.is_sharded(b) and b.meta["world_size"] == 1
+    ma, mb = Transformer(ckpt_model(a)), Transformer(ckpt_model(b))
+    ckpt.load_model_weights(a, ma)
+    ckpt.load_model_weights(b, mb)
+    for k, v in ma.state_dict().items():
+        assert torch.equal(mb.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("first, then", [("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp")])
+def test_a_run_resumes_bit_for_bit_across_parallelism(tmp_path, first, then):
+    """parallelism is not part of the run identity: a run checkpointed under one
+    resumes under the other (the checkpoint is resharded or gathered), exactly."""
+    (tmp_path / "ref").mkdir(); (tmp_path / "run").mkdir()
+    run(tmp_path / "ref", max_steps=12)
+    run(tmp_path / "run", max_steps=12, parallelism=first)
+    for c in ckpt.complete_checkpoints(tmp_path / "run" / "models"):
+        if c.step > 8:
+            ckpt.discard([c])  # as if killed after step 8
+    m = run(tmp_path / "run", max_steps=12, parallelism=then)
+    assert m["resumed_from_step"] == 8
+    assert losses_and_norms(tmp_path / "run") == losses_and_norms(tmp_path / "ref")
+    assert ckpt.is_sharded(ckpt.latest(tmp_path / "run" / "models")) == (then == "fsdp")
+
+
+def test_warm_start_with_adamw_moments_across_parallelism(tmp_path):
+    """init_from + init_optimizer from either layout into either parallelism
+    gives the same run."""
+    fit(trainer(tmp_path, "ddp", cfg(max_steps=8)))
+    fit(trainer(tmp_path, "fsdp", cfg(max_steps=8, parallelism="fsdp")))
+    sources = {p: ckpt.resolve(tmp_path / p / "models") for p in ("ddp", "fsdp")}
+    assert ckpt.is_sharded(sources["fsdp"]) and not ckpt.is_sharded(sources["ddp"])
+    curves = {}
+    for src in ("ddp", "fsdp"):
+        for into in ("ddp", "fsdp"):
+            name = f"{src}-into-{into}"
+            fit(trainer(tmp_path, name, cfg(max_steps=4, parallelism=into), init_from=sources[src],
+                        init_optimizer=True))
+            curves[name] = losses_and_norms(tmp_path / name)
+    fit(trainer(tmp_path, "no-moments", cfg(max_steps=4), init_from=sources["ddp"]))
+    assert len({tuple(c) for c in curves.values()}) == 1, curves
+    assert losses_and_norms(tmp_path / "no-moments") != curves["ddp-into-ddp"]  # the moments made a difference
+
+
+def test_fsdp_refuses_fp16_in_one_line(tmp_path):
+    from pipeline.training.parallelize import ParallelismError
+
+    with pytest.raises(ParallelismError, match="fsdp trains in bf16 or fp32, not fp16"):
+        run(tmp_path, precision="fp16", parallelism="fsdp")
+
+
+def test_fsdp_composes_with_activation_checkpointing(tmp_path):
+    (tmp_path / "ddp").mkdir(); (tmp_path / "fsdp").mkdir()
+    run(tmp_path / "ddp", max_steps=3, activation_checkpointing=True)
+    run(tmp_path / "fsdp", max_steps=3, activation_checkpointing=True, parallelism="fsdp")
+    assert losses_and_norms(tmp_path / "fsdp") == losses_and_norms(tmp_path / "ddp")
+
+
+@pytest.mark.slow
+def test_fsdp_composes_with_compile_and_activation_checkpointing(tmp_path):
+    """Each block compiled and checkpointed, then sharded: the eager run's losses
+    (compiled kernels round differently, hence the tolerance)."""
+    (tmp_path / "eager").mkdir(); (tmp_path / "fsdp").mkdir()
+    run(tmp_path / "eager", max_steps=3)
+    run(tmp_path / "fsdp", max_steps=3, parallelism="fsdp", compile=True, activation_checkpointing=True)
+    eager, fsdp = losses_and_norms(tmp_path / "eager"), losses_and_norms(tmp_path / "fsdp")
+    assert [float(x) for row in fsdp for x in row] == pytest.approx([float(x) for row in eager for x in row], rel=1e-5)

@@ -1,0 +1,68 @@
+"""pipeline/training/parallelize.py: FSDP2 wrapping from outside the model. The
+training-level checks (FSDP equals DDP, resume, resharding) are in
+test_trainer.py and tests/stages/."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from pipeline.model.transformer import Transformer, build_config
+from pipeline.training import distributed
+from pipeline.training.config import ComputeSection
+from pipeline.training.distributed import Dist
+from pipeline.training.parallelize import ParallelismError, check_fsdp, is_sharded, mixed_precision, parallelize
+
+CUDA = Dist(0, 0, 8, torch.device("cuda", 0), "nccl")
+CPU = Dist(0, 0, 2, torch.device("cpu"), "gloo")
+
+
+def test_bf16_weights_and_fp32_reduction_on_cuda_only():
+    policy = mixed_precision(CUDA, "bf16")
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    for d, precision in [(CUDA, "fp32"), (CPU, "bf16"), (CPU, "fp32")]:
+        policy = mixed_precision(d, precision)
+        assert policy.param_dtype is None and policy.reduce_dtype is None  # parameters keep their dtype
+
+
+def test_fsdp_needs_a_process_group_and_refuses_fp16():
+    with pytest.raises(ParallelismError, match="needs a process group"):
+        check_fsdp(Dist(0, 0, 1, torch.device("cpu"), None), "fp32")
+    with pytest.raises(ParallelismError, match="not fp16"):
+        check_fsdp(CPU, "fp16")
+    check_fsdp(CPU, "bf16")
+
+
+def test_each_block_then_the_root_is_sharded_under_the_same_names():
+    d = distributed.init("cpu", need_group=True)  # one process, in-memory store
+    try:
+        assert d.enabled and d.world_size == 1 and dist.get_world_size() == 1
+        model = Transformer(build_config("tiny", 64))
+        names = [n for n, _ in model.named_parameters()]
+        wrapped = parallelize(model, ComputeSection(parallelism="fsdp", attention="sdpa"), d, "fp32")
+        assert wrapped is model and is_sharded(model) and all(is_sharded(b) for b in model.layers)
+        assert [n for n, _ in model.named_parameters()] == names
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert model.output.weight is model.tok_embeddings.weight  # still tied
+        plain = Transformer(build_config("tiny", 64))
+        assert parallelize(plain, ComputeSection(attention="sdpa"), d, "fp32") is plain and not is_sharded(plain)
+    finally:
+        distributed.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp_on_cuda_in_bf16_trains_with_fp32_master_weights(tmp_path):
+    from tests.pipeline.training.test_trainer import losses_and_norms, run
+
+    (tmp_path / "fsdp").mkdir()
+    run(tmp_path / "fsdp", device="cuda", precision="bf16", parallelism="fsdp", max_steps=12)
+    losses = [float(loss) for loss, _ in losses_and_norms(tmp_path / "fsdp")]
+    assert all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0]
+    from pipeline.training import checkpoint as ckpt
+    from pipeline.training.trainer import ckpt_model
+
+    last = ckpt.latest(tmp_path / "fsdp" / "models")
+    assert ckpt.is_sharded(last)
+    model = Transformer(ckpt_model(last))
+    ckpt.load_model_weights(last, model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
