@@ -60,6 +60,18 @@ from pipeline.training.precision import DTYPES, autocast  # noqa: E402
 from tests.helpers import write_packed  # noqa: E402
 
 
+def run_pretrain_stage(project: Path, params: dict) -> subprocess.CompletedProcess:
+    """``python -m stages.pretrain`` in ``project`` with ``params`` as its params.yaml
+    (no progress bars, no MLflow); its output captured."""
+    import yaml  # lazily: the GPU machine may lack it (README), and only stage runs need it
+
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
+    return subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=project, env=env, capture_output=True,
+                          text=True)
+
+
 def plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
     """Tokens/s of the minimal loop, run in a fresh process like the stage is."""
     cmd = [sys.executable, "-m", "bench.train", "--child-plain", str(packed), str(steps), str(warmup),
@@ -112,8 +124,6 @@ def _plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
 def stage_run(args, project: Path, steps: int, warmup: int) -> float:
     """Tokens/s the real stage reports, over its steps after ``warmup`` (log_every
     = warmup makes the first logged window the warm-up, the rest the timed part)."""
-    import yaml
-
     for p in ("models", "metrics", "plots"):
         subprocess.run(["rm", "-rf", str(project / p)], check=True)
     params = {"pretrain": {
@@ -125,11 +135,7 @@ def stage_run(args, project: Path, steps: int, warmup: int) -> float:
         "checkpoint": {"every": 10**6},
         "logging": {"every": warmup, "track": False, "peak_flops": 1.0e12},
     }}
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
-    out = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=project, env=env, capture_output=True,
-                         text=True)
+    out = run_pretrain_stage(project, params)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     import csv
@@ -176,8 +182,6 @@ def matrix_cell(args, project: Path, preset: str, seq_len: int, doc_mask: bool, 
     """One stage run of the grid: tokens/s over the steps after warm-up, and the peak memory per device (MB)."""
     import csv
 
-    import yaml
-
     for p in ("models", "metrics", "plots"):
         subprocess.run(["rm", "-rf", str(project / p)], check=True)
     rows = max(1, args.tokens_per_step // seq_len)
@@ -195,11 +199,7 @@ def matrix_cell(args, project: Path, preset: str, seq_len: int, doc_mask: bool, 
         "checkpoint": {"every": 10**6},
         "logging": {"every": args.warmup, "track": False, "peak_flops": 1.0e12},
     }}
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0"}
-    out = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=project, env=env, capture_output=True,
-                         text=True)
+    out = run_pretrain_stage(project, params)
     if out.returncode != 0:
         lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]

@@ -8,24 +8,15 @@ import sys
 
 import pytest
 
-from pipeline.data.executor import ExecutorConfig, ExecutorError, loopback_only, open_executor
+from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, prose, report, run, write_docs
 from tests.pipeline.data.test_dedup import PLANTED
 from tests.pipeline.data.test_executor import BadInput, fails, init, tagged
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    loopback_only()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
-    yield
-    ray.shutdown()
 
 
 def outputs(d, texts, **kw):

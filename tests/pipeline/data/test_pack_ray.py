@@ -1,26 +1,14 @@
 """pack under a real local Ray instance (2 CPUs, one for this module, shut down
 at the end): the same bytes as the local pool. Marked slow: Ray takes seconds to start."""
 
-import os
-
 import pytest
 
-from pipeline.data.executor import loopback_only
 from pipeline.data.pack import PackConfig, run_pack
 from tests.pipeline.data.test_pack_sources import CFG, corpus  # noqa: F401 - the corpus fixture
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    loopback_only()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
-    yield
-    ray.shutdown()
 
 
 def files(d):
