@@ -751,6 +751,7 @@ def val_source_dir(i: int) -> str:
     return f"val-source-{i:02d}"
 
 
+MIX_FILE = ".mixture.arrow"  # the train documents of a mixture run, encoded, until the mixture is written
 MIX_SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("code", pa.int64()), ("order", pa.uint64()),
                         ("source", pa.string()), ("chunk", pa.int64())])
 
@@ -760,11 +761,12 @@ class Mixture:
     are encoded once and kept in a temporary Arrow file beside the output; once
     every source's train tokens are known, each document's copies are decided and
     the file is read again, once per round: round ``r`` writes, in table order,
-    the documents with at least ``r`` copies. Memory: 16 bytes per train document."""
+    the documents with at least ``r`` copies. Memory: about 32 bytes per train document
+    (its token count, source, order key and copies), the token file being memory-mapped."""
 
     def __init__(self, cfg: PackConfig, sources: Sources, out_dir: Path):
         self.cfg, self.sources = cfg, sources
-        self.path = out_dir / ".mixture.arrow"
+        self.path = out_dir / MIX_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.sink = pa.OSFile(str(self.path), "wb")
         self.file = pa.ipc.new_file(self.sink, MIX_SCHEMA)
@@ -867,6 +869,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         plan = state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
                                            where=str(docs_path), val_by=cfg.val_by)
         clear_outputs(out_dir)
+        (out_dir / MIX_FILE).unlink(missing_ok=True)  # left by a mixture run that was killed
         state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"]) for s in SPLITS}
         state["sources"] = Sources(plan.sources, out_dir, row_len, shard_rows, specials["eot"])
         if cfg.mixture:

@@ -147,6 +147,14 @@ def test_mixture_shares_are_realised(corpus, packed, tmp_path, mixture, caplog):
     assert not (tmp_path / "mix" / ".mixture.arrow").exists()
 
 
+def test_a_killed_mixture_runs_leftover_is_removed_by_the_next_run(corpus, tmp_path):
+    path, tok, _ = corpus
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".mixture.arrow").write_bytes(b"left by a SIGKILL")
+    run_pack(PackConfig(**CFG), path, tok, tmp_path / "out")
+    assert not (tmp_path / "out" / ".mixture.arrow").exists()
+
+
 def test_mixture_is_deterministic_and_follows_the_seed(corpus, tmp_path):
     path, tok, _ = corpus
     mix = {"web": {"weight": 1}, "code": {"weight": 1}}
