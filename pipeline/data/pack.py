@@ -311,6 +311,9 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
             marked["val"] += int(mark_val.sum())
             marked["train"] += int(mark_train.sum())
         if "source_name" in extra:
+            if batch.column("source_name").null_count:
+                raise PackError(f"{where}: {batch.column('source_name').null_count} document(s) in rows "
+                                f"{n}-{n + len(ids) - 1} have no source_name (ingest names every document)")
             names.update(dict.fromkeys(pc.unique(batch.column("source_name")).drop_null().to_pylist()))
         if position and batch.column(2).null_count < batch.num_rows:
             chunks = batch.column(2).to_pylist()

@@ -72,6 +72,13 @@ def test_marks_that_leave_a_split_empty_are_errors(corpus, tmp_path):
     assert plan_splits(pq.ParquetFile(mixed), 0, 0.5).val_mask(0, 6).tolist() == [True] * 5 + [False]
 
 
+def test_a_document_without_a_source_name_is_an_error(corpus, tmp_path):
+    _, _, rows = corpus
+    path = write_sourced(tmp_path / "d.parquet", rows[:5] + [(rows[5][0], rows[5][1], None, None)])
+    with pytest.raises(PackError, match=r"1 document\(s\) in rows 0-5 have no source_name"):
+        plan_splits(pq.ParquetFile(path), 0, 0.2)
+
+
 @pytest.fixture(scope="module")
 def packed(corpus, tmp_path_factory):
     path, tok, _ = corpus
