@@ -39,8 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.config import StageConfig
 from pipeline.data.accounting import Ledger
+from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.errors import StageError
 from pipeline.files import atomic_path, write_json
 from pipeline.progress import progress
@@ -152,7 +152,7 @@ class Source(BaseModel):
         return chunk_bytes
 
 
-class IngestConfig(StageConfig):
+class IngestConfig(ParallelStageConfig):
     sources: list[Source] = Field(
         default_factory=lambda: [Source(path="{stdlib}/**/*.py", exclude=["*/site-packages/*", "*/dist-packages/*"])],
         min_length=1,
@@ -165,6 +165,9 @@ class IngestConfig(StageConfig):
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
     row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
+    worker_file_bytes: int = Field(64 << 20, ge=0, description="with more than one worker, files up to this size "
+                                   "are read whole by the executor's workers; larger ones (and datasets) stream "
+                                   "in the stage's own process")
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> "IngestConfig":
@@ -648,6 +651,9 @@ def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         if hf.split not in ds:
             raise IngestError(f"{f.display}: no split {hf.split!r}; splits are {list(ds)} (set hf.split)")
         ds = ds[hf.split]
+    elif saved and "split" in hf.model_fields_set and (ds.split is None or str(ds.split) != hf.split):
+        raise IngestError(f"{f.display}: the folder holds one dataset (split {ds.split}), not a split "
+                          f"{hf.split!r}; remove hf.split")
     field = f.source.text_field
     if field not in ds.column_names:
         raise IngestError(f"{f.display}: no column {field!r}; columns are {ds.column_names}")
@@ -671,18 +677,52 @@ def doc_id(source: str, location: str) -> str:
     return hashlib.blake2b(f"{source}\x00{location}".encode(), digest_size=8).hexdigest()
 
 
-def iter_items(files: list[InputFile], cfg: IngestConfig) -> Iterator[tuple[InputFile, Item]]:
+def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iterator[Item]:
+    """What one input gives, streamed: its documents and skips."""
+    if duplicate:
+        yield Skip("duplicate_path", "file", detail="listed by more than one source")
+        return
+    try:
+        yield from READERS[f.format](f, cfg)
+    except (PermissionError, IsADirectoryError) as e:
+        yield Skip("unreadable", "file", detail=str(e))
+
+
+_WORKER: dict[str, IngestConfig] = {}
+
+
+def _init_reader(cfg: IngestConfig) -> None:
+    _WORKER["cfg"] = cfg
+
+
+def _read_whole(f: InputFile, whole: bool) -> list[Item] | None:
+    """A worker's task: every item of ``f`` at once, or None for an input that the
+    stage's own process reads itself."""
+    return list(read_items(f, _WORKER["cfg"])) if whole else None
+
+
+def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = None
+               ) -> Iterator[tuple[InputFile, Item]]:
+    """Every item of every input, in order. With an executor of more than one
+    worker, files of at most ``worker_file_bytes`` are read whole by the workers,
+    a window of them ahead; larger files and datasets are streamed here, in their
+    turn, so memory stays bounded. The items are the same either way."""
     seen: set[tuple] = set()
+    plan = []
     for f in files:
-        key = f.key
-        if key in seen:
-            yield f, Skip("duplicate_path", "file", detail="listed by more than one source")
-            continue
-        seen.add(key)
-        try:
-            yield from ((f, item) for item in READERS[f.format](f, cfg))
-        except (PermissionError, IsADirectoryError) as e:
-            yield f, Skip("unreadable", "file", detail=str(e))
+        plan.append((f, f.key in seen))
+        seen.add(f.key)
+    if ex is None or ex.workers == 1:
+        for f, dup in plan:
+            yield from ((f, item) for item in read_items(f, cfg, dup))
+        return
+
+    def whole(f: InputFile, dup: bool) -> bool:
+        return not dup and f.format != "hf" and f.path.is_file() and f.path.stat().st_size <= cfg.worker_file_bytes
+
+    results = ex.map(_read_whole, ((f, whole(f, dup)) for f, dup in plan))
+    for (f, dup), items in zip(plan, results):
+        yield from ((f, item) for item in (read_items(f, cfg, dup) if items is None else items))
 
 
 def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | Path,
@@ -704,7 +744,8 @@ def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | P
     batch: dict[str, list] = {k: [] for k in SCHEMA.names}
 
     with atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
-            progress(total=bar_total, unit="B", unit_scale=True, desc="ingest") as bar:
+            progress(total=bar_total, unit="B", unit_scale=True, desc="ingest") as bar, \
+            open_executor(cfg.executor, _init_reader, (cfg,), max_workers=len(files), desc="ingest") as ex:
 
         def flush() -> None:
             if batch["id"]:
@@ -712,7 +753,7 @@ def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | P
                 for v in batch.values():
                     v.clear()
 
-        for f, item in iter_items(files, cfg):
+        for f, item in iter_items(files, cfg, ex):
             if isinstance(item, Skip):
                 ledger.record(item.reason, f.display, item.location, item.text, item.detail, n=item.n)
                 continue

@@ -343,3 +343,50 @@ def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
     (tmp_path / "a.txt").write_text("hi")
     with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: hf applies to Hugging Face datasets"):
         run(tmp_path, sources=[{"path": str(tmp_path / "a.txt"), "hf": {"split": "train"}}])
+
+
+# --- the executor: workers read whole files, the stage streams large ones -------------------------
+
+
+def mixed_corpus(root):
+    """Good and bad files of every format, a file listed twice, a dataset, and one large file."""
+    import datasets
+
+    d = root / "corpus"
+    d.mkdir(parents=True)
+    for i in range(12):
+        (d / f"good{i:02d}.txt").write_text(f"document {i}\n\nsecond paragraph {i}\n")
+    (d / "empty.txt").write_bytes(b"")
+    (d / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (d / "blob.txt").write_bytes(b"\x00\x01binary")
+    (d / "big.txt").write_text("a large file\n\n" * 2000)
+    (d / "rows.jsonl").write_text('{"text": "r1"}\n{"oops\n{"text": 3}\n{"text": "r2"}\n')
+    datasets.Dataset.from_dict({"text": ["h1", "h2"]}).save_to_disk(str(root / "ds"))
+    return [{"path": str(d / "*.txt"), "split_by": "paragraph"}, {"path": str(d / "rows.jsonl")},
+            {"path": str(d / "good00.txt"), "name": "again"}, {"path": str(root / "ds")}]
+
+
+def outputs(tmp_path, name, sources, **kw):
+    out = tmp_path / name
+    metrics = run_ingest(cfg(sources=sources, **kw), out / "docs.parquet", out / "q.jsonl", out / "report.json")
+    return metrics, [(out / f).read_bytes() for f in ("docs.parquet", "q.jsonl", "report.json")]
+
+
+def test_workers_give_the_bytes_of_one_process(tmp_path):
+    sources = mixed_corpus(tmp_path)
+    one = outputs(tmp_path, "one", sources, executor={"num_workers": 1})
+    assert one[0]["skipped"] >= 5 and one[0]["docs"] > 20
+    two = outputs(tmp_path, "two", sources, executor={"num_workers": 2})
+    streamed = outputs(tmp_path, "streamed", sources, executor={"num_workers": 2}, worker_file_bytes=100)
+    capped = [outputs(tmp_path, f"capped{n}", sources, executor={"num_workers": n}, max_bytes=300) for n in (1, 2)]
+    assert two == one and streamed == one
+    assert capped[0] == capped[1] and capped[0][0]["docs"] < one[0]["docs"]
+
+
+def test_a_split_asked_of_a_dataset_without_splits_is_an_error(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["h"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(IngestError, match=r"the folder holds one dataset \(split None\), not a split 'test'"):
+        outputs(tmp_path, "x", [{"path": str(tmp_path / "ds"), "hf": {"split": "test"}}])
+    assert outputs(tmp_path, "y", [{"path": str(tmp_path / "ds")}])[0]["docs"] == 1
