@@ -6,7 +6,8 @@ whole folder): it is written to a temporary name in the same directory, fsynced,
 renamed over the target, and the directory is fsynced, so a reader sees the old
 file or the new one and never half of either.
 
-:func:`available_cores` is the one count of the cores this process may use.
+:func:`available_cores` is the one count of the cores this process may use, and
+:func:`die_with_parent` the one way a child process is tied to its parent's life.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -104,6 +107,27 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent exits
+    (Linux; elsewhere a no-op), so that no child outlives the process that
+    watches it: a torchrun rank its agent (torchrun starts ranks in a new
+    session, so killing the launcher's process group would orphan them), a data
+    worker its stage, even when that is SIGKILLed (an interrupted ``dvc repro``).
+    ``parent_pid`` is the parent as the caller knew it (default: the current
+    one); if it is already gone, this process gets ``sig`` at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid() if parent_pid is None else parent_pid
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
 
 
 def write_json(path: str | Path, data: Any) -> None:

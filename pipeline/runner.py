@@ -82,7 +82,8 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     """
     import os
 
-    from pipeline.training.torchrun import die_with_parent, inside_torchrun, launch
+    from pipeline.files import die_with_parent
+    from pipeline.training.torchrun import inside_torchrun, launch
     from pipeline.training.trainer import NonFiniteError
 
     setup_logging()

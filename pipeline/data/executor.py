@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
-from pipeline.files import available_cores
+from pipeline.files import available_cores, die_with_parent
 
 log = logging.getLogger("pipeline.data.executor")
 
@@ -128,23 +128,8 @@ def _task_failed(desc: str, index: int, exc: BaseException, traceback_text: str)
                          f"{': ' + msg if msg else ''}{_where(traceback_text)}")
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel end this process when its parent dies, even by
-    SIGKILL (an interrupted ``dvc repro``), so that no worker is orphaned."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _local_worker_init(parent_pid: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
-    die_with_parent(parent_pid)
+    die_with_parent(signal.SIGTERM, parent_pid)
     if initializer is not None:
         initializer(*initargs)
 

@@ -30,6 +30,7 @@ from pydantic import Field
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
+from pipeline.files import die_with_parent
 
 
 def lock_name() -> str:
@@ -96,23 +97,6 @@ def hold_shared(folder: Path) -> int:
     fd = os.open(folder / lock_name(), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux).
-
-    torchrun starts each rank in a new session, so killing the launcher's
-    process group would otherwise orphan the ranks, and they would keep training
-    and writing checkpoints with no one watching them."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
 
 
 def torchrun_command(module: str, cfg: LaunchConfig) -> list[str]:
