@@ -51,6 +51,20 @@ class Ledger:
                 self.samples.append(s)
         self.counts.update(other.counts)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Counts and samples as JSON data (a shard's commit record holds its own)."""
+        return {"counts": dict(self.counts), "samples": list(self.samples)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], per_reason: int = 100, max_chars: int = 2000) -> "Ledger":
+        """The ledger :meth:`to_dict` described: merging it gives what recording its
+        records again would have given."""
+        ledger = cls(per_reason=per_reason, max_chars=max_chars)
+        ledger.counts.update(data["counts"])
+        ledger.samples = list(data["samples"])
+        ledger._kept.update(s["reason"] for s in ledger.samples)
+        return ledger
+
     @property
     def total(self) -> int:
         return sum(self.counts.values())

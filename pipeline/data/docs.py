@@ -1,0 +1,151 @@
+"""The documents format: what ingest and clean write, and clean, the tokenizer
+and pack read.
+
+A documents folder (``data/ingest/docs``, ``data/clean/docs``) holds::
+
+    shard-00000.parquet, shard-00000.json, shard-00001.parquet, ...
+    manifest.json
+
+Each shard is a zstd Parquet file in the stage's schema (ingest's: ``id``,
+``text``, ``source``, ``location``, ``chunk``, ``offset``, ``source_name``,
+``split``), its rows continuing the previous shard's; the shards in index order
+are the table. Each has the commit record of :mod:`pipeline.data.resume`. The
+manifest (format ``pipeline.docs/1``, written last) lists the shards with their
+rows and sha256, and the total ``rows``; a folder without one is incomplete.
+
+:class:`DocTable` reads a folder, or one Parquet file (a user's own table),
+through one interface, the part of ``pyarrow.parquet.ParquetFile`` the readers
+use. :class:`ShardedParquetWriter` writes the shards for a stage that cuts them
+where it chooses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.data.resume import MANIFEST, ShardLog
+from pipeline.files import read_json
+
+FORMAT = "pipeline.docs/1"
+
+
+class DocTable:
+    """A documents folder's shards (from its manifest), or one Parquet file, read
+    as one table. ``iter_batches`` gives batches of exactly ``batch_size`` rows
+    (the last one shorter) across shard boundaries, as ``ParquetFile`` does
+    across row groups, so a reader cuts its work the same way however the
+    table is sharded.
+
+    Raises ``error`` (a StageError class) with one line when the path is
+    missing, a folder has no manifest or lacks a listed shard, a file is not
+    Parquet, or the shards' schemas differ."""
+
+    def __init__(self, path: str | Path, error: type[Exception], missing_hint: str = ""):
+        path = Path(path)
+        self.path = path
+        if path.is_dir():
+            manifest_path = path / MANIFEST
+            if not manifest_path.is_file():
+                raise error(f"{path}: no {MANIFEST}, so the stage that writes it has not completed"
+                            f"{'; ' + missing_hint if missing_hint else ''}")
+            try:
+                manifest = read_json(manifest_path)
+                self.files = [path / s["path"] for s in manifest["shards"]]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise error(f"{manifest_path}: not a documents manifest ({e})") from None
+            gone = [f.name for f in self.files if not f.is_file()]
+            if gone:
+                raise error(f"{path}: shard(s) {gone} listed in {MANIFEST} are missing")
+        elif path.is_file():
+            self.files = [path]
+        else:
+            raise error(f"documents not found: {path}{'; ' + missing_hint if missing_hint else ''}")
+        self._parts: list[pq.ParquetFile] = []
+        try:
+            for f in self.files:
+                # pre_buffer=False: with pre-buffering, the reader's cached ranges grow with the file
+                self._parts.append(pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise error(f"{f}: not a readable Parquet file: {e}") from None
+        if not self._parts:
+            raise error(f"{path}: the manifest lists no shards")
+        self.schema_arrow: pa.Schema = self._parts[0].schema_arrow
+        for f, part in zip(self.files[1:], self._parts[1:]):
+            if not part.schema_arrow.equals(self.schema_arrow):
+                raise error(f"{f}: schema differs from {self.files[0].name}'s")
+        self.num_rows = sum(p.metadata.num_rows for p in self._parts)
+        self.metadata = SimpleNamespace(num_rows=self.num_rows)  # as ParquetFile.metadata, for the row count
+
+    def iter_batches(self, batch_size: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+        if len(self._parts) == 1:
+            yield from self._parts[0].iter_batches(batch_size=batch_size, columns=columns)
+            return
+        pending: list[pa.RecordBatch] = []
+        have = 0
+        for part in self._parts:
+            for b in part.iter_batches(batch_size=batch_size, columns=columns):
+                while b.num_rows:
+                    take = min(batch_size - have, b.num_rows)
+                    pending.append(b.slice(0, take))
+                    have += take
+                    b = b.slice(take)
+                    if have == batch_size:
+                        yield _concat(pending)
+                        pending, have = [], 0
+        if have:
+            yield _concat(pending)
+
+
+def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
+
+class ShardedParquetWriter:
+    """Writes a documents folder shard by shard through a :class:`ShardLog`:
+    :meth:`start` a shard, :meth:`write` tables into it (row groups of at most
+    ``row_group_docs``), :meth:`seal` it with its record's fields. A shard that
+    is never sealed leaves no file under its name."""
+
+    def __init__(self, shard_log: ShardLog, schema: pa.Schema, row_group_docs: int):
+        self.log, self.schema, self.row_group_docs = shard_log, schema, row_group_docs
+        self._stack: contextlib.ExitStack | None = None
+        self._writer: pq.ParquetWriter | None = None
+        self._k = -1
+        self.rows = 0
+
+    def start(self, k: int) -> None:
+        if self._stack is not None:
+            raise RuntimeError("the previous shard is not sealed")
+        self._stack = contextlib.ExitStack()
+        tmp = self._stack.enter_context(self.log.writing(k))
+        self._writer = self._stack.enter_context(pq.ParquetWriter(tmp, self.schema, compression="zstd"))
+        self._k, self.rows = k, 0
+
+    def write(self, table: pa.Table) -> None:
+        assert self._writer is not None, "start a shard first"
+        if table.num_rows:
+            self._writer.write_table(table, row_group_size=self.row_group_docs)
+            self.rows += table.num_rows
+
+    def seal(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Close the shard (fsync, rename) and write its record with ``rows`` and ``fields``."""
+        assert self._stack is not None, "start a shard first"
+        stack, self._stack, self._writer = self._stack, None, None
+        stack.close()
+        return self.log.seal(self._k, {"rows": self.rows, **fields})
+
+    def abort(self) -> None:
+        """Drop the open shard, if any (its temporary file is removed)."""
+        if self._stack is not None:
+            stack, self._stack, self._writer = self._stack, None, None
+            with contextlib.suppress(Exception):
+                stack.__exit__(RuntimeError, RuntimeError("aborted"), None)

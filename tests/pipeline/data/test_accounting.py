@@ -1,0 +1,35 @@
+"""pipeline.data.accounting: a ledger split by shard merges back to the ledger of the whole."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.data.accounting import Ledger
+
+
+def test_shard_ledgers_through_json_merge_to_the_whole():
+    events = [("short", f"f{i % 3}", str(i)) for i in range(7)] + [("bad_utf8", "g", "x")] * 4
+    whole = Ledger(per_reason=3)
+    for e in events:
+        whole.record(*e, text="t" * 5)
+    merged = Ledger(per_reason=3)
+    for a in range(0, len(events), 4):  # shards of four events, each through its record's JSON
+        part = Ledger(per_reason=3)
+        for e in events[a:a + 4]:
+            part.record(*e, text="t" * 5)
+        merged.merge(Ledger.from_dict(json.loads(json.dumps(part.to_dict())), per_reason=3))
+    assert merged.counts == whole.counts == {"short": 7, "bad_utf8": 4}
+    assert merged.samples == whole.samples
+    assert len(merged.samples) == 6
+    merged.record("short", "late")  # the per-reason bound survives the round trip
+    assert len(merged.samples) == 6
+
+
+def test_a_restored_ledger_keeps_its_per_reason_bound():
+    full = Ledger(per_reason=2)
+    for i in range(3):
+        full.record("short", f"f{i}")
+    restored = Ledger.from_dict(full.to_dict(), per_reason=2)
+    restored.record("short", "late")
+    assert restored.counts["short"] == 4
+    assert [s["source"] for s in restored.samples] == ["f0", "f1"]

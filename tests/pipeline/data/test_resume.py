@@ -1,0 +1,107 @@
+"""pipeline.data.resume: which shards a rerun keeps, and which it removes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeline.data import resume
+from pipeline.data.resume import MANIFEST, ShardLog
+from pipeline.files import read_json
+
+
+def _write(text: str):
+    return lambda tmp: tmp.write_text(text)
+
+
+def _three(folder, fp="a") -> ShardLog:
+    sl = ShardLog(folder, fp, ext=".txt")
+    assert sl.open() == {}
+    for k in range(3):
+        sl.commit(k, _write(f"shard {k}"), {"rows": k + 1, "ends_at": 10 * (k + 1)})
+    sl.finish(3, {"format": "test"})
+    return sl
+
+
+def test_rerun_keeps_committed_shards_with_their_records(tmp_path):
+    _three(tmp_path)
+    again = ShardLog(tmp_path, "a", ext=".txt")
+    kept = again.open()
+    assert sorted(kept) == [0, 1, 2]
+    assert kept[1]["ends_at"] == 20 and kept[1]["rows"] == 2
+    assert not (tmp_path / MANIFEST).exists()  # incomplete until the stage finishes again
+    assert again.removed == ["manifest.json (rewritten when the stage completes)"]
+
+
+def test_other_fingerprint_is_stale_and_removed(tmp_path):
+    _three(tmp_path, "a")
+    other = ShardLog(tmp_path, "b", ext=".txt")
+    assert other.open() == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert sum("another fingerprint" in r for r in other.removed) == 6  # three shards, three records
+
+
+def test_damaged_missing_and_uncommitted_shards_are_removed(tmp_path):
+    _three(tmp_path)
+    (tmp_path / "shard-00001.txt").write_text("shard X")  # bytes no longer match the record
+    (tmp_path / "shard-00002.txt").unlink()  # record without shard
+    (tmp_path / "shard-00003.txt").write_text("killed before its record")
+    (tmp_path / ".shard-00004.txt.abc.tmp").write_text("killed mid-write")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.json", "shard-00000.txt"]
+    text = " ".join(sl.removed)
+    for why in ("sha256 does not match", "shard missing", "no commit record", "unfinished write"):
+        assert why in text
+
+
+def test_unreadable_record_is_not_trusted(tmp_path):
+    _three(tmp_path)
+    (tmp_path / "shard-00000.json").write_text("{not json")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [1, 2]
+
+
+def test_finish_lists_shards_and_refuses_gaps(tmp_path):
+    sl = _three(tmp_path)
+    manifest = read_json(tmp_path / MANIFEST)
+    assert [s["rows"] for s in manifest["shards"]] == [1, 2, 3]
+    assert manifest["fingerprint"] == "a" and manifest["format"] == "test"
+    sl2 = ShardLog(tmp_path, "a", ext=".txt")
+    sl2.open()
+    (tmp_path / "shard-00001.txt").write_text("x")
+    sl3 = ShardLog(tmp_path, "a", ext=".txt")
+    sl3.open()
+    with pytest.raises(RuntimeError, match=r"\[1\] are not committed"):
+        sl3.finish(3, {})
+    sl3.finish(1, {})  # shards beyond the end are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard-00000.json", "shard-00000.txt"]
+
+
+def test_a_failed_write_leaves_nothing_under_the_shard_name(tmp_path):
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    sl.open()
+
+    def boom(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        sl.commit(0, boom, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fingerprint_moves_with_params_inputs_and_code(tmp_path):
+    base = resume.fingerprint("clean", {"a": 1}, {"docs": "x"}, "c")
+    assert base == resume.fingerprint("clean", {"a": 1}, {"docs": "x"}, "c")
+    assert len({base, resume.fingerprint("clean", {"a": 2}, {"docs": "x"}, "c"),
+                resume.fingerprint("clean", {"a": 1}, {"docs": "y"}, "c"),
+                resume.fingerprint("clean", {"a": 1}, {"docs": "x"}, "d"),
+                resume.fingerprint("pack", {"a": 1}, {"docs": "x"}, "c")}) == 5
+    f = tmp_path / "raw.txt"
+    f.write_text("abc")
+    before = resume.files_digest([f])
+    os.utime(f, ns=(1, 1))
+    assert resume.files_digest([f]) != before
+    assert resume.code_digest(resume) != resume.code_digest(resume, pytest)
