@@ -64,7 +64,7 @@ def test_unreadable_record_is_not_trusted(tmp_path):
 
 
 def test_finish_lists_shards_and_refuses_gaps(tmp_path):
-    sl = _three(tmp_path)
+    _three(tmp_path)
     manifest = read_json(tmp_path / MANIFEST)
     assert [s["rows"] for s in manifest["shards"]] == [1, 2, 3]
     assert manifest["fingerprint"] == "a" and manifest["format"] == "test"
