@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
-from tests.pipeline.data.test_clean import MIXED, code, prose, report, run, write_docs
+from tests.pipeline.data.test_clean import MIXED, code, files, prose, report, run, write_docs
 from tests.pipeline.data.test_dedup import PLANTED
 from tests.pipeline.data.test_executor import BadInput, fails, init, tagged
 
@@ -24,8 +24,7 @@ def outputs(d, texts, **kw):
     metrics, docs, quarantine = run(d, texts, **kw)
     workers = metrics.pop("workers")
     metrics.pop("mb_per_s")
-    files = tuple((d / "out" / f).read_bytes() for f in ("docs.parquet", "quarantine.jsonl", "report.json"))
-    return workers, (metrics, files)
+    return workers, (metrics, files(d / "out"))
 
 
 def test_ray_map_keeps_order_and_runs_the_initializer_in_ray_workers():

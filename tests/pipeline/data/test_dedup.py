@@ -43,8 +43,8 @@ PLANTED = [
 def outputs(tmp_path, texts, **kw):
     metrics, docs, quarantine = run(tmp_path, texts, **kw)
     metrics.pop("mb_per_s")
-    return metrics, report(tmp_path), docs, quarantine, (tmp_path / "out" / "quarantine.jsonl").read_bytes(), \
-        (tmp_path / "out" / "docs.parquet").read_bytes()
+    shards = [f.read_bytes() for f in sorted((tmp_path / "out" / "docs").glob("shard-*.parquet"))]
+    return metrics, report(tmp_path), docs, quarantine, (tmp_path / "out" / "quarantine.jsonl").read_bytes(), shards
 
 
 def both(tmp_path, texts, **kw):
@@ -110,7 +110,9 @@ def test_each_dedup_pass_can_be_off(tmp_path):
 def test_work_folder_is_removed(tmp_path):
     both(tmp_path, PLANTED)
     assert sorted(p.name for p in (tmp_path / "sharded" / "out").iterdir()) == [
-        "docs.parquet", "quarantine.jsonl", "report.json"]
+        "docs", "quarantine.jsonl", "report.json"]
+    assert sorted(p.name for p in (tmp_path / "sharded" / "out" / "docs").iterdir()) == [
+        "decisions-00000.json", "decisions-00000.u8", "manifest.json", "shard-00000.json", "shard-00000.parquet"]
 
 
 def test_exact_partition_keeps_the_first_of_each_digest(tmp_path):
