@@ -126,18 +126,19 @@ def test_a_damaged_and_an_uncommitted_shard_are_redone_and_only_they(tmp_path, i
     d = tmp_path / "damaged"
     run(d, inp)
     docs = d / "out" / "docs"
-    shard2 = docs / "shard-00002.parquet"
-    data = bytearray(shard2.read_bytes())
+    # shard 1's documents are duplicates of shard 0's, shard 6's of shard 2's
+    shard1 = docs / "shard-00001.parquet"
+    data = bytearray(shard1.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    shard2.write_bytes(bytes(data))
-    (docs / "shard-00005.json").unlink()
+    shard1.write_bytes(bytes(data))
+    (docs / "shard-00006.json").unlink()
     before = stamps(docs)
     metrics = run(d, inp)
     same_metrics(metrics, fresh_metrics, resumed=5)
     assert files(d / "out") == fresh_files
     after = stamps(docs)
     redone = {n for n in before if after.get(n) != before[n]}
-    assert redone == {"shard-00002.parquet", "shard-00002.json", "shard-00005.parquet"}
+    assert redone == {"shard-00001.parquet", "shard-00001.json", "shard-00006.parquet"}
 
 
 KILLED_RUN = textwrap.dedent("""
