@@ -55,9 +55,11 @@ def both(tmp_path, texts, **kw):
     return memory, sharded
 
 
-def test_planted_duplicates_and_a_chain_keep_the_same_documents(tmp_path):
-    memory, sharded = both(tmp_path, PLANTED, batch_docs=4)
+@pytest.mark.parametrize("shard_bytes", [1 << 26, 1])  # one output shard, one per batch
+def test_planted_duplicates_and_a_chain_keep_the_same_documents(tmp_path, shard_bytes):
+    memory, sharded = both(tmp_path, PLANTED, batch_docs=4, shard_bytes=shard_bytes)
     assert sharded == memory
+    assert memory[0]["shards"] == (1 if shard_bytes > 1 else 4)
     _, rep, docs, quarantine, _, _ = memory
     # The greedy rule, not clusters: C's only match B was dropped, so C stays.
     assert [d["id"] for d in docs] == ["id000", "id001", "id004", "id006", "id010", "id013"]
