@@ -224,7 +224,7 @@ def test_split_by_position_holds_out_the_end_of_the_text(book, tmp_path):
 
 def test_results_are_identical_for_one_and_two_workers(book, tmp_path):
     d = book["dir"]
-    metrics = run_clean(CleanConfig(num_workers=2, batch_docs=8), d / "ingest.parquet", tmp_path / "clean.parquet",
+    metrics = run_clean(CleanConfig(num_workers=2, batch_docs=8), d / "ingest", tmp_path / "clean.parquet",
                         tmp_path / "quarantine.jsonl", tmp_path / "clean-report.json")
     assert metrics["workers"] == 2
     assert pq.read_table(tmp_path / "clean.parquet").equals(pq.read_table(d / "clean.parquet"))
