@@ -40,7 +40,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Literal, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -910,7 +910,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
 
 
 def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, writer: ShardedParquetWriter,
-                  totals: _Totals, bar, k: int, start: Position) -> tuple[int, Position, bool]:
+                  totals: _Totals, bar: Any, k: int, start: Position) -> tuple[int, Position, bool]:
     """Write shard ``k`` and the ones after it, reading from ``start``, until the
     input ends, ``max_bytes`` is reached, or the next shard is already
     committed. Returns (the next shard's index, where it starts, whether the
@@ -935,8 +935,9 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
             if len(shard.rows["id"]) >= cfg.row_group_docs:
                 shard.flush(writer)
             if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:
-                totals.add(shard.seal(writer, end=pos, capped=True, last=True))
-                return k + 1, pos, True
+                end = (pos[0], pos[1] + 1)
+                totals.add(shard.seal(writer, end=end, capped=True, last=True))
+                return k + 1, end, True
     if shard.docs == 0:  # nothing read at all: no shard to commit (the stage raises)
         writer.abort()
         totals.ledger.merge(shard.ledger)
