@@ -62,16 +62,15 @@ def build_corpora(work: Path, copies: list[int], quick: bool, paragraphs: bool =
     import pyarrow.parquet as pq
 
     from pipeline.config import parse_section
-    from pipeline.data.ingest import IngestConfig, run_ingest
-
     from pipeline.data.docs import DocTable
+    from pipeline.data.ingest import IngestConfig, IngestError, run_ingest
 
-    base = work / "stdlib"
+    base = work / "stdlib"  # a documents folder (pipeline/data/docs.py)
     section = {} if quick else {"max_bytes": None, "sources": [
         {"path": "{stdlib}/**/*.py", "exclude": ["*/site-packages/*", "*/dist-packages/*"]}]}
     run_ingest(parse_section(IngestConfig, section, "ingest"), base, work / "q.jsonl")
-    table = pa.Table.from_batches(list(DocTable(base, RuntimeError).iter_batches(
-        65_536, columns=["id", "text", "source", "location"])))
+    columns = ["id", "text", "source", "location"]
+    table = pa.concat_tables([pq.read_table(f, columns=columns) for f in DocTable(base, IngestError).files])
     if paragraphs:
         rows: dict[str, list] = {"id": [], "text": [], "source": [], "location": []}
         for d in table.to_pylist():

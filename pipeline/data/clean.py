@@ -73,6 +73,7 @@ from rensa import RMinHash, RMinHashLSH
 
 from pipeline.data import dedup
 from pipeline.data.accounting import Ledger
+from pipeline.data.docs import DocTable
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
 from pipeline.errors import StageError
@@ -357,15 +358,8 @@ class NearDedup:
 # --- the stage ---------------------------------------------------------------------------------
 
 
-def _open_input(in_path: Path) -> pq.ParquetFile:
-    if not in_path.exists():
-        raise CleanError(f"input not found: {in_path} (run the ingest stage first)")
-    try:
-        # pre_buffer=False: with pre-buffering, the reader's cached ranges grew from
-        # 40 to 90 MB over a 200 MB file; without, it stays near 13 MB.
-        pf = pq.ParquetFile(in_path, pre_buffer=False)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise CleanError(f"{in_path} is not a readable Parquet file: {e}") from None
+def _open_input(in_path: Path) -> DocTable:
+    pf = DocTable(in_path, CleanError, "run the ingest stage first")
     missing = [n for n in REQUIRED if n not in pf.schema_arrow.names]
     if missing:
         raise CleanError(f"{in_path} lacks column(s) {missing}; has {pf.schema_arrow.names}")
