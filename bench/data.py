@@ -92,16 +92,18 @@ def rot(text: str, k: int) -> str:
 
 def stdlib_table(work: Path):
     """The standard library's .py files, through our own ingest stage."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipeline.config import parse_section
-    from pipeline.data.ingest import IngestConfig, run_ingest
+    from pipeline.data.docs import DocTable
+    from pipeline.data.ingest import IngestConfig, IngestError, run_ingest
 
-    base = work / "stdlib.parquet"
+    base = work / "stdlib"  # a documents folder (pipeline/data/docs.py)
     cfg = parse_section(IngestConfig, {"max_bytes": None, "sources": [
         {"path": "{stdlib}/**/*.py", "exclude": ["*/site-packages/*", "*/dist-packages/*"]}]}, "ingest")
     run_ingest(cfg, base, work / "q.jsonl")
-    return pq.read_table(base, columns=["id", "text"])
+    return pa.concat_tables([pq.read_table(f, columns=["id", "text"]) for f in DocTable(base, IngestError).files])
 
 
 def short_paragraphs(texts: list[str]) -> list[str]:

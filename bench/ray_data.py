@@ -1,16 +1,19 @@
-"""The clean stage on Ray against the local pool, and the memory of its dedup.
+"""The data stages on Ray against the local pool, and their memory.
 
-    python -m bench.ray_data            # 2 stdlib copies (~63 MB), 3 rounds; 1 and 3 copies for dedup memory
+    python -m bench.ray_data            # clean and pack on ~63 MB, 3 rounds; memory on ~63 and ~220 MB
     python -m bench.ray_data --quick    # the default 8 MB corpus, 1 round
 
 What it measures, each run a fresh process (so Ray's start-up is included):
 
-* clean under Ray with 2 workers against Ray with 1 (goal: at least 1.6x),
-  beside the local pool's own 2-against-1 (what the machine allows at the time);
-* clean under Ray (2 workers) against the local pool (2 workers) on the same
-  corpus: wall time ratio (goal: at most 1.3x, start-up included);
+* clean and pack under Ray with 2 workers against Ray with 1 (goal: at least
+  1.6x), beside the local pool's own 2-against-1 (what the machine allows at
+  the time);
+* clean and pack under Ray (2 workers) against the local pool (2 workers) on
+  the same corpus: wall time ratio (goal: at most 1.3x, start-up included);
 * the peak RSS of the main process and of the largest worker process, and of
   Ray's own processes (GCS, raylet, agents) together;
+* peak memory per worker under Ray against corpus size (two sizes, about
+  60 and 200 MB), for clean and pack (goal: flat, under 1 GB);
 * dedup memory against corpus size: the main process and the largest worker
   with ``dedup.method: memory`` (the index lives in the main process) and
   ``sharded`` (bounded per task), on two corpus sizes.
@@ -24,6 +27,7 @@ figures vary from run to run; the ratios compare runs made in one invocation.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -58,13 +62,15 @@ def build_corpora(work: Path, copies: list[int], quick: bool, paragraphs: bool =
     import pyarrow.parquet as pq
 
     from pipeline.config import parse_section
-    from pipeline.data.ingest import IngestConfig, run_ingest
+    from pipeline.data.docs import DocTable
+    from pipeline.data.ingest import IngestConfig, IngestError, run_ingest
 
-    base = work / "stdlib.parquet"
+    base = work / "stdlib"  # a documents folder (pipeline/data/docs.py)
     section = {} if quick else {"max_bytes": None, "sources": [
         {"path": "{stdlib}/**/*.py", "exclude": ["*/site-packages/*", "*/dist-packages/*"]}]}
     run_ingest(parse_section(IngestConfig, section, "ingest"), base, work / "q.jsonl")
-    table = pq.read_table(base, columns=["id", "text", "source", "location"])
+    columns = ["id", "text", "source", "location"]
+    table = pa.concat_tables([pq.read_table(f, columns=columns) for f in DocTable(base, IngestError).files])
     if paragraphs:
         rows: dict[str, list] = {"id": [], "text": [], "source": [], "location": []}
         for d in table.to_pylist():
@@ -88,13 +94,27 @@ def build_corpora(work: Path, copies: list[int], quick: bool, paragraphs: bool =
     return out
 
 
-def _child(corpus: str, out: str, section: str) -> None:
+def _child(stage: str, corpus: str, out: str, section: str, tokenizer: str) -> None:
     from pipeline.config import parse_section
-    from pipeline.data.clean import CleanConfig, run_clean
 
-    cfg = parse_section(CleanConfig, json.loads(section), "clean")
-    m = run_clean(cfg, corpus, Path(out) / "docs.parquet", Path(out) / "q.jsonl", Path(out) / "report.json")
+    out_dir = Path(out)
+    if stage == "clean":
+        from pipeline.data.clean import CleanConfig, run_clean
+
+        cfg = parse_section(CleanConfig, json.loads(section), "clean")
+        m = run_clean(cfg, corpus, out_dir / "docs", out_dir / "q.jsonl", out_dir / "report.json")
+    else:
+        from pipeline.data.pack import PackConfig, run_pack
+
+        cfg = parse_section(PackConfig, json.loads(section), "pack")
+        m = run_pack(cfg, corpus, tokenizer, out_dir / "packed")
     print("RESULT " + json.dumps(m), flush=True)
+
+
+def digests(out: Path) -> dict[str, str]:
+    """sha256 of every file a run wrote, by path in its output folder."""
+    return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def _role(p: psutil.Process, main_pid: int) -> str:
@@ -111,15 +131,15 @@ def _role(p: psutil.Process, main_pid: int) -> str:
     return "other"
 
 
-def measure(corpus: Path, section: dict, work: Path) -> dict:
-    """One clean run in a fresh process tree: wall time (start-up included),
+def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", tokenizer: Path | None = None) -> dict:
+    """One clean or pack run in a fresh process tree: wall time (start-up included),
     metrics, and peak RSS (MB) of the main process, the largest worker, and
     Ray's own processes summed."""
     out = Path(tempfile.mkdtemp(dir=work))
     env = {**os.environ, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0", "RAY_AUTH_MODE": "disabled"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.ray_data", "--child", str(corpus), str(out),
-                             json.dumps(section)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.ray_data", "--child", stage, str(corpus), str(out),
+                             json.dumps(section), str(tokenizer)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     peak: dict[str, float] = {"main": 0, "worker": 0, "ray-system": 0}
     stop = threading.Event()
 
@@ -151,33 +171,45 @@ def measure(corpus: Path, section: dict, work: Path) -> dict:
     stop.set()
     t.join()
     if proc.returncode != 0:
-        raise RuntimeError(f"clean run failed (exit {proc.returncode}): {section}")
+        raise RuntimeError(f"{stage} run failed (exit {proc.returncode}): {section}")
     metrics = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
-    files = {f: (out / f).read_bytes() for f in ("docs.parquet", "q.jsonl", "report.json")}
-    return {"wall_s": wall, "metrics": metrics, "files": files,
+    files = digests(out)
+    report = json.loads((out / "report.json").read_text()) if stage == "clean" else {}
+    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report,
             **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
+
+
+def train_tokenizer(corpus: Path, work: Path) -> Path:
+    """The tokenizer stage's default BPE, trained on ``corpus`` (pack needs one)."""
+    from pipeline.config import parse_section
+    from pipeline.data.tokenizer import TokenizerConfig, build
+
+    out = work / "tokenizer" / "tokenizer.json"
+    build(parse_section(TokenizerConfig, {}, "tokenizer"), corpus, out)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved speed rounds (default 3; 1 with --quick)")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(*args.child)
         return
     args.rounds = args.rounds or (1 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    speed_n, mem_sizes = (2, [1, 2]) if args.quick else (2, [1, 3])
-    corpora = build_corpora(work, [speed_n], args.quick)
+    speed_n, big_n, mem_sizes = (2, 3, [1, 2]) if args.quick else (2, 7, [1, 3])
+    corpora = build_corpora(work, [speed_n, big_n], args.quick)
     para = build_corpora(work, mem_sizes, args.quick, paragraphs=True)
+    tokenizer = train_tokenizer(corpora[speed_n], work)
     import pyarrow.parquet as pq
 
     def mb(path: Path) -> float:
         return sum(len(t.encode()) for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()) / MB
 
-    text_mb = {speed_n: mb(corpora[speed_n])}
+    text_mb = {n: mb(p) for n, p in corpora.items()}
     para_mb = {n: mb(p) for n, p in para.items()}
     print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
 
@@ -187,29 +219,41 @@ def main() -> None:
         "ray, 1 worker": {"executor": {"kind": "ray", "num_workers": 1}},
         "ray, 2 workers": {"executor": {"kind": "ray", "num_workers": 2}},
     }
-    rounds: dict[str, list[dict]] = {name: [] for name in runs}
-    for _ in range(args.rounds):  # interleaved, so that a noisy neighbour hurts every kind alike
-        for name, section in runs.items():
-            rounds[name].append(measure(corpora[speed_n], section, work))
-    first = rounds["local, 2 workers"][0]["files"]
-    same = all(r["files"] == first for rs in rounds.values() for r in rs)
-    wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in rounds.items()}
-    print(f"\nclean on {text_mb[speed_n]:.0f} MB, {args.rounds} interleaved rounds, medians (wall time includes "
-          f"start-up; outputs byte-identical across all runs: {same})")
-    print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
-    for name, rs in rounds.items():
-        peak = {k: max(r[k] for r in rs) for k in ("peak_main_mb", "peak_worker_mb", "peak_ray-system_mb")}
-        print(f"{name:<20}{wall[name]:>8.1f}{text_mb[speed_n] / wall[name]:>8.2f}{peak['peak_main_mb']:>9}"
-              f"{peak['peak_worker_mb']:>11}{peak['peak_ray-system_mb']:>12}")
+    worker_peak: dict[tuple[str, int], int] = {}
+    for stage in ("clean", "pack"):
+        rounds: dict[str, list[dict]] = {name: [] for name in runs}
+        for _ in range(args.rounds):  # interleaved, so that a noisy neighbour hurts every kind alike
+            for name, section in runs.items():
+                rounds[name].append(measure(corpora[speed_n], section, work, stage, tokenizer))
+        first = rounds["local, 2 workers"][0]["files"]
+        same = all(r["files"] == first for rs in rounds.values() for r in rs)
+        wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in rounds.items()}
+        worker_peak[stage, speed_n] = max(r["peak_worker_mb"] for r in rounds["ray, 2 workers"])
+        print(f"\n{stage} on {text_mb[speed_n]:.0f} MB, {args.rounds} interleaved rounds, medians (wall time "
+              f"includes start-up; outputs byte-identical across all runs: {same})")
+        print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
+        for name, rs in rounds.items():
+            peak = {k: max(r[k] for r in rs) for k in ("peak_main_mb", "peak_worker_mb", "peak_ray-system_mb")}
+            print(f"{name:<20}{wall[name]:>8.1f}{text_mb[speed_n] / wall[name]:>8.2f}{peak['peak_main_mb']:>9}"
+                  f"{peak['peak_worker_mb']:>11}{peak['peak_ray-system_mb']:>12}")
 
-    def ratio(a: str, b: str) -> str:
-        per = [x["wall_s"] / y["wall_s"] for x, y in zip(rounds[a], rounds[b])]
-        return f"{wall[a] / wall[b]:.2f}x (rounds {min(per):.2f}-{max(per):.2f})"
+        def ratio(a: str, b: str) -> str:
+            per = [x["wall_s"] / y["wall_s"] for x, y in zip(rounds[a], rounds[b])]
+            return f"{wall[a] / wall[b]:.2f}x (rounds {min(per):.2f}-{max(per):.2f})"
 
-    print(f"ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
-    print(f"local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
-          "(what the machine gives two processes now)")
-    print(f"ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} (goal <= 1.3)")
+        print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
+        print(f"{stage}: local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
+              "(what the machine gives two processes now)")
+        print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} "
+              "(goal <= 1.3)")
+
+    print("\npeak memory per worker under Ray (2 workers) against corpus size (goal: flat, under 1 GB)")
+    print(f"{'stage':<8}{'corpus MB':>11}{'worker MB':>11}{'main MB':>9}{'wall s':>8}")
+    for stage in ("clean", "pack"):
+        r = measure(corpora[big_n], runs["ray, 2 workers"], work, stage, tokenizer)
+        worker_peak[stage, big_n] = r["peak_worker_mb"]
+        print(f"{stage:<8}{text_mb[speed_n]:>11.0f}{worker_peak[stage, speed_n]:>11}{'':>9}{'':>8}")
+        print(f"{stage:<8}{text_mb[big_n]:>11.0f}{r['peak_worker_mb']:>11}{r['peak_main_mb']:>9}{r['wall_s']:>8.1f}")
 
     print("\ndedup memory against corpus size (local, 2 workers; one document per stdlib paragraph; peak RSS in MB)")
     print(f"{'method':<10}{'corpus MB':>11}{'docs':>9}{'main MB':>9}{'worker MB':>11}{'wall s':>8}{'identical':>11}")
@@ -218,10 +262,11 @@ def main() -> None:
         for method in ("memory", "sharded"):
             r = measure(para[n], {"executor": {"kind": "local", "num_workers": 2},
                                      "dedup": {"method": method}}, work)
-            base = base or r["files"]
-            docs = json.loads(r["files"]["report.json"])["docs_in"]
-            print(f"{method:<10}{para_mb[n]:>11.0f}{docs:>9}{r['peak_main_mb']:>9}{r['peak_worker_mb']:>11}"
-                  f"{r['wall_s']:>8.1f}{str(r['files'] == base):>11}")
+            # the records and manifest name the fingerprint, which differs by method; the data must not
+            same_files = {k: v for k, v in r["files"].items() if k.endswith((".parquet", ".jsonl", "report.json"))}
+            base = base or same_files
+            print(f"{method:<10}{para_mb[n]:>11.0f}{r['report']['docs_in']:>9}{r['peak_main_mb']:>9}"
+                  f"{r['peak_worker_mb']:>11}{r['wall_s']:>8.1f}{str(same_files == base):>11}")
 
 
 def date() -> str:

@@ -16,7 +16,7 @@ PLOTS = Path("plots")
 RAW = DATA / "raw"  # users drop their own files here; tracked as an ingest dep
 
 INGEST_DIR = DATA / "ingest"
-INGEST_DOCS = INGEST_DIR / "docs.parquet"
+INGEST_DOCS = INGEST_DIR / "docs"  # a documents folder (pipeline/data/docs.py)
 INGEST_QUARANTINE = INGEST_DIR / "quarantine.jsonl"
 
 CLEAN_DIR = DATA / "clean"

@@ -1,4 +1,5 @@
-"""ingest: raw sources -> data/ingest/docs.parquet (+ quarantine, report; metrics/ingest.json)."""
+"""ingest: raw sources -> data/ingest/docs/ (documents folder: shards + manifest, resumed after a kill)
+(+ quarantine, report; metrics/ingest.json)."""
 
 from pipeline import layout
 from pipeline.data.ingest import IngestConfig, run_ingest

@@ -80,8 +80,8 @@ from pipeline.data.accounting import Ledger
 from pipeline.data.docs import FORMAT, DocTable, ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
-from pipeline.errors import StageError
 from pipeline.data.resume import ShardLog
+from pipeline.errors import StageError
 from pipeline.files import write_json
 from pipeline.progress import progress
 

@@ -1,8 +1,11 @@
 """ingest: read raw sources into one table of documents.
 
 Input: ``ingest.sources``, a list of ``{path, format, text_field, split_by}``.
-Output: a Parquet file of documents ``(id, text, source, location, chunk,
-offset, source_name, split)`` and a quarantine JSONL of skipped records. ``id``
+Output: a documents folder (:mod:`pipeline.data.docs`: Parquet shards of
+``(id, text, source, location, chunk, offset, source_name, split)`` and a
+manifest) and a quarantine JSONL of skipped records. The shards are committed
+one by one, so a killed run rerun keeps the finished ones (see
+:func:`run_ingest`). ``id``
 is stable: a hash of the source (with placeholders such as ``{stdlib}`` kept
 unexpanded, so ids agree across machines) and the location inside it.
 
@@ -26,24 +29,34 @@ any reading starts.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import hashlib
+import itertools
 import json
+import logging
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pipeline.data import accounting, resume
+from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
+from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
+from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
-from pipeline.files import atomic_path, write_json
+from pipeline.files import write_json
 from pipeline.progress import progress
+
+log = logging.getLogger("pipeline.data.ingest")
 
 Format = Literal["auto", "text", "jsonl", "json", "parquet", "csv", "hf"]
 SplitBy = Literal["file", "paragraph", "line", "chunk"]
@@ -165,6 +178,9 @@ class IngestConfig(ParallelStageConfig):
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
     row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
+    shard_bytes: int = Field(64 << 20, ge=1, description="the output's shards: a new one starts at a document "
+                             "once the current one holds this many bytes of text (a rerun after a kill keeps "
+                             "the committed shards)")
     worker_file_bytes: int = Field(64 << 20, ge=0, description="with more than one worker, files up to this size "
                                    "are read whole by the executor's workers; larger ones (and datasets) stream "
                                    "in the stage's own process")
@@ -701,87 +717,230 @@ def _read_whole(f: InputFile, whole: bool) -> list[Item] | None:
     return list(read_items(f, _WORKER["cfg"])) if whole else None
 
 
-def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = None
-               ) -> Iterator[tuple[InputFile, Item]]:
-    """Every item of every input, in order. With an executor of more than one
-    worker, files of at most ``worker_file_bytes`` are read whole by the workers,
-    a window of them ahead; larger files and datasets are streamed here, in their
-    turn, so memory stays bounded. The items are the same either way."""
+Position = tuple[int, int]  # (index of the input in the resolved files, items of it already read)
+
+
+def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = None, start: Position = (0, 0)
+               ) -> Iterator[tuple[Position, InputFile, Item]]:
+    """Every item of every input, in order, from ``start``, each with its
+    position: the input's index in ``files`` and the item's index in that
+    input's :func:`read_items` stream. With an executor of more than one worker,
+    files of at most ``worker_file_bytes`` are read whole by the workers, a
+    window of them ahead; larger files and datasets are streamed here, in their
+    turn, so memory stays bounded. The items are the same either way.
+
+    Starting at ``(i, n)`` reads input ``i`` again from its beginning and drops
+    its first ``n`` items (a worker reads a small file whole and the stage drops
+    them; a large file or a dataset is streamed past them here): the readers
+    have no seek that is sure to give the same items, and re-reading one input
+    up to the position is cheap beside the shards a resumed run keeps."""
     seen: set[tuple] = set()
     plan = []
     for f in files:
         plan.append((f, f.key in seen))
         seen.add(f.key)
+    first, skip = start
+
+    def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item]]:
+        numbered = enumerate(items)
+        if i == first and skip:
+            numbered = itertools.islice(numbered, skip, None)
+        for j, item in numbered:
+            yield (i, j), f, item
+
     if ex is None or ex.workers == 1:
-        for f, dup in plan:
-            yield from ((f, item) for item in read_items(f, cfg, dup))
+        for i in range(first, len(plan)):
+            f, dup = plan[i]
+            yield from positioned(i, f, read_items(f, cfg, dup))
         return
 
     def whole(f: InputFile, dup: bool) -> bool:
         return not dup and f.format != "hf" and f.path.is_file() and f.path.stat().st_size <= cfg.worker_file_bytes
 
-    results = ex.map(_read_whole, ((f, whole(f, dup)) for f, dup in plan))
-    for (f, dup), items in zip(plan, results):
-        yield from ((f, item) for item in (read_items(f, cfg, dup) if items is None else items))
+    results = ex.map(_read_whole, ((f, whole(f, dup)) for f, dup in plan[first:]))
+    for i, (f, dup), items in zip(itertools.count(first), plan[first:], results):
+        yield from positioned(i, f, read_items(f, cfg, dup) if items is None else items)
 
 
-def run_ingest(cfg: IngestConfig, out_path: str | Path, quarantine_path: str | Path,
+# --- the output: shards committed one by one, resumed after a kill ---------------------------
+
+# Params that never change the output (tested: the same bytes under every executor,
+# worker count and worker_file_bytes), so a rerun with another of them resumes.
+OUTPUT_NEUTRAL = {"executor", "num_workers", "worker_file_bytes"}
+
+
+def inputs_digest(files: list[InputFile]) -> str:
+    """What the fingerprint knows of the input without reading it: the path, size
+    and modification time of every file read (each file of a dataset folder),
+    and the name of a dataset that ``load_dataset`` finds by name alone."""
+    paths: list[Path] = []
+    named: list[str] = []
+    for f in files:
+        if f.path.is_file():
+            paths.append(f.path)
+        elif f.path.is_dir():
+            paths.extend(sorted(p for p in f.path.rglob("*") if p.is_file()))
+        else:
+            named.append(f.display)
+    return resume.digest_json({"files": resume.files_digest(paths), "named": named})
+
+
+def ingest_fingerprint(cfg: IngestConfig, files: list[InputFile]) -> str:
+    return resume.fingerprint(
+        "ingest", params=cfg.model_dump(mode="json", exclude=OUTPUT_NEUTRAL),
+        inputs={"files": inputs_digest(files)},
+        code=resume.code_digest(sys.modules[__name__], accounting, docs_format, resume))
+
+
+class _Shard:
+    """What one shard holds while it is written: its rows not yet flushed, and its
+    counts, which its record keeps."""
+
+    def __init__(self, per_reason: int):
+        self.ledger = Ledger(per_reason=per_reason)
+        self.docs = self.bytes = 0
+        self.per_source: dict[str, int] = {}
+        self.rows: dict[str, list] = {k: [] for k in SCHEMA.names}
+
+    def add(self, f: InputFile, item: Doc, size: int) -> None:
+        self.rows["id"].append(doc_id(f.display, item.location))
+        self.rows["text"].append(item.text)
+        self.rows["source"].append(f.display)
+        self.rows["location"].append(item.location)
+        self.rows["chunk"].append(item.chunk)
+        self.rows["offset"].append(item.offset)
+        self.rows["source_name"].append(f.source.label)
+        self.rows["split"].append(None if f.source.split == "auto" else f.source.split)
+        self.docs += 1
+        self.bytes += size
+        self.per_source[f.source.label] = self.per_source.get(f.source.label, 0) + 1
+
+    def flush(self, writer: ShardedParquetWriter) -> None:
+        if self.rows["id"]:
+            writer.write(pa.table(self.rows, schema=SCHEMA))
+            for v in self.rows.values():
+                v.clear()
+
+    def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool) -> dict:
+        self.flush(writer)
+        return writer.seal({"docs": self.docs, "bytes": self.bytes, "per_source": self.per_source,
+                            "end": list(end), "capped": capped, "last": last, "ledger": self.ledger.to_dict()})
+
+
+class _Totals:
+    """The run's counts: the committed shards' records, merged in order, give the
+    counts and the quarantine of one uninterrupted run."""
+
+    def __init__(self, per_reason: int):
+        self.per_reason = per_reason
+        self.ledger = Ledger(per_reason=per_reason)
+        self.docs = self.bytes = self.shards = 0
+        self.per_source: dict[str, int] = {}
+        self.capped = False
+
+    def add(self, rec: dict) -> None:
+        self.ledger.merge(Ledger.from_dict(rec["ledger"], per_reason=self.per_reason))
+        self.docs += rec["docs"]
+        self.bytes += rec["bytes"]
+        for name, n in rec["per_source"].items():
+            self.per_source[name] = self.per_source.get(name, 0) + n
+        self.capped = rec["capped"]
+        self.shards += 1
+
+
+def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Path,
                report_path: str | Path | None = None) -> dict:
-    """Read every source into ``out_path`` (Parquet) and a sample of the skipped
-    records into ``quarantine_path``.
+    """Read every source into the documents folder ``out_dir`` (see
+    :mod:`pipeline.data.docs`) and a sample of the skipped records into
+    ``quarantine_path``.
 
-    Returns the metrics: docs, bytes, files, skipped (total). The report, written
-    to ``report_path`` when given, holds ``skipped`` by reason, ``capped`` (whether
-    ``max_bytes`` stopped the reading) and ``docs_per_source``.
+    The documents are cut into shards at document boundaries: a shard ends
+    before the first document that finds it holding ``shard_bytes`` of text.
+    Each shard is committed with a record (:mod:`pipeline.data.resume`) of where
+    in the input it ends, its counts, its ledger and whether ``max_bytes``
+    stopped the reading in it. A rerun keeps the shards committed under the
+    same fingerprint (input files, params other than the executor's, code) and
+    replays their records; it writes a missing or invalid shard by reading from
+    the end of the one before, so its output, quarantine and report are those of
+    an uninterrupted run.
+
+    Returns the metrics: docs, bytes, files, skipped (total), shards and
+    shards_resumed. The report, written to ``report_path`` when given, holds
+    ``skipped`` by reason, ``capped`` and ``docs_per_source``.
     Raises IngestError when no document was read."""
     files = resolve_sources(cfg)
-    ledger = Ledger(per_reason=cfg.quarantine_per_reason)
+    shard_log = ShardLog(out_dir, ingest_fingerprint(cfg, files))
+    shard_log.open()
+    totals = _Totals(cfg.quarantine_per_reason)
     total_bytes = sum(f.path.stat().st_size for f in files if f.path.is_file())
     bar_total = min(total_bytes, cfg.max_bytes) if cfg.max_bytes else total_bytes
-    docs = nbytes = 0
-    per_source: dict[str, int] = {}
-    capped = False
-    batch: dict[str, list] = {k: [] for k in SCHEMA.names}
+    k, start, done, resumed = 0, (0, 0), False, 0
 
-    with atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
-            progress(total=bar_total, unit="B", unit_scale=True, desc="ingest") as bar, \
-            open_executor(cfg.executor, _init_reader, (cfg,), max_workers=len(files), desc="ingest") as ex:
-
-        def flush() -> None:
-            if batch["id"]:
-                writer.write_table(pa.table(batch, schema=SCHEMA))
-                for v in batch.values():
-                    v.clear()
-
-        for f, item in iter_items(files, cfg, ex):
-            if isinstance(item, Skip):
-                ledger.record(item.reason, f.display, item.location, item.text, item.detail, n=item.n)
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(progress(total=bar_total, unit="B", unit_scale=True, desc="ingest"))
+        writer = ShardedParquetWriter(shard_log, SCHEMA, cfg.row_group_docs)
+        stack.callback(writer.abort)
+        ex: Executor | None = None
+        while not done:
+            rec = shard_log.committed(k)
+            if rec is not None:  # kept from an earlier run: replay its record
+                totals.add(rec)
+                bar.update(rec["bytes"])
+                k, start, done, resumed = k + 1, (rec["end"][0], rec["end"][1]), rec["last"], resumed + 1
                 continue
-            size = len(item.text.encode("utf-8", "surrogatepass"))
-            batch["id"].append(doc_id(f.display, item.location))
-            batch["text"].append(item.text)
-            batch["source"].append(f.display)
-            batch["location"].append(item.location)
-            batch["chunk"].append(item.chunk)
-            batch["offset"].append(item.offset)
-            batch["source_name"].append(f.source.label)
-            batch["split"].append(None if f.source.split == "auto" else f.source.split)
-            docs += 1
-            nbytes += size
-            per_source[f.source.label] = per_source.get(f.source.label, 0) + 1
-            bar.update(size)
-            if len(batch["id"]) >= cfg.row_group_docs:
-                flush()
-            if cfg.max_bytes and nbytes >= cfg.max_bytes:
-                capped = True
-                break
-        flush()
-    ledger.write(quarantine_path)
-    if docs == 0:
+            if ex is None:
+                ex = stack.enter_context(open_executor(cfg.executor, _init_reader, (cfg,),
+                                                       max_workers=len(files), desc="ingest"))
+            k, start, done = _write_shards(cfg, files, ex, writer, totals, bar, k, start)
+    if resumed:
+        log.info("resumed: %d of %d shards kept from an earlier run", resumed, totals.shards)
+    totals.ledger.write(quarantine_path)
+    if totals.docs == 0:
         raise IngestError(
-            f"ingest produced no documents from {len(files)} file(s); skipped: {ledger.as_dict()} "
+            f"ingest produced no documents from {len(files)} file(s); skipped: {totals.ledger.as_dict()} "
             f"(see {quarantine_path})"
         )
     if report_path is not None:
-        write_json(report_path, {"skipped": ledger.as_dict(), "capped": capped, "docs_per_source": per_source})
-    return {"docs": docs, "bytes": nbytes, "files": len(files), "skipped": ledger.total}
+        write_json(report_path, {"skipped": totals.ledger.as_dict(), "capped": totals.capped,
+                                 "docs_per_source": totals.per_source})
+    shard_log.finish(totals.shards, {"format": docs_format.FORMAT, "rows": totals.docs, "bytes": totals.bytes,
+                                     "columns": SCHEMA.names})
+    return {"docs": totals.docs, "bytes": totals.bytes, "files": len(files), "skipped": totals.ledger.total,
+            "shards": totals.shards, "shards_resumed": resumed}
+
+
+def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, writer: ShardedParquetWriter,
+                  totals: _Totals, bar: Any, k: int, start: Position) -> tuple[int, Position, bool]:
+    """Write shard ``k`` and the ones after it, reading from ``start``, until the
+    input ends, ``max_bytes`` is reached, or the next shard is already
+    committed. Returns (the next shard's index, where it starts, whether the
+    output is complete)."""
+    shard = _Shard(cfg.quarantine_per_reason)
+    writer.start(k)
+    with contextlib.closing(iter_items(files, cfg, ex, start)) as items:
+        for pos, f, item in items:
+            if isinstance(item, Skip):
+                shard.ledger.record(item.reason, f.display, item.location, item.text, item.detail, n=item.n)
+                continue
+            if shard.bytes >= cfg.shard_bytes:  # full: this document starts the next shard
+                totals.add(shard.seal(writer, end=pos, capped=False, last=False))
+                k += 1
+                if writer.log.committed(k) is not None:
+                    return k, pos, False
+                shard = _Shard(cfg.quarantine_per_reason)
+                writer.start(k)
+            size = len(item.text.encode("utf-8", "surrogatepass"))
+            shard.add(f, item, size)
+            bar.update(size)
+            if len(shard.rows["id"]) >= cfg.row_group_docs:
+                shard.flush(writer)
+            if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:
+                end = (pos[0], pos[1] + 1)
+                totals.add(shard.seal(writer, end=end, capped=True, last=True))
+                return k + 1, end, True
+    if shard.docs == 0:  # nothing read at all: no shard to commit (the stage raises)
+        writer.abort()
+        totals.ledger.merge(shard.ledger)
+        return k, start, True
+    totals.add(shard.seal(writer, end=(len(files), 0), capped=False, last=True))
+    return k + 1, (len(files), 0), True

@@ -117,7 +117,8 @@ class ShardLog:
         files, and every other shard and record, logging one line per removal.
         Returns the kept records by shard index."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._remove(self.folder / MANIFEST, "rewritten when the stage completes")
+        # the manifest says "complete"; it is written again when the stage completes (not a loss: no warning)
+        (self.folder / MANIFEST).unlink(missing_ok=True)
         for tmp in sorted(self.folder.glob(f".{self.stem}-*.tmp")):
             self._remove(tmp, "unfinished write")
         indexes = sorted({int(m.group(1)) for p in self.folder.iterdir() if (m := self._name.fullmatch(p.name))})

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data.docs import DocTable
 from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
 from pipeline.files import read_json
 
@@ -15,10 +16,20 @@ def cfg(**kw):
     return parse_section(IngestConfig, kw, "ingest")
 
 
+def read_docs(folder) -> pa.Table:
+    """A documents folder's shards, in its manifest's order, as one table."""
+    return pa.concat_tables([pq.read_table(f) for f in DocTable(folder, IngestError).files])
+
+
+def folder_bytes(folder) -> dict[str, bytes]:
+    """Every file of a folder (shards, records, manifest) by name."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
 def run(tmp_path, **kw):
-    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    out, q = tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl"
     metrics = run_ingest(cfg(**kw), out, q, tmp_path / "out" / "report.json")
-    table = pq.read_table(out)
+    table = read_docs(out)
     quarantine = [json.loads(line) for line in q.read_text().splitlines()]
     return metrics, table.to_pylist(), quarantine
 
@@ -118,13 +129,16 @@ def test_missing_path_fails_before_reading(tmp_path):
         run(tmp_path, sources=[{"path": str(tmp_path / "ok.txt")}, {"path": str(tmp_path / "nope")}])
     with pytest.raises(IngestError, match="matched no files"):
         run(tmp_path, sources=[{"path": str(tmp_path / "*.md")}])
-    assert not (tmp_path / "out" / "docs.parquet").exists()
+    assert not (tmp_path / "out" / "docs").exists()
 
 
 def test_all_skipped_is_an_error(tmp_path):
     (tmp_path / "e.txt").write_bytes(b"")
     with pytest.raises(IngestError, match="no documents"):
         run(tmp_path, sources=[{"path": str(tmp_path / "e.txt")}])
+    assert list((tmp_path / "out" / "docs").iterdir()) == []  # no shard, no manifest
+    assert [json.loads(x)["reason"] for x in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()] == [
+        "empty_file"]
 
 
 def test_ids_are_stable_and_unique(tmp_path):
@@ -368,8 +382,8 @@ def mixed_corpus(root):
 
 def outputs(tmp_path, name, sources, **kw):
     out = tmp_path / name
-    metrics = run_ingest(cfg(sources=sources, **kw), out / "docs.parquet", out / "q.jsonl", out / "report.json")
-    return metrics, [(out / f).read_bytes() for f in ("docs.parquet", "q.jsonl", "report.json")]
+    metrics = run_ingest(cfg(sources=sources, **kw), out / "docs", out / "q.jsonl", out / "report.json")
+    return metrics, folder_bytes(out / "docs"), [(out / f).read_bytes() for f in ("q.jsonl", "report.json")]
 
 
 def test_workers_give_the_bytes_of_one_process(tmp_path):

@@ -17,11 +17,13 @@ import pytest
 
 from pipeline.config import parse_section
 from pipeline.data.clean import CleanConfig, NormaliseConfig, normalise, run_clean
+from pipeline.data.docs import DocTable
 from pipeline.data.ingest import IngestConfig, run_ingest
 from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import PackConfig, plan_splits, run_pack
 from pipeline.data.shards import MANIFEST, PackedRows
 from pipeline.data.tokenizer import EOT_ID, TokenizerConfig, load_tokenizer, train_tokenizer
+from pipeline.errors import StageError
 from pipeline.files import read_json
 
 CHUNK_BYTES = 16_384
@@ -82,16 +84,16 @@ def book(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(d)
     try:
-        ingest_metrics = run_ingest(ingest, d / "ingest.parquet", d / "ingest-quarantine.jsonl")
+        ingest_metrics = run_ingest(ingest, d / "ingest", d / "ingest-quarantine.jsonl")
     finally:
         os.chdir(cwd)
-    clean_metrics = run_clean(CleanConfig(num_workers=1), d / "ingest.parquet", d / "clean.parquet",
+    clean_metrics = run_clean(CleanConfig(num_workers=1), d / "ingest", d / "clean.parquet",
                               d / "quarantine.jsonl", d / "clean-report.json")
     train_tokenizer(TokenizerConfig(vocab_size=512, sample_bytes=400_000, eval_bytes=50_000), d / "clean.parquet",
                     d / "tokenizer.json")
     run_pack(PACK, d / "clean.parquet", d / "tokenizer.json", d / "packed")
     return {"dir": d, "path": path, "ingest": ingest_metrics, "clean": clean_metrics,
-            "chunks": pq.read_table(d / "ingest.parquet").to_pylist(),
+            "chunks": [r for f in DocTable(d / "ingest", StageError).files for r in pq.read_table(f).to_pylist()],
             "kept": pq.read_table(d / "clean.parquet").to_pylist(),
             "tok": load_tokenizer(d / "tokenizer.json")}
 
@@ -222,7 +224,7 @@ def test_split_by_position_holds_out_the_end_of_the_text(book, tmp_path):
 
 def test_results_are_identical_for_one_and_two_workers(book, tmp_path):
     d = book["dir"]
-    metrics = run_clean(CleanConfig(num_workers=2, batch_docs=8), d / "ingest.parquet", tmp_path / "clean.parquet",
+    metrics = run_clean(CleanConfig(num_workers=2, batch_docs=8), d / "ingest", tmp_path / "clean.parquet",
                         tmp_path / "quarantine.jsonl", tmp_path / "clean-report.json")
     assert metrics["workers"] == 2
     assert pq.read_table(tmp_path / "clean.parquet").equals(pq.read_table(d / "clean.parquet"))
