@@ -115,7 +115,8 @@ def test_worker_errors_under_ray_are_one_line(capfd):
 def test_the_stage_under_ray_runs_quietly_with_bad_documents(tmp_path):
     (tmp_path / "params.yaml").write_text("clean:\n  executor: {kind: ray, num_workers: 1}\n")
     (tmp_path / "data" / "ingest").mkdir(parents=True)
-    write_docs(tmp_path / "data" / "ingest" / "docs.parquet", [code(1), None, "lorem ipsum", code(1), code(2)])
+    # one Parquet file where ingest writes its documents folder: the stage reads either
+    write_docs(tmp_path / "data" / "ingest" / "docs", [code(1), None, "lorem ipsum", code(1), code(2)])
     proc = subprocess.run([sys.executable, "-m", "stages.clean"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_PROGRESS": "0"})
     assert proc.returncode == 0, proc.stderr[-2000:]
