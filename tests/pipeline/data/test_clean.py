@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, load_params, parse_section
-from pipeline.data.docs import DocTable
 from pipeline.data.clean import REQUIRED, SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
+from pipeline.data.docs import DocTable
 from pipeline.files import read_json
 from tests.conftest import ROOT
 

@@ -191,8 +191,8 @@ def killed_and_resumed(tmp_path, executor):
     assert not (docs / "manifest.json").exists(), "the run finished before the kill: not killed mid-stage"
     committed = sorted(docs.glob("shard-*.json"))
     assert 2 <= len(committed) < 21, committed
-    assert executor == "local" and len(family) >= 2 or executor == "ray" and family  # workers were running
-    gone, alive = psutil.wait_procs(family, timeout=30)
+    assert len(family) >= (2 if executor == "local" else 1), family  # its workers were running
+    _, alive = psutil.wait_procs(family, timeout=30)
     assert not alive, f"processes of the killed stage left running: {[p.pid for p in alive]}"
     subprocess.run([sys.executable, str(script), str(tmp_path / "killed"), "fast", executor], env=env, check=True)
     assert files(tmp_path / "killed" / "out") == files(tmp_path / "fresh" / "out")
