@@ -499,8 +499,11 @@ class _InMemory:
     (the output text is the normalised text that was hashed and sketched, and
     the index keys are insertion order, so the index is the one the
     uninterrupted run had), and the near duplicates' digests are added from
-    the records. Its cost: one read of those shards and the MinHash of their
-    kept documents, about what their near-dedup step cost the first time."""
+    the records. Its cost: one read of those shards and the digest and MinHash
+    of their kept documents, no normalisation or filters. Measured on
+    2026-11-23 (2-core CPU machine, 2 local workers, the default corpus with
+    ``shard_bytes`` 1 MiB, 6 shards): rebuilding from the first 5 took 0.6 s,
+    the whole run 2.8 s."""
 
     def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, slog: ShardLog):
         self.cfg, self.table, self.ex, self.slog = cfg, table, ex, slog
