@@ -874,8 +874,11 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
 
     with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=batches, desc="clean") as ex, \
             progress(total=num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
-        decider = _Sharded(cfg, table, ex, out_path, fp, work_root, bar) if sharded else \
-            _InMemory(cfg, table, ex, slog)
+        if sharded:
+            decider: _Sharded | _InMemory = _Sharded(cfg, table, ex, out_path, fp, work_root, bar)
+        else:
+            ShardLog(out_path, fp, stem="decisions", ext=".u8").open()  # removes a sharded run's decisions
+            decider = _InMemory(cfg, table, ex, slog)
         writer = ShardedParquetWriter(slog, SCHEMA, row_group_docs=_WHOLE_TABLE)
         k = pos = resumed = 0
         replayed: list[int] = []  # committed shards not yet in the decider's state

@@ -206,3 +206,11 @@ def test_sigkill_of_the_process_group_mid_stage_then_rerun_gives_the_same_bytes(
 def test_sigkill_under_ray_then_rerun_gives_the_same_bytes(tmp_path):
     pytest.importorskip("ray")
     killed_and_resumed(tmp_path, "ray")
+
+
+def test_switching_the_dedup_method_leaves_no_file_of_the_other(tmp_path, inp, fresh):
+    d = tmp_path / "switched"
+    run(d, inp, dedup={"method": "sharded"})
+    assert (d / "out" / "docs" / "decisions-00000.u8").exists()
+    run(d, inp)
+    assert files(d / "out") == fresh[1]
