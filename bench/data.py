@@ -233,7 +233,7 @@ def _child(kind: str, corpus: str, tokenizer: str, workers: int, out: str) -> No
         from pipeline.data.clean import CleanConfig, run_clean
 
         m = run_clean(parse_section(CleanConfig, {"num_workers": workers}, "clean"), corpus,
-                      Path(out) / "clean.parquet", Path(out) / "q.jsonl")
+                      Path(out) / "clean", Path(out) / "q.jsonl")
     else:
         raise SystemExit(f"unknown kind {kind}")
     print("RESULT " + json.dumps(m, default=str), flush=True)

@@ -20,7 +20,7 @@ INGEST_DOCS = INGEST_DIR / "docs"  # a documents folder (pipeline/data/docs.py)
 INGEST_QUARANTINE = INGEST_DIR / "quarantine.jsonl"
 
 CLEAN_DIR = DATA / "clean"
-CLEAN_DOCS = CLEAN_DIR / "docs.parquet"
+CLEAN_DOCS = CLEAN_DIR / "docs"
 CLEAN_QUARANTINE = CLEAN_DIR / "quarantine.jsonl"
 
 TOKENIZER_DIR = DATA / "tokenizer"

@@ -1,4 +1,4 @@
-"""clean: data/ingest/docs.parquet -> data/clean/docs.parquet (+ quarantine, report; metrics/clean.json)."""
+"""clean: data/ingest/docs -> data/clean/docs (+ quarantine, report; metrics/clean.json)."""
 
 from pipeline import layout
 from pipeline.data.clean import CleanConfig, run_clean

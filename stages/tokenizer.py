@@ -1,4 +1,4 @@
-"""tokenizer: data/clean/docs.parquet (+ tokenizer.source) -> data/tokenizer/ (tokenizer.json, specials.json,
+"""tokenizer: data/clean/docs (+ tokenizer.source) -> data/tokenizer/ (tokenizer.json, specials.json,
 hf/ when adopted, report; metrics/tokenizer.json)."""
 
 from pipeline import layout

@@ -1,9 +1,11 @@
 """clean: normalise, filter and deduplicate the ingested documents.
 
-Input: a Parquet file of documents ``(id, text, source, location, chunk,
-offset, source_name, split)`` (the ingest output; the last four may be absent,
-which reads as null; other columns are not carried over). Output: the same schema
-with normalised text, written in row groups; a quarantine JSONL of dropped
+Input: a documents folder or one Parquet file (:class:`pipeline.data.docs.DocTable`)
+of documents ``(id, text, source, location, chunk, offset, source_name, split)``
+(the ingest output; the last four may be absent, which reads as null; other
+columns are not carried over). Output: a documents folder in the same schema
+with normalised text, in shards of consecutive input rows that a rerun keeps
+(:func:`run_clean`), written in row groups; a quarantine JSONL of dropped
 documents (a bounded sample per reason, via
 :class:`pipeline.data.accounting.Ledger`, with their source and location:
 ``byte:<offset>`` for a chunk); and a metrics dict.
@@ -50,10 +52,11 @@ are returned.
 from __future__ import annotations
 
 import gc
-import logging
 import hashlib
+import logging
 import os
 import re
+import sys
 import time
 import unicodedata
 from array import array
@@ -71,13 +74,15 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
-from pipeline.data import dedup
+from pipeline.data import dedup, resume
+from pipeline.data import filters as filters_module
 from pipeline.data.accounting import Ledger
-from pipeline.data.docs import DocTable
+from pipeline.data.docs import FORMAT, DocTable, ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
+from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
-from pipeline.files import atomic_path, write_json
+from pipeline.files import write_json
 from pipeline.progress import progress
 
 SCHEMA = pa.schema([
@@ -157,6 +162,9 @@ class CleanConfig(ParallelStageConfig):
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     batch_docs: int = Field(64, ge=1, description="documents per task sent to a worker")
     row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
+    shard_bytes: int = Field(
+        64 * 1024 * 1024, ge=1, description="an output shard ends after the input batch at which the input text "
+        "since it began reaches this many bytes; a rerun redoes only the shards not committed")
     quarantine_per_reason: int = Field(100, ge=0, description="dropped documents kept verbatim per reason")
 
 
@@ -348,30 +356,91 @@ class NearDedup:
                 best, best_key = j, key
         if best_key >= 0:
             return self.detail(best, self.ids[best_key])
-        key = len(self.signatures)
-        self.lsh.insert(key, minhash)
-        self.signatures.append(sig)
-        self.ids.append(doc_id)
+        self.add(doc_id, minhash, sig)
         return None
 
+    def add(self, doc_id: str, minhash: RMinHash, sig: bytes | None = None) -> None:
+        """Insert a kept document under the next key (keys are insertion order,
+        which the tie-break in :meth:`check` relies on)."""
+        key = len(self.signatures)
+        self.lsh.insert(key, minhash)
+        self.signatures.append(sig if sig is not None else array("I", minhash.digest()).tobytes())
+        self.ids.append(doc_id)
 
-# --- the stage ---------------------------------------------------------------------------------
+
+# --- reading the input ---------------------------------------------------------------------------
 
 
 def _open_input(in_path: Path) -> DocTable:
-    pf = DocTable(in_path, CleanError, "run the ingest stage first")
-    missing = [n for n in REQUIRED if n not in pf.schema_arrow.names]
+    table = DocTable(in_path, CleanError, "run the ingest stage first")
+    missing = [n for n in REQUIRED if n not in table.schema_arrow.names]
     if missing:
-        raise CleanError(f"{in_path} lacks column(s) {missing}; has {pf.schema_arrow.names}")
-    return pf
+        raise CleanError(f"{in_path} lacks column(s) {missing}; has {table.schema_arrow.names}")
+    return table
 
 
-def _batches(pf: pq.ParquetFile, batch_docs: int) -> Iterator[pa.RecordBatch]:
-    """Input batches in SCHEMA; absent optional columns read as null."""
-    names = [n for n in SCHEMA.names if n in pf.schema_arrow.names]
-    for b in pf.iter_batches(batch_size=batch_docs, columns=names):
+def _rows_from(table: DocTable, batch_size: int, start: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """The batches ``table.iter_batches`` gives, from row ``start`` (a multiple of
+    ``batch_size``): the row groups before it are not read."""
+    if start == 0:
+        yield from table.iter_batches(batch_size=batch_size, columns=columns)
+        return
+
+    def pieces() -> Iterator[pa.RecordBatch]:
+        skip = start
+        for f in table.files:
+            pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
+            md = pf.metadata
+            if skip >= md.num_rows:
+                skip -= md.num_rows
+                continue
+            groups: list[int] = []
+            for g in range(md.num_row_groups):
+                rows = md.row_group(g).num_rows
+                if not groups and skip >= rows:
+                    skip -= rows
+                    continue
+                groups.append(g)
+            for b in pf.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns):
+                cut = min(skip, b.num_rows)
+                skip -= cut
+                if cut < b.num_rows:
+                    yield b.slice(cut)
+
+    pending: list[pa.RecordBatch] = []
+    have = 0
+    for b in pieces():
+        while b.num_rows:
+            take = min(batch_size - have, b.num_rows)
+            pending.append(b.slice(0, take))
+            have, b = have + take, b.slice(take)
+            if have == batch_size:
+                yield _joined(pending)
+                pending, have = [], 0
+    if have:
+        yield _joined(pending)
+
+
+def _joined(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
+
+def _batches(table: DocTable, batch_docs: int, start: int = 0, stop: int | None = None
+             ) -> Iterator[pa.RecordBatch]:
+    """Input batches of rows ``[start, stop)`` in SCHEMA; absent optional columns read as null."""
+    names = [n for n in SCHEMA.names if n in table.schema_arrow.names]
+    row = start
+    stop = table.num_rows if stop is None else stop
+    if row >= stop:
+        return
+    for b in _rows_from(table, batch_docs, start, names):
         columns = [b.column(n) if n in names else pa.nulls(b.num_rows, f.type) for n, f in zip(SCHEMA.names, SCHEMA)]
         yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
+        row += b.num_rows
+        if row >= stop:
+            return
 
 
 def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
@@ -379,57 +448,122 @@ def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
     return b.column(1).to_pylist(), (chunk.is_valid().to_pylist() if chunk.null_count < len(chunk) else None)
 
 
-class _Counts:
-    """What the decision passes count besides the per-document outcomes."""
-
-    def __init__(self) -> None:
-        self.changed = 0
-        self.near: dict[str, int] = {}
-
-
 # Per document, as the writer needs it: (normalised text if kept, drop reason, detail, UTF-8 bytes if kept)
 Outcome = tuple[str | None, str | None, str, int]
 
 
-def _mapped(ex: Executor, fn: Any, pf: pq.ParquetFile, cfg: CleanConfig, task: Any = None, **kw: Any
+def _mapped(ex: Executor, fn: Any, batches: Iterator[pa.RecordBatch], task: Any = None, **kw: Any
             ) -> Iterator[tuple[pa.RecordBatch, Any]]:
     """(input batch, ``fn(*task(batch))``) in input order. Reading runs at most the
     executor's window ahead of the results (Pool.imap or Executor.map would
     consume the whole input eagerly)."""
     task = task or _task
-    batches: deque[pa.RecordBatch] = deque()
+    pending: deque[pa.RecordBatch] = deque()
 
     def tasks() -> Iterator[tuple]:
-        for b in _batches(pf, cfg.batch_docs):
-            batches.append(b)
+        for b in batches:
+            pending.append(b)
             yield task(b)
 
     for result in ex.map(fn, tasks(), **kw):
-        yield batches.popleft(), result
+        yield pending.popleft(), result
 
 
-def _decide_in_memory(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: _Counts
-                      ) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+# --- dedup.method memory ------------------------------------------------------------------------
+
+
+def sketch_kept(texts: list[str]) -> list[tuple[bytes, RMinHash | None]]:
+    """The blake2b-128 digest and MinHash of kept (already normalised) texts, as
+    :func:`process_batch` made them: to rebuild the dedup indexes on a resume."""
+    near = _worker["cfg"].near_dedup
+    datas = [t.encode("utf-8", "surrogatepass") for t in texts]
+    out: list[tuple[bytes, RMinHash | None]] = [(hashlib.blake2b(d, digest_size=16).digest(), None) for d in datas]
+    if near.enabled:
+        sets = [(i, sh) for i, t in enumerate(texts) if (sh := shingles(t, near.ngram))]
+        if sets:
+            for (i, _), mh in zip(sets, RMinHash.from_token_sets([sh for _, sh in sets], near.num_perm, near.seed)):
+                out[i] = (out[i][0], mh)
+    return out
+
+
+class _InMemory:
     """``dedup.method: memory``: one pass; the dedup decisions are made here, in
-    input order, against in-memory indexes (:class:`ExactDedup`, :class:`NearDedup`)."""
-    exact = ExactDedup() if cfg.exact_dedup.enabled else None
-    near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
-    for batch, results in _mapped(ex, process_batch, pf, cfg):
-        ids = batch.column(0).to_pylist()
-        outcomes: list[Outcome] = []
-        for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
-            counts.changed += was_changed
-            if reason is None and exact is not None:
-                detail = exact.check(digest) or ""
-                reason = EXACT_DUPLICATE if detail else None
-            if reason is None and near is not None and mh is not None:
-                detail = near.check(ids[i], mh) or ""
-                reason = NEAR_DUPLICATE if detail else None
-            outcomes.append((text, None, "", nbytes) if reason is None else (None, reason, detail, 0))
-        yield batch, outcomes
-    if near is not None:
-        counts.near = {"candidates_checked": near.candidates_checked,
-                       "candidates_below_threshold": near.candidates_rejected, "kept_in_index": len(near.ids)}
+    input order, against in-memory indexes (:class:`ExactDedup`, :class:`NearDedup`).
+
+    Per shard it adds to the record the documents changed by normalisation, the
+    near-dedup counters, and the digests of the shard's near duplicates (the
+    exact index holds them too: a later copy of a near duplicate is an exact
+    duplicate). On a resume, :meth:`prepare` rebuilds both indexes from the
+    committed shards before the first one to process: each kept text of those
+    shards is hashed and sketched again on the executor and inserted in order
+    (the output text is the normalised text that was hashed and sketched, and
+    the index keys are insertion order, so the index is the one the
+    uninterrupted run had), and the near duplicates' digests are added from
+    the records. Its cost: one read of those shards and the digest and MinHash
+    of their kept documents, no normalisation or filters. Measured on
+    2026-11-23 (2-core CPU machine, 2 local workers, the default corpus with
+    ``shard_bytes`` 1 MiB, 6 shards): rebuilding from the first 5 took 0.6 s,
+    the whole run 2.8 s."""
+
+    def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, slog: ShardLog):
+        self.cfg, self.table, self.ex, self.slog = cfg, table, ex, slog
+        self.exact = ExactDedup() if cfg.exact_dedup.enabled else None
+        self.near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
+        self.changed = 0
+        self.near_dropped: list[str] = []
+
+    def _counters(self) -> dict[str, int]:
+        n = self.near
+        return {} if n is None else {"candidates_checked": n.candidates_checked,
+                                     "candidates_below_threshold": n.candidates_rejected, "kept_in_index": len(n.ids)}
+
+    def prepare(self, shards: list[int]) -> None:
+        """Add the committed ``shards`` (in order, each continuing the indexes) to the indexes."""
+        if not shards or (self.exact is None and self.near is None):
+            return
+        log.info("rebuilding the dedup indexes from %d committed shard(s)", len(shards))
+        for k in shards:
+            if self.exact is not None:
+                self.exact.seen.update(bytes.fromhex(h) for h in self.slog.committed(k)["near_dropped_digests"])
+            kept = pq.ParquetFile(self.slog.path(k), pre_buffer=False, buffer_size=1 << 20)
+            batches = kept.iter_batches(batch_size=self.cfg.batch_docs, columns=["id", "text"])
+            for batch, sketches in _mapped(self.ex, sketch_kept, batches, task=lambda b: (b.column(1).to_pylist(),)):
+                for doc_id, (digest, mh) in zip(batch.column(0).to_pylist(), sketches):
+                    if self.exact is not None:
+                        self.exact.seen.add(digest)
+                    if self.near is not None and mh is not None:
+                        self.near.add(doc_id, mh)
+
+    def begin(self) -> None:
+        """A shard starts: its counts start here."""
+        self.changed, self.near_dropped, self._at = 0, [], self._counters()
+
+    def end(self) -> dict[str, Any]:
+        """A shard ends: its fields for the record."""
+        now = self._counters()
+        return {"changed": self.changed, "near": {k: v - self._at[k] for k, v in now.items()},
+                "near_dropped_digests": self.near_dropped}
+
+    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+        exact, near = self.exact, self.near
+        for batch, results in _mapped(self.ex, process_batch, _batches(self.table, self.cfg.batch_docs, start, stop)):
+            ids = batch.column(0).to_pylist()
+            outcomes: list[Outcome] = []
+            for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
+                self.changed += was_changed
+                if reason is None and exact is not None:
+                    detail = exact.check(digest) or ""
+                    reason = EXACT_DUPLICATE if detail else None
+                if reason is None and near is not None and mh is not None:
+                    detail = near.check(ids[i], mh) or ""
+                    reason = NEAR_DUPLICATE if detail else None
+                    if reason is not None and exact is not None:
+                        self.near_dropped.append(digest.hex())
+                outcomes.append((text, None, "", nbytes) if reason is None else (None, reason, detail, 0))
+            yield batch, outcomes
+
+
+# --- dedup.method sharded -----------------------------------------------------------------------
 
 
 def normalise_kept(texts: list[str | None], chunks: list[bool]) -> list[tuple[str, int]]:
@@ -443,64 +577,127 @@ def normalise_kept(texts: list[str | None], chunks: list[bool]) -> list[tuple[st
     return out
 
 
-def _decide_sharded(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: _Counts, work_root: Path,
-                    bar: Any) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+class _Sharded:
     """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. Pass 1
-    maps :func:`process_batch` and spills states, digests and signatures to
-    ``work_root``; the exact and band steps run as executor tasks; the decisions
+    maps :func:`process_batch` and spills states, digests and signatures to a
+    work folder; the exact and band steps run as executor tasks; the decisions
     are made in one ordered pass over the pairs; pass 2 re-reads the input and
-    normalises the kept documents in the workers. Same outcomes, in the same
-    order, as :func:`_decide_in_memory`. ``work_root`` is removed at the end."""
-    near_cfg, per_reason = cfg.near_dedup, cfg.quarantine_per_reason
-    use_exact, use_near = cfg.exact_dedup.enabled, near_cfg.enabled
-    names = [name for name, _, _ in cfg.filters.enabled()]
-    code = {name: dedup.FILTERED + k for k, name in enumerate(names)}
-    work = dedup.WorkDir(work_root, pf.metadata.num_rows, near_cfg.num_perm, near_cfg.bands, cfg.dedup.partition_docs)
-    writer = dedup.SignatureWriter(work, use_exact, use_near)
-    sampled: dict[str, int] = {}
-    filter_detail: dict[int, str] = {}  # the drops the quarantine will show
-    try:
-        start = 0
-        for _, results in _mapped(ex, process_batch, pf, cfg, bar=bar, units=len):
-            n = len(results)
-            states = np.full(n, dedup.KEEP, np.uint8)
-            digests: list[bytes | None] = [None] * n
-            sigs = np.zeros((n, near_cfg.num_perm), np.uint32) if use_near else None
-            for k, (_, reason, detail, was_changed, digest, mh, _) in enumerate(results):
-                counts.changed += was_changed
-                if reason is not None:
-                    states[k] = code[reason]
-                    if sampled.get(reason, 0) < per_reason:
-                        sampled[reason] = sampled.get(reason, 0) + 1
-                        filter_detail[start + k] = detail
-                    continue
-                if use_exact:
-                    digests[k] = digest
-                if sigs is not None and mh is not None:
-                    states[k] = dedup.CANDIDATE
-                    sigs[k] = mh.digest()
-            writer.add(states, digests, sigs)
-            start += n
-        writer.close()
+    normalises the kept documents in the workers, shard by shard. Same outcomes,
+    in the same order, as :class:`_InMemory`.
 
-        parts = range(work.partitions)
-        if use_exact:
-            for dups in ex.map(dedup.exact_partition, [(work, p) for p in parts]):
-                dedup.mark(work, dups, dedup.EXACT)
-        near_detail: dict[int, tuple[float, int]] = {}
-        if use_near:
-            runs = [r for rs in ex.map(dedup.band_pairs, [(work, b, p) for b in range(work.bands) for p in parts])
-                    for r in rs]
-            res = dedup.resolve(work, runs, near_cfg.threshold, per_reason)
-            near_detail = res["detail"]
-            counts.near = {"candidates_checked": res["candidates_checked"],
-                           "candidates_below_threshold": res["candidates_below_threshold"],
-                           "kept_in_index": int(np.count_nonzero(work.state() == dedup.CANDIDATE))}
+    What resumes: the decisions (each document's state byte, the quarantine's
+    details, the documents changed and the near-dedup counters of the whole
+    input) are committed as ``decisions-00000.u8`` with its record in the output
+    folder under the run's fingerprint, so a rerun skips pass 1 and the steps,
+    and pass 2 redoes only the shards that are not committed. What does not:
+    pass 1 and the steps themselves; a run killed before the decisions are
+    committed starts them again (its work folder is removed by the next run).
+    A rerun whose shards are all committed reads neither."""
 
-        state = work.state()
-        wanted = {i for _, i in near_detail.values()}
-        id_of: dict[int, str] = {}
-        at = 0
+    def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, folder: Path, fp: str, work_root: Path,
+                 bar: Any):
+        self.cfg, self.table, self.ex, self.work_root, self.bar = cfg, table, ex, work_root, bar
+        self.names = [name for name, _, _ in cfg.filters.enabled()]
+        self.log = ShardLog(folder, fp, stem="decisions", ext=".u8")
+        self.log.open()
+        self.state: np.ndarray | None = None
+
+    def prepare(self, shards: list[int]) -> None:
+        """Load the committed decisions, or make and commit them."""
+        if self.state is not None:
+            return
+        if self.log.committed(0) is None:
+            with self.log.writing(0) as tmp:
+                self._decide(tmp)
+            self.log.seal(0, self._fields)
+        else:
+            self.bar.update(self.table.num_rows)
+        rec = self.log.committed(0)
+        self.whole = {"changed": rec["changed"], "near": rec["near"]}
+        self.filter_detail = {int(doc): detail for doc, detail in rec["filter_detail"]}
+        self.near_detail = {int(doc): NearDedup.detail(jac, kept_id) for doc, jac, kept_id in rec["near_detail"]}
+        self.state = np.fromfile(self.log.path(0), dtype=np.uint8)
+
+    def _decide(self, out: Path) -> None:
+        """Pass 1 and the steps; the state bytes go to ``out``, the rest to ``self._fields``."""
+        cfg, ex, table = self.cfg, self.ex, self.table
+        near_cfg, per_reason = cfg.near_dedup, cfg.quarantine_per_reason
+        use_exact, use_near = cfg.exact_dedup.enabled, near_cfg.enabled
+        code = {name: dedup.FILTERED + k for k, name in enumerate(self.names)}
+        work = dedup.WorkDir(self.work_root, table.num_rows, near_cfg.num_perm, near_cfg.bands,
+                             cfg.dedup.partition_docs)
+        writer = dedup.SignatureWriter(work, use_exact, use_near)
+        sampled: dict[str, int] = {}
+        filter_detail: list[tuple[int, str]] = []  # the drops the quarantine will show
+        changed = 0
+        near_counts: dict[str, int] = {}
+        try:
+            start = 0
+            for _, results in _mapped(ex, process_batch, _batches(table, cfg.batch_docs), bar=self.bar, units=len):
+                n = len(results)
+                states = np.full(n, dedup.KEEP, np.uint8)
+                digests: list[bytes | None] = [None] * n
+                sigs = np.zeros((n, near_cfg.num_perm), np.uint32) if use_near else None
+                for k, (_, reason, detail, was_changed, digest, mh, _) in enumerate(results):
+                    changed += was_changed
+                    if reason is not None:
+                        states[k] = code[reason]
+                        if sampled.get(reason, 0) < per_reason:
+                            sampled[reason] = sampled.get(reason, 0) + 1
+                            filter_detail.append((start + k, detail))
+                        continue
+                    if use_exact:
+                        digests[k] = digest
+                    if sigs is not None and mh is not None:
+                        states[k] = dedup.CANDIDATE
+                        sigs[k] = mh.digest()
+                writer.add(states, digests, sigs)
+                start += n
+            writer.close()
+
+            parts = range(work.partitions)
+            if use_exact:
+                for dups in ex.map(dedup.exact_partition, [(work, p) for p in parts]):
+                    dedup.mark(work, dups, dedup.EXACT)
+            near_detail: dict[int, tuple[float, int]] = {}
+            if use_near:
+                runs = [r for rs in ex.map(dedup.band_pairs, [(work, b, p) for b in range(work.bands) for p in parts])
+                        for r in rs]
+                res = dedup.resolve(work, runs, near_cfg.threshold, per_reason)
+                near_detail = res["detail"]
+                near_counts = {"candidates_checked": res["candidates_checked"],
+                               "candidates_below_threshold": res["candidates_below_threshold"],
+                               "kept_in_index": int(np.count_nonzero(work.state() == dedup.CANDIDATE))}
+            # the ids of the kept documents the near duplicates' details name
+            wanted = {i for _, i in near_detail.values()}
+            id_of: dict[int, str] = {}
+            row = 0
+            if wanted:
+                for b in table.iter_batches(batch_size=cfg.batch_docs, columns=["id"]):
+                    for i in [i for i in range(row, row + b.num_rows) if i in wanted]:
+                        id_of[i] = b.column(0)[i - row].as_py()
+                    row += b.num_rows
+            with open(work.state_path, "rb") as src, open(out, "wb") as dst:
+                dst.write(src.read())
+        finally:
+            writer.close()
+            dedup.remove(work.root)
+        self._fields = {
+            "changed": changed, "near": near_counts, "filter_detail": filter_detail,
+            "near_detail": [(doc, jac, id_of[i]) for doc, (jac, i) in sorted(near_detail.items())]}
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> dict[str, Any]:
+        # The counts of pass 1 are of the whole input; every shard's record holds
+        # them so that a rerun with every shard committed needs no decisions file.
+        return {"whole_input": self.whole}
+
+    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+        assert self.state is not None, "prepare() first"
+        state, names = self.state, self.names
+        at = start
 
         def kept_task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool]]:
             nonlocal at
@@ -510,142 +707,236 @@ def _decide_sharded(pf: pq.ParquetFile, cfg: CleanConfig, ex: Executor, counts: 
             idx = np.flatnonzero(keep).tolist()
             return [texts[i] for i in idx], [bool(chunks[i]) for i in idx] if chunks else [False] * len(idx)
 
-        start = 0
-        for batch, normalised in _mapped(ex, normalise_kept, pf, cfg, task=kept_task):
-            ids = batch.column(0).to_pylist()
-            for k, doc_id in enumerate(ids):
-                if start + k in wanted:
-                    id_of[start + k] = doc_id
+        row = start
+        for batch, normalised in _mapped(self.ex, normalise_kept, _batches(self.table, self.cfg.batch_docs, start, stop),
+                                         task=kept_task):
             it = iter(normalised)
             outcomes: list[Outcome] = []
-            for k, st in enumerate(state[start:start + len(ids)].tolist()):
-                doc = start + k
+            for k, st in enumerate(state[row:row + batch.num_rows].tolist()):
+                doc = row + k
                 if st < dedup.EXACT:
                     text, nbytes = next(it)
                     outcomes.append((text, None, "", nbytes))
                 elif st == dedup.EXACT:
                     outcomes.append((None, EXACT_DUPLICATE, ExactDedup.DETAIL, 0))
                 elif st == dedup.NEAR:
-                    best = near_detail.get(doc)
-                    detail = NearDedup.detail(best[0], id_of[best[1]]) if best else ""
-                    outcomes.append((None, NEAR_DUPLICATE, detail, 0))
+                    outcomes.append((None, NEAR_DUPLICATE, self.near_detail.get(doc, ""), 0))
                 else:
-                    outcomes.append((None, names[st - dedup.FILTERED], filter_detail.get(doc, ""), 0))
-            start += len(ids)
+                    outcomes.append((None, names[st - dedup.FILTERED], self.filter_detail.get(doc, ""), 0))
+            row += batch.num_rows
             yield batch, outcomes
-    finally:
-        writer.close()
-        dedup.remove(work.root)
 
 
-def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
-              report_path: str | Path | None = None) -> dict:
-    """Clean ``in_path`` (Parquet, ingest schema) into ``out_path`` (same schema)
-    and write the quarantine sample to ``quarantine_path``.
+# --- the stage ---------------------------------------------------------------------------------
 
-    Returns the metrics: docs and bytes written, dropped (documents), kept_frac,
-    workers, mb_per_s. The report, written to ``report_path`` when given, holds
-    docs_in and bytes_in, ``dropped`` by reason (every enabled filter and dedup
-    pass, fired or not, so reports diff cleanly; ``docs_in == docs +
-    sum(dropped)``), ``docs_changed_by_normalise``, ``near_dedup`` (candidates
-    checked and rejected, ids kept in the index) and ``filters_enabled``. All of
-    it but workers and mb_per_s is the same for any executor, worker count and
-    dedup method.
+# Each write to a shard is one row group: clean cuts its row groups itself (at
+# row_group_docs or more, and at the end of a shard), as it did with one file.
+_WHOLE_TABLE = 64 * 1024 * 1024
 
-    Raises CleanError when the input is missing, unreadable or lacks a column,
-    and when no document survives (the quarantine is still written then, and
-    ``out_path`` is left untouched); ExecutorError (one line) when a worker fails.
-    Local worker processes are spawned, so a script that calls this with more
-    than one worker needs the usual ``if __name__ == "__main__":`` guard."""
-    t0 = time.perf_counter()
-    in_path = Path(in_path)
-    pf = _open_input(in_path)
-    # No more workers than batches: a tiny input runs in-process, without spawning.
-    batches = -(-pf.metadata.num_rows // cfg.batch_docs)
-    sharded = cfg.dedup.method == "sharded"
-    ledger = Ledger(per_reason=cfg.quarantine_per_reason)
-    counts = _Counts()
-    docs_in = docs_out = bytes_in = bytes_out = 0
+
+class _Totals:
+    """The stage's counts and ledger, summed from the shards' records in order
+    (the same sums whether a shard was made now or kept from an earlier run)."""
+
+    def __init__(self, per_reason: int):
+        self.ledger = Ledger(per_reason=per_reason)
+        self.docs_in = self.docs_out = self.bytes_in = self.bytes_out = self.changed = 0
+        self.near: dict[str, int] = {}
+        self.whole: dict[str, Any] | None = None
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.docs_in += rec["docs_in"]
+        self.docs_out += rec["rows"]
+        self.bytes_in += rec["bytes_in"]
+        self.bytes_out += rec["bytes_out"]
+        self.ledger.merge(Ledger.from_dict(rec["ledger"], self.ledger.per_reason))
+        if "whole_input" in rec:  # dedup.method sharded
+            self.whole = rec["whole_input"]
+        else:
+            self.changed += rec["changed"]
+            for key, v in rec["near"].items():
+                self.near[key] = self.near.get(key, 0) + v
+
+
+def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, k: int, pos: int, stop: int,
+                  end: int, next_k: int | None, totals: _Totals, bar: Any) -> int:
+    """Process input rows ``[pos, stop)`` into shards ``k, k+1, ...``: a shard is
+    sealed after the batch at which its input text reaches ``cfg.shard_bytes``,
+    and at the end of the input (row ``end``). ``stop`` is the end of the input
+    or the start of the committed shard ``next_k``, which the shards written
+    here must reach exactly. Returns the next shard index."""
+    shard: dict[str, Any] | None = None
     pending: list[pa.RecordBatch] = []
     pending_rows = 0
-    work_root = Path(out_path).parent / f"{WORK_PREFIX}{os.getpid()}"
-    if sharded:
-        for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
-            log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
 
-    with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=batches, desc="clean") as ex, \
-            atomic_path(out_path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer, \
-            progress(total=pf.metadata.num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
-        decided = _decide_sharded(pf, cfg, ex, counts, work_root, bar) if sharded else \
-            _decide_in_memory(pf, cfg, ex, counts)
+    def flush() -> None:
+        nonlocal pending_rows
+        if pending_rows:
+            writer.write(pa.Table.from_batches(pending, schema=SCHEMA))
+            pending.clear()
+            pending_rows = 0
 
-        def flush() -> None:
-            nonlocal pending_rows
-            if pending_rows:
-                writer.write_table(pa.Table.from_batches(pending, schema=SCHEMA), row_group_size=pending_rows)
-                pending.clear()
-                pending_rows = 0
-
-        with closing(decided):
+    decider.begin()
+    try:
+        with closing(decider.decide(pos, stop)) as decided:
             for batch, outcomes in decided:
+                if shard is None:
+                    writer.start(k)
+                    shard = {"start": pos, "docs_in": 0, "bytes_in": 0, "bytes_out": 0,
+                             "ledger": Ledger(per_reason=cfg.quarantine_per_reason)}
                 ids = batch.column(0).to_pylist()
-                docs_in += len(ids)
-                bytes_in += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
+                shard["docs_in"] += len(ids)
+                shard["bytes_in"] += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
                 keep: list[bool] = []
                 kept_texts: list[str] = []
                 for i, (text, reason, detail, nbytes) in enumerate(outcomes):
                     keep.append(reason is None)
                     if reason is None:
                         kept_texts.append(text)
-                        bytes_out += nbytes
+                        shard["bytes_out"] += nbytes
                     else:
-                        ledger.record(reason, batch.column(2)[i].as_py(), batch.column(3)[i].as_py(),
-                                      batch.column(1)[i].as_py(), detail=f"id {ids[i]}: {detail}")
+                        shard["ledger"].record(reason, batch.column(2)[i].as_py(), batch.column(3)[i].as_py(),
+                                               batch.column(1)[i].as_py(), detail=f"id {ids[i]}: {detail}")
                 if kept_texts:
                     kept = batch.filter(pa.array(keep))
                     pending.append(pa.RecordBatch.from_arrays(
                         [kept.column(0), pa.array(kept_texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
                     pending_rows += len(kept_texts)
-                    docs_out += len(kept_texts)
                     if pending_rows >= cfg.row_group_docs:
                         flush()
+                pos += len(ids)
                 bar.update(len(ids))
-        flush()
+                if shard["bytes_in"] >= cfg.shard_bytes or pos == end:
+                    flush()
+                    rec = writer.seal({**shard, "end": pos, "ledger": shard["ledger"].to_dict(), **decider.end()})
+                    totals.add(rec)
+                    shard, k = None, k + 1
+                    decider.begin()
+    finally:
+        writer.abort()
+    if shard is not None or pos != stop or (next_k is not None and k != next_k):
+        raise RuntimeError(f"clean resume: the shards do not end at row {stop}, where the next committed shard "
+                           f"starts ({writer.log.folder}); its records disagree with this run")
+    return k
+
+
+def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
+              report_path: str | Path | None = None) -> dict:
+    """Clean ``in_path`` (a documents folder or one Parquet file, ingest schema)
+    into the documents folder ``out_path`` (same schema; :mod:`pipeline.data.docs`)
+    and write the quarantine sample to ``quarantine_path``.
+
+    *Shards.* Output shard k holds the outcome of a run of consecutive input
+    rows: it is sealed after the input batch (of ``batch_docs``) at which the
+    input text since it began reaches ``shard_bytes``, so it may hold no rows
+    (all dropped). Its record (:mod:`pipeline.data.resume`) holds the input rows
+    it covers, its counts and its own Ledger. A rerun under the same
+    fingerprint (params but the executor and worker count, the input's digest,
+    the code of this module, filters and dedup) keeps the committed shards,
+    replays their records, and processes the others from the state at the end
+    of the shard before (see :class:`_InMemory` and :class:`_Sharded` for what
+    that takes); shards of another fingerprint, damaged or uncommitted ones are
+    removed first. The manifest is written last.
+
+    Returns the metrics: docs and bytes written, dropped (documents), kept_frac,
+    shards, shards_resumed (kept from an earlier run), workers, mb_per_s. The
+    report, written to ``report_path`` when given, holds docs_in and bytes_in,
+    ``dropped`` by reason (every enabled filter and dedup pass, fired or not, so
+    reports diff cleanly; ``docs_in == docs + sum(dropped)``),
+    ``docs_changed_by_normalise``, ``near_dedup`` (candidates checked and
+    rejected, ids kept in the index) and ``filters_enabled``. All of it but
+    shards_resumed, workers and mb_per_s is the same for any executor, worker
+    count, dedup method and interruption.
+
+    Raises CleanError when the input is missing, unreadable or lacks a column,
+    and when no document survives (the quarantine is still written then, and no
+    manifest); ExecutorError (one line) when a worker fails.
+    Local worker processes are spawned, so a script that calls this with more
+    than one worker needs the usual ``if __name__ == "__main__":`` guard."""
+    t0 = time.perf_counter()
+    in_path, out_path = Path(in_path), Path(out_path)
+    table = _open_input(in_path)
+    num_rows = table.num_rows
+    fp = resume.fingerprint(
+        "clean", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
+        inputs={"docs": resume.input_digest(in_path)},
+        code=resume.code_digest(sys.modules[__name__], filters_module, dedup))
+    slog = ShardLog(out_path, fp)
+    slog.open()
+    # No more workers than batches: a tiny input runs in-process, without spawning.
+    batches = -(-num_rows // cfg.batch_docs)
+    sharded = cfg.dedup.method == "sharded"
+    totals = _Totals(cfg.quarantine_per_reason)
+    work_root = out_path.parent / f"{WORK_PREFIX}{os.getpid()}"
+    if sharded:
+        for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
+            log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
+
+    with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=batches, desc="clean") as ex, \
+            progress(total=num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
+        if sharded:
+            decider: _Sharded | _InMemory = _Sharded(cfg, table, ex, out_path, fp, work_root, bar)
+        else:
+            ShardLog(out_path, fp, stem="decisions", ext=".u8").open()  # removes a sharded run's decisions
+            decider = _InMemory(cfg, table, ex, slog)
+        writer = ShardedParquetWriter(slog, SCHEMA, row_group_docs=_WHOLE_TABLE)
+        k = pos = resumed = 0
+        replayed: list[int] = []  # committed shards not yet in the decider's state
+        while pos < num_rows:
+            rec = slog.committed(k)
+            if rec is not None and rec.get("start") == pos:
+                totals.add(rec)
+                replayed.append(k)
+                pos, k, resumed = rec["end"], k + 1, resumed + 1
+                bar.update(rec["docs_in"])
+                continue
+            next_k = min((j for j in slog.records if j > k), default=None)
+            stop = num_rows if next_k is None else slog.records[next_k]["start"]
+            decider.prepare(replayed)
+            replayed = []
+            k = _write_shards(cfg, decider, writer, k, pos, stop, num_rows, next_k, totals, bar)
+            pos = stop
         workers = ex.workers
+    if resumed:
+        log.info("resumed: %d of %d shards kept from an earlier run", resumed, k)
 
-        ledger.write(quarantine_path)
-        if docs_out == 0:
-            raise CleanError(
-                f"no documents left after cleaning {docs_in} document(s) from {in_path}; "
-                f"dropped: {ledger.as_dict()} (see {quarantine_path}; loosen the clean: filters in params.yaml)"
-            )
-
+    totals.ledger.write(quarantine_path)
+    ledger = totals.ledger
+    if totals.docs_out == 0:
+        raise CleanError(
+            f"no documents left after cleaning {totals.docs_in} document(s) from {in_path}; "
+            f"dropped: {ledger.as_dict()} (see {quarantine_path}; loosen the clean: filters in params.yaml)"
+        )
     dropped = {name: 0 for name, _, _ in cfg.filters.enabled()}
     if cfg.exact_dedup.enabled:
         dropped[EXACT_DUPLICATE] = 0
     if cfg.near_dedup.enabled:
         dropped[NEAR_DUPLICATE] = 0
     dropped.update(ledger.counts)
-    if docs_in != docs_out + sum(dropped.values()) or docs_in != pf.metadata.num_rows:
+    docs_in, docs_out = totals.docs_in, totals.docs_out
+    if docs_in != docs_out + sum(dropped.values()) or docs_in != num_rows:
         raise RuntimeError(
-            f"clean accounting is broken: rows={pf.metadata.num_rows} docs_in={docs_in} "
-            f"docs_out={docs_out} dropped={dropped}"
-        )
+            f"clean accounting is broken: rows={num_rows} docs_in={docs_in} docs_out={docs_out} dropped={dropped}")
+    slog.finish(k, {"format": FORMAT, "rows": docs_out})
+    changed, near = (totals.whole["changed"], totals.whole["near"]) if totals.whole is not None else \
+        (totals.changed, totals.near)
     seconds = time.perf_counter() - t0
     if report_path is not None:
         write_json(report_path, {
             "docs_in": docs_in,
-            "bytes_in": bytes_in,
+            "bytes_in": totals.bytes_in,
             "dropped": dropped,
-            "docs_changed_by_normalise": counts.changed,
-            "near_dedup": counts.near if cfg.near_dedup.enabled else {},
+            "docs_changed_by_normalise": changed,
+            "near_dedup": near if cfg.near_dedup.enabled else {},
             "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
         })
     return {
         "docs": docs_out,
-        "bytes": bytes_out,
+        "bytes": totals.bytes_out,
         "dropped": sum(dropped.values()),
         "kept_frac": round(docs_out / docs_in, 4),
+        "shards": k,
+        "shards_resumed": resumed,
         "workers": workers,
-        "mb_per_s": round(bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
+        "mb_per_s": round(totals.bytes_in / 1e6 / seconds, 3) if seconds > 0 else None,
     }

@@ -1,7 +1,7 @@
 """tokenizer: train a byte-level BPE tokenizer on a bounded sample of the clean docs.
 
-Input: a Parquet table of documents with at least the columns ``id`` and ``text``
-(``data/clean/docs.parquet``). Output: ``data/tokenizer/tokenizer.json``, a Hugging
+Input: a table of documents with at least the columns ``id`` and ``text``: the
+clean stage's documents folder (``data/clean/docs``) or one Parquet file. Output: ``data/tokenizer/tokenizer.json``, a Hugging
 Face ``tokenizers`` file, written atomically.
 
 The tokenizer is byte-level BPE with no normalizer, so ``decode(encode(x)) == x``
@@ -59,11 +59,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pydantic import Field, field_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.config import StageConfig
+from pipeline.data.docs import DocTable
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, atomic_write, read_json, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
@@ -276,26 +276,23 @@ def _rank(seed: int, doc_id: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def open_docs_streaming(path: str | Path) -> pq.ParquetFile:
-    """A ParquetFile whose ``iter_batches`` holds one row group's pages at a time.
-    pyarrow's default ``pre_buffer=True`` keeps every column chunk it has read cached
-    until the reader is closed, so memory would grow with the file."""
-    return pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+def open_docs_streaming(path: str | Path, error: type[Exception] | None = None) -> DocTable:
+    """The documents at ``path`` (a documents folder or one Parquet file) as one
+    table whose ``iter_batches`` holds one row group's pages at a time (see
+    :class:`pipeline.data.docs.DocTable`). A missing or unreadable input raises
+    ``error`` (default TokenizerError) with one line."""
+    return DocTable(path, error or TokenizerError, "run the clean stage first")
 
 
-def open_docs(docs_path: Path, error: type[Exception]) -> pq.ParquetFile:
-    """The clean documents for streaming (``id`` and ``text`` columns required);
-    a missing, unreadable or malformed file raises ``error`` with a clear message."""
-    if not docs_path.is_file():
-        raise error(f"documents not found: {docs_path}; run the clean stage first")
-    try:
-        pf = open_docs_streaming(docs_path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise error(f"{docs_path}: not a readable Parquet file: {e}") from e
-    missing = {"id", "text"} - set(pf.schema_arrow.names)
+def open_docs(docs_path: Path, error: type[Exception]) -> DocTable:
+    """The clean documents (a documents folder or one Parquet file) for streaming
+    (``id`` and ``text`` columns required); a missing, incomplete, unreadable or
+    malformed input raises ``error`` with a clear message."""
+    table = open_docs_streaming(docs_path, error)
+    missing = {"id", "text"} - set(table.schema_arrow.names)
     if missing:
-        raise error(f"{docs_path}: missing column(s) {sorted(missing)}; columns are {pf.schema_arrow.names}")
-    return pf
+        raise error(f"{docs_path}: missing column(s) {sorted(missing)}; columns are {table.schema_arrow.names}")
+    return table
 
 
 def open_tokenizer(path: Path, error: type[Exception]) -> tuple[Tokenizer, dict[str, int]]:

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_params, parse_section
 from pipeline.data.clean import REQUIRED, SCHEMA, CleanConfig, CleanError, NormaliseConfig, normalise, run_clean
+from pipeline.data.docs import DocTable
 from pipeline.files import read_json
 from tests.conftest import ROOT
 
@@ -32,11 +33,21 @@ def write_docs(path, texts, row_group_size=3):
     return path
 
 
+def read_out(out) -> pa.Table:
+    """The clean output folder's documents, through its manifest."""
+    return pa.concat_tables([pq.read_table(f) for f in DocTable(out, CleanError).files])
+
+
+def files(folder) -> dict[str, bytes]:
+    """Every file under ``folder`` by its relative path."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
 def run(tmp_path, texts, **kw):
     inp = write_docs(tmp_path / "in.parquet", texts)
-    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    out, q = tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl"
     metrics = run_clean(cfg(**kw), inp, out, q, tmp_path / "out" / "report.json")
-    docs = pq.read_table(out).to_pylist()
+    docs = read_out(out).to_pylist()
     quarantine = [json.loads(line) for line in q.read_text().splitlines()]
     return metrics, docs, quarantine
 
@@ -111,7 +122,7 @@ def test_text_is_normalised_and_schema_kept(tmp_path):
         {"id": "id001", "text": "caf\u00e9 = brewed", "source": "src/1.py", "location": "file",
          "chunk": None, "offset": None, "source_name": None, "split": None},
     ]
-    assert pq.read_schema(tmp_path / "out" / "docs.parquet").equals(SCHEMA)
+    assert DocTable(tmp_path / "out" / "docs", CleanError).schema_arrow.equals(SCHEMA)
     assert report(tmp_path)["docs_changed_by_normalise"] == 1
     assert report(tmp_path)["bytes_in"] == 33 + 14 and metrics["bytes"] == 28 + 14
 
@@ -122,9 +133,9 @@ def test_source_names_and_split_marks_are_carried_through(tmp_path):
     table = table.append_column("source_name", pa.array(["web", "web", "bench"]))
     table = table.append_column("split", pa.array([None, None, "val"], pa.string()))
     pq.write_table(table, tmp_path / "named.parquet")
-    out = tmp_path / "out" / "docs.parquet"
+    out = tmp_path / "out" / "docs"
     run_clean(cfg(), tmp_path / "named.parquet", out, tmp_path / "out" / "q.jsonl")
-    docs = pq.read_table(out).to_pylist()
+    docs = read_out(out).to_pylist()
     assert [(d["id"], d["source_name"], d["split"]) for d in docs] == [("id000", "web", None), ("id002", "bench", "val")]
 
 
@@ -187,7 +198,8 @@ def test_accounting_identity_on_mixed_input(tmp_path):
     assert set(rep["filters_enabled"]) | {"exact_duplicate", "near_duplicate"} == set(dropped)
     assert rep["near_dedup"]["candidates_checked"] >= 1 and rep["near_dedup"]["kept_in_index"] == 4
     assert metrics["bytes"] == sum(len(d["text"].encode()) for d in docs)
-    assert pq.ParquetFile(tmp_path / "out" / "docs.parquet").metadata.num_row_groups == 2  # 3 + 1 rows
+    assert pq.ParquetFile(tmp_path / "out" / "docs" / "shard-00000.parquet").metadata.num_row_groups == 2  # 3 + 1
+    assert metrics["shards"] == 1 and metrics["shards_resumed"] == 0
     assert [d["id"] for d in docs] == ["id000", "id004", "id006", "id008"]
 
 
@@ -224,16 +236,19 @@ def test_workers_are_capped_by_the_number_of_batches(tmp_path):
 
 def test_empty_after_cleaning_is_a_clear_error(tmp_path):
     inp = write_docs(tmp_path / "in.parquet", ["a", "b"])
-    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
+    out, q = tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl"
     with pytest.raises(CleanError, match=r"no documents left after cleaning 2 document\(s\).*'too_short': 2"):
         run_clean(cfg(filters={"too_short": {"min_chars": 5}}), inp, out, q)
-    assert not out.exists()
+    # no manifest: readers refuse the folder
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(CleanError, match="no manifest.json"):
+        DocTable(out, CleanError)
     assert len(q.read_text().splitlines()) == 2
 
 
 def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
-    out, q = tmp_path / "docs.parquet", tmp_path / "q.jsonl"
-    with pytest.raises(CleanError, match="input not found: .*nope.parquet"):
+    out, q = tmp_path / "docs", tmp_path / "q.jsonl"
+    with pytest.raises(CleanError, match="documents not found: .*nope.parquet; run the ingest stage first"):
         run_clean(cfg(), tmp_path / "nope.parquet", out, q)
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), bad)
@@ -268,7 +283,7 @@ def test_stage_reports_a_missing_input_in_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "stages.clean"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 2
-    assert "error: stage clean failed: input not found: data/ingest/docs.parquet" in r.stderr
+    assert "error: stage clean failed: documents not found: data/ingest/docs" in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -289,10 +304,10 @@ def test_chunks_keep_their_blank_lines_and_are_accounted_like_documents(tmp_path
     chunks = [f"{paras[0]}\n\n", f"{paras[1]}\n\n\n\n\n", f"{paras[2]} lorem ipsum\n\n", f"{paras[3]}   \n\n",
               f"{paras[0]}\n\n", f"\n{paras[4]}\n{paras[5]}\n"]
     inp = write_chunks(tmp_path / "in.parquet", chunks)
-    out, q = tmp_path / "out" / "docs.parquet", tmp_path / "out" / "quarantine.jsonl"
     for workers in (2, 1):  # the same result either way; the second run is the one inspected
+        out, q = tmp_path / f"w{workers}" / "docs", tmp_path / f"w{workers}" / "quarantine.jsonl"
         metrics = run_clean(cfg(num_workers=workers, batch_docs=2), inp, out, q, tmp_path / "out" / "report.json")
-        docs = pq.read_table(out).to_pylist()
+        docs = read_out(out).to_pylist()
         if workers == 2:
             first = (docs, q.read_text())
     assert (docs, q.read_text()) == first and metrics["workers"] == 1

@@ -43,8 +43,8 @@ PLANTED = [
 def outputs(tmp_path, texts, **kw):
     metrics, docs, quarantine = run(tmp_path, texts, **kw)
     metrics.pop("mb_per_s")
-    return metrics, report(tmp_path), docs, quarantine, (tmp_path / "out" / "quarantine.jsonl").read_bytes(), \
-        (tmp_path / "out" / "docs.parquet").read_bytes()
+    shards = [f.read_bytes() for f in sorted((tmp_path / "out" / "docs").glob("shard-*.parquet"))]
+    return metrics, report(tmp_path), docs, quarantine, (tmp_path / "out" / "quarantine.jsonl").read_bytes(), shards
 
 
 def both(tmp_path, texts, **kw):
@@ -55,9 +55,11 @@ def both(tmp_path, texts, **kw):
     return memory, sharded
 
 
-def test_planted_duplicates_and_a_chain_keep_the_same_documents(tmp_path):
-    memory, sharded = both(tmp_path, PLANTED, batch_docs=4)
+@pytest.mark.parametrize("shard_bytes", [1 << 26, 1])  # one output shard, one per batch
+def test_planted_duplicates_and_a_chain_keep_the_same_documents(tmp_path, shard_bytes):
+    memory, sharded = both(tmp_path, PLANTED, batch_docs=4, shard_bytes=shard_bytes)
     assert sharded == memory
+    assert memory[0]["shards"] == (1 if shard_bytes > 1 else 4)
     _, rep, docs, quarantine, _, _ = memory
     # The greedy rule, not clusters: C's only match B was dropped, so C stays.
     assert [d["id"] for d in docs] == ["id000", "id001", "id004", "id006", "id010", "id013"]
@@ -110,7 +112,9 @@ def test_each_dedup_pass_can_be_off(tmp_path):
 def test_work_folder_is_removed(tmp_path):
     both(tmp_path, PLANTED)
     assert sorted(p.name for p in (tmp_path / "sharded" / "out").iterdir()) == [
-        "docs.parquet", "quarantine.jsonl", "report.json"]
+        "docs", "quarantine.jsonl", "report.json"]
+    assert sorted(p.name for p in (tmp_path / "sharded" / "out" / "docs").iterdir()) == [
+        "decisions-00000.json", "decisions-00000.u8", "manifest.json", "shard-00000.json", "shard-00000.parquet"]
 
 
 def test_exact_partition_keeps_the_first_of_each_digest(tmp_path):

@@ -87,20 +87,20 @@ def book(tmp_path_factory):
         ingest_metrics = run_ingest(ingest, d / "ingest", d / "ingest-quarantine.jsonl")
     finally:
         os.chdir(cwd)
-    clean_metrics = run_clean(CleanConfig(num_workers=1), d / "ingest", d / "clean.parquet",
+    clean_metrics = run_clean(CleanConfig(num_workers=1), d / "ingest", d / "clean",
                               d / "quarantine.jsonl", d / "clean-report.json")
-    train_tokenizer(TokenizerConfig(vocab_size=512, sample_bytes=400_000, eval_bytes=50_000), d / "clean.parquet",
+    train_tokenizer(TokenizerConfig(vocab_size=512, sample_bytes=400_000, eval_bytes=50_000), d / "clean",
                     d / "tokenizer.json")
-    run_pack(PACK, d / "clean.parquet", d / "tokenizer.json", d / "packed")
+    run_pack(PACK, d / "clean", d / "tokenizer.json", d / "packed")
     return {"dir": d, "path": path, "ingest": ingest_metrics, "clean": clean_metrics,
             "chunks": [r for f in DocTable(d / "ingest", StageError).files for r in pq.read_table(f).to_pylist()],
-            "kept": pq.read_table(d / "clean.parquet").to_pylist(),
+            "kept": [r for f in DocTable(d / "clean", StageError).files for r in pq.read_table(f).to_pylist()],
             "tok": load_tokenizer(d / "tokenizer.json")}
 
 
 def runs(book, cfg: PackConfig = PACK) -> dict[str, list[list[dict]]]:
     """The surviving chunks of each split, grouped into runs of consecutive chunks."""
-    plan = plan_splits(pq.ParquetFile(book["dir"] / "clean.parquet"), cfg.seed, cfg.val_fraction, val_by=cfg.val_by)
+    plan = plan_splits(DocTable(book["dir"] / "clean", StageError), cfg.seed, cfg.val_fraction, val_by=cfg.val_by)
     out: dict[str, list[list[dict]]] = {"train": [], "val": []}
     for c in book["kept"]:
         split = out[plan.split_of(c["id"], c["source"], c["chunk"])]
@@ -212,7 +212,7 @@ def test_a_val_chunk_inside_the_file_splits_train_on_both_sides(book):
 
 def test_split_by_position_holds_out_the_end_of_the_text(book, tmp_path):
     cfg = PACK.model_copy(update={"val_by": "position"})
-    run_pack(cfg, book["dir"] / "clean.parquet", book["dir"] / "tokenizer.json", tmp_path)
+    run_pack(cfg, book["dir"] / "clean", book["dir"] / "tokenizer.json", tmp_path)
     by_split = check_round_trip(book, tmp_path, cfg)
     assert len(by_split["val"]) == 1 and len(by_split["train"]) == 2  # one cut: the dropped chunk
     val = by_split["val"][0]
@@ -224,14 +224,14 @@ def test_split_by_position_holds_out_the_end_of_the_text(book, tmp_path):
 
 def test_results_are_identical_for_one_and_two_workers(book, tmp_path):
     d = book["dir"]
-    metrics = run_clean(CleanConfig(num_workers=2, batch_docs=8), d / "ingest", tmp_path / "clean.parquet",
+    metrics = run_clean(CleanConfig(num_workers=2, batch_docs=8), d / "ingest", tmp_path / "clean",
                         tmp_path / "quarantine.jsonl", tmp_path / "clean-report.json")
     assert metrics["workers"] == 2
-    assert pq.read_table(tmp_path / "clean.parquet").equals(pq.read_table(d / "clean.parquet"))
+    assert pq.read_table(tmp_path / "clean" / "shard-00000.parquet").equals(pq.read_table(d / "clean" / "shard-00000.parquet"))
     assert (tmp_path / "quarantine.jsonl").read_bytes() == (d / "quarantine.jsonl").read_bytes()
     assert read_json(tmp_path / "clean-report.json") == read_json(d / "clean-report.json")
     cfg = PACK.model_copy(update={"executor": ExecutorConfig(num_workers=2), "task_bytes": 1000})  # a task per chunk: every join crosses one
-    run_pack(cfg, tmp_path / "clean.parquet", d / "tokenizer.json", tmp_path / "packed")
+    run_pack(cfg, tmp_path / "clean", d / "tokenizer.json", tmp_path / "packed")
     files = sorted(p.relative_to(d / "packed") for p in (d / "packed").rglob("*") if p.is_file())
     assert len(files) == 3
     for f in files:
