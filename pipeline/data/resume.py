@@ -128,8 +128,13 @@ class ShardLog:
                 continue
             self._remove(self.path(k), why)
             self._remove(self.record_path(k), why)
+        by_reason: dict[str, list[str]] = {}
         for line in self.removed:
-            log.warning("%s: removed %s", self.folder, line)
+            name, why = line.split(" (", 1)
+            by_reason.setdefault(why[:-1], []).append(name)
+        for why, names in by_reason.items():  # one line per reason, however many shards
+            shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]}"
+            log.warning("%s: removed %d file(s), %s: %s", self.folder, len(names), why, shown)
         return dict(self.records)
 
     def _check(self, k: int) -> str | None:

@@ -140,7 +140,7 @@ def test_other_params_or_input_make_the_shards_stale(tmp_path, caplog, change):
     metrics = run(tmp_path / "out", sources, **kw)
     assert metrics["shards_resumed"] == 0
     removed = [r.getMessage() for r in caplog.records if "another fingerprint" in r.getMessage()]
-    assert len(removed) == len(old)  # one line per shard file and record
+    assert len(removed) == 1 and f"removed {len(old)} file(s)" in removed[0]  # each shard and record, one line
     fresh = run(tmp_path / "fresh", sources, **kw)
     assert everything(tmp_path / "out") == everything(tmp_path / "fresh") and metrics == fresh
     assert read_docs(tmp_path / "out" / "docs").num_rows == fresh["docs"]
@@ -163,8 +163,8 @@ def test_a_damaged_shard_and_an_uncommitted_one_are_redone_alone(reference, tmp_
     after = stamps(tmp_path)
     redone = sorted(name for name in before if after[name] != before[name])
     assert redone == ["shard-00001.json", "shard-00001.parquet", "shard-00003.json", "shard-00003.parquet"]
-    assert "shard-00001.parquet (sha256 does not match its record)" in caplog.text
-    assert "shard-00003.parquet (no commit record" in caplog.text
+    assert "sha256 does not match its record: shard-00001.parquet, shard-00001.json" in caplog.text
+    assert "no commit record: the run writing it was interrupted: shard-00003.parquet" in caplog.text
 
 
 def test_workers_and_shards_give_the_bytes_of_one_process(reference, tmp_path):
