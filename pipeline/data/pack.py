@@ -93,6 +93,7 @@ import logging
 import os
 import sys
 import time
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -930,8 +931,13 @@ def pack_fingerprint(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> 
 
 
 def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
+    """``np.savez``'s format (read with ``np.load(allow_pickle=False)``), with a fixed
+    date on each member, so that the same state gives the same bytes."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, a in arrays.items():
+            with zf.open(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w",
+                         force_zip64=True) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
 
 
 class Checkpoints:
