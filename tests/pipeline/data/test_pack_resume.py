@@ -172,11 +172,15 @@ def test_a_damaged_sidecar_falls_back_to_an_earlier_checkpoint(corpus, tmp_path)
     for rel, data in files(ref).items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(data)
-    last = sorted(out.glob(f"{CHECKPOINT}-*.npz"))[-1]
-    last.write_bytes(last.read_bytes() + b"\x00")
+    records = [read_json(p) for p in sorted(ref.glob(f"{CHECKPOINT}-*.json"))]
+    # a sidecar in the middle of the last checkpoint's chain: every later checkpoint needs it
+    j = (min(w["base"] for w in records[-1]["writers"].values()) + len(records)) // 2
+    assert 0 < j < len(records) - 1
+    damaged = out / f"{CHECKPOINT}-{j:05d}.npz"
+    damaged.write_bytes(damaged.read_bytes() + b"\x00")
     resumed = run_pack(PackConfig(**CFG), path, tok, out)
     assert files(out) == files(ref)
-    assert 0 < resumed["shards_resumed"] < metrics["shards"]
+    assert resumed["shards_resumed"] == sum(w["shards"] for w in records[j - 1]["writers"].values()) > 0
 
 
 def test_a_mixture_run_is_interrupted_and_rerun_to_the_same_bytes(corpus, tmp_path, monkeypatch):
