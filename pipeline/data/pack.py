@@ -88,9 +88,11 @@ documents).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
 import zipfile
@@ -829,26 +831,28 @@ def val_source_dir(i: int) -> str:
     return f"val-source-{i:02d}"
 
 
-MIX_FILE = ".mixture.arrow"  # the train documents of a mixture run, encoded, until the mixture is written
+MIX_FILE = ".mixture.arrow"  # where an earlier version kept the mixture's train documents; removed if found
+MIX_DIR = ".mixture"  # the train documents of a mixture run, encoded, in pieces, until the mixture is written
 MIX_SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("code", pa.int64()), ("order", pa.uint64()),
                         ("source", pa.string()), ("chunk", pa.int64())])
 
 
 class Mixture:
     """Realises ``pack.mixture`` (see :mod:`pipeline.data.mixture`). Train documents
-    are encoded once and kept in a temporary Arrow file beside the output; once
-    every source's train tokens are known, each document's copies are decided and
-    the file is read again, once per round: round ``r`` writes, in table order,
-    the documents with at least ``r`` copies. Memory: about 32 bytes per train document
-    (its token count, source, order key and copies), the token file being memory-mapped."""
+    are encoded once and kept in temporary Arrow files beside the output
+    (``.mixture/piece-NNNNN.arrow``, each committed with its record when a
+    checkpoint is taken, so that a killed run keeps them); once every source's
+    train tokens are known, each document's copies are decided and the pieces
+    are read again, once per round: round ``r`` writes, in table order, the
+    documents with at least ``r`` copies. Memory: about 32 bytes per train
+    document (its token count, source, order key and copies), the pieces being
+    memory-mapped, and the documents added since the last piece."""
 
-    def __init__(self, cfg: PackConfig, sources: Sources, out_dir: Path):
-        self.cfg, self.sources = cfg, sources
-        self.path = out_dir / MIX_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.sink = pa.OSFile(str(self.path), "wb")
-        self.file = pa.ipc.new_file(self.sink, MIX_SCHEMA)
-        self.docs = 0
+    def __init__(self, cfg: PackConfig, sources: Sources, log: ShardLog, pieces: int = 0, docs: int = 0):
+        self.cfg, self.sources, self.log = cfg, sources, log
+        self.pieces, self.docs = pieces, docs  # committed pieces; train documents added
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_tokens = 0
 
     def add(self, task: Task, codes: np.ndarray, flat: np.ndarray, lens: np.ndarray, train: np.ndarray) -> None:
         if not train.any():
@@ -862,17 +866,40 @@ class Mixture:
         order = order_keys(self.cfg.seed, task.columns["id"].to_pylist())
         batch = pa.record_batch([tokens, pa.array(codes), pa.array(order), source.cast(pa.string()), chunk],
                                 schema=MIX_SCHEMA)
-        self.file.write_batch(batch.filter(pa.array(train)))
+        self.pending.append(batch.filter(pa.array(train)))
+        self.pending_tokens += int(lens[train].sum())
         self.docs += int(train.sum())
 
-    def realise(self, writer: SplitWriter) -> dict[str, dict[str, Any]]:
-        """Write the train split; return per source its figures for the manifest."""
-        self.file.close()
-        self.sink.close()
+    def commit(self) -> None:
+        """Write the documents added since the last piece as the next piece, and commit it."""
+        if not self.pending:
+            return
+        batches = self.pending
+
+        def write(path: Path) -> None:
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, MIX_SCHEMA) as file:
+                for b in batches:
+                    file.write_batch(b)
+
+        self.log.commit(self.pieces, write, {"rows": sum(b.num_rows for b in batches)})
+        self.pieces += 1
+        self.pending, self.pending_tokens = [], 0
+
+    def state(self) -> dict[str, Any]:
+        return {"pieces": self.pieces, "docs": self.docs}
+
+    def realise(self, writer: SplitWriter, start: tuple[int, int] = (1, 0),
+                checkpoint: Callable[[tuple[int, int]], None] | None = None) -> dict[str, dict[str, Any]]:
+        """Write the train split, from round ``start[0]``'s batch ``start[1]`` on (a
+        resumed run), calling ``checkpoint((round, next batch))`` after each batch;
+        return per source its figures for the manifest."""
+        self.commit()
         names = self.sources.names
-        with pa.memory_map(str(self.path)) as source:
-            reader = pa.ipc.open_file(source)
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        with contextlib.ExitStack() as stack:
+            batches = []
+            for k in range(self.pieces):
+                reader = pa.ipc.open_file(stack.enter_context(pa.memory_map(str(self.log.path(k)))))
+                batches += [reader.get_batch(i) for i in range(reader.num_record_batches)]
             lens = np.concatenate([pc.list_value_length(b.column(0)).to_numpy() for b in batches] or [[]])
             lens = lens.astype(np.int64)
             codes = np.concatenate([b.column(1).to_numpy() for b in batches] or [[]]).astype(np.int64)
@@ -887,14 +914,15 @@ class Mixture:
                 copies[mine] = multiplicities(order[mine], lens[mine], target)
             for r in range(1, int(copies.max(initial=0)) + 1):
                 row = 0
-                for b in batches:
+                for i, b in enumerate(batches):
                     take = copies[row:row + b.num_rows] >= r
-                    if take.any():
+                    if (r, i) >= start and take.any():
                         flat = b.column(0).values.to_numpy(zero_copy_only=False)
                         keys = Keys.of(b.column(3), b.column(4))
                         writer.add(split_parts(flat, lens[row:row + b.num_rows], take, keys)["val"])
+                        if checkpoint is not None:
+                            checkpoint((r, i + 1))
                     row += b.num_rows
-        self.path.unlink()
         realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
         total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1
         return {n: {"available_tokens": available[n], "target_tokens": wanted[n], "tokens": realised[n],
@@ -905,12 +933,8 @@ class Mixture:
                 for n in wanted}
 
     def discard(self) -> None:
-        try:
-            self.file.close()
-            self.sink.close()
-        except Exception:  # noqa: BLE001 - already closed, or failing on the way out anyway
-            pass
-        self.path.unlink(missing_ok=True)
+        """Remove the pieces (the mixture is written, or the run failed on its data)."""
+        shutil.rmtree(self.log.folder, ignore_errors=True)
 
 
 # --- resume -----------------------------------------------------------------------------------
@@ -965,29 +989,38 @@ class Checkpoints:
                 continue
         return False
 
-    def open(self, names: list[str], resumable: bool
+    def open(self, names: list[str], resumable: bool, mixture: bool = False
              ) -> tuple[dict[str, ShardLog], dict[str, Any] | None, dict[str, list[dict[str, np.ndarray]]]]:
         """Scan the output (the manifest is removed first): keep the latest
-        checkpoint whose sidecars and listed shards are all committed under this
-        fingerprint (with ``resumable``), and every shard it lists; remove every
-        other shard, record and checkpoint, logging each. Returns the split
-        folders' logs (by name), the checkpoint's record (None: start afresh) and
-        each writer's sidecar pieces."""
+        checkpoint whose sidecars, listed shards (and mixture pieces) are all
+        committed under this fingerprint (with ``resumable``), and every shard and
+        piece it lists; remove every other shard, piece, record and checkpoint,
+        logging each. Returns the logs of the split folders by name (and of the
+        mixture's pieces, :data:`MIX_DIR`, with ``mixture``), the checkpoint's
+        record (None: start afresh) and each writer's sidecar pieces."""
         kept = self.log.open()
         logs = {n: ShardLog(self.out_dir / n, self.fp, ext=".arrow") for n in names}
         committed = {n: lg.open() for n, lg in logs.items()}
+        mix = ShardLog(self.out_dir / MIX_DIR, self.fp, stem="piece", ext=".arrow")
+        pieces_kept = mix.open() if mixture else {}
+        if not mixture:
+            shutil.rmtree(mix.folder, ignore_errors=True)  # left by a killed mixture run
         for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and p.name not in logs):
             if any(d.glob("shard-*")) or any(d.glob(".shard-*.tmp")):  # a split of another run
                 other = ShardLog(d, self.fp, ext=".arrow")
                 other.open()
                 other.keep_below(0, "not a split of this run")
-        chosen = next((k for k in sorted(kept, reverse=True) if self._usable(kept, k, committed)), None) \
-            if resumable else None
+        chosen = next((k for k in sorted(kept, reverse=True) if self._usable(kept, k, committed, pieces_kept)),
+                      None) if resumable else None
         rec = kept[chosen] if chosen is not None else None
         self.log.keep_below(0 if chosen is None else chosen + 1, "later than the checkpoint this run continues from")
         for n, lg in logs.items():
             lg.keep_below(rec["writers"][n]["shards"] if rec else 0, "not listed by the checkpoint this run "
                                                                      "continues from")
+        if mixture:
+            mix.keep_below(rec["mixture"]["pieces"] if rec else 0, "not listed by the checkpoint this run "
+                                                                  "continues from")
+            logs[MIX_DIR] = mix
         pieces: dict[str, list[dict[str, np.ndarray]]] = {n: [] for n in names}
         if rec is not None:
             for j in range(min(w["base"] for w in rec["writers"].values()), chosen + 1):  # type: ignore[operator]
@@ -1000,11 +1033,14 @@ class Checkpoints:
         return logs, rec, pieces
 
     @staticmethod
-    def _usable(kept: dict[int, dict[str, Any]], k: int, committed: dict[str, dict[int, Any]]) -> bool:
+    def _usable(kept: dict[int, dict[str, Any]], k: int, committed: dict[str, dict[int, Any]],
+                pieces: dict[int, Any]) -> bool:
         """Checkpoint ``k`` can be restored: the same splits, the sidecars of its
-        chain kept, and every shard it lists committed."""
+        chain kept, and every shard (and mixture piece) it lists committed."""
         writers = kept[k].get("writers")
         if not isinstance(writers, dict) or set(writers) != set(committed):
+            return False
+        if "mixture" in kept[k] and any(i not in pieces for i in range(kept[k]["mixture"]["pieces"])):
             return False
         if any(j not in kept for j in range(min(w["base"] for w in writers.values()), k)):
             return False
@@ -1062,8 +1098,12 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     not depend on it, or start afresh. Shards, records and checkpoints of
     another fingerprint are removed first, with a warning per file. The manifest
     and every shard are byte-identical to an uninterrupted run's. A mixture run
-    does not resume: it starts from the first document (logged), as its train
-    split is written only at the end.
+    also commits its train documents in pieces (:class:`Mixture`), one per
+    checkpoint, and a checkpoint is also taken when the documents added since
+    the last piece reach ``shard_tokens`` tokens; the train split, written at
+    the end, takes a checkpoint (round and batch) after each batch that wrote a
+    shard, so the realisation resumes too. The pieces go when the manifest is
+    written: a rerun of a completed mixture run packs from the first document.
 
     Workers are spawned processes, so a script that calls this must keep its own
     top-level code under ``if __name__ == "__main__":``.
@@ -1080,8 +1120,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                         "source_name column; rerun ingest and clean")
     extra = (("source_name",) if named else ()) + (("id",) if cfg.mixture else ())
     checkpoints = Checkpoints(out_dir, pack_fingerprint(cfg, docs_path, tokenizer_path))
-    resumable = not cfg.mixture
-    resuming = resumable and Checkpoints.exist(out_dir, checkpoints.fp)
+    resuming = Checkpoints.exist(out_dir, checkpoints.fp)
     state: dict[str, Any] = {"row": 0, "docs": 0, "text_bytes": 0, "resumed": 0}
 
     def plan_first() -> None:
@@ -1091,9 +1130,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         plan = state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
                                            where=str(docs_path), val_by=cfg.val_by)
         names = [*SPLITS, *Sources.dirs(plan.sources)]
-        if cfg.mixture and any(p.is_file() for n in names for p in (out_dir / n).glob("shard-*.json")):
-            log.info("%s: a mixture run does not resume; packing from the first document", out_dir)
-        logs, rec, pieces = checkpoints.open(names, resuming)
+        logs, rec, pieces = checkpoints.open(names, resuming, mixture=bool(cfg.mixture))
         (out_dir / MIX_FILE).unlink(missing_ok=True)  # left by a mixture run that was killed
         writers = state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"], logs[s])
                                       for s in SPLITS}
@@ -1106,7 +1143,20 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
             sources.restore(rec["sources"])
             state.update(row=rec["row"], docs=rec["docs"], text_bytes=rec["text_bytes"], resumed=checkpoints.shards)
         if cfg.mixture:
-            state["mixture"] = Mixture(cfg, sources, out_dir)
+            mix = rec["mixture"] if rec is not None else {}
+            state["mixture"] = Mixture(cfg, sources, logs[MIX_DIR], mix.get("pieces", 0), mix.get("docs", 0))
+            state["realise_at"] = (mix.get("round", 1), mix.get("batch", 0))
+
+    def checkpoint(realising: dict[str, int] | None = None, force: bool = False) -> None:
+        """Commit a checkpoint if a shard was written since the last one (or ``force``)."""
+        if not force and sum(len(w.writer.shards) for w in state["all"].values()) == checkpoints.shards:
+            return
+        fields = {"row": state["row"], "docs": state["docs"], "text_bytes": state["text_bytes"],
+                  "sources": state["sources"].state()}
+        if "mixture" in state:
+            state["mixture"].commit()
+            fields["mixture"] = {**state["mixture"].state(), **(realising or {})}
+        checkpoints.save(fields, state["all"])
 
     try:
         if resuming:
@@ -1129,15 +1179,14 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                     state["writers"]["train"].add(parts["train"])
                 state["docs"] += task.rows
                 state["text_bytes"] += task.text_bytes
+                state["row"] = task.start + task.rows
                 bar.update(task.rows)
-                if resumable and sum(len(w.writer.shards) for w in state["all"].values()) > checkpoints.shards:
-                    checkpoints.save({"row": task.start + task.rows, "docs": state["docs"],
-                                      "text_bytes": state["text_bytes"], "sources": state["sources"].state()},
-                                     state["all"])
+                checkpoint(force="mixture" in state and state["mixture"].pending_tokens >= cfg.shard_tokens)
         docs = state["docs"]
         plan: SplitPlan = state["plan"]  # _encoded plans even when the table has no rows
         sources: Sources = state["sources"]
-        mixture = state["mixture"].realise(state["writers"]["train"]) if "mixture" in state else None
+        mixture = state["mixture"].realise(state["writers"]["train"], state["realise_at"], lambda at: checkpoint(
+            {"round": at[0], "batch": at[1]})) if "mixture" in state else None
         splits = {s: w.finish() for s, w in state["writers"].items()}
         train_docs = state["mixture"].docs if mixture is not None else splits["train"]["docs"]
         if docs != plan.docs or docs != train_docs + splits["val"]["docs"]:
@@ -1149,13 +1198,13 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                     f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
                 )
         val_sources, source_splits = sources.finish_val()
-    except BaseException as e:
-        if "mixture" in state:
-            state["mixture"].discard()
-        if isinstance(e, StageError) and "writers" in state:  # a plan error leaves an earlier run's output as it was
+    except StageError:
+        if "writers" in state:  # a plan error leaves an earlier run's output as it was
             clear_outputs(out_dir)  # the data's own error: a rerun would end the same way
             checkpoints.clear()
-        raise  # an interruption keeps the committed shards and checkpoints for the rerun
+            if "mixture" in state:
+                state["mixture"].discard()
+        raise  # an interruption keeps the committed shards, pieces and checkpoints for the rerun
     total_tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     fields: dict[str, Any] = {"seed": cfg.seed, "val_fraction": cfg.val_fraction, "val_by": cfg.val_by,
                               "docs": docs, "forced": plan.forced, "tokens": total_tokens}
@@ -1165,6 +1214,8 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
                    special_ids=specials, tokenizer_path=tokenizer_path, labels=False,
                    splits={**splits, **{d: source_splits[d] for d in val_sources.values()}}, fields=fields)
+    if "mixture" in state:
+        state["mixture"].discard()  # so the checkpoints that need its pieces go too, when a rerun opens them
     shards = sum(len(w.writer.shards) for w in state["all"].values())
     if state["resumed"]:
         log.info("resumed: %d of %d shards kept from an earlier run", state["resumed"], shards)

@@ -183,19 +183,38 @@ def test_a_damaged_sidecar_falls_back_to_an_earlier_checkpoint(corpus, tmp_path)
     assert resumed["shards_resumed"] == sum(w["shards"] for w in records[j - 1]["writers"].values()) > 0
 
 
-def test_a_mixture_run_is_interrupted_and_rerun_to_the_same_bytes(corpus, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def mixed(corpus, tmp_path_factory):
     path, tok, _, _ = corpus
     cfg = PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 2}, "book": {"weight": 1}})
-    metrics = run_pack(cfg, path, tok, tmp_path / "ref")
+    ref = tmp_path_factory.mktemp("mixture") / "ref"
+    return cfg, ref, run_pack(cfg, path, tok, ref)
+
+
+@pytest.mark.parametrize("phase", ["stream", "realise"])
+def test_a_mixture_run_resumes_to_the_same_bytes(corpus, mixed, tmp_path, monkeypatch, phase):
+    """Killed while the train documents are encoded (val shards written, the train
+    documents kept in pieces), or while the mixture writes the train split."""
+    path, tok, _, _ = corpus
+    cfg, ref, metrics = mixed
+    at = 4 if phase == "stream" else metrics["shards"] - 3
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        interrupt_at_flush(m, 5)
+        interrupt_at_flush(m, at)
         with pytest.raises(Killed):
             run_pack(cfg, path, tok, out)
+    assert list((out / pack.MIX_DIR).glob("piece-*.json")), "the train documents were kept in committed pieces"
+    if phase == "realise":
+        assert read_json(sorted(out.glob(f"{CHECKPOINT}-*.json"))[-1])["mixture"]["round"] >= 1
+    before = stamps(out)
     resumed = run_pack(cfg, path, tok, out)
-    assert files(out) == files(tmp_path / "ref")
+    assert files(out) == files(ref)
     assert same_metrics(resumed, metrics)
-    assert not (out / pack.MIX_FILE).exists()
+    kept = {k for k, v in stamps(out).items() if before.get(k) == v}
+    assert 0 < resumed["shards_resumed"] == len(kept) < at
+    if phase == "realise":
+        assert any(k.startswith("train/") for k in kept)
+    assert not (out / pack.MIX_DIR).exists()
 
 
 def test_the_sidecar_is_read_without_pickle(corpus):
