@@ -8,6 +8,11 @@ trained ``tokenizer.json``. Output, under ``out_dir`` (``data/packed``)::
     val/shard-00000.arrow, ...
     manifest.json
 
+and beside them, outside the format (its readers never look at them), each
+shard's commit record ``shard-NNNNN.json`` and the checkpoints
+``checkpoint-NNNNN.{json,npz}`` from which a killed run resumes (see
+:func:`run_pack`).
+
 On-disk contract (format ``pipeline.pack/1``)
 ---------------------------------------------
 *Split* (``val_by: hash``, the default). A document is in ``val`` iff

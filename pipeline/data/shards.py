@@ -24,7 +24,9 @@ batch per shard; shards in name order are in row order. Columns, never null:
 
 The schema metadata holds ``format`` and ``row_len`` and what the writer adds.
 A shard is written under a temporary name, fsynced and renamed, so a reader
-never sees part of one under its final name.
+never sees part of one under its final name. A writer may keep its own files
+beside the shards (pack: each shard's commit record ``shard-NNNNN.json`` and
+its checkpoints); readers list only the ``*.arrow`` files and the manifest.
 
 *Manifest* (``manifest.json``, written last and atomically; a folder without it
 is incomplete): ``format``, ``seq_len``, ``row_len``, ``dtype`` ("int32"),

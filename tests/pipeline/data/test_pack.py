@@ -91,7 +91,8 @@ def packed_files(out):
     """The files of the packed format (manifest and shards), relative to ``out``;
     the commit records and checkpoints beside them depend on how the run was cut
     into tasks, the output itself does not."""
-    return sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file() and (p.suffix == ".arrow" or p.name == MANIFEST))
+    return sorted(p.relative_to(out) for p in out.rglob("*")
+                  if p.is_file() and (p.suffix == ".arrow" or p.name == MANIFEST))
 
 
 def all_rows(split):
