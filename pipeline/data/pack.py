@@ -8,6 +8,11 @@ trained ``tokenizer.json``. Output, under ``out_dir`` (``data/packed``)::
     val/shard-00000.arrow, ...
     manifest.json
 
+and beside them, outside the format (its readers never look at them), each
+shard's commit record ``shard-NNNNN.json`` and the checkpoints
+``checkpoint-NNNNN.{json,npz}`` from which a killed run resumes (see
+:func:`run_pack`).
+
 On-disk contract (format ``pipeline.pack/1``)
 ---------------------------------------------
 *Split* (``val_by: hash``, the default). A document is in ``val`` iff
@@ -88,10 +93,14 @@ documents).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
+import sys
 import time
+import zipfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -105,16 +114,23 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
+from pipeline.data import mixture as mixture_module
+from pipeline.data import resume
+from pipeline.data import shards as shards_module
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
+from pipeline.data.resume import ShardLog
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
     EOT_ID,
+    SPECIALS_FILE,
     load_tokenizer,
     open_docs,
     open_tokenizer,
+    tokenizer_dir,
 )
 from pipeline.errors import StageError
+from pipeline.files import read_json, sha256_file
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.pack")
@@ -507,13 +523,18 @@ class Task:
     columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _tasks
 
 
-def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = ()) -> Iterator[Task]:
+def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = (),
+           start: int = 0) -> Iterator[Task]:
     """Cut the table into runs of at least ``task_bytes`` of text (the last one may
     be shorter), across Parquet batches, so that a corpus of short documents still
-    gives tasks large enough that per-task costs do not count."""
+    gives tasks large enough that per-task costs do not count. A task ends at the
+    first document that brings its text to ``task_bytes``, wherever the batches
+    end, so the tasks from row ``start`` (a task's first row) on are the same as
+    those of the whole table; the rows before it are read and passed over."""
     columns = task_columns(pf)
     pending: list[pa.RecordBatch] = []
-    size = start = 0
+    size = 0
+    skip, start = start, start
 
     def column(name: str) -> pa.Array:
         return pa.concat_arrays([b.column(name) for b in pending]) if len(pending) > 1 else pending[0].column(name)
@@ -529,6 +550,9 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[st
         return out
 
     for batch in pf.iter_batches(batch_size=batch_docs, columns=columns + [c for c in extra if c not in columns]):
+        if skip:
+            take = min(skip, batch.num_rows)
+            batch, skip = batch.slice(take), skip - take
         if batch.num_rows == 0:
             continue
         lengths = pc.binary_length(batch.column("text"))
@@ -551,15 +575,16 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[st
 
 def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
              task_bytes: int, plan_first: Callable[[], None], extra: tuple[str, ...] = (),
-             on_open: Callable[[Executor], None] | None = None) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
-    """(task, flat, lens) in table order, encoded on the executor (a local process
+             on_open: Callable[[Executor], None] | None = None,
+             start: int = 0) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
+    """(task, flat, lens) in table order from row ``start``, encoded on the executor (a local process
     pool or Ray: :mod:`pipeline.data.executor`). The first ``window`` tasks go out
     before ``plan_first()`` runs, so that the split plan is computed while the
     workers start (``plan_first`` must tolerate being called again: with one
     in-process worker, the first result comes before that). A bounded window, so
     that a slow consumer or a slow worker cannot make the queue hold the corpus."""
     schema = pa.schema([pf.schema_arrow.field("text")])
-    tasks = _tasks(pf, batch_docs, task_bytes, extra)
+    tasks = _tasks(pf, batch_docs, task_bytes, extra, start)
     sent: deque[Task] = deque()
     with open_executor(executor, _init_worker, (str(tokenizer_path), schema), desc="pack") as ex:
         if on_open is not None:
@@ -606,9 +631,10 @@ class SplitWriter:
     :meth:`add` is where documents are separated by ``eot_id``, the tokenizer's
     own end-of-text id (``run_pack`` passes it from the tokenizer folder)."""
 
-    def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int, eot_id: int = EOT_ID):
+    def __init__(self, out_dir: Path, split: str, row_len: int, shard_rows: int, eot_id: int = EOT_ID,
+                 log: ShardLog | None = None):
         self.split, self.row_len, self.shard_rows, self.eot_id = split, row_len, shard_rows, eot_id
-        self.writer = ShardWriter(out_dir, split, packed_schema(row_len, eot_id))
+        self.writer = ShardWriter(out_dir, split, packed_schema(row_len, eot_id), log)
         # the current shard's tokens, rows back to back; allocated on first use, so a tiny split stays tiny
         self.buf = np.empty(0, np.int32)
         self.fill = 0
@@ -616,6 +642,9 @@ class SplitWriter:
         self.docs = self.empty_docs = self.joined = self.tokens = self.rows = 0
         self.last: Key | None = None  # key of the last document added, if a chunk
         self.open = False  # a document has been added and awaits its EOT
+        # resume: buf[:saved] is in the sidecars of checkpoints base, base + 1, ... (see Checkpoints)
+        self.saved = 0
+        self.base: int | None = None
 
     def add(self, part: Part) -> None:
         """Append ``part``'s documents to the stream. A document is separated from
@@ -671,6 +700,43 @@ class SplitWriter:
             self.rows += n
         self.fill = 0
         self.starts = []
+        self.saved, self.base = 0, None
+
+    def checkpoint(self, k: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """This writer's state for checkpoint ``k``: its counters, keys and shard
+        count (JSON), and the part of its buffer, tokens and document starts, that
+        no earlier checkpoint's sidecar holds. Each buffered token thus goes into
+        one sidecar at most; :meth:`restore` joins the pieces from ``base`` to ``k``."""
+        starts = np.concatenate(self.starts) if self.starts else np.empty(0, np.int64)
+        self.starts = [starts] if len(starts) else []
+        new = {"tokens": self.buf[self.saved:self.fill].copy(), "starts": starts[starts >= self.saved]}
+        if self.base is None:
+            self.base = k
+        self.saved = self.fill
+        state = {"docs": self.docs, "empty_docs": self.empty_docs, "joined": self.joined, "tokens": self.tokens,
+                 "rows": self.rows, "fill": self.fill, "last": list(self.last) if self.last else None,
+                 "open": self.open, "shards": len(self.writer.shards), "base": self.base}
+        return state, new
+
+    def restore(self, state: dict[str, Any], pieces: list[dict[str, np.ndarray]],
+                shards: list[dict[str, Any]]) -> None:
+        """Continue from a checkpoint: ``state`` from :meth:`checkpoint`, the sidecar
+        pieces of checkpoints ``state["base"]`` to the one restored, and the
+        manifest entries of the shards already committed."""
+        tokens = np.concatenate([p["tokens"] for p in pieces]) if pieces else np.empty(0, np.int32)
+        starts = np.concatenate([p["starts"] for p in pieces]) if pieces else np.empty(0, np.int64)
+        if len(tokens) != state["fill"] or len(shards) != state["shards"] or tokens.dtype != np.int32:
+            raise ValueError(f"{self.split}: the checkpoint's buffer has {len(tokens)} tokens, not {state['fill']}")
+        for name in ("docs", "empty_docs", "joined", "tokens", "rows", "open"):
+            setattr(self, name, state[name])
+        self.last = tuple(state["last"]) if state["last"] is not None else None  # type: ignore[assignment]
+        self.fill = state["fill"]
+        if self.fill:
+            self.buf = np.empty(self.shard_rows * self.row_len, np.int32)
+            self.buf[:self.fill] = tokens
+        self.starts = [starts.astype(np.int64)] if len(starts) else []
+        self.saved, self.base = self.fill, state["base"]
+        self.writer.shards = list(shards)
 
     def finish(self) -> dict:
         if self.open:
@@ -694,12 +760,28 @@ class Sources:
     val split ``val-source-NN/``, its val documents packed alone, so that
     evaluate can score each source."""
 
-    def __init__(self, names: tuple[str, ...], out_dir: Path, row_len: int, shard_rows: int, eot_id: int):
+    def __init__(self, names: tuple[str, ...], out_dir: Path, row_len: int, shard_rows: int, eot_id: int,
+                 logs: dict[str, ShardLog] | None = None):
         self.names, self.code = names, {n: i for i, n in enumerate(names)}
         self.docs = {s: np.zeros(len(names), np.int64) for s in SPLITS}
         self.tokens = {s: np.zeros(len(names), np.int64) for s in SPLITS}
-        self.val = {i: SplitWriter(out_dir, val_source_dir(i), row_len, shard_rows, eot_id)
+        self.val = {i: SplitWriter(out_dir, val_source_dir(i), row_len, shard_rows, eot_id,
+                                   (logs or {}).get(val_source_dir(i)))
                     for i in range(len(names))} if len(names) > 1 else {}
+
+    @staticmethod
+    def dirs(names: tuple[str, ...]) -> list[str]:
+        """The folders of the sources' own val splits."""
+        return [val_source_dir(i) for i in range(len(names))] if len(names) > 1 else []
+
+    def state(self) -> dict[str, Any]:
+        return {"docs": {s: v.tolist() for s, v in self.docs.items()},
+                "tokens": {s: v.tolist() for s, v in self.tokens.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for s in SPLITS:
+            self.docs[s] = np.array(state["docs"][s], np.int64).reshape(len(self.names))
+            self.tokens[s] = np.array(state["tokens"][s], np.int64).reshape(len(self.names))
 
     def codes(self, column: pa.Array) -> np.ndarray:
         """Each document's source as an index into ``names``."""
@@ -754,26 +836,28 @@ def val_source_dir(i: int) -> str:
     return f"val-source-{i:02d}"
 
 
-MIX_FILE = ".mixture.arrow"  # the train documents of a mixture run, encoded, until the mixture is written
+MIX_FILE = ".mixture.arrow"  # where an earlier version kept the mixture's train documents; removed if found
+MIX_DIR = ".mixture"  # the train documents of a mixture run, encoded, in pieces, until the mixture is written
 MIX_SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("code", pa.int64()), ("order", pa.uint64()),
                         ("source", pa.string()), ("chunk", pa.int64())])
 
 
 class Mixture:
     """Realises ``pack.mixture`` (see :mod:`pipeline.data.mixture`). Train documents
-    are encoded once and kept in a temporary Arrow file beside the output; once
-    every source's train tokens are known, each document's copies are decided and
-    the file is read again, once per round: round ``r`` writes, in table order,
-    the documents with at least ``r`` copies. Memory: about 32 bytes per train document
-    (its token count, source, order key and copies), the token file being memory-mapped."""
+    are encoded once and kept in temporary Arrow files beside the output
+    (``.mixture/piece-NNNNN.arrow``, each committed with its record when a
+    checkpoint is taken, so that a killed run keeps them); once every source's
+    train tokens are known, each document's copies are decided and the pieces
+    are read again, once per round: round ``r`` writes, in table order, the
+    documents with at least ``r`` copies. Memory: about 32 bytes per train
+    document (its token count, source, order key and copies), the pieces being
+    memory-mapped, and the documents added since the last piece."""
 
-    def __init__(self, cfg: PackConfig, sources: Sources, out_dir: Path):
-        self.cfg, self.sources = cfg, sources
-        self.path = out_dir / MIX_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.sink = pa.OSFile(str(self.path), "wb")
-        self.file = pa.ipc.new_file(self.sink, MIX_SCHEMA)
-        self.docs = 0
+    def __init__(self, cfg: PackConfig, sources: Sources, log: ShardLog, pieces: int = 0, docs: int = 0):
+        self.cfg, self.sources, self.log = cfg, sources, log
+        self.pieces, self.docs = pieces, docs  # committed pieces; train documents added
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_tokens = 0
 
     def add(self, task: Task, codes: np.ndarray, flat: np.ndarray, lens: np.ndarray, train: np.ndarray) -> None:
         if not train.any():
@@ -787,17 +871,40 @@ class Mixture:
         order = order_keys(self.cfg.seed, task.columns["id"].to_pylist())
         batch = pa.record_batch([tokens, pa.array(codes), pa.array(order), source.cast(pa.string()), chunk],
                                 schema=MIX_SCHEMA)
-        self.file.write_batch(batch.filter(pa.array(train)))
+        self.pending.append(batch.filter(pa.array(train)))
+        self.pending_tokens += int(lens[train].sum())
         self.docs += int(train.sum())
 
-    def realise(self, writer: SplitWriter) -> dict[str, dict[str, Any]]:
-        """Write the train split; return per source its figures for the manifest."""
-        self.file.close()
-        self.sink.close()
+    def commit(self) -> None:
+        """Write the documents added since the last piece as the next piece, and commit it."""
+        if not self.pending:
+            return
+        batches = self.pending
+
+        def write(path: Path) -> None:
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, MIX_SCHEMA) as file:
+                for b in batches:
+                    file.write_batch(b)
+
+        self.log.commit(self.pieces, write, {"rows": sum(b.num_rows for b in batches)})
+        self.pieces += 1
+        self.pending, self.pending_tokens = [], 0
+
+    def state(self) -> dict[str, Any]:
+        return {"pieces": self.pieces, "docs": self.docs}
+
+    def realise(self, writer: SplitWriter, start: tuple[int, int] = (1, 0),
+                checkpoint: Callable[[tuple[int, int]], None] | None = None) -> dict[str, dict[str, Any]]:
+        """Write the train split, from round ``start[0]``'s batch ``start[1]`` on (a
+        resumed run), calling ``checkpoint((round, next batch))`` after each batch;
+        return per source its figures for the manifest."""
+        self.commit()
         names = self.sources.names
-        with pa.memory_map(str(self.path)) as source:
-            reader = pa.ipc.open_file(source)
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        with contextlib.ExitStack() as stack:
+            batches = []
+            for k in range(self.pieces):
+                reader = pa.ipc.open_file(stack.enter_context(pa.memory_map(str(self.log.path(k)))))
+                batches += [reader.get_batch(i) for i in range(reader.num_record_batches)]
             lens = np.concatenate([pc.list_value_length(b.column(0)).to_numpy() for b in batches] or [[]])
             lens = lens.astype(np.int64)
             codes = np.concatenate([b.column(1).to_numpy() for b in batches] or [[]]).astype(np.int64)
@@ -812,14 +919,15 @@ class Mixture:
                 copies[mine] = multiplicities(order[mine], lens[mine], target)
             for r in range(1, int(copies.max(initial=0)) + 1):
                 row = 0
-                for b in batches:
+                for i, b in enumerate(batches):
                     take = copies[row:row + b.num_rows] >= r
-                    if take.any():
+                    if (r, i) >= start and take.any():
                         flat = b.column(0).values.to_numpy(zero_copy_only=False)
                         keys = Keys.of(b.column(3), b.column(4))
                         writer.add(split_parts(flat, lens[row:row + b.num_rows], take, keys)["val"])
+                        if checkpoint is not None:
+                            checkpoint((r, i + 1))
                     row += b.num_rows
-        self.path.unlink()
         realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
         total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1
         return {n: {"available_tokens": available[n], "target_tokens": wanted[n], "tokens": realised[n],
@@ -830,24 +938,177 @@ class Mixture:
                 for n in wanted}
 
     def discard(self) -> None:
-        try:
-            self.file.close()
-            self.sink.close()
-        except Exception:  # noqa: BLE001 - already closed, or failing on the way out anyway
-            pass
-        self.path.unlink(missing_ok=True)
+        """Remove the pieces (the mixture is written, or the run failed on its data)."""
+        shutil.rmtree(self.log.folder, ignore_errors=True)
+
+
+# --- resume -----------------------------------------------------------------------------------
+
+CHECKPOINT = "checkpoint"  # out_dir/checkpoint-NNNNN.npz + .json: a point the stream can continue from
+
+
+def pack_fingerprint(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> str:
+    """What the packed output depends on (:func:`pipeline.data.resume.fingerprint`):
+    the params but the executor's, the documents (a docs folder's manifest, or
+    the file), the tokenizer and its roles, and the code of pack, mixture and shards."""
+    specials = tokenizer_dir(tokenizer_path) / SPECIALS_FILE
+    inputs = {"docs": resume.input_digest(docs_path), "tokenizer": sha256_file(tokenizer_path),
+              "specials": sha256_file(specials) if specials.is_file() else ""}
+    return resume.fingerprint("pack", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
+                              inputs=inputs, code=resume.code_digest(sys.modules[__name__], mixture_module,
+                                                                     shards_module))
+
+
+def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez``'s format (read with ``np.load(allow_pickle=False)``), with a fixed
+    date on each member, so that the same state gives the same bytes."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, a in arrays.items():
+            with zf.open(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w",
+                         force_zip64=True) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
+
+
+class Checkpoints:
+    """The points a killed run continues from (see "Resume" in :func:`run_pack`):
+    ``checkpoint-NNNNN.json`` (a :class:`ShardLog` record: the input row, the
+    counts, each split writer's state and shard count) and its sidecar
+    ``checkpoint-NNNNN.npz`` (each writer's buffered tokens and document starts
+    not in an earlier sidecar), in ``out_dir`` beside the manifest."""
+
+    def __init__(self, out_dir: Path, fp: str):
+        self.out_dir, self.fp = out_dir, fp
+        self.log = ShardLog(out_dir, fp, stem=CHECKPOINT, ext=".npz")
+        self.next = 0  # the next checkpoint's index
+        self.shards = 0  # shards written when the last one was taken
+
+    @staticmethod
+    def exist(out_dir: Path, fp: str) -> bool:
+        """Whether a checkpoint record names ``fp``; reads only the records (what
+        is kept is decided, and the rest removed, by :meth:`open`)."""
+        for path in sorted(out_dir.glob(f"{CHECKPOINT}-*.json")) if out_dir.is_dir() else ():
+            try:
+                if read_json(path).get("fingerprint") == fp:
+                    return True
+            except (OSError, ValueError, AttributeError):
+                continue
+        return False
+
+    def open(self, names: list[str], resumable: bool, mixture: bool = False
+             ) -> tuple[dict[str, ShardLog], dict[str, Any] | None, dict[str, list[dict[str, np.ndarray]]]]:
+        """Scan the output (the manifest is removed first): keep the latest
+        checkpoint whose sidecars, listed shards (and mixture pieces) are all
+        committed under this fingerprint (with ``resumable``), and every shard and
+        piece it lists; remove every other shard, piece, record and checkpoint,
+        logging each. Returns the logs of the split folders by name (and of the
+        mixture's pieces, :data:`MIX_DIR`, with ``mixture``), the checkpoint's
+        record (None: start afresh) and each writer's sidecar pieces."""
+        kept = self.log.open()
+        logs = {n: ShardLog(self.out_dir / n, self.fp, ext=".arrow") for n in names}
+        committed = {n: lg.open() for n, lg in logs.items()}
+        mix = ShardLog(self.out_dir / MIX_DIR, self.fp, stem="piece", ext=".arrow")
+        pieces_kept = mix.open() if mixture else {}
+        if not mixture:
+            shutil.rmtree(mix.folder, ignore_errors=True)  # left by a killed mixture run
+        for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and p.name not in logs):
+            if any(d.glob("shard-*")) or any(d.glob(".shard-*.tmp")):  # a split of another run
+                other = ShardLog(d, self.fp, ext=".arrow")
+                other.open()
+                other.keep_below(0, "not a split of this run")
+        chosen = next((k for k in sorted(kept, reverse=True) if self._usable(kept, k, committed, pieces_kept)),
+                      None) if resumable else None
+        rec = kept[chosen] if chosen is not None else None
+        self.log.keep_below(0 if chosen is None else chosen + 1, "later than the checkpoint this run continues from")
+        for n, lg in logs.items():
+            lg.keep_below(rec["writers"][n]["shards"] if rec else 0, "not listed by the checkpoint this run "
+                                                                     "continues from")
+        if mixture:
+            mix.keep_below(rec["mixture"]["pieces"] if rec else 0, "not listed by the checkpoint this run "
+                                                                  "continues from")
+            logs[MIX_DIR] = mix
+        pieces: dict[str, list[dict[str, np.ndarray]]] = {n: [] for n in names}
+        if rec is not None:
+            for j in range(min(w["base"] for w in rec["writers"].values()), chosen + 1):  # type: ignore[operator]
+                with np.load(self.log.path(j), allow_pickle=False) as z:
+                    for n, w in rec["writers"].items():
+                        if w["base"] <= j:
+                            pieces[n].append({"tokens": z[f"{n}/tokens"], "starts": z[f"{n}/starts"]})
+            self.next = chosen + 1  # type: ignore[operator]
+            self.shards = sum(w["shards"] for w in rec["writers"].values())
+        return logs, rec, pieces
+
+    @staticmethod
+    def _usable(kept: dict[int, dict[str, Any]], k: int, committed: dict[str, dict[int, Any]],
+                pieces: dict[int, Any]) -> bool:
+        """Checkpoint ``k`` can be restored: the same splits, the sidecars of its
+        chain kept, and every shard (and mixture piece) it lists committed."""
+        writers = kept[k].get("writers")
+        if not isinstance(writers, dict) or set(writers) != set(committed):
+            return False
+        if "mixture" in kept[k] and any(i not in pieces for i in range(kept[k]["mixture"]["pieces"])):
+            return False
+        if any(j not in kept for j in range(min(w["base"] for w in writers.values()), k)):
+            return False
+        return all(i in committed[n] for n, w in writers.items() for i in range(w["shards"]))
+
+    def save(self, fields: dict[str, Any], writers: dict[str, SplitWriter]) -> None:
+        """Commit the next checkpoint: ``fields`` and each writer's state."""
+        k, states, arrays = self.next, {}, {}
+        for n, w in writers.items():
+            states[n], new = w.checkpoint(k)
+            arrays.update({f"{n}/{a}": v for a, v in new.items()})
+        self.log.commit(k, lambda tmp: _save_npz(tmp, arrays), {**fields, "writers": states})
+        self.next += 1
+        self.shards = sum(st["shards"] for st in states.values())
+
+    def clear(self) -> None:
+        """Remove every checkpoint (a run that failed on its data: a rerun fails the same way)."""
+        for p in self.out_dir.glob(f"{CHECKPOINT}-*") if self.out_dir.is_dir() else ():
+            p.unlink()
+
+
+def shard_entry(split: str, k: int, record: dict[str, Any]) -> dict[str, Any]:
+    """A committed shard's entry in the manifest, from its record."""
+    return {"path": f"{split}/shard-{k:05d}.arrow", "rows": record["rows"], "sha256": record["sha256"]}
 
 
 def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path, out_dir: str | Path) -> dict:
     """Tokenize ``docs_path`` with ``tokenizer_path`` and write shards and manifest
-    under ``out_dir`` (format in the module docstring). Stale shards of an earlier
-    run are removed first; on failure no manifest is left behind.
+    under ``out_dir`` (format in the module docstring), continuing a killed run
+    of the same fingerprint (below); on failure no manifest is left behind.
 
-    Returns metrics: docs, bytes (of text), tokens, train_rows, val_rows, tokens_per_s,
-    mb_per_s (text MB), workers, pack_seconds. The manifest is the report: per
-    split docs, empty_docs, joined, tokens, dropped_tail_tokens and the shards.
-    Raises PackError on missing input or tokenizer, an empty or single-document
-    corpus, or a split too small to fill one row.
+    Returns metrics: docs, bytes (of text), tokens, train_rows, val_rows, shards,
+    shards_resumed, tokens_per_s, mb_per_s (text MB), workers, pack_seconds. The
+    manifest is the report: per split docs, empty_docs, joined, tokens,
+    dropped_tail_tokens and the shards. Raises PackError on missing input or
+    tokenizer, an empty or single-document corpus, or a split too small to fill
+    one row (and then removes the shards written).
+
+    *Resume.* Each shard is committed with a record ``shard-NNNNN.json`` beside
+    it (:class:`pipeline.data.resume.ShardLog`: the run's fingerprint,
+    :func:`pack_fingerprint`, and the shard's sha256). After each task in which
+    any split wrote a shard, the run commits a checkpoint (:class:`Checkpoints`):
+    the next input row (tasks are cut the same from any task's first row), the
+    counts, and each split writer's state: counters, ``last`` key, ``open``
+    flag, shard count and its buffered tokens and document starts. A sidecar
+    holds only what was buffered since the previous checkpoint, so each token
+    goes into one sidecar at most: the extra writes are at most the output's own
+    size, in practice the val tokens once and each checkpoint's train tail (under
+    one task's tokens), plus the records and fsyncs, one of each per shard and
+    per checkpoint. A rerun of the same fingerprint restores the latest
+    checkpoint whose own and earlier sidecars it needs and whose listed shards
+    are all committed and intact, keeps those shards untouched, removes the
+    shards it does not list, and continues from its row. A damaged shard (or
+    sidecar) thus makes the rerun fall back to the latest checkpoint that does
+    not depend on it, or start afresh. Shards, records and checkpoints of
+    another fingerprint are removed first, with a warning per file. The manifest
+    and every shard are byte-identical to an uninterrupted run's. A mixture run
+    also commits its train documents in pieces (:class:`Mixture`), one per
+    checkpoint, and a checkpoint is also taken when the documents added since
+    the last piece reach ``shard_tokens`` tokens; the train split, written at
+    the end, takes a checkpoint (round and batch) after each batch that wrote a
+    shard, so the realisation resumes too. The pieces go when the manifest is
+    written: a rerun of a completed mixture run packs from the first document.
 
     Workers are spawned processes, so a script that calls this must keep its own
     top-level code under ``if __name__ == "__main__":``.
@@ -858,12 +1119,14 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     pf = open_docs(docs_path, PackError)
     row_len = cfg.seq_len + 1
     shard_rows = max(1, cfg.shard_tokens // row_len)
-    state: dict[str, Any] = {}
     named = "source_name" in pf.schema_arrow.names
     if cfg.mixture and not named:
         raise PackError(f"{docs_path}: pack.mixture weighs sources by name, but the documents have no "
                         "source_name column; rerun ingest and clean")
     extra = (("source_name",) if named else ()) + (("id",) if cfg.mixture else ())
+    checkpoints = Checkpoints(out_dir, pack_fingerprint(cfg, docs_path, tokenizer_path))
+    resuming = Checkpoints.exist(out_dir, checkpoints.fp)
+    state: dict[str, Any] = {"row": 0, "docs": 0, "text_bytes": 0, "resumed": 0}
 
     def plan_first() -> None:
         if "plan" in state:
@@ -871,18 +1134,43 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         # Its own reader: the task reader is paused mid-file.
         plan = state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
                                            where=str(docs_path), val_by=cfg.val_by)
-        clear_outputs(out_dir)
+        names = [*SPLITS, *Sources.dirs(plan.sources)]
+        logs, rec, pieces = checkpoints.open(names, resuming, mixture=bool(cfg.mixture))
         (out_dir / MIX_FILE).unlink(missing_ok=True)  # left by a mixture run that was killed
-        state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"]) for s in SPLITS}
-        state["sources"] = Sources(plan.sources, out_dir, row_len, shard_rows, specials["eot"])
+        writers = state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"], logs[s])
+                                      for s in SPLITS}
+        sources = state["sources"] = Sources(plan.sources, out_dir, row_len, shard_rows, specials["eot"], logs)
+        state["all"] = {**writers, **{val_source_dir(i): w for i, w in sources.val.items()}}
+        if rec is not None:
+            for n, w in state["all"].items():
+                w.restore(rec["writers"][n], pieces[n],
+                          [shard_entry(n, k, logs[n].records[k]) for k in range(rec["writers"][n]["shards"])])
+            sources.restore(rec["sources"])
+            state.update(row=rec["row"], docs=rec["docs"], text_bytes=rec["text_bytes"], resumed=checkpoints.shards)
         if cfg.mixture:
-            state["mixture"] = Mixture(cfg, state["sources"], out_dir)
+            mix = rec["mixture"] if rec is not None else {}
+            state["mixture"] = Mixture(cfg, sources, logs[MIX_DIR], mix.get("pieces", 0), mix.get("docs", 0))
+            state["realise_at"] = (mix.get("round", 1), mix.get("batch", 0))
 
-    docs = text_bytes = 0
+    def checkpoint(realising: dict[str, int] | None = None, force: bool = False) -> None:
+        """Commit a checkpoint if a shard was written since the last one (or ``force``)."""
+        if not force and sum(len(w.writer.shards) for w in state["all"].values()) == checkpoints.shards:
+            return
+        fields = {"row": state["row"], "docs": state["docs"], "text_bytes": state["text_bytes"],
+                  "sources": state["sources"].state()}
+        if "mixture" in state:
+            state["mixture"].commit()
+            fields["mixture"] = {**state["mixture"].state(), **(realising or {})}
+        checkpoints.save(fields, state["all"])
+
     try:
+        if resuming:
+            plan_first()  # the checkpoint says where the tasks start
         with progress(total=pf.metadata.num_rows, unit="doc", desc="pack") as bar:
+            bar.update(state["row"])
             for task, flat, lens in _encoded(pf, tokenizer_path, cfg.executor, cfg.batch_docs, cfg.task_bytes,
-                                              plan_first, extra, on_open=lambda ex: state.update(workers=ex.workers)):
+                                              plan_first, extra, on_open=lambda ex: state.update(workers=ex.workers),
+                                              start=state["row"]):
                 plan_first()  # one in-process worker gives its first result before the feed plans
                 val = state["plan"].val_mask(task.start, task.start + task.rows)
                 parts = split_parts(flat, lens, val, task.keys)
@@ -894,12 +1182,16 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                     state["mixture"].add(task, codes, flat, lens, ~val)
                 else:
                     state["writers"]["train"].add(parts["train"])
-                docs += task.rows
-                text_bytes += task.text_bytes
+                state["docs"] += task.rows
+                state["text_bytes"] += task.text_bytes
+                state["row"] = task.start + task.rows
                 bar.update(task.rows)
+                checkpoint(force="mixture" in state and state["mixture"].pending_tokens >= cfg.shard_tokens)
+        docs = state["docs"]
         plan: SplitPlan = state["plan"]  # _encoded plans even when the table has no rows
         sources: Sources = state["sources"]
-        mixture = state["mixture"].realise(state["writers"]["train"]) if "mixture" in state else None
+        mixture = state["mixture"].realise(state["writers"]["train"], state["realise_at"], lambda at: checkpoint(
+            {"round": at[0], "batch": at[1]})) if "mixture" in state else None
         splits = {s: w.finish() for s, w in state["writers"].items()}
         train_docs = state["mixture"].docs if mixture is not None else splits["train"]["docs"]
         if docs != plan.docs or docs != train_docs + splits["val"]["docs"]:
@@ -911,12 +1203,13 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                     f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
                 )
         val_sources, source_splits = sources.finish_val()
-    except BaseException:
-        if "mixture" in state:
-            state["mixture"].discard()
+    except StageError:
         if "writers" in state:  # a plan error leaves an earlier run's output as it was
-            clear_outputs(out_dir)
-        raise
+            clear_outputs(out_dir)  # the data's own error: a rerun would end the same way
+            checkpoints.clear()
+            if "mixture" in state:
+                state["mixture"].discard()
+        raise  # an interruption keeps the committed shards, pieces and checkpoints for the rerun
     total_tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     fields: dict[str, Any] = {"seed": cfg.seed, "val_fraction": cfg.val_fraction, "val_by": cfg.val_by,
                               "docs": docs, "forced": plan.forced, "tokens": total_tokens}
@@ -926,16 +1219,23 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
                    special_ids=specials, tokenizer_path=tokenizer_path, labels=False,
                    splits={**splits, **{d: source_splits[d] for d in val_sources.values()}}, fields=fields)
+    if "mixture" in state:
+        state["mixture"].discard()  # so the checkpoints that need its pieces go too, when a rerun opens them
+    shards = sum(len(w.writer.shards) for w in state["all"].values())
+    if state["resumed"]:
+        log.info("resumed: %d of %d shards kept from an earlier run", state["resumed"], shards)
     seconds = time.perf_counter() - t0
     return {
         "docs": docs,
-        "bytes": text_bytes,
+        "bytes": state["text_bytes"],
         "tokens": total_tokens,
         **{f"{s}_rows": info["rows"] for s, info in splits.items()},
         **({"sources": {n: {k: v for k, v in f.items() if k in SOURCE_METRICS} for n, f in per_source.items()}}
            if per_source else {}),
+        "shards": shards,
+        "shards_resumed": state["resumed"],
         "tokens_per_s": round(total_tokens / seconds),
-        "mb_per_s": round(text_bytes / seconds / 1e6, 3),
+        "mb_per_s": round(state["text_bytes"] / seconds / 1e6, 3),
         "workers": state["workers"],
         "pack_seconds": round(seconds, 3),
     }

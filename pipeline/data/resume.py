@@ -155,6 +155,19 @@ class ShardLog:
         self.records[k] = rec
         return None
 
+    def keep_below(self, n: int, why: str) -> None:
+        """Remove every shard of index ``n`` or more, and its record (a stage that
+        resumes from a point before them), logging one line per removal."""
+        start = len(self.removed)
+        indexes = {int(m.group(1)) for p in self.folder.iterdir() if (m := self._name.fullmatch(p.name))} \
+            if self.folder.is_dir() else set()
+        for k in sorted(k for k in indexes | set(self.records) if k >= n):
+            self.records.pop(k, None)
+            self._remove(self.path(k), why)
+            self._remove(self.record_path(k), why)
+        for line in self.removed[start:]:
+            log.warning("%s: removed %s", self.folder, line)
+
     def committed(self, k: int) -> dict[str, Any] | None:
         """The record of shard ``k`` if it is committed, else None."""
         return self.records.get(k)

@@ -24,7 +24,9 @@ batch per shard; shards in name order are in row order. Columns, never null:
 
 The schema metadata holds ``format`` and ``row_len`` and what the writer adds.
 A shard is written under a temporary name, fsynced and renamed, so a reader
-never sees part of one under its final name.
+never sees part of one under its final name. A writer may keep its own files
+beside the shards (pack: each shard's commit record ``shard-NNNNN.json`` and
+its checkpoints); readers list only the ``*.arrow`` files and the manifest.
 
 *Manifest* (``manifest.json``, written last and atomically; a folder without it
 is incomplete): ``format``, ``seq_len``, ``row_len``, ``dtype`` ("int32"),
@@ -48,6 +50,8 @@ from pipeline.files import atomic_path, read_json, sha256_file, write_json
 
 if TYPE_CHECKING:  # torch is needed only to hand batches to the trainer
     import torch
+
+    from pipeline.data.resume import ShardLog
 
 MANIFEST = "manifest.json"
 IGNORE_INDEX = -100  # a label that takes no part in the loss: SFT prompt tokens, padding
@@ -74,10 +78,16 @@ def row_schema(fmt: str, row_len: int, *, labels: bool = False, metadata: Mappin
 
 class ShardWriter:
     """Writes one split's shards ``<split>/shard-00000.arrow``, ... under ``out_dir``
-    in order, each atomically, and lists them (``shards``) for the manifest."""
+    in order, each atomically, and lists them (``shards``) for the manifest.
 
-    def __init__(self, out_dir: str | Path, split: str, schema: pa.Schema):
-        self.out_dir, self.split, self.schema = Path(out_dir), split, schema
+    With ``log`` (a :class:`pipeline.data.resume.ShardLog` of the split's folder,
+    stem ``shard``, ext ``.arrow``) each shard is also committed with a record
+    ``shard-NNNNN.json`` beside it (its sha256 and ``rows``), which readers
+    ignore; the shard's bytes are the same either way. A resumed writer starts
+    with ``shards`` holding the entries of the shards already committed."""
+
+    def __init__(self, out_dir: str | Path, split: str, schema: pa.Schema, log: ShardLog | None = None):
+        self.out_dir, self.split, self.schema, self.log = Path(out_dir), split, schema, log
         self.row_len: int = schema.field("input_ids").type.list_size
         self.has_labels = "labels" in schema.names
         self.shards: list[dict[str, Any]] = []
@@ -112,26 +122,39 @@ class ShardWriter:
             columns.append(pa.FixedSizeListArray.from_arrays(pa.array(labels.reshape(-1)), self.row_len))
         columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
         batch = pa.record_batch(columns, schema=self.schema)
-        rel = f"{self.split}/shard-{len(self.shards):05d}.arrow"
+        k = len(self.shards)
+        rel = f"{self.split}/shard-{k:05d}.arrow"
         path = self.out_dir / rel
-        with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, \
-                pa.ipc.new_file(sink, self.schema) as writer:
-            writer.write_batch(batch)
-        entry = {"path": rel, "rows": n, "sha256": sha256_file(path)}
+        if self.log is None:
+            with atomic_path(path) as tmp:
+                self._write_file(tmp, batch)
+            sha = sha256_file(path)
+        else:
+            if self.log.path(k) != path:
+                raise ValueError(f"the shard log of {self.log.folder} does not name {path}")
+            with self.log.writing(k) as tmp:
+                self._write_file(tmp, batch)
+            sha = self.log.seal(k, {"rows": n})["sha256"]
+        entry = {"path": rel, "rows": n, "sha256": sha}
         self.shards.append(entry)
         return entry
 
+    def _write_file(self, path: Path, batch: pa.RecordBatch) -> None:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
+            writer.write_batch(batch)
+
 
 def clear_outputs(out_dir: str | Path) -> None:
-    """Remove the manifest and every shard (and temporary shard) of a folder, in
-    every split's subfolder (``train``, ``val``, and pack's per-source val splits)."""
+    """Remove the manifest and every shard (and temporary shard, and commit record)
+    of a folder, in every split's subfolder (``train``, ``val``, and pack's
+    per-source val splits)."""
     out_dir = Path(out_dir)
     # The manifest goes first: a folder without one is incomplete by contract.
     (out_dir / MANIFEST).unlink(missing_ok=True)
     if not out_dir.is_dir():
         return
     for d in sorted(p for p in out_dir.iterdir() if p.is_dir()):
-        for p in [*d.glob("shard-*.arrow"), *d.glob(".shard-*.tmp")]:
+        for p in [*d.glob("shard-*.arrow"), *d.glob("shard-*.json"), *d.glob(".shard-*.tmp")]:
             p.unlink()
 
 

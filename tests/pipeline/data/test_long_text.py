@@ -25,6 +25,7 @@ from pipeline.data.shards import MANIFEST, PackedRows
 from pipeline.data.tokenizer import EOT_ID, TokenizerConfig, load_tokenizer, train_tokenizer
 from pipeline.errors import StageError
 from pipeline.files import read_json
+from tests.pipeline.data.test_pack import packed_files
 
 CHUNK_BYTES = 16_384
 MAX_DOC_BYTES = 200_000  # the book is six times larger: chunking must not skip it
@@ -232,7 +233,7 @@ def test_results_are_identical_for_one_and_two_workers(book, tmp_path):
     assert read_json(tmp_path / "clean-report.json") == read_json(d / "clean-report.json")
     cfg = PACK.model_copy(update={"executor": ExecutorConfig(num_workers=2), "task_bytes": 1000})  # a task per chunk: every join crosses one
     run_pack(cfg, tmp_path / "clean", d / "tokenizer.json", tmp_path / "packed")
-    files = sorted(p.relative_to(d / "packed") for p in (d / "packed").rglob("*") if p.is_file())
+    files = packed_files(d / "packed")
     assert len(files) == 3
     for f in files:
         assert (tmp_path / "packed" / f).read_bytes() == (d / "packed" / f).read_bytes(), f

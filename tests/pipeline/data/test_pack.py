@@ -87,6 +87,14 @@ def expected_streams(items, docs_path, tok_path, cfg, keys=None):
     return streams, starts
 
 
+def packed_files(out):
+    """The files of the packed format (manifest and shards), relative to ``out``;
+    the commit records and checkpoints beside them depend on how the run was cut
+    into tasks, the output itself does not."""
+    return sorted(p.relative_to(out) for p in out.rglob("*")
+                  if p.is_file() and (p.suffix == ".arrow" or p.name == MANIFEST))
+
+
 def all_rows(split):
     return np.concatenate(list(split.iter_input_ids()))
 
@@ -165,7 +173,11 @@ def test_manifest_and_accounting(docs, packed):
     assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == 1
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     listed = sorted(e["path"] for s in m["splits"].values() for e in s["shards"])
-    assert files == sorted([MANIFEST, *listed])
+    # beside the manifest and the shards: each shard's commit record, and the checkpoints to resume from
+    records = [p.removesuffix(".arrow") + ".json" for p in listed]
+    checkpoints = [f for f in files if f.startswith("checkpoint-")]
+    assert files == sorted([MANIFEST, *listed, *records, *checkpoints])
+    assert metrics["shards"] == len(listed) and metrics["shards_resumed"] == 0
     for s in m["splits"].values():
         for e in s["shards"]:
             assert sha256_file(out / e["path"]) == e["sha256"]
@@ -278,7 +290,7 @@ def test_rerun_removes_stale_shards(docs, tmp_path):
     stale.write_bytes(b"old")
     run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1), "shard_tokens": 1 << 20}), path, tok, tmp_path)
     assert not stale.exists()
-    assert [p.name for p in (tmp_path / "train").iterdir()] == ["shard-00000.arrow"]
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
 
 
 @pytest.mark.parametrize("data, key, msg", [
@@ -368,8 +380,9 @@ def test_consecutive_chunks_are_packed_as_one_document(chunked, tmp_path, val_by
     assert joined > 20 and joined == len(rows) - 1 - sum(len(starts[s]) for s in ("train", "val"))
     # same bytes with one worker and one chunk per task (every join crosses a task)
     run_pack(cfg.model_copy(update={"executor": ExecutorConfig(num_workers=1), "task_bytes": 1000, "batch_docs": 5}), path, tok, tmp_path / "b")
-    for p in sorted((tmp_path / "a").rglob("*.*")):
-        assert p.read_bytes() == (tmp_path / "b" / p.relative_to(tmp_path / "a")).read_bytes(), p
+    assert packed_files(tmp_path / "a") == packed_files(tmp_path / "b")
+    for f in packed_files(tmp_path / "a"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
 
 def test_joins_follow_the_recorded_chunk_index_not_the_row_order(chunked, tmp_path):
@@ -547,8 +560,8 @@ def test_adversarial_corpus_packs_as_the_reference_for_any_worker_count(docs, tm
         one = {"executor": ExecutorConfig(num_workers=1), "task_bytes": 1_000_000, "batch_docs": 1000}
         run_pack(cfg.model_copy(update=one), path, tok, tmp_path / val_by / "1")
         a, b = tmp_path / val_by / "3", tmp_path / val_by / "1"
-        files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-        assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+        files = packed_files(a)
+        assert files == packed_files(b)
         assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
         streams, starts = expected_streams([r[:2] for r in rows], path, tok, cfg, keys_of(rows))
         m = read_json(a / MANIFEST)

@@ -105,3 +105,16 @@ def test_fingerprint_moves_with_params_inputs_and_code(tmp_path):
     os.utime(f, ns=(1, 1))
     assert resume.files_digest([f]) != before
     assert resume.code_digest(resume) != resume.code_digest(resume, pytest)
+
+
+def test_keep_below_removes_the_later_shards_and_their_records(tmp_path, caplog):
+    log = ShardLog(tmp_path, "fp")
+    log.open()
+    for k in range(4):
+        log.commit(k, lambda p: p.write_bytes(b"x"), {"rows": 1})
+    (tmp_path / "shard-00007.parquet").write_bytes(b"left over")
+    log.keep_below(2, "after the point resumed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "shard-00000.json", "shard-00000.parquet", "shard-00001.json", "shard-00001.parquet"]
+    assert sorted(log.records) == [0, 1]
+    assert caplog.text.count("(after the point resumed)") == 5

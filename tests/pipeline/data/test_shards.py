@@ -194,3 +194,31 @@ def test_reader_rejects_bad_shards(tmp_path):
             w.write_table(table)
         with pytest.raises(DataError, match=msg):
             PackedRows(tmp_path / name)
+
+
+def test_a_writer_with_a_shard_log_writes_the_same_shards_and_commits_each(tmp_path):
+    from pipeline.data.resume import ShardLog
+
+    schema = row_schema("test/1", 4)
+    rows = np.arange(24, dtype=np.int32).reshape(6, 4)
+    offsets, starts = np.arange(7, dtype=np.int32), np.zeros(6, np.int32)
+    plain = ShardWriter(tmp_path / "a", "train", schema)
+    log = ShardLog(tmp_path / "b" / "train", "fp", ext=".arrow")
+    logged = ShardWriter(tmp_path / "b", "train", schema, log)
+    for w in (plain, logged):
+        w.write(rows[:4], offsets[:5], starts)
+        w.write(rows[4:], offsets[4:], starts)
+    assert plain.shards == logged.shards
+    for e in logged.shards:
+        assert (tmp_path / "a" / e["path"]).read_bytes() == (tmp_path / "b" / e["path"]).read_bytes()
+    assert ShardLog(tmp_path / "b" / "train", "fp", ext=".arrow").open().keys() == {0, 1}
+    assert [log.committed(k)["rows"] for k in (0, 1)] == [4, 2]
+    # the records beside the shards are no shards: the reader and verify pass them over
+    for d in ("a", "b"):
+        write_manifest(tmp_path / d, fmt="test/1", seq_len=3, vocab_size=50, special_ids={"eot": 0, "pad": 1},
+                       tokenizer_path=tmp_path / "a" / "train" / "shard-00000.arrow", labels=False, fields={},
+                       splits={"train": {"rows": 6, "shards": plain.shards}})
+        verify(tmp_path / d, "test/1")
+        assert len(PackedRows(tmp_path / d / "train")) == 6
+    clear_outputs(tmp_path / "b")
+    assert not list((tmp_path / "b" / "train").iterdir())
