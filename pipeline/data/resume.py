@@ -128,14 +128,18 @@ class ShardLog:
                 continue
             self._remove(self.path(k), why)
             self._remove(self.record_path(k), why)
+        self._warn(self.removed)
+        return dict(self.records)
+
+    def _warn(self, removed: list[str]) -> None:
+        """Log ``removed`` ("name (why)" each) as one warning line per reason, however many shards."""
         by_reason: dict[str, list[str]] = {}
-        for line in self.removed:
+        for line in removed:
             name, why = line.split(" (", 1)
             by_reason.setdefault(why[:-1], []).append(name)
-        for why, names in by_reason.items():  # one line per reason, however many shards
+        for why, names in by_reason.items():
             shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]}"
             log.warning("%s: removed %d file(s), %s: %s", self.folder, len(names), why, shown)
-        return dict(self.records)
 
     def _check(self, k: int) -> str | None:
         """None when shard ``k`` is committed under this fingerprint (and keep its record), else why not."""
@@ -157,7 +161,7 @@ class ShardLog:
 
     def keep_below(self, n: int, why: str) -> None:
         """Remove every shard of index ``n`` or more, and its record (a stage that
-        resumes from a point before them), logging one line per removal."""
+        resumes from a point before them), logging one line for them all."""
         start = len(self.removed)
         indexes = {int(m.group(1)) for p in self.folder.iterdir() if (m := self._name.fullmatch(p.name))} \
             if self.folder.is_dir() else set()
@@ -165,8 +169,7 @@ class ShardLog:
             self.records.pop(k, None)
             self._remove(self.path(k), why)
             self._remove(self.record_path(k), why)
-        for line in self.removed[start:]:
-            log.warning("%s: removed %s", self.folder, line)
+        self._warn(self.removed[start:])
 
     def committed(self, k: int) -> dict[str, Any] | None:
         """The record of shard ``k`` if it is committed, else None."""
