@@ -75,6 +75,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from rensa import RMinHash, RMinHashLSH
 
 from pipeline.data import dedup, resume
+from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
 from pipeline.data.accounting import Ledger
 from pipeline.data.docs import FORMAT, DocTable, ShardedParquetWriter
@@ -379,54 +380,6 @@ def _open_input(in_path: Path) -> DocTable:
     return table
 
 
-def _rows_from(table: DocTable, batch_size: int, start: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    """The batches ``table.iter_batches`` gives, from row ``start`` (a multiple of
-    ``batch_size``): the row groups before it are not read."""
-    if start == 0:
-        yield from table.iter_batches(batch_size=batch_size, columns=columns)
-        return
-
-    def pieces() -> Iterator[pa.RecordBatch]:
-        skip = start
-        for f in table.files:
-            pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
-            md = pf.metadata
-            if skip >= md.num_rows:
-                skip -= md.num_rows
-                continue
-            groups: list[int] = []
-            for g in range(md.num_row_groups):
-                rows = md.row_group(g).num_rows
-                if not groups and skip >= rows:
-                    skip -= rows
-                    continue
-                groups.append(g)
-            for b in pf.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns):
-                cut = min(skip, b.num_rows)
-                skip -= cut
-                if cut < b.num_rows:
-                    yield b.slice(cut)
-
-    pending: list[pa.RecordBatch] = []
-    have = 0
-    for b in pieces():
-        while b.num_rows:
-            take = min(batch_size - have, b.num_rows)
-            pending.append(b.slice(0, take))
-            have, b = have + take, b.slice(take)
-            if have == batch_size:
-                yield _joined(pending)
-                pending, have = [], 0
-    if have:
-        yield _joined(pending)
-
-
-def _joined(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
-    if len(batches) == 1:
-        return batches[0]
-    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
-
-
 def _batches(table: DocTable, batch_docs: int, start: int = 0, stop: int | None = None
              ) -> Iterator[pa.RecordBatch]:
     """Input batches of rows ``[start, stop)`` in SCHEMA; absent optional columns read as null."""
@@ -435,7 +388,7 @@ def _batches(table: DocTable, batch_docs: int, start: int = 0, stop: int | None 
     stop = table.num_rows if stop is None else stop
     if row >= stop:
         return
-    for b in _rows_from(table, batch_docs, start, names):
+    for b in table.iter_batches(batch_size=batch_docs, columns=names, start=start):
         columns = [b.column(n) if n in names else pa.nulls(b.num_rows, f.type) for n, f in zip(SCHEMA.names, SCHEMA)]
         yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
         row += b.num_rows
@@ -860,7 +813,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     fp = resume.fingerprint(
         "clean", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
         inputs={"docs": resume.input_digest(in_path)},
-        code=resume.code_digest(sys.modules[__name__], filters_module, dedup))
+        code=resume.code_digest(sys.modules[__name__], filters_module, dedup, docs_module))
     slog = ShardLog(out_path, fp)
     slog.open()
     # No more workers than batches: a tiny input runs in-process, without spawning.

@@ -83,24 +83,47 @@ class DocTable:
         self.num_rows = sum(p.metadata.num_rows for p in self._parts)
         self.metadata = SimpleNamespace(num_rows=self.num_rows)  # as ParquetFile.metadata, for the row count
 
-    def iter_batches(self, batch_size: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
-        if len(self._parts) == 1:
+    def iter_batches(self, batch_size: int, columns: list[str] | None = None, start: int = 0
+                     ) -> Iterator[pa.RecordBatch]:
+        """Batches of exactly ``batch_size`` rows (the last one shorter) from row
+        ``start`` on; the shards and row groups wholly before ``start`` are not read
+        (a stage resuming mid-table)."""
+        if start == 0 and len(self._parts) == 1:
             yield from self._parts[0].iter_batches(batch_size=batch_size, columns=columns)
             return
         pending: list[pa.RecordBatch] = []
         have = 0
-        for part in self._parts:
-            for b in part.iter_batches(batch_size=batch_size, columns=columns):
-                while b.num_rows:
-                    take = min(batch_size - have, b.num_rows)
-                    pending.append(b.slice(0, take))
-                    have += take
-                    b = b.slice(take)
-                    if have == batch_size:
-                        yield _concat(pending)
-                        pending, have = [], 0
+        for b in self._pieces(batch_size, columns, start):
+            while b.num_rows:
+                take = min(batch_size - have, b.num_rows)
+                pending.append(b.slice(0, take))
+                have += take
+                b = b.slice(take)
+                if have == batch_size:
+                    yield _concat(pending)
+                    pending, have = [], 0
         if have:
             yield _concat(pending)
+
+    def _pieces(self, batch_size: int, columns: list[str] | None, skip: int) -> Iterator[pa.RecordBatch]:
+        """Every shard's batches in order, less the first ``skip`` rows."""
+        for part in self._parts:
+            md = part.metadata
+            if skip >= md.num_rows:
+                skip -= md.num_rows
+                continue
+            groups: list[int] = []
+            for g in range(md.num_row_groups):
+                rows = md.row_group(g).num_rows
+                if not groups and skip >= rows:
+                    skip -= rows
+                    continue
+                groups.append(g)
+            for b in part.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns):
+                cut = min(skip, b.num_rows)
+                skip -= cut
+                if cut < b.num_rows:
+                    yield b.slice(cut)
 
 
 def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:

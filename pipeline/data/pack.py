@@ -114,9 +114,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import Field
 
+from pipeline.data import docs as docs_module
 from pipeline.data import mixture as mixture_module
 from pipeline.data import resume
 from pipeline.data import shards as shards_module
+from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
@@ -950,13 +952,14 @@ CHECKPOINT = "checkpoint"  # out_dir/checkpoint-NNNNN.npz + .json: a point the s
 def pack_fingerprint(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> str:
     """What the packed output depends on (:func:`pipeline.data.resume.fingerprint`):
     the params but the executor's, the documents (a docs folder's manifest, or
-    the file), the tokenizer and its roles, and the code of pack, mixture and shards."""
+    the file), the tokenizer and its roles, and the code of pack, mixture, shards,
+    and of the readers of the documents and the tokenizer (docs, tokenizer)."""
     specials = tokenizer_dir(tokenizer_path) / SPECIALS_FILE
     inputs = {"docs": resume.input_digest(docs_path), "tokenizer": sha256_file(tokenizer_path),
               "specials": sha256_file(specials) if specials.is_file() else ""}
     return resume.fingerprint("pack", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
                               inputs=inputs, code=resume.code_digest(sys.modules[__name__], mixture_module,
-                                                                     shards_module))
+                                                                     shards_module, docs_module, tokenizer_module))
 
 
 def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:

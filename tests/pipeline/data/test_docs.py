@@ -68,3 +68,14 @@ def test_an_aborted_shard_leaves_no_file(tmp_path):
     w.start(0)
     w.write(_table(0, 5))
     assert w.seal({})["rows"] == 5
+
+
+@pytest.mark.parametrize("start", [0, 5, 7, 8, 20, 36, 49, 50])
+def test_reading_from_a_row_gives_the_rest_of_the_table_in_whole_batches(tmp_path, start):
+    pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=9)
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])
+    whole = _table(0, 50).slice(start)
+    for table in (DocTable(tmp_path / "one.parquet", StageError), DocTable(tmp_path / "docs", StageError)):
+        got = list(table.iter_batches(batch_size=6, start=start))
+        assert [b.num_rows for b in got[:-1]] == [6] * (len(got) - 1)
+        assert pa.Table.from_batches(got, schema=SCHEMA).equals(whole)
