@@ -119,6 +119,7 @@ from pipeline.data import mixture as mixture_module
 from pipeline.data import resume
 from pipeline.data import shards as shards_module
 from pipeline.data import tokenizer as tokenizer_module
+from pipeline.data.docs import DocTable
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
@@ -525,18 +526,17 @@ class Task:
     columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _tasks
 
 
-def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = (),
+def _tasks(pf: DocTable, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = (),
            start: int = 0) -> Iterator[Task]:
     """Cut the table into runs of at least ``task_bytes`` of text (the last one may
     be shorter), across Parquet batches, so that a corpus of short documents still
     gives tasks large enough that per-task costs do not count. A task ends at the
     first document that brings its text to ``task_bytes``, wherever the batches
     end, so the tasks from row ``start`` (a task's first row) on are the same as
-    those of the whole table; the rows before it are read and passed over."""
+    those of the whole table; the shards and row groups before it are not read."""
     columns = task_columns(pf)
     pending: list[pa.RecordBatch] = []
     size = 0
-    skip, start = start, start
 
     def column(name: str) -> pa.Array:
         return pa.concat_arrays([b.column(name) for b in pending]) if len(pending) > 1 else pending[0].column(name)
@@ -551,10 +551,8 @@ def _tasks(pf: pq.ParquetFile, batch_docs: int, task_bytes: int, extra: tuple[st
         pending, size, start = [], 0, start + rows
         return out
 
-    for batch in pf.iter_batches(batch_size=batch_docs, columns=columns + [c for c in extra if c not in columns]):
-        if skip:
-            take = min(skip, batch.num_rows)
-            batch, skip = batch.slice(take), skip - take
+    for batch in pf.iter_batches(batch_size=batch_docs, columns=columns + [c for c in extra if c not in columns],
+                                 start=start):
         if batch.num_rows == 0:
             continue
         lengths = pc.binary_length(batch.column("text"))

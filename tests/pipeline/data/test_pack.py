@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data.docs import DocTable
 from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import (
     FORMAT,
@@ -524,7 +525,7 @@ def test_tasks_cut_the_table_in_order_across_parquet_batches(tmp_path):
     pq.write_table(pa.table({"id": [f"d{i}" for i in range(500)], "text": pa.array(texts, pa.string())}), path,
                    row_group_size=37)
     for batch_docs, task_bytes in ((7, 1000), (100, 1000), (1, 1000), (500, 30_000)):
-        tasks = list(_tasks(pq.ParquetFile(path), batch_docs, task_bytes))
+        tasks = list(_tasks(DocTable(path, PackError), batch_docs, task_bytes))
         assert [t.start for t in tasks] == list(np.cumsum([0] + [t.rows for t in tasks[:-1]]))
         assert sum(t.rows for t in tasks) == 500 and all(t.keys is None for t in tasks)
         assert all(t.text_bytes >= task_bytes for t in tasks[:-1]), batch_docs
