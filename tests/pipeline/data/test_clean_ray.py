@@ -42,27 +42,6 @@ def test_ray_map_keeps_order_and_runs_the_initializer_in_ray_workers():
     assert ray.is_initialized()  # an instance the executor did not start is left running
 
 
-def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
-    code = ("import ray, psutil\n"
-            "from pipeline.data.executor import ExecutorConfig, open_executor\n"
-            "with open_executor(ExecutorConfig(kind='ray', num_workers=1)) as ex:\n"
-            "    print(*{n['NodeManagerAddress'] for n in ray.nodes()})\n"
-            "    ports = [c for p in psutil.Process().children(recursive=True) for c in p.net_connections('tcp')\n"
-            "             if c.status == 'LISTEN']\n"
-            "    print(len(ports), *sorted({c.laddr.ip for c in ports}))\n"
-            "print(ray.is_initialized())\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={**env, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    node, listening, done = proc.stdout.splitlines()
-    assert node == "127.0.0.1"
-    count, *ips = listening.split()
-    assert int(count) > 0 and set(ips) <= {"127.0.0.1", "::ffff:127.0.0.1"}
-    assert done == "False"
-    assert not (tmp_path / ".ray").exists()  # no ~/.ray/auth_token for a private instance
-
-
 def test_clean_under_ray_equals_local_for_any_worker_count_and_dedup_method(tmp_path):
     texts = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
     small = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}  # several shards

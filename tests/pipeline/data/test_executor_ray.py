@@ -1,0 +1,121 @@
+"""pipeline/data/executor.py: the private Ray instance a stage starts when
+``executor.address`` is null. Each test runs a fresh Python process, because
+the instance belongs to one process (and this suite's Ray tests share another
+one). Marked slow: each starts Ray."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("ray")
+
+PRELUDE = """
+import json, os, sys, psutil, ray
+import pipeline.data.executor as E
+from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
+from tests.pipeline.data.test_executor import fails, init, tagged
+def leftover():
+    return [p.name() for p in psutil.Process().children(recursive=True)]
+"""
+
+
+def run(code: str, home, **env) -> list:
+    """Run ``code`` after PRELUDE in a fresh process; its stdout lines as JSON values."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, cwd=ROOT,
+                          env={**base, "PYTHONPATH": str(ROOT), "HOME": str(home), **env}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
+    (nodes, ips, after, left), = run(
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=1)) as ex:\n"
+        "    ex.ready()\n"
+        "    nodes = sorted({n['NodeManagerAddress'] for n in ray.nodes()})\n"
+        "    ips = sorted({c.laddr.ip for p in psutil.Process().children(recursive=True)\n"
+        "                  for c in p.net_connections('tcp') if c.status == 'LISTEN'})\n"
+        "print(json.dumps([nodes, ips, ray.is_initialized(), leftover()]))\n", tmp_path)
+    assert nodes == ["127.0.0.1"]
+    assert ips and set(ips) <= {"127.0.0.1", "::ffff:127.0.0.1"}
+    assert after is False and left == []  # disconnected, and every process of the instance is gone
+    assert not (tmp_path / ".ray").exists()  # no ~/.ray/auth_token for a private instance
+
+
+MAP = """
+cfg = ExecutorConfig(kind='ray', num_workers=2)
+with open_executor(cfg, init, ('cfg',)) as ex:
+    def tasks():  # tasks while the instance starts, then 6 more
+        x = 0
+        while ex.starting():
+            yield (x, 0.01); x += 1
+        for x in range(x, x + 6):
+            yield (x, 0.0)
+    out = list(ex.map(tagged, tasks()))
+print(json.dumps([[tag, sq, pid == os.getpid()] for tag, sq, pid in out]))
+print(json.dumps(leftover()))
+"""
+
+
+@pytest.mark.parametrize("internals", ["lean", "ray.init"])
+def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path, internals):
+    """The first tasks run in the stage's process while the instance starts, the
+    rest on Ray's workers; results in task order, the initializer run in both.
+    "ray.init": where Ray's internals differ, ray.init starts the instance, in
+    the stage's thread, so every task runs on Ray."""
+    patch = "E._start_private_instance = lambda workers: None\n" if internals == "ray.init" else ""
+    out, left = run(patch + MAP, tmp_path)
+    assert [sq for _, sq, _ in out] == [x * x for x in range(len(out))]
+    assert {tag for tag, _, _ in out} == {"cfg"}
+    here = [h for _, _, h in out]
+    if internals == "lean":
+        assert here[0] is True and not any(here[-6:])
+        assert here == sorted(here, reverse=True)  # here first, then Ray only
+    else:
+        assert len(here) == 6 and not any(here)
+    assert left == []
+
+
+def test_a_stage_that_ends_before_the_instance_is_up_stops_it(tmp_path):
+    (out, after, left), = run(
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), init, ('cfg',)) as ex:\n"
+        "    out = list(ex.map(tagged, [(1,), (2,)]))\n"
+        "print(json.dumps([[[t, s, p == os.getpid()] for t, s, p in out], ray.is_initialized(), leftover()]))\n",
+        tmp_path)
+    assert out == [["cfg", 1, True], ["cfg", 4, True]]
+    assert after is False and left == []
+
+
+def test_errors_while_the_instance_starts_are_one_line(tmp_path):
+    """A task failing in the stage's process reads as one on Ray would; a
+    StageError reaches the caller unchanged; an instance that cannot start is
+    one line."""
+    lines = run(
+        "for tasks in ([(3,)], [(2,)]):\n"
+        "    try:\n"
+        "        with open_executor(ExecutorConfig(kind='ray', num_workers=2)) as ex:\n"
+        "            list(ex.map(fails, tasks))\n"
+        "    except Exception as e:\n"
+        "        print(json.dumps([type(e).__name__, str(e)]))\n"
+        "def boom(workers):\n"
+        "    raise RuntimeError('no shared memory\\nsecond line')\n"
+        "E._start_private_instance = boom\n"
+        "try:\n"
+        "    with open_executor(ExecutorConfig(kind='ray', num_workers=2)) as ex:\n"
+        "        list(ex.map(tagged, [(x, 0.01) for x in range(500)]))\n"
+        "except ExecutorError as e:\n"
+        "    print(json.dumps(['ExecutorError', str(e)]))\n"
+        "print(json.dumps(leftover()))\n", tmp_path)
+    assert lines[0][0] == "ExecutorError"
+    assert lines[0][1].startswith("stage: task 0 failed in a worker: ValueError: a bug (at test_executor.py:")
+    assert lines[1] == ["BadInput", "document 2 is unreadable"]
+    assert lines[2] == ["ExecutorError", "stage: could not start or join a local Ray instance: RuntimeError: "
+                        "no shared memory"]
+    assert lines[3] == []
