@@ -39,6 +39,7 @@ it was raised (the worker's traceback goes to the debug log, not the terminal).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import multiprocessing
 import os
@@ -269,6 +270,18 @@ def loopback_only() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def on_loopback(address: str) -> bool:
+    """Whether a ``host:port`` or ``ray://host:port`` address names this machine's
+    loopback interface (127.0.0.1, ::1, localhost)."""
+    host = address.removeprefix("ray://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
     """Fail in one line when nothing answers at a ``host:port`` or
     ``ray://host:port`` address: ray.init would retry for minutes, logging."""
@@ -338,7 +351,9 @@ class RayExecutor(Executor):
     def __init__(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
                  initializer: Callable[..., None] | None, initargs: tuple):
         super().__init__(desc)
-        if cfg.address is None:
+        if cfg.address is None or on_loopback(cfg.address):
+            # A driver that joins by a loopback address takes that address as its own
+            # too; without this it would look for the instance at the machine's address.
             loopback_only()
         try:
             import ray

@@ -1,5 +1,6 @@
 """pipeline/data/executor.py with the local kinds (in-process and a spawn pool);
-the Ray kind is tested with a real local instance in test_clean_ray.py."""
+the Ray kind is tested with a real local instance in test_clean_ray.py
+and test_executor_ray.py (a stage's private instance, joining a loopback head)."""
 
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.clean import CleanConfig
-from pipeline.data.executor import ExecutorConfig, ExecutorError, LocalPool, InProcess, open_executor
+from pipeline.data.executor import ExecutorConfig, ExecutorError, InProcess, LocalPool, on_loopback, open_executor
 from pipeline.errors import StageError
 from tests.conftest import ROOT
 
@@ -190,3 +191,11 @@ def test_importing_the_data_stages_does_not_import_ray():
             "with open_executor(ExecutorConfig(num_workers=1)) as ex: list(ex.map(abs, [(-1,)]))\n"
             "assert 'ray' not in sys.modules, 'ray was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("127.0.0.1:6379", True), ("ray://127.0.0.1:10001", True), ("localhost:6379", True), ("[::1]:6379", True),
+    ("127.0.1.1:6379", True), ("10.0.0.5:6379", False), ("ray://head.example:10001", False), ("auto", False),
+])
+def test_on_loopback(address, loopback):
+    assert on_loopback(address) is loopback

@@ -5,8 +5,12 @@ one). Marked slow: each starts Ray."""
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -26,11 +30,11 @@ def leftover():
 """
 
 
-def run(code: str, home, **env) -> list:
+def run(code: str, home, timeout: float = 300, **env) -> list:
     """Run ``code`` after PRELUDE in a fresh process; its stdout lines as JSON values."""
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
     proc = subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, cwd=ROOT,
-                          env={**base, "PYTHONPATH": str(ROOT), "HOME": str(home), **env}, timeout=300)
+                          env={**base, "PYTHONPATH": str(ROOT), "HOME": str(home), **env}, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -119,3 +123,41 @@ def test_errors_while_the_instance_starts_are_one_line(tmp_path):
     assert lines[2] == ["ExecutorError", "stage: could not start or join a local Ray instance: RuntimeError: "
                         "no shared memory"]
     assert lines[3] == []
+
+
+def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path):
+    """`ray start --head --node-ip-address=127.0.0.1` (with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    as the README's recipe for many short runs says), joined by a stage whose own
+    environment lacks the variable: the stage sets it, or its driver would look
+    for the head at the machine's address and retry for minutes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path)}
+    log = open(tmp_path / "head.log", "w")
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
+                time.sleep(0.5)
+        (workers, squares), = run(
+            f"with open_executor(ExecutorConfig(kind='ray', address='127.0.0.1:{port}')) as ex:\n"
+            "    print(json.dumps([ex.workers, [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])]]))\n",
+            tmp_path, timeout=60)
+        assert (workers, squares) == (2, [0, 1, 4, 9])
+    finally:
+        head.terminate()  # --block: ray start stops the head's processes
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        log.close()
