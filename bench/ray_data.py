@@ -10,6 +10,10 @@ What it measures, each run a fresh process (so Ray's start-up is included):
   the time);
 * clean and pack under Ray (2 workers) against the local pool (2 workers) on
   the same corpus: wall time ratio (goal: at most 1.3x, start-up included);
+* the same two ratios for stages that join a long-lived local Ray instance
+  (``executor.address: 127.0.0.1:PORT``, started once with ``ray start --head``
+  on the loopback interface, its start-up timed and reported on its own): the
+  README's recipe for many short runs, which pay no start-up each;
 * the peak RSS of the main process and of the largest worker process, and of
   Ray's own processes (GCS, raylet, agents) together;
 * peak memory per worker under Ray against corpus size (two sizes, about
@@ -181,6 +185,47 @@ def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", token
             **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
 
 
+class LongLivedRay:
+    """``ray start --head --block`` on 127.0.0.1 with 2 CPUs, for the runs that
+    join it; ``start_s`` is its one-time start-up."""
+
+    def __init__(self, work: Path, cpus: int = 2):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+        self.log = open(work / "ray-head.log", "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                                      "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={cpus}",
+                                      "--include-dashboard=false", "--disable-usage-stats",
+                                      # not /tmp/ray: leave no ray_current_cluster naming it
+                                      f"--temp-dir={work / 'ray'}"],
+                                     env=env, stdout=self.log, stderr=self.log, start_new_session=True)
+        while True:  # up when the GCS answers and the raylet has registered its CPUs
+            probe = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='127.0.0.1:%d', "
+                                    "logging_level='error'); print(int(ray.cluster_resources().get('CPU', 0)))"
+                                    % self.port], env=env, capture_output=True, text=True, timeout=120)
+            if probe.returncode == 0 and probe.stdout.strip() == str(cpus):
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start failed: see {work / 'ray-head.log'}")
+            time.sleep(0.2)
+        self.start_s = time.perf_counter() - t0  # an upper bound: it includes the probes
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()  # --block: ray start stops the head's processes
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+        self.log.close()
+
+
 def train_tokenizer(corpus: Path, work: Path) -> Path:
     """The tokenizer stage's default BPE, trained on ``corpus`` (pack needs one)."""
     from pipeline.config import parse_section
@@ -215,40 +260,64 @@ def main() -> None:
     para_mb = {n: mb(p) for n, p in para.items()}
     print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
 
+    head = LongLivedRay(work)
+    print(f"a long-lived local Ray instance (ray start --head, 2 CPUs, loopback only) started in "
+          f"{head.start_s:.1f} s, once; the 'joined' runs use it")
     runs = {
         "local, 1 worker": {"executor": {"kind": "local", "num_workers": 1}},
         "local, 2 workers": {"executor": {"kind": "local", "num_workers": 2}},
         "ray, 1 worker": {"executor": {"kind": "ray", "num_workers": 1}},
         "ray, 2 workers": {"executor": {"kind": "ray", "num_workers": 2}},
+        "joined, 1 worker": {"executor": {"kind": "ray", "address": head.address, "num_workers": 1}},
+        "joined, 2 workers": {"executor": {"kind": "ray", "address": head.address, "num_workers": 2}},
     }
     worker_peak: dict[tuple[str, int], int] = {}
-    for stage in ("clean", "pack"):
-        rounds: dict[str, list[dict]] = {name: [] for name in runs}
-        for _ in range(args.rounds):  # interleaved, so that a noisy neighbour hurts every kind alike
-            for name, section in runs.items():
-                rounds[name].append(measure(corpora[speed_n], section, work, stage, tokenizer))
-        first = rounds["local, 2 workers"][0]["files"]
-        same = all(r["files"] == first for rs in rounds.values() for r in rs)
-        wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in rounds.items()}
-        worker_peak[stage, speed_n] = max(r["peak_worker_mb"] for r in rounds["ray, 2 workers"])
-        print(f"\n{stage} on {text_mb[speed_n]:.0f} MB, {args.rounds} interleaved rounds, medians (wall time "
-              f"includes start-up; outputs byte-identical across all runs: {same})")
-        print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
-        for name, rs in rounds.items():
-            peak = {k: max(r[k] for r in rs) for k in ("peak_main_mb", "peak_worker_mb", "peak_ray-system_mb")}
-            print(f"{name:<20}{wall[name]:>8.1f}{text_mb[speed_n] / wall[name]:>8.2f}{peak['peak_main_mb']:>9}"
-                  f"{peak['peak_worker_mb']:>11}{peak['peak_ray-system_mb']:>12}")
+    try:
+        for stage in ("clean", "pack"):
+            speed(stage, runs, args.rounds, corpora[speed_n], text_mb[speed_n], work, tokenizer, worker_peak, speed_n)
+    finally:
+        head.stop()
+    del runs["joined, 1 worker"], runs["joined, 2 workers"]
+    memory_and_dedup(runs, corpora, text_mb, para, para_mb, mem_sizes, speed_n, big_n, work, tokenizer, worker_peak)
 
-        def ratio(a: str, b: str) -> str:
-            per = [x["wall_s"] / y["wall_s"] for x, y in zip(rounds[a], rounds[b])]
-            return f"{wall[a] / wall[b]:.2f}x (rounds {min(per):.2f}-{max(per):.2f})"
 
-        print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
-        print(f"{stage}: local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
-              "(what the machine gives two processes now)")
-        print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} "
-              "(goal <= 1.3)")
+def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float, work: Path, tokenizer: Path,
+          worker_peak: dict, speed_n: int) -> None:
+    """Every run kind on one stage in interleaved rounds (so that a noisy
+    neighbour hurts every kind alike); the table and the ratios."""
+    rounds: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(n_rounds):
+        for name, section in runs.items():
+            rounds[name].append(measure(corpus, section, work, stage, tokenizer))
+    first = rounds["local, 2 workers"][0]["files"]
+    same = all(r["files"] == first for rs in rounds.values() for r in rs)
+    wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in rounds.items()}
+    worker_peak[stage, speed_n] = max(r["peak_worker_mb"] for r in rounds["ray, 2 workers"])
+    print(f"\n{stage} on {corpus_mb:.0f} MB, {n_rounds} interleaved rounds, medians (wall time includes "
+          f"start-up; outputs byte-identical across all runs: {same}; a joined run's workers belong to the "
+          "long-lived instance, not to the run's process tree, so their memory is not shown)")
+    print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
+    for name, rs in rounds.items():
+        peak = {k: max(r[k] for r in rs) for k in ("peak_main_mb", "peak_worker_mb", "peak_ray-system_mb")}
+        print(f"{name:<20}{wall[name]:>8.1f}{corpus_mb / wall[name]:>8.2f}{peak['peak_main_mb']:>9}"
+              f"{peak['peak_worker_mb'] or '-':>11}{peak['peak_ray-system_mb'] or '-':>12}")
 
+    def ratio(a: str, b: str) -> str:
+        per = [x["wall_s"] / y["wall_s"] for x, y in zip(rounds[a], rounds[b])]
+        return f"{wall[a] / wall[b]:.2f}x (rounds {min(per):.2f}-{max(per):.2f})"
+
+    print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
+    print(f"{stage}: local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
+          "(what the machine gives two processes now)")
+    print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} "
+          "(goal <= 1.3)")
+    if "joined, 2 workers" in runs:
+        print(f"{stage}: joined 2 workers / 1 worker speed-up: {ratio('joined, 1 worker', 'joined, 2 workers')}")
+        print(f"{stage}: joined / local wall time (2 workers): {ratio('joined, 2 workers', 'local, 2 workers')}")
+
+
+def memory_and_dedup(runs: dict, corpora: dict, text_mb: dict, para: dict, para_mb: dict, mem_sizes: list[int],
+                     speed_n: int, big_n: int, work: Path, tokenizer: Path, worker_peak: dict) -> None:
     print("\npeak memory per worker under Ray (2 workers) against corpus size (goal: flat, under 1 GB), and on the "
           "larger corpus, where Ray's fixed start-up counts for less, Ray 2 workers against 1 (one round)")
     print(f"{'stage':<8}{'corpus MB':>11}{'worker MB':>11}{'main MB':>9}{'wall s':>8}{'1-worker s':>12}{'speed-up':>10}")
@@ -266,7 +335,7 @@ def main() -> None:
         base = None
         for method in ("memory", "sharded"):
             r = measure(para[n], {"executor": {"kind": "local", "num_workers": 2},
-                                     "dedup": {"method": method}}, work)
+                                  "dedup": {"method": method}}, work)
             # the records and manifest name the fingerprint, which differs by method; the data must not
             same_files = {k: v for k, v in r["files"].items() if k.endswith((".parquet", ".jsonl", "report.json"))}
             base = base or same_files

@@ -331,9 +331,22 @@ def _stop_private_instance(node: Any) -> None:
     killed, not asked to exit: the stage's outputs are written and nothing of
     the instance outlives it, and Ray's graceful stop waits a second per
     process that takes its time."""
+    import psutil
+
+    # The raylet's own children (its agents, the workers) outlive a killed raylet
+    # for up to a minute: they are found first and killed after it.
+    children: list[psutil.Process] = []
+    with contextlib.suppress(Exception):
+        for infos in node.all_processes.values():
+            for info in infos:
+                children += psutil.Process(info.process.pid).children(recursive=True)
     with contextlib.suppress(Exception):
         node.destroy_external_storage()
     node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=10)
 
 
 class RayExecutor(Executor):
@@ -471,16 +484,42 @@ class RayExecutor(Executor):
             yield self._run_here(fn, index, task)
             index += 1
         self.ready()
-        pending: deque[tuple[int, Any]] = deque()
+        # At most `window` tasks taken and not yet yielded; of those, at most
+        # `workers` submitted and not finished, so that a joined cluster with more
+        # CPUs runs no more tasks at once than executor.num_workers says.
+        numbered = enumerate(tasks, start=index)
+        todo: deque[tuple[int, Sequence[Any]]] = deque()  # taken, not yet submitted
+        refs: deque[tuple[int, Any]] = deque()  # submitted, in task order
+        running: set = set()  # submitted and not seen finished
+        exhausted = False
+
+        def submit() -> None:
+            while todo and len(running) < self.workers:
+                i, task = todo.popleft()
+                ref = self.remote.remote(self.key, self.init, fn, tuple(task))
+                refs.append((i, ref))
+                running.add(ref)
+
         try:
-            for i, task in enumerate(tasks, start=index):
-                pending.append((i, self.remote.remote(self.key, self.init, fn, tuple(task))))
-                if len(pending) >= window:
-                    yield self._result(*pending.popleft())
-            while pending:
-                yield self._result(*pending.popleft())
+            while True:
+                while not exhausted and len(todo) + len(refs) < window:
+                    nxt = next(numbered, None)
+                    if nxt is None:
+                        exhausted = True
+                    else:
+                        todo.append(nxt)
+                submit()
+                if not refs:
+                    return
+                i, ref = refs[0]
+                while ref in running:  # wait for the next result, submitting as other tasks finish
+                    done, _ = self.ray.wait(list(running), num_returns=1)
+                    running.difference_update(done)
+                    submit()
+                refs.popleft()
+                yield self._result(i, ref)
         finally:
-            self._drop([ref for _, ref in pending])
+            self._drop([ref for _, ref in refs])
 
     def _drop(self, refs: list) -> None:
         """Cancel tasks whose results are no longer wanted, and collect the errors

@@ -14,6 +14,7 @@ def ray_instance():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     loopback_only()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    # "local": a new instance, even where a `ray start` elsewhere left /tmp/ray/ray_current_cluster
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
     yield ray
     ray.shutdown()

@@ -12,7 +12,7 @@ from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, files, prose, report, run, write_docs
 from tests.pipeline.data.test_dedup import PLANTED
-from tests.pipeline.data.test_executor import BadInput, fails, init, tagged
+from tests.pipeline.data.test_executor import BadInput, fails, init, tagged, timed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
 
@@ -40,6 +40,20 @@ def test_ray_map_keeps_order_and_runs_the_initializer_in_ray_workers():
     assert [(tag, sq) for tag, sq, _ in out] == [("cfg", x * x) for x in range(8)]
     assert os.getpid() not in {pid for _, _, pid in out}
     assert ray.is_initialized()  # an instance the executor did not start is left running
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_cluster_with_more_cpus_runs_no_more_tasks_at_once_than_num_workers(workers):
+    """The module's instance has 2 CPUs; num_workers bounds the tasks running at
+    once, whatever the window of tasks taken ahead."""
+    with open_executor(ExecutorConfig(kind="ray", num_workers=workers)) as ex:
+        spans = list(ex.map(timed, [(x, 0.3) for x in range(6)], window=6))
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    assert most == workers
 
 
 def test_clean_under_ray_equals_local_for_any_worker_count_and_dedup_method(tmp_path):

@@ -28,6 +28,12 @@ def tagged(x: int, delay: float = 0.0) -> tuple[str, int, int]:
     return _STATE.get("tag", "none"), x * x, os.getpid()
 
 
+def timed(x: int, delay: float) -> tuple[float, float]:
+    start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+    time.sleep(delay)
+    return start, time.monotonic()
+
+
 class BadInput(StageError):
     pass
 

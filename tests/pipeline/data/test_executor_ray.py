@@ -5,10 +5,12 @@ one). Marked slow: each starts Ray."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,8 +27,23 @@ import json, os, sys, psutil, ray
 import pipeline.data.executor as E
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.pipeline.data.test_executor import fails, init, tagged
+SEEN = set()
+_stop = E._stop_private_instance
+def stop_watched(node):  # every process of the instance, seen just before it is stopped
+    SEEN.update(psutil.Process().children(recursive=True))
+    _stop(node)
+E._stop_private_instance = stop_watched
 def leftover():
-    return [p.name() for p in psutil.Process().children(recursive=True)]
+    # processes of the instance still alive: this process's children, and those
+    # seen before the stop (a raylet's children outlive it, no longer ours)
+    alive = []
+    for p in SEEN | set(psutil.Process().children(recursive=True)):
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p.name())
+        except psutil.Error:
+            pass
+    return sorted(alive)
 """
 
 
@@ -135,9 +152,12 @@ def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path)
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path)}
     log = open(tmp_path / "head.log", "w")
+    # its own temp dir (short: it holds Unix sockets), so that /tmp/ray/ray_current_cluster is not
+    # left naming it: a later ray.init() with no address on this machine would try to join it
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats"],
+                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
                             env=env, stdout=log, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -161,3 +181,4 @@ def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path)
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
