@@ -48,6 +48,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections import deque
@@ -346,7 +347,16 @@ def _stop_private_instance(node: Any) -> None:
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(children, timeout=10)
+
+    def ended(p: psutil.Process) -> bool:  # a zombie has ended; reaping it is its new parent's work
+        try:
+            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not all(ended(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class RayExecutor(Executor):
@@ -400,6 +410,7 @@ class RayExecutor(Executor):
             self.starter.start()
         if max_workers is not None:
             self.workers = max(1, min(self.workers, max_workers))
+        self.cpus = cpus
 
     def _start(self, cpus: int) -> None:
         """The starter thread: start the instance, then stay alive until close()
@@ -484,21 +495,25 @@ class RayExecutor(Executor):
             yield self._run_here(fn, index, task)
             index += 1
         self.ready()
-        # At most `window` tasks taken and not yet yielded; of those, at most
-        # `workers` submitted and not finished, so that a joined cluster with more
-        # CPUs runs no more tasks at once than executor.num_workers says.
+        # At most `window` tasks taken and not yet yielded. Where the cluster has
+        # more CPUs than `workers` (a joined cluster), at most `workers` of them are
+        # submitted and not finished, so that no more run at once than
+        # executor.num_workers says; otherwise all are submitted, and Ray queues
+        # them (a worker that finishes a task finds the next one waiting).
+        bounded = self.workers < self.cpus
         numbered = enumerate(tasks, start=index)
         todo: deque[tuple[int, Sequence[Any]]] = deque()  # taken, not yet submitted
         refs: deque[tuple[int, Any]] = deque()  # submitted, in task order
-        running: set = set()  # submitted and not seen finished
+        running: set = set()  # bounded: submitted and not seen finished
         exhausted = False
 
         def submit() -> None:
-            while todo and len(running) < self.workers:
+            while todo and (not bounded or len(running) < self.workers):
                 i, task = todo.popleft()
                 ref = self.remote.remote(self.key, self.init, fn, tuple(task))
                 refs.append((i, ref))
-                running.add(ref)
+                if bounded:
+                    running.add(ref)
 
         try:
             while True:
