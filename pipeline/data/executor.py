@@ -73,10 +73,10 @@ class ExecutorConfig(BaseModel):
     kind: Literal["local", "ray"] = Field(
         "local", description="local: a process pool on this machine; ray: Ray tasks (pip install .[ray])")
     address: str | None = Field(
-        None, description="ray only: null starts a local Ray instance for the stage; 'auto' or 'ray://host:10001' "
-        "joins that cluster")
+        None, description="ray only: null starts a local Ray instance for the stage; 'auto', 'host:6379' or "
+        "'ray://host:10001' joins that cluster")
     num_workers: int = Field(
-        0, ge=0, le=4096, description="parallel workers; 0 = one per available core (ray with an address: the "
+        0, ge=0, le=4096, description="tasks run at once; 0 = one per available core (ray with an address: the "
         "cluster's CPUs)")
 
     @model_validator(mode="after")
@@ -315,6 +315,7 @@ def _start_private_instance(workers: int) -> Any | None:
     class TaskNode(Node):
         def start_api_server(self, **kwargs: Any) -> None:
             pass
+
     # As ray.init does for the instance it starts: no usage statistics.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
@@ -323,7 +324,7 @@ def _start_private_instance(workers: int) -> Any | None:
     except TypeError:
         log.debug("Ray's RayParams changed; starting the instance with ray.init")
         return None
-    # spawn_reaper: Ray's processes end with this one, even when it is killed.
+    # spawn_reaper: Ray's processes end with the thread that starts them, even when it is killed.
     return TaskNode(params, head=True, shutdown_at_exit=False, spawn_reaper=True)
 
 
