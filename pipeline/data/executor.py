@@ -424,7 +424,10 @@ class RayExecutor(Executor):
         self.up.set()
         self.stop.wait()
         if self.node is not None:
-            _stop_private_instance(self.node)
+            try:
+                _stop_private_instance(self.node)
+            except Exception as e:  # the stage's work is done: say so in one line, not a thread traceback
+                log.warning("%s: stopping the private Ray instance failed: %s: %s", self.desc, type(e).__name__, e)
 
     def _connect(self, address: str, kwargs: dict) -> None:
         try:
@@ -459,7 +462,7 @@ class RayExecutor(Executor):
         if self.node is not None:
             self._connect(self.node.address, {})
         else:  # Ray's internals changed: ray.init starts the instance ("local": a new one)
-            self._connect("local", dict(num_cpus=self.cfg.num_workers or available_cores(), include_dashboard=False))
+            self._connect("local", dict(num_cpus=self.cpus, include_dashboard=False))
         self._make_task()
 
     def _run_here(self, fn: Callable[..., Any], index: int, task: Sequence[Any]) -> Any:
