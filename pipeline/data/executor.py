@@ -283,6 +283,23 @@ def on_loopback(address: str) -> bool:
         return False
 
 
+def _resolve_auto(desc: str) -> str:
+    """The ``host:port`` that ``address: auto`` names, found as Ray finds it
+    (RAY_ADDRESS, else the instance ``ray start`` last started on this machine),
+    so that a loopback one is known as such; "auto" itself where this Ray's
+    internals differ."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+    except ImportError:
+        return "auto"
+    try:  # as written (Ray's canonical form would turn 127.0.0.1 into the machine's address)
+        return get_ray_address_from_environment("auto", None)
+    except Exception as e:  # ConnectionError: none running
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ExecutorError(f"{desc}: could not start or join the Ray cluster at auto: {type(e).__name__}: {first}"
+                            ) from None
+
+
 def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
     """Fail in one line when nothing answers at a ``host:port`` or
     ``ray://host:port`` address: ray.init would retry for minutes, logging."""
@@ -375,16 +392,17 @@ class RayExecutor(Executor):
     def __init__(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
                  initializer: Callable[..., None] | None, initargs: tuple):
         super().__init__(desc)
-        if cfg.address is None or on_loopback(cfg.address):
-            # A driver that joins by a loopback address takes that address as its own
-            # too; without this it would look for the instance at the machine's address.
-            loopback_only()
         try:
             import ray
         except ImportError:
             raise ExecutorError("executor.kind is ray but Ray is not installed: pip install '.[ray]'") from None
         self.ray = ray
         self.cfg = cfg
+        address = _resolve_auto(desc) if cfg.address == "auto" and not ray.is_initialized() else cfg.address
+        if address is None or on_loopback(address):
+            # A driver that joins by a loopback address takes that address as its own
+            # too; without this it would look for the instance at the machine's address.
+            loopback_only()
         self.initializer, self.initargs = initializer, initargs
         self.started = False  # this executor called ray.init (and so calls ray.shutdown)
         self.node: Any = None  # the private instance this executor started
@@ -394,10 +412,10 @@ class RayExecutor(Executor):
         self.starter: threading.Thread | None = None
         self.up, self.stop = threading.Event(), threading.Event()
         self.start_error: BaseException | None = None
-        if ray.is_initialized() or cfg.address is not None:
+        if ray.is_initialized() or address is not None:
             if not ray.is_initialized():
-                _check_reachable(desc, cfg.address)
-                self._connect(cfg.address, dict(include_dashboard=False))
+                _check_reachable(desc, address)
+                self._connect(address, dict(include_dashboard=False))
             cpus = int(ray.cluster_resources().get("CPU", 1))
             self.workers = max(1, min(cfg.num_workers or cpus, cpus))
             self._make_task()

@@ -142,36 +142,43 @@ def test_errors_while_the_instance_starts_are_one_line(tmp_path):
     assert lines[3] == []
 
 
-def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path):
+@pytest.mark.parametrize("form", ["127.0.0.1:PORT", "auto"])
+def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path, form):
     """`ray start --head --node-ip-address=127.0.0.1` (with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
     as the README's recipe for many short runs says), joined by a stage whose own
     environment lacks the variable: the stage sets it, or its driver would look
-    for the head at the machine's address and retry for minutes."""
+    for the head at the machine's address and retry for minutes. "auto" names
+    the head through the file `ray start` writes, which the stage reads first."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path)}
-    log = open(tmp_path / "head.log", "w")
-    # its own temp dir (short: it holds Unix sockets), so that /tmp/ray/ray_current_cluster is not
-    # left naming it: a later ray.init() with no address on this machine would try to join it
+    # Ray's temp root for the head and the stage (short: it holds Unix sockets), so that
+    # /tmp/ray/ray_current_cluster is not left naming this head: a later ray.init() with no
+    # address on this machine would try to join it
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path),
+           "RAY_TMPDIR": temp}
+    log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                             "--include-dashboard=false", "--disable-usage-stats"],
                             env=env, stdout=log, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
+                if Path(temp, "ray", "ray_current_cluster").is_file():
+                    break
             except OSError:
-                assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
-                time.sleep(0.5)
+                pass
+            assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
+            time.sleep(0.5)
+        address = form.replace("PORT", str(port))
         (workers, squares), = run(
-            f"with open_executor(ExecutorConfig(kind='ray', address='127.0.0.1:{port}')) as ex:\n"
+            f"with open_executor(ExecutorConfig(kind='ray', address={address!r})) as ex:\n"
             "    print(json.dumps([ex.workers, [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])]]))\n",
-            tmp_path, timeout=60)
+            tmp_path, timeout=60, RAY_TMPDIR=temp)
         assert (workers, squares) == (2, [0, 1, 4, 9])
     finally:
         head.terminate()  # --block: ray start stops the head's processes
