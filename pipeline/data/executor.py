@@ -126,12 +126,18 @@ def _where(traceback_text: str) -> str:
     return f" (at {os.path.basename(path)}:{line} in {fn})"
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or ''."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _task_failed(desc: str, index: int, exc: BaseException, traceback_text: str) -> BaseException:
     """The exception the caller sees for task ``index`` that raised ``exc``."""
     if isinstance(exc, StageError):
         return exc
     log.debug("%s: task %d failed in a worker:\n%s", desc, index, traceback_text)
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    msg = _first_line(exc)
     return ExecutorError(f"{desc}: task {index} failed in a worker: {type(exc).__name__}"
                          f"{': ' + msg if msg else ''}{_where(traceback_text)}")
 
@@ -295,9 +301,8 @@ def _resolve_auto(desc: str) -> str:
     try:  # as written (Ray's canonical form would turn 127.0.0.1 into the machine's address)
         return get_ray_address_from_environment("auto", None)
     except Exception as e:  # ConnectionError: none running
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ExecutorError(f"{desc}: could not start or join the Ray cluster at auto: {type(e).__name__}: {first}"
-                            ) from None
+        raise ExecutorError(f"{desc}: could not start or join the Ray cluster at auto: {type(e).__name__}: "
+                            f"{_first_line(e)}") from None
 
 
 def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
@@ -458,7 +463,7 @@ class RayExecutor(Executor):
     def _failed(self, e: BaseException) -> None:
         where = f"the Ray cluster at {self.cfg.address}" if self.cfg.address else "a local Ray instance"
         raise ExecutorError(f"{self.desc}: could not start or join {where}: {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+                            f"{_first_line(e)}") from None
 
     def _make_task(self) -> None:
         self.init = [self.initializer, self.ray.put(self.initargs)]
@@ -504,8 +509,7 @@ class RayExecutor(Executor):
             cause = e.cause if e.cause is not None else e
             raise _task_failed(self.desc, index, cause, str(e)) from None
         except RayError as e:  # a worker or node died, an object was lost
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ExecutorError(f"{self.desc}: task {index} was lost: {type(e).__name__}: {first}") from None
+            raise ExecutorError(f"{self.desc}: task {index} was lost: {type(e).__name__}: {_first_line(e)}") from None
 
     def _map(self, fn, tasks, window):
         tasks = iter(tasks)
