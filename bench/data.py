@@ -3,6 +3,7 @@
     python -m bench.data            # both shapes at ~64 MB, 3 interleaved rounds; memory at ~64 and ~200 MB
     python -m bench.data --quick    # 1 round, memory at ~64 MB only
     python -m bench.data --clean    # also clean's memory at both sizes (few long documents)
+    python -m bench.data --ray      # instead: clean and pack under Ray against the local pool (bench/ray_data.py)
 
 Two corpus shapes, built here from the Python standard library's own source
 (no download):
@@ -326,11 +327,18 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=psutil.cpu_count() or 2,
                     help="pack workers and raw processes per core (default: one per core)")
     ap.add_argument("--clean", action="store_true", help="also measure clean's peak memory (few long documents)")
+    ap.add_argument("--ray", action="store_true",
+                    help="run bench/ray_data.py instead (the executors side by side; --quick and --rounds pass on)")
     ap.add_argument("--child", nargs=5, metavar=("KIND", "CORPUS", "TOKENIZER", "WORKERS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         kind, corpus, tokenizer, workers, out = args.child
         _child(kind, corpus, tokenizer, int(workers), out)
+        return
+    if args.ray:
+        from bench import ray_data
+
+        ray_data.main(["--quick"] if args.quick else ["--rounds", str(args.rounds)])
         return
 
     from pipeline.config import parse_section
