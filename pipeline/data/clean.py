@@ -70,7 +70,6 @@ from typing import Any, Iterator, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
@@ -161,10 +160,13 @@ class CleanConfig(ParallelStageConfig):
     exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
     near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
-    batch_docs: int = Field(64, ge=1, description="documents per task sent to a worker")
+    batch_docs: int = Field(1024, ge=1, description="documents per task sent to a worker at most, and read from "
+                            "Parquet at a time")
+    task_bytes: int = Field(1_000_000, ge=1, description="text bytes per task at most: a task ends at the document "
+                            "that brings its text to this (a larger document is one task)")
     row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
     shard_bytes: int = Field(
-        64 * 1024 * 1024, ge=1, description="an output shard ends after the input batch at which the input text "
+        64 * 1024 * 1024, ge=1, description="an output shard ends after the task at which the input text "
         "since it began reaches this many bytes; a rerun redoes only the shards not committed")
     quarantine_per_reason: int = Field(100, ge=0, description="dropped documents kept verbatim per reason")
 
@@ -380,20 +382,15 @@ def _open_input(in_path: Path) -> DocTable:
     return table
 
 
-def _batches(table: DocTable, batch_docs: int, start: int = 0, stop: int | None = None
+def _batches(table: DocTable, cfg: CleanConfig, start: int = 0, stop: int | None = None
              ) -> Iterator[pa.RecordBatch]:
-    """Input batches of rows ``[start, stop)`` in SCHEMA; absent optional columns read as null."""
+    """The tasks of rows ``[start, stop)`` in SCHEMA (:meth:`DocTable.runs`: up to
+    ``task_bytes`` of text and ``batch_docs`` documents each); absent optional
+    columns read as null."""
     names = [n for n in SCHEMA.names if n in table.schema_arrow.names]
-    row = start
-    stop = table.num_rows if stop is None else stop
-    if row >= stop:
-        return
-    for b in table.iter_batches(batch_size=batch_docs, columns=names, start=start):
+    for b in table.runs(cfg.batch_docs, cfg.task_bytes, names, start, stop, max_docs=cfg.batch_docs):
         columns = [b.column(n) if n in names else pa.nulls(b.num_rows, f.type) for n, f in zip(SCHEMA.names, SCHEMA)]
         yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
-        row += b.num_rows
-        if row >= stop:
-            return
 
 
 def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
@@ -478,8 +475,8 @@ class _InMemory:
         for k in shards:
             if self.exact is not None:
                 self.exact.seen.update(bytes.fromhex(h) for h in self.slog.committed(k)["near_dropped_digests"])
-            kept = pq.ParquetFile(self.slog.path(k), pre_buffer=False, buffer_size=1 << 20)
-            batches = kept.iter_batches(batch_size=self.cfg.batch_docs, columns=["id", "text"])
+            batches = DocTable(self.slog.path(k), CleanError).runs(
+                self.cfg.batch_docs, self.cfg.task_bytes, ["id", "text"], max_docs=self.cfg.batch_docs)
             for batch, sketches in _mapped(self.ex, sketch_kept, batches, task=lambda b: (b.column(1).to_pylist(),)):
                 for doc_id, (digest, mh) in zip(batch.column(0).to_pylist(), sketches):
                     if self.exact is not None:
@@ -499,7 +496,7 @@ class _InMemory:
 
     def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
         exact, near = self.exact, self.near
-        for batch, results in _mapped(self.ex, process_batch, _batches(self.table, self.cfg.batch_docs, start, stop)):
+        for batch, results in _mapped(self.ex, process_batch, _batches(self.table, self.cfg, start, stop)):
             ids = batch.column(0).to_pylist()
             outcomes: list[Outcome] = []
             for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
@@ -586,7 +583,7 @@ class _Sharded:
         near_counts: dict[str, int] = {}
         try:
             start = 0
-            for _, results in _mapped(ex, process_batch, _batches(table, cfg.batch_docs), bar=self.bar, units=len):
+            for _, results in _mapped(ex, process_batch, _batches(table, cfg), bar=self.bar, units=len):
                 n = len(results)
                 states = np.full(n, dedup.KEEP, np.uint8)
                 digests: list[bytes | None] = [None] * n
@@ -661,7 +658,7 @@ class _Sharded:
             return [texts[i] for i in idx], [bool(chunks[i]) for i in idx] if chunks else [False] * len(idx)
 
         row = start
-        for batch, normalised in _mapped(self.ex, normalise_kept, _batches(self.table, self.cfg.batch_docs, start, stop),
+        for batch, normalised in _mapped(self.ex, normalise_kept, _batches(self.table, self.cfg, start, stop),
                                          task=kept_task):
             it = iter(normalised)
             outcomes: list[Outcome] = []
@@ -780,8 +777,9 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     and write the quarantine sample to ``quarantine_path``.
 
     *Shards.* Output shard k holds the outcome of a run of consecutive input
-    rows: it is sealed after the input batch (of ``batch_docs``) at which the
-    input text since it began reaches ``shard_bytes``, so it may hold no rows
+    rows: it is sealed after the task (up to ``task_bytes`` of text and
+    ``batch_docs`` documents) at which the input text since it began reaches
+    ``shard_bytes``, so it may hold no rows
     (all dropped). Its record (:mod:`pipeline.data.resume`) holds the input rows
     it covers, its counts and its own Ledger. A rerun under the same
     fingerprint (params but the executor and worker count, the input's digest,
@@ -816,8 +814,9 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
         code=resume.code_digest(sys.modules[__name__], filters_module, dedup, docs_module))
     slog = ShardLog(out_path, fp)
     slog.open()
-    # No more workers than batches: a tiny input runs in-process, without spawning.
-    batches = -(-num_rows // cfg.batch_docs)
+    # No more workers than tasks (estimated: the text's size from the Parquet
+    # metadata): a tiny input runs in-process, without spawning.
+    batches = max(-(-num_rows // cfg.batch_docs), -(-table.column_bytes("text") // cfg.task_bytes))
     sharded = cfg.dedup.method == "sharded"
     totals = _Totals(cfg.quarantine_per_reason)
     work_root = out_path.parent / f"{WORK_PREFIX}{os.getpid()}"

@@ -27,7 +27,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.data.resume import MANIFEST, ShardLog
@@ -104,6 +106,60 @@ class DocTable:
                     pending, have = [], 0
         if have:
             yield _concat(pending)
+
+    def runs(self, batch_docs: int, task_bytes: int, columns: list[str], start: int = 0, stop: int | None = None,
+             max_docs: int | None = None) -> Iterator[pa.RecordBatch]:
+        """Runs of consecutive rows of ``columns`` (``text`` among them), from row
+        ``start`` to row ``stop`` (default: the end), read ``batch_docs`` rows at a
+        time: the work a stage hands a worker as one task. A run ends at the first
+        row that brings its text to ``task_bytes`` (UTF-8 bytes; a larger document
+        is a run of its own) or its rows to ``max_docs``, and at ``stop``; only the
+        last run may end short of both. So a corpus of short documents gives tasks
+        as large as one of long documents, and per-task costs do not count.
+
+        A run ends where it does wherever the read batches end, so the runs from a
+        run's first row on are those of the whole table from there: a stage that
+        resumes at a run's start cuts the rest as an uninterrupted run did."""
+        left = (self.num_rows if stop is None else stop) - start
+        pending: list[pa.RecordBatch] = []
+        size = rows = 0
+        if left <= 0:
+            return
+        for batch in self.iter_batches(batch_size=batch_docs, columns=columns, start=start):
+            batch = batch.slice(0, left)
+            left -= batch.num_rows
+            lengths = pc.binary_length(batch.column("text"))
+            if lengths.null_count:
+                lengths = pc.fill_null(lengths, 0)
+            ends = np.cumsum(lengths.to_numpy(), dtype=np.int64)
+            a = 0
+            while a < batch.num_rows:
+                base = int(ends[a - 1]) if a else 0
+                b = int(np.searchsorted(ends, base + task_bytes - size, side="left")) + 1  # the row that fills it
+                b = min(b, batch.num_rows, a + max_docs - rows if max_docs else batch.num_rows)
+                pending.append(batch.slice(a, b - a))
+                size += int(ends[b - 1]) - base
+                rows += b - a
+                a = b
+                if size >= task_bytes or rows == max_docs:
+                    yield _concat(pending)
+                    pending, size, rows = [], 0, 0
+            if left == 0:
+                break
+        if pending:
+            yield _concat(pending)
+
+    def column_bytes(self, name: str) -> int:
+        """The uncompressed size of column ``name`` in the Parquet metadata, summed
+        over the shards: an estimate of its bytes that reads no data."""
+        total = 0
+        for part in self._parts:
+            md = part.metadata
+            paths = [md.schema.column(j).path for j in range(md.num_columns)]
+            if name in paths:
+                j = paths.index(name)
+                total += sum(md.row_group(g).column(j).total_uncompressed_size for g in range(md.num_row_groups))
+        return total
 
     def _pieces(self, batch_size: int, columns: list[str] | None, skip: int) -> Iterator[pa.RecordBatch]:
         """Every shard's batches in order, less the first ``skip`` rows."""

@@ -528,49 +528,19 @@ class Task:
 
 def _tasks(pf: DocTable, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = (),
            start: int = 0) -> Iterator[Task]:
-    """Cut the table into runs of at least ``task_bytes`` of text (the last one may
-    be shorter), across Parquet batches, so that a corpus of short documents still
-    gives tasks large enough that per-task costs do not count. A task ends at the
-    first document that brings its text to ``task_bytes``, wherever the batches
-    end, so the tasks from row ``start`` (a task's first row) on are the same as
-    those of the whole table; the shards and row groups before it are not read."""
+    """The table as tasks: runs of at least ``task_bytes`` of text (the last one may
+    be shorter; :meth:`DocTable.runs`), so that a corpus of short documents still
+    gives tasks large enough that per-task costs do not count. The tasks from row
+    ``start`` (a task's first row) on are the same as those of the whole table;
+    the shards and row groups before it are not read."""
     columns = task_columns(pf)
-    pending: list[pa.RecordBatch] = []
-    size = 0
-
-    def column(name: str) -> pa.Array:
-        return pa.concat_arrays([b.column(name) for b in pending]) if len(pending) > 1 else pending[0].column(name)
-
-    def task() -> Task:
-        nonlocal pending, size, start
-        rows = sum(b.num_rows for b in pending)
-        keys = Keys.of(column("source"), column("chunk")) if len(columns) == 3 else None
+    for run in pf.runs(batch_docs, task_bytes, columns + [c for c in extra if c not in columns], start):
+        keys = Keys.of(run.column("source"), run.column("chunk")) if len(columns) == 3 else None
         # IPC writes only a slice's own bytes, where pickling a sliced array would copy its parent buffers
-        message = pa.record_batch([column("text")], names=["text"]).serialize().to_pybytes()
-        out = Task(start, rows, size, message, keys, {name: column(name) for name in extra})
-        pending, size, start = [], 0, start + rows
-        return out
-
-    for batch in pf.iter_batches(batch_size=batch_docs, columns=columns + [c for c in extra if c not in columns],
-                                 start=start):
-        if batch.num_rows == 0:
-            continue
-        lengths = pc.binary_length(batch.column("text"))
-        if lengths.null_count:
-            lengths = pc.fill_null(lengths, 0)
-        ends = np.cumsum(lengths.to_numpy(), dtype=np.int64)
-        a = 0
-        while a < batch.num_rows:
-            base = int(ends[a - 1]) if a else 0
-            b = int(np.searchsorted(ends, base + task_bytes - size, side="left")) + 1  # the doc that fills it
-            b = min(b, batch.num_rows)
-            pending.append(batch.slice(a, b - a))
-            size += int(ends[b - 1]) - base
-            a = b
-            if size >= task_bytes:
-                yield task()
-    if pending:
-        yield task()
+        message = pa.record_batch([run.column("text")], names=["text"]).serialize().to_pybytes()
+        text_bytes = pc.sum(pc.binary_length(run.column("text"))).as_py() or 0
+        yield Task(start, run.num_rows, text_bytes, message, keys, {name: run.column(name) for name in extra})
+        start += run.num_rows
 
 
 def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,

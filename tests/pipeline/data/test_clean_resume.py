@@ -214,3 +214,31 @@ def test_switching_the_dedup_method_leaves_no_file_of_the_other(tmp_path, inp, f
     assert (d / "out" / "docs" / "decisions-00000.u8").exists()
     run(d, inp)
     assert files(d / "out") == fresh[1]
+
+
+def test_tasks_cut_by_text_size_resume_to_the_same_bytes(tmp_path, inp, monkeypatch):
+    """With a 1-byte shard size each task is a shard: tasks of up to ``task_bytes``
+    of text (a run of short documents is one task) give 6 shards here, and a
+    run interrupted at any of them resumes to the bytes of an uninterrupted run."""
+    by_size = {"batch_docs": 1000, "task_bytes": 3000}
+    sizes = [len(t.encode()) for t in PLANTED]
+    expected, filled = 0, 0
+    for i, size in enumerate(sizes):  # a task ends at the document that brings it to task_bytes
+        filled += size
+        if filled >= 3000 or i == len(sizes) - 1:
+            expected, filled = expected + 1, 0
+    assert expected == 6
+    fresh_metrics = run(tmp_path / "fresh", inp, **by_size)
+    assert fresh_metrics["shards"] == expected
+    for k in (1, 4):
+        d = tmp_path / f"resumed-{k}"
+        with monkeypatch.context() as m:
+            fail_at_shard(m, k)
+            with pytest.raises(KeyboardInterrupt):
+                run(d, inp, **by_size)
+        before = stamps(d / "out" / "docs")
+        assert len(before) == 2 * k
+        same_metrics(run(d, inp, **by_size), fresh_metrics, resumed=k)
+        assert files(d / "out") == files(tmp_path / "fresh" / "out")
+        after = stamps(d / "out" / "docs")
+        assert {n: after[n] for n in before} == before

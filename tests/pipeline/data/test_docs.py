@@ -79,3 +79,63 @@ def test_reading_from_a_row_gives_the_rest_of_the_table_in_whole_batches(tmp_pat
         got = list(table.iter_batches(batch_size=6, start=start))
         assert [b.num_rows for b in got[:-1]] == [6] * (len(got) - 1)
         assert pa.Table.from_batches(got, schema=SCHEMA).equals(whole)
+
+
+def _runs(table, **kw):
+    return list(table.runs(columns=["id", "text"], **kw))
+
+
+@pytest.mark.parametrize("task_bytes,max_docs", [(1, None), (40, None), (100, None), (100, 3), (10_000, 4), (10_000, None)])
+def test_runs_end_at_the_row_that_fills_them_wherever_the_reads_end(tmp_path, task_bytes, max_docs):
+    """Text of row i is i bytes; a run ends at the row that brings its text to
+    task_bytes or its rows to max_docs, the same for any read size or sharding."""
+    pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=9)
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])
+    want = None
+    for table in (DocTable(tmp_path / "one.parquet", StageError), DocTable(tmp_path / "docs", StageError)):
+        for read in (1, 6, 64):
+            got = _runs(table, batch_docs=read, task_bytes=task_bytes, max_docs=max_docs)
+            assert pa.Table.from_batches(got).equals(_table(0, 50))
+            sizes = [[len(t) for t in r.column("text").to_pylist()] for r in got]
+            for s in sizes[:-1]:  # each but the last is full, and no more than full
+                assert sum(s) >= task_bytes or len(s) == max_docs
+                assert sum(s[:-1]) < task_bytes and (max_docs is None or len(s) <= max_docs)
+            want = want or sizes
+            assert sizes == want
+    if task_bytes == 10_000 and max_docs is None:
+        assert len(want) == 1  # 1,225 bytes in all: one run
+
+
+@pytest.mark.parametrize("task_bytes,max_docs", [(60, None), (100, 4)])
+def test_runs_from_a_runs_start_are_the_rest_and_stop_where_asked(tmp_path, task_bytes, max_docs):
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])
+    table = DocTable(tmp_path / "docs", StageError)
+    whole = _runs(table, batch_docs=5, task_bytes=task_bytes, max_docs=max_docs)
+    assert len(whole) > 4
+    starts = [0]
+    for r in whole:
+        starts.append(starts[-1] + r.num_rows)
+    for k, start in enumerate(starts[:-1]):
+        rest = _runs(table, batch_docs=5, task_bytes=task_bytes, max_docs=max_docs, start=start)
+        assert [r.to_pylist() for r in rest] == [r.to_pylist() for r in whole[k:]]
+        # stopping at a later run's start gives exactly the runs before it
+        stop = starts[min(k + 2, len(starts) - 1)]
+        part = _runs(table, batch_docs=5, task_bytes=task_bytes, max_docs=max_docs, start=start, stop=stop)
+        assert [r.to_pylist() for r in part] == [r.to_pylist() for r in whole[k:k + 2]]
+    # a stop inside a run ends that run there
+    cut = _runs(table, batch_docs=5, task_bytes=task_bytes, max_docs=max_docs, stop=starts[1] - 1)
+    assert len(cut) == 1 and cut[0].num_rows == whole[0].num_rows - 1
+    assert _runs(table, batch_docs=5, task_bytes=task_bytes, start=50) == []
+
+
+def test_column_bytes_estimates_a_columns_size_from_the_metadata(tmp_path):
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])
+    pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=9)
+    text = sum(range(50))  # 1,225 bytes of text
+    for table in (DocTable(tmp_path / "docs", StageError), DocTable(tmp_path / "one.parquet", StageError)):
+        # never less than the text; small row groups carry page headers and statistics besides
+        assert text <= table.column_bytes("text") <= 3 * text
+        assert table.column_bytes("absent") == 0
+    big = pa.table({"id": [str(i) for i in range(4000)], "text": [f"{i:0500d}" for i in range(4000)]}, schema=SCHEMA)
+    pq.write_table(big, tmp_path / "big.parquet", row_group_size=1000)
+    assert 2_000_000 <= DocTable(tmp_path / "big.parquet", StageError).column_bytes("text") <= 2_100_000
