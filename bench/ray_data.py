@@ -2,6 +2,7 @@
 
     python -m bench.ray_data            # clean and pack on ~63 MB, 3 rounds; memory on ~63 and ~220 MB
     python -m bench.ray_data --quick    # the default 8 MB corpus, 1 round
+    python -m bench.ray_data --tasks    # only clean's task size on short documents (about 2 min)
 
 What it measures, each run a fresh process (so Ray's start-up is included):
 
@@ -22,7 +23,10 @@ What it measures, each run a fresh process (so Ray's start-up is included):
   count for less, Ray with 2 workers against 1 again;
 * dedup memory against corpus size: the main process and the largest worker
   with ``dedup.method: memory`` (the index lives in the main process) and
-  ``sharded`` (bounded per task), on two corpus sizes.
+  ``sharded`` (bounded per task), on two corpus sizes;
+* clean on many short documents (one per paragraph), local and Ray: tasks of
+  64 documents (the cut before ``task_bytes``) against the default tasks of up
+  to 1 MB of text.
 
 The corpus is the Python standard library ingested once and repeated with
 letters rotated by k in copy k, so copies are not duplicates and the dedup
@@ -181,7 +185,7 @@ def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", token
     metrics = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     files = digests(out)
     report = json.loads((out / "report.json").read_text()) if stage == "clean" else {}
-    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report,
+    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report, "out": out,
             **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
 
 
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved speed rounds (default 3; 1 with --quick)")
+    ap.add_argument("--tasks", action="store_true", help="only clean's task size on short documents")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -248,16 +253,16 @@ def main(argv: list[str] | None = None) -> None:
     args.rounds = args.rounds or (1 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     speed_n, big_n, mem_sizes = (2, 3, [1, 2]) if args.quick else (2, 7, [1, 3])
+    if args.tasks:
+        para = build_corpora(work, mem_sizes[:1], args.quick, paragraphs=True)
+        print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
+        task_size(para[mem_sizes[0]], _text_mb(para[mem_sizes[0]]), args.rounds, work)
+        return
     corpora = build_corpora(work, [speed_n, big_n], args.quick)
     para = build_corpora(work, mem_sizes, args.quick, paragraphs=True)
     tokenizer = train_tokenizer(corpora[speed_n], work)
-    import pyarrow.parquet as pq
-
-    def mb(path: Path) -> float:
-        return sum(len(t.encode()) for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()) / MB
-
-    text_mb = {n: mb(p) for n, p in corpora.items()}
-    para_mb = {n: mb(p) for n, p in para.items()}
+    text_mb = {n: _text_mb(p) for n, p in corpora.items()}
+    para_mb = {n: _text_mb(p) for n, p in para.items()}
     print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
 
     head = LongLivedRay(work)
@@ -279,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         head.stop()
     del runs["joined, 1 worker"], runs["joined, 2 workers"]
     memory_and_dedup(runs, corpora, text_mb, para, para_mb, mem_sizes, speed_n, big_n, work, tokenizer, worker_peak)
+    task_size(para[mem_sizes[0]], para_mb[mem_sizes[0]], args.rounds, work)
 
 
 def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float, work: Path, tokenizer: Path,
@@ -341,6 +347,50 @@ def memory_and_dedup(runs: dict, corpora: dict, text_mb: dict, para: dict, para_
             base = base or same_files
             print(f"{method:<10}{para_mb[n]:>11.0f}{r['report']['docs_in']:>9}{r['peak_main_mb']:>9}"
                   f"{r['peak_worker_mb']:>11}{r['wall_s']:>8.1f}{str(same_files == base):>11}")
+
+
+def _text_mb(path: Path) -> float:
+    import pyarrow.parquet as pq
+
+    return sum(len(t.encode()) for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()) / MB
+
+
+def task_size(corpus: Path, corpus_mb: float, n_rounds: int, work: Path) -> None:
+    """clean on many short documents (one per standard-library paragraph, about
+    270 bytes each), 2 workers, local and on a private Ray instance: tasks of 64
+    documents (``batch_docs: 64`` with no size bound, the cut clean made before
+    ``task_bytes``) against the default tasks (up to 1 MB of text or 1024
+    documents). The documents written must be the same; only their grouping
+    into row groups may differ."""
+    import pyarrow as pa
+
+    from pipeline.data.docs import DocTable
+
+    old = {"batch_docs": 64, "task_bytes": 10 ** 12}
+    runs = {f"{kind}, {label}": {"executor": {"kind": kind, "num_workers": 2}, **cut}
+            for kind in ("local", "ray") for label, cut in (("64 docs", old), ("1 MB", {}))}
+    rounds: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(n_rounds):
+        for name, section in runs.items():
+            rounds[name].append(measure(corpus, section, work))
+    first = rounds["local, 1 MB"][0]
+    docs = DocTable(first["out"] / "docs", RuntimeError)
+    want = pa.Table.from_batches(list(docs.iter_batches(4096)))
+    same = all(pa.Table.from_batches(list(DocTable(r["out"] / "docs", RuntimeError).iter_batches(4096))).equals(want)
+               and r["report"] == first["report"] for rs in rounds.values() for r in rs)
+    wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in rounds.items()}
+    print(f"\nclean on {corpus_mb:.0f} MB of short documents ({first['report']['docs_in']} documents), 2 workers, "
+          f"{n_rounds} interleaved rounds, medians (same documents and report in every run: {same})")
+    print(f"{'run':<18}{'tasks':>7}{'wall s':>8}{'MB/s':>8}{'main MB':>9}")
+    table = DocTable(corpus, RuntimeError)
+    tasks = {label: sum(1 for _ in table.runs(n, size, ["text"], max_docs=n))
+             for label, n, size in (("64 docs", 64, 10 ** 12), ("1 MB", 1024, 1_000_000))}
+    for name, rs in rounds.items():
+        print(f"{name:<18}{tasks[name.split(', ')[1]]:>7}{wall[name]:>8.1f}{corpus_mb / wall[name]:>8.2f}"
+              f"{max(r['peak_main_mb'] for r in rs):>9}")
+    for kind in ("local", "ray"):
+        print(f"clean, {kind}: tasks of 64 docs / tasks of 1 MB wall time: "
+              f"{wall[f'{kind}, 64 docs'] / wall[f'{kind}, 1 MB']:.2f}x")
 
 
 def date() -> str:
