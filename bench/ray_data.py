@@ -3,6 +3,7 @@
     python -m bench.ray_data            # clean and pack on ~63 MB, 3 rounds; memory on ~63 and ~220 MB
     python -m bench.ray_data --quick    # the default 8 MB corpus, 1 round
     python -m bench.ray_data --tasks    # only clean's task size on short documents (about 2 min)
+    python -m bench.ray_data --driver   # only the CPU time of a stage's own process (about 2 min)
 
 What it measures, each run a fresh process (so Ray's start-up is included):
 
@@ -24,6 +25,8 @@ What it measures, each run a fresh process (so Ray's start-up is included):
 * dedup memory against corpus size: the main process and the largest worker
   with ``dedup.method: memory`` (the index lives in the main process) and
   ``sharded`` (bounded per task), on two corpus sizes;
+* the CPU time of a stage's own process (the driver) with its work on the
+  joined instance: the most text one driver can feed, however many workers;
 * clean on many short documents (one per paragraph), local and Ray: tasks of
   64 documents (the cut before ``task_bytes``) against the default tasks of up
   to 1 MB of text.
@@ -119,6 +122,7 @@ def _child(stage: str, corpus: str, out: str, section: str, tokenizer: str) -> N
         cfg = parse_section(PackConfig, json.loads(section), "pack")
         m = run_pack(cfg, corpus, tokenizer, out_dir / "packed")
     print("RESULT " + json.dumps(m), flush=True)
+    print(f"CPU {time.process_time()}", flush=True)  # the stage's own process, all its threads
 
 
 def digests(out: Path) -> dict[str, str]:
@@ -185,7 +189,8 @@ def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", token
     metrics = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     files = digests(out)
     report = json.loads((out / "report.json").read_text()) if stage == "clean" else {}
-    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report, "out": out,
+    cpu = float(next(line for line in stdout.splitlines() if line.startswith("CPU "))[4:])
+    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report, "out": out, "main_cpu_s": cpu,
             **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
 
 
@@ -245,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved speed rounds (default 3; 1 with --quick)")
     ap.add_argument("--tasks", action="store_true", help="only clean's task size on short documents")
+    ap.add_argument("--driver", action="store_true", help="only the stage's own process's CPU time")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -253,6 +259,17 @@ def main(argv: list[str] | None = None) -> None:
     args.rounds = args.rounds or (1 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     speed_n, big_n, mem_sizes = (2, 3, [1, 2]) if args.quick else (2, 7, [1, 3])
+    if args.driver:
+        long, para = build_corpora(work, [speed_n], args.quick), build_corpora(work, mem_sizes[:1], args.quick, True)
+        tokenizer = train_tokenizer(long[speed_n], work)
+        print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
+        head = LongLivedRay(work)
+        try:
+            driver_cpu({"long documents": (long[speed_n], _text_mb(long[speed_n])),
+                        "short documents": (para[mem_sizes[0]], _text_mb(para[mem_sizes[0]]))}, head, work, tokenizer)
+        finally:
+            head.stop()
+        return
     if args.tasks:
         para = build_corpora(work, mem_sizes[:1], args.quick, paragraphs=True)
         print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
@@ -280,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for stage in ("clean", "pack"):
             speed(stage, runs, args.rounds, corpora[speed_n], text_mb[speed_n], work, tokenizer, worker_peak, speed_n)
+        driver_cpu({"long documents": (corpora[speed_n], text_mb[speed_n]),
+                    "short documents": (para[mem_sizes[0]], para_mb[mem_sizes[0]])}, head, work, tokenizer)
     finally:
         head.stop()
     del runs["joined, 1 worker"], runs["joined, 2 workers"]
@@ -391,6 +410,29 @@ def task_size(corpus: Path, corpus_mb: float, n_rounds: int, work: Path) -> None
     for kind in ("local", "ray"):
         print(f"clean, {kind}: tasks of 64 docs / tasks of 1 MB wall time: "
               f"{wall[f'{kind}, 64 docs'] / wall[f'{kind}, 1 MB']:.2f}x")
+
+
+def driver_cpu(corpora: dict[str, tuple[Path, float]], head: LongLivedRay, work: Path, tokenizer: Path) -> None:
+    """The CPU time of a stage's own process (the driver: it reads the input,
+    submits the tasks, makes the dedup decisions and writes the outputs) when
+    the work runs on a joined instance, so that none of it runs there, less
+    its fixed cost (the same run on the first 100 documents): the most text
+    one driver can feed a stage however many workers a cluster has."""
+    import pyarrow.parquet as pq
+
+    tiny = work / "tiny.parquet"
+    pq.write_table(pq.read_table(next(iter(corpora.values()))[0]).slice(0, 100), tiny)
+    print("\nthe stage's own process (the driver) joined to the long-lived instance, 2 workers, one run each: "
+          "its CPU seconds, its fixed cost (the run on 100 documents), and the MB of text per driver CPU-second "
+          "beyond that: the most one driver can feed")
+    print(f"{'stage':<15}{'corpus':<17}{'wall s':>8}{'driver CPU s':>14}{'fixed s':>9}{'MB/CPU-s':>10}")
+    for stage, extra in (("clean", {}), ("clean sharded", {"dedup": {"method": "sharded"}}), ("pack", {})):
+        section = {"executor": {"kind": "ray", "address": head.address, "num_workers": 2}, **extra}
+        fixed = measure(tiny, section, work, stage.split()[0], tokenizer)["main_cpu_s"]
+        for shape, (corpus, mb) in corpora.items():
+            r = measure(corpus, section, work, stage.split()[0], tokenizer)
+            print(f"{stage:<15}{shape:<17}{r['wall_s']:>8.1f}{r['main_cpu_s']:>14.2f}{fixed:>9.2f}"
+                  f"{mb / (r['main_cpu_s'] - fixed):>10.1f}")
 
 
 def date() -> str:
