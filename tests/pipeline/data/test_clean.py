@@ -234,6 +234,22 @@ def test_workers_are_capped_by_the_number_of_batches(tmp_path):
     assert metrics["workers"] == 1
 
 
+def test_tasks_are_cut_by_text_size_and_workers_capped_by_it(tmp_path):
+    """Eight documents are one task of the default size (in-process, one worker);
+    with task_bytes below a document's size each is a task, both workers run,
+    and the output is the same."""
+    texts = [code(s) for s in range(1, 9)]
+    assert min(len(t) for t in texts) > 500
+    out = {}
+    for name, kw in (("one", {}), ("many", {"task_bytes": 500})):
+        (tmp_path / name).mkdir()
+        metrics, docs, quarantine = run(tmp_path / name, texts, num_workers=2, **kw)
+        metrics.pop("mb_per_s")
+        out[name] = (metrics.pop("workers"), metrics, docs, quarantine)
+    assert out["one"][0] == 1 and out["many"][0] == 2
+    assert out["one"][1:] == out["many"][1:]
+
+
 def test_empty_after_cleaning_is_a_clear_error(tmp_path):
     inp = write_docs(tmp_path / "in.parquet", ["a", "b"])
     out, q = tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl"
