@@ -3,7 +3,7 @@
     python -m bench.ray_data            # clean and pack on ~63 MB, 3 rounds; memory on ~63 and ~220 MB
     python -m bench.ray_data --quick    # the default 8 MB corpus, 1 round
     python -m bench.ray_data --tasks    # only clean's task size on short documents (about 2 min)
-    python -m bench.ray_data --driver   # only the CPU time of a stage's own process (about 2 min)
+    python -m bench.ray_data --driver   # only the CPU time of a stage's own process (about 1 min)
 
 What it measures, each run a fresh process (so Ray's start-up is included):
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.driver:
         long, para = build_corpora(work, [speed_n], args.quick), build_corpora(work, mem_sizes[:1], args.quick, True)
         tokenizer = train_tokenizer(long[speed_n], work)
-        print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
+        print(header())
         head = LongLivedRay(work)
         try:
             driver_cpu({"long documents": (long[speed_n], _text_mb(long[speed_n])),
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.tasks:
         para = build_corpora(work, mem_sizes[:1], args.quick, paragraphs=True)
-        print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
+        print(header())
         task_size(para[mem_sizes[0]], _text_mb(para[mem_sizes[0]]), args.rounds, work)
         return
     corpora = build_corpora(work, [speed_n, big_n], args.quick)
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = train_tokenizer(corpora[speed_n], work)
     text_mb = {n: _text_mb(p) for n, p in corpora.items()}
     para_mb = {n: _text_mb(p) for n, p in para.items()}
-    print(f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores")
+    print(header())
 
     head = LongLivedRay(work)
     print(f"a long-lived local Ray instance (ray start --head, 2 CPUs, loopback only) started in "
@@ -437,6 +437,11 @@ def driver_cpu(corpora: dict[str, tuple[Path, float]], head: LongLivedRay, work:
 
 def date() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def header() -> str:
+    """When and on what a run was measured, its first line."""
+    return f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores"
 
 
 if __name__ == "__main__":
