@@ -62,10 +62,10 @@ import unicodedata
 from array import array
 from collections import deque
 from contextlib import closing
-from functools import lru_cache
+from functools import lru_cache, wraps
 from operator import eq
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -243,22 +243,77 @@ def _init_worker(cfg: CleanConfig) -> None:
     _worker["chunk_normalise"] = cfg.normalise.model_copy(update={"strip_blank_edges": False})
 
 
+def _gc_paused(fn: Any) -> Any:
+    """``fn`` with the cyclic GC paused while it runs. The filters build many
+    short-lived tuples (n-grams) and no reference cycles; pausing the GC for a
+    batch saves ~25% of the time."""
+    @wraps(fn)
+    def paused(*args: Any) -> Any:
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    return paused
+
+
+@_gc_paused
 def process_batch(texts: list[str | None], chunks: list[bool] | None = None) -> list[Result]:
     """Normalise, filter, hash and sketch one batch; ``chunks`` marks the texts that
     are chunks of a longer text (their blank edges are kept). Pure given the config
     set by :func:`_init_worker`, so batches can run in any process in any order."""
-    # The filters build many short-lived tuples (n-grams) and no reference cycles;
-    # pausing the cyclic GC for the batch saves ~25% of the time.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _process_batch(texts, chunks or [False] * len(texts))
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    near = _worker["cfg"].near_dedup
+    out, sketched, shingle_sets = _prepare(texts, chunks or [False] * len(texts))
+    if shingle_sets:
+        # One call for the whole batch: rensa does the hashing loop in Rust.
+        for i, mh in zip(sketched, RMinHash.from_token_sets(shingle_sets, near.num_perm, near.seed)):
+            text, _, _, changed, digest, _, nbytes = out[i]
+            out[i] = (text, None, "", changed, digest, mh, nbytes)
+    return out
 
 
-def _process_batch(texts: list[str | None], chunks: list[bool]) -> list[Result]:
+class Sketches(NamedTuple):
+    """One batch as :func:`sketch_batch` returns it: arrays, no object per document."""
+
+    states: np.ndarray  # uint8 per document: dedup.KEEP, dedup.CANDIDATE (has a signature) or FILTERED + k
+    digests: np.ndarray  # (n, 2) little-endian uint64: the blake2b-128 digests (0 for a filtered document)
+    sigs: np.ndarray | None  # (n, num_perm) uint32 MinHash signatures (0 but for candidates); None: near dedup off
+    changed: int  # documents that normalisation changed
+    filtered: list[tuple[int, str, str]]  # (row, filter, detail) of each filtered document
+
+
+@_gc_paused
+def sketch_batch(texts: list[str | None], chunks: list[bool] | None = None) -> Sketches:
+    """:func:`process_batch` for ``dedup.method: sharded``: the same normalisation,
+    filters, digests and MinHash signatures, as the arrays the dedup steps write
+    (:class:`pipeline.data.dedup.SignatureWriter`), so that the stage's own
+    process handles a batch without a step per document. The k-th enabled
+    filter's state byte is ``dedup.FILTERED + k``."""
+    near = _worker["cfg"].near_dedup
+    out, sketched, shingle_sets = _prepare(texts, chunks or [False] * len(texts))
+    n = len(out)
+    states = np.full(n, dedup.KEEP, np.uint8)
+    codes = {name: dedup.FILTERED + k for k, (name, _, _) in enumerate(_worker["filters"])}
+    filtered = [(k, reason, detail) for k, (_, reason, detail, *_) in enumerate(out) if reason is not None]
+    for k, reason, _ in filtered:
+        states[k] = codes[reason]
+    digests = np.zeros((n, 2), "<u8")
+    passed = [k for k, r in enumerate(out) if r[1] is None]
+    if passed:
+        digests[passed] = np.frombuffer(b"".join(out[k][4] for k in passed), "<u8").reshape(-1, 2)
+    sigs = np.zeros((n, near.num_perm), np.uint32) if near.enabled else None
+    if sigs is not None and shingle_sets:
+        rows = RMinHash.digest_matrix_from_token_sets(shingle_sets, near.num_perm, near.seed).to_rows()
+        sigs[sketched] = np.array(rows, np.uint32)
+        states[sketched] = dedup.CANDIDATE
+    return Sketches(states, digests, sigs, sum(r[3] for r in out), filtered)
+
+
+def _prepare(texts: list[str | None], chunks: list[bool]) -> tuple[list[Result], list[int], list[list[str]]]:
+    """Normalise, filter and hash a batch: its results with no MinHash yet, the
+    rows to sketch (passed the filters and have shingles) and their shingles."""
     cfg: CleanConfig = _worker["cfg"]
     enabled = _worker["filters"]
     near = cfg.near_dedup
@@ -281,12 +336,7 @@ def _process_batch(texts: list[str | None], chunks: list[bool]) -> list[Result]:
                 sketched.append(len(out))
                 shingle_sets.append(sh)
         out.append((text, None, "", changed, digest, None, len(data)))
-    if shingle_sets:
-        # One call for the whole batch: rensa does the hashing loop in Rust.
-        for i, mh in zip(sketched, RMinHash.from_token_sets(shingle_sets, near.num_perm, near.seed)):
-            text, _, _, changed, digest, _, nbytes = out[i]
-            out[i] = (text, None, "", changed, digest, mh, nbytes)
-    return out
+    return out, sketched, shingle_sets
 
 
 # --- sequential dedup decisions (main process) -------------------------------------------------
@@ -398,8 +448,13 @@ def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
     return b.column(1).to_pylist(), (chunk.is_valid().to_pylist() if chunk.null_count < len(chunk) else None)
 
 
-# Per document, as the writer needs it: (normalised text if kept, drop reason, detail, UTF-8 bytes if kept)
-Outcome = tuple[str | None, str | None, str, int]
+class Decided(NamedTuple):
+    """A batch's outcomes, as the writer needs them."""
+
+    keep: list[bool]  # per document: kept
+    texts: list[str]  # the normalised text of each kept document, in order
+    bytes_out: int  # their UTF-8 bytes
+    drops: list[tuple[int, str, str]]  # (row, reason, detail) of each dropped document
 
 
 def _mapped(ex: Executor, fn: Any, batches: Iterator[pa.RecordBatch], task: Any = None, **kw: Any
@@ -494,11 +549,14 @@ class _InMemory:
         return {"changed": self.changed, "near": {k: v - self._at[k] for k, v in now.items()},
                 "near_dropped_digests": self.near_dropped}
 
-    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, Decided]]:
         exact, near = self.exact, self.near
         for batch, results in _mapped(self.ex, process_batch, _batches(self.table, self.cfg, start, stop)):
             ids = batch.column(0).to_pylist()
-            outcomes: list[Outcome] = []
+            keep: list[bool] = []
+            texts: list[str] = []
+            drops: list[tuple[int, str, str]] = []
+            bytes_out = 0
             for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
                 self.changed += was_changed
                 if reason is None and exact is not None:
@@ -509,27 +567,31 @@ class _InMemory:
                     reason = NEAR_DUPLICATE if detail else None
                     if reason is not None and exact is not None:
                         self.near_dropped.append(digest.hex())
-                outcomes.append((text, None, "", nbytes) if reason is None else (None, reason, detail, 0))
-            yield batch, outcomes
+                keep.append(reason is None)
+                if reason is None:
+                    texts.append(text)
+                    bytes_out += nbytes
+                else:
+                    drops.append((i, reason, detail))
+            yield batch, Decided(keep, texts, bytes_out, drops)
 
 
 # --- dedup.method sharded -----------------------------------------------------------------------
 
 
-def normalise_kept(texts: list[str | None], chunks: list[bool]) -> list[tuple[str, int]]:
-    """The normalised text and its UTF-8 size for each kept document (``dedup.method:
-    sharded``, second pass); the same :func:`normalise` call as :func:`process_batch`."""
+def normalise_kept(texts: list[str | None], chunks: list[bool]) -> tuple[list[str], int]:
+    """The normalised text of each kept document, and their UTF-8 bytes
+    (``dedup.method: sharded``, second pass); the same :func:`normalise` call as
+    :func:`process_batch`."""
     cfg: CleanConfig = _worker["cfg"]
-    out = []
-    for raw, is_chunk in zip(texts, chunks):
-        text = normalise(raw or "", _worker["chunk_normalise"] if is_chunk else cfg.normalise)
-        out.append((text, len(text.encode("utf-8", "surrogatepass"))))
-    return out
+    out = [normalise(raw or "", _worker["chunk_normalise"] if is_chunk else cfg.normalise)
+           for raw, is_chunk in zip(texts, chunks)]
+    return out, sum(len(text.encode("utf-8", "surrogatepass")) for text in out)
 
 
 class _Sharded:
     """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. Pass 1
-    maps :func:`process_batch` and spills states, digests and signatures to a
+    maps :func:`sketch_batch` and spills states, digests and signatures to a
     work folder; the exact and band steps run as executor tasks; the decisions
     are made in one ordered pass over the pairs; pass 2 re-reads the input and
     normalises the kept documents in the workers, shard by shard. Same outcomes,
@@ -573,7 +635,6 @@ class _Sharded:
         cfg, ex, table = self.cfg, self.ex, self.table
         near_cfg, per_reason = cfg.near_dedup, cfg.quarantine_per_reason
         use_exact, use_near = cfg.exact_dedup.enabled, near_cfg.enabled
-        code = {name: dedup.FILTERED + k for k, name in enumerate(self.names)}
         work = dedup.WorkDir(self.work_root, table.num_rows, near_cfg.num_perm, near_cfg.bands,
                              cfg.dedup.partition_docs)
         writer = dedup.SignatureWriter(work, use_exact, use_near)
@@ -583,26 +644,15 @@ class _Sharded:
         near_counts: dict[str, int] = {}
         try:
             start = 0
-            for _, results in _mapped(ex, process_batch, _batches(table, cfg), bar=self.bar, units=len):
-                n = len(results)
-                states = np.full(n, dedup.KEEP, np.uint8)
-                digests: list[bytes | None] = [None] * n
-                sigs = np.zeros((n, near_cfg.num_perm), np.uint32) if use_near else None
-                for k, (_, reason, detail, was_changed, digest, mh, _) in enumerate(results):
-                    changed += was_changed
-                    if reason is not None:
-                        states[k] = code[reason]
-                        if sampled.get(reason, 0) < per_reason:
-                            sampled[reason] = sampled.get(reason, 0) + 1
-                            filter_detail.append((start + k, detail))
-                        continue
-                    if use_exact:
-                        digests[k] = digest
-                    if sigs is not None and mh is not None:
-                        states[k] = dedup.CANDIDATE
-                        sigs[k] = mh.digest()
-                writer.add(states, digests, sigs)
-                start += n
+            for _, sk in _mapped(ex, sketch_batch, _batches(table, cfg), bar=self.bar,
+                                 units=lambda sk: len(sk.states)):
+                changed += sk.changed
+                for k, reason, detail in sk.filtered:
+                    if sampled.get(reason, 0) < per_reason:
+                        sampled[reason] = sampled.get(reason, 0) + 1
+                        filter_detail.append((start + k, detail))
+                writer.add(sk.states, sk.digests, sk.sigs)
+                start += len(sk.states)
             writer.close()
 
             parts = range(work.partitions)
@@ -644,7 +694,7 @@ class _Sharded:
         # them so that a rerun with every shard committed needs no decisions file.
         return {"whole_input": self.whole}
 
-    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, list[Outcome]]]:
+    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, Decided]]:
         assert self.state is not None, "prepare() first"
         state, names = self.state, self.names
         at = start
@@ -658,23 +708,20 @@ class _Sharded:
             return [texts[i] for i in idx], [bool(chunks[i]) for i in idx] if chunks else [False] * len(idx)
 
         row = start
-        for batch, normalised in _mapped(self.ex, normalise_kept, _batches(self.table, self.cfg, start, stop),
-                                         task=kept_task):
-            it = iter(normalised)
-            outcomes: list[Outcome] = []
-            for k, st in enumerate(state[row:row + batch.num_rows].tolist()):
-                doc = row + k
-                if st < dedup.EXACT:
-                    text, nbytes = next(it)
-                    outcomes.append((text, None, "", nbytes))
-                elif st == dedup.EXACT:
-                    outcomes.append((None, EXACT_DUPLICATE, ExactDedup.DETAIL, 0))
+        for batch, (texts, bytes_out) in _mapped(self.ex, normalise_kept,
+                                                 _batches(self.table, self.cfg, start, stop), task=kept_task):
+            states = state[row:row + batch.num_rows]
+            drops: list[tuple[int, str, str]] = []
+            for k in np.flatnonzero(states >= dedup.EXACT).tolist():
+                st, doc = int(states[k]), row + k
+                if st == dedup.EXACT:
+                    drops.append((k, EXACT_DUPLICATE, ExactDedup.DETAIL))
                 elif st == dedup.NEAR:
-                    outcomes.append((None, NEAR_DUPLICATE, self.near_detail.get(doc, ""), 0))
+                    drops.append((k, NEAR_DUPLICATE, self.near_detail.get(doc, "")))
                 else:
-                    outcomes.append((None, names[st - dedup.FILTERED], self.filter_detail.get(doc, ""), 0))
+                    drops.append((k, names[st - dedup.FILTERED], self.filter_detail.get(doc, "")))
             row += batch.num_rows
-            yield batch, outcomes
+            yield batch, Decided((states < dedup.EXACT).tolist(), texts, bytes_out, drops)
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -729,33 +776,30 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
     decider.begin()
     try:
         with closing(decider.decide(pos, stop)) as decided:
-            for batch, outcomes in decided:
+            for batch, d in decided:
                 if shard is None:
                     writer.start(k)
                     shard = {"start": pos, "docs_in": 0, "bytes_in": 0, "bytes_out": 0,
                              "ledger": Ledger(per_reason=cfg.quarantine_per_reason)}
-                ids = batch.column(0).to_pylist()
-                shard["docs_in"] += len(ids)
+                n = batch.num_rows
+                shard["docs_in"] += n
                 shard["bytes_in"] += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
-                keep: list[bool] = []
-                kept_texts: list[str] = []
-                for i, (text, reason, detail, nbytes) in enumerate(outcomes):
-                    keep.append(reason is None)
-                    if reason is None:
-                        kept_texts.append(text)
-                        shard["bytes_out"] += nbytes
-                    else:
-                        shard["ledger"].record(reason, batch.column(2)[i].as_py(), batch.column(3)[i].as_py(),
-                                               batch.column(1)[i].as_py(), detail=f"id {ids[i]}: {detail}")
-                if kept_texts:
-                    kept = batch.filter(pa.array(keep))
+                shard["bytes_out"] += d.bytes_out
+                if d.drops:
+                    dropped = batch.select(["id", "text", "source", "location"]).take(
+                        pa.array([i for i, _, _ in d.drops], pa.int64())).to_pydict()
+                    for (_, reason, detail), doc_id, text, source, location in zip(
+                            d.drops, dropped["id"], dropped["text"], dropped["source"], dropped["location"]):
+                        shard["ledger"].record(reason, source, location, text, detail=f"id {doc_id}: {detail}")
+                if d.texts:
+                    kept = batch.filter(pa.array(d.keep))
                     pending.append(pa.RecordBatch.from_arrays(
-                        [kept.column(0), pa.array(kept_texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
-                    pending_rows += len(kept_texts)
+                        [kept.column(0), pa.array(d.texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
+                    pending_rows += len(d.texts)
                     if pending_rows >= cfg.row_group_docs:
                         flush()
-                pos += len(ids)
-                bar.update(len(ids))
+                pos += n
+                bar.update(n)
                 if shard["bytes_in"] >= cfg.shard_bytes or pos == end:
                     flush()
                     rec = writer.seal({**shard, "end": pos, "ledger": shard["ledger"].to_dict(), **decider.end()})

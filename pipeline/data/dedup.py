@@ -151,19 +151,19 @@ class SignatureWriter:
         self.buffers.clear()
         self.buffered = 0
 
-    def add(self, states: np.ndarray, digests: list[bytes | None], sigs: np.ndarray | None) -> None:
+    def add(self, states: np.ndarray, digests: np.ndarray, sigs: np.ndarray | None) -> None:
         """One batch in document order: ``states`` (uint8: KEEP, CANDIDATE or
-        FILTERED + k), the digest of each document that passed the filters, and
-        the (n, num_perm) uint32 signatures (rows of non-candidates are ignored)."""
+        FILTERED + k), the (n, 2) little-endian uint64 blake2b-128 digests (rows
+        of filtered documents are ignored), and the (n, num_perm) uint32
+        signatures (rows of non-candidates are ignored)."""
         n, start, work = len(states), self.docs, self.work
         self.docs += n
         self.state_f.write(np.ascontiguousarray(states, np.uint8).tobytes())
         if self.exact:
-            have = [k for k, d in enumerate(digests) if d is not None]
-            if have:
-                rec = np.frombuffer(b"".join(digests[k] for k in have), dtype="<u8").reshape(-1, 2)
+            have = np.flatnonzero(np.asarray(states) <= CANDIDATE)  # passed the filters
+            if len(have):
                 out = np.empty(len(have), EXACT_RECORD)
-                out["d0"], out["d1"], out["doc"] = rec[:, 0], rec[:, 1], np.asarray(have, np.int64) + start
+                out["d0"], out["d1"], out["doc"] = digests[have, 0], digests[have, 1], have.astype(np.int64) + start
                 part = out["d0"] % np.uint64(work.partitions)
                 for p in np.unique(part):
                     self._append(work.exact_path(int(p)), out[part == p].tobytes())

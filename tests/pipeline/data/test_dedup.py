@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.data import dedup
-from tests.pipeline.data.test_clean import code, prose, report, run
+from pipeline.data import clean, dedup
+from tests.pipeline.data.test_clean import cfg, code, prose, report, run
 
 
 def edited(words: list[str], positions, tag: str) -> list[str]:
@@ -117,12 +117,38 @@ def test_work_folder_is_removed(tmp_path):
         "decisions-00000.json", "decisions-00000.u8", "manifest.json", "shard-00000.json", "shard-00000.parquet"]
 
 
+def test_sketch_batch_is_process_batch_as_arrays():
+    """Pass 1 of the sharded method gets, as arrays, what the in-memory method
+    gets per document: the state (the k-th enabled filter's code, or a candidate
+    with a signature), the digest, the signature and the changed count."""
+    clean._init_worker(cfg())
+    texts = PLANTED + [None]  # and a null text (too short)
+    chunks = [False] * len(texts)
+    chunks[13] = True  # a chunk of a text keeps its blank edges
+    per_doc = clean.process_batch(texts, chunks)
+    sk = clean.sketch_batch(texts, chunks)
+    names = [name for name, _, _ in clean._worker["filters"]]
+    assert sk.changed == sum(r[3] for r in per_doc) > 0
+    assert sk.filtered == [(k, r[1], r[2]) for k, r in enumerate(per_doc) if r[1] is not None]
+    assert len({r[1] for r in per_doc if r[1]}) >= 2  # two different filters fired
+    for k, (_, reason, _, _, digest, mh, _) in enumerate(per_doc):
+        if reason is not None:
+            assert sk.states[k] == dedup.FILTERED + names.index(reason)
+            continue
+        assert sk.digests[k].tobytes() == digest
+        assert sk.states[k] == (dedup.CANDIDATE if mh is not None else dedup.KEEP)
+        assert sk.sigs[k].tolist() == (mh.digest() if mh is not None else [0] * sk.sigs.shape[1])
+    clean._init_worker(cfg(near_dedup={"enabled": False}))
+    assert clean.sketch_batch(texts).sigs is None
+
+
 def test_exact_partition_keeps_the_first_of_each_digest(tmp_path):
     work = dedup.WorkDir(tmp_path / "w", num_docs=6, num_perm=8, bands=2, partition_docs=100)
     writer = dedup.SignatureWriter(work, exact=True, near=False)
-    d1, d2 = bytes(range(16)), bytes(range(1, 17))
-    writer.add(np.zeros(3, np.uint8), [d2, d1, None], None)
-    writer.add(np.zeros(3, np.uint8), [d1, d2, d2], None)
+    d1, d2 = [np.frombuffer(bytes(range(k, 16 + k)), "<u8") for k in (0, 1)]
+    # Document 2 is filtered (its digest row is ignored): 5 is the second of d2, not the third.
+    writer.add(np.array([dedup.KEEP, dedup.CANDIDATE, dedup.FILTERED], np.uint8), np.stack([d2, d1, d2]), None)
+    writer.add(np.zeros(3, np.uint8), np.stack([d1, d2, d2]), None)
     writer.close()
     assert dedup.exact_partition(work, 0).tolist() == [3, 4, 5]
 
