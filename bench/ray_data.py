@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -257,7 +258,18 @@ def main(argv: list[str] | None = None) -> None:
         _child(*args.child)
         return
     args.rounds = args.rounds or (1 if args.quick else 3)
+    # The corpora, outputs and Ray's session files of a full run take about 3 GB:
+    # removed at the end, kept (and named) when the run fails.
     work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    try:
+        run(args, work)
+    except BaseException:
+        print(f"bench.ray_data failed; its work folder is kept: {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
     speed_n, big_n, mem_sizes = (2, 3, [1, 2]) if args.quick else (2, 7, [1, 3])
     if args.driver:
         long, para = build_corpora(work, [speed_n], args.quick), build_corpora(work, mem_sizes[:1], args.quick, True)
