@@ -240,6 +240,8 @@ _worker: dict[str, Any] = {}
 def _init_worker(cfg: CleanConfig) -> None:
     _worker["cfg"] = cfg
     _worker["filters"] = cfg.filters.enabled()
+    # sketch_batch's state byte per filter: the k-th enabled one is dedup.FILTERED + k
+    _worker["codes"] = {name: dedup.FILTERED + k for k, (name, _, _) in enumerate(_worker["filters"])}
     _worker["chunk_normalise"] = cfg.normalise.model_copy(update={"strip_blank_edges": False})
 
 
@@ -295,7 +297,7 @@ def sketch_batch(texts: list[str | None], chunks: list[bool] | None = None) -> S
     out, sketched, shingle_sets = _prepare(texts, chunks or [False] * len(texts))
     n = len(out)
     states = np.full(n, dedup.KEEP, np.uint8)
-    codes = {name: dedup.FILTERED + k for k, (name, _, _) in enumerate(_worker["filters"])}
+    codes = _worker["codes"]
     filtered = [(k, reason, detail) for k, (_, reason, detail, *_) in enumerate(out) if reason is not None]
     for k, reason, _ in filtered:
         states[k] = codes[reason]
