@@ -91,7 +91,7 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
     rest on Ray's workers; results in task order, the initializer run in both.
     "ray.init": where Ray's internals differ, ray.init starts the instance, in
     the stage's thread, so every task runs on Ray."""
-    patch = "E._start_private_instance = lambda workers: None\n" if internals == "ray.init" else ""
+    patch = "E._start_private_instance = lambda workers, preload=(): None\n" if internals == "ray.init" else ""
     out, left = run(patch + MAP, tmp_path)
     assert [sq for _, sq, _ in out] == [x * x for x in range(len(out))]
     assert {tag for tag, _, _ in out} == {"cfg"}
@@ -102,6 +102,31 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
     else:
         assert len(here) == 6 and not any(here)
     assert left == []
+
+
+def test_the_workers_start_with_the_instance_and_import_the_stage_code_before_it_connects(tmp_path):
+    """Ray's own default starts the workers when the first driver connects, and
+    that connect waits for them; then each imports the stage's code on its first
+    task. A private instance starts its workers with the raylet, and each imports
+    the module of the executor's initializer before it takes work: here, with
+    the instance up and no connection made, two worker processes have imported
+    it (each leaves a file named after its pid)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (pids, here), = run(
+        "import time\n"
+        "from tests.pipeline.data.preload_probe import init as probe_init\n"
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), probe_init, ('cfg',)) as ex:\n"
+        "    ex.up.wait()\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while len(os.listdir(os.environ['PRELOAD_PROBE_DIR'])) < 3 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    connected = ray.is_initialized()\n"
+        "pids = sorted(int(p) for p in os.listdir(os.environ['PRELOAD_PROBE_DIR']))\n"
+        "print(json.dumps([[p for p in pids if p != os.getpid()], [os.getpid() in pids, connected]]))\n",
+        tmp_path, PRELOAD_PROBE_DIR=str(probe))
+    assert here == [True, False]  # the stage's own import, and no connection yet
+    assert len(pids) == 2
 
 
 def test_a_stage_that_ends_before_the_instance_is_up_stops_it(tmp_path):
@@ -125,7 +150,7 @@ def test_errors_while_the_instance_starts_are_one_line(tmp_path):
         "            list(ex.map(fails, tasks))\n"
         "    except Exception as e:\n"
         "        print(json.dumps([type(e).__name__, str(e)]))\n"
-        "def boom(workers):\n"
+        "def boom(workers, preload=()):\n"
         "    raise RuntimeError('no shared memory\\nsecond line')\n"
         "E._start_private_instance = boom\n"
         "try:\n"
