@@ -320,6 +320,24 @@ def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
                             "check executor.address, or start one with `ray start --head`") from None
 
 
+# A private instance has no dashboard or state API to show its task events
+# (``ray list tasks``, timelines), so its processes do not report them: the
+# stage's ray.shutdown otherwise waits to flush the last ones (up to 0.25 s here).
+_NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables the user has not set, for the block only."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def _start_private_instance(workers: int, preload: Sequence[str] = ()) -> Any | None:
     """Start a single-machine Ray instance with ``workers`` CPUs and only the
     processes that tasks need: the GCS and the raylet (with its agents and
@@ -353,7 +371,8 @@ def _start_private_instance(workers: int, preload: Sequence[str] = ()) -> Any | 
     # The raylet's settings for the workers, as environment variables: a name a
     # later Ray no longer knows is ignored (in _system_config it stops the GCS).
     # The user's own setting wins.
-    raylet_env = {"RAY_enable_worker_prestart": "1", "RAY_preload_python_modules": ",".join(preload)}
+    raylet_env = {"RAY_enable_worker_prestart": "1", "RAY_preload_python_modules": ",".join(preload),
+                  **_NO_TASK_EVENTS}
     raylet_env = {k: v for k, v in raylet_env.items() if v and k not in os.environ}
     try:
         params = RayParams(num_cpus=workers, node_ip_address="127.0.0.1", include_dashboard=False,
@@ -500,7 +519,8 @@ class RayExecutor(Executor):
         if self.start_error is not None:
             self._failed(self.start_error)
         if self.node is not None:
-            self._connect(self.node.address, {})
+            with _environ(_NO_TASK_EVENTS):  # read as this process's core worker starts
+                self._connect(self.node.address, {})
         else:  # Ray's internals changed: ray.init starts the instance ("local": a new one)
             self._connect("local", dict(num_cpus=self.cpus, include_dashboard=False))
         self._make_task()
