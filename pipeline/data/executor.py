@@ -21,14 +21,15 @@ Kinds (``executor.kind`` in a stage's params):
 - ``ray``: Ray tasks. With no ``address`` a private Ray instance is started
   for the stage and stopped after it: ``num_cpus`` = the worker count, its
   servers bound to 127.0.0.1, only the GCS and the raylet (no dashboard, API
-  server, autoscaler monitor or log monitor), no token file written, quiet logs.
-  It starts in a background thread while the first tasks run in the stage's
-  own process, so its start-up is spent on work; its workers start with it
-  and import the stage's code (the initializer's module) before the stage
-  connects. With an ``address`` (``auto``, ``host:6379``,
-  ``ray://host:10001``) the stage joins that cluster and uses its CPUs. Ray worker processes are reused across tasks, and each runs the
-  initializer once and keeps its state. Ray is imported only here, only for
-  this kind.
+  server, autoscaler monitor or log monitor), no token file written, no task
+  events reported, quiet logs. It starts in a background thread while the
+  first tasks run in the stage's own process, so its start-up is spent on
+  work; its workers start with it and import the stage's code (the
+  initializer's module) before the stage connects. With an ``address``
+  (``auto``, ``host:6379``, ``ray://host:10001``) the stage joins that
+  cluster and uses its CPUs. Ray worker processes are reused across tasks,
+  and each runs the initializer once and keeps its state. Ray is imported
+  only here, only for this kind.
 
 Errors: a :class:`~pipeline.errors.StageError` raised by a task reaches the
 caller unchanged (the runner prints it as one line). Any other exception in a
@@ -326,10 +327,15 @@ def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
 _NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
 
 
+def _unset(values: dict[str, str]) -> dict[str, str]:
+    """The environment variables of ``values`` that the user has not set (their own setting wins)."""
+    return {k: v for k, v in values.items() if v and k not in os.environ}
+
+
 @contextlib.contextmanager
 def _environ(values: dict[str, str]) -> Iterator[None]:
     """Set environment variables the user has not set, for the block only."""
-    added = {k: v for k, v in values.items() if k not in os.environ}
+    added = _unset(values)
     os.environ.update(added)
     try:
         yield
@@ -370,10 +376,8 @@ def _start_private_instance(workers: int, preload: Sequence[str] = ()) -> Any | 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # The raylet's settings for the workers, as environment variables: a name a
     # later Ray no longer knows is ignored (in _system_config it stops the GCS).
-    # The user's own setting wins.
-    raylet_env = {"RAY_enable_worker_prestart": "1", "RAY_preload_python_modules": ",".join(preload),
-                  **_NO_TASK_EVENTS}
-    raylet_env = {k: v for k, v in raylet_env.items() if v and k not in os.environ}
+    raylet_env = _unset({"RAY_enable_worker_prestart": "1", "RAY_preload_python_modules": ",".join(preload),
+                         **_NO_TASK_EVENTS})
     try:
         params = RayParams(num_cpus=workers, node_ip_address="127.0.0.1", include_dashboard=False,
                            no_monitor=True, include_log_monitor=False, env_vars=raylet_env)
