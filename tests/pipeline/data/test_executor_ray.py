@@ -129,11 +129,14 @@ def test_the_workers_start_with_the_instance_and_import_the_stage_code_before_it
     assert len(pids) == 2
 
 
-def test_a_private_instance_reports_no_task_events(tmp_path):
+@pytest.mark.parametrize("user_setting", [None, "1000"])
+def test_a_private_instance_reports_no_task_events(tmp_path, user_setting):
     """Nothing shows a private instance's task events (it has no dashboard and no
     state API), so its processes report none, and the stage's ray.shutdown does
     not wait to flush the last ones. With Ray's default the timeline holds 100
-    events here. The variable is set in the stage's process for the connect only."""
+    events here. The variable is set in the stage's process for the connect only.
+    A user who sets it gets their setting (1000 ms is Ray's default)."""
+    env_in = {} if user_setting is None else {"RAY_task_events_report_interval_ms": user_setting}
     (events, env), = run(
         "import time\n"
         "with open_executor(ExecutorConfig(kind='ray', num_workers=2), init, ('cfg',)) as ex:\n"
@@ -141,9 +144,9 @@ def test_a_private_instance_reports_no_task_events(tmp_path):
         "    list(ex.map(tagged, [(x,) for x in range(20)]))\n"
         "    time.sleep(2)  # past Ray's default report interval, 1 s\n"
         "    events = len(ray.timeline())\n"
-        "print(json.dumps([events, os.environ.get('RAY_task_events_report_interval_ms')]))\n", tmp_path)
-    assert events == 0
-    assert env is None
+        "print(json.dumps([events, os.environ.get('RAY_task_events_report_interval_ms')]))\n", tmp_path, **env_in)
+    assert (events == 0) if user_setting is None else (events > 0)
+    assert env == user_setting
 
 
 def test_a_stage_that_ends_before_the_instance_is_up_stops_it(tmp_path):
