@@ -328,7 +328,8 @@ _NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
 
 
 def _unset(values: dict[str, str]) -> dict[str, str]:
-    """The environment variables of ``values`` that the user has not set (their own setting wins)."""
+    """The environment variables of ``values`` that the user has not set (their own
+    setting wins), less those with an empty value (nothing to set)."""
     return {k: v for k, v in values.items() if v and k not in os.environ}
 
 
