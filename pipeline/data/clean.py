@@ -659,12 +659,13 @@ class _Sharded:
 
             parts = range(work.partitions)
             if use_exact:
-                for dups in ex.map(dedup.exact_partition, [(work, p) for p in parts]):
+                tasks = [(work, p, writer.size(work.exact_path(p))) for p in parts]
+                for dups in ex.map(dedup.exact_partition, tasks):
                     dedup.mark(work, dups, dedup.EXACT)
             near_detail: dict[int, tuple[float, int]] = {}
             if use_near:
-                runs = [r for rs in ex.map(dedup.band_pairs, [(work, b, p) for b in range(work.bands) for p in parts])
-                        for r in rs]
+                tasks = [(work, b, p, writer.size(work.band_path(b, p))) for b in range(work.bands) for p in parts]
+                runs = [r for rs in ex.map(dedup.band_pairs, tasks) for r in rs]
                 res = dedup.resolve(work, runs, near_cfg.threshold, per_reason)
                 near_detail = res["detail"]
                 near_counts = {"candidates_checked": res["candidates_checked"],

@@ -19,6 +19,9 @@ a range of documents rather than by the corpus:
    sorted by band hash, each bucket of documents whose band is equal gives its
    candidate pairs with their count of equal signature slots. A pair that also
    shares an earlier band is left to that band, so each pair is written once.
+   Each task checks its partition file against the bytes the driver wrote to
+   it, so a worker that does not see the work folder (a Ray node without its
+   storage) stops the stage in one line instead of finding no duplicates.
 3. **decisions** (:func:`resolve`, one pass in document order over the pairs,
    read a range of documents at a time): a document is a near duplicate when a
    candidate pair links it to an earlier document still kept with estimated
@@ -48,10 +51,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pipeline.errors import StageError
 
 # A document's state byte.
 KEEP = 0        # passed the filters; no near-dedup signature (none made, or near dedup off)
@@ -67,6 +73,12 @@ PAIR = np.dtype([("j", "<i8"), ("i", "<i8"), ("equal", "<u2")])  # doc j > doc i
 PAIRS_PER_RUN = 1 << 20
 RESOLVE_DOCS = 1 << 20
 FLUSH_BYTES = 16 << 20
+
+
+
+class DedupError(StageError):
+    """A step's work files are not those the stage wrote (a Ray node without the work folder's storage)."""
+
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _PRIME = np.uint64(0x100000001B3)
@@ -137,10 +149,16 @@ class SignatureWriter:
         self.buffers: dict[Path, list[bytes]] = {}
         self.buffered = 0
         self.docs = 0
+        self.sizes: dict[Path, int] = {}  # bytes written to each partition file
+
+    def size(self, path: Path) -> int:
+        """The bytes written to the partition file ``path`` (0: no file): a step checks what it reads against it."""
+        return self.sizes.get(path, 0)
 
     def _append(self, path: Path, data: bytes) -> None:
         self.buffers.setdefault(path, []).append(data)
         self.buffered += len(data)
+        self.sizes[path] = self.sizes.get(path, 0) + len(data)
         if self.buffered >= FLUSH_BYTES:
             self.flush()
 
@@ -189,14 +207,29 @@ class SignatureWriter:
             self.sig_f.close()
 
 
-def _read(path: Path, dtype: np.dtype) -> np.ndarray:
-    return np.fromfile(path, dtype=dtype) if path.exists() else np.empty(0, dtype)
+def _read(path: Path, dtype: np.dtype, size: int) -> np.ndarray:
+    """The records of a partition file that the stage wrote ``size`` bytes to (0:
+    no file). Raises DedupError when the file here is missing or of another
+    size: on a Ray node that does not mount the work folder, a step would
+    otherwise find no records, and so no duplicates."""
+    if size == 0:
+        return np.empty(0, dtype)
+    try:
+        rec = np.fromfile(path, dtype=dtype)
+        got = f"{rec.nbytes} bytes, not the {size} the stage wrote,"
+    except FileNotFoundError:
+        got = "missing"
+    if got != "missing" and rec.nbytes == size:
+        return rec
+    raise DedupError(f"the dedup work file {path} is {got} on {socket.gethostname()}, where a dedup task ran; "
+                     "dedup.method: sharded on a Ray cluster needs the output folder on storage that every node "
+                     "mounts at the same path (or use method: memory)")
 
 
-def exact_partition(work: WorkDir, p: int) -> np.ndarray:
-    """Step 2 (exact): the documents of partition ``p`` whose digest an earlier
-    document has, sorted."""
-    rec = _read(work.exact_path(p), EXACT_RECORD)
+def exact_partition(work: WorkDir, p: int, size: int) -> np.ndarray:
+    """Step 2 (exact): the documents of partition ``p`` (whose file the stage
+    wrote ``size`` bytes to) whose digest an earlier document has, sorted."""
+    rec = _read(work.exact_path(p), EXACT_RECORD, size)
     if len(rec) < 2:
         return np.empty(0, np.int64)
     rec = rec[np.lexsort((rec["doc"], rec["d1"], rec["d0"]))]
@@ -204,11 +237,12 @@ def exact_partition(work: WorkDir, p: int) -> np.ndarray:
     return np.sort(rec["doc"][1:][same])
 
 
-def band_pairs(work: WorkDir, b: int, p: int) -> list[str]:
+def band_pairs(work: WorkDir, b: int, p: int, size: int) -> list[str]:
     """Step 2 (near): the candidate pairs first found in band ``b``, among the
-    documents of partition ``p`` still CANDIDATE (exact duplicates are out).
-    Writes them in runs sorted by (j, i) and returns the runs' paths."""
-    rec = _read(work.band_path(b, p), BAND_RECORD)
+    documents of partition ``p`` (whose file the stage wrote ``size`` bytes to)
+    still CANDIDATE (exact duplicates are out). Writes them in runs sorted by
+    (j, i) and returns the runs' paths."""
+    rec = _read(work.band_path(b, p), BAND_RECORD, size)
     if len(rec) < 2:
         return []
     state = work.state()

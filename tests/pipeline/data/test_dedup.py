@@ -150,7 +150,32 @@ def test_exact_partition_keeps_the_first_of_each_digest(tmp_path):
     writer.add(np.array([dedup.KEEP, dedup.CANDIDATE, dedup.FILTERED], np.uint8), np.stack([d2, d1, d2]), None)
     writer.add(np.zeros(3, np.uint8), np.stack([d1, d2, d2]), None)
     writer.close()
-    assert dedup.exact_partition(work, 0).tolist() == [3, 4, 5]
+    assert dedup.exact_partition(work, 0, writer.size(work.exact_path(0))).tolist() == [3, 4, 5]
+
+
+def test_a_step_whose_work_file_is_not_the_one_written_stops_in_one_line(tmp_path):
+    """As on a Ray node that does not mount the work folder: no records found must
+    not read as no duplicates."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=2, num_perm=8, bands=2, partition_docs=100)
+    writer = dedup.SignatureWriter(work, exact=True, near=True)
+    d = np.frombuffer(bytes(range(16)), "<u8")
+    writer.add(np.array([dedup.CANDIDATE] * 2, np.uint8), np.stack([d, d]), np.ones((2, 8), np.uint32))
+    writer.close()
+    exact, band = work.exact_path(0), work.band_path(0, 0)
+    sizes = writer.size(exact), writer.size(band)
+    assert sizes == (2 * dedup.EXACT_RECORD.itemsize, 2 * dedup.BAND_RECORD.itemsize)
+    assert dedup.exact_partition(work, 0, sizes[0]).tolist() == [1]
+    assert len(dedup.band_pairs(work, 0, 0, sizes[1])) == 1  # one run: the pair (1, 0)
+    assert dedup.exact_partition(work, 1, 0).tolist() == []  # a partition the stage wrote nothing to
+    with open(exact, "ab") as f:
+        f.write(b"\0" * dedup.EXACT_RECORD.itemsize)
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file .*exact-00000.bin is 72 bytes, not the 48 "
+                                               r"the stage wrote, on .*, where a dedup task ran; dedup.method: "
+                                               r"sharded on a Ray cluster needs the output folder on storage"):
+        dedup.exact_partition(work, 0, sizes[0])
+    band.unlink()
+    with pytest.raises(dedup.DedupError, match=r"band-0000-00000.bin is missing on "):
+        dedup.band_pairs(work, 0, 0, sizes[1])
 
 
 def test_band_keys_are_equal_for_equal_bands_only():
