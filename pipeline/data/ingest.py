@@ -36,6 +36,8 @@ import hashlib
 import itertools
 import json
 import logging
+import os
+import socket
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -711,10 +713,22 @@ def _init_reader(cfg: IngestConfig) -> None:
     _WORKER["cfg"] = cfg
 
 
-def _read_whole(f: InputFile, whole: bool) -> list[Item] | None:
-    """A worker's task: every item of ``f`` at once, or None for an input that the
-    stage's own process reads itself."""
-    return list(read_items(f, _WORKER["cfg"])) if whole else None
+def _read_whole(f: InputFile, seen: tuple[int, int] | None) -> list[Item] | str | None:
+    """A worker's task: every item of ``f`` at once; None for an input that the
+    stage's own process reads itself (``seen`` is None); or, where this worker
+    does not see the file the stage saw (``seen``: its size and mtime in ns
+    there), a line saying so, and the stage reads it itself. On a Ray cluster
+    whose nodes do not share the input's storage, a node may lack the file or
+    hold another one at its path."""
+    if seen is None:
+        return None
+    try:
+        st = os.stat(f.path)
+    except OSError as e:
+        return f"{f.path} is not readable on {socket.gethostname()} ({type(e).__name__})"
+    if (st.st_size, st.st_mtime_ns) != seen:
+        return f"{f.path} on {socket.gethostname()} is not the file the stage sees (size or modification time)"
+    return list(read_items(f, _WORKER["cfg"]))
 
 
 Position = tuple[int, int]  # (index of the input in the resolved files, items of it already read)
@@ -727,7 +741,9 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
     input's :func:`read_items` stream. With an executor of more than one worker,
     files of at most ``worker_file_bytes`` are read whole by the workers, a
     window of them ahead; larger files and datasets are streamed here, in their
-    turn, so memory stays bounded. The items are the same either way.
+    turn, so memory stays bounded. A worker that does not see a file as this
+    process does (a Ray node without the input's storage) hands it back and it
+    is read here; one warning line counts them. The items are the same either way.
 
     Starting at ``(i, n)`` reads input ``i`` again from its beginning and drops
     its first ``n`` items (a worker reads a small file whole and the stage drops
@@ -754,12 +770,26 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
             yield from positioned(i, f, read_items(f, cfg, dup))
         return
 
-    def whole(f: InputFile, dup: bool) -> bool:
-        return not dup and f.format != "hf" and f.path.is_file() and f.path.stat().st_size <= cfg.worker_file_bytes
+    def stat_of(f: InputFile, dup: bool) -> tuple[int, int] | None:
+        """The size and mtime of a file for a worker to read, or None."""
+        if dup or f.format == "hf" or not f.path.is_file():
+            return None
+        st = f.path.stat()
+        return (st.st_size, st.st_mtime_ns) if st.st_size <= cfg.worker_file_bytes else None
 
-    results = ex.map(_read_whole, ((f, whole(f, dup)) for f, dup in plan[first:]))
-    for i, (f, dup), items in zip(itertools.count(first), plan[first:], results):
-        yield from positioned(i, f, read_items(f, cfg, dup) if items is None else items)
+    elsewhere: list[str] = []
+    results = ex.map(_read_whole, ((f, stat_of(f, dup)) for f, dup in plan[first:]))
+    try:
+        for i, (f, dup), items in zip(itertools.count(first), plan[first:], results):
+            if isinstance(items, str):
+                elsewhere.append(items)
+                items = None
+            yield from positioned(i, f, read_items(f, cfg, dup) if items is None else items)
+    finally:
+        if elsewhere:
+            log.warning("%d input file(s) were read by the stage itself, not by the workers, which do not see them "
+                        "as it does (for example %s); put the input on storage every node mounts at the same path "
+                        "to spread the reading", len(elsewhere), elsewhere[0])
 
 
 # --- the output: shards committed one by one, resumed after a kill ---------------------------

@@ -397,6 +397,29 @@ def test_workers_give_the_bytes_of_one_process(tmp_path):
     assert capped[0] == capped[1] and capped[0][0]["docs"] < one[0]["docs"]
 
 
+def test_a_worker_reads_a_file_only_if_it_is_the_one_the_stage_saw(tmp_path):
+    """A worker that lacks the file, or holds another one at its path (a Ray node
+    without the input's storage), hands it back to the stage with a line saying so."""
+    import os
+    import socket
+
+    from pipeline.data import ingest
+
+    path = tmp_path / "a.txt"
+    path.write_text("one\n\ntwo\n")
+    ingest._init_reader(cfg(sources=[{"path": str(path), "split_by": "paragraph"}]))
+    f, = resolve_sources(ingest._WORKER["cfg"])
+    st = os.stat(path)
+    seen = (st.st_size, st.st_mtime_ns)
+    assert [item.text for item in ingest._read_whole(f, seen)] == ["one", "two"]
+    assert ingest._read_whole(f, None) is None
+    assert ingest._read_whole(f, (st.st_size + 1, st.st_mtime_ns)).endswith(
+        f"a.txt on {socket.gethostname()} is not the file the stage sees (size or modification time)")
+    assert "is not the file" in ingest._read_whole(f, (st.st_size, st.st_mtime_ns + 1))
+    path.unlink()
+    assert ingest._read_whole(f, seen).endswith(" (FileNotFoundError)")
+
+
 def test_a_split_asked_of_a_dataset_without_splits_is_an_error(tmp_path):
     import datasets
 
