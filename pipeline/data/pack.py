@@ -130,6 +130,7 @@ from pipeline.data.tokenizer import (
     load_tokenizer,
     open_docs,
     open_tokenizer,
+    parse_tokenizer,
     tokenizer_dir,
 )
 from pipeline.errors import StageError
@@ -416,11 +417,13 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_path: str, schema: pa.Schema) -> None:
+def _init_worker(tokenizer_json: str, schema: pa.Schema) -> None:
+    """``tokenizer_json``: the text of the tokenizer file the stage loaded, not its
+    path, so that a Ray node need not see the stage's files."""
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=load_tokenizer(tokenizer_path), schema=schema)
+    _WORKER.update(tok=parse_tokenizer(tokenizer_json), schema=schema)
 
 
 def _encode_task(message: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -556,7 +559,8 @@ def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, executor: ExecutorConfig,
     schema = pa.schema([pf.schema_arrow.field("text")])
     tasks = _tasks(pf, batch_docs, task_bytes, extra, start)
     sent: deque[Task] = deque()
-    with open_executor(executor, _init_worker, (str(tokenizer_path), schema), desc="pack") as ex:
+    tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
+    with open_executor(executor, _init_worker, (tokenizer_json, schema), desc="pack") as ex:
         if on_open is not None:
             on_open(ex)
         window = 2 * ex.workers + 2

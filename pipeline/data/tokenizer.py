@@ -259,6 +259,15 @@ def load_tokenizer(path: str | Path, parse_special: bool = False) -> Tokenizer:
     return tok
 
 
+def parse_tokenizer(text: str, parse_special: bool = False) -> Tokenizer:
+    """A tokenizer from the text of a ``tokenizer.json`` that :func:`load_tokenizer`
+    has loaded and checked, encoding as it does: for a worker that gets the
+    text rather than the path, as a Ray node that cannot see the file does."""
+    tok = Tokenizer.from_str(text)
+    tok.encode_special_tokens = not parse_special
+    return tok
+
+
 def build_tokenizer() -> Tokenizer:
     """An untrained byte-level BPE with our pre-tokenizer and decoder."""
     tok = Tokenizer(models.BPE())
