@@ -28,8 +28,9 @@ Kinds (``executor.kind`` in a stage's params):
   initializer's module) before the stage connects. With an ``address``
   (``auto``, ``host:6379``, ``ray://host:10001``) the stage joins that
   cluster and uses its CPUs. Ray worker processes are reused across tasks,
-  and each runs the initializer once and keeps its state. Ray is imported
-  only here, only for this kind.
+  and each runs the initializer once and keeps its state. The variables it
+  sets in the stage's environment for Ray (loopback only, no token file) are
+  restored when it closes. Ray is imported only here, only for this kind.
 
 Errors: a :class:`~pipeline.errors.StageError` raised by a task reaches the
 caller unchanged (the runner prints it as one line). Any other exception in a
@@ -268,15 +269,28 @@ class LocalPool(Executor):
 RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def loopback_only() -> None:
-    """Make the Ray instance this process starts next bind to 127.0.0.1 only,
-    unless the user set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER. Ray reads the variable
-    when it is imported, so where it already is, its constant is set too."""
-    if os.environ.setdefault(RAY_CLUSTER_ENV, "0") != "0":
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """For the block: the Ray instance this process starts binds to 127.0.0.1
+    only, and one it joins is looked for there, unless the user set
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER. Ray reads the variable when it is
+    imported, so where it already is, its constant is set too. Both are
+    restored after the block, so that a later stage in the same process can
+    join a cluster by the machine's own address."""
+    if RAY_CLUSTER_ENV in os.environ:
+        yield
         return
     constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+    saved = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[RAY_CLUSTER_ENV] = "0"
+    if saved is not None:
         constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_CLUSTER_ENV, None)
+        if saved is not None:
+            constants.ENABLE_RAY_CLUSTER = saved
 
 
 def on_loopback(address: str) -> bool:
@@ -442,11 +456,22 @@ class RayExecutor(Executor):
             raise ExecutorError("executor.kind is ray but Ray is not installed: pip install '.[ray]'") from None
         self.ray = ray
         self.cfg = cfg
+        # The Ray variables this executor sets, for its life only (close() restores them).
+        self.scope = contextlib.ExitStack()
+        try:
+            self._open(desc, cfg, max_workers, initializer, initargs)
+        except BaseException:
+            self.scope.close()
+            raise
+
+    def _open(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
+              initializer: Callable[..., None] | None, initargs: tuple) -> None:
+        ray = self.ray
         address = _resolve_auto(desc) if cfg.address == "auto" and not ray.is_initialized() else cfg.address
         if address is None or on_loopback(address):
             # A driver that joins by a loopback address takes that address as its own
             # too; without this it would look for the instance at the machine's address.
-            loopback_only()
+            self.scope.enter_context(loopback_only())
         self.initializer, self.initargs = initializer, initargs
         self.started = False  # this executor called ray.init (and so calls ray.shutdown)
         self.node: Any = None  # the private instance this executor started
@@ -467,7 +492,7 @@ class RayExecutor(Executor):
             # A private instance for this stage, reachable from this machine only.
             # Token authentication would write ~/.ray/auth_token for an instance
             # that lives as long as the stage; the user's own setting wins.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            self.scope.enter_context(_environ({"RAY_AUTH_MODE": "disabled"}))
             self.workers = cpus = cfg.num_workers or available_cores()
             self.starter = threading.Thread(target=self._start, args=(cpus,), name="ray-start", daemon=True)
             self.starter.start()
@@ -619,13 +644,16 @@ class RayExecutor(Executor):
                     self.ray.get(ref)
 
     def close(self) -> None:
-        if self.starter is not None:
-            self.up.wait()
-        if self.started:
-            self.ray.shutdown()
-        if self.starter is not None:
-            self.stop.set()
-            self.starter.join()
+        try:
+            if self.starter is not None:
+                self.up.wait()
+            if self.started:
+                self.ray.shutdown()
+            if self.starter is not None:
+                self.stop.set()
+                self.starter.join()
+        finally:
+            self.scope.close()
 
 
 @contextlib.contextmanager

@@ -13,8 +13,8 @@ def ray_instance():
     from pipeline.data.executor import loopback_only
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    loopback_only()
-    # "local": a new instance, even where a `ray start` elsewhere left /tmp/ray/ray_current_cluster
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
-    yield ray
-    ray.shutdown()
+    with loopback_only():
+        # "local": a new instance, even where a `ray start` elsewhere left /tmp/ray/ray_current_cluster
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+        yield ray
+        ray.shutdown()
