@@ -1,0 +1,181 @@
+"""The data stages joining a real two-node Ray cluster whose worker node cannot
+see the stage's files, as a cluster without shared storage is.
+
+The head node has no CPUs, so every task runs on the other node; that node is
+started in its own mount namespace with an empty tmpfs over the folder that
+holds the test's inputs and outputs. ingest, clean (``dedup.method: memory``)
+and pack must give the bytes of the local pool there; clean's sharded dedup,
+whose steps read a work folder beside the output, must stop with one line that
+says so, not find no duplicates. Marked slow: two Ray nodes take seconds to
+start. Skipped where this machine has no address but loopback (a second node
+needs one) or cannot make a mount namespace (``unshare``)."""
+
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.data.dedup import DedupError
+from pipeline.data.pack import PackConfig, run_pack
+from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
+from tests.pipeline.data.test_clean import MIXED, code, prose
+from tests.pipeline.data.test_clean import run as run_clean_on
+from tests.pipeline.data.test_dedup import PLANTED
+from tests.pipeline.data.test_ingest import mixed_corpus
+from tests.pipeline.data.test_ingest import outputs as ingest_outputs
+from tests.pipeline.data.test_pack_ray import files
+from tests.pipeline.data.test_pack_sources import CFG, write_sourced
+from tests.pipeline.data.test_tokenizer import make_docs
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()  # --block: `ray start` stops its node's processes
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(address, blind): a head with 0 CPUs and a node with 2 that sees an empty ``blind`` folder."""
+    ip = ray.util.get_node_ip_address()  # what `ray start` would take
+    if ip.startswith("127."):
+        pytest.skip("Ray finds no address but loopback here (or RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set); "
+                    "a second Ray node needs one")
+    if not _can_unshare():
+        pytest.skip("no mount namespace here (unshare -m), so no node can be made blind to a folder")
+    blind = tmp_path_factory.mktemp("cluster-data")
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: it holds Unix sockets
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp, "HOME": str(logs)}
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    common = ["--block", f"--node-ip-address={ip}", "--disable-usage-stats"]
+    head = [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", *common]
+    node = [ray_cli, "start", f"--address={ip}:{port}", "--num-cpus=2", *common]
+    blinded = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+               f"mount -t tmpfs tmpfs {shlex.quote(str(blind))} && exec {shlex.join(node)}"]
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + 90
+
+    def wait(ok, proc, log):
+        while not ok():
+            assert proc.poll() is None and time.monotonic() < deadline, (logs / log).read_text()
+            time.sleep(0.5)
+
+    def head_answers():
+        try:
+            socket.create_connection((ip, port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        stack.callback(shutil.rmtree, temp, ignore_errors=True)
+        for cmd, log in ((head, "head.log"), (blinded, "node.log")):
+            out = stack.enter_context(open(logs / log, "w"))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True))
+            stack.callback(_stop, procs[-1])
+            if cmd is head:
+                wait(head_answers, procs[0], log)
+        ray.init(address=f"{ip}:{port}", logging_level="warning", log_to_driver=False)
+        try:
+            wait(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, procs[1], "node.log")
+            assert ray.cluster_resources().get("CPU") == 2
+        finally:
+            ray.shutdown()
+        yield f"{ip}:{port}", blind
+
+
+def on_cluster(cluster):
+    return {"kind": "ray", "address": cluster[0], "num_workers": 2}
+
+
+def test_the_worker_node_cannot_see_the_folder(cluster):
+    @ray.remote(num_cpus=1)
+    def listing(path):
+        return os.listdir(path)
+
+    address, blind = cluster
+    (blind / "here.txt").write_text("only on the head's side")
+    ray.init(address=address, logging_level="warning", log_to_driver=False)
+    try:
+        assert ray.get(listing.remote(str(blind))) == []
+    finally:
+        ray.shutdown()
+    assert os.listdir(blind) == ["here.txt"]
+
+
+def test_ingest_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster, caplog):
+    """Every file a worker was to read comes back to the stage: 16 .txt and one
+    .jsonl (the file listed twice and the dataset are read by the stage anyway)."""
+    root = cluster[1] / "ingest"
+    sources = mixed_corpus(root)
+    local = ingest_outputs(root, "local", sources, executor={"num_workers": 2})
+    assert "read by the stage itself" not in caplog.text
+    assert ingest_outputs(root, "cluster", sources, executor=on_cluster(cluster)) == local
+    assert re.search(r"17 input file\(s\) were read by the stage itself, not by the workers, which do not see "
+                     r"them as it does \(for example .*/corpus/\w+\.txt is not readable on .* "
+                     r"\(FileNotFoundError\)\)", caplog.text)
+
+
+def test_clean_on_a_cluster_without_shared_storage(cluster):
+    """memory dedup: the local bytes; sharded dedup: one line naming what it needs
+    (not a run that finds no duplicates)."""
+    root = cluster[1] / "clean"
+    texts = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
+    small = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}
+    got = {}
+    for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster)}.items():
+        (root / name).mkdir(parents=True)
+        metrics, docs, quarantine = run_clean_on(root / name, texts, executor=executor, **small)
+        metrics.pop("mb_per_s")
+        got[name] = metrics, docs, quarantine
+    assert got["cluster"] == got["local"]
+    (root / "sharded").mkdir()
+    with pytest.raises(DedupError, match=r"^the dedup work file .*/exact-00000.bin is missing on .*, where a dedup "
+                                         r"task ran; dedup.method: sharded on a Ray cluster needs the output folder "
+                                         r"on storage that every node mounts at the same path \(or use method: "
+                                         r"memory\)$"):
+        run_clean_on(root / "sharded", texts, executor=on_cluster(cluster),
+                     dedup={"method": "sharded", "partition_docs": 4}, **small)
+
+
+def test_pack_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster):
+    root = cluster[1] / "pack"
+    root.mkdir()
+    rows = [(f"w{i}", t, "web", None) for i, (_, t) in enumerate(make_docs(150, seed=1))]
+    path = write_sourced(root / "docs.parquet", rows)
+    tok = root / "tokenizer.json"
+    train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), path, tok)
+    out = {}
+    for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster)}.items():
+        run_pack(PackConfig(**{**CFG, "num_workers": None}, executor=executor), path, tok, root / name)
+        out[name] = files(root / name)
+    assert len(out["local"]) > 3 and out["cluster"] == out["local"]
