@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,6 +43,17 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 
+def _free_ports(ip: str, n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((ip, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _can_unshare() -> bool:
     if shutil.which("unshare") is None:
         return False
@@ -59,7 +71,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(address, blind): a head with 0 CPUs and a node with 2 that sees an empty ``blind`` folder."""
+    """A head with 0 CPUs and a node with 2 that sees an empty ``blind`` folder: its
+    GCS ``address``, its Ray Client address (``client``), and ``blind``."""
     ip = ray.util.get_node_ip_address()  # what `ray start` would take
     if ip.startswith("127."):
         pytest.skip("Ray finds no address but loopback here (or RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set); "
@@ -68,15 +81,14 @@ def cluster(tmp_path_factory):
         pytest.skip("no mount namespace here (unshare -m), so no node can be made blind to a folder")
     blind = tmp_path_factory.mktemp("cluster-data")
     logs = tmp_path_factory.mktemp("cluster-logs")
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port = s.getsockname()[1]
+    port, client_port = _free_ports(ip, 2)
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: it holds Unix sockets
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp, "HOME": str(logs)}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     ray_cli = str(Path(sys.executable).parent / "ray")
     common = ["--block", f"--node-ip-address={ip}", "--disable-usage-stats"]
-    head = [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", *common]
+    head = [ray_cli, "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}", "--num-cpus=0",
+            "--include-dashboard=false", *common]
     node = [ray_cli, "start", f"--address={ip}:{port}", "--num-cpus=2", *common]
     blinded = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                f"mount -t tmpfs tmpfs {shlex.quote(str(blind))} && exec {shlex.join(node)}"]
@@ -110,11 +122,11 @@ def cluster(tmp_path_factory):
             assert ray.cluster_resources().get("CPU") == 2
         finally:
             ray.shutdown()
-        yield f"{ip}:{port}", blind
+        yield SimpleNamespace(address=f"{ip}:{port}", client=f"ray://{ip}:{client_port}", blind=blind)
 
 
-def on_cluster(cluster):
-    return {"kind": "ray", "address": cluster[0], "num_workers": 2}
+def on_cluster(cluster, client=False):
+    return {"kind": "ray", "address": cluster.client if client else cluster.address, "num_workers": 2}
 
 
 def test_the_worker_node_cannot_see_the_folder(cluster):
@@ -122,7 +134,7 @@ def test_the_worker_node_cannot_see_the_folder(cluster):
     def listing(path):
         return os.listdir(path)
 
-    address, blind = cluster
+    address, blind = cluster.address, cluster.blind
     (blind / "here.txt").write_text("only on the head's side")
     ray.init(address=address, logging_level="warning", log_to_driver=False)
     try:
@@ -135,7 +147,7 @@ def test_the_worker_node_cannot_see_the_folder(cluster):
 def test_ingest_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster, caplog):
     """Every file a worker was to read comes back to the stage: 16 .txt and one
     .jsonl (the file listed twice and the dataset are read by the stage anyway)."""
-    root = cluster[1] / "ingest"
+    root = cluster.blind / "ingest"
     sources = mixed_corpus(root)
     local = ingest_outputs(root, "local", sources, executor={"num_workers": 2})
     assert "read by the stage itself" not in caplog.text
@@ -145,14 +157,16 @@ def test_ingest_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluste
                      r"\(FileNotFoundError\)\)", caplog.text)
 
 
-def test_clean_on_a_cluster_without_shared_storage(cluster):
+@pytest.mark.parametrize("client", [False, True], ids=["gcs", "ray-client"])
+def test_clean_on_a_cluster_without_shared_storage(cluster, client):
     """memory dedup: the local bytes; sharded dedup: one line naming what it needs
-    (not a run that finds no duplicates)."""
-    root = cluster[1] / "clean"
+    (not a run that finds no duplicates). Joined by the GCS address, and as a Ray
+    Client (ray://), where the stage's process is no node of the cluster."""
+    root = cluster.blind / f"clean-{'client' if client else 'gcs'}"
     texts = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
     small = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}
     got = {}
-    for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster)}.items():
+    for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster, client)}.items():
         (root / name).mkdir(parents=True)
         metrics, docs, quarantine = run_clean_on(root / name, texts, executor=executor, **small)
         metrics.pop("mb_per_s")
@@ -163,12 +177,12 @@ def test_clean_on_a_cluster_without_shared_storage(cluster):
                                          r"task ran; dedup.method: sharded on a Ray cluster needs the output folder "
                                          r"on storage that every node mounts at the same path \(or use method: "
                                          r"memory\)$"):
-        run_clean_on(root / "sharded", texts, executor=on_cluster(cluster),
+        run_clean_on(root / "sharded", texts, executor=on_cluster(cluster, client),
                      dedup={"method": "sharded", "partition_docs": 4}, **small)
 
 
 def test_pack_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster):
-    root = cluster[1] / "pack"
+    root = cluster.blind / "pack"
     root.mkdir()
     rows = [(f"w{i}", t, "web", None) for i, (_, t) in enumerate(make_docs(150, seed=1))]
     path = write_sourced(root / "docs.parquet", rows)
