@@ -37,6 +37,8 @@ caller unchanged (the runner prints it as one line). Any other exception in a
 task, a worker that dies, or a Ray cluster that cannot be reached becomes an
 :class:`ExecutorError`, one line that names the task and the exception and where
 it was raised (the worker's traceback goes to the debug log, not the terminal).
+A Ray cluster left with no CPUs at all (its nodes died) is one line too, after
+:data:`NO_CPU_S` of warnings (Ray itself would keep the tasks queued for good).
 """
 
 from __future__ import annotations
@@ -340,6 +342,13 @@ def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
 # stage's ray.shutdown otherwise waits to flush the last ones (up to 0.25 s here).
 _NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
 
+# A task waits as long as the cluster has CPUs, however busy. With none at all
+# (its nodes died or left) Ray keeps the task queued for good, so the stage
+# warns at once and each minute, and stops after NO_CPU_S: time enough for an
+# autoscaler to bring nodes, not a silent wait for ever. CHECK_S: how often.
+CHECK_S = 5.0
+NO_CPU_S = 600.0
+
 
 def _unset(values: dict[str, str]) -> dict[str, str]:
     """The environment variables of ``values`` that the user has not set (their own
@@ -578,6 +587,30 @@ class RayExecutor(Executor):
         except RayError as e:  # a worker or node died, an object was lost
             raise ExecutorError(f"{self.desc}: task {index} was lost: {type(e).__name__}: {_first_line(e)}") from None
 
+    def _wait(self, refs: list, index: int) -> list:
+        """``ray.wait(refs, num_returns=1)``, watching that the cluster still has
+        CPUs (see NO_CPU_S); ``index``: the task waited for, for the messages."""
+        since: float | None = None  # when the cluster was first seen without CPUs
+        warnings = 0
+        while True:
+            done, _ = self.ray.wait(refs, num_returns=1, timeout=CHECK_S)
+            if done:
+                return done
+            if self.ray.cluster_resources().get("CPU", 0) > 0:
+                since, warnings = None, 0
+                continue
+            now = time.monotonic()
+            since = now if since is None else since
+            waited = now - since
+            if waited >= NO_CPU_S:
+                raise ExecutorError(f"{self.desc}: the Ray cluster has had no CPUs for {waited:.0f} s (its nodes "
+                                    f"died or left), so task {index} cannot run; bring nodes back and rerun the "
+                                    "stage (it keeps its committed shards)")
+            if waited >= 60 * warnings:
+                log.warning("%s: the Ray cluster has no CPUs (its nodes died or left, or an autoscaler has not "
+                            "added them yet); task %d waits, at most %.0f s more", self.desc, index, NO_CPU_S - waited)
+                warnings += 1
+
     def _map(self, fn, tasks, window):
         tasks = iter(tasks)
         index = 0
@@ -620,10 +653,12 @@ class RayExecutor(Executor):
                 if not refs:
                     return
                 i, ref = refs[0]
-                while ref in running:  # wait for the next result, submitting as other tasks finish
-                    done, _ = self.ray.wait(list(running), num_returns=1)
-                    running.difference_update(done)
-                    submit()
+                if bounded:
+                    while ref in running:  # wait for the next result, submitting as other tasks finish
+                        running.difference_update(self._wait(list(running), i))
+                        submit()
+                else:
+                    self._wait([ref], i)
                 refs.popleft()
                 yield self._result(i, ref)
         finally:

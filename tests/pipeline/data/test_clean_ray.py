@@ -12,7 +12,7 @@ from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, files, prose, report, run, write_docs
 from tests.pipeline.data.test_dedup import PLANTED
-from tests.pipeline.data.test_executor import BadInput, fails, init, tagged, timed
+from tests.pipeline.data.test_executor import BadInput, dies, fails, init, tagged, timed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
 
@@ -101,6 +101,18 @@ def test_worker_errors_under_ray_are_one_line(capfd):
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("clean: task 2 failed in a worker: ValueError: a bug")
     assert "in fails" in msg
+    out, errs = capfd.readouterr()
+    assert "Traceback" not in out + errs
+
+
+def test_a_ray_worker_that_dies_is_one_line(capfd):
+    """Ray's worker process exits mid-task (a crash, the OOM killer): Ray does not
+    retry it (that would run a task twice), and the stage stops in one line."""
+    with open_executor(ExecutorConfig(kind="ray", num_workers=2), desc="clean") as ex, \
+            pytest.raises(ExecutorError) as err:
+        list(ex.map(dies, [(x,) for x in range(4)]))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("clean: task 1 was lost: WorkerCrashedError: "), msg
     out, errs = capfd.readouterr()
     assert "Traceback" not in out + errs
 

@@ -27,11 +27,14 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.data.dedup import DedupError
+from pipeline.data import executor as executor_module
+from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from pipeline.data.pack import PackConfig, run_pack
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 from tests.pipeline.data.test_clean import MIXED, code, prose
 from tests.pipeline.data.test_clean import run as run_clean_on
 from tests.pipeline.data.test_dedup import PLANTED
+from tests.pipeline.data.test_executor import timed
 from tests.pipeline.data.test_ingest import mixed_corpus
 from tests.pipeline.data.test_ingest import outputs as ingest_outputs
 from tests.pipeline.data.test_pack_ray import files
@@ -69,18 +72,20 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@contextlib.contextmanager
+def two_nodes(blind: Path, logs: Path, **head_env: str):
     """A head with 0 CPUs and a node with 2 that sees an empty ``blind`` folder: its
-    GCS ``address``, its Ray Client address (``client``), and ``blind``."""
+    GCS ``address``, its Ray Client address (``client``), ``blind``, and the
+    node's ``ray start`` process (``node``, its process group's leader).
+    ``head_env``: more environment for the head (Ray's settings)."""
     ip = ray.util.get_node_ip_address()  # what `ray start` would take
     if ip.startswith("127."):
         pytest.skip("Ray finds no address but loopback here (or RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set); "
                     "a second Ray node needs one")
     if not _can_unshare():
         pytest.skip("no mount namespace here (unshare -m), so no node can be made blind to a folder")
-    blind = tmp_path_factory.mktemp("cluster-data")
-    logs = tmp_path_factory.mktemp("cluster-logs")
+    blind.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
     port, client_port = _free_ports(ip, 2)
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: it holds Unix sockets
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp, "HOME": str(logs)}
@@ -112,7 +117,8 @@ def cluster(tmp_path_factory):
         stack.callback(shutil.rmtree, temp, ignore_errors=True)
         for cmd, log in ((head, "head.log"), (blinded, "node.log")):
             out = stack.enter_context(open(logs / log, "w"))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env={**env, **head_env} if cmd is head else env, stdout=out,
+                                          stderr=out, start_new_session=True))
             stack.callback(_stop, procs[-1])
             if cmd is head:
                 wait(head_answers, procs[0], log)
@@ -122,7 +128,15 @@ def cluster(tmp_path_factory):
             assert ray.cluster_resources().get("CPU") == 2
         finally:
             ray.shutdown()
-        yield SimpleNamespace(address=f"{ip}:{port}", client=f"ray://{ip}:{client_port}", blind=blind)
+        yield SimpleNamespace(address=f"{ip}:{port}", client=f"ray://{ip}:{client_port}", blind=blind,
+                              node=procs[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """:func:`two_nodes`, for the module."""
+    with two_nodes(tmp_path_factory.mktemp("cluster-data"), tmp_path_factory.mktemp("cluster-logs")) as c:
+        yield c
 
 
 def on_cluster(cluster, client=False):
@@ -193,3 +207,32 @@ def test_pack_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster)
         run_pack(PackConfig(**{**CFG, "num_workers": None}, executor=executor), path, tok, root / name)
         out[name] = files(root / name)
     assert len(out["local"]) > 3 and out["cluster"] == out["local"]
+
+
+@pytest.mark.timeout(90, method="thread")  # a regression here would wait for ever inside ray.get
+def test_a_node_that_dies_mid_stage_stops_it_in_one_line(tmp_path, capfd, caplog, monkeypatch):
+    """The only node with CPUs is killed (SIGKILL: its raylet and workers) while
+    tasks run on it. Ray keeps tasks queued for good on a cluster without CPUs;
+    the stage warns, then stops in one line after NO_CPU_S (here 4 s; the head
+    notices the dead node within about 3 s) rather than wait for ever. Its
+    committed shards would stay for a rerun."""
+    monkeypatch.setattr(executor_module, "NO_CPU_S", 4.0)
+    monkeypatch.setattr(executor_module, "CHECK_S", 0.5)
+    fast = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+            "RAY_health_check_failure_threshold": "3"}
+    with two_nodes(tmp_path / "blind", tmp_path / "logs", **fast) as c:
+        cfg = ExecutorConfig(kind="ray", address=c.address, num_workers=2)
+        with open_executor(cfg, desc="clean") as ex, pytest.raises(ExecutorError) as err:
+            for i, _ in enumerate(ex.map(timed, [(x, 0.5) for x in range(40)])):
+                if i == 1:
+                    os.killpg(c.node.pid, signal.SIGKILL)
+                    killed = time.monotonic()
+        stopped = time.monotonic() - killed
+    msg = str(err.value)
+    assert "\n" not in msg and i < 10 and stopped < 60, (msg, i, stopped)
+    assert re.match(r"^clean: the Ray cluster has had no CPUs for [4-9] s \(its nodes died or left\), so task "
+                    r"\d+ cannot run; bring nodes back and rerun the stage \(it keeps its committed shards\)$", msg), msg
+    assert "clean: the Ray cluster has no CPUs (its nodes died or left, or an autoscaler has not added them " \
+           "yet); task" in caplog.text
+    out, errs = capfd.readouterr()
+    assert "Traceback" not in out + errs
