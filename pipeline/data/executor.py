@@ -665,15 +665,19 @@ class RayExecutor(Executor):
             self._drop([ref for _, ref in refs])
 
     def _drop(self, refs: list) -> None:
-        """Cancel tasks whose results are no longer wanted, and collect the errors
-        of those that failed anyway, which Ray would otherwise log as unhandled."""
+        """Tasks whose results are no longer wanted (an error, or a stage that stops
+        reading early): collect the errors of those that have failed already,
+        which Ray would otherwise log as unhandled, and leave the others. They
+        end with the stage's connection: a private instance is stopped, and a
+        cluster ends a driver's tasks when it disconnects (at once, measured).
+        Not ``ray.cancel``: in Ray 2.60 a cancel that races with the reply of a
+        task on another node aborts the stage's process ("Check failed: it !=
+        submissible_tasks_.end()", ray-project/ray#54846; reproduced here on a
+        two-node cluster)."""
         if not refs:
             return
-        for ref in refs:
-            with contextlib.suppress(Exception):
-                self.ray.cancel(ref)
         with contextlib.suppress(Exception):
-            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=10)
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in done:
                 with contextlib.suppress(Exception):
                     self.ray.get(ref)
