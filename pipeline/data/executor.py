@@ -34,9 +34,11 @@ Kinds (``executor.kind`` in a stage's params):
 
 Errors: a :class:`~pipeline.errors.StageError` raised by a task reaches the
 caller unchanged (the runner prints it as one line). Any other exception in a
-task, a worker that dies, or a Ray cluster that cannot be reached becomes an
-:class:`ExecutorError`, one line that names the task and the exception and where
-it was raised (the worker's traceback goes to the debug log, not the terminal).
+task, a worker that dies (on Ray: a task lost with its worker or node runs
+again, up to :data:`TASK_RETRIES` times), or a Ray cluster that cannot be
+reached becomes an :class:`ExecutorError`, one line that names the task and
+the exception and where it was raised (the worker's traceback goes to the debug
+log, not the terminal).
 A Ray cluster left with no CPUs at all (its nodes died) is one line too, after
 :data:`NO_CPU_S` of warnings (Ray itself would keep the tasks queued for good).
 """
@@ -349,6 +351,11 @@ _NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
 CHECK_S = 5.0
 NO_CPU_S = 600.0
 
+# A task whose worker process or node died is run again (Ray's own retry, up to
+# this many times; tasks are pure, so a rerun gives the same result): a
+# preempted node does not stop a long stage. A task that raises is not retried.
+TASK_RETRIES = 3
+
 
 def _unset(values: dict[str, str]) -> dict[str, str]:
     """The environment variables of ``values`` that the user has not set (their own
@@ -542,7 +549,7 @@ class RayExecutor(Executor):
 
     def _make_task(self) -> None:
         self.init = [self.initializer, self.ray.put(self.initargs)]
-        self.remote = self.ray.remote(num_cpus=1, max_retries=0)(_ray_task)
+        self.remote = self.ray.remote(num_cpus=1, max_retries=TASK_RETRIES, retry_exceptions=False)(_ray_task)
 
     def starting(self) -> bool:
         """Whether the private instance is still starting (tasks then run here)."""

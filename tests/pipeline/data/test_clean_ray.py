@@ -12,7 +12,7 @@ from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, files, prose, report, run, write_docs
 from tests.pipeline.data.test_dedup import PLANTED
-from tests.pipeline.data.test_executor import BadInput, dies, fails, init, tagged, timed
+from tests.pipeline.data.test_executor import BadInput, dies, dies_once, fails, init, tagged, timed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
 
@@ -105,9 +105,16 @@ def test_worker_errors_under_ray_are_one_line(capfd):
     assert "Traceback" not in out + errs
 
 
+def test_a_task_whose_ray_worker_died_runs_again(tmp_path):
+    """Tasks are pure, so one lost with its worker process (or node) runs again."""
+    with open_executor(ExecutorConfig(kind="ray", num_workers=2)) as ex:
+        assert list(ex.map(dies_once, [(x, str(tmp_path)) for x in range(4)])) == [0, 1, 2, 3]
+    assert os.listdir(tmp_path) == ["died-1"]
+
+
 def test_a_ray_worker_that_dies_is_one_line(capfd):
-    """Ray's worker process exits mid-task (a crash, the OOM killer): Ray does not
-    retry it (that would run a task twice), and the stage stops in one line."""
+    """Ray's worker process exits mid-task every time (a crash on this input, the
+    OOM killer): after TASK_RETRIES more tries the stage stops in one line."""
     with open_executor(ExecutorConfig(kind="ray", num_workers=2), desc="clean") as ex, \
             pytest.raises(ExecutorError) as err:
         list(ex.map(dies, [(x,) for x in range(4)]))

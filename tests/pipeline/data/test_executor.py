@@ -52,6 +52,16 @@ def dies(x: int) -> int:
     return x
 
 
+def dies_once(x: int, marks: str) -> int:
+    """Task 1's process dies the first time it runs (a crash, a preempted node),
+    leaving a mark in the folder ``marks``; it succeeds after that."""
+    mark = os.path.join(marks, f"died-{x}")
+    if x == 1 and not os.path.exists(mark):
+        open(mark, "w").close()
+        os._exit(3)
+    return x
+
+
 def local(workers: int) -> ExecutorConfig:
     return ExecutorConfig(kind="local", num_workers=workers)
 

@@ -65,6 +65,19 @@ def _can_unshare() -> bool:
     return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
 
 
+def _kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL a node's `ray start` and every process under it (raylet, agents,
+    workers mid-task), as a machine that dies takes them all at once."""
+    import psutil
+
+    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert any(p.name().startswith("ray::") or "default_worker" in " ".join(p.cmdline()) for p in procs), \
+        [p.name() for p in procs]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()  # --block: `ray start` stops its node's processes
     try:
@@ -130,8 +143,23 @@ def two_nodes(blind: Path, logs: Path, **head_env: str):
             assert ray.cluster_resources().get("CPU") == 2
         finally:
             ray.shutdown()
+
+        def join(cpus: int, name: str) -> subprocess.Popen:
+            """Start one more node (it sees every file) and wait for its CPUs."""
+            out = stack.enter_context(open(logs / f"{name}.log", "w"))
+            proc = subprocess.Popen([ray_cli, "start", f"--address={ip}:{port}", f"--num-cpus={cpus}", *common],
+                                    env=env, stdout=out, stderr=out, start_new_session=True)
+            stack.callback(_stop, proc)
+            ray.init(address=f"{ip}:{port}", logging_level="warning", log_to_driver=False)
+            try:
+                want = ray.cluster_resources().get("CPU", 0) + cpus
+                wait(lambda: ray.cluster_resources().get("CPU", 0) == want, proc, f"{name}.log")
+            finally:
+                ray.shutdown()
+            return proc
+
         yield SimpleNamespace(address=f"{ip}:{port}", client=f"ray://{ip}:{client_port}", blind=blind,
-                              node=procs[1])
+                              node=procs[1], join=join)
 
 
 @pytest.fixture(scope="module")
@@ -220,14 +248,12 @@ def test_a_node_that_dies_mid_stage_stops_it_in_one_line(tmp_path, capfd, caplog
     committed shards would stay for a rerun."""
     monkeypatch.setattr(executor_module, "NO_CPU_S", 4.0)
     monkeypatch.setattr(executor_module, "CHECK_S", 0.5)
-    fast = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-            "RAY_health_check_failure_threshold": "3"}
-    with two_nodes(tmp_path / "blind", tmp_path / "logs", **fast) as c:
+    with two_nodes(tmp_path / "blind", tmp_path / "logs", **FAST_HEALTH_CHECKS) as c:
         cfg = ExecutorConfig(kind="ray", address=c.address, num_workers=2)
         with open_executor(cfg, desc="clean") as ex, pytest.raises(ExecutorError) as err:
             for i, _ in enumerate(ex.map(timed, [(x, 0.5) for x in range(40)])):
                 if i == 1:
-                    os.killpg(c.node.pid, signal.SIGKILL)
+                    _kill_node(c.node)
                     killed = time.monotonic()
         stopped = time.monotonic() - killed
     msg = str(err.value)
@@ -238,6 +264,34 @@ def test_a_node_that_dies_mid_stage_stops_it_in_one_line(tmp_path, capfd, caplog
            "yet); task" in caplog.text
     out, errs = capfd.readouterr()
     assert "Traceback" not in out + errs
+
+
+def square_after(x: int, delay: float) -> int:
+    time.sleep(delay)
+    return x * x
+
+
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                      "RAY_health_check_failure_threshold": "3"}
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_the_tasks_of_a_node_that_dies_run_again_on_another(tmp_path):
+    """A worker node is killed (SIGKILL) with tasks running on it while another
+    node has a CPU: those tasks run again there, and the stage ends with every
+    result, in order, as if nothing had happened."""
+    with two_nodes(tmp_path / "blind", tmp_path / "logs", **FAST_HEALTH_CHECKS) as c:
+        c.join(1, "spare")
+        cfg = ExecutorConfig(kind="ray", address=c.address, num_workers=3)
+        out = []
+        with open_executor(cfg, desc="clean") as ex:
+            assert ex.workers == 3
+            for i, sq in enumerate(ex.map(square_after, [(x, 0.3) for x in range(24)])):
+                out.append(sq)
+                if i == 3:
+                    _kill_node(c.node)
+        assert c.node.poll() is not None
+    assert out == [x * x for x in range(24)]
 
 
 def jittery(x: int) -> int:
