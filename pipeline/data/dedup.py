@@ -216,11 +216,12 @@ def _read(path: Path, dtype: np.dtype, size: int) -> np.ndarray:
         return np.empty(0, dtype)
     try:
         rec = np.fromfile(path, dtype=dtype)
-        got = f"{rec.nbytes} bytes, not the {size} the stage wrote,"
     except FileNotFoundError:
         got = "missing"
-    if got != "missing" and rec.nbytes == size:
-        return rec
+    else:
+        if rec.nbytes == size:
+            return rec
+        got = f"{rec.nbytes} bytes, not the {size} the stage wrote,"
     raise DedupError(f"the dedup work file {path} is {got} on {socket.gethostname()}, where a dedup task ran; "
                      "dedup.method: sharded on a Ray cluster needs the output folder on storage that every node "
                      "mounts at the same path (or use method: memory)")
