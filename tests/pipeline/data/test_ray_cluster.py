@@ -1,14 +1,18 @@
-"""The data stages joining a real two-node Ray cluster whose worker node cannot
-see the stage's files, as a cluster without shared storage is.
+"""The data stages joining a real multi-node Ray cluster, started on this
+machine with `ray start`.
 
 The head node has no CPUs, so every task runs on the other node; that node is
 started in its own mount namespace with an empty tmpfs over the folder that
-holds the test's inputs and outputs. ingest, clean (``dedup.method: memory``)
-and pack must give the bytes of the local pool there; clean's sharded dedup,
-whose steps read a work folder beside the output, must stop with one line that
-says so, not find no duplicates. Marked slow: two Ray nodes take seconds to
-start. Skipped where this machine has no address but loopback (a second node
-needs one) or cannot make a mount namespace (``unshare``)."""
+holds the test's inputs and outputs, as a node without shared storage is.
+ingest, clean (``dedup.method: memory``) and pack must give the bytes of the
+local pool there; clean's sharded dedup, whose steps read a work folder beside
+the output, must stop with one line that says so, not find no duplicates. Then
+what a cluster does to a stage: a worker node killed mid-stage (its tasks run
+again on another node; with no node left the stage stops in one line), and
+tasks left in flight when a stage stops (never cancelled: Ray 2.60 can abort
+the driver on that race). Marked slow: Ray nodes take seconds to start.
+Skipped where Ray finds no address but loopback (a second node needs one) or
+this machine cannot make a mount namespace (``unshare -m``)."""
 
 import contextlib
 import os
@@ -25,17 +29,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
-from pipeline.data.dedup import DedupError
 from pipeline.data import executor as executor_module
+from pipeline.data.dedup import DedupError
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from pipeline.data.pack import PackConfig, run_pack
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
+from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, prose
 from tests.pipeline.data.test_clean import run as run_clean_on
 from tests.pipeline.data.test_dedup import PLANTED
-from tests.conftest import ROOT
 from tests.pipeline.data.test_executor import BadInput, timed
 from tests.pipeline.data.test_ingest import mixed_corpus
 from tests.pipeline.data.test_ingest import outputs as ingest_outputs
@@ -68,8 +73,6 @@ def _can_unshare() -> bool:
 def _kill_node(proc: subprocess.Popen) -> None:
     """SIGKILL a node's `ray start` and every process under it (raylet, agents,
     workers mid-task), as a machine that dies takes them all at once."""
-    import psutil
-
     procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert any(p.name().startswith("ray::") or "default_worker" in " ".join(p.cmdline()) for p in procs), \
         [p.name() for p in procs]
@@ -91,7 +94,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def two_nodes(blind: Path, logs: Path, **head_env: str):
     """A head with 0 CPUs and a node with 2 that sees an empty ``blind`` folder: its
     GCS ``address``, its Ray Client address (``client``), ``blind``, and the
-    node's ``ray start`` process (``node``, its process group's leader).
+    node's ``ray start`` process (``node``, its process group's leader), and
+    ``join(cpus, name)``, which starts one more node that sees every file.
     ``head_env``: more environment for the head (Ray's settings)."""
     ip = ray.util.get_node_ip_address()  # what `ray start` would take
     if ip.startswith("127."):
