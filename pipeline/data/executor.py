@@ -286,13 +286,12 @@ def loopback_only() -> Iterator[None]:
         return
     constants = sys.modules.get("ray._private.ray_constants")
     saved = getattr(constants, "ENABLE_RAY_CLUSTER", None)
-    os.environ[RAY_CLUSTER_ENV] = "0"
     if saved is not None:
         constants.ENABLE_RAY_CLUSTER = False
     try:
-        yield
+        with _environ({RAY_CLUSTER_ENV: "0"}):
+            yield
     finally:
-        os.environ.pop(RAY_CLUSTER_ENV, None)
         if saved is not None:
             constants.ENABLE_RAY_CLUSTER = saved
 
