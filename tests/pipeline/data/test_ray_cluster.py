@@ -15,6 +15,7 @@ Skipped where Ray finds no address but loopback (a second node needs one) or
 this machine cannot make a mount namespace (``unshare -m``)."""
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -205,16 +206,16 @@ def test_ingest_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluste
                      r"\(FileNotFoundError\)\)", caplog.text)
 
 
+CLEAN_TEXTS = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
+CLEAN_SMALL = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}
+
+
 def test_clean_on_a_cluster_without_shared_storage(cluster):
     """memory dedup: the local bytes; sharded dedup: one line naming what it needs
-    (not a run that finds no duplicates). Joined by the GCS address. (As a Ray
-    Client, ray://, it passed by hand and in most suite runs, but the head's
-    client server failed to start once on this loaded 2-core machine, and a
-    failed client connection leaves this process's Ray state unusable for the
-    tests after it, so that case is not in the suite.)"""
+    (not a run that finds no duplicates). Joined by the GCS address (as a Ray
+    Client: the test below)."""
     root = cluster.blind / "clean"
-    texts = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
-    small = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}
+    texts, small = CLEAN_TEXTS, CLEAN_SMALL
     got = {}
     for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster)}.items():
         (root / name).mkdir(parents=True)
@@ -229,6 +230,42 @@ def test_clean_on_a_cluster_without_shared_storage(cluster):
                                          r"memory\)$"):
         run_clean_on(root / "sharded", texts, executor=on_cluster(cluster),
                      dedup={"method": "sharded", "partition_docs": 4}, **small)
+
+
+# Runs clean as a Ray Client in its own process; prints the outcome as JSON.
+_AS_CLIENT = """
+import json, sys
+from pathlib import Path
+from tests.pipeline.data.test_clean import run
+from tests.pipeline.data.test_ray_cluster import CLEAN_SMALL, CLEAN_TEXTS
+metrics, docs, quarantine = run(Path(sys.argv[1]), CLEAN_TEXTS, executor=json.loads(sys.argv[2]), **CLEAN_SMALL)
+metrics.pop("mb_per_s")
+print(json.dumps([metrics, docs, quarantine]))
+"""
+
+
+def test_clean_as_a_ray_client_gives_the_local_bytes(cluster, tmp_path):
+    """Joined as a Ray Client (``ray://``), where the stage's process is no node
+    of the cluster and sends its work over the client connection: the local
+    pool's outcome. In a process of its own: a client connection that fails
+    leaves its process's Ray state unusable for the tests after it. The
+    head's client server once failed to start on this loaded 2-core machine,
+    so a failed connection (that one line, nothing else) is tried again once."""
+    (tmp_path / "local").mkdir()
+    metrics, docs, quarantine = run_clean_on(tmp_path / "local", CLEAN_TEXTS, executor={"num_workers": 2},
+                                             **CLEAN_SMALL)
+    metrics.pop("mb_per_s")
+    local = json.loads(json.dumps([metrics, docs, quarantine]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for attempt in range(2):
+        out = cluster.blind / f"client-{attempt}"
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-c", _AS_CLIENT, str(out), json.dumps(on_cluster(cluster, True))],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        if proc.returncode == 0 or "could not start or join the Ray cluster at ray://" not in proc.stderr:
+            break
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == local
 
 
 def test_pack_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster):
