@@ -250,12 +250,11 @@ def load_tokenizer(path: str | Path, parse_special: bool = False) -> Tokenizer:
     if not path.is_file():
         raise TokenizerError(f"tokenizer not found: {path}; run the tokenizer stage first")
     try:
-        tok = Tokenizer.from_file(str(path))
+        tok = parse_tokenizer(path.read_text(encoding="utf-8"), parse_special)
     except Exception as e:  # the Rust side raises a bare Exception with the parse error
         raise TokenizerError(f"{path}: not a valid tokenizer file: {e}") from e
     if load_specials(path).own:
         special_ids(tok)
-    tok.encode_special_tokens = not parse_special
     return tok
 
 
