@@ -28,7 +28,9 @@ Kinds (``executor.kind`` in a stage's params):
   initializer's module) before the stage connects. With an ``address``
   (``auto``, ``host:6379``, ``ray://host:10001``) the stage joins that
   cluster and uses its CPUs. Ray worker processes are reused across tasks,
-  and each runs the initializer once and keeps its state. The variables it
+  and each runs the initializer once and keeps its state. Before that, each
+  checks that it runs the stage's code (:func:`check_same_code`): a worker
+  imports the ``pipeline`` installed on its own node. The variables it
   sets in the stage's environment for Ray (loopback only, no token file) are
   restored when it closes. Ray is imported only here, only for this kind.
 
@@ -46,6 +48,9 @@ A Ray cluster left with no CPUs at all (its nodes died) is one line too, after
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import importlib.metadata
 import ipaddress
 import logging
 import multiprocessing
@@ -61,6 +66,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -155,17 +161,60 @@ def _local_worker_init(parent_pid: int, initializer: Callable[..., None] | None,
         initializer(*initargs)
 
 
+# The libraries whose version can change a task's result: Unicode tables
+# (normalisation) are Python's, checked by Ray itself; MinHash (rensa) and BPE
+# (tokenizers) are not, nor are the arrays the tasks build and return.
+RESULT_LIBRARIES = ("tokenizers", "rensa", "numpy", "pyarrow")
+
+
+@functools.lru_cache(maxsize=1)
+def code_identity() -> dict[str, str]:
+    """What a task's result depends on besides its arguments, in this process:
+    a sha256 of the ``pipeline`` package's source files, and the versions of
+    :data:`RESULT_LIBRARIES`. Ray pickles a task's function by reference, so a
+    worker runs the code installed on its own node; computed once, when first
+    asked (the stage's code was imported by then)."""
+    root = Path(sys.modules["pipeline"].__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    out = {"pipeline source": h.hexdigest()[:16]}
+    for name in RESULT_LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def check_same_code(desc: str, stage: dict[str, str]) -> None:
+    """In a Ray worker: raise ExecutorError (one line) when its code or result
+    libraries differ from the stage's (``stage``: the stage's
+    :func:`code_identity`): a node with another version of the project
+    installed would otherwise give other outputs under the stage's fingerprint."""
+    here = code_identity()
+    differ = [f"{k} {here.get(k)} there, {v} here" for k, v in stage.items() if here.get(k) != v]
+    if differ:
+        raise ExecutorError(
+            f"{desc}: the Ray worker on {socket.gethostname()} runs other code than this stage "
+            f"({'; '.join(differ)}; its pipeline package is {Path(sys.modules['pipeline'].__file__).parent}): "
+            "install this checkout and its dependencies on every node (pip install '.[ray]') and restart its Ray")
+
+
 # Ray worker processes run tasks of many maps; each remembers which initializer
 # (by a key unique to one executor) it has run.
 _RAY_INITIALIZED: dict[str, bool] = {}
 
 
 def _ray_task(key: str, init: list, fn: Callable[..., Any], args: tuple) -> Any:
-    """Run ``fn(*args)`` in a Ray worker after the executor's initializer. ``init``
-    is ``[initializer, ObjectRef of initargs]``, wrapped in a list so that Ray does
-    not fetch the initargs for every task."""
+    """Run ``fn(*args)`` in a Ray worker after checking its code against the
+    stage's (:func:`check_same_code`) and running the executor's initializer.
+    ``init`` is ``[desc, the stage's code_identity, initializer, ObjectRef of
+    initargs]``, wrapped in a list so that Ray does not fetch the initargs for
+    every task."""
     if key not in _RAY_INITIALIZED:
-        initializer, ref = init
+        desc, identity, initializer, ref = init
+        check_same_code(desc, identity)
         if initializer is not None:
             import ray
 
@@ -547,7 +596,7 @@ class RayExecutor(Executor):
                             f"{_first_line(e)}") from None
 
     def _make_task(self) -> None:
-        self.init = [self.initializer, self.ray.put(self.initargs)]
+        self.init = [self.desc, code_identity(), self.initializer, self.ray.put(self.initargs)]
         self.remote = self.ray.remote(num_cpus=1, max_retries=TASK_RETRIES, retry_exceptions=False)(_ray_task)
 
     def starting(self) -> bool:

@@ -3,11 +3,13 @@ one for this module, shut down at the end). Marked slow: Ray takes seconds to st
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from pipeline.data import executor as executor_module
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, files, prose, report, run, write_docs
@@ -103,6 +105,30 @@ def test_worker_errors_under_ray_are_one_line(capfd):
     assert "in fails" in msg
     out, errs = capfd.readouterr()
     assert "Traceback" not in out + errs
+
+
+def test_a_ray_worker_with_other_code_than_the_stage_stops_it_in_one_line(monkeypatch, capfd):
+    """A node with another version of the project, or of a library that a
+    task's result depends on, installed: one line that names what differs,
+    before the initializer or any task runs there (the driver's identity is
+    altered here; the workers compute their own)."""
+    real = executor_module.code_identity()
+    assert set(real) == {"pipeline source", *executor_module.RESULT_LIBRARIES}
+    monkeypatch.setattr(executor_module, "code_identity",
+                        lambda: {**real, "pipeline source": "0" * 16, "tokenizers": "0.0.1"})
+    with open_executor(ExecutorConfig(kind="ray", num_workers=2), init, ("cfg",), desc="clean") as ex, \
+            pytest.raises(ExecutorError) as err:
+        list(ex.map(tagged, [(x,) for x in range(4)]))
+    assert str(err.value) == (
+        f"clean: the Ray worker on {socket.gethostname()} runs other code than this stage (pipeline source "
+        f"{real['pipeline source']} there, {'0' * 16} here; tokenizers {real['tokenizers']} there, 0.0.1 here; "
+        f"its pipeline package is {ROOT / 'pipeline'}): install this checkout and its dependencies on every node "
+        "(pip install '.[ray]') and restart its Ray")
+    out, errs = capfd.readouterr()
+    assert "Traceback" not in out + errs
+    monkeypatch.undo()
+    with open_executor(ExecutorConfig(kind="ray", num_workers=2), init, ("cfg",)) as ex:
+        assert [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])] == [0, 1, 4, 9]
 
 
 def test_a_task_whose_ray_worker_died_runs_again(tmp_path):
