@@ -289,9 +289,9 @@ class Sketches(NamedTuple):
 @_gc_paused
 def sketch_batch(texts: list[str | None], chunks: list[bool] | None = None) -> Sketches:
     """:func:`process_batch` for ``dedup.method: sharded``: the same normalisation,
-    filters, digests and MinHash signatures, as the arrays the dedup steps write
-    (:class:`pipeline.data.dedup.SignatureWriter`), so that the stage's own
-    process handles a batch without a step per document. The k-th enabled
+    filters, digests and MinHash signatures, as the arrays from which
+    :func:`spill_batch` makes the dedup steps' records, with no object per
+    document. The k-th enabled
     filter's state byte is ``dedup.FILTERED + k``."""
     near = _worker["cfg"].near_dedup
     out, sketched, shingle_sets = _prepare(texts, chunks or [False] * len(texts))
@@ -311,6 +311,27 @@ def sketch_batch(texts: list[str | None], chunks: list[bool] | None = None) -> S
         sigs[sketched] = np.array(rows, np.uint32)
         states[sketched] = dedup.CANDIDATE
     return Sketches(states, digests, sigs, sum(r[3] for r in out), filtered)
+
+
+class Spilled(NamedTuple):
+    """One batch of pass 1 as :func:`spill_batch` returns it."""
+
+    start: int  # its first document's row
+    spill: dedup.Spill  # the work files' records
+    changed: int  # documents that normalisation changed
+    filtered: list[tuple[int, str, str]]  # (row in the batch, filter, detail) of each filtered document
+
+
+def spill_batch(work: dedup.WorkDir, start: int, texts: list[str | None], chunks: list[bool] | None) -> Spilled:
+    """Pass 1 of ``dedup.method: sharded`` for the batch whose first document is
+    row ``start``: :func:`sketch_batch`, and the dedup work files' records made
+    from it here (:func:`pipeline.data.dedup.spill`), so that the stage's own
+    process only appends bytes."""
+    cfg: CleanConfig = _worker["cfg"]
+    sk = sketch_batch(texts, chunks)
+    records = dedup.spill(work, start, sk.states, sk.digests, sk.sigs, cfg.exact_dedup.enabled,
+                          cfg.near_dedup.enabled)
+    return Spilled(start, records, sk.changed, sk.filtered)
 
 
 def _prepare(texts: list[str | None], chunks: list[bool]) -> tuple[list[Result], list[int], list[list[str]]]:
@@ -593,8 +614,8 @@ def normalise_kept(texts: list[str | None], chunks: list[bool]) -> tuple[list[st
 
 class _Sharded:
     """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. Pass 1
-    maps :func:`sketch_batch` and spills states, digests and signatures to a
-    work folder; the exact and band steps run as executor tasks; the decisions
+    maps :func:`spill_batch` and appends the records it makes (states, digests,
+    signatures, band keys) to a work folder; the exact and band steps run as executor tasks; the decisions
     are made in one ordered pass over the pairs; pass 2 re-reads the input and
     normalises the kept documents in the workers, shard by shard. Same outcomes,
     in the same order, as :class:`_InMemory`.
@@ -644,17 +665,22 @@ class _Sharded:
         filter_detail: list[tuple[int, str]] = []  # the drops the quarantine will show
         changed = 0
         near_counts: dict[str, int] = {}
+        at = 0
+
+        def task(b: pa.RecordBatch) -> tuple:
+            nonlocal at
+            at += b.num_rows
+            return (work, at - b.num_rows, *_task(b))
+
         try:
-            start = 0
-            for _, sk in _mapped(ex, sketch_batch, _batches(table, cfg), bar=self.bar,
-                                 units=lambda sk: len(sk.states)):
-                changed += sk.changed
-                for k, reason, detail in sk.filtered:
+            for _, sp in _mapped(ex, spill_batch, _batches(table, cfg), task=task, bar=self.bar,
+                                 units=lambda sp: sp.spill.docs):
+                changed += sp.changed
+                for k, reason, detail in sp.filtered:
                     if sampled.get(reason, 0) < per_reason:
                         sampled[reason] = sampled.get(reason, 0) + 1
-                        filter_detail.append((start + k, detail))
-                writer.add(sk.states, sk.digests, sk.sigs)
-                start += len(sk.states)
+                        filter_detail.append((sp.start + k, detail))
+                writer.append(sp.spill)
             writer.close()
 
             parts = range(work.partitions)

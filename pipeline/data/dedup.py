@@ -8,11 +8,12 @@ four-step MinHash, with every step's memory bounded by a partition, a bucket or
 a range of documents rather than by the corpus:
 
 1. **signatures** (in the workers, with normalisation and filters): each
-   document's blake2b-128 digest and MinHash signature. The driver appends them
-   to a work folder (:class:`SignatureWriter`): a per-document state byte, the
+   document's blake2b-128 digest and MinHash signature, and from them the
+   work files' records (:func:`spill`): a per-document state byte, the
    signatures (``num_perm`` x 4 B per document, on disk), and ``(digest, doc)``
    and, per LSH band, ``(band hash, doc)`` records split into partitions of
-   about ``partition_docs`` documents by hash.
+   about ``partition_docs`` documents by hash. The driver appends each batch's
+   bytes to the work folder in document order (:class:`SignatureWriter`).
 2. **exact groups** (:func:`exact_partition`, one task per partition): sorted by
    digest, every document after the first of its digest is an exact duplicate.
    **band buckets** (:func:`band_pairs`, one task per band and partition):
@@ -53,7 +54,7 @@ import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -137,68 +138,94 @@ class WorkDir:
         return np.frombuffer(data, dtype=np.uint32).reshape(len(docs), self.num_perm)
 
 
+class Spill(NamedTuple):
+    """One batch's step-1 records, as :func:`spill` makes them where the batch is
+    sketched (a worker): the bytes the driver appends to each work file."""
+
+    docs: int  # documents in the batch
+    states: bytes  # a state byte per document
+    sigs: bytes  # the (docs, num_perm) uint32 signatures; b"" with near dedup off
+    parts: dict[str, bytes]  # partition file name (in the work folder) -> its records from this batch
+
+
+def spill(work: WorkDir, start: int, states: np.ndarray, digests: np.ndarray, sigs: np.ndarray | None,
+          exact: bool, near: bool) -> Spill:
+    """Step 1's records of one batch whose first document is document ``start``:
+    ``states`` (uint8: KEEP, CANDIDATE or FILTERED + k), the (n, 2) little-endian
+    uint64 blake2b-128 digests (rows of filtered documents are ignored), and the
+    (n, num_perm) uint32 signatures (rows of non-candidates are ignored). Pure,
+    so it runs in the worker that sketched the batch and the driver only
+    appends bytes (:class:`SignatureWriter`)."""
+    n = len(states)
+    states = np.ascontiguousarray(states, np.uint8)
+    parts: dict[str, list[bytes]] = {}
+    if exact:
+        have = np.flatnonzero(states <= CANDIDATE)  # passed the filters
+        if len(have):
+            out = np.empty(len(have), EXACT_RECORD)
+            out["d0"], out["d1"], out["doc"] = digests[have, 0], digests[have, 1], have.astype(np.int64) + start
+            part = out["d0"] % np.uint64(work.partitions)
+            for p in np.unique(part):
+                parts.setdefault(work.exact_path(int(p)).name, []).append(out[part == p].tobytes())
+    sig_bytes = b""
+    if near:
+        if sigs is None:
+            sigs = np.zeros((n, work.num_perm), np.uint32)
+        sig_bytes = np.ascontiguousarray(sigs, np.uint32).tobytes()
+        cand = np.flatnonzero(states == CANDIDATE)
+        if len(cand):
+            keys = band_keys(sigs[cand], work.bands)
+            docs = cand.astype(np.int64) + start
+            for b in range(work.bands):
+                out = np.empty(len(cand), BAND_RECORD)
+                out["key"], out["doc"] = keys[:, b], docs
+                part = out["key"] % np.uint64(work.partitions)
+                for p in np.unique(part):
+                    parts.setdefault(work.band_path(b, int(p)).name, []).append(out[part == p].tobytes())
+    return Spill(n, states.tobytes(), sig_bytes, {name: b"".join(chunks) for name, chunks in parts.items()})
+
+
 class SignatureWriter:
-    """Step 1, driver side: appends each batch's states, digests and signatures
-    to the work folder, buffering at most FLUSH_BYTES."""
+    """Step 1, driver side: appends each batch's :class:`Spill`, in document
+    order, to the work folder, buffering at most FLUSH_BYTES."""
 
     def __init__(self, work: WorkDir, exact: bool, near: bool):
         self.work, self.exact, self.near = work, exact, near
         work.root.mkdir(parents=True, exist_ok=True)
         self.state_f = open(work.state_path, "wb")
         self.sig_f = open(work.sig_path, "wb") if near else None
-        self.buffers: dict[Path, list[bytes]] = {}
+        self.buffers: dict[str, list[bytes]] = {}
         self.buffered = 0
         self.docs = 0
-        self.sizes: dict[Path, int] = {}  # bytes written to each partition file
+        self.sizes: dict[str, int] = {}  # bytes written to each partition file, by name
 
     def size(self, path: Path) -> int:
         """The bytes written to the partition file ``path`` (0: no file): a step checks what it reads against it."""
-        return self.sizes.get(path, 0)
-
-    def _append(self, path: Path, data: bytes) -> None:
-        self.buffers.setdefault(path, []).append(data)
-        self.buffered += len(data)
-        self.sizes[path] = self.sizes.get(path, 0) + len(data)
-        if self.buffered >= FLUSH_BYTES:
-            self.flush()
+        return self.sizes.get(path.name, 0)
 
     def flush(self) -> None:
-        for path, parts in self.buffers.items():
-            with open(path, "ab") as f:
+        for name, parts in self.buffers.items():
+            with open(self.work.root / name, "ab") as f:
                 f.write(b"".join(parts))
         self.buffers.clear()
         self.buffered = 0
 
+    def append(self, batch: Spill) -> None:
+        """The next batch's records (its first document is document ``self.docs``)."""
+        self.docs += batch.docs
+        self.state_f.write(batch.states)
+        if self.sig_f is not None:
+            self.sig_f.write(batch.sigs)
+        for name, data in batch.parts.items():
+            self.buffers.setdefault(name, []).append(data)
+            self.buffered += len(data)
+            self.sizes[name] = self.sizes.get(name, 0) + len(data)
+        if self.buffered >= FLUSH_BYTES:
+            self.flush()
+
     def add(self, states: np.ndarray, digests: np.ndarray, sigs: np.ndarray | None) -> None:
-        """One batch in document order: ``states`` (uint8: KEEP, CANDIDATE or
-        FILTERED + k), the (n, 2) little-endian uint64 blake2b-128 digests (rows
-        of filtered documents are ignored), and the (n, num_perm) uint32
-        signatures (rows of non-candidates are ignored)."""
-        n, start, work = len(states), self.docs, self.work
-        self.docs += n
-        self.state_f.write(np.ascontiguousarray(states, np.uint8).tobytes())
-        if self.exact:
-            have = np.flatnonzero(np.asarray(states) <= CANDIDATE)  # passed the filters
-            if len(have):
-                out = np.empty(len(have), EXACT_RECORD)
-                out["d0"], out["d1"], out["doc"] = digests[have, 0], digests[have, 1], have.astype(np.int64) + start
-                part = out["d0"] % np.uint64(work.partitions)
-                for p in np.unique(part):
-                    self._append(work.exact_path(int(p)), out[part == p].tobytes())
-        if self.near and self.sig_f is not None:
-            if sigs is None:
-                sigs = np.zeros((n, work.num_perm), np.uint32)
-            self.sig_f.write(np.ascontiguousarray(sigs, np.uint32).tobytes())
-            cand = np.flatnonzero(states == CANDIDATE)
-            if len(cand):
-                keys = band_keys(sigs[cand], work.bands)
-                docs = cand.astype(np.int64) + start
-                for b in range(work.bands):
-                    out = np.empty(len(cand), BAND_RECORD)
-                    out["key"], out["doc"] = keys[:, b], docs
-                    part = out["key"] % np.uint64(work.partitions)
-                    for p in np.unique(part):
-                        self._append(work.band_path(b, int(p)), out[part == p].tobytes())
+        """:meth:`append` the :func:`spill` of one batch made here."""
+        self.append(spill(self.work, self.docs, states, digests, sigs, self.exact, self.near))
 
     def close(self) -> None:
         self.flush()
