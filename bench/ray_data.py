@@ -4,6 +4,7 @@
     python -m bench.ray_data --quick    # the default 8 MB corpus, 1 round
     python -m bench.ray_data --tasks    # only clean's task size on short documents (about 2 min)
     python -m bench.ray_data --driver   # only the CPU time of a stage's own process (about 1 min)
+    python -m bench.ray_data --dedup    # only clean's dedup memory against corpus size (about 2 min)
 
 What it measures, each run a fresh process (so Ray's start-up is included):
 
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved speed rounds (default 3; 1 with --quick)")
     ap.add_argument("--tasks", action="store_true", help="only clean's task size on short documents")
     ap.add_argument("--driver", action="store_true", help="only the stage's own process's CPU time")
+    ap.add_argument("--dedup", action="store_true", help="only clean's dedup memory against corpus size")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -281,6 +283,11 @@ def run(args: argparse.Namespace, work: Path) -> None:
                         "short documents": (para[mem_sizes[0]], _text_mb(para[mem_sizes[0]]))}, head, work, tokenizer)
         finally:
             head.stop()
+        return
+    if args.dedup:
+        para = build_corpora(work, mem_sizes, args.quick, paragraphs=True)
+        print(header())
+        dedup_memory(para, {n: _text_mb(p) for n, p in para.items()}, mem_sizes, work)
         return
     if args.tasks:
         para = build_corpora(work, mem_sizes[:1], args.quick, paragraphs=True)
@@ -366,6 +373,10 @@ def memory_and_dedup(runs: dict, corpora: dict, text_mb: dict, para: dict, para_
         print(f"{stage:<8}{text_mb[big_n]:>11.0f}{r['peak_worker_mb']:>11}{r['peak_main_mb']:>9}{r['wall_s']:>8.1f}"
               f"{one['wall_s']:>12.1f}{one['wall_s'] / r['wall_s']:>9.2f}x")
 
+    dedup_memory(para, para_mb, mem_sizes, work)
+
+
+def dedup_memory(para: dict, para_mb: dict, mem_sizes: list[int], work: Path) -> None:
     print("\ndedup memory against corpus size (local, 2 workers; one document per stdlib paragraph; peak RSS in MB)")
     print(f"{'method':<10}{'corpus MB':>11}{'docs':>9}{'main MB':>9}{'worker MB':>11}{'wall s':>8}{'identical':>11}")
     for n in mem_sizes:

@@ -41,8 +41,10 @@ executor and worker count. Where they are made is ``dedup.method``:
   process and about 130 MB per worker.
 - ``sharded``: as steps on disk run by the executor, each within a bounded
   memory (:mod:`pipeline.data.dedup`), then a second pass over the input that
-  normalises the kept documents again in the workers. The same documents are
-  kept, with the same quarantine and report.
+  normalises the kept documents again in the workers. The workers read the
+  input rows themselves (:func:`spill_rows`, :func:`cut_rows`), so the main
+  process handles no text but what it writes. The same documents are kept,
+  with the same quarantine and report.
 
 Every document that enters leaves as kept or as dropped with a reason:
 ``docs_in == docs_out + sum(dropped.values())`` is checked before the metrics
@@ -56,6 +58,7 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import sys
 import time
 import unicodedata
@@ -77,7 +80,7 @@ from pipeline.data import dedup, resume
 from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
 from pipeline.data.accounting import Ledger
-from pipeline.data.docs import FORMAT, DocTable, ShardedParquetWriter
+from pipeline.data.docs import FORMAT, DocTable, RunCutter, ShardedParquetWriter, text_lengths
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
 from pipeline.data.resume import ShardLog
@@ -237,8 +240,12 @@ Result = tuple[str | None, str | None, str, bool, bytes | None, RMinHash | None,
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(cfg: CleanConfig) -> None:
+def _init_worker(cfg: CleanConfig, inputs: tuple[str, list] | None = None) -> None:
+    """``inputs``: for ``dedup.method: sharded``, whose workers read the input
+    rows themselves, the input's path and its files' identity (:func:`_identity`)."""
     _worker["cfg"] = cfg
+    _worker["inputs"] = inputs
+    _worker.pop("table", None)
     _worker["filters"] = cfg.filters.enabled()
     # sketch_batch's state byte per filter: the k-th enabled one is dedup.FILTERED + k
     _worker["codes"] = {name: dedup.FILTERED + k for k, (name, _, _) in enumerate(_worker["filters"])}
@@ -290,7 +297,7 @@ class Sketches(NamedTuple):
 def sketch_batch(texts: list[str | None], chunks: list[bool] | None = None) -> Sketches:
     """:func:`process_batch` for ``dedup.method: sharded``: the same normalisation,
     filters, digests and MinHash signatures, as the arrays from which
-    :func:`spill_batch` makes the dedup steps' records, with no object per
+    :func:`spill_rows` makes the dedup steps' records, with no object per
     document. The k-th enabled
     filter's state byte is ``dedup.FILTERED + k``."""
     near = _worker["cfg"].near_dedup
@@ -314,24 +321,71 @@ def sketch_batch(texts: list[str | None], chunks: list[bool] | None = None) -> S
 
 
 class Spilled(NamedTuple):
-    """One batch of pass 1 as :func:`spill_batch` returns it."""
+    """Rows ``[start, start + len(lengths))`` after pass 1, as :func:`spill_rows` returns them."""
 
-    start: int  # its first document's row
+    start: int  # the first row
     spill: dedup.Spill  # the work files' records
     changed: int  # documents that normalisation changed
-    filtered: list[tuple[int, str, str]]  # (row in the batch, filter, detail) of each filtered document
+    filtered: list[tuple[int, str, str]]  # (row - start, filter, detail) of each filtered document
+    lengths: np.ndarray  # each row's text bytes (where the stage's runs end: RunCutter)
 
 
-def spill_batch(work: dedup.WorkDir, start: int, texts: list[str | None], chunks: list[bool] | None) -> Spilled:
-    """Pass 1 of ``dedup.method: sharded`` for the batch whose first document is
-    row ``start``: :func:`sketch_batch`, and the dedup work files' records made
-    from it here (:func:`pipeline.data.dedup.spill`), so that the stage's own
-    process only appends bytes."""
+def _identity(table: DocTable) -> list[list]:
+    """Each file of ``table`` as ``[path, size, mtime_ns]``."""
+    return [[str(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in table.files]
+
+
+def _input() -> DocTable:
+    """The stage's input, as this worker sees it (``dedup.method: sharded``):
+    opened once, and only if it is the input the stage opened (the same files,
+    sizes and modification times). Raises DedupError (one line) otherwise: on a
+    Ray node without the stage's storage, or with a stale view of it."""
+    table = _worker.get("table")
+    if table is not None:
+        return table
+    path, identity = _worker["inputs"]
+    try:
+        table = _open_input(Path(path))
+        seen = _identity(table)
+    except (CleanError, OSError) as e:
+        why = f"{type(e).__name__}: {e}"
+    else:
+        differ = [a for a, b in zip(seen, identity) if a != b]
+        why = "" if seen == identity else (
+            f"{differ[0][0]} is {differ[0][1]} bytes, modified at {differ[0][2]} ns here, not as the stage saw it"
+            if differ else f"{len(seen)} file(s) here, {len(identity)} for the stage")
+    if why:
+        raise dedup.DedupError(
+            f"the clean input {path} is not readable as the stage read it on {socket.gethostname()}, where a "
+            f"dedup task ran ({why}); dedup.method: sharded on a Ray cluster needs the input and output folders "
+            "on storage that every node mounts at the same path (or use method: memory)")
+    _worker["table"] = table
+    return table
+
+
+def spill_rows(work: dedup.WorkDir, start: int, stop: int) -> Spilled:
+    """Pass 1 of ``dedup.method: sharded`` for input rows ``[start, stop)``, read
+    here (:func:`_input`): :func:`sketch_batch` on each run of them, and the dedup
+    work files' records (:func:`pipeline.data.dedup.spill`), so that the stage's
+    own process neither reads the input nor does a step per document."""
     cfg: CleanConfig = _worker["cfg"]
-    sk = sketch_batch(texts, chunks)
-    records = dedup.spill(work, start, sk.states, sk.digests, sk.sigs, cfg.exact_dedup.enabled,
-                          cfg.near_dedup.enabled)
-    return Spilled(start, records, sk.changed, sk.filtered)
+    states, digests, sigs, lengths = [], [], [], []
+    filtered: list[tuple[int, str, str]] = []
+    changed = 0
+    at = 0
+    for b in _batches(_input(), cfg, start, stop):
+        sk = sketch_batch(*_task(b))
+        states.append(sk.states)
+        digests.append(sk.digests)
+        if sk.sigs is not None:
+            sigs.append(sk.sigs)
+        filtered += [(at + k, reason, detail) for k, reason, detail in sk.filtered]
+        changed += sk.changed
+        lengths.append(text_lengths(b.column(1)))
+        at += b.num_rows
+    records = dedup.spill(work, start, np.concatenate(states), np.concatenate(digests),
+                          np.concatenate(sigs) if sigs else None, cfg.exact_dedup.enabled, cfg.near_dedup.enabled)
+    return Spilled(start, records, changed, filtered, np.concatenate(lengths))
 
 
 def _prepare(texts: list[str | None], chunks: list[bool]) -> tuple[list[Result], list[int], list[list[str]]]:
@@ -471,13 +525,27 @@ def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
     return b.column(1).to_pylist(), (chunk.is_valid().to_pylist() if chunk.null_count < len(chunk) else None)
 
 
-class Decided(NamedTuple):
-    """A batch's outcomes, as the writer needs them."""
+class Piece(NamedTuple):
+    """A run of input rows after the dedup decisions, as the shard writer needs it."""
 
-    keep: list[bool]  # per document: kept
-    texts: list[str]  # the normalised text of each kept document, in order
-    bytes_out: int  # their UTF-8 bytes
-    drops: list[tuple[int, str, str]]  # (row, reason, detail) of each dropped document
+    n: int  # rows in
+    bytes_in: int  # their text's UTF-8 bytes
+    bytes_out: int  # the kept rows' normalised text's UTF-8 bytes
+    kept: pa.RecordBatch | None  # the kept rows in SCHEMA, their text normalised (None: none kept)
+    dropped: pa.RecordBatch | None  # id, text, source and location of the dropped rows, in order (None: none)
+
+
+def _piece(batch: pa.RecordBatch, keep: np.ndarray | list[bool], texts: list[str], bytes_out: int) -> Piece:
+    """``batch`` (SCHEMA) cut into its kept rows, with their normalised ``texts``,
+    and its dropped rows."""
+    mask = pa.array(np.asarray(keep, dtype=bool))
+    kept = dropped = None
+    if texts:
+        k = batch.filter(mask)
+        kept = pa.RecordBatch.from_arrays([k.column(0), pa.array(texts, pa.string()), *k.columns[2:]], schema=SCHEMA)
+    if len(texts) < batch.num_rows:
+        dropped = batch.select(["id", "text", "source", "location"]).filter(pc.invert(mask))
+    return Piece(batch.num_rows, pc.sum(pc.binary_length(batch.column(1))).as_py() or 0, bytes_out, kept, dropped)
 
 
 def _mapped(ex: Executor, fn: Any, batches: Iterator[pa.RecordBatch], task: Any = None, **kw: Any
@@ -572,13 +640,14 @@ class _InMemory:
         return {"changed": self.changed, "near": {k: v - self._at[k] for k, v in now.items()},
                 "near_dropped_digests": self.near_dropped}
 
-    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, Decided]]:
+    def decide(self, start: int, stop: int) -> Iterator[tuple[Piece, list[tuple[str, str]]]]:
+        """The runs of rows ``[start, stop)``, each with the (reason, detail) of its dropped rows."""
         exact, near = self.exact, self.near
         for batch, results in _mapped(self.ex, process_batch, _batches(self.table, self.cfg, start, stop)):
             ids = batch.column(0).to_pylist()
             keep: list[bool] = []
             texts: list[str] = []
-            drops: list[tuple[int, str, str]] = []
+            drops: list[tuple[str, str]] = []
             bytes_out = 0
             for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
                 self.changed += was_changed
@@ -595,30 +664,74 @@ class _InMemory:
                     texts.append(text)
                     bytes_out += nbytes
                 else:
-                    drops.append((i, reason, detail))
-            yield batch, Decided(keep, texts, bytes_out, drops)
+                    drops.append((reason, detail))
+            yield _piece(batch, keep, texts, bytes_out), drops
 
 
 # --- dedup.method sharded -----------------------------------------------------------------------
 
 
-def normalise_kept(texts: list[str | None], chunks: list[bool]) -> tuple[list[str], int]:
-    """The normalised text of each kept document, and their UTF-8 bytes
-    (``dedup.method: sharded``, second pass); the same :func:`normalise` call as
-    :func:`process_batch`."""
+def cut_rows(start: int, stop: int, states: np.ndarray) -> list[Piece]:
+    """Pass 2 of ``dedup.method: sharded`` for input rows ``[start, stop)`` (whole
+    runs), read here (:func:`_input`), given their state bytes: each run as a
+    :class:`Piece`, its kept rows normalised with the same :func:`normalise`
+    call as :func:`process_batch`."""
     cfg: CleanConfig = _worker["cfg"]
-    out = [normalise(raw or "", _worker["chunk_normalise"] if is_chunk else cfg.normalise)
-           for raw, is_chunk in zip(texts, chunks)]
-    return out, sum(len(text.encode("utf-8", "surrogatepass")) for text in out)
+    out: list[Piece] = []
+    at = 0
+    for b in _batches(_input(), cfg, start, stop):
+        keep = states[at:at + b.num_rows] < dedup.EXACT
+        at += b.num_rows
+        texts, chunks = _task(b)
+        kept = [normalise(texts[i] or "", _worker["chunk_normalise"] if chunks and chunks[i] else cfg.normalise)
+                for i in np.flatnonzero(keep).tolist()]
+        out.append(_piece(b, keep, kept, sum(len(t.encode("utf-8", "surrogatepass")) for t in kept)))
+    return out
+
+
+# Pass 2 of dedup.method sharded: runs per task at most (64 MB of text with the default task_bytes).
+TASK_RUNS = 64
+
+
+def _pass2_tasks(groups: np.ndarray, ends: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, int]]:
+    """See :meth:`_Sharded._tasks`: ``groups``, each row group's first row and
+    the row count; ``ends``, each run's end row."""
+    a = start
+    while a < stop:
+        group_end = int(groups[np.searchsorted(groups, a, side="right")])
+        first = int(np.searchsorted(ends, a, side="right"))  # the task's first run
+        k = min(int(np.searchsorted(ends, min(group_end, stop), side="left")), first + TASK_RUNS - 1)
+        b = min(int(ends[k]), stop)
+        yield a, b
+        a = b
+
+
+def _row_group_ranges(starts: np.ndarray, sizes: np.ndarray, task_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of whole row groups (``starts``/``sizes`` as
+    :meth:`DocTable.row_groups` gives them), each of at least ``task_bytes`` of
+    text by the metadata but the last: pass 1's tasks."""
+    out: list[tuple[int, int]] = []
+    first, size = 0, 0
+    for g in range(len(sizes)):
+        size += int(sizes[g])
+        if size >= task_bytes or g == len(sizes) - 1:
+            if starts[g + 1] > starts[first]:
+                out.append((int(starts[first]), int(starts[g + 1])))
+            first, size = g + 1, 0
+    return out
 
 
 class _Sharded:
-    """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. Pass 1
-    maps :func:`spill_batch` and appends the records it makes (states, digests,
-    signatures, band keys) to a work folder; the exact and band steps run as executor tasks; the decisions
-    are made in one ordered pass over the pairs; pass 2 re-reads the input and
-    normalises the kept documents in the workers, shard by shard. Same outcomes,
-    in the same order, as :class:`_InMemory`.
+    """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. The
+    workers read the input rows themselves (:func:`_input`), so the stage's own
+    process reads no text: pass 1 maps :func:`spill_rows` over ranges of whole
+    row groups and appends the records it makes (states, digests, signatures,
+    band keys) to a work folder, and learns where the runs end from the rows'
+    lengths; the exact and band steps run as executor tasks; the decisions are
+    made in one ordered pass over the pairs; pass 2 maps :func:`cut_rows` over
+    whole runs (at least a row group's worth each), and the stage writes the
+    pieces it returns into shards. Same outcomes, in the same order, as
+    :class:`_InMemory`.
 
     What resumes: the decisions (each document's state byte, the quarantine's
     details, the documents changed and the near-dedup counters of the whole
@@ -632,6 +745,7 @@ class _Sharded:
     def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, folder: Path, fp: str, work_root: Path,
                  bar: Any):
         self.cfg, self.table, self.ex, self.work_root, self.bar = cfg, table, ex, work_root, bar
+        self.groups = table.row_groups()[0]
         self.names = [name for name, _, _ in cfg.filters.enabled()]
         self.log = ShardLog(folder, fp, stem="decisions", ext=".u8")
         self.log.open()
@@ -648,6 +762,7 @@ class _Sharded:
         else:
             self.bar.update(self.table.num_rows)
         rec = self.log.committed(0)
+        self.run_ends = np.array(rec["run_ends"], np.int64)
         self.whole = {"changed": rec["changed"], "near": rec["near"]}
         self.filter_detail = {int(doc): detail for doc, detail in rec["filter_detail"]}
         self.near_detail = {int(doc): NearDedup.detail(jac, kept_id) for doc, jac, kept_id in rec["near_detail"]}
@@ -665,23 +780,22 @@ class _Sharded:
         filter_detail: list[tuple[int, str]] = []  # the drops the quarantine will show
         changed = 0
         near_counts: dict[str, int] = {}
-        at = 0
-
-        def task(b: pa.RecordBatch) -> tuple:
-            nonlocal at
-            at += b.num_rows
-            return (work, at - b.num_rows, *_task(b))
-
+        cutter, run_ends = RunCutter(cfg.task_bytes, cfg.batch_docs), []
         try:
-            for _, sp in _mapped(ex, spill_batch, _batches(table, cfg), task=task, bar=self.bar,
-                                 units=lambda sp: sp.spill.docs):
+            tasks = [(work, a, b) for a, b in _row_group_ranges(*table.row_groups(), cfg.task_bytes)]
+            for sp in ex.map(spill_rows, tasks, bar=self.bar, units=lambda sp: sp.spill.docs):
                 changed += sp.changed
                 for k, reason, detail in sp.filtered:
                     if sampled.get(reason, 0) < per_reason:
                         sampled[reason] = sampled.get(reason, 0) + 1
                         filter_detail.append((sp.start + k, detail))
                 writer.append(sp.spill)
+                run_ends += [sp.start + b for _, b, full in cutter.feed(sp.lengths) if full]
             writer.close()
+            if writer.docs != table.num_rows:
+                raise RuntimeError(f"clean: pass 1 covered {writer.docs} of {table.num_rows} rows")
+            if table.num_rows and run_ends[-1:] != [table.num_rows]:
+                run_ends.append(table.num_rows)
 
             parts = range(work.partitions)
             if use_exact:
@@ -698,21 +812,14 @@ class _Sharded:
                                "candidates_below_threshold": res["candidates_below_threshold"],
                                "kept_in_index": int(np.count_nonzero(work.state() == dedup.CANDIDATE))}
             # the ids of the kept documents the near duplicates' details name
-            wanted = {i for _, i in near_detail.values()}
-            id_of: dict[int, str] = {}
-            row = 0
-            if wanted:
-                for b in table.iter_batches(batch_size=cfg.batch_docs, columns=["id"]):
-                    for i in [i for i in range(row, row + b.num_rows) if i in wanted]:
-                        id_of[i] = b.column(0)[i - row].as_py()
-                    row += b.num_rows
+            id_of = table.take([i for _, i in near_detail.values()], "id")
             with open(work.state_path, "rb") as src, open(out, "wb") as dst:
                 dst.write(src.read())
         finally:
             writer.close()
             dedup.remove(work.root)
         self._fields = {
-            "changed": changed, "near": near_counts, "filter_detail": filter_detail,
+            "changed": changed, "near": near_counts, "filter_detail": filter_detail, "run_ends": run_ends,
             "near_detail": [(doc, jac, id_of[i]) for doc, (jac, i) in sorted(near_detail.items())]}
 
     def begin(self) -> None:
@@ -723,34 +830,38 @@ class _Sharded:
         # them so that a rerun with every shard committed needs no decisions file.
         return {"whole_input": self.whole}
 
-    def decide(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, Decided]]:
+    def _tasks(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
+        """Pass 2's tasks over rows ``[start, stop)`` (each a run's end): whole
+        runs, from a task's first row to the first run end at or past the end of
+        the row group that holds it, so that a worker decodes few rows it does
+        not use, but at most :data:`TASK_RUNS` runs, which bounds what a worker
+        holds (row groups that large are decoded in part more than once)."""
+        return _pass2_tasks(self.groups, self.run_ends, start, stop)
+
+    def decide(self, start: int, stop: int) -> Iterator[tuple[Piece, list[tuple[str, str]]]]:
+        """The runs of rows ``[start, stop)``, each with the (reason, detail) of its dropped rows."""
         assert self.state is not None, "prepare() first"
-        state, names = self.state, self.names
-        at = start
-
-        def kept_task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool]]:
-            nonlocal at
-            keep = state[at:at + b.num_rows] < dedup.EXACT
-            at += b.num_rows
-            texts, chunks = _task(b)
-            idx = np.flatnonzero(keep).tolist()
-            return [texts[i] for i in idx], [bool(chunks[i]) for i in idx] if chunks else [False] * len(idx)
-
-        row = start
-        for batch, (texts, bytes_out) in _mapped(self.ex, normalise_kept,
-                                                 _batches(self.table, self.cfg, start, stop), task=kept_task):
-            states = state[row:row + batch.num_rows]
-            drops: list[tuple[int, str, str]] = []
-            for k in np.flatnonzero(states >= dedup.EXACT).tolist():
-                st, doc = int(states[k]), row + k
-                if st == dedup.EXACT:
-                    drops.append((k, EXACT_DUPLICATE, ExactDedup.DETAIL))
-                elif st == dedup.NEAR:
-                    drops.append((k, NEAR_DUPLICATE, self.near_detail.get(doc, "")))
-                else:
-                    drops.append((k, names[st - dedup.FILTERED], self.filter_detail.get(doc, "")))
-            row += batch.num_rows
-            yield batch, Decided((states < dedup.EXACT).tolist(), texts, bytes_out, drops)
+        state, names, ends = self.state, self.names, self.run_ends
+        tasks = list(self._tasks(start, stop))
+        for (a, b), pieces in zip(tasks, self.ex.map(cut_rows, [(a, b, state[a:b]) for a, b in tasks])):
+            row = a
+            for piece in pieces:
+                states = state[row:row + piece.n]
+                drops: list[tuple[str, str]] = []
+                for k in np.flatnonzero(states >= dedup.EXACT).tolist():
+                    st, doc = int(states[k]), row + k
+                    if st == dedup.EXACT:
+                        drops.append((EXACT_DUPLICATE, ExactDedup.DETAIL))
+                    elif st == dedup.NEAR:
+                        drops.append((NEAR_DUPLICATE, self.near_detail.get(doc, "")))
+                    else:
+                        drops.append((names[st - dedup.FILTERED], self.filter_detail.get(doc, "")))
+                row += piece.n
+                if row not in (b, ends[np.searchsorted(ends, row)]):
+                    raise RuntimeError(f"clean: a worker's run ended at row {row}, not where the stage's runs end")
+                yield piece, drops
+            if row != b:
+                raise RuntimeError(f"clean: a worker returned rows {a} to {row}, not {a} to {b}")
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -805,26 +916,23 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
     decider.begin()
     try:
         with closing(decider.decide(pos, stop)) as decided:
-            for batch, d in decided:
+            for piece, drops in decided:
                 if shard is None:
                     writer.start(k)
                     shard = {"start": pos, "docs_in": 0, "bytes_in": 0, "bytes_out": 0,
                              "ledger": Ledger(per_reason=cfg.quarantine_per_reason)}
-                n = batch.num_rows
+                n = piece.n
                 shard["docs_in"] += n
-                shard["bytes_in"] += pc.sum(pc.binary_length(batch.column(1))).as_py() or 0
-                shard["bytes_out"] += d.bytes_out
-                if d.drops:
-                    dropped = batch.select(["id", "text", "source", "location"]).take(
-                        pa.array([i for i, _, _ in d.drops], pa.int64())).to_pydict()
-                    for (_, reason, detail), doc_id, text, source, location in zip(
-                            d.drops, dropped["id"], dropped["text"], dropped["source"], dropped["location"]):
+                shard["bytes_in"] += piece.bytes_in
+                shard["bytes_out"] += piece.bytes_out
+                if drops:
+                    dropped = piece.dropped.to_pydict()
+                    for (reason, detail), doc_id, text, source, location in zip(
+                            drops, dropped["id"], dropped["text"], dropped["source"], dropped["location"]):
                         shard["ledger"].record(reason, source, location, text, detail=f"id {doc_id}: {detail}")
-                if d.texts:
-                    kept = batch.filter(pa.array(d.keep))
-                    pending.append(pa.RecordBatch.from_arrays(
-                        [kept.column(0), pa.array(d.texts, pa.string()), *kept.columns[2:]], schema=SCHEMA))
-                    pending_rows += len(d.texts)
+                if piece.kept is not None:
+                    pending.append(piece.kept)
+                    pending_rows += piece.kept.num_rows
                     if pending_rows >= cfg.row_group_docs:
                         flush()
                 pos += n
@@ -897,7 +1005,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
         for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
             log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
 
-    with open_executor(cfg.executor, _init_worker, (cfg,), max_workers=batches, desc="clean") as ex, \
+    inputs = (str(in_path), _identity(table)) if sharded else None  # sharded: the workers read the input
+    with open_executor(cfg.executor, _init_worker, (cfg, inputs), max_workers=batches, desc="clean") as ex, \
             progress(total=num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
         if sharded:
             decider: _Sharded | _InMemory = _Sharded(cfg, table, ex, out_path, fp, work_root, bar)

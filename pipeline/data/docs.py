@@ -114,40 +114,66 @@ class DocTable:
         time: the work a stage hands a worker as one task. A run ends at the first
         row that brings its text to ``task_bytes`` (UTF-8 bytes; a larger document
         is a run of its own) or its rows to ``max_docs``, and at ``stop``; only the
-        last run may end short of both. So a corpus of short documents gives tasks
-        as large as one of long documents, and per-task costs do not count.
+        last run may end short of both (:class:`RunCutter`). So a corpus of short
+        documents gives tasks as large as one of long documents, and per-task
+        costs do not count.
 
         A run ends where it does wherever the read batches end, so the runs from a
         run's first row on are those of the whole table from there: a stage that
         resumes at a run's start cuts the rest as an uninterrupted run did."""
         left = (self.num_rows if stop is None else stop) - start
         pending: list[pa.RecordBatch] = []
-        size = rows = 0
+        cutter = RunCutter(task_bytes, max_docs)
         if left <= 0:
             return
         for batch in self.iter_batches(batch_size=batch_docs, columns=columns, start=start):
             batch = batch.slice(0, left)
             left -= batch.num_rows
-            lengths = pc.binary_length(batch.column("text"))
-            if lengths.null_count:
-                lengths = pc.fill_null(lengths, 0)
-            ends = np.cumsum(lengths.to_numpy(), dtype=np.int64)
-            a = 0
-            while a < batch.num_rows:
-                base = int(ends[a - 1]) if a else 0
-                b = int(np.searchsorted(ends, base + task_bytes - size, side="left")) + 1  # the row that fills it
-                b = min(b, batch.num_rows, a + max_docs - rows if max_docs else batch.num_rows)
+            for a, b, ends in cutter.feed(text_lengths(batch.column("text"))):
                 pending.append(batch.slice(a, b - a))
-                size += int(ends[b - 1]) - base
-                rows += b - a
-                a = b
-                if size >= task_bytes or rows == max_docs:
+                if ends:
                     yield _concat(pending)
-                    pending, size, rows = [], 0, 0
+                    pending = []
             if left == 0:
                 break
         if pending:
             yield _concat(pending)
+
+    def row_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """The first row of each row group, in table order, with the table's row
+        count appended (``len`` = groups + 1), and each group's text bytes (the
+        ``text`` column's uncompressed size in the Parquet metadata, an estimate
+        that reads no data): where a reader can start without decoding rows it
+        does not use."""
+        starts, sizes = [0], []
+        for part in self._parts:
+            md = part.metadata
+            paths = [md.schema.column(j).path for j in range(md.num_columns)]
+            j = paths.index("text") if "text" in paths else None
+            for g in range(md.num_row_groups):
+                group = md.row_group(g)
+                starts.append(starts[-1] + group.num_rows)
+                sizes.append(group.column(j).total_uncompressed_size if j is not None else 0)
+        return np.array(starts, np.int64), np.array(sizes, np.int64)
+
+    def take(self, rows: list[int], column: str) -> dict[int, Any]:
+        """``column``'s value at each of ``rows``, reading only the row groups that
+        hold them."""
+        starts, _ = self.row_groups()
+        out: dict[int, Any] = {}
+        wanted = sorted(set(rows))
+        groups = sorted({int(np.searchsorted(starts, r, side="right")) - 1 for r in wanted})
+        g0 = 0  # the first group of the current part, in table order
+        for part in self._parts:
+            n = part.metadata.num_row_groups
+            for g in [g for g in groups if g0 <= g < g0 + n]:
+                values = part.read_row_group(g - g0, columns=[column]).column(0)
+                lo, hi = int(starts[g]), int(starts[g + 1])
+                for r in wanted:
+                    if lo <= r < hi:
+                        out[r] = values[r - lo].as_py()
+            g0 += n
+        return out
 
     def column_bytes(self, name: str) -> int:
         """The uncompressed size of column ``name`` in the Parquet metadata, summed
@@ -180,6 +206,44 @@ class DocTable:
                 skip -= cut
                 if cut < b.num_rows:
                     yield b.slice(cut)
+
+
+def text_lengths(texts: pa.Array) -> np.ndarray:
+    """Each text's UTF-8 bytes (a null text: 0), as int64."""
+    lengths = pc.binary_length(texts)
+    if lengths.null_count:
+        lengths = pc.fill_null(lengths, 0)
+    return lengths.to_numpy().astype(np.int64, copy=False)
+
+
+class RunCutter:
+    """Where :meth:`DocTable.runs` ends its runs, fed the rows' text lengths in
+    order, in chunks of any size: a run ends at the first row that brings its
+    text to ``task_bytes`` or its rows to ``max_docs``. The one rule for a stage
+    that reads the rows itself and one that learns their lengths from its
+    workers (clean's sharded dedup)."""
+
+    def __init__(self, task_bytes: int, max_docs: int | None = None):
+        self.task_bytes, self.max_docs = task_bytes, max_docs
+        self.size = self.rows = 0  # the open run's bytes and rows
+
+    def feed(self, lengths: np.ndarray) -> list[tuple[int, int, bool]]:
+        """The next chunk's rows as pieces ``(a, b, ends)``: rows ``[a, b)`` of the
+        chunk belong to the open run, and ``ends`` says that it ends at ``b``."""
+        ends = np.cumsum(lengths, dtype=np.int64)
+        n, a, out = len(lengths), 0, []
+        while a < n:
+            base = int(ends[a - 1]) if a else 0
+            b = int(np.searchsorted(ends, base + self.task_bytes - self.size, side="left")) + 1  # the row that fills it
+            b = min(b, n, a + self.max_docs - self.rows if self.max_docs else n)
+            self.size += int(ends[b - 1]) - base
+            self.rows += b - a
+            full = self.size >= self.task_bytes or self.rows == self.max_docs
+            out.append((a, b, full))
+            if full:
+                self.size = self.rows = 0
+            a = b
+        return out
 
 
 def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.data import clean, dedup
-from tests.pipeline.data.test_clean import cfg, code, prose, report, run
+from tests.pipeline.data.test_clean import cfg, code, prose, report, run, write_docs
 
 
 def edited(words: list[str], positions, tag: str) -> list[str]:
@@ -107,6 +107,69 @@ def test_each_dedup_pass_can_be_off(tmp_path):
         d.mkdir()
         memory, sharded = both(d, PLANTED, exact_dedup={"enabled": exact}, near_dedup={"enabled": near})
         assert sharded == memory
+
+
+def test_the_workers_read_the_input_in_tasks_that_need_not_match_the_runs(tmp_path, monkeypatch):
+    """Pass 1 reads ranges of whole row groups (here 3 rows each: test_clean's
+    write_docs), pass 2 whole runs up to a row group's end, at most TASK_RUNS
+    (here 1 and 2) of them; the pieces the stage writes are still the runs of
+    the in-memory method, so every byte is the same."""
+    texts = PLANTED * 2 + [prose(80, seed=s) for s in range(20, 40)]
+    calls = {"spill_rows": [], "cut_rows": []}
+    for name in calls:
+        real = getattr(clean, name)
+        monkeypatch.setattr(clean, name, lambda *a, real=real, name=name: calls[name].append(a[-2:]) or real(*a))
+    for task_runs in (1, 2):
+        monkeypatch.setattr(clean, "TASK_RUNS", task_runs)
+        for v in calls.values():
+            v.clear()
+        (tmp_path / str(task_runs)).mkdir()
+        memory, sharded = both(tmp_path / str(task_runs), texts, batch_docs=4, task_bytes=900, shard_bytes=2500)
+        assert sharded == memory and len(sharded[-1]) > 3
+        spilled = calls["spill_rows"]
+        assert spilled[0][0] == 0 and all(a % 3 == 0 for a, _ in spilled) and len(spilled) > 5
+        assert [b for _, b in spilled[:-1]] == [a for a, _ in spilled[1:]] and spilled[-1][1] == len(texts)
+        assert len(calls["cut_rows"]) > len(spilled)
+
+
+def test_pass_2_tasks_and_pass_1_ranges():
+    groups = np.array([0, 10, 20, 50, 100])
+    ends = np.array([3, 6, 9, 12, 25, 30, 35, 40, 60, 100])
+    assert list(clean._pass2_tasks(groups, ends, 0, 100)) == [(0, 12), (12, 25), (25, 60), (60, 100)]
+    assert list(clean._pass2_tasks(groups, ends, 25, 40)) == [(25, 40)]  # a stop before the group ends
+    old, clean.TASK_RUNS = clean.TASK_RUNS, 2
+    try:
+        assert list(clean._pass2_tasks(groups, ends, 0, 100)) == [
+            (0, 6), (6, 12), (12, 25), (25, 35), (35, 60), (60, 100)]
+    finally:
+        clean.TASK_RUNS = old
+    sizes = np.array([500, 600, 2000, 100])
+    assert clean._row_group_ranges(groups, sizes, 1000) == [(0, 20), (20, 50), (50, 100)]
+    assert clean._row_group_ranges(groups, sizes, 1) == [(0, 10), (10, 20), (20, 50), (50, 100)]
+    assert clean._row_group_ranges(np.array([0, 0, 5]), np.array([0, 9]), 1) == [(0, 5)]  # an empty group
+
+
+def test_a_worker_reads_the_input_only_if_it_is_the_one_the_stage_read(tmp_path):
+    """As on a Ray node without the stage's storage, or with a stale view of it:
+    one line, not rows read from another file."""
+    path = write_docs(tmp_path / "in.parquet", PLANTED)
+    table = clean._open_input(path)
+    for identity, why in [
+        (clean._identity(table), None),
+        ([[str(path), 1, 2]], rf"{path} is \d+ bytes, modified at \d+ ns here, not as the stage saw it"),
+        (clean._identity(table) * 2, r"1 file\(s\) here, 2 for the stage"),
+    ]:
+        clean._init_worker(cfg(dedup={"method": "sharded"}), (str(path), identity))
+        if why is None:
+            assert clean._input().num_rows == len(PLANTED)
+            continue
+        with pytest.raises(dedup.DedupError, match=rf"^the clean input {path} is not readable as the stage read it "
+                                                   rf"on \S+, where a dedup task ran \({why}\); dedup.method: "
+                                                   r"sharded on a Ray cluster needs the input and output folders"):
+            clean._input()
+    clean._init_worker(cfg(), (str(tmp_path / "gone.parquet"), []))
+    with pytest.raises(dedup.DedupError, match=r"\(CleanError: documents not found: .*gone.parquet"):
+        clean._input()
 
 
 def test_work_folder_is_removed(tmp_path):

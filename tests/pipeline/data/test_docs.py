@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.docs import DocTable, ShardedParquetWriter
+from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 
@@ -126,6 +127,40 @@ def test_runs_from_a_runs_start_are_the_rest_and_stop_where_asked(tmp_path, task
     cut = _runs(table, batch_docs=5, task_bytes=task_bytes, max_docs=max_docs, stop=starts[1] - 1)
     assert len(cut) == 1 and cut[0].num_rows == whole[0].num_rows - 1
     assert _runs(table, batch_docs=5, task_bytes=task_bytes, start=50) == []
+
+
+@pytest.mark.parametrize("task_bytes,max_docs", [(1, None), (60, None), (100, 4), (10_000, None)])
+def test_a_run_cutter_fed_lengths_in_any_chunks_ends_the_runs_where_runs_does(tmp_path, task_bytes, max_docs):
+    """What a stage whose workers read the rows learns from their lengths alone."""
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])
+    table = DocTable(tmp_path / "docs", StageError)
+    want, row = [], 0
+    for r in _runs(table, batch_docs=5, task_bytes=task_bytes, max_docs=max_docs):
+        row += r.num_rows
+        want.append(row)
+    lengths = np.arange(50, dtype=np.int64)  # row i's text is i bytes
+    for chunk in (1, 3, 7, 50):
+        cutter, ends = RunCutter(task_bytes, max_docs), []
+        for at in range(0, 50, chunk):
+            ends += [at + b for _, b, full in cutter.feed(lengths[at:at + chunk]) if full]
+        assert ends + ([50] if ends[-1:] != [50] else []) == want
+
+
+def test_row_groups_and_take_read_the_metadata_and_only_the_groups_asked(tmp_path):
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])  # row groups of 4 rows at most, per shard
+    table = DocTable(tmp_path / "docs", StageError)
+    starts, sizes = table.row_groups()
+    assert starts.tolist() == [0, 4, 7, 8, 12, 16, 20, 24, 28, 30, 34, 38, 42, 46, 50]
+    assert len(sizes) == len(starts) - 1 and sizes[-1] >= sum(range(46, 50))
+    assert table.take([49, 0, 7, 7, 31], "id") == {0: "d0", 7: "d7", 31: "d31", 49: "d49"}
+    read = []
+    real = pq.ParquetFile.read_row_group
+    try:
+        pq.ParquetFile.read_row_group = lambda self, g, **kw: read.append(g) or real(self, g, **kw)
+        table.take([5, 6, 31], "text")
+    finally:
+        pq.ParquetFile.read_row_group = real
+    assert read == [1, 0]  # shard 0's second group, shard 3's first
 
 
 def test_column_bytes_estimates_a_columns_size_from_the_metadata(tmp_path):

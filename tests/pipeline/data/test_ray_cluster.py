@@ -5,8 +5,9 @@ The head node has no CPUs, so every task runs on the other node; that node is
 started in its own mount namespace with an empty tmpfs over the folder that
 holds the test's inputs and outputs, as a node without shared storage is.
 ingest, clean (``dedup.method: memory``) and pack must give the bytes of the
-local pool there; clean's sharded dedup, whose steps read a work folder beside
-the output, must stop with one line that says so, not find no duplicates. Then
+local pool there; clean's sharded dedup, whose workers read the input and a
+work folder beside the output themselves, must stop with one line that says
+which of them they do not see, not find no duplicates. Then
 what a cluster does to a stage: a worker node killed mid-stage (its tasks run
 again on another node; with no node left the stage stops in one line), and
 tasks left in flight when a stage stops (never cancelled: Ray 2.60 can abort
@@ -34,12 +35,14 @@ import psutil
 import pytest
 
 from pipeline.data import executor as executor_module
+from pipeline.data.clean import run_clean
 from pipeline.data.dedup import DedupError
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from pipeline.data.pack import PackConfig, run_pack
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 from tests.conftest import ROOT
-from tests.pipeline.data.test_clean import MIXED, code, prose
+from tests.pipeline.data.test_clean import MIXED, code, prose, write_docs
+from tests.pipeline.data.test_clean import cfg as clean_cfg
 from tests.pipeline.data.test_clean import run as run_clean_on
 from tests.pipeline.data.test_dedup import PLANTED
 from tests.pipeline.data.test_executor import BadInput, timed
@@ -210,7 +213,7 @@ CLEAN_TEXTS = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] 
 CLEAN_SMALL = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}
 
 
-def test_clean_on_a_cluster_without_shared_storage(cluster):
+def test_clean_on_a_cluster_without_shared_storage(cluster, tmp_path):
     """memory dedup: the local bytes; sharded dedup: one line naming what it needs
     (not a run that finds no duplicates). Joined by the GCS address (as a Ray
     Client: the test below)."""
@@ -224,12 +227,21 @@ def test_clean_on_a_cluster_without_shared_storage(cluster):
         got[name] = metrics, docs, quarantine
     assert got["cluster"] == got["local"]
     (root / "sharded").mkdir()
+    with pytest.raises(DedupError, match=r"^the clean input .*/in.parquet is not readable as the stage read it on "
+                                         r"\S+, where a dedup task ran \(CleanError: documents not found: "
+                                         r".*/in.parquet; run the ingest stage first\); dedup.method: sharded on a "
+                                         r"Ray cluster needs the input and output folders on storage that every node "
+                                         r"mounts at the same path \(or use method: memory\)$"):
+        run_clean_on(root / "sharded", texts, executor=on_cluster(cluster),
+                     dedup={"method": "sharded", "partition_docs": 4}, **small)
+    # the input where every node sees it, the output (and so the work folder) where the workers do not
+    seen = write_docs(tmp_path / "in.parquet", texts)
     with pytest.raises(DedupError, match=r"^the dedup work file .*/exact-00000.bin is missing on .*, where a dedup "
                                          r"task ran; dedup.method: sharded on a Ray cluster needs the output folder "
                                          r"on storage that every node mounts at the same path \(or use method: "
                                          r"memory\)$"):
-        run_clean_on(root / "sharded", texts, executor=on_cluster(cluster),
-                     dedup={"method": "sharded", "partition_docs": 4}, **small)
+        run_clean(clean_cfg(executor=on_cluster(cluster), dedup={"method": "sharded", "partition_docs": 4}, **small),
+                  seen, root / "sharded-out" / "docs", root / "sharded-out" / "quarantine.jsonl")
 
 
 # Runs clean as a Ray Client in its own process; prints the outcome as JSON.
