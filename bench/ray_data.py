@@ -100,12 +100,28 @@ def build_corpora(work: Path, copies: list[int], quick: bool, paragraphs: bool =
         path = work / f"corpus-{'p' if paragraphs else ''}{n}x.parquet"
         with pq.ParquetWriter(path, table.schema) as w:
             for k in range(n):
-                w.write_table(pa.table({
+                copy = pa.table({
                     "id": [f"{i}-{k}" for i in table.column("id").to_pylist()],
                     "text": [rot(t, k) for t in table.column("text").to_pylist()],
-                    "source": table.column("source"), "location": table.column("location")}, schema=table.schema),
-                    row_group_size=2000)
+                    "source": table.column("source"), "location": table.column("location")}, schema=table.schema)
+                for a, b in row_groups(copy):
+                    w.write_table(copy.slice(a, b - a), row_group_size=b - a)
         out[n] = path
+    return out
+
+
+def row_groups(table, docs: int = 2000, text_bytes: int = 1 << 20) -> list[tuple[int, int]]:
+    """Row groups as ingest cuts them (row_group_docs, row_group_bytes defaults)."""
+    import pyarrow.compute as pc
+
+    out, first, size = [], 0, 0
+    for i, n in enumerate(pc.binary_length(table.column("text")).to_pylist()):
+        size += n or 0
+        if i + 1 - first >= docs or size >= text_bytes:
+            out.append((first, i + 1))
+            first, size = i + 1, 0
+    if first < table.num_rows:
+        out.append((first, table.num_rows))
     return out
 
 

@@ -689,49 +689,79 @@ def cut_rows(start: int, stop: int, states: np.ndarray) -> list[Piece]:
     return out
 
 
-# Pass 2 of dedup.method sharded: runs per task at most (64 MB of text with the default task_bytes).
+# dedup.method sharded: runs per pass-2 task at most (64 MB of text with the default task_bytes).
 TASK_RUNS = 64
+# ... and the parts a large row group is read in at most: a part's reader decodes
+# the group from its start, so a group read in k parts is decoded (k + 1) / 2
+# times. Only an input of fewer row groups than TASKS_PER_WORKER tasks for each
+# worker is read in parts (ingest writes row groups of at most 1 MiB of text).
+SPLIT = 8
+TASKS_PER_WORKER = 4
 
 
-def _pass2_tasks(groups: np.ndarray, ends: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, int]]:
-    """See :meth:`_Sharded._tasks`: ``groups``, each row group's first row and
-    the row count; ``ends``, each run's end row."""
+def _read_units(starts: np.ndarray, sizes: np.ndarray, task_bytes: int, workers: int = 1
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The input cut into the row ranges a sharded worker reads (``starts`` and
+    ``sizes`` as :meth:`DocTable.row_groups` gives them): each row group whole,
+    or, where the input has fewer row groups than :data:`TASKS_PER_WORKER`
+    tasks for each of ``workers``, a group of more than ``task_bytes`` of text
+    in up to :data:`SPLIT` parts of equal rows, so that the workers still get
+    enough tasks. Returns the units' bounds (first rows, then the row count)
+    and their estimated text bytes."""
+    bounds, unit_bytes = [0], []
+    groups = int(np.count_nonzero(np.diff(starts)))
+    parts = -(-TASKS_PER_WORKER * workers // max(groups, 1))
+    for g in range(len(sizes)):
+        first, rows = int(starts[g]), int(starts[g + 1] - starts[g])
+        if rows == 0:
+            continue
+        k = int(min(SPLIT, parts, max(1, sizes[g] // task_bytes), rows))
+        for i in range(1, k + 1):
+            bounds.append(first + rows * i // k)
+            unit_bytes.append(int(sizes[g]) // k)
+    return np.array(bounds, np.int64), np.array(unit_bytes, np.int64)
+
+
+def _pass1_tasks(bounds: np.ndarray, unit_bytes: np.ndarray, task_bytes: int) -> list[tuple[int, int]]:
+    """Pass 1's tasks: consecutive read units (see :func:`_read_units`), each
+    task at least ``task_bytes`` of text by the metadata but the last."""
+    out: list[tuple[int, int]] = []
+    first, size = 0, 0
+    for u in range(len(unit_bytes)):
+        size += int(unit_bytes[u])
+        if size >= task_bytes or u == len(unit_bytes) - 1:
+            out.append((int(bounds[first]), int(bounds[u + 1])))
+            first, size = u + 1, 0
+    return out
+
+
+def _pass2_tasks(bounds: np.ndarray, ends: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, int]]:
+    """Pass 2's tasks over rows ``[start, stop)`` (each a run's end; ``ends``, each
+    run's end row): whole runs, from a task's first row to the first run end at
+    or past the end of the read unit that holds it (``bounds``, see
+    :func:`_read_units`), so that a worker decodes few rows it does not use,
+    but at most :data:`TASK_RUNS` runs, which bounds what a worker holds."""
     a = start
     while a < stop:
-        group_end = int(groups[np.searchsorted(groups, a, side="right")])
+        unit_end = int(bounds[np.searchsorted(bounds, a, side="right")])
         first = int(np.searchsorted(ends, a, side="right"))  # the task's first run
-        k = min(int(np.searchsorted(ends, min(group_end, stop), side="left")), first + TASK_RUNS - 1)
+        k = min(int(np.searchsorted(ends, min(unit_end, stop), side="left")), first + TASK_RUNS - 1)
         b = min(int(ends[k]), stop)
         yield a, b
         a = b
 
 
-def _row_group_ranges(starts: np.ndarray, sizes: np.ndarray, task_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges of whole row groups (``starts``/``sizes`` as
-    :meth:`DocTable.row_groups` gives them), each of at least ``task_bytes`` of
-    text by the metadata but the last: pass 1's tasks."""
-    out: list[tuple[int, int]] = []
-    first, size = 0, 0
-    for g in range(len(sizes)):
-        size += int(sizes[g])
-        if size >= task_bytes or g == len(sizes) - 1:
-            if starts[g + 1] > starts[first]:
-                out.append((int(starts[first]), int(starts[g + 1])))
-            first, size = g + 1, 0
-    return out
-
-
 class _Sharded:
     """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. The
     workers read the input rows themselves (:func:`_input`), so the stage's own
-    process reads no text: pass 1 maps :func:`spill_rows` over ranges of whole
-    row groups and appends the records it makes (states, digests, signatures,
-    band keys) to a work folder, and learns where the runs end from the rows'
-    lengths; the exact and band steps run as executor tasks; the decisions are
-    made in one ordered pass over the pairs; pass 2 maps :func:`cut_rows` over
-    whole runs (at least a row group's worth each), and the stage writes the
-    pieces it returns into shards. Same outcomes, in the same order, as
-    :class:`_InMemory`.
+    process reads no text. Pass 1 maps :func:`spill_rows` over row ranges that
+    start where a reader can (:func:`_read_units`) and appends the records it
+    makes (states, digests, signatures, band keys) to a work folder; the stage
+    learns where the runs end from the rows' lengths. The exact and band steps
+    run as executor tasks; the decisions are made in one ordered pass over the
+    pairs. Pass 2 maps :func:`cut_rows` over whole runs (:func:`_pass2_tasks`),
+    and the stage writes the pieces it returns into shards. Same outcomes, in
+    the same order, as :class:`_InMemory`.
 
     What resumes: the decisions (each document's state byte, the quarantine's
     details, the documents changed and the near-dedup counters of the whole
@@ -745,7 +775,7 @@ class _Sharded:
     def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, folder: Path, fp: str, work_root: Path,
                  bar: Any):
         self.cfg, self.table, self.ex, self.work_root, self.bar = cfg, table, ex, work_root, bar
-        self.groups = table.row_groups()[0]
+        self.units = _read_units(*table.row_groups(), cfg.task_bytes, ex.workers)
         self.names = [name for name, _, _ in cfg.filters.enabled()]
         self.log = ShardLog(folder, fp, stem="decisions", ext=".u8")
         self.log.open()
@@ -782,7 +812,7 @@ class _Sharded:
         near_counts: dict[str, int] = {}
         cutter, run_ends = RunCutter(cfg.task_bytes, cfg.batch_docs), []
         try:
-            tasks = [(work, a, b) for a, b in _row_group_ranges(*table.row_groups(), cfg.task_bytes)]
+            tasks = [(work, a, b) for a, b in _pass1_tasks(*self.units, cfg.task_bytes)]
             for sp in ex.map(spill_rows, tasks, bar=self.bar, units=lambda sp: sp.spill.docs):
                 changed += sp.changed
                 for k, reason, detail in sp.filtered:
@@ -830,19 +860,11 @@ class _Sharded:
         # them so that a rerun with every shard committed needs no decisions file.
         return {"whole_input": self.whole}
 
-    def _tasks(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
-        """Pass 2's tasks over rows ``[start, stop)`` (each a run's end): whole
-        runs, from a task's first row to the first run end at or past the end of
-        the row group that holds it, so that a worker decodes few rows it does
-        not use, but at most :data:`TASK_RUNS` runs, which bounds what a worker
-        holds (row groups that large are decoded in part more than once)."""
-        return _pass2_tasks(self.groups, self.run_ends, start, stop)
-
     def decide(self, start: int, stop: int) -> Iterator[tuple[Piece, list[tuple[str, str]]]]:
         """The runs of rows ``[start, stop)``, each with the (reason, detail) of its dropped rows."""
         assert self.state is not None, "prepare() first"
         state, names, ends = self.state, self.names, self.run_ends
-        tasks = list(self._tasks(start, stop))
+        tasks = list(_pass2_tasks(self.units[0], ends, start, stop))
         for (a, b), pieces in zip(tasks, self.ex.map(cut_rows, [(a, b, state[a:b]) for a, b in tasks])):
             row = a
             for piece in pieces:

@@ -85,17 +85,18 @@ class DocTable:
         self.num_rows = sum(p.metadata.num_rows for p in self._parts)
         self.metadata = SimpleNamespace(num_rows=self.num_rows)  # as ParquetFile.metadata, for the row count
 
-    def iter_batches(self, batch_size: int, columns: list[str] | None = None, start: int = 0
-                     ) -> Iterator[pa.RecordBatch]:
-        """Batches of exactly ``batch_size`` rows (the last one shorter) from row
-        ``start`` on; the shards and row groups wholly before ``start`` are not read
-        (a stage resuming mid-table)."""
-        if start == 0 and len(self._parts) == 1:
+    def iter_batches(self, batch_size: int, columns: list[str] | None = None, start: int = 0,
+                     stop: int | None = None) -> Iterator[pa.RecordBatch]:
+        """Batches of exactly ``batch_size`` rows (the last one shorter) of rows
+        ``[start, stop)`` (default: to the end); the shards and row groups wholly
+        before ``start`` or from ``stop`` on are not read (a stage resuming
+        mid-table, a worker reading its part)."""
+        if start == 0 and stop is None and len(self._parts) == 1:
             yield from self._parts[0].iter_batches(batch_size=batch_size, columns=columns)
             return
         pending: list[pa.RecordBatch] = []
         have = 0
-        for b in self._pieces(batch_size, columns, start):
+        for b in self._pieces(batch_size, columns, start, self.num_rows if stop is None else stop):
             while b.num_rows:
                 take = min(batch_size - have, b.num_rows)
                 pending.append(b.slice(0, take))
@@ -126,7 +127,7 @@ class DocTable:
         cutter = RunCutter(task_bytes, max_docs)
         if left <= 0:
             return
-        for batch in self.iter_batches(batch_size=batch_docs, columns=columns, start=start):
+        for batch in self.iter_batches(batch_size=batch_docs, columns=columns, start=start, stop=start + left):
             batch = batch.slice(0, left)
             left -= batch.num_rows
             for a, b, ends in cutter.feed(text_lengths(batch.column("text"))):
@@ -187,25 +188,39 @@ class DocTable:
                 total += sum(md.row_group(g).column(j).total_uncompressed_size for g in range(md.num_row_groups))
         return total
 
-    def _pieces(self, batch_size: int, columns: list[str] | None, skip: int) -> Iterator[pa.RecordBatch]:
-        """Every shard's batches in order, less the first ``skip`` rows."""
+    def _pieces(self, batch_size: int, columns: list[str] | None, skip: int, stop: int
+                ) -> Iterator[pa.RecordBatch]:
+        """Every shard's batches in order, rows ``[skip, stop)`` of the table: only
+        the row groups that hold them are read."""
+        left = stop - skip  # rows still to give
         for part in self._parts:
+            if left <= 0:
+                return
             md = part.metadata
             if skip >= md.num_rows:
                 skip -= md.num_rows
                 continue
             groups: list[int] = []
+            need = skip + left  # rows of this part up to the last one wanted
             for g in range(md.num_row_groups):
                 rows = md.row_group(g).num_rows
                 if not groups and skip >= rows:
                     skip -= rows
+                    need -= rows
                     continue
+                if need <= 0:
+                    break
                 groups.append(g)
+                need -= rows
             for b in part.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns):
                 cut = min(skip, b.num_rows)
                 skip -= cut
-                if cut < b.num_rows:
-                    yield b.slice(cut)
+                b = b.slice(cut, left)
+                if b.num_rows:
+                    left -= b.num_rows
+                    yield b
+                if left <= 0:
+                    return
 
 
 def text_lengths(texts: pa.Array) -> np.ndarray:

@@ -179,7 +179,10 @@ class IngestConfig(ParallelStageConfig):
                                "(split_by: chunk never skips a file for its size, only a longer line)")
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
-    row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written")
+    row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written at most")
+    row_group_bytes: int = Field(1 << 20, ge=1, description="a Parquet row group also ends at the document that "
+                                 "brings its text to this many bytes: the unit a reader can start at (clean's "
+                                 "sharded dedup reads row groups in its workers)")
     shard_bytes: int = Field(64 << 20, ge=1, description="the output's shards: a new one starts at a document "
                              "once the current one holds this many bytes of text (a rerun after a kill keeps "
                              "the committed shards)")
@@ -831,6 +834,7 @@ class _Shard:
         self.docs = self.bytes = 0
         self.per_source: dict[str, int] = {}
         self.rows: dict[str, list] = {k: [] for k in SCHEMA.names}
+        self.rows_bytes = 0  # text bytes of the rows not yet flushed
 
     def add(self, f: InputFile, item: Doc, size: int) -> None:
         self.rows["id"].append(doc_id(f.display, item.location))
@@ -843,6 +847,7 @@ class _Shard:
         self.rows["split"].append(None if f.source.split == "auto" else f.source.split)
         self.docs += 1
         self.bytes += size
+        self.rows_bytes += size
         self.per_source[f.source.label] = self.per_source.get(f.source.label, 0) + 1
 
     def flush(self, writer: ShardedParquetWriter) -> None:
@@ -850,6 +855,7 @@ class _Shard:
             writer.write(pa.table(self.rows, schema=SCHEMA))
             for v in self.rows.values():
                 v.clear()
+            self.rows_bytes = 0
 
     def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool) -> dict:
         self.flush(writer)
@@ -962,7 +968,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
             size = len(item.text.encode("utf-8", "surrogatepass"))
             shard.add(f, item, size)
             bar.update(size)
-            if len(shard.rows["id"]) >= cfg.row_group_docs:
+            if len(shard.rows["id"]) >= cfg.row_group_docs or shard.rows_bytes >= cfg.row_group_bytes:
                 shard.flush(writer)
             if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:
                 end = (pos[0], pos[1] + 1)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.data import clean, dedup
+from tests.pipeline.data import test_clean
 from tests.pipeline.data.test_clean import cfg, code, prose, report, run, write_docs
 
 
@@ -110,15 +111,17 @@ def test_each_dedup_pass_can_be_off(tmp_path):
 
 
 def test_the_workers_read_the_input_in_tasks_that_need_not_match_the_runs(tmp_path, monkeypatch):
-    """Pass 1 reads ranges of whole row groups (here 3 rows each: test_clean's
-    write_docs), pass 2 whole runs up to a row group's end, at most TASK_RUNS
-    (here 1 and 2) of them; the pieces the stage writes are still the runs of
-    the in-memory method, so every byte is the same."""
+    """Pass 1 reads ranges of row groups (here of 3 rows: test_clean's
+    write_docs; those of more than task_bytes in parts), pass 2 whole runs up
+    to a read unit's end, at most TASK_RUNS (here 1 and 2) of them; the pieces
+    the stage writes are still the runs of the in-memory method, so every
+    byte is the same."""
     texts = PLANTED * 2 + [prose(80, seed=s) for s in range(20, 40)]
     calls = {"spill_rows": [], "cut_rows": []}
-    for name in calls:
+    for name, rows in (("spill_rows", slice(1, 3)), ("cut_rows", slice(0, 2))):  # the (start, stop) arguments
         real = getattr(clean, name)
-        monkeypatch.setattr(clean, name, lambda *a, real=real, name=name: calls[name].append(a[-2:]) or real(*a))
+        monkeypatch.setattr(clean, name, lambda *a, real=real, name=name, rows=rows:
+                            calls[name].append(tuple(a[rows])) or real(*a))
     for task_runs in (1, 2):
         monkeypatch.setattr(clean, "TASK_RUNS", task_runs)
         for v in calls.values():
@@ -126,27 +129,49 @@ def test_the_workers_read_the_input_in_tasks_that_need_not_match_the_runs(tmp_pa
         (tmp_path / str(task_runs)).mkdir()
         memory, sharded = both(tmp_path / str(task_runs), texts, batch_docs=4, task_bytes=900, shard_bytes=2500)
         assert sharded == memory and len(sharded[-1]) > 3
-        spilled = calls["spill_rows"]
-        assert spilled[0][0] == 0 and all(a % 3 == 0 for a, _ in spilled) and len(spilled) > 5
-        assert [b for _, b in spilled[:-1]] == [a for a, _ in spilled[1:]] and spilled[-1][1] == len(texts)
-        assert len(calls["cut_rows"]) > len(spilled)
+        for tasks in calls.values():  # each pass's tasks cover the input once, in order
+            assert tasks[0][0] == 0 and tasks[-1][1] == len(texts) and len(tasks) > 5
+            assert [b for _, b in tasks[:-1]] == [a for a, _ in tasks[1:]]
+        assert calls["cut_rows"] != calls["spill_rows"]
 
 
-def test_pass_2_tasks_and_pass_1_ranges():
+def test_a_large_row_group_is_read_in_parts(tmp_path, monkeypatch):
+    """An input of one row group, fewer than the tasks the workers want: pass 1
+    reads it in parts, each decoding the group up to its end; the same bytes
+    as the in-memory method."""
+    texts = PLANTED * 2 + [prose(80, seed=s) for s in range(20, 40)]
+    seen = []
+    real = clean.spill_rows
+    monkeypatch.setattr(clean, "spill_rows", lambda work, a, b: seen.append((a, b)) or real(work, a, b))
+    monkeypatch.setattr(test_clean, "write_docs", lambda path, t: write_docs(path, t, row_group_size=len(t)))
+    memory, sharded = both(tmp_path, texts, batch_docs=4, task_bytes=900, shard_bytes=2500)
+    assert sharded == memory
+    # one worker, one row group: TASKS_PER_WORKER parts
+    assert len(seen) == clean.TASKS_PER_WORKER < clean.SPLIT and seen[0][0] == 0 and seen[-1][1] == len(texts)
+
+
+def test_read_units_and_the_tasks_of_both_passes():
     groups = np.array([0, 10, 20, 50, 100])
     ends = np.array([3, 6, 9, 12, 25, 30, 35, 40, 60, 100])
     assert list(clean._pass2_tasks(groups, ends, 0, 100)) == [(0, 12), (12, 25), (25, 60), (60, 100)]
-    assert list(clean._pass2_tasks(groups, ends, 25, 40)) == [(25, 40)]  # a stop before the group ends
+    assert list(clean._pass2_tasks(groups, ends, 25, 40)) == [(25, 40)]  # a stop before the unit ends
     old, clean.TASK_RUNS = clean.TASK_RUNS, 2
     try:
         assert list(clean._pass2_tasks(groups, ends, 0, 100)) == [
             (0, 6), (6, 12), (12, 25), (25, 35), (35, 60), (60, 100)]
     finally:
         clean.TASK_RUNS = old
-    sizes = np.array([500, 600, 2000, 100])
-    assert clean._row_group_ranges(groups, sizes, 1000) == [(0, 20), (20, 50), (50, 100)]
-    assert clean._row_group_ranges(groups, sizes, 1) == [(0, 10), (10, 20), (20, 50), (50, 100)]
-    assert clean._row_group_ranges(np.array([0, 0, 5]), np.array([0, 9]), 1) == [(0, 5)]  # an empty group
+    # groups of at most 1000 bytes are read whole; one of 2500 in 2 parts; one of 10^6 in SPLIT (8) parts,
+    # when the 5 groups (and an empty one) are fewer than TASKS_PER_WORKER (4) tasks for each of 3 workers
+    starts, sizes = np.array([0, 10, 20, 50, 100, 100, 180]), np.array([500, 600, 2500, 100, 0, 10 ** 6])
+    assert clean._read_units(starts, sizes, 1000, workers=1)[0].tolist() == [0, 10, 20, 50, 100, 180]
+    assert clean._read_units(starts, sizes, 1000, workers=2)[0].tolist() == [0, 10, 20, 35, 50, 100, 140, 180]
+    bounds, sizes = clean._read_units(starts, sizes, 1000, workers=10)
+    assert bounds.tolist() == [0, 10, 20, 35, 50, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # no empty unit
+    assert sizes.tolist() == [500, 600, 1250, 1250, 100] + [125_000] * 8
+    assert clean._pass1_tasks(bounds, sizes, 1000) == [(0, 20), (20, 35), (35, 50), (50, 110)] + [
+        (a, a + 10) for a in range(110, 180, 10)]
+    assert clean._read_units(np.array([0, 3]), np.array([10 ** 6]), 1, 4)[0].tolist() == [0, 1, 2, 3]  # a part a row
 
 
 def test_a_worker_reads_the_input_only_if_it_is_the_one_the_stage_read(tmp_path):

@@ -163,6 +163,24 @@ def test_row_groups_and_take_read_the_metadata_and_only_the_groups_asked(tmp_pat
     assert read == [1, 0]  # shard 0's second group, shard 3's first
 
 
+def test_reading_rows_to_a_stop_reads_only_the_row_groups_that_hold_them(tmp_path, monkeypatch):
+    """A worker reading its part of the input must not read (or have pyarrow read
+    ahead) the rest of the file."""
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])  # row groups of 4 rows at most, per shard
+    pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=4)
+    asked = []
+    real = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                        lambda self, **kw: asked.append(kw["row_groups"]) or real(self, **kw))
+    for path, want in [("docs", [[1], [0], [0, 1, 2]]), ("one.parquet", [[1, 2, 3, 4]])]:
+        asked.clear()
+        table = DocTable(tmp_path / path, StageError)
+        got = pa.Table.from_batches(list(table.iter_batches(batch_size=3, columns=["id", "text"], start=5, stop=17)))
+        assert got.equals(_table(5, 17))
+        assert asked == want  # docs: shard 0's second group (rows 4-6), shard 1's, shard 2's first three (8-19)
+        assert [len(r) for r in _runs(table, batch_docs=3, task_bytes=30, start=5, stop=17)] == [5, 3, 3, 1]
+
+
 def test_column_bytes_estimates_a_columns_size_from_the_metadata(tmp_path):
     _folder(tmp_path / "docs", [0, 7, 8, 30, 50])
     pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=9)

@@ -427,3 +427,18 @@ def test_a_split_asked_of_a_dataset_without_splits_is_an_error(tmp_path):
     with pytest.raises(IngestError, match=r"the folder holds one dataset \(split None\), not a split 'test'"):
         outputs(tmp_path, "x", [{"path": str(tmp_path / "ds"), "hf": {"split": "test"}}])
     assert outputs(tmp_path, "y", [{"path": str(tmp_path / "ds")}])[0]["docs"] == 1
+
+
+def test_a_row_group_ends_at_row_group_docs_or_at_the_document_that_fills_row_group_bytes(tmp_path):
+    """The unit a reader can start at (clean's sharded workers read row groups)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    sizes = [300, 50, 50, 700, 10, 10, 10, 10, 10, 900, 5]
+    for i, n in enumerate(sizes):
+        (corpus / f"f{i:02d}.txt").write_text("x" * (n - 1) + "\n")
+    run(tmp_path, sources=[{"path": str(corpus / "*.txt")}], row_group_docs=4, row_group_bytes=400,
+        max_bytes=None, num_workers=1)
+    (shard,) = DocTable(tmp_path / "out" / "docs", IngestError).files
+    md = pq.ParquetFile(shard).metadata
+    # 300+50+50 fills 400; 700 alone; four of 10; 10+900; the rest
+    assert [md.row_group(g).num_rows for g in range(md.num_row_groups)] == [3, 1, 4, 2, 1]
