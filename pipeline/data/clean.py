@@ -796,7 +796,9 @@ class _Sharded:
         self.whole = {"changed": rec["changed"], "near": rec["near"]}
         self.filter_detail = {int(doc): detail for doc, detail in rec["filter_detail"]}
         self.near_detail = {int(doc): NearDedup.detail(jac, kept_id) for doc, jac, kept_id in rec["near_detail"]}
-        self.state = np.fromfile(self.log.path(0), dtype=np.uint8)
+        # mapped, not read: one byte per document, paged in as pass 2 reaches it
+        path = self.log.path(0)
+        self.state = np.memmap(path, np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
 
     def _decide(self, out: Path) -> None:
         """Pass 1 and the steps; the state bytes go to ``out``, the rest to ``self._fields``."""
@@ -865,7 +867,7 @@ class _Sharded:
         assert self.state is not None, "prepare() first"
         state, names, ends = self.state, self.names, self.run_ends
         tasks = list(_pass2_tasks(self.units[0], ends, start, stop))
-        for (a, b), pieces in zip(tasks, self.ex.map(cut_rows, [(a, b, state[a:b]) for a, b in tasks])):
+        for (a, b), pieces in zip(tasks, self.ex.map(cut_rows, ((a, b, np.asarray(state[a:b])) for a, b in tasks))):
             row = a
             for piece in pieces:
                 states = state[row:row + piece.n]
