@@ -140,17 +140,17 @@ class DocTable:
         if pending:
             yield _concat(pending)
 
-    def row_groups(self) -> tuple[np.ndarray, np.ndarray]:
+    def row_groups(self, column: str = "text") -> tuple[np.ndarray, np.ndarray]:
         """The first row of each row group, in table order, with the table's row
-        count appended (``len`` = groups + 1), and each group's text bytes (the
-        ``text`` column's uncompressed size in the Parquet metadata, an estimate
-        that reads no data): where a reader can start without decoding rows it
-        does not use."""
+        count appended (``len`` = groups + 1), and each group's bytes of
+        ``column`` (its uncompressed size in the Parquet metadata, an estimate
+        that reads no data; 0 where the column is absent): where a reader can
+        start without decoding rows it does not use."""
         starts, sizes = [0], []
         for part in self._parts:
             md = part.metadata
             paths = [md.schema.column(j).path for j in range(md.num_columns)]
-            j = paths.index("text") if "text" in paths else None
+            j = paths.index(column) if column in paths else None
             for g in range(md.num_row_groups):
                 group = md.row_group(g)
                 starts.append(starts[-1] + group.num_rows)
@@ -178,15 +178,8 @@ class DocTable:
 
     def column_bytes(self, name: str) -> int:
         """The uncompressed size of column ``name`` in the Parquet metadata, summed
-        over the shards: an estimate of its bytes that reads no data."""
-        total = 0
-        for part in self._parts:
-            md = part.metadata
-            paths = [md.schema.column(j).path for j in range(md.num_columns)]
-            if name in paths:
-                j = paths.index(name)
-                total += sum(md.row_group(g).column(j).total_uncompressed_size for g in range(md.num_row_groups))
-        return total
+        over the shards (:meth:`row_groups`): an estimate of its bytes that reads no data."""
+        return int(self.row_groups(name)[1].sum())
 
     def _pieces(self, batch_size: int, columns: list[str] | None, skip: int, stop: int
                 ) -> Iterator[pa.RecordBatch]:

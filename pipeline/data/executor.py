@@ -167,6 +167,11 @@ def _local_worker_init(parent_pid: int, initializer: Callable[..., None] | None,
 RESULT_LIBRARIES = ("tokenizers", "rensa", "numpy", "pyarrow")
 
 
+def _package_root() -> Path:
+    """The folder of the ``pipeline`` package this process imported."""
+    return Path(sys.modules["pipeline"].__file__).parent
+
+
 @functools.lru_cache(maxsize=1)
 def code_identity() -> dict[str, str]:
     """What a task's result depends on besides its arguments, in this process:
@@ -174,7 +179,7 @@ def code_identity() -> dict[str, str]:
     :data:`RESULT_LIBRARIES`. Ray pickles a task's function by reference, so a
     worker runs the code installed on its own node; computed once, when first
     asked (the stage's code was imported by then)."""
-    root = Path(sys.modules["pipeline"].__file__).parent
+    root = _package_root()
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
@@ -197,7 +202,7 @@ def check_same_code(desc: str, stage: dict[str, str]) -> None:
     if differ:
         raise ExecutorError(
             f"{desc}: the Ray worker on {socket.gethostname()} runs other code than this stage "
-            f"({'; '.join(differ)}; its pipeline package is {Path(sys.modules['pipeline'].__file__).parent}): "
+            f"({'; '.join(differ)}; its pipeline package is {_package_root()}): "
             "install this checkout and its dependencies on every node (pip install '.[ray]') and restart its Ray")
 
 
