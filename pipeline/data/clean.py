@@ -80,7 +80,18 @@ from pipeline.data import dedup, resume
 from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
 from pipeline.data.accounting import Ledger
-from pipeline.data.docs import FORMAT, DocTable, RunCutter, ShardedParquetWriter, text_lengths
+from pipeline.data.docs import (
+    FORMAT,
+    DocTable,
+    NotAsSeen,
+    RunCutter,
+    ShardedParquetWriter,
+    identity,
+    open_as_seen,
+    read_units,
+    text_lengths,
+    unit_tasks,
+)
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.filters import FiltersSection, first_failure, ngrams
 from pipeline.data.resume import ShardLog
@@ -242,7 +253,7 @@ _worker: dict[str, Any] = {}
 
 def _init_worker(cfg: CleanConfig, inputs: tuple[str, list] | None = None) -> None:
     """``inputs``: for ``dedup.method: sharded``, whose workers read the input
-    rows themselves, the input's path and its files' identity (:func:`_identity`)."""
+    rows themselves, the input's path and its files' identity (:func:`pipeline.data.docs.identity`)."""
     _worker["cfg"] = cfg
     _worker["inputs"] = inputs
     _worker.pop("table", None)
@@ -330,36 +341,23 @@ class Spilled(NamedTuple):
     lengths: np.ndarray  # each row's text bytes (where the stage's runs end: RunCutter)
 
 
-def _identity(table: DocTable) -> list[list]:
-    """Each file of ``table`` as ``[path, size, mtime_ns]``."""
-    return [[str(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in table.files]
-
-
 def _input() -> DocTable:
     """The stage's input, as this worker sees it (``dedup.method: sharded``):
     opened once, and only if it is the input the stage opened (the same files,
-    sizes and modification times). Raises DedupError (one line) otherwise: on a
-    Ray node without the stage's storage, or with a stale view of it."""
+    sizes and modification times: :func:`pipeline.data.docs.open_as_seen`).
+    Raises DedupError (one line) otherwise: on a Ray node without the stage's
+    storage, or with a stale view of it."""
     table = _worker.get("table")
     if table is not None:
         return table
-    path, identity = _worker["inputs"]
+    path, seen = _worker["inputs"]
     try:
-        table = _open_input(Path(path))
-        seen = _identity(table)
-    except (CleanError, OSError) as e:
-        why = f"{type(e).__name__}: {e}"
-    else:
-        differ = [a for a, b in zip(seen, identity) if a != b]
-        why = "" if seen == identity else (
-            f"{differ[0][0]} is {differ[0][1]} bytes, modified at {differ[0][2]} ns here, not as the stage saw it"
-            if differ else f"{len(seen)} file(s) here, {len(identity)} for the stage")
-    if why:
+        table = _worker["table"] = open_as_seen(path, seen, _open_input)
+    except NotAsSeen as e:
         raise dedup.DedupError(
             f"the clean input {path} is not readable as the stage read it on {socket.gethostname()}, where a "
-            f"dedup task ran ({why}); dedup.method: sharded on a Ray cluster needs the input and output folders "
-            "on storage that every node mounts at the same path (or use method: memory)")
-    _worker["table"] = table
+            f"dedup task ran ({e}); dedup.method: sharded on a Ray cluster needs the input and output folders "
+            "on storage that every node mounts at the same path (or use method: memory)") from None
     return table
 
 
@@ -691,55 +689,13 @@ def cut_rows(start: int, stop: int, states: np.ndarray) -> list[Piece]:
 
 # dedup.method sharded: runs per pass-2 task at most (64 MB of text with the default task_bytes).
 TASK_RUNS = 64
-# ... and the parts a large row group is read in at most: a part's reader decodes
-# the group from its start, so a group read in k parts is decoded (k + 1) / 2
-# times. Only an input of fewer row groups than TASKS_PER_WORKER tasks for each
-# worker is read in parts (ingest writes row groups of at most 1 MiB of text).
-SPLIT = 8
-TASKS_PER_WORKER = 4
-
-
-def _read_units(starts: np.ndarray, sizes: np.ndarray, task_bytes: int, workers: int = 1
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """The input cut into the row ranges a sharded worker reads (``starts`` and
-    ``sizes`` as :meth:`DocTable.row_groups` gives them): each row group whole,
-    or, where the input has fewer row groups than :data:`TASKS_PER_WORKER`
-    tasks for each of ``workers``, a group of more than ``task_bytes`` of text
-    in up to :data:`SPLIT` parts of equal rows, so that the workers still get
-    enough tasks. Returns the units' bounds (first rows, then the row count)
-    and their estimated text bytes."""
-    bounds, unit_bytes = [0], []
-    groups = int(np.count_nonzero(np.diff(starts)))
-    parts = -(-TASKS_PER_WORKER * workers // max(groups, 1))
-    for g in range(len(sizes)):
-        first, rows = int(starts[g]), int(starts[g + 1] - starts[g])
-        if rows == 0:
-            continue
-        k = int(min(SPLIT, parts, max(1, sizes[g] // task_bytes), rows))
-        for i in range(1, k + 1):
-            bounds.append(first + rows * i // k)
-            unit_bytes.append(int(sizes[g]) // k)
-    return np.array(bounds, np.int64), np.array(unit_bytes, np.int64)
-
-
-def _pass1_tasks(bounds: np.ndarray, unit_bytes: np.ndarray, task_bytes: int) -> list[tuple[int, int]]:
-    """Pass 1's tasks: consecutive read units (see :func:`_read_units`), each
-    task at least ``task_bytes`` of text by the metadata but the last."""
-    out: list[tuple[int, int]] = []
-    first, size = 0, 0
-    for u in range(len(unit_bytes)):
-        size += int(unit_bytes[u])
-        if size >= task_bytes or u == len(unit_bytes) - 1:
-            out.append((int(bounds[first]), int(bounds[u + 1])))
-            first, size = u + 1, 0
-    return out
 
 
 def _pass2_tasks(bounds: np.ndarray, ends: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, int]]:
     """Pass 2's tasks over rows ``[start, stop)`` (each a run's end; ``ends``, each
     run's end row): whole runs, from a task's first row to the first run end at
     or past the end of the read unit that holds it (``bounds``, see
-    :func:`_read_units`), so that a worker decodes few rows it does not use,
+    :func:`pipeline.data.docs.read_units`), so that a worker decodes few rows it does not use,
     but at most :data:`TASK_RUNS` runs, which bounds what a worker holds."""
     a = start
     while a < stop:
@@ -755,7 +711,7 @@ class _Sharded:
     """``dedup.method: sharded``: the steps of :mod:`pipeline.data.dedup`. The
     workers read the input rows themselves (:func:`_input`), so the stage's own
     process reads no text. Pass 1 maps :func:`spill_rows` over row ranges that
-    start where a reader can (:func:`_read_units`) and appends the records it
+    start where a reader can (:func:`pipeline.data.docs.read_units`) and appends the records it
     makes (states, digests, signatures, band keys) to a work folder; the stage
     learns where the runs end from the rows' lengths. The exact and band steps
     run as executor tasks; the decisions are made in one ordered pass over the
@@ -775,7 +731,7 @@ class _Sharded:
     def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, folder: Path, fp: str, work_root: Path,
                  bar: Any):
         self.cfg, self.table, self.ex, self.work_root, self.bar = cfg, table, ex, work_root, bar
-        self.units = _read_units(*table.row_groups(), cfg.task_bytes, ex.workers)
+        self.units = read_units(*table.row_groups(), cfg.task_bytes, ex.workers)
         self.names = [name for name, _, _ in cfg.filters.enabled()]
         self.log = ShardLog(folder, fp, stem="decisions", ext=".u8")
         self.log.open()
@@ -814,7 +770,7 @@ class _Sharded:
         near_counts: dict[str, int] = {}
         cutter, run_ends = RunCutter(cfg.task_bytes, cfg.batch_docs), []
         try:
-            tasks = [(work, a, b) for a, b in _pass1_tasks(*self.units, cfg.task_bytes)]
+            tasks = [(work, a, b) for a, b in unit_tasks(*self.units, cfg.task_bytes)]
             for sp in ex.map(spill_rows, tasks, bar=self.bar, units=lambda sp: sp.spill.docs):
                 changed += sp.changed
                 for k, reason, detail in sp.filtered:
@@ -1029,7 +985,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
         for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
             log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
 
-    inputs = (str(in_path), _identity(table)) if sharded else None  # sharded: the workers read the input
+    inputs = (str(in_path), identity(table)) if sharded else None  # sharded: the workers read the input
     with open_executor(cfg.executor, _init_worker, (cfg, inputs), max_workers=batches, desc="clean") as ex, \
             progress(total=num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
         if sharded:

@@ -22,6 +22,7 @@ where it chooses.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.data.resume import MANIFEST, ShardLog
+from pipeline.errors import StageError
 from pipeline.files import read_json
 
 FORMAT = "pipeline.docs/1"
@@ -214,6 +216,79 @@ class DocTable:
                     yield b
                 if left <= 0:
                     return
+
+
+# --- a worker reading its own rows ----------------------------------------------------------------
+
+# The parts a large row group is read in at most: a part's reader decodes the
+# group from its start, so a group read in k parts is decoded (k + 1) / 2 times.
+# Only a table of fewer row groups than TASKS_PER_WORKER tasks for each worker
+# is read in parts (ingest and clean write row groups of about 1 MB of text).
+SPLIT = 8
+TASKS_PER_WORKER = 4
+
+
+def read_units(starts: np.ndarray, sizes: np.ndarray, task_bytes: int, workers: int = 1
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The table cut into the row ranges a worker reads by itself (``starts``
+    and ``sizes`` as :meth:`DocTable.row_groups` gives them): each row group
+    whole, or, where the table has fewer row groups than :data:`TASKS_PER_WORKER`
+    tasks for each of ``workers``, a group of more than ``task_bytes`` of text
+    in up to :data:`SPLIT` parts of equal rows, so that the workers still get
+    enough tasks. Returns the units' bounds (first rows, then the row count)
+    and their estimated text bytes."""
+    bounds, unit_bytes = [0], []
+    groups = int(np.count_nonzero(np.diff(starts)))
+    parts = -(-TASKS_PER_WORKER * workers // max(groups, 1))
+    for g in range(len(sizes)):
+        first, rows = int(starts[g]), int(starts[g + 1] - starts[g])
+        if rows == 0:
+            continue
+        k = int(min(SPLIT, parts, max(1, sizes[g] // task_bytes), rows))
+        for i in range(1, k + 1):
+            bounds.append(first + rows * i // k)
+            unit_bytes.append(int(sizes[g]) // k)
+    return np.array(bounds, np.int64), np.array(unit_bytes, np.int64)
+
+
+def unit_tasks(bounds: np.ndarray, unit_bytes: np.ndarray, task_bytes: int) -> list[tuple[int, int]]:
+    """Tasks of consecutive read units (see :func:`read_units`) as row ranges,
+    each at least ``task_bytes`` of text by the metadata but the last."""
+    out: list[tuple[int, int]] = []
+    first, size = 0, 0
+    for u in range(len(unit_bytes)):
+        size += int(unit_bytes[u])
+        if size >= task_bytes or u == len(unit_bytes) - 1:
+            out.append((int(bounds[first]), int(bounds[u + 1])))
+            first, size = u + 1, 0
+    return out
+
+
+def identity(table: DocTable) -> list[list]:
+    """Each file of ``table`` as ``[path, size, mtime_ns]``: what a worker checks
+    before it reads the rows of a table the stage opened (:func:`open_as_seen`)."""
+    return [[str(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in table.files]
+
+
+class NotAsSeen(Exception):
+    """A worker does not see the table the stage opened: why, in one line."""
+
+
+def open_as_seen(path: str | Path, seen: list[list], opener: Any) -> DocTable:
+    """``opener(path)`` (a DocTable), if its files are those the stage saw
+    (``seen``: :func:`identity` in the stage's process): the same paths, sizes
+    and modification times. Raises :class:`NotAsSeen` otherwise: on a Ray node
+    without the stage's storage, or with a stale view of it."""
+    try:
+        table = opener(Path(path))
+        here = identity(table)
+    except (StageError, OSError) as e:  # the opener's one-line error, or the OS's
+        raise NotAsSeen(f"{type(e).__name__}: {e}") from None
+    if here != seen:
+        differ = [a for a, b in zip(here, seen) if a != b]
+        raise NotAsSeen(f"{differ[0][0]} is {differ[0][1]} bytes, modified at {differ[0][2]} ns here, not as the "
+                        "stage saw it" if differ else f"{len(here)} file(s) here, {len(seen)} for the stage")
+    return table
 
 
 def text_lengths(texts: pa.Array) -> np.ndarray:

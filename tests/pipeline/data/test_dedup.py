@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.data import clean, dedup
+from pipeline.data.docs import SPLIT, TASKS_PER_WORKER, identity, read_units, unit_tasks
 from tests.pipeline.data import test_clean
 from tests.pipeline.data.test_clean import cfg, code, prose, report, run, write_docs
 
@@ -147,7 +148,7 @@ def test_a_large_row_group_is_read_in_parts(tmp_path, monkeypatch):
     memory, sharded = both(tmp_path, texts, batch_docs=4, task_bytes=900, shard_bytes=2500)
     assert sharded == memory
     # one worker, one row group: TASKS_PER_WORKER parts
-    assert len(seen) == clean.TASKS_PER_WORKER < clean.SPLIT and seen[0][0] == 0 and seen[-1][1] == len(texts)
+    assert len(seen) == TASKS_PER_WORKER < SPLIT and seen[0][0] == 0 and seen[-1][1] == len(texts)
 
 
 def test_read_units_and_the_tasks_of_both_passes():
@@ -164,14 +165,14 @@ def test_read_units_and_the_tasks_of_both_passes():
     # groups of at most 1000 bytes are read whole; one of 2500 in 2 parts; one of 10^6 in SPLIT (8) parts,
     # when the 5 groups (and an empty one) are fewer than TASKS_PER_WORKER (4) tasks for each of 3 workers
     starts, sizes = np.array([0, 10, 20, 50, 100, 100, 180]), np.array([500, 600, 2500, 100, 0, 10 ** 6])
-    assert clean._read_units(starts, sizes, 1000, workers=1)[0].tolist() == [0, 10, 20, 50, 100, 180]
-    assert clean._read_units(starts, sizes, 1000, workers=2)[0].tolist() == [0, 10, 20, 35, 50, 100, 140, 180]
-    bounds, sizes = clean._read_units(starts, sizes, 1000, workers=10)
+    assert read_units(starts, sizes, 1000, workers=1)[0].tolist() == [0, 10, 20, 50, 100, 180]
+    assert read_units(starts, sizes, 1000, workers=2)[0].tolist() == [0, 10, 20, 35, 50, 100, 140, 180]
+    bounds, sizes = read_units(starts, sizes, 1000, workers=10)
     assert bounds.tolist() == [0, 10, 20, 35, 50, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # no empty unit
     assert sizes.tolist() == [500, 600, 1250, 1250, 100] + [125_000] * 8
-    assert clean._pass1_tasks(bounds, sizes, 1000) == [(0, 20), (20, 35), (35, 50), (50, 110)] + [
+    assert unit_tasks(bounds, sizes, 1000) == [(0, 20), (20, 35), (35, 50), (50, 110)] + [
         (a, a + 10) for a in range(110, 180, 10)]
-    assert clean._read_units(np.array([0, 3]), np.array([10 ** 6]), 1, 4)[0].tolist() == [0, 1, 2, 3]  # a part a row
+    assert read_units(np.array([0, 3]), np.array([10 ** 6]), 1, 4)[0].tolist() == [0, 1, 2, 3]  # a part a row
 
 
 def test_a_worker_reads_the_input_only_if_it_is_the_one_the_stage_read(tmp_path):
@@ -179,12 +180,12 @@ def test_a_worker_reads_the_input_only_if_it_is_the_one_the_stage_read(tmp_path)
     one line, not rows read from another file."""
     path = write_docs(tmp_path / "in.parquet", PLANTED)
     table = clean._open_input(path)
-    for identity, why in [
-        (clean._identity(table), None),
+    for seen, why in [
+        (identity(table), None),
         ([[str(path), 1, 2]], rf"{path} is \d+ bytes, modified at \d+ ns here, not as the stage saw it"),
-        (clean._identity(table) * 2, r"1 file\(s\) here, 2 for the stage"),
+        (identity(table) * 2, r"1 file\(s\) here, 2 for the stage"),
     ]:
-        clean._init_worker(cfg(dedup={"method": "sharded"}), (str(path), identity))
+        clean._init_worker(cfg(dedup={"method": "sharded"}), (str(path), seen))
         if why is None:
             assert clean._input().num_rows == len(PLANTED)
             continue
