@@ -179,6 +179,9 @@ class CleanConfig(ParallelStageConfig):
     task_bytes: int = Field(1_000_000, ge=1, description="text bytes per task at most: a task ends at the document "
                             "that brings its text to this (a larger document is one task)")
     row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
+    row_group_bytes: int = Field(1_000_000, ge=1, description="an output row group also ends after the task at which "
+                                 "the input text since it began reaches this many bytes: where a reader (pack's "
+                                 "workers) can start")
     shard_bytes: int = Field(
         64 * 1024 * 1024, ge=1, description="an output shard ends after the task at which the input text "
         "since it began reaches this many bytes; a rerun redoes only the shards not committed")
@@ -847,7 +850,8 @@ class _Sharded:
 # --- the stage ---------------------------------------------------------------------------------
 
 # Each write to a shard is one row group: clean cuts its row groups itself (at
-# row_group_docs or more, and at the end of a shard), as it did with one file.
+# row_group_docs or more, after the task that brings its input text to
+# row_group_bytes, and at the end of a shard), as it did with one file.
 _WHOLE_TABLE = 64 * 1024 * 1024
 
 
@@ -884,14 +888,14 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
     here must reach exactly. Returns the next shard index."""
     shard: dict[str, Any] | None = None
     pending: list[pa.RecordBatch] = []
-    pending_rows = 0
+    pending_rows = group_bytes = 0  # the open row group's kept rows, and its input's text bytes
 
     def flush() -> None:
-        nonlocal pending_rows
+        nonlocal pending_rows, group_bytes
         if pending_rows:
             writer.write(pa.Table.from_batches(pending, schema=SCHEMA))
             pending.clear()
-            pending_rows = 0
+            pending_rows = group_bytes = 0
 
     decider.begin()
     try:
@@ -910,10 +914,11 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
                     for (reason, detail), doc_id, text, source, location in zip(
                             drops, dropped["id"], dropped["text"], dropped["source"], dropped["location"]):
                         shard["ledger"].record(reason, source, location, text, detail=f"id {doc_id}: {detail}")
+                group_bytes += piece.bytes_in
                 if piece.kept is not None:
                     pending.append(piece.kept)
                     pending_rows += piece.kept.num_rows
-                    if pending_rows >= cfg.row_group_docs:
+                    if pending_rows >= cfg.row_group_docs or group_bytes >= cfg.row_group_bytes:
                         flush()
                 pos += n
                 bar.update(n)

@@ -4,6 +4,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -248,6 +249,31 @@ def test_tasks_are_cut_by_text_size_and_workers_capped_by_it(tmp_path):
         out[name] = (metrics.pop("workers"), metrics, docs, quarantine)
     assert out["one"][0] == 1 and out["many"][0] == 2
     assert out["one"][1:] == out["many"][1:]
+
+
+def test_row_groups_end_after_the_task_that_fills_row_group_bytes_or_docs(tmp_path):
+    """Where pack's workers start reading: a row group ends after the task
+    (here one document each) that brings its input text to row_group_bytes, or
+    its documents to row_group_docs; the documents are the same either way."""
+    texts = [code(s) for s in range(1, 13)]
+    sizes = [len(t.encode()) for t in texts]
+    out = {}
+    for name, kw in (("bytes", {"row_group_bytes": 2 * max(sizes)}), ("docs", {"row_group_docs": 5}),
+                     ("whole", {})):
+        (tmp_path / name).mkdir()
+        _, docs, _ = run(tmp_path / name, texts, task_bytes=1, **kw)
+        table = DocTable(tmp_path / name / "out" / "docs", CleanError)
+        out[name] = (docs, np.diff(table.row_groups()[0]).tolist())
+    assert out["bytes"][0] == out["docs"][0] == out["whole"][0] and len(out["whole"][0]) == 12
+    want, size = [0], 0
+    for n in sizes:  # every document kept: the groups follow the input's sizes
+        size += n
+        want[-1] += 1
+        if size >= 2 * max(sizes):
+            want.append(0)
+            size = 0
+    assert out["bytes"][1] == [n for n in want if n] and len(want) > 3
+    assert out["docs"][1] == [5, 5, 2] and out["whole"][1] == [12]
 
 
 def test_empty_after_cleaning_is_a_clear_error(tmp_path):
