@@ -216,8 +216,8 @@ def startup(tokenizer: str, workers: int) -> dict:
     schema = pa.schema([("text", pa.string())])
     message = pa.record_batch([pa.array(["x"])], schema=schema).serialize().to_pybytes()
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                             initargs=(Path(tokenizer).read_text(encoding="utf-8"), schema)) as ex:
-        for f in [ex.submit(_encode_task, message) for _ in range(workers)]:
+                             initargs=(Path(tokenizer).read_text(encoding="utf-8"), schema, ("", []), 1024, 10**6)) as ex:
+        for f in [ex.submit(_encode_task, 0, 1, message) for _ in range(workers)]:
             f.result()
     return {}
 

@@ -79,16 +79,19 @@ One unmarked source without a mixture writes the manifest as before.
 Speed: tokenization runs on ``executor`` (:mod:`pipeline.data.executor`: a
 local process pool or Ray tasks, the same output either way), each worker with
 its own single-threaded tokenizer (the library's own threads scale poorly on
-some machines; processes scale everywhere), fed runs of at least ``task_bytes`` of text
-in order, however short the documents. A worker only encodes
-(:func:`encode_texts`: texts in, token ids and counts out, as numpy arrays); the
-main process reads Parquet (``batch_docs`` rows at a time) and does everything
-else with array operations: the split (one bit per row, planned while the
-workers start), routing, chunk joins, document starts and rows. The one
-per-document Python step left is the split hash's ``hashlib`` call (about
-0.3 µs a document; with ``val_by: position``, a chunk's score too). At most ``2 · workers + 2`` tasks are in flight, so
-memory does not grow with the corpus (the plan's bits aside: 1 MB per 8 million
-documents).
+some machines; processes scale everywhere). A task is a range of rows, whole
+Parquet row groups of at least ``task_bytes`` of text (:func:`row_spans`),
+which the worker reads itself, ``batch_docs`` rows at a time, and encodes
+(:func:`encode_texts`: token ids and counts out, as numpy arrays), in calls
+of about ``task_bytes``. The main process reads no text (but that of a row
+group too large for one task, which it sends in runs of ``task_bytes``),
+only the small columns it routes by, and does everything else with array
+operations: the split (one bit per row, planned while the workers start),
+routing, chunk joins, document starts and rows. The
+one per-document Python step left is the split hash's ``hashlib`` call (about
+0.3 µs a document; with ``val_by: position``, a chunk's score too). At most
+``2 · workers + 2`` tasks are in flight, so memory does not grow with the
+corpus (the plan's bits aside: 1 MB per 8 million documents).
 """
 
 from __future__ import annotations
@@ -98,15 +101,16 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 import zipfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -119,7 +123,7 @@ from pipeline.data import mixture as mixture_module
 from pipeline.data import resume
 from pipeline.data import shards as shards_module
 from pipeline.data import tokenizer as tokenizer_module
-from pipeline.data.docs import DocTable
+from pipeline.data.docs import DocTable, NotAsSeen, RunCutter, identity, open_as_seen, text_lengths
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
@@ -151,9 +155,11 @@ class PackConfig(ParallelStageConfig):
     seed: int = Field(0, ge=0, description="chooses the train/val split")
     shard_tokens: int = Field(1 << 23, ge=1, le=MAX_SHARD_TOKENS,
                               description="tokens per Arrow shard file, rounded down to whole rows (at least one)")
-    batch_docs: int = Field(1024, ge=1, le=1_000_000, description="documents read from Parquet at a time")
+    batch_docs: int = Field(1024, ge=1, le=1_000_000,
+                            description="documents a worker reads from Parquet and encodes at a time")
     task_bytes: int = Field(1_000_000, ge=1_000, le=1_000_000_000,
-                            description="text bytes per tokenizer task (a larger document is one task)")
+                            description="text bytes per tokenizer task at least: whole Parquet row groups, which "
+                                        "the worker reads itself")
     val_by: Literal["hash", "position"] = Field(
         "hash", description="hash: each document or chunk goes to val by hash(seed, id); position: the last "
                             "val_fraction of each text cut with ingest split_by: chunk (other documents by hash)")
@@ -400,7 +406,7 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
                      {k: v for k, v in marked.items() if v})
 
 
-# --- encoding: a pure function of a batch of texts, run in worker processes ---------------------
+# --- encoding: a pure function of a task's rows, run in worker processes ---------------------------
 
 
 def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -414,24 +420,78 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lens
 
 
+class Encoded(NamedTuple):
+    """A task's documents encoded: :func:`encode_texts`'s arrays, and their text's UTF-8 bytes."""
+
+    flat: np.ndarray
+    lens: np.ndarray
+    text_bytes: int
+
+
+def encode_columns(tok: Any, columns: Iterable[pa.Array], task_bytes: int, batch_docs: int) -> Encoded:
+    """:func:`encode_texts` of text columns (null = ""), joined, in calls of at
+    most ``batch_docs`` documents and about ``task_bytes`` of text
+    (:class:`pipeline.data.docs.RunCutter`): the library holds a call's
+    encodings at once, so a call's size bounds a worker's memory."""
+    flats, lens, nbytes = [], [], 0
+    cutter = RunCutter(task_bytes, batch_docs)
+    for texts in columns:
+        lengths = text_lengths(texts)
+        nbytes += int(lengths.sum())
+        texts = pc.fill_null(texts, "") if texts.null_count else texts
+        for a, b, _ in cutter.feed(lengths):
+            flat, n = encode_texts(tok, texts.slice(a, b - a).to_pylist())
+            flats.append(flat)
+            lens.append(n)
+    if len(flats) == 1:
+        return Encoded(flats[0], lens[0], nbytes)
+    return Encoded(np.concatenate(flats or [np.zeros(0, np.int32)]), np.concatenate(lens or [np.zeros(0, np.int64)]),
+                   nbytes)
+
+
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_json: str, schema: pa.Schema) -> None:
+def _init_worker(tokenizer_json: str, schema: pa.Schema, inputs: tuple[str, list[list]], batch_docs: int,
+                 task_bytes: int) -> None:
     """``tokenizer_json``: the text of the tokenizer file the stage loaded, not its
-    path, so that a Ray node need not see the stage's files."""
+    path, so that a Ray node need not see the stage's files. ``inputs``: the
+    documents' path and their files' identity (:func:`pipeline.data.docs.identity`),
+    which a worker checks before it reads rows itself."""
     # Before the first encode: rayon sizes its pool once, on first use.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=parse_tokenizer(tokenizer_json), schema=schema)
+    _WORKER.clear()
+    _WORKER.update(tok=parse_tokenizer(tokenizer_json), schema=schema, inputs=inputs, batch_docs=batch_docs,
+                   task_bytes=task_bytes)
 
 
-def _encode_task(message: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`encode_texts` of a task's text column (an Arrow IPC message; null = "")."""
-    texts = pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"]).column(0)
-    if texts.null_count:
-        texts = pc.fill_null(texts, "")
-    return encode_texts(_WORKER["tok"], texts.to_pylist())
+def _input() -> DocTable | str:
+    """The documents as this worker sees them, opened once, if they are those the
+    stage opened (:func:`pipeline.data.docs.open_as_seen`); else the line saying
+    why not, kept too: a Ray node without the stage's storage."""
+    if "table" not in _WORKER:
+        path, seen = _WORKER["inputs"]
+        try:
+            _WORKER["table"] = open_as_seen(path, seen, lambda p: DocTable(p, PackError))
+        except NotAsSeen as e:
+            _WORKER["table"] = f"on {socket.gethostname()}: {e}"
+    return _WORKER["table"]
+
+
+def _encode_task(start: int, stop: int, message: bytes | None) -> Encoded | str:
+    """Rows ``[start, stop)`` of the documents, encoded (:func:`encode_columns`).
+    The worker reads their text itself, ``batch_docs`` rows at a time, unless
+    the stage sends it (``message``: the text column as an Arrow IPC message);
+    a worker that does not see the documents returns why (:func:`_input`)."""
+    if message is not None:
+        columns: Iterable[pa.Array] = [pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"]).column(0)]
+    else:
+        table = _input()
+        if isinstance(table, str):
+            return table
+        columns = (b.column(0) for b in table.iter_batches(_WORKER["batch_docs"], ["text"], start, stop))
+    return encode_columns(_WORKER["tok"], columns, _WORKER["task_bytes"], _WORKER["batch_docs"])
 
 
 # --- tasks and routing (main process, array operations only) ------------------------------------
@@ -512,9 +572,9 @@ def split_parts(flat: np.ndarray, lens: np.ndarray, val: np.ndarray, keys: Keys 
     return parts
 
 
-def task_columns(pf: pq.ParquetFile) -> list[str]:
-    """What a task holds: ``text``, and ``source`` and ``chunk`` where present."""
-    return ["text", *(["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else [])]
+def key_columns(pf: DocTable) -> list[str]:
+    """``source`` and ``chunk``, where the documents have both: a task's :class:`Keys`."""
+    return ["source", "chunk"] if {"source", "chunk"} <= set(pf.schema_arrow.names) else []
 
 
 @dataclass
@@ -523,59 +583,121 @@ class Task:
 
     start: int
     rows: int
-    text_bytes: int
-    message: bytes  # the text column as an Arrow IPC message, for a worker
     keys: Keys | None
-    columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _tasks
+    columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _encoded
+    text_bytes: int = 0  # known once encoded
 
 
-def _tasks(pf: DocTable, batch_docs: int, task_bytes: int, extra: tuple[str, ...] = (),
-           start: int = 0) -> Iterator[Task]:
-    """The table as tasks: runs of at least ``task_bytes`` of text (the last one may
-    be shorter; :meth:`DocTable.runs`), so that a corpus of short documents still
-    gives tasks large enough that per-task costs do not count. The tasks from row
-    ``start`` (a task's first row) on are the same as those of the whole table;
-    the shards and row groups before it are not read."""
-    columns = task_columns(pf)
-    for run in pf.runs(batch_docs, task_bytes, columns + [c for c in extra if c not in columns], start):
-        keys = Keys.of(run.column("source"), run.column("chunk")) if len(columns) == 3 else None
-        # IPC writes only a slice's own bytes, where pickling a sliced array would copy its parent buffers
-        message = pa.record_batch([run.column("text")], names=["text"]).serialize().to_pybytes()
-        text_bytes = pc.sum(pc.binary_length(run.column("text"))).as_py() or 0
-        yield Task(start, run.num_rows, text_bytes, message, keys, {name: run.column(name) for name in extra})
-        start += run.num_rows
+# A worker reads row groups of up to BIG_GROUP * task_bytes of text itself; a
+# larger one the stage reads and sends in runs of task_bytes, since a worker
+# could read a part of one only by decoding the group from its start.
+BIG_GROUP = 4
 
 
-def _encoded(pf: pq.ParquetFile, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
+class Span(NamedTuple):
+    """Rows ``[start, stop)``: one task that a worker reads itself (``by_worker``),
+    or a large row group that the stage reads and sends as tasks of ``task_bytes``."""
+
+    start: int
+    stop: int
+    by_worker: bool
+
+
+def row_spans(pf: DocTable, task_bytes: int, start: int = 0) -> list[Span]:
+    """The table's rows from ``start`` in spans (:class:`Span`), by the Parquet
+    metadata: consecutive row groups of at least ``task_bytes`` of text
+    together (the last one may be shorter), each a task its worker reads; a
+    group of more than :data:`BIG_GROUP` × ``task_bytes``, a span of its own
+    that the stage reads. The first span is cut at ``start``. The same for any
+    executor and worker count, as the checkpoints taken after tasks are; the
+    packed rows do not depend on where tasks end."""
+    starts, sizes = pf.row_groups()
+    spans, first, size = [], 0, 0
+    for g in range(len(sizes)):
+        a, b = int(starts[g]), int(starts[g + 1])
+        if sizes[g] > BIG_GROUP * task_bytes:
+            spans += [Span(first, a, True)] if first < a else []
+            spans.append(Span(a, b, False))
+            first, size = b, 0
+            continue
+        size += int(sizes[g])
+        if size >= task_bytes:
+            spans.append(Span(first, b, True))
+            first, size = b, 0
+    if first < pf.num_rows:
+        spans.append(Span(first, pf.num_rows, True))
+    return [s._replace(start=max(s.start, start)) for s in spans if s.stop > start]
+
+
+def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
              task_bytes: int, plan_first: Callable[[], None], extra: tuple[str, ...] = (),
              on_open: Callable[[Executor], None] | None = None,
              start: int = 0) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
     """(task, flat, lens) in table order from row ``start``, encoded on the executor (a local process
-    pool or Ray: :mod:`pipeline.data.executor`). The first ``window`` tasks go out
-    before ``plan_first()`` runs, so that the split plan is computed while the
+    pool or Ray: :mod:`pipeline.data.executor`). The workers read the rows'
+    text themselves (:func:`row_spans`, :func:`_encode_task`), so the stage's
+    own process reads only the small columns it routes by: the keys and
+    ``extra`` (and the text of a row group too large for one task). A worker that does not see the documents as the stage does (a
+    Ray node without its storage) hands its task back: the stage encodes that
+    one itself and sends the text of every later task, and says so in one
+    warning at the end. The first ``window`` tasks go out before
+    ``plan_first()`` runs, so that the split plan is computed while the
     workers start (``plan_first`` must tolerate being called again: with one
     in-process worker, the first result comes before that). A bounded window, so
     that a slow consumer or a slow worker cannot make the queue hold the corpus."""
     schema = pa.schema([pf.schema_arrow.field("text")])
-    tasks = _tasks(pf, batch_docs, task_bytes, extra, start)
+    keys = key_columns(pf)
+    columns = keys + [c for c in extra if c not in keys]
     sent: deque[Task] = deque()
+    unseen: list[str] = []  # per task a worker handed back, why
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
-    with open_executor(executor, _init_worker, (tokenizer_json, schema), desc="pack") as ex:
+    init = (tokenizer_json, schema, (str(pf.path), identity(pf)), batch_docs, task_bytes)
+    with open_executor(executor, _init_worker, init, desc="pack") as ex:
         if on_open is not None:
             on_open(ex)
         window = 2 * ex.workers + 2
 
-        def feed() -> Iterator[tuple[bytes]]:
-            for i, task in enumerate(tasks):
+        def tasks() -> Iterator[tuple[int, int, pa.RecordBatch | None]]:
+            """(first row, end row, the rows read here or None) per task."""
+            for span in row_spans(pf, task_bytes, start):
+                if span.by_worker:
+                    yield span.start, span.stop, None
+                    continue
+                at = span.start  # runs from a run's first row on are those of the whole span: resumable
+                for run in pf.runs(batch_docs, task_bytes, columns + ["text"], span.start, span.stop):
+                    yield at, at + run.num_rows, run
+                    at += run.num_rows
+
+        def feed() -> Iterator[tuple[int, int, bytes | None]]:
+            for i, (a, b, run) in enumerate(tasks()):
                 if i == window - 1:
                     plan_first()
-                sent.append(task)
-                yield (task.message,)
+                send = run is not None or bool(unseen)
+                if run is None and (columns or send):
+                    run = next(pf.iter_batches(b - a, columns + (["text"] if send else []), a, b))
+                sent.append(Task(a, b - a, Keys.of(run.column("source"), run.column("chunk")) if keys else None,
+                                 {name: run.column(name) for name in extra}))
+                # IPC writes only the column's own bytes, where pickling a slice would copy its parent buffers
+                yield a, b, (pa.record_batch([run.column("text")], schema=schema).serialize().to_pybytes()
+                             if send else None)
             plan_first()
 
-        for flat, lens in ex.map(_encode_task, feed(), window=window):
-            yield sent.popleft(), flat, lens
+        tok = None
+        for result in ex.map(_encode_task, feed(), window=window):
+            task = sent.popleft()
+            if isinstance(result, str):
+                unseen.append(result)
+                if tok is None:
+                    tok = parse_tokenizer(tokenizer_json)
+                result = encode_columns(tok, (b.column(0) for b in pf.iter_batches(
+                    batch_docs, ["text"], task.start, task.start + task.rows)), task_bytes, batch_docs)
+            task.text_bytes = result.text_bytes
+            yield task, result.flat, result.lens
         plan_first()  # an empty table: no task at all
+    if unseen:
+        log.warning("%d task(s) went to a worker that does not see the documents as the stage does (%s); the stage "
+                    "encoded them itself and sent the text of the tasks after them: put %s on storage that every "
+                    "node mounts at the same path to spread the reading", len(unseen), unseen[0], pf.path)
 
 
 # --- packing and writing ----------------------------------------------------------------------

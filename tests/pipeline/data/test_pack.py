@@ -1,23 +1,29 @@
 import json
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
-from pipeline.data.docs import DocTable
+from pipeline.data import pack
+from pipeline.data.docs import DocTable, identity
 from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import (
     FORMAT,
     Keys,
     PackConfig,
     PackError,
+    Span,
     SplitPlan,
-    _tasks,
+    encode_columns,
     encode_texts,
     follows,
     plan_splits,
+    row_spans,
     row_starts,
     run_pack,
     split_hash,
@@ -517,26 +523,131 @@ def test_split_parts_against_a_reference():
             assert got == want[split], (trial, split)
 
 
-def test_tasks_cut_the_table_in_order_across_parquet_batches(tmp_path):
-    import pyarrow as pa
+def test_spans_are_row_groups_a_worker_reads_or_a_large_one_the_stage_reads(tmp_path):
+    rng = np.random.default_rng(1)
 
-    texts = [("x" * int(n)) if n else None for n in np.random.default_rng(1).integers(0, 60, size=500)]
+    def texts(n, size):
+        return ["".join(rng.choice(list("abcdefgh"), size)) for _ in range(n)]
+
     path = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"id": [f"d{i}" for i in range(500)], "text": pa.array(texts, pa.string())}), path,
-                   row_group_size=37)
-    for batch_docs, task_bytes in ((7, 1000), (100, 1000), (1, 1000), (500, 30_000)):
-        tasks = list(_tasks(DocTable(path, PackError), batch_docs, task_bytes))
-        assert [t.start for t in tasks] == list(np.cumsum([0] + [t.rows for t in tasks[:-1]]))
-        assert sum(t.rows for t in tasks) == 500 and all(t.keys is None for t in tasks)
-        assert all(t.text_bytes >= task_bytes for t in tasks[:-1]), batch_docs
-        # never more than the document that crosses task_bytes
-        assert all(t.text_bytes < task_bytes + 60 for t in tasks)
-        got = []
-        for t in tasks:
-            batch = pa.ipc.read_record_batch(pa.py_buffer(t.message), pa.schema([("text", pa.string())]))
-            assert batch.num_rows == t.rows and t.text_bytes == sum(len(x or "") for x in batch.column(0).to_pylist())
-            got += batch.column(0).to_pylist()
-        assert got == texts
+    with pq.ParquetWriter(path, pa.schema([("id", pa.string()), ("text", pa.string())])) as w:
+        for g in (texts(10, 30), texts(10, 30), texts(10, 30), texts(4, 2000), texts(10, 30), texts(10, 30)):
+            w.write_table(pa.table({"id": [f"d{i}" for i in range(len(g))], "text": g}))
+    table = DocTable(path, PackError)
+    sizes = table.row_groups()[1]
+    small = sizes[[0, 1, 2, 4, 5]]
+    assert (400 < small).all() and (small < 480).all() and 8000 < sizes[3] < 16_000
+    assert row_spans(table, 800) == [Span(0, 20, True), Span(20, 30, True), Span(30, 34, False), Span(34, 54, True)]
+    # a resumed run: the same spans, the first cut at its row
+    assert row_spans(table, 800, 25) == [Span(25, 30, True), Span(30, 34, False), Span(34, 54, True)]
+    assert row_spans(table, 800, 31) == [Span(31, 34, False), Span(34, 54, True)]
+    assert row_spans(table, 800, 54) == []
+    # 4 x 4000 bytes: the large group is read by a worker too; the last span may be short
+    assert row_spans(table, 4000) == [Span(0, 34, True), Span(34, 54, True)]
+    assert row_spans(table, 120) == [Span(a, b, g != 3) for g, (a, b) in enumerate(
+        [(0, 10), (10, 20), (20, 30), (30, 34), (34, 44), (44, 54)])]
+
+
+def test_a_row_group_too_large_for_a_task_is_read_by_the_stage_in_runs(docs, packed, tmp_path, monkeypatch):
+    """The corpus as one row group, more than BIG_GROUP tasks of text: the
+    stage sends it in runs of task_bytes; the bytes of the packed fixture's
+    many row groups."""
+    path, tok, _ = docs
+    one = tmp_path / "one.parquet"
+    pq.write_table(pq.read_table(path), one, row_group_size=10_000)
+    assert DocTable(one, PackError).row_groups()[1][0] > pack.BIG_GROUP * CFG.task_bytes
+    sent = []
+    real = pack._encode_task
+    monkeypatch.setattr(pack, "_encode_task", lambda a, b, message: sent.append((a, b, message is not None)) or real(
+        a, b, message))
+    run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)}), one, tok, tmp_path / "out")
+    assert len(sent) > pack.BIG_GROUP and all(m for _, _, m in sent)
+    assert [b for _, b, _ in sent[:-1]] == [a for a, _, _ in sent[1:]] and sent[-1][1] == 120
+    out, _ = packed
+    assert packed_files(tmp_path / "out") == packed_files(out)
+    assert all((tmp_path / "out" / f).read_bytes() == (out / f).read_bytes() for f in packed_files(out))
+
+
+def test_encoding_calls_hold_about_task_bytes_or_batch_docs(docs, monkeypatch):
+    path, tok, items = docs
+    t = load_tokenizer(tok)
+    calls = []
+    real = pack.encode_texts
+    monkeypatch.setattr(pack, "encode_texts", lambda tk, texts: calls.append(texts) or real(tk, texts))
+    texts = [text for _, text in items]
+    columns = [pa.array(texts[:50]), pa.array(texts[50:])]
+    longest = max(len((x or "").encode()) for x in texts)
+    for task_bytes, batch_docs in ((1000, 1000), (10**9, 7)):
+        calls.clear()
+        got = encode_columns(t, columns, task_bytes, batch_docs)
+        want = encode_texts(t, [x or "" for x in texts])
+        np.testing.assert_array_equal(got.flat, want[0])
+        np.testing.assert_array_equal(got.lens, want[1])
+        assert got.text_bytes == sum(len((x or "").encode()) for x in texts)
+        assert len(calls) > 5 and all(len(c) <= batch_docs for c in calls)
+        assert all(sum(len(x.encode()) for x in c) < task_bytes + longest for c in calls)
+
+
+def test_a_worker_reads_and_encodes_its_rows_in_batches(docs):
+    path, tok, items = docs
+    table = DocTable(path, PackError)
+    pack._init_worker(Path(tok).read_text(), pa.schema([("text", pa.string())]), (str(path), identity(table)), 7,
+                      1000)
+    t = load_tokenizer(tok)
+    for a, b in ((0, 120), (3, 4), (45, 61), (100, 120)):
+        got = pack._encode_task(a, b, None)
+        want = encode_texts(t, [text or "" for _, text in items[a:b]])
+        np.testing.assert_array_equal(got.flat, want[0])
+        np.testing.assert_array_equal(got.lens, want[1])
+        assert got.text_bytes == sum(len((text or "").encode()) for _, text in items[a:b])
+
+
+def small_groups(path, out):
+    """The documents at ``path`` in row groups of 10 (about 5 KB of text), which
+    CFG's task_bytes makes tasks that a worker reads."""
+    pq.write_table(pq.read_table(path), out, row_group_size=10)
+    assert all(s.by_worker for s in row_spans(DocTable(out, PackError), CFG.task_bytes))
+    return out
+
+
+def test_the_stage_reads_no_text_when_its_workers_read_their_rows(docs, packed, tmp_path, monkeypatch):
+    """Two spawned workers read the text; the stage's own process reads only
+    the columns it routes by, and packs the same bytes."""
+    path = small_groups(docs[0], tmp_path / "small.parquet")
+    read = []
+    real = DocTable.iter_batches
+    monkeypatch.setattr(DocTable, "iter_batches", lambda self, *a, **kw:
+                        read.append(kw.get("columns", a[1] if len(a) > 1 else None)) or real(self, *a, **kw))
+    run_pack(CFG, path, docs[1], tmp_path / "out")
+    assert read and not any(c is None or "text" in c for c in read)
+    out, _ = packed
+    assert packed_files(tmp_path / "out") == packed_files(out)
+    assert all((tmp_path / "out" / f).read_bytes() == (out / f).read_bytes() for f in packed_files(out))
+
+
+def test_tasks_a_worker_cannot_read_are_encoded_by_the_stage_then_sent(docs, packed, tmp_path, monkeypatch,
+                                                                        caplog):
+    """As on a Ray node without the stage's storage (here one in-process worker
+    told of other files than it sees): the first task comes back with the
+    reason, the stage encodes it and sends the text of the rest; the same bytes,
+    and one warning."""
+    path, tok = small_groups(docs[0], tmp_path / "small.parquet"), docs[1]
+    monkeypatch.setattr(pack, "identity", lambda table: [[str(path), 1, 2]])
+    sent = []
+    real = pack._encode_task
+    monkeypatch.setattr(pack, "_encode_task", lambda a, b, message: sent.append(message is not None) or real(
+        a, b, message))
+    cfg = CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)})
+    with caplog.at_level("WARNING", logger="pipeline.data.pack"):
+        run_pack(cfg, path, tok, tmp_path / "out")
+    assert sent[0] is False and all(sent[1:]) and len(sent) > 3
+    [line] = [r.getMessage() for r in caplog.records if "does not see" in r.getMessage()]
+    assert re.match(rf"1 task\(s\) went to a worker that does not see the documents as the stage does \(on \S+: "
+                    rf"{re.escape(str(path))} is \d+ bytes, modified at \d+ ns here, not as the stage saw it\); "
+                    r"the stage encoded them itself and sent the text of the tasks after them", line), line
+    out, _ = packed
+    assert packed_files(tmp_path / "out") == packed_files(out)
+    assert all((tmp_path / "out" / f).read_bytes() == (out / f).read_bytes() for f in packed_files(out))
 
 
 def test_adversarial_corpus_packs_as_the_reference_for_any_worker_count(docs, tmp_path):

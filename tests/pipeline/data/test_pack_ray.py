@@ -1,9 +1,11 @@
 """pack under a real local Ray instance (2 CPUs, one for this module, shut down
 at the end): the same bytes as the local pool. Marked slow: Ray takes seconds to start."""
 
+import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.pack import PackConfig, run_pack
+from pipeline.data.docs import DocTable
+from pipeline.data.pack import PackConfig, PackError, row_spans, run_pack
 from tests.pipeline.data.test_pack_sources import CFG, corpus  # noqa: F401 - the corpus fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
@@ -15,8 +17,16 @@ def files(d):
     return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def test_pack_under_ray_writes_the_bytes_of_the_local_pool(corpus, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("groups", ["large", "small"])
+def test_pack_under_ray_writes_the_bytes_of_the_local_pool(corpus, tmp_path, groups):  # noqa: F811
+    """Row groups of 40 documents, more than BIG_GROUP tasks of text, which the
+    stage reads and sends; or of 5, which the workers read themselves."""
     path, tok, _ = corpus
+    if groups == "small":
+        path = tmp_path / "small.parquet"
+        pq.write_table(pq.read_table(corpus[0]), path, row_group_size=5)
+    spans = row_spans(DocTable(path, PackError), CFG["task_bytes"])
+    assert all(s.by_worker == (groups == "small") for s in spans) and len(spans) > 4
     mix = {"web": {"weight": 2}, "code": {"weight": 1}}
     out = {}
     for name, executor in {"local": {"num_workers": 2}, "ray1": {"kind": "ray", "num_workers": 1},

@@ -17,6 +17,7 @@ this machine cannot make a mount namespace (``unshare -m``)."""
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -32,13 +33,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data import executor as executor_module
 from pipeline.data.clean import run_clean
 from pipeline.data.dedup import DedupError
+from pipeline.data.docs import DocTable
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
-from pipeline.data.pack import PackConfig, run_pack
+from pipeline.data.pack import PackConfig, PackError, row_spans, run_pack
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, prose, write_docs
@@ -280,18 +283,26 @@ def test_clean_as_a_ray_client_gives_the_local_bytes(cluster, tmp_path):
     assert json.loads(proc.stdout.splitlines()[-1]) == local
 
 
-def test_pack_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster):
+def test_pack_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster, caplog):
+    """The node cannot read the documents: its workers hand back the tasks they
+    got first, and the stage sends the text of the rest."""
     root = cluster.blind / "pack"
     root.mkdir()
     rows = [(f"w{i}", t, "web", None) for i, (_, t) in enumerate(make_docs(150, seed=1))]
     path = write_sourced(root / "docs.parquet", rows)
+    pq.write_table(pq.read_table(path), path, row_group_size=5)  # row groups a worker reads as one task
+    assert all(s.by_worker for s in row_spans(DocTable(path, PackError), CFG["task_bytes"]))
     tok = root / "tokenizer.json"
     train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), path, tok)
     out = {}
     for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster)}.items():
-        run_pack(PackConfig(**{**CFG, "num_workers": None}, executor=executor), path, tok, root / name)
+        with caplog.at_level(logging.WARNING, logger="pipeline.data.pack"):
+            run_pack(PackConfig(**{**CFG, "num_workers": None}, executor=executor), path, tok, root / name)
         out[name] = files(root / name)
     assert len(out["local"]) > 3 and out["cluster"] == out["local"]
+    [line] = [r.getMessage() for r in caplog.records if "does not see the documents" in r.getMessage()]
+    assert re.match(r"\d+ task\(s\) went to a worker that does not see the documents as the stage does \(on \S+: "
+                    rf"PackError: documents not found: {re.escape(str(path))}\); the stage encoded them itself", line), line
 
 
 @pytest.mark.timeout(90, method="thread")  # a regression here would wait for ever inside ray.get
