@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter
+from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter, text_lengths
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 
@@ -192,3 +193,19 @@ def test_column_bytes_estimates_a_columns_size_from_the_metadata(tmp_path):
     big = pa.table({"id": [str(i) for i in range(4000)], "text": [f"{i:0500d}" for i in range(4000)]}, schema=SCHEMA)
     pq.write_table(big, tmp_path / "big.parquet", row_group_size=1000)
     assert 2_000_000 <= DocTable(tmp_path / "big.parquet", StageError).column_bytes("text") <= 2_100_000
+
+
+@pytest.mark.parametrize("typ", [pa.string(), pa.large_string(), pa.binary(), pa.large_binary()])
+def test_text_lengths_are_the_utf8_bytes_of_each_text_and_zero_for_a_null(typ):
+    """Read from the offsets (and the validity bits) of slices at any offset,
+    as pyarrow's own binary_length gives them."""
+    rng = np.random.default_rng(0)
+    texts = [None if rng.random() < 0.2 else "é" * int(rng.integers(0, 9)) for _ in range(200)]
+    column = pa.array([t if t is None or "string" in str(typ) else t.encode() for t in texts], typ)
+    for start, n in ((0, 200), (3, 50), (17, 100), (199, 1), (5, 0)):
+        part = column.slice(start, n)
+        got = text_lengths(part)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, pc.fill_null(pc.binary_length(part), 0).to_numpy())
+        np.testing.assert_array_equal(got, [len((t or "").encode()) for t in texts[start:start + n]])
+    np.testing.assert_array_equal(text_lengths(pa.nulls(3, typ)), [0, 0, 0])
