@@ -438,9 +438,9 @@ def encode_columns(tok: Any, columns: Iterable[pa.Array], task_bytes: int, batch
     for texts in columns:
         lengths = text_lengths(texts)
         nbytes += int(lengths.sum())
-        texts = pc.fill_null(texts, "") if texts.null_count else texts
         for a, b, _ in cutter.feed(lengths):
-            flat, n = encode_texts(tok, texts.slice(a, b - a).to_pylist())
+            part = texts.slice(a, b - a).to_pylist()
+            flat, n = encode_texts(tok, [t or "" for t in part] if texts.null_count else part)
             flats.append(flat)
             lens.append(n)
     if len(flats) == 1:
