@@ -633,14 +633,15 @@ def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch
              task_bytes: int, plan_first: Callable[[], None], extra: tuple[str, ...] = (),
              on_open: Callable[[Executor], None] | None = None,
              start: int = 0) -> Iterator[tuple[Task, np.ndarray, np.ndarray]]:
-    """(task, flat, lens) in table order from row ``start``, encoded on the executor (a local process
-    pool or Ray: :mod:`pipeline.data.executor`). The workers read the rows'
-    text themselves (:func:`row_spans`, :func:`_encode_task`), so the stage's
-    own process reads only the small columns it routes by: the keys and
-    ``extra`` (and the text of a row group too large for one task). A worker that does not see the documents as the stage does (a
-    Ray node without its storage) hands its task back: the stage encodes that
-    one itself and sends the text of every later task, and says so in one
-    warning at the end. The first ``window`` tasks go out before
+    """(task, flat, lens) in table order from row ``start``, encoded on the
+    executor (a local process pool or Ray: :mod:`pipeline.data.executor`). The
+    workers read the rows' text themselves (:func:`row_spans`,
+    :func:`_encode_task`), so the stage's own process reads only the small
+    columns it routes by: the keys and ``extra`` (and the text of a row group
+    too large for one task). A worker that does not see the documents as the
+    stage does (a Ray node without its storage) hands its task back: the stage
+    encodes that one itself and sends the text of every later task, and says
+    so in one warning at the end. The first ``window`` tasks go out before
     ``plan_first()`` runs, so that the split plan is computed while the
     workers start (``plan_first`` must tolerate being called again: with one
     in-process worker, the first result comes before that). A bounded window, so
