@@ -36,9 +36,11 @@ executor and worker count. Where they are made is ``dedup.method``:
 
 - ``memory`` (the default): in the main process, as results arrive, against
   in-memory indexes whose size grows with the corpus (see :class:`ExactDedup`
-  and :class:`NearDedup` for their per-document cost). On a synthetic 200 MB
-  corpus (47k documents, 2 workers) the peak RSS was 324 MB for the main
-  process and about 130 MB per worker.
+  and :class:`NearDedup` for their per-document cost). The workers read the
+  input rows themselves (:func:`clean_rows`) and return them with their
+  outcomes as arrays, so the main process reads no text; it decides, and
+  writes. On a synthetic 200 MB corpus (47k documents, 2 workers) the peak
+  RSS was 324 MB for the main process and about 130 MB per worker.
 - ``sharded``: as steps on disk run by the executor, each within a bounded
   memory (:mod:`pipeline.data.dedup`), then a second pass over the input that
   normalises the kept documents again in the workers. The workers read the
@@ -89,6 +91,7 @@ from pipeline.data.docs import (
     identity,
     open_as_seen,
     read_units,
+    string_array,
     text_lengths,
     unit_tasks,
 )
@@ -255,8 +258,9 @@ _worker: dict[str, Any] = {}
 
 
 def _init_worker(cfg: CleanConfig, inputs: tuple[str, list] | None = None) -> None:
-    """``inputs``: for ``dedup.method: sharded``, whose workers read the input
-    rows themselves, the input's path and its files' identity (:func:`pipeline.data.docs.identity`)."""
+    """``inputs``: the input's path and its files' identity
+    (:func:`pipeline.data.docs.identity`), which a worker checks before it reads
+    the input rows itself (:func:`_table_as_seen`)."""
     _worker["cfg"] = cfg
     _worker["inputs"] = inputs
     _worker.pop("table", None)
@@ -344,23 +348,31 @@ class Spilled(NamedTuple):
     lengths: np.ndarray  # each row's text bytes (where the stage's runs end: RunCutter)
 
 
+def _table_as_seen() -> DocTable | str:
+    """The stage's input, as this worker sees it: opened once, and only if it is
+    the input the stage opened (the same files, sizes and modification times:
+    :func:`pipeline.data.docs.open_as_seen`); else the line saying why not, kept
+    too: a Ray node without the stage's storage, or with a stale view of it."""
+    if "table" not in _worker:
+        path, seen = _worker["inputs"]
+        try:
+            _worker["table"] = open_as_seen(path, seen, _open_input)
+        except NotAsSeen as e:
+            _worker["table"] = str(e)
+    return _worker["table"]
+
+
 def _input() -> DocTable:
-    """The stage's input, as this worker sees it (``dedup.method: sharded``):
-    opened once, and only if it is the input the stage opened (the same files,
-    sizes and modification times: :func:`pipeline.data.docs.open_as_seen`).
-    Raises DedupError (one line) otherwise: on a Ray node without the stage's
-    storage, or with a stale view of it."""
-    table = _worker.get("table")
-    if table is not None:
-        return table
-    path, seen = _worker["inputs"]
-    try:
-        table = _worker["table"] = open_as_seen(path, seen, _open_input)
-    except NotAsSeen as e:
+    """The stage's input for ``dedup.method: sharded`` (:func:`_table_as_seen`).
+    Raises DedupError (one line) where this worker does not see it as the stage
+    did: sharded dedup has no way round that."""
+    table = _table_as_seen()
+    if isinstance(table, str):
+        path, _ = _worker["inputs"]
         raise dedup.DedupError(
             f"the clean input {path} is not readable as the stage read it on {socket.gethostname()}, where a "
-            f"dedup task ran ({e}); dedup.method: sharded on a Ray cluster needs the input and output folders "
-            "on storage that every node mounts at the same path (or use method: memory)") from None
+            f"dedup task ran ({table}); dedup.method: sharded on a Ray cluster needs the input and output "
+            "folders on storage that every node mounts at the same path (or use method: memory)")
     return table
 
 
@@ -517,8 +529,18 @@ def _batches(table: DocTable, cfg: CleanConfig, start: int = 0, stop: int | None
     columns read as null."""
     names = [n for n in SCHEMA.names if n in table.schema_arrow.names]
     for b in table.runs(cfg.batch_docs, cfg.task_bytes, names, start, stop, max_docs=cfg.batch_docs):
-        columns = [b.column(n) if n in names else pa.nulls(b.num_rows, f.type) for n, f in zip(SCHEMA.names, SCHEMA)]
-        yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
+        yield _conformed(b, names)
+
+
+def _rows(table: DocTable, start: int, stop: int) -> pa.RecordBatch:
+    """Rows ``[start, stop)`` in SCHEMA, as one batch (absent optional columns null)."""
+    names = [n for n in SCHEMA.names if n in table.schema_arrow.names]
+    return _conformed(next(table.iter_batches(stop - start, names, start, stop)), names)
+
+
+def _conformed(b: pa.RecordBatch, names: list[str]) -> pa.RecordBatch:
+    columns = [b.column(n) if n in names else pa.nulls(b.num_rows, f.type) for n, f in zip(SCHEMA.names, SCHEMA)]
+    return pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(columns, SCHEMA)], schema=SCHEMA)
 
 
 def _task(b: pa.RecordBatch) -> tuple[list[str | None], list[bool] | None]:
@@ -583,9 +605,60 @@ def sketch_kept(texts: list[str]) -> list[tuple[bytes, RMinHash | None]]:
     return out
 
 
+class Cleaned(NamedTuple):
+    """Input rows ``[start, stop)`` after :func:`process_batch`, as
+    :func:`clean_rows` returns them: the rows themselves and arrays, no object
+    per document but the MinHashes."""
+
+    rows: pa.RecordBatch  # the rows as read, in SCHEMA (their text unchanged: the quarantine's)
+    normalised: pa.Array  # string: a row's normalised text where it is not its text (null elsewhere, and if filtered)
+    lengths: np.ndarray  # each row's text bytes (where the stage's runs end: RunCutter)
+    out_bytes: np.ndarray  # each row's normalised text bytes (0 if filtered)
+    changed: np.ndarray  # bool: normalisation changed the row's text
+    filtered: dict[int, tuple[str, str]]  # row - start: (filter, detail) of each filtered document
+    digests: bytes  # 16 bytes per row: the blake2b-128 digest of its normalised text (zeros if filtered)
+    sketches: list[RMinHash | None]  # per row, its MinHash (None: filtered, no shingles, or near dedup off)
+
+
+def clean_rows(start: int, stop: int, message: bytes | None) -> Cleaned | str:
+    """``dedup.method: memory``: normalise, filter, hash and sketch input rows
+    ``[start, stop)`` (:func:`process_batch`). The worker reads the rows itself
+    (:func:`_table_as_seen`), unless the stage sends them (``message``: the rows
+    in SCHEMA as an Arrow IPC message); a worker that does not see the input
+    returns why, in one line."""
+    if message is not None:
+        rows = pa.ipc.read_record_batch(pa.py_buffer(message), SCHEMA)
+    else:
+        table = _table_as_seen()
+        if isinstance(table, str):
+            return f"on {socket.gethostname()}: {table}"
+        rows = _rows(table, start, stop)
+    texts, chunks = _task(rows)
+    n = len(texts)
+    normalised: list[str | None] = [None] * n
+    out_bytes = np.zeros(n, np.int64)
+    filtered: dict[int, tuple[str, str]] = {}
+    digests = bytearray(16 * n)
+    sketches: list[RMinHash | None] = [None] * n
+    changed = []
+    for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(process_batch(texts, chunks)):
+        changed.append(was_changed)
+        if reason is not None:
+            filtered[i] = (reason, detail)
+            continue
+        if was_changed or texts[i] is None:  # a null text passes as "", which is what is kept
+            normalised[i] = text
+        out_bytes[i] = nbytes
+        digests[16 * i:16 * i + 16] = digest
+        sketches[i] = mh
+    return Cleaned(rows, string_array(normalised), text_lengths(rows.column(1)), out_bytes,
+                   np.array(changed, bool), filtered, bytes(digests), sketches)
+
+
 class _InMemory:
-    """``dedup.method: memory``: one pass; the dedup decisions are made here, in
-    input order, against in-memory indexes (:class:`ExactDedup`, :class:`NearDedup`).
+    """``dedup.method: memory``: one pass; the workers read and clean the rows
+    (:func:`clean_rows`), and the dedup decisions are made here, in input
+    order, against in-memory indexes (:class:`ExactDedup`, :class:`NearDedup`).
 
     Per shard it adds to the record the documents changed by normalisation, the
     near-dedup counters, and the digests of the shard's near duplicates (the
@@ -602,8 +675,9 @@ class _InMemory:
     ``shard_bytes`` 1 MiB, 6 shards): rebuilding from the first 5 took 0.6 s,
     the whole run 2.8 s."""
 
-    def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, slog: ShardLog):
-        self.cfg, self.table, self.ex, self.slog = cfg, table, ex, slog
+    def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, slog: ShardLog, inputs: tuple[str, list]):
+        self.cfg, self.table, self.ex, self.slog, self.inputs = cfg, table, ex, slog, inputs
+        self.units = read_units(*table.row_groups(), cfg.task_bytes, ex.workers)
         self.exact = ExactDedup() if cfg.exact_dedup.enabled else None
         self.near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
         self.changed = 0
@@ -642,31 +716,90 @@ class _InMemory:
                 "near_dropped_digests": self.near_dropped}
 
     def decide(self, start: int, stop: int) -> Iterator[tuple[Piece, list[tuple[str, str]]]]:
-        """The runs of rows ``[start, stop)``, each with the (reason, detail) of its dropped rows."""
+        """The runs of rows ``[start, stop)``, each with the (reason, detail) of its
+        dropped rows. The runs end where :meth:`DocTable.runs` ends them
+        (:class:`RunCutter` on the rows' lengths), wherever the tasks end."""
+        cutter = RunCutter(self.cfg.task_bytes, self.cfg.batch_docs)
+        parts: list[tuple[Cleaned, int, int]] = []  # the open run: rows [a, b) of a task's result
+        for res in self._cleaned(start, stop):
+            for a, b, ends in cutter.feed(res.lengths):
+                parts.append((res, a, b))
+                if ends:
+                    yield self._run(parts)
+                    parts = []
+        if parts:
+            yield self._run(parts)
+
+    def _cleaned(self, start: int, stop: int) -> Iterator[Cleaned]:
+        """:func:`clean_rows` over rows ``[start, stop)``, in order, in tasks that
+        start where a reader can (:func:`pipeline.data.docs.read_units`), read by
+        the workers. A worker that does not see the input as the stage does (a
+        Ray node without its storage) hands its task back: the stage cleans that
+        one itself and sends the rows of every later task, and says so in one
+        warning at the end."""
+        tasks = [(max(a, start), min(b, stop)) for a, b in unit_tasks(*self.units, self.cfg.task_bytes)
+                 if b > start and a < stop]
+        unseen: list[str] = []  # per task a worker handed back, why
+
+        def feed() -> Iterator[tuple[int, int, bytes | None]]:
+            for a, b in tasks:
+                yield a, b, (self._message(a, b) if unseen else None)
+
+        for (a, b), res in zip(tasks, self.ex.map(clean_rows, feed())):
+            if isinstance(res, str):
+                unseen.append(res)
+                if _worker.get("cfg") is not self.cfg:
+                    _init_worker(self.cfg, self.inputs)
+                res = clean_rows(a, b, self._message(a, b))
+            yield res
+        if unseen:
+            log.warning("%d task(s) went to a worker that does not see the input as the stage does (%s); the stage "
+                        "cleaned them itself and sent the rows of the tasks after them: put %s on storage that every "
+                        "node mounts at the same path to spread the reading", len(unseen), unseen[0], self.table.path)
+
+    def _message(self, start: int, stop: int) -> bytes:
+        # IPC writes only the rows' own bytes, where pickling a slice would copy its parent buffers
+        return _rows(self.table, start, stop).serialize().to_pybytes()
+
+    def _run(self, parts: list[tuple[Cleaned, int, int]]) -> tuple[Piece, list[tuple[str, str]]]:
+        """One run (rows ``[a, b)`` of each part) decided in order: its piece and drops."""
         exact, near = self.exact, self.near
-        for batch, results in _mapped(self.ex, process_batch, _batches(self.table, self.cfg, start, stop)):
-            ids = batch.column(0).to_pylist()
-            keep: list[bool] = []
-            texts: list[str] = []
-            drops: list[tuple[str, str]] = []
-            bytes_out = 0
-            for i, (text, reason, detail, was_changed, digest, mh, nbytes) in enumerate(results):
-                self.changed += was_changed
-                if reason is None and exact is not None:
-                    detail = exact.check(digest) or ""
-                    reason = EXACT_DUPLICATE if detail else None
-                if reason is None and near is not None and mh is not None:
-                    detail = near.check(ids[i], mh) or ""
-                    reason = NEAR_DUPLICATE if detail else None
-                    if reason is not None and exact is not None:
-                        self.near_dropped.append(digest.hex())
-                keep.append(reason is None)
-                if reason is None:
-                    texts.append(text)
-                    bytes_out += nbytes
-                else:
-                    drops.append((reason, detail))
-            yield _piece(batch, keep, texts, bytes_out), drops
+        drops: list[tuple[str, str]] = []
+        kept: list[pa.RecordBatch] = []
+        dropped: list[pa.RecordBatch] = []
+        n = bytes_in = bytes_out = 0
+        for res, a, b in parts:
+            keep = np.ones(b - a, bool)
+            ids = res.rows.column(0).slice(a, b - a).to_pylist() if near is not None else None
+            self.changed += int(np.count_nonzero(res.changed[a:b]))
+            for i in range(a, b):
+                drop = res.filtered.get(i)
+                if drop is None and exact is not None:
+                    digest = res.digests[16 * i:16 * i + 16]
+                    detail = exact.check(digest)
+                    drop = (EXACT_DUPLICATE, detail) if detail else None
+                if drop is None and near is not None and (sk := res.sketches[i]) is not None:
+                    detail = near.check(ids[i - a], sk)
+                    if detail:
+                        drop = (NEAR_DUPLICATE, detail)
+                        if exact is not None:
+                            self.near_dropped.append(digest.hex())
+                if drop is not None:
+                    keep[i - a] = False
+                    drops.append(drop)
+            rows = res.rows.slice(a, b - a)
+            mask = pa.array(keep)
+            if keep.any():
+                k = rows.filter(mask)
+                text = pc.coalesce(res.normalised.slice(a, b - a).filter(mask), k.column(1))
+                kept.append(pa.RecordBatch.from_arrays([k.column(0), text, *k.columns[2:]], schema=SCHEMA))
+            if not keep.all():
+                dropped.append(rows.select(["id", "text", "source", "location"]).filter(pc.invert(mask)))
+            n += b - a
+            bytes_in += int(res.lengths[a:b].sum())
+            bytes_out += int(res.out_bytes[a:b][keep].sum())
+        return Piece(n, bytes_in, bytes_out, pa.concat_batches(kept) if kept else None,
+                     pa.concat_batches(dropped) if dropped else None), drops
 
 
 # --- dedup.method sharded -----------------------------------------------------------------------
@@ -990,14 +1123,14 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
         for stale in dedup.remove_stale(work_root.parent, WORK_PREFIX):
             log.warning("removed %s, the dedup work folder of a clean run that did not finish", stale)
 
-    inputs = (str(in_path), identity(table)) if sharded else None  # sharded: the workers read the input
+    inputs = (str(in_path), identity(table))  # the workers read the input
     with open_executor(cfg.executor, _init_worker, (cfg, inputs), max_workers=batches, desc="clean") as ex, \
             progress(total=num_rows * (2 if sharded else 1), unit="doc", desc="clean") as bar:
         if sharded:
             decider: _Sharded | _InMemory = _Sharded(cfg, table, ex, out_path, fp, work_root, bar)
         else:
             ShardLog(out_path, fp, stem="decisions", ext=".u8").open()  # removes a sharded run's decisions
-            decider = _InMemory(cfg, table, ex, slog)
+            decider = _InMemory(cfg, table, ex, slog, inputs)
         writer = ShardedParquetWriter(slog, SCHEMA, row_group_docs=_WHOLE_TABLE)
         k = pos = resumed = 0
         replayed: list[int] = []  # committed shards not yet in the decider's state

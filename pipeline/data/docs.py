@@ -313,6 +313,23 @@ def text_lengths(texts: pa.Array) -> np.ndarray:
     return lengths
 
 
+def string_array(texts: list[str | None]) -> pa.Array:
+    """``texts`` (None: null) as an Arrow string array, built from its buffers
+    with numpy: ``pa.array`` on a list imports pandas on first use, as
+    :func:`text_lengths` says. Strict UTF-8, as ``pa.array``: a lone surrogate
+    raises UnicodeEncodeError; and less than 2 GiB of text in all (one task's)."""
+    datas = [b"" if t is None else t.encode("utf-8") for t in texts]
+    offsets = np.zeros(len(datas) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, datas), np.int64, len(datas)), out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise ValueError(f"{offsets[-1]} bytes of text do not fit one Arrow string array")
+    valid = np.fromiter((t is not None for t in texts), bool, len(texts))
+    nulls = len(texts) - int(np.count_nonzero(valid))
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little").tobytes()) if nulls else None
+    return pa.Array.from_buffers(pa.string(), len(texts), [
+        bitmap, pa.py_buffer(offsets.astype(np.int32).tobytes()), pa.py_buffer(b"".join(datas))], null_count=nulls)
+
+
 class RunCutter:
     """Where :meth:`DocTable.runs` ends its runs, fed the rows' text lengths in
     order, in chunks of any size: a run ends at the first row that brings its

@@ -216,19 +216,26 @@ CLEAN_TEXTS = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] 
 CLEAN_SMALL = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}
 
 
-def test_clean_on_a_cluster_without_shared_storage(cluster, tmp_path):
-    """memory dedup: the local bytes; sharded dedup: one line naming what it needs
-    (not a run that finds no duplicates). Joined by the GCS address (as a Ray
-    Client: the test below)."""
+def test_clean_on_a_cluster_without_shared_storage(cluster, tmp_path, caplog):
+    """memory dedup: the node's workers hand back the tasks they got first, the
+    stage sends the rows of the rest, and the bytes are the local ones; sharded
+    dedup: one line naming what it needs (not a run that finds no duplicates).
+    Joined by the GCS address (as a Ray Client: the test below)."""
     root = cluster.blind / "clean"
     texts, small = CLEAN_TEXTS, CLEAN_SMALL
     got = {}
     for name, executor in {"local": {"num_workers": 2}, "cluster": on_cluster(cluster)}.items():
         (root / name).mkdir(parents=True)
-        metrics, docs, quarantine = run_clean_on(root / name, texts, executor=executor, **small)
+        with caplog.at_level(logging.WARNING, logger="pipeline.data.clean"):
+            metrics, docs, quarantine = run_clean_on(root / name, texts, executor=executor, task_bytes=4000, **small)
         metrics.pop("mb_per_s")
         got[name] = metrics, docs, quarantine
     assert got["cluster"] == got["local"]
+    [line] = [r.getMessage() for r in caplog.records if "does not see the input" in r.getMessage()]
+    assert re.match(r"\d+ task\(s\) went to a worker that does not see the input as the stage does \(on \S+: "
+                    rf"CleanError: documents not found: {re.escape(str(root / 'cluster' / 'in.parquet'))}; run the "
+                    r"ingest stage first\); the stage cleaned them itself and sent the rows of the tasks after them",
+                    line), line
     (root / "sharded").mkdir()
     with pytest.raises(DedupError, match=r"^the clean input .*/in.parquet is not readable as the stage read it on "
                                          r"\S+, where a dedup task ran \(CleanError: documents not found: "
