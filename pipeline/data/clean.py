@@ -91,6 +91,7 @@ from pipeline.data.docs import (
     identity,
     open_as_seen,
     read_units,
+    row_spans,
     string_array,
     text_lengths,
     unit_tasks,
@@ -177,16 +178,17 @@ class CleanConfig(ParallelStageConfig):
     exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
     near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
-    batch_docs: int = Field(1024, ge=1, description="documents per task sent to a worker at most, and read from "
-                            "Parquet at a time")
-    task_bytes: int = Field(1_000_000, ge=1, description="text bytes per task at most: a task ends at the document "
-                            "that brings its text to this (a larger document is one task)")
+    batch_docs: int = Field(1024, ge=1, description="documents per run at most: output row groups and shards end "
+                            "after runs; a worker's task is whole input row groups of at least one run (a row "
+                            "group of more than 4 runs the stage reads and sends run by run)")
+    task_bytes: int = Field(1_000_000, ge=1, description="text bytes per run at most: a run ends at the document "
+                            "that brings its text to this (a larger document is a run of its own)")
     row_group_docs: int = Field(2000, ge=1, description="documents per output Parquet row group")
-    row_group_bytes: int = Field(1_000_000, ge=1, description="an output row group also ends after the task at which "
+    row_group_bytes: int = Field(1_000_000, ge=1, description="an output row group also ends after the run at which "
                                  "the input text since it began reaches this many bytes: where a reader (pack's "
                                  "workers) can start")
     shard_bytes: int = Field(
-        64 * 1024 * 1024, ge=1, description="an output shard ends after the task at which the input text "
+        64 * 1024 * 1024, ge=1, description="an output shard ends after the run at which the input text "
         "since it began reaches this many bytes; a rerun redoes only the shards not committed")
     quarantine_per_reason: int = Field(100, ge=0, description="dropped documents kept verbatim per reason")
 
@@ -677,7 +679,6 @@ class _InMemory:
 
     def __init__(self, cfg: CleanConfig, table: DocTable, ex: Executor, slog: ShardLog, inputs: tuple[str, list]):
         self.cfg, self.table, self.ex, self.slog, self.inputs = cfg, table, ex, slog, inputs
-        self.units = read_units(*table.row_groups(), cfg.task_bytes, ex.workers)
         self.exact = ExactDedup() if cfg.exact_dedup.enabled else None
         self.near = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
         self.changed = 0
@@ -731,35 +732,40 @@ class _InMemory:
             yield self._run(parts)
 
     def _cleaned(self, start: int, stop: int) -> Iterator[Cleaned]:
-        """:func:`clean_rows` over rows ``[start, stop)``, in order, in tasks that
-        start where a reader can (:func:`pipeline.data.docs.read_units`), read by
-        the workers. A worker that does not see the input as the stage does (a
-        Ray node without its storage) hands its task back: the stage cleans that
-        one itself and sends the rows of every later task, and says so in one
+        """:func:`clean_rows` over rows ``[start, stop)``, in order, in tasks of
+        whole row groups that the workers read (:func:`pipeline.data.docs.row_spans`);
+        a row group too large for one task the stage reads and sends in runs.
+        A worker that does not see the input as the stage does (a Ray node
+        without its storage) hands its task back: the stage cleans that one
+        itself and sends the rows of every later task, and says so in one
         warning at the end."""
-        tasks = [(max(a, start), min(b, stop)) for a, b in unit_tasks(*self.units, self.cfg.task_bytes)
-                 if b > start and a < stop]
         unseen: list[str] = []  # per task a worker handed back, why
+        fed: deque[tuple[int, int]] = deque()  # the rows of each task fed and not yet back
 
         def feed() -> Iterator[tuple[int, int, bytes | None]]:
-            for a, b in tasks:
-                yield a, b, (self._message(a, b) if unseen else None)
+            for span in row_spans(self.table, self.cfg.task_bytes, start, stop, self.cfg.batch_docs):
+                at = span.start
+                for run in [None] if span.by_worker else _batches(self.table, self.cfg, span.start, span.stop):
+                    end = span.stop if run is None else at + run.num_rows
+                    if run is None and unseen:
+                        run = _rows(self.table, at, end)
+                    fed.append((at, end))
+                    # IPC writes only the rows' own bytes, where pickling a slice would copy its parent buffers
+                    yield at, end, None if run is None else run.serialize().to_pybytes()
+                    at = end
 
-        for (a, b), res in zip(tasks, self.ex.map(clean_rows, feed())):
+        for res in self.ex.map(clean_rows, feed()):
+            a, b = fed.popleft()
             if isinstance(res, str):
                 unseen.append(res)
                 if _worker.get("cfg") is not self.cfg:
                     _init_worker(self.cfg, self.inputs)
-                res = clean_rows(a, b, self._message(a, b))
+                res = clean_rows(a, b, _rows(self.table, a, b).serialize().to_pybytes())
             yield res
         if unseen:
             log.warning("%d task(s) went to a worker that does not see the input as the stage does (%s); the stage "
                         "cleaned them itself and sent the rows of the tasks after them: put %s on storage that every "
                         "node mounts at the same path to spread the reading", len(unseen), unseen[0], self.table.path)
-
-    def _message(self, start: int, stop: int) -> bytes:
-        # IPC writes only the rows' own bytes, where pickling a slice would copy its parent buffers
-        return _rows(self.table, start, stop).serialize().to_pybytes()
 
     def _run(self, parts: list[tuple[Cleaned, int, int]]) -> tuple[Piece, list[tuple[str, str]]]:
         """One run (rows ``[a, b)`` of each part) decided in order: its piece and drops."""
@@ -983,7 +989,7 @@ class _Sharded:
 # --- the stage ---------------------------------------------------------------------------------
 
 # Each write to a shard is one row group: clean cuts its row groups itself (at
-# row_group_docs or more, after the task that brings its input text to
+# row_group_docs or more, after the run that brings its input text to
 # row_group_bytes, and at the end of a shard), as it did with one file.
 _WHOLE_TABLE = 64 * 1024 * 1024
 
@@ -1075,10 +1081,10 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     into the documents folder ``out_path`` (same schema; :mod:`pipeline.data.docs`)
     and write the quarantine sample to ``quarantine_path``.
 
-    *Shards.* Output shard k holds the outcome of a run of consecutive input
-    rows: it is sealed after the task (up to ``task_bytes`` of text and
-    ``batch_docs`` documents) at which the input text since it began reaches
-    ``shard_bytes``, so it may hold no rows
+    *Shards.* Output shard k holds the outcome of consecutive input rows: it
+    is sealed after the run (up to ``task_bytes`` of text and ``batch_docs``
+    documents: :meth:`DocTable.runs`) at which the input text since it began
+    reaches ``shard_bytes``, so it may hold no rows
     (all dropped). Its record (:mod:`pipeline.data.resume`) holds the input rows
     it covers, its counts and its own Ledger. A rerun under the same
     fingerprint (params but the executor and worker count, the input's digest,

@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -262,6 +262,53 @@ def unit_tasks(bounds: np.ndarray, unit_bytes: np.ndarray, task_bytes: int) -> l
             out.append((int(bounds[first]), int(bounds[u + 1])))
             first, size = u + 1, 0
     return out
+
+
+# A worker reads row groups of up to BIG_GROUP tasks (BIG_GROUP * task_bytes of
+# text, and BIG_GROUP * task_docs rows) itself; a larger one the stage reads and
+# sends in tasks, since a worker could read a part of one only by decoding the
+# group from its start.
+BIG_GROUP = 4
+
+
+class Span(NamedTuple):
+    """Rows ``[start, stop)``: one task that a worker reads itself (``by_worker``),
+    or a large row group that the stage reads and sends as tasks of ``task_bytes``."""
+
+    start: int
+    stop: int
+    by_worker: bool
+
+
+def row_spans(pf: DocTable, task_bytes: int, start: int = 0, stop: int | None = None,
+              task_docs: int | None = None) -> list[Span]:
+    """The table's rows from ``start`` in spans (:class:`Span`), by the Parquet
+    metadata: consecutive row groups of at least ``task_bytes`` of text (or
+    ``task_docs`` rows) together, the last one maybe less, each a task its
+    worker reads; a group of more than :data:`BIG_GROUP` such tasks, a span of
+    its own that the stage reads. The first span is cut at ``start``, the last
+    at ``stop`` (default: the end). The same for any executor and worker count
+    (pack's checkpoints are taken after tasks); what pack and clean write does
+    not depend on where tasks end."""
+    starts, sizes = pf.row_groups()
+    most_docs = BIG_GROUP * task_docs if task_docs else None
+    spans, first, size = [], 0, 0
+    for g in range(len(sizes)):
+        a, b = int(starts[g]), int(starts[g + 1])
+        if sizes[g] > BIG_GROUP * task_bytes or (most_docs and b - a > most_docs):
+            spans += [Span(first, a, True)] if first < a else []
+            spans.append(Span(a, b, False))
+            first, size = b, 0
+            continue
+        size += int(sizes[g])
+        if size >= task_bytes or (task_docs and b - first >= task_docs):
+            spans.append(Span(first, b, True))
+            first, size = b, 0
+    if first < pf.num_rows:
+        spans.append(Span(first, pf.num_rows, True))
+    stop = pf.num_rows if stop is None else stop
+    return [s._replace(start=max(s.start, start), stop=min(s.stop, stop)) for s in spans
+            if s.stop > start and s.start < stop]
 
 
 def identity(table: DocTable) -> list[list]:

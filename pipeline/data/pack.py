@@ -123,7 +123,15 @@ from pipeline.data import mixture as mixture_module
 from pipeline.data import resume
 from pipeline.data import shards as shards_module
 from pipeline.data import tokenizer as tokenizer_module
-from pipeline.data.docs import DocTable, NotAsSeen, RunCutter, identity, open_as_seen, text_lengths
+from pipeline.data.docs import (
+    DocTable,
+    NotAsSeen,
+    RunCutter,
+    identity,
+    open_as_seen,
+    row_spans,
+    text_lengths,
+)
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
@@ -586,47 +594,6 @@ class Task:
     keys: Keys | None
     columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _encoded
     text_bytes: int = 0  # known once encoded
-
-
-# A worker reads row groups of up to BIG_GROUP * task_bytes of text itself; a
-# larger one the stage reads and sends in runs of task_bytes, since a worker
-# could read a part of one only by decoding the group from its start.
-BIG_GROUP = 4
-
-
-class Span(NamedTuple):
-    """Rows ``[start, stop)``: one task that a worker reads itself (``by_worker``),
-    or a large row group that the stage reads and sends as tasks of ``task_bytes``."""
-
-    start: int
-    stop: int
-    by_worker: bool
-
-
-def row_spans(pf: DocTable, task_bytes: int, start: int = 0) -> list[Span]:
-    """The table's rows from ``start`` in spans (:class:`Span`), by the Parquet
-    metadata: consecutive row groups of at least ``task_bytes`` of text
-    together (the last one may be shorter), each a task its worker reads; a
-    group of more than :data:`BIG_GROUP` × ``task_bytes``, a span of its own
-    that the stage reads. The first span is cut at ``start``. The same for any
-    executor and worker count, as the checkpoints taken after tasks are; the
-    packed rows do not depend on where tasks end."""
-    starts, sizes = pf.row_groups()
-    spans, first, size = [], 0, 0
-    for g in range(len(sizes)):
-        a, b = int(starts[g]), int(starts[g + 1])
-        if sizes[g] > BIG_GROUP * task_bytes:
-            spans += [Span(first, a, True)] if first < a else []
-            spans.append(Span(a, b, False))
-            first, size = b, 0
-            continue
-        size += int(sizes[g])
-        if size >= task_bytes:
-            spans.append(Span(first, b, True))
-            first, size = b, 0
-    if first < pf.num_rows:
-        spans.append(Span(first, pf.num_rows, True))
-    return [s._replace(start=max(s.start, start)) for s in spans if s.stop > start]
 
 
 def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,

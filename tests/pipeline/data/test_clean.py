@@ -430,14 +430,14 @@ def test_the_stage_reads_no_text_when_its_workers_read_their_rows(tmp_path, monk
     the input (dedup.method memory), and writes what one in-process worker does."""
     want = tmp_path / "one"
     want.mkdir()
-    run(want, READ_TEXTS, batch_docs=3, task_bytes=900)
+    run(want, READ_TEXTS, batch_docs=3, task_bytes=2000)
     read = []
     real = DocTable.iter_batches
     monkeypatch.setattr(DocTable, "iter_batches", lambda self, *a, **kw: read.append(self.path) or real(
         self, *a, **kw))
     got = tmp_path / "two"
     got.mkdir()
-    metrics, _, _ = run(got, READ_TEXTS, batch_docs=3, task_bytes=900, num_workers=2)
+    metrics, _, _ = run(got, READ_TEXTS, batch_docs=3, task_bytes=2000, num_workers=2)
     assert metrics["workers"] == 2
     assert not [p for p in read if p.name == "in.parquet"], read
     assert parquet_and_quarantine(got / "out") == parquet_and_quarantine(want / "out")
@@ -452,7 +452,7 @@ def test_tasks_a_worker_cannot_read_are_cleaned_by_the_stage_then_sent(tmp_path,
 
     want = tmp_path / "want"
     want.mkdir()
-    run(want, READ_TEXTS, batch_docs=3, task_bytes=900)
+    run(want, READ_TEXTS, batch_docs=3, task_bytes=2000)
     path = tmp_path / "in.parquet"
     monkeypatch.setattr(clean, "identity", lambda table: [[str(path), 1, 2]])
     sent = []
@@ -460,11 +460,33 @@ def test_tasks_a_worker_cannot_read_are_cleaned_by_the_stage_then_sent(tmp_path,
     monkeypatch.setattr(clean, "clean_rows", lambda a, b, message: sent.append(message is not None) or real(
         a, b, message))
     with caplog.at_level("WARNING", logger="pipeline.data.clean"):
-        run(tmp_path, READ_TEXTS, batch_docs=3, task_bytes=900)
+        run(tmp_path, READ_TEXTS, batch_docs=3, task_bytes=2000)
     # the first task goes out unsent and comes back; the stage cleans it (sent), then sends the rest
     assert sent[:2] == [False, True] and all(sent[2:]) and len(sent) > 3
     [line] = [r.getMessage() for r in caplog.records if "does not see" in r.getMessage()]
     assert re.match(rf"1 task\(s\) went to a worker that does not see the input as the stage does \(on \S+: "
                     rf"{re.escape(str(path))} is \d+ bytes, modified at \d+ ns here, not as the stage saw it\); "
                     r"the stage cleaned them itself and sent the rows of the tasks after them", line), line
+    assert parquet_and_quarantine(tmp_path / "out") == parquet_and_quarantine(want / "out")
+
+
+def test_a_row_group_too_large_for_a_task_is_read_by_the_stage_in_runs(tmp_path, monkeypatch):
+    """One row group of more than BIG_GROUP tasks of text: the stage sends it in
+    runs (so that no task holds the whole group), with the bytes of small row
+    groups that the workers read."""
+    from pipeline.data import clean
+    from pipeline.data.docs import BIG_GROUP
+
+    want = tmp_path / "want"
+    want.mkdir()
+    run(want, READ_TEXTS, batch_docs=3, task_bytes=900)
+    one = write_docs(tmp_path / "one.parquet", READ_TEXTS, row_group_size=len(READ_TEXTS))
+    assert DocTable(one, CleanError).row_groups()[1][0] > BIG_GROUP * 900
+    sent = []
+    real = clean.clean_rows
+    monkeypatch.setattr(clean, "clean_rows", lambda a, b, message: sent.append((a, b, message is not None)) or real(
+        a, b, message))
+    run_clean(cfg(batch_docs=3, task_bytes=900), one, tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl")
+    assert len(sent) > BIG_GROUP and all(m for _, _, m in sent)
+    assert [b for _, b, _ in sent[:-1]] == [a for a, _, _ in sent[1:]] and sent[-1][1] == len(READ_TEXTS)
     assert parquet_and_quarantine(tmp_path / "out") == parquet_and_quarantine(want / "out")

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter, text_lengths
+from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter, Span, row_spans, text_lengths
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 
@@ -209,3 +209,35 @@ def test_text_lengths_are_the_utf8_bytes_of_each_text_and_zero_for_a_null(typ):
         np.testing.assert_array_equal(got, pc.fill_null(pc.binary_length(part), 0).to_numpy())
         np.testing.assert_array_equal(got, [len((t or "").encode()) for t in texts[start:start + n]])
     np.testing.assert_array_equal(text_lengths(pa.nulls(3, typ)), [0, 0, 0])
+
+
+def test_spans_are_row_groups_a_worker_reads_or_a_large_one_the_stage_reads(tmp_path):
+    rng = np.random.default_rng(1)
+
+    def texts(n, size):
+        return ["".join(rng.choice(list("abcdefgh"), size)) for _ in range(n)]
+
+    path = tmp_path / "t.parquet"
+    with pq.ParquetWriter(path, pa.schema([("id", pa.string()), ("text", pa.string())])) as w:
+        for g in (texts(10, 30), texts(10, 30), texts(10, 30), texts(4, 2000), texts(10, 30), texts(10, 30)):
+            w.write_table(pa.table({"id": [f"d{i}" for i in range(len(g))], "text": g}))
+    table = DocTable(path, StageError)
+    sizes = table.row_groups()[1]
+    small = sizes[[0, 1, 2, 4, 5]]
+    assert (400 < small).all() and (small < 480).all() and 8000 < sizes[3] < 16_000
+    assert row_spans(table, 800) == [Span(0, 20, True), Span(20, 30, True), Span(30, 34, False), Span(34, 54, True)]
+    # a resumed run: the same spans, the first cut at its row
+    assert row_spans(table, 800, 25) == [Span(25, 30, True), Span(30, 34, False), Span(34, 54, True)]
+    assert row_spans(table, 800, 31) == [Span(31, 34, False), Span(34, 54, True)]
+    assert row_spans(table, 800, 54) == []
+    # and the last cut at a stop (a clean that resumes before a committed shard)
+    assert row_spans(table, 800, 5, 32) == [Span(5, 20, True), Span(20, 30, True), Span(30, 32, False)]
+    assert row_spans(table, 800, 0, 20) == [Span(0, 20, True)]
+    # tasks of task_docs rows too (clean's batch_docs): groups of 10, 10, 10, 4, 10 and 10 rows
+    assert row_spans(table, 10**9, task_docs=15) == [Span(0, 20, True), Span(20, 44, True), Span(44, 54, True)]
+    assert row_spans(table, 10**9, task_docs=2) == [Span(a, b, b - a < 8) for a, b in [
+        (0, 10), (10, 20), (20, 30), (30, 34), (34, 44), (44, 54)]]
+    # 4 x 4000 bytes: the large group is read by a worker too; the last span may be short
+    assert row_spans(table, 4000) == [Span(0, 34, True), Span(34, 54, True)]
+    assert row_spans(table, 120) == [Span(a, b, g != 3) for g, (a, b) in enumerate(
+        [(0, 10), (10, 20), (20, 30), (30, 34), (34, 44), (44, 54)])]

@@ -12,20 +12,18 @@ import pytest
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data import pack
-from pipeline.data.docs import DocTable, identity
+from pipeline.data.docs import BIG_GROUP, DocTable, identity, row_spans
 from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import (
     FORMAT,
     Keys,
     PackConfig,
     PackError,
-    Span,
     SplitPlan,
     encode_columns,
     encode_texts,
     follows,
     plan_splits,
-    row_spans,
     row_starts,
     run_pack,
     split_hash,
@@ -526,31 +524,6 @@ def test_split_parts_against_a_reference():
             assert got == want[split], (trial, split)
 
 
-def test_spans_are_row_groups_a_worker_reads_or_a_large_one_the_stage_reads(tmp_path):
-    rng = np.random.default_rng(1)
-
-    def texts(n, size):
-        return ["".join(rng.choice(list("abcdefgh"), size)) for _ in range(n)]
-
-    path = tmp_path / "t.parquet"
-    with pq.ParquetWriter(path, pa.schema([("id", pa.string()), ("text", pa.string())])) as w:
-        for g in (texts(10, 30), texts(10, 30), texts(10, 30), texts(4, 2000), texts(10, 30), texts(10, 30)):
-            w.write_table(pa.table({"id": [f"d{i}" for i in range(len(g))], "text": g}))
-    table = DocTable(path, PackError)
-    sizes = table.row_groups()[1]
-    small = sizes[[0, 1, 2, 4, 5]]
-    assert (400 < small).all() and (small < 480).all() and 8000 < sizes[3] < 16_000
-    assert row_spans(table, 800) == [Span(0, 20, True), Span(20, 30, True), Span(30, 34, False), Span(34, 54, True)]
-    # a resumed run: the same spans, the first cut at its row
-    assert row_spans(table, 800, 25) == [Span(25, 30, True), Span(30, 34, False), Span(34, 54, True)]
-    assert row_spans(table, 800, 31) == [Span(31, 34, False), Span(34, 54, True)]
-    assert row_spans(table, 800, 54) == []
-    # 4 x 4000 bytes: the large group is read by a worker too; the last span may be short
-    assert row_spans(table, 4000) == [Span(0, 34, True), Span(34, 54, True)]
-    assert row_spans(table, 120) == [Span(a, b, g != 3) for g, (a, b) in enumerate(
-        [(0, 10), (10, 20), (20, 30), (30, 34), (34, 44), (44, 54)])]
-
-
 def test_a_row_group_too_large_for_a_task_is_read_by_the_stage_in_runs(docs, packed, tmp_path, monkeypatch):
     """The corpus as one row group, more than BIG_GROUP tasks of text: the
     stage sends it in runs of task_bytes; the bytes of the packed fixture's
@@ -558,13 +531,13 @@ def test_a_row_group_too_large_for_a_task_is_read_by_the_stage_in_runs(docs, pac
     path, tok, _ = docs
     one = tmp_path / "one.parquet"
     pq.write_table(pq.read_table(path), one, row_group_size=10_000)
-    assert DocTable(one, PackError).row_groups()[1][0] > pack.BIG_GROUP * CFG.task_bytes
+    assert DocTable(one, PackError).row_groups()[1][0] > BIG_GROUP * CFG.task_bytes
     sent = []
     real = pack._encode_task
     monkeypatch.setattr(pack, "_encode_task", lambda a, b, message: sent.append((a, b, message is not None)) or real(
         a, b, message))
     run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)}), one, tok, tmp_path / "out")
-    assert len(sent) > pack.BIG_GROUP and all(m for _, _, m in sent)
+    assert len(sent) > BIG_GROUP and all(m for _, _, m in sent)
     assert [b for _, b, _ in sent[:-1]] == [a for a, _, _ in sent[1:]] and sent[-1][1] == 120
     out, _ = packed
     assert packed_files(tmp_path / "out") == packed_files(out)

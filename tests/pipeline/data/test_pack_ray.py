@@ -4,8 +4,8 @@ at the end): the same bytes as the local pool. Marked slow: Ray takes seconds to
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.docs import DocTable
-from pipeline.data.pack import PackConfig, PackError, row_spans, run_pack
+from pipeline.data.docs import DocTable, row_spans
+from pipeline.data.pack import PackConfig, PackError, run_pack
 from tests.pipeline.data.test_pack_sources import CFG, corpus  # noqa: F401 - the corpus fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.data import pack
 from pipeline.data.pack import CHECKPOINT, PackConfig, run_pack
-from pipeline.data.docs import DocTable
+from pipeline.data.docs import DocTable, row_spans
 from pipeline.data.shards import MANIFEST, PackedRows, verify
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 from pipeline.files import read_json
@@ -46,11 +46,11 @@ def corpus(tmp_path_factory):
         "offset": pa.nulls(len(rows), pa.int64()), "source_name": [r[4] for r in rows],
         "split": pa.nulls(len(rows), pa.string())})
     # row groups of 4 documents (a task that a worker reads), and rows 48-87 in one group of more than
-    # pack.BIG_GROUP tasks' text, which the stage reads and sends in runs of task_bytes
+    # docs.BIG_GROUP tasks' text, which the stage reads and sends in runs of task_bytes
     with pq.ParquetWriter(path, table.schema) as w:
         for a, b in [(a, a + 4) for a in range(0, 48, 4)] + [(48, 88)] + [(a, a + 4) for a in range(88, 130, 4)]:
             w.write_table(table.slice(a, b - a))
-    spans = pack.row_spans(DocTable(path, pack.PackError), CFG["task_bytes"])
+    spans = row_spans(DocTable(path, pack.PackError), CFG["task_bytes"])
     assert [s.by_worker for s in spans].count(False) == 1 and len(spans) > 20
     tok = d / "tokenizer.json"
     train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), path, tok)

@@ -39,9 +39,9 @@ import pytest
 from pipeline.data import executor as executor_module
 from pipeline.data.clean import run_clean
 from pipeline.data.dedup import DedupError
-from pipeline.data.docs import DocTable
+from pipeline.data.docs import DocTable, row_spans
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
-from pipeline.data.pack import PackConfig, PackError, row_spans, run_pack
+from pipeline.data.pack import PackConfig, PackError, run_pack
 from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer
 from tests.conftest import ROOT
 from tests.pipeline.data.test_clean import MIXED, code, prose, write_docs
