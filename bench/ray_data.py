@@ -413,6 +413,17 @@ def _text_mb(path: Path) -> float:
     return sum(len(t.encode()) for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()) / MB
 
 
+def stage_tasks(table, batch_docs: int, task_bytes: int) -> int:
+    """The tasks clean (``dedup.method: memory``) makes of ``table``: a span of
+    row groups its workers read is one; a row group too large for one the
+    stage sends run by run (:func:`pipeline.data.docs.row_spans`)."""
+    from pipeline.data.docs import row_spans
+
+    return sum(1 if span.by_worker else sum(1 for _ in table.runs(batch_docs, task_bytes, ["text"], span.start,
+                                                                   span.stop, max_docs=batch_docs))
+               for span in row_spans(table, task_bytes, task_docs=batch_docs))
+
+
 def task_size(corpus: Path, corpus_mb: float, n_rounds: int, work: Path) -> None:
     """clean on many short documents (one per standard-library paragraph, about
     270 bytes each), 2 workers, local and on a private Ray instance: tasks of 64
@@ -441,8 +452,8 @@ def task_size(corpus: Path, corpus_mb: float, n_rounds: int, work: Path) -> None
           f"{n_rounds} interleaved rounds, medians (same documents and report in every run: {same})")
     print(f"{'run':<18}{'tasks':>7}{'wall s':>8}{'MB/s':>8}{'main MB':>9}")
     table = DocTable(corpus, RuntimeError)
-    tasks = {label: sum(1 for _ in table.runs(n, size, ["text"], max_docs=n))
-             for label, n, size in (("64 docs", 64, 10 ** 12), ("1 MB", 1024, 1_000_000))}
+    tasks = {label: stage_tasks(table, n, size) for label, n, size in (("64 docs", 64, 10 ** 12),
+                                                                      ("1 MB", 1024, 1_000_000))}
     for name, rs in rounds.items():
         print(f"{name:<18}{tasks[name.split(', ')[1]]:>7}{wall[name]:>8.1f}{corpus_mb / wall[name]:>8.2f}"
               f"{max(r['peak_main_mb'] for r in rs):>9}")

@@ -39,8 +39,9 @@ executor and worker count. Where they are made is ``dedup.method``:
   and :class:`NearDedup` for their per-document cost). The workers read the
   input rows themselves (:func:`clean_rows`) and return them with their
   outcomes as arrays, so the main process reads no text; it decides, and
-  writes. On a synthetic 200 MB corpus (47k documents, 2 workers) the peak
-  RSS was 324 MB for the main process and about 130 MB per worker.
+  writes. On 221 MB of long documents (11k documents, Ray with 2 workers:
+  ``python -m bench.ray_data``, 2026-11-24) the peak RSS was 300 MB for the
+  main process and 253 MB per worker.
 - ``sharded``: as steps on disk run by the executor, each within a bounded
   memory (:mod:`pipeline.data.dedup`), then a second pass over the input that
   normalises the kept documents again in the workers. The workers read the
