@@ -86,14 +86,13 @@ from pipeline.data.accounting import Ledger
 from pipeline.data.docs import (
     FORMAT,
     DocTable,
-    NotAsSeen,
     RunCutter,
     ShardedParquetWriter,
     identity,
-    open_as_seen,
     read_units,
     row_spans,
     string_array,
+    table_as_seen,
     text_lengths,
     unit_tasks,
 )
@@ -263,7 +262,7 @@ _worker: dict[str, Any] = {}
 def _init_worker(cfg: CleanConfig, inputs: tuple[str, list] | None = None) -> None:
     """``inputs``: the input's path and its files' identity
     (:func:`pipeline.data.docs.identity`), which a worker checks before it reads
-    the input rows itself (:func:`_table_as_seen`)."""
+    the input rows itself (:func:`pipeline.data.docs.table_as_seen`)."""
     _worker["cfg"] = cfg
     _worker["inputs"] = inputs
     _worker.pop("table", None)
@@ -351,25 +350,12 @@ class Spilled(NamedTuple):
     lengths: np.ndarray  # each row's text bytes (where the stage's runs end: RunCutter)
 
 
-def _table_as_seen() -> DocTable | str:
-    """The stage's input, as this worker sees it: opened once, and only if it is
-    the input the stage opened (the same files, sizes and modification times:
-    :func:`pipeline.data.docs.open_as_seen`); else the line saying why not, kept
-    too: a Ray node without the stage's storage, or with a stale view of it."""
-    if "table" not in _worker:
-        path, seen = _worker["inputs"]
-        try:
-            _worker["table"] = open_as_seen(path, seen, _open_input)
-        except NotAsSeen as e:
-            _worker["table"] = str(e)
-    return _worker["table"]
-
-
 def _input() -> DocTable:
-    """The stage's input for ``dedup.method: sharded`` (:func:`_table_as_seen`).
+    """The stage's input for ``dedup.method: sharded``, as this worker sees it
+    (:func:`pipeline.data.docs.table_as_seen`).
     Raises DedupError (one line) where this worker does not see it as the stage
     did: sharded dedup has no way round that."""
-    table = _table_as_seen()
+    table = table_as_seen(_worker, _open_input)
     if isinstance(table, str):
         path, _ = _worker["inputs"]
         raise dedup.DedupError(
@@ -626,13 +612,13 @@ class Cleaned(NamedTuple):
 def clean_rows(start: int, stop: int, message: bytes | None) -> Cleaned | str:
     """``dedup.method: memory``: normalise, filter, hash and sketch input rows
     ``[start, stop)`` (:func:`process_batch`). The worker reads the rows itself
-    (:func:`_table_as_seen`), unless the stage sends them (``message``: the rows
+    (:func:`pipeline.data.docs.table_as_seen`), unless the stage sends them (``message``: the rows
     in SCHEMA as an Arrow IPC message); a worker that does not see the input
     returns why, in one line."""
     if message is not None:
         rows = pa.ipc.read_record_batch(pa.py_buffer(message), SCHEMA)
     else:
-        table = _table_as_seen()
+        table = table_as_seen(_worker, _open_input)
         if isinstance(table, str):
             return f"on {socket.gethostname()}: {table}"
         rows = _rows(table, start, stop)

@@ -338,6 +338,21 @@ def open_as_seen(path: str | Path, seen: list[list], opener: Any) -> DocTable:
     return table
 
 
+def table_as_seen(state: dict[str, Any], opener: Any) -> DocTable | str:
+    """A worker's view of the table its stage opened (``state["inputs"]``: its
+    path and :func:`identity`): opened once and kept in ``state["table"]``,
+    and only if it is the table the stage opened (:func:`open_as_seen`); else
+    why not, in one line, kept too (a Ray node without the stage's storage, or
+    with a stale view of it)."""
+    if "table" not in state:
+        path, seen = state["inputs"]
+        try:
+            state["table"] = open_as_seen(path, seen, opener)
+        except NotAsSeen as e:
+            state["table"] = str(e)
+    return state["table"]
+
+
 def text_lengths(texts: pa.Array) -> np.ndarray:
     """Each text's UTF-8 bytes (a null text: 0), as int64: the differences of a
     string or binary column's offsets, read with numpy. (pyarrow's compute

@@ -125,11 +125,10 @@ from pipeline.data import shards as shards_module
 from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.docs import (
     DocTable,
-    NotAsSeen,
     RunCutter,
     identity,
-    open_as_seen,
     row_spans,
+    table_as_seen,
     text_lengths,
 )
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
@@ -474,30 +473,18 @@ def _init_worker(tokenizer_json: str, schema: pa.Schema, inputs: tuple[str, list
                    task_bytes=task_bytes)
 
 
-def _input() -> DocTable | str:
-    """The documents as this worker sees them, opened once, if they are those the
-    stage opened (:func:`pipeline.data.docs.open_as_seen`); else the line saying
-    why not, kept too: a Ray node without the stage's storage."""
-    if "table" not in _WORKER:
-        path, seen = _WORKER["inputs"]
-        try:
-            _WORKER["table"] = open_as_seen(path, seen, lambda p: DocTable(p, PackError))
-        except NotAsSeen as e:
-            _WORKER["table"] = f"on {socket.gethostname()}: {e}"
-    return _WORKER["table"]
-
-
 def _encode_task(start: int, stop: int, message: bytes | None) -> Encoded | str:
     """Rows ``[start, stop)`` of the documents, encoded (:func:`encode_columns`).
     The worker reads their text itself, ``batch_docs`` rows at a time, unless
     the stage sends it (``message``: the text column as an Arrow IPC message);
-    a worker that does not see the documents returns why (:func:`_input`)."""
+    a worker that does not see the documents returns why
+    (:func:`pipeline.data.docs.table_as_seen`)."""
     if message is not None:
         columns: Iterable[pa.Array] = [pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"]).column(0)]
     else:
-        table = _input()
+        table = table_as_seen(_WORKER, lambda p: DocTable(p, PackError))
         if isinstance(table, str):
-            return table
+            return f"on {socket.gethostname()}: {table}"
         columns = (b.column(0) for b in table.iter_batches(_WORKER["batch_docs"], ["text"], start, stop))
     return encode_columns(_WORKER["tok"], columns, _WORKER["task_bytes"], _WORKER["batch_docs"])
 
