@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter, Span, row_spans, text_lengths
+from pipeline.data.docs import DocTable, RunCutter, ShardedParquetWriter, Span, row_spans, string_array, text_lengths
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 
@@ -241,3 +241,18 @@ def test_spans_are_row_groups_a_worker_reads_or_a_large_one_the_stage_reads(tmp_
     assert row_spans(table, 4000) == [Span(0, 34, True), Span(34, 54, True)]
     assert row_spans(table, 120) == [Span(a, b, g != 3) for g, (a, b) in enumerate(
         [(0, 10), (10, 20), (20, 30), (30, 34), (34, 44), (44, 54)])]
+
+
+@pytest.mark.parametrize("texts", [[], [None], ["a", None, "", "héllo wörld ✓", None], [None] * 9 + ["x"] * 9])
+def test_string_array_is_pa_array_of_the_list(texts):
+    got = string_array(texts)
+    got.validate(full=True)
+    assert got.type == pa.string() and got.equals(pa.array(texts, pa.string()))
+    np.testing.assert_array_equal(text_lengths(got), [len((t or "").encode()) for t in texts])
+
+
+def test_string_array_refuses_a_lone_surrogate_as_pa_array_does():
+    with pytest.raises(UnicodeEncodeError):
+        string_array(["a", "\udc80"])
+    with pytest.raises(UnicodeEncodeError):
+        pa.array(["a", "\udc80"], pa.string())
