@@ -547,17 +547,27 @@ class Piece(NamedTuple):
     dropped: pa.RecordBatch | None  # id, text, source and location of the dropped rows, in order (None: none)
 
 
-def _piece(batch: pa.RecordBatch, keep: np.ndarray | list[bool], texts: list[str], bytes_out: int) -> Piece:
-    """``batch`` (SCHEMA) cut into its kept rows, with their normalised ``texts``,
-    and its dropped rows."""
+def _piece(batch: pa.RecordBatch, keep: np.ndarray | list[bool], texts: pa.Array, bytes_out: int) -> Piece:
+    """``batch`` (SCHEMA) cut into its kept rows, with ``texts`` (their
+    normalised text, a string array) in place of theirs, and its dropped rows."""
     mask = pa.array(np.asarray(keep, dtype=bool))
     kept = dropped = None
-    if texts:
+    if len(texts):
         k = batch.filter(mask)
-        kept = pa.RecordBatch.from_arrays([k.column(0), pa.array(texts, pa.string()), *k.columns[2:]], schema=SCHEMA)
+        kept = pa.RecordBatch.from_arrays([k.column(0), texts, *k.columns[2:]], schema=SCHEMA)
     if len(texts) < batch.num_rows:
         dropped = batch.select(["id", "text", "source", "location"]).filter(pc.invert(mask))
     return Piece(batch.num_rows, pc.sum(pc.binary_length(batch.column(1))).as_py() or 0, bytes_out, kept, dropped)
+
+
+def _joined(pieces: list[Piece]) -> Piece:
+    """Consecutive pieces as one."""
+    if len(pieces) == 1:
+        return pieces[0]
+    kept = [p.kept for p in pieces if p.kept is not None]
+    dropped = [p.dropped for p in pieces if p.dropped is not None]
+    return Piece(sum(p.n for p in pieces), sum(p.bytes_in for p in pieces), sum(p.bytes_out for p in pieces),
+                 pa.concat_batches(kept) if kept else None, pa.concat_batches(dropped) if dropped else None)
 
 
 def _mapped(ex: Executor, fn: Any, batches: Iterator[pa.RecordBatch], task: Any = None, **kw: Any
@@ -758,9 +768,7 @@ class _InMemory:
         """One run (rows ``[a, b)`` of each part) decided in order: its piece and drops."""
         exact, near = self.exact, self.near
         drops: list[tuple[str, str]] = []
-        kept: list[pa.RecordBatch] = []
-        dropped: list[pa.RecordBatch] = []
-        n = bytes_in = bytes_out = 0
+        pieces: list[Piece] = []
         for res, a, b in parts:
             keep = np.ones(b - a, bool)
             ids = res.rows.column(0).slice(a, b - a).to_pylist() if near is not None else None
@@ -781,18 +789,9 @@ class _InMemory:
                     keep[i - a] = False
                     drops.append(drop)
             rows = res.rows.slice(a, b - a)
-            mask = pa.array(keep)
-            if keep.any():
-                k = rows.filter(mask)
-                text = pc.coalesce(res.normalised.slice(a, b - a).filter(mask), k.column(1))
-                kept.append(pa.RecordBatch.from_arrays([k.column(0), text, *k.columns[2:]], schema=SCHEMA))
-            if not keep.all():
-                dropped.append(rows.select(["id", "text", "source", "location"]).filter(pc.invert(mask)))
-            n += b - a
-            bytes_in += int(res.lengths[a:b].sum())
-            bytes_out += int(res.out_bytes[a:b][keep].sum())
-        return Piece(n, bytes_in, bytes_out, pa.concat_batches(kept) if kept else None,
-                     pa.concat_batches(dropped) if dropped else None), drops
+            texts = pc.coalesce(res.normalised.slice(a, b - a), rows.column(1)).filter(pa.array(keep))
+            pieces.append(_piece(rows, keep, texts, int(res.out_bytes[a:b][keep].sum())))
+        return _joined(pieces), drops
 
 
 # --- dedup.method sharded -----------------------------------------------------------------------
@@ -812,7 +811,8 @@ def cut_rows(start: int, stop: int, states: np.ndarray) -> list[Piece]:
         texts, chunks = _task(b)
         kept = [normalise(texts[i] or "", _worker["chunk_normalise"] if chunks and chunks[i] else cfg.normalise)
                 for i in np.flatnonzero(keep).tolist()]
-        out.append(_piece(b, keep, kept, sum(len(t.encode("utf-8", "surrogatepass")) for t in kept)))
+        out.append(_piece(b, keep, pa.array(kept, pa.string()),
+                          sum(len(t.encode("utf-8", "surrogatepass")) for t in kept)))
     return out
 
 
