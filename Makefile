@@ -13,6 +13,10 @@ KEEP_TORCH  ?= 0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist). Most slow tests wait on subprocesses, servers
+# and a cron tick, so two share a 2-core machine well; a test file stays on one
+# process (its module fixtures are built once). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 MLFLOW_PORT ?= 5000
 PREFECT_PORT ?= 4200
 
@@ -49,10 +53,10 @@ run: install
 repro: run
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.data
