@@ -17,6 +17,7 @@ PYTEST_ARGS ?=
 # and a cron tick, so two share a 2-core machine well; a test file stays on one
 # process (its module fixtures are built once). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
+PYTEST      := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 MLFLOW_PORT ?= 5000
 PREFECT_PORT ?= 4200
 
@@ -53,10 +54,10 @@ run: install
 repro: run
 
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.data
