@@ -75,4 +75,10 @@ class Ledger:
     def write(self, path: str | Path) -> None:
         with atomic_write(path) as f:
             for s in self.samples:
-                f.write(json.dumps(s, ensure_ascii=False) + "\n")
+                line = json.dumps(s, ensure_ascii=False)
+                if not line.isascii():
+                    try:
+                        line.encode("utf-8")
+                    except UnicodeEncodeError:  # a lone surrogate (the reason for some skips): kept as its escape
+                        line = json.dumps(s)
+                f.write(line + "\n")

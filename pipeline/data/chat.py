@@ -75,6 +75,7 @@ REASONS: dict[str, str] = {
     "bad_type": "a value has the wrong type",
     "unknown_role": "a role (or sharegpt 'from') outside the known set",
     "empty_content": "a message whose content is empty or only whitespace",
+    "non_utf8": "text with no UTF-8 form: a lone surrogate, as a JSON escape like \\ud800 gives",
     "empty_conversation": "no messages at all",
     "role_order": "system not first, or user/assistant not alternating from user",
     "no_assistant": "no assistant message, so nothing to learn",
@@ -113,6 +114,12 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
             raise ChatFormatError("bad_type", f"message {i}: content must be a string, got {type(content).__name__}")
         if not content.strip():
             raise ChatFormatError("empty_content", f"message {i} ({role})")
+        if not content.isascii():
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ChatFormatError("non_utf8", f"message {i} ({role}): a lone surrogate "
+                                                  f"U+{ord(content[e.start]):04X} at character {e.start}") from None
     body = messages[1:] if messages[0]["role"] == "system" else messages
     for j, m in enumerate(body):
         want = "user" if j % 2 == 0 else "assistant"

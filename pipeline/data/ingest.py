@@ -387,7 +387,12 @@ def _texts(text: object, split_by: str, base: str, max_doc_bytes: int) -> Iterat
         yield Skip("empty_text", base)
         return
     for loc, piece in split_text(text, split_by, base):
-        size = len(piece.encode("utf-8", "surrogatepass"))
+        try:
+            size = len(piece.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate: JSON's "\ud800" escape decodes to one
+            yield Skip("non_utf8", loc, detail=f"a lone surrogate U+{ord(piece[e.start]):04X} at character {e.start}, "
+                       "which has no UTF-8 form", text=piece)
+            continue
         if size > max_doc_bytes:
             yield Skip("too_large", loc, detail=f"{size} bytes > max_doc_bytes={max_doc_bytes}", text=piece)
         else:
@@ -550,7 +555,7 @@ def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
                 yield Skip("malformed_json", loc, detail=str(e), text=line)
                 continue
             if not isinstance(obj, dict):
@@ -571,7 +576,7 @@ def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     except UnicodeDecodeError as e:
         yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
         return
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         yield Skip("malformed_json", "file", detail=str(e))
         return
     if isinstance(data, dict):
@@ -595,11 +600,22 @@ def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         yield from _texts(obj[field], f.source.split_by, loc, cfg.max_doc_bytes)
 
 
-def _read_columns(batches: Iterator[pa.RecordBatch], field: str, split_by: str, cfg: IngestConfig) -> Iterator[Item]:
-    row = 0
+def _read_columns(batches: Iterator[pa.RecordBatch], field: str, split_by: str, cfg: IngestConfig,
+                  row: int = 0) -> Iterator[Item]:
+    """The items of column ``field``, rows numbered from ``row``. A binary
+    column (CSV's, read undecoded) is decoded here, value by value, so that an
+    invalid byte skips its row as ``non_utf8`` and not the rest of the file."""
     for batch in batches:
         col = batch.column(batch.schema.get_field_index(field))
+        binary = pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)
         for value in col.to_pylist():
+            if binary and value is not None:
+                try:
+                    value = value.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield Skip("non_utf8", f"row:{row}", detail=f"invalid UTF-8 at byte {e.start} of the value")
+                    row += 1
+                    continue
             yield from _texts(value, split_by, f"row:{row}", cfg.max_doc_bytes)
             row += 1
 
@@ -615,7 +631,25 @@ def read_parquet(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {pf.schema_arrow.names})",
                    n=max(pf.metadata.num_rows, 1))
         return
-    yield from _read_columns(pf.iter_batches(batch_size=1000, columns=[field]), field, f.source.split_by, cfg)
+    # Row group by row group, so that a damaged one costs its own rows (counted), not the rest of the file.
+    row = 0
+    for group in range(pf.metadata.num_row_groups):
+        size, done = pf.metadata.row_group(group).num_rows, 0
+        try:
+            for item in _read_columns(pf.iter_batches(batch_size=1000, row_groups=[group], columns=[field]),
+                                      field, f.source.split_by, cfg, row):
+                done = _row_of(item) + 1 - row
+                yield item
+        except (pa.ArrowException, OSError) as e:
+            yield Skip("unreadable", f"row:{row + done}", n=size - done,
+                       detail=f"row group {group} is damaged, its last {size - done} of {size} rows not read: "
+                              + str(e).replace("\n", " "))
+        row += size
+
+
+def _row_of(item: Item) -> int:
+    """The row number in an item's location (``row:12`` or ``row:12#para:3``)."""
+    return int(item.location.split("#", 1)[0].removeprefix("row:"))
 
 
 def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
@@ -634,7 +668,9 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         reader = pacsv.open_csv(
             f.path,
             parse_options=pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_invalid),
-            convert_options=pacsv.ConvertOptions(column_types={f.source.text_field: pa.string()}),
+            # The text column undecoded (_read_columns decodes it row by row) and no other checked, so an
+            # invalid byte costs its row, not the rest of the file.
+            convert_options=pacsv.ConvertOptions(column_types={f.source.text_field: pa.binary()}, check_utf8=False),
         )
     except pa.ArrowInvalid as e:
         reason = "non_utf8" if "UTF8" in str(e) or "utf8" in str(e).lower() else "unreadable"
@@ -647,7 +683,7 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     try:
         yield from _read_columns(iter(reader), field, f.source.split_by, cfg)
     except pa.ArrowInvalid as e:
-        yield Skip("unreadable", "file", detail=f"CSV read stopped: {e}")
+        yield Skip("unreadable", "file", detail=f"CSV read stopped, the rest of the file not read: {e}")
     for loc in bad_rows:
         yield Skip("malformed_csv", loc, detail="wrong number of columns")
 

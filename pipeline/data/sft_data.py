@@ -232,7 +232,7 @@ def _read_jsonl(path: Path) -> Iterator[Raw]:
                 continue
             try:
                 yield Raw(loc, json.loads(line))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
                 yield Raw(loc, reason="malformed_json", detail=str(e), text=line)
 
 
@@ -242,7 +242,7 @@ def _read_json(path: Path) -> Iterator[Raw]:
     except UnicodeDecodeError as e:
         yield Raw("file", reason="non_utf8", detail=f"invalid UTF-8 at byte {e.start}")
         return
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         yield Raw("file", reason="malformed_json", detail=str(e))
         return
     if isinstance(data, list):

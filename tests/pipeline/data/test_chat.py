@@ -104,6 +104,8 @@ MALFORMED = [
     ({"instruction": "q", "output": ""}, "alpaca", "empty_content"),
     ({"instruction": " ", "input": "context", "output": "a"}, "alpaca", "empty_content"),
     ({"messages": [S | {"content": ""}, U, A]}, "messages", "empty_content"),
+    ({"messages": [{"role": "user", "content": "lone \ud800 half"}, A]}, "messages", "non_utf8"),
+    ({"instruction": "q", "output": "a \udfff"}, "alpaca", "non_utf8"),
     ({"messages": []}, "messages", "empty_conversation"),
     ({"messages": [U]}, "messages", "no_assistant"),
     ({"messages": [S, U]}, "messages", "no_assistant"),

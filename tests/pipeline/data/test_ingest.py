@@ -93,6 +93,38 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
 
 
+def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
+    # CSV: an invalid byte past the reader's first block (1 MB), in the text column and in another one.
+    rows = [f"row {i} fine,x" for i in range(120_000)]
+    (tmp_path / "big.csv").write_bytes(("text,other\n" + "\n".join(rows[:100_000])).encode()
+                                       + b"\nbad \xff byte,x\nfine,bad \xff other\n" + "\n".join(rows[100_000:]).encode())
+    # Parquet: the second of three row groups damaged (a value's length overwritten).
+    texts = [f"parquet document {i:04d}" for i in range(300)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "p.parquet", compression="none", use_dictionary=False,
+                   row_group_size=100)
+    data = bytearray((tmp_path / "p.parquet").read_bytes())
+    at = data.index(b"parquet document 0150")
+    data[at - 4:at] = b"\xff\xff\xff\x7f"
+    (tmp_path / "p.parquet").write_bytes(bytes(data))
+    # JSON: a lone surrogate escape (valid JSON, no UTF-8 form) and nesting too deep to parse.
+    (tmp_path / "r.jsonl").write_text("\n".join([json.dumps({"text": "before"}), '{"text": "lone \\ud800 half"}',
+                                                 "[" * 100_000 + "]" * 100_000, json.dumps({"text": "after"})]))
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in
+                                                       ("big.csv", "p.parquet", "r.jsonl", "deep.json")])
+    texts_out = [d["text"] for d in docs]
+    assert texts_out[:100_000] == [f"row {i} fine" for i in range(100_000)]
+    assert texts_out[100_000:120_001] == ["fine"] + [f"row {i} fine" for i in range(100_000, 120_000)]
+    assert texts_out[120_001:] == texts[:100] + texts[200:] + ["before", "after"]
+    assert report(tmp_path)["skipped"] == {"non_utf8": 2, "unreadable": 100, "malformed_json": 2}
+    assert metrics["docs"] + metrics["skipped"] == 120_002 + 300 + 4 + 1  # every record accounted for
+    where = {(q["source"].rsplit("/", 1)[-1], q["location"]): q["reason"] for q in quarantine}
+    assert where == {("big.csv", "row:100000"): "non_utf8", ("p.parquet", "row:100"): "unreadable",
+                     ("r.jsonl", "line:2"): "non_utf8", ("r.jsonl", "line:3"): "malformed_json",
+                     ("deep.json", "file"): "malformed_json"}
+
+
 def test_line_mode_keeps_good_lines_around_bad_bytes(tmp_path):
     f = tmp_path / "mixed.txt"
     f.write_bytes(b"good one\nbad \xff line\ngood two\n")

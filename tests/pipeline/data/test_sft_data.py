@@ -135,21 +135,24 @@ def test_malformed_rows_are_counted_and_quarantined(tmp_path, tok_path):
         json.dumps(messages_rec(3)).encode(),  # a duplicate of line 4
         json.dumps(["a list"]).encode(),
         b"",  # blank: not a record
+        b"[" * 100_000 + b"]" * 100_000,  # nested too deeply to parse
+        b'{"messages": [{"role": "user", "content": "lone \\ud800 half"}, {"role": "assistant", "content": "a"}]}',
     ]
     (tmp_path / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     (tmp_path / "broken.json").write_text("[{")
     out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "mixed.jsonl")),
                                                 SFTSource(path=str(tmp_path / "broken.json"))],
                    quarantine_per_reason=5)
-    assert m["skipped"] == {"malformed_json": 2, "non_utf8": 1, "unknown_role": 1, "no_assistant": 1,
+    assert m["skipped"] == {"malformed_json": 3, "non_utf8": 2, "unknown_role": 1, "no_assistant": 1,
                             "duplicate": 1, "not_an_object": 1}
-    assert m["examples_in"] == 8 + 7 == m["train"]["examples"] + m["val"]["examples"] + sum(m["skipped"].values())
+    assert m["examples_in"] == 8 + 9 == m["train"]["examples"] + m["val"]["examples"] + sum(m["skipped"].values())
     q = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
     by_reason = {e["reason"]: e for e in q}
     assert set(by_reason) == set(m["skipped"])
     assert by_reason["unknown_role"]["location"] == "line:11" and "robot" in by_reason["unknown_role"]["detail"]
     assert by_reason["duplicate"]["location"] == "line:13"
-    assert by_reason["non_utf8"]["location"] == "line:10"
+    assert [e["location"] for e in q if e["reason"] == "non_utf8"] == ["line:10", "line:17"]
+    assert "U+D800" in next(e["detail"] for e in q if e["location"] == "line:17")
     assert by_reason["unknown_role"]["source"].endswith("mixed.jsonl")
     assert json.loads(by_reason["no_assistant"]["text"]) == {"conversations": [{"from": "human", "value": "q"}]}
     assert any(e["source"].endswith("broken.json") and e["location"] == "file" for e in q)
