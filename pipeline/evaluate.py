@@ -45,7 +45,7 @@ class SampleConfig(BaseModel):
     prompts: list[str] = Field(default_factory=lambda: ["def fibonacci(n):", "import os\n\n\ndef "],
                                description="raw-text prompts completed by both models")
     chat: list[str] = Field(default_factory=lambda: ["What does `os.path.join` do?", "What does `json.loads` do?"],
-                            description="user messages answered in the ChatML template")
+                            description="user messages answered in the template the SFT data was rendered with")
     max_new_tokens: int = Field(64, ge=1, description="tokens generated per sample at most")
     temperature: float = Field(0.8, ge=0, description="0 = greedy")
     top_k: int | None = Field(50, ge=1, description="sample among the k most likely tokens; null = off")

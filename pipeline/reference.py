@@ -12,6 +12,7 @@ this output, so the reference cannot drift from the code.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def _default(value: Any) -> str:
     if isinstance(value, BaseModel):
         return "…"
     if isinstance(value, list) and value and isinstance(value[0], BaseModel):
-        return "; ".join(", ".join(f"{k}: {v}" for k, v in item.model_dump(mode="json").items() if v not in ([], None))
+        return "; ".join(", ".join(f"{k}: {v if isinstance(v, str) else json.dumps(v)}"
+                                   for k, v in item.model_dump(mode="json").items() if v not in ([], None))
                          for item in value)
     if value is None:
         return "null"
@@ -55,18 +57,27 @@ def _default(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", "\\n")
 
 
-def rows(model: type[BaseModel], prefix: str, comments: dict[str, str]) -> list[tuple[str, str, str]]:
+def _code(text: str) -> str:
+    """``text`` as a Markdown code span, which needs doubled backticks when it has one."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def rows(model: type[BaseModel], prefix: str, comments: dict[str, str],
+         section: str = "") -> list[tuple[str, str, str]]:
+    """One row per leaf key of ``model``; ``section`` is the description of the
+    field that holds ``model`` (an ``enabled`` switch says what it switches)."""
     out = []
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
         default = field.get_default(call_default_factory=True)
         sub = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else None
         if sub is not None:
-            out.extend(rows(sub, key, comments))
+            out.extend(rows(sub, key, comments, field.description or ""))
             continue
         text = field.description or comments.get(key, "")
-        if not text and name == "enabled":  # a switch: its section's comment says what it switches
-            text = comments.get(prefix, "")
+        if not text and name == "enabled":  # a switch: what its section does, and its params.yaml comment
+            note = comments.get(prefix, "")
+            text = f"this filter on or off: {section}" + (f" ({note})" if note else "") if section else note
         out.append((key, _default(default), text.replace("|", "\\|")))
     return out
 
@@ -76,7 +87,7 @@ def reference(params_path: Path = Path("params.yaml")) -> str:
     parts = [BEGIN]
     for stage in SCHEMAS:
         parts += ["", f"#### `{stage}`", "", "| key | default | meaning |", "| --- | --- | --- |"]
-        parts += [f"| `{k}` | `{d}` | {t} |" for k, d, t in rows(schema_for(stage), stage, comments)]
+        parts += [f"| `{k}` | {_code(d)} | {t} |" for k, d, t in rows(schema_for(stage), stage, comments)]
     parts += ["", END]
     return "\n".join(parts)
 

@@ -41,7 +41,7 @@ class ModelSection(Section):
     """A preset from pipeline.model.transformer.PRESETS; any dimension given here overrides it."""
 
     identity = True
-    preset: str | None = Field("mini", description="tiny | mini | small (124M) | medium (~350M) | large (~760M) | xl (~1.5B); null: give n_layer, n_head, d_model")
+    preset: str | None = Field("mini", description="tiny | mini | small | medium | large | xl (0.65M, 2.0M, 91M, 317M, 742M, 1.51B parameters at vocab 8192); null: give n_layer, n_head, d_model")
     n_layer: int | None = Field(None, ge=1, description="transformer blocks")
     n_head: int | None = Field(None, ge=1, description="query heads")
     n_kv_head: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); must divide n_head")
