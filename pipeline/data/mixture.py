@@ -21,7 +21,7 @@ the token counts: not on worker counts or row order.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -48,9 +48,9 @@ class Share(BaseModel):
         return self
 
 
-def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[str, int]:
-    """Train tokens wanted from each source. Raises MixtureError, naming them, for
-    sources of the data without an entry and entries without data."""
+def check_names(available: Iterable[str], mixture: Mapping[str, Share]) -> None:
+    """Raise MixtureError, naming them, for sources with train documents that the
+    mixture does not list, and mixture entries with no such source."""
     unlisted = sorted(set(available) - set(mixture))
     if unlisted:
         raise MixtureError(f"pack.mixture has no entry for source(s) {unlisted}; list every train source "
@@ -59,6 +59,12 @@ def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[
     if unknown:
         raise MixtureError(f"pack.mixture names source(s) {unknown} that have no train documents "
                            f"(sources with train documents: {sorted(available)})")
+
+
+def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[str, int]:
+    """Train tokens wanted from each source. Raises MixtureError, naming them, for
+    sources of the data without an entry and entries without data."""
+    check_names(available, mixture)
     weighted = {n: s.weight for n, s in mixture.items() if s.weight is not None}
     pool = sum(available[n] for n in weighted)
     total_weight = sum(weighted.values())

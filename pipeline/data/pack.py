@@ -132,7 +132,7 @@ from pipeline.data.docs import (
     text_lengths,
 )
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
-from pipeline.data.mixture import Share, multiplicities, order_keys, repeat_warnings, targets
+from pipeline.data.mixture import Share, check_names, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
 from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
@@ -221,6 +221,8 @@ class SplitPlan:
     # source names (ingest's source_name column), in order of first appearance; empty without the column
     sources: tuple[str, ...] = ()
     marked: dict[str, int] = field(default_factory=dict)  # documents marked split: train / val
+    # the sources with documents not marked split: val, which can give train tokens: what pack.mixture must list
+    trainable: tuple[str, ...] = ()
 
     def split_of(self, doc_id: str, source: str | None = None, chunk: int | None = None,
                  mark: str | None = None) -> str:
@@ -324,6 +326,7 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
     columns = ["id", "source", "chunk", "text"] if position else ["id"]
     extra = [c for c in ("split", "source_name") if c in pf.schema_arrow.names]
     names: dict[str, None] = {}
+    trainable: dict[str, None] = {}
     marked = {"train": 0, "val": 0}
     for batch in pf.iter_batches(batch_size=65_536, columns=columns + extra):
         col = batch.column(0)
@@ -347,7 +350,11 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
             if batch.column("source_name").null_count:
                 raise PackError(f"{where}: {batch.column('source_name').null_count} document(s) in rows "
                                 f"{n}-{n + len(ids) - 1} have no source_name (ingest names every document)")
-            names.update(dict.fromkeys(pc.unique(batch.column("source_name")).drop_null().to_pylist()))
+            unique = pc.unique(batch.column("source_name")).to_pylist()
+            names.update(dict.fromkeys(unique))
+            if mark_val is not None and mark_val.any():
+                unique = pc.unique(batch.column("source_name").filter(pa.array(~mark_val))).to_pylist()
+            trainable.update(dict.fromkeys(unique))
         if position and batch.column(2).null_count < batch.num_rows:
             chunks = batch.column(2).to_pylist()
             sources = batch.column(1).to_pylist()
@@ -410,7 +417,7 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
                 _set_bit(val_bits, row0 + int(i), split == "val")
             row0 += batch.num_rows
     return SplitPlan(n, seed, threshold, forced, first_val, val_bits, tuple(names),
-                     {k: v for k, v in marked.items() if v})
+                     {k: v for k, v in marked.items() if v}, tuple(trainable))
 
 
 # --- encoding: a pure function of a task's rows, run in worker processes ---------------------------
@@ -1200,6 +1207,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
             sources.restore(rec["sources"])
             state.update(row=rec["row"], docs=rec["docs"], text_bytes=rec["text_bytes"], resumed=checkpoints.shards)
         if cfg.mixture:
+            check_names(plan.trainable, cfg.mixture)  # before any encoding: a typo costs no pass over the corpus
             mix = rec["mixture"] if rec is not None else {}
             state["mixture"] = Mixture(cfg, sources, logs[MIX_DIR], mix.get("pieces", 0), mix.get("docs", 0))
             state["realise_at"] = (mix.get("round", 1), mix.get("batch", 0))

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.data import pack as pack_module
 from pipeline.data.mixture import MixtureError, Share
 from pipeline.data.pack import PackConfig, PackError, plan_splits, run_pack
 from pipeline.data.shards import MANIFEST, PackedRows, val_sources, verify
@@ -182,10 +183,16 @@ def test_a_source_repeated_too_often_is_a_warning_with_the_figures(corpus, tmp_p
     assert line.startswith("source 'code' has ") and "more than pack.max_repeats=2" in line
 
 
-def test_mixture_errors(corpus, tmp_path):
+def test_mixture_errors(corpus, tmp_path, monkeypatch):
     path, tok, rows = corpus
+    calls = []
+    encode = pack_module._encode_task
+    monkeypatch.setattr(pack_module, "_encode_task", lambda *a: calls.append(1) or encode(*a))
+    run_pack(PackConfig(**CFG), path, tok, tmp_path / "ok")
+    tasks, calls[:] = len(calls), []
     with pytest.raises(MixtureError, match=r"no entry for source\(s\) \['code'\]"):
         run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}}), path, tok, tmp_path / "out")
+    assert tasks > 10 and len(calls) <= 2, "the mixture's names are checked before the corpus is encoded"
     with pytest.raises(MixtureError, match=r"names source\(s\) \['bench'\] that have no train documents"):
         run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 1}, "bench": {"weight": 1}}),
                  path, tok, tmp_path / "out")
