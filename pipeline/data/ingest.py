@@ -279,9 +279,14 @@ def _infer_format(p: Path) -> str:
 
 def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
     """Expand every source to a sorted list of files. Raises IngestError, naming the
-    source, when a path matches nothing."""
+    source, when a path matches nothing.
+
+    Sources marked ``split: val`` come first, then the others in their listed
+    order: clean's dedup keeps the first copy of a document, so a validation
+    document that the training data also holds stays in val and its training
+    copies are dropped (validation text is never trained on)."""
     files: list[InputFile] = []
-    for i, src in enumerate(cfg.sources):
+    for i, src in sorted(enumerate(cfg.sources), key=lambda item: item[1].split != "val"):
         where = f"ingest.sources.{i}.path"
         expanded, ph, value = expand_placeholders(src.path)
         fmt = src.format

@@ -330,10 +330,10 @@ def test_hf_config_name_and_split(tmp_path, hf_cache):
         {"path": str(repo), "format": "hf", "hf": {"name": "big"}},
         {"path": str(repo), "format": "hf", "hf": {"name": "small", "split": "validation"}, "split": "val"},
     ])
-    assert [d["text"] for d in docs] == ["b1", "b2", "b3", "sv"]
-    assert [d["split"] for d in docs] == [None, None, None, "val"]
-    assert [d["source_name"] for d in docs] == [f"{repo}:big[train]"] * 3 + [f"{repo}:small[validation]"]
-    assert docs[0]["id"] != docs[3]["id"]  # row 0 of two configs: different documents
+    assert [d["text"] for d in docs] == ["sv", "b1", "b2", "b3"]  # split: val sources are read first
+    assert [d["split"] for d in docs] == ["val", None, None, None]
+    assert [d["source_name"] for d in docs] == [f"{repo}:small[validation]"] + [f"{repo}:big[train]"] * 3
+    assert docs[0]["id"] != docs[1]["id"]  # row 0 of two configs: different documents
     with pytest.raises(IngestError, match=r"cannot load Hugging Face dataset: ValueError: .*'nope' not found"):
         run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
 
@@ -352,7 +352,7 @@ def test_save_to_disk_read_split_by_split(tmp_path):
         {"path": ds, "name": "wiki-again", "hf": {"split": "validation"}},  # the same input twice
     ])
     assert [(d["text"], d["source_name"], d["split"]) for d in docs] == [
-        ("t1", "wiki", None), ("t2", "wiki", None), ("v1", "wiki-val", "val")]
+        ("v1", "wiki-val", "val"), ("t1", "wiki", None), ("t2", "wiki", None)]
     assert len({d["id"] for d in docs}) == 3
     assert report(tmp_path)["skipped"] == {"duplicate_path": 1}
     assert report(tmp_path)["docs_per_source"] == {"wiki": 2, "wiki-val": 1}
@@ -474,3 +474,25 @@ def test_a_row_group_ends_at_row_group_docs_or_at_the_document_that_fills_row_gr
     md = pq.ParquetFile(shard).metadata
     # 300+50+50 fills 400; 700 alone; four of 10; 10+900; the rest
     assert [md.row_group(g).num_rows for g in range(md.num_row_groups)] == [3, 1, 4, 2, 1]
+
+
+@pytest.mark.parametrize("method", ["memory", "sharded"])
+def test_a_validation_copy_outlives_its_training_copies_in_dedup(tmp_path, method):
+    from pipeline.data.clean import CleanConfig, run_clean
+    from tests.pipeline.data.test_clean import code
+
+    train = [code(i) for i in range(8)]
+    near = code(5).replace("return", "return  ", 1).replace("def", "async def", 1)  # a near copy of train 5
+    val = [code(3), code(100), code(4), near]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in train))
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in val))
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "train.jsonl"), "name": "train"},
+                                        {"path": str(tmp_path / "bench.jsonl"), "name": "bench", "split": "val"}])
+    assert [d["source_name"] for d in docs] == ["bench"] * 4 + ["train"] * 8  # the val source is read first
+    clean = parse_section(CleanConfig, {"num_workers": 1, "dedup": {"method": method}}, "clean")
+    run_clean(clean, tmp_path / "out" / "docs", tmp_path / "clean", tmp_path / "q.jsonl", tmp_path / "r.json")
+    kept = [(d["source_name"], d["text"]) for d in read_docs(tmp_path / "clean").to_pylist()]
+    assert [t for s, t in kept if s == "bench"] == [t.strip() for t in val]  # every validation document stays
+    assert [t for s, t in kept if s == "train"] == [t.strip() for i, t in enumerate(train) if i not in (3, 4, 5)]
+    assert {k: v for k, v in read_json(tmp_path / "r.json")["dropped"].items() if v} == \
+        {"exact_duplicate": 2, "near_duplicate": 1}
