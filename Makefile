@@ -62,6 +62,7 @@ test-fast: install
 bench: install
 	$(BIN)/python -m bench.data
 	$(BIN)/python -m bench.ray_data
+	$(BIN)/python -m bench.dedup_bucket
 	$(BIN)/python -m bench.pack_resume
 	$(BIN)/python -m bench.train
 	$(BIN)/python -m bench.hf

@@ -39,10 +39,12 @@ only when two different bands collide in 64 bits.
 
 Memory per task: an exact task holds its partition (24 B per document), a band
 task its partition (16 B per document) plus the signatures of one bucket (read
-with pread, nothing mapped) and up to :data:`PAIRS_PER_RUN` pairs (18 B each)
-before it writes a sorted run; :func:`resolve` maps the state bytes (1 B per
-document, file-backed) and holds the pairs of :data:`RESOLVE_DOCS` documents at
-a time; the driver buffers at most :data:`FLUSH_BYTES` of step 1's records. The
+with pread, nothing mapped) and up to :data:`PAIRS_PER_RUN` pairs (18 B each),
+plus one document's pairs with the earlier ones of its bucket, before it writes
+a sorted run, within a bucket too; :func:`resolve` maps the state bytes (1 B per
+document, file-backed) and holds the pairs of at most :data:`RESOLVE_DOCS`
+documents and :data:`RESOLVE_PAIRS` pairs at a time (or one document's pairs,
+fewer than the documents); the driver buffers at most :data:`FLUSH_BYTES` of step 1's records. The
 work folder on disk takes about ``4 x num_perm + 16 x (bands + 2)`` bytes per
 document. The one cost that grows faster than the corpus: a bucket of m
 near-identical documents gives m(m-1)/2 pairs to compute (spilled to disk).
@@ -54,7 +56,7 @@ import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -73,6 +75,7 @@ PAIR = np.dtype([("j", "<i8"), ("i", "<i8"), ("equal", "<u2")])  # doc j > doc i
 
 PAIRS_PER_RUN = 1 << 20
 RESOLVE_DOCS = 1 << 20
+RESOLVE_PAIRS = 1 << 20
 FLUSH_BYTES = 16 << 20
 
 
@@ -297,21 +300,21 @@ def band_pairs(work: WorkDir, b: int, p: int, size: int) -> list[str]:
 
     try:
         for s, m in zip(starts[sizes > 1], sizes[sizes > 1]):
-            buffered = _bucket_pairs(work, b, rec["doc"][s:s + m], work.signatures(fd, rec["doc"][s:s + m]),
-                                     buf, buffered)
-            if buffered >= PAIRS_PER_RUN:
-                spill()
+            for pairs in _bucket_pairs(work, b, rec["doc"][s:s + m], work.signatures(fd, rec["doc"][s:s + m])):
+                buf.append(pairs)
+                buffered += len(pairs)
+                if buffered >= PAIRS_PER_RUN:  # within a bucket too: a large one spills as it goes
+                    spill()
     finally:
         os.close(fd)
     spill()
     return runs
 
 
-def _bucket_pairs(work: WorkDir, b: int, docs: np.ndarray, group: np.ndarray, buf: list[np.ndarray],
-                  buffered: int) -> int:
-    """Append to ``buf`` the pairs of one bucket (``docs`` ascending with band ``b``'s
-    key equal, ``group`` their signatures) first found in band ``b``; return the
-    new count of buffered pairs."""
+def _bucket_pairs(work: WorkDir, b: int, docs: np.ndarray, group: np.ndarray) -> Iterator[np.ndarray]:
+    """The pairs of one bucket (``docs`` ascending with band ``b``'s key equal,
+    ``group`` their signatures) first found in band ``b``: for each document,
+    its pairs with the earlier ones (fewer than the bucket's size at a time)."""
     rows = work.num_perm // work.bands
     lo, hi = b * rows, (b + 1) * rows
     # Equal keys, unequal bands (a hash collision): split into true buckets.
@@ -329,9 +332,25 @@ def _bucket_pairs(work: WorkDir, b: int, docs: np.ndarray, group: np.ndarray, bu
                 continue
             out = np.empty(int(new.sum()), PAIR)
             out["j"], out["i"], out["equal"] = ids[t], ids[:t][new], eq[new].sum(axis=1)
-            buf.append(out)
-            buffered += len(out)
-    return buffered
+            yield out
+
+
+def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int, int]]:
+    """The ranges of documents ``[lo, hi)`` that :func:`resolve` takes one at a
+    time, in order, covering them all: at most RESOLVE_DOCS documents whose pairs
+    in ``runs`` (each sorted by ``j``) number at most RESOLVE_PAIRS, or one
+    document with all its pairs (fewer than ``num_docs``): a large bucket gives
+    many pairs to few documents."""
+    def count(lo: int, hi: int) -> int:
+        return sum(int(np.searchsorted(r["j"], hi) - np.searchsorted(r["j"], lo)) for r in runs)
+
+    lo = 0
+    while lo < num_docs:
+        hi = min(lo + RESOLVE_DOCS, num_docs)
+        while hi - lo > 1 and count(lo, hi) > RESOLVE_PAIRS:
+            hi = lo + (hi - lo) // 2
+        yield lo, hi
+        lo = hi
 
 
 def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -> dict[str, Any]:
@@ -346,8 +365,7 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
     num_perm = work.num_perm
     checked = rejected = near = 0
     detail: dict[int, tuple[float, int]] = {}
-    for lo in range(0, work.num_docs, RESOLVE_DOCS):
-        hi = lo + RESOLVE_DOCS
+    for lo, hi in resolve_ranges(opened, work.num_docs):
         parts = [r[np.searchsorted(r["j"], lo):np.searchsorted(r["j"], hi)] for r in opened]
         parts = [np.asarray(x) for x in parts if len(x)]
         if not parts:

@@ -87,11 +87,44 @@ def test_band_hash_collisions_make_no_candidates(tmp_path, monkeypatch):
     assert sharded == memory
 
 
-def test_spilled_runs_and_ranges_give_the_same_decisions(tmp_path, monkeypatch):
+@pytest.mark.parametrize("resolve_docs, resolve_pairs", [(2, 1 << 20), (1 << 20, 3)])
+def test_spilled_runs_and_ranges_give_the_same_decisions(tmp_path, monkeypatch, resolve_docs, resolve_pairs):
     monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)
-    monkeypatch.setattr(dedup, "RESOLVE_DOCS", 2)
-    memory, sharded = both(tmp_path, PLANTED + PLANTED, batch_docs=3)
+    monkeypatch.setattr(dedup, "RESOLVE_DOCS", resolve_docs)
+    monkeypatch.setattr(dedup, "RESOLVE_PAIRS", resolve_pairs)
+    cluster = [" ".join(edited(A, [k, 200 + k], "x")) for k in range(25)]  # one large bucket
+    memory, sharded = both(tmp_path, PLANTED + cluster + PLANTED, batch_docs=3)
     assert sharded == memory
+    assert memory[1]["dropped"]["near_duplicate"] > 25
+
+
+def test_the_decision_pass_takes_a_bounded_number_of_pairs_at_a_time(monkeypatch):
+    monkeypatch.setattr(dedup, "RESOLVE_DOCS", 50)
+    monkeypatch.setattr(dedup, "RESOLVE_PAIRS", 40)
+    pairs = np.array([(j, i, 1) for j in range(200) for i in range(j if 20 <= j < 40 else min(j, 1))], dedup.PAIR)
+    runs = [pairs[k::3] for k in range(3)]  # three sorted runs
+    ranges = list(dedup.resolve_ranges(runs, 200))
+    assert ranges[0][0] == 0 and ranges[-1][1] == 200 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for lo, hi in ranges:
+        n = int(((pairs["j"] >= lo) & (pairs["j"] < hi)).sum())
+        assert hi - lo <= 50 and (n <= 40 or hi - lo == 1), (lo, hi, n)
+    assert (39, 40) in ranges  # document 39 alone: its 39 pairs
+
+
+def test_a_large_bucket_spills_its_pairs_as_it_goes(tmp_path, monkeypatch):
+    """A bucket of m documents gives m(m-1)/2 pairs: the band task must not hold
+    them all before it writes a run."""
+    monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 100)
+    m = 60
+    work = dedup.WorkDir(tmp_path / "w", num_docs=m, num_perm=8, bands=2, partition_docs=1000)
+    writer = dedup.SignatureWriter(work, exact=False, near=True)
+    sigs = np.random.default_rng(0).integers(0, 2**32, size=(m, 8), dtype=np.uint32)
+    sigs[:, :4] = sigs[0, :4]  # band 0 equal for all: one bucket
+    writer.add(np.full(m, dedup.CANDIDATE, np.uint8), None, sigs)
+    writer.close()
+    runs = [np.load(r) for r in dedup.band_pairs(work, 0, 0, writer.size(work.band_path(0, 0)))]
+    assert sum(len(r) for r in runs) == m * (m - 1) // 2
+    assert len(runs) > 10 and max(len(r) for r in runs) < 100 + m  # a run, plus one document's pairs
 
 
 @pytest.mark.parametrize("order", [1, -1])
