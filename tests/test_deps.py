@@ -125,7 +125,8 @@ def changed_stages(status: str) -> set[str]:
 def test_dvc_status_follows_code_edits(tmp_path):
     """With every stage recorded as up to date (placeholder outputs committed with
     ``dvc commit``, nothing trained), an edit to the packed-row reader makes exactly
-    the stages that import it stale, and an edit to the progress bars makes none stale."""
+    the stages that import it stale, an edit to the progress bars makes none stale,
+    and a new file in data/raw makes ingest and sft stale."""
     root = project_copy(tmp_path)
     for stage, spec in STAGES.items():
         for item in [*spec.get("deps", []), *spec.get("outs", []), *spec.get("metrics", []),
@@ -152,3 +153,7 @@ def test_dvc_status_follows_code_edits(tmp_path):
     progress = root / "pipeline" / "progress.py"
     progress.write_text(progress.read_text() + "\n# an edit\n")
     assert changed_stages(dvc(root, "status")) == set()
+
+    # SFT data in data/raw, as the README's recipe puts it: sft reads it (ingest depends on the folder too).
+    (root / "data" / "raw" / "chat.jsonl").write_text('{"messages": []}\n')
+    assert changed_stages(dvc(root, "status")) == {"ingest", "sft"}
