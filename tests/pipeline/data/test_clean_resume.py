@@ -153,12 +153,28 @@ KILLED_RUN = textwrap.dedent("""
         time.sleep(0.3)
         return rec
 
+    def ray_only(marker):
+        # Every task on Ray: none run in this process while the instance starts;
+        # marker is written once the stage is connected.
+        from pipeline.data.executor import RayExecutor
+
+        ready = RayExecutor.ready
+
+        def ready_and_mark(self):
+            ready(self)
+            open(marker, "w").close()
+
+        RayExecutor.starting = lambda self: False
+        RayExecutor.ready = ready_and_mark
+
     if __name__ == "__main__":
         if sys.argv[2] == "slow":
             resume.ShardLog.seal = slow_seal
         cfg = CleanConfig.model_validate({"batch_docs": 2, "shard_bytes": 1,
                                           "executor": {"kind": sys.argv[3], "num_workers": 2}})
         out = sys.argv[1]
+        if sys.argv[3] == "ray":
+            ray_only(out + "/ray-connected")
         run_clean(cfg, out + "/in.parquet", out + "/out/docs", out + "/out/quarantine.jsonl", out + "/out/report.json")
 """)
 
@@ -189,6 +205,8 @@ def killed_and_resumed(tmp_path, executor):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (docs / "manifest.json").exists(), "the run finished before the kill: not killed mid-stage"
+    if executor == "ray":  # the committed shards came from Ray tasks
+        assert (tmp_path / "killed" / "ray-connected").exists()
     committed = sorted(docs.glob("shard-*.json"))
     assert 2 <= len(committed) < 21, committed
     assert len(family) >= (2 if executor == "local" else 1), family  # its workers were running

@@ -244,9 +244,25 @@ SCRIPT = textwrap.dedent("""
         save(self, *a, **k)
         time.sleep(0.25)
 
+    def ray_only(marker):
+        # Every task on Ray: none run in this process while the instance starts;
+        # marker is written once the stage is connected.
+        from pipeline.data.executor import RayExecutor
+
+        ready = RayExecutor.ready
+
+        def ready_and_mark(self):
+            ready(self)
+            open(marker, "w").close()
+
+        RayExecutor.starting = lambda self: False
+        RayExecutor.ready = ready_and_mark
+
     pack.Checkpoints.save = slow_save
     if __name__ == "__main__":
         cfg = PackConfig.model_validate_json(sys.argv[1])
+        if cfg.executor.kind == "ray":
+            ray_only(sys.argv[4] + ".ray-connected")
         run_pack(cfg, sys.argv[2], sys.argv[3], sys.argv[4])
 """)
 
@@ -285,12 +301,14 @@ def kill_and_resume(corpus, tmp_path, executor):
     assert proc.returncode == -signal.SIGKILL
     assert not (out / MANIFEST).exists(), "the kill came too late: the stage had finished"
     assert list(out.rglob("shard-*.json")), "the kill came too early: no shard committed"
+    if executor["kind"] == "ray":  # the committed shards came from Ray tasks
+        assert Path(f"{out}.ray-connected").exists()
     t0 = time.time()
     while group_alive(proc.pid) and time.time() - t0 < 10:
         time.sleep(0.1)
     assert not group_alive(proc.pid), "a process of the killed stage is still running"
     before = stamps(out)
-    resumed = run_pack(PackConfig(**CFG), path, tok, out)
+    resumed = run_pack(cfg, path, tok, out)  # under the same executor
     assert files(out) == files(ref)
     assert same_metrics(resumed, metrics)
     assert 0 < resumed["shards_resumed"] == sum(before.get(k) == v for k, v in stamps(out).items())
