@@ -949,12 +949,13 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
     shard_log = ShardLog(out_dir, ingest_fingerprint(cfg, files))
     shard_log.open()
     totals = _Totals(cfg.quarantine_per_reason)
-    total_bytes = sum(f.path.stat().st_size for f in files if f.path.is_file())
-    bar_total = min(total_bytes, cfg.max_bytes) if cfg.max_bytes else total_bytes
+    sizes = [_input_bytes(f) for f in files]
+    bar_total = min(sum(sizes), cfg.max_bytes) if cfg.max_bytes else sum(sizes)
     k, start, done, resumed = 0, (0, 0), False, 0
 
     with contextlib.ExitStack() as stack:
-        bar = stack.enter_context(progress(total=bar_total, unit="B", unit_scale=True, desc="ingest"))
+        bar = _FileBar(stack.enter_context(progress(total=bar_total, unit="B", unit_scale=True, desc="ingest")),
+                       sizes)
         writer = ShardedParquetWriter(shard_log, SCHEMA, cfg.row_group_docs)
         stack.callback(writer.abort)
         ex: Executor | None = None
@@ -962,13 +963,14 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
             rec = shard_log.committed(k)
             if rec is not None:  # kept from an earlier run: replay its record
                 totals.add(rec)
-                bar.update(rec["bytes"])
+                bar.reach(rec["end"][0])
                 k, start, done, resumed = k + 1, (rec["end"][0], rec["end"][1]), rec["last"], resumed + 1
                 continue
             if ex is None:
                 ex = stack.enter_context(open_executor(cfg.executor, _init_reader, (cfg,),
                                                        max_workers=len(files), desc="ingest"))
             k, start, done = _write_shards(cfg, files, ex, writer, totals, bar, k, start)
+        bar.reach(len(files))
     if resumed:
         log.info("resumed: %d of %d shards kept from an earlier run", resumed, totals.shards)
     totals.ledger.write(quarantine_path)
@@ -986,8 +988,48 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
             "shards": totals.shards, "shards_resumed": resumed}
 
 
+def _input_bytes(f: InputFile) -> int:
+    """The bytes of an input on disk: a file's, a saved dataset folder's files'; 0
+    for a dataset named for load_dataset (its size is not known here)."""
+    if f.path.is_file():
+        return f.path.stat().st_size
+    if f.path.is_dir():
+        return sum(p.stat().st_size for p in f.path.rglob("*") if p.is_file())
+    return 0
+
+
+class _FileBar:
+    """The stage's progress bar, in bytes of input: a document advances it by its
+    text's bytes, but by no more than its file's size on disk (compressed Parquet
+    holds more text than bytes); a file read to its end (skips, markup, a
+    format's overhead) brings the bar to its whole size."""
+
+    def __init__(self, bar: Any, sizes: list[int]):
+        self.bar, self.left, self.at = bar, list(sizes), 0
+
+    def read(self, index: int, nbytes: int) -> None:
+        """A document of input ``index`` with ``nbytes`` of text."""
+        self.reach(index)
+        step = min(nbytes, self.left[index])
+        self.left[index] -= step
+        self._update(step)
+
+    def reach(self, index: int) -> None:
+        """Every input before ``index`` is read."""
+        while self.at < min(index, len(self.left)):
+            self._update(self.left[self.at])
+            self.left[self.at] = 0
+            self.at += 1
+
+    def _update(self, n: int) -> None:
+        if self.bar.total is not None:
+            n = min(n, self.bar.total - self.bar.n)  # max_bytes caps the total
+        if n > 0:
+            self.bar.update(n)
+
+
 def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, writer: ShardedParquetWriter,
-                  totals: _Totals, bar: Any, k: int, start: Position) -> tuple[int, Position, bool]:
+                  totals: _Totals, bar: _FileBar, k: int, start: Position) -> tuple[int, Position, bool]:
     """Write shard ``k`` and the ones after it, reading from ``start``, until the
     input ends, ``max_bytes`` is reached, or the next shard is already
     committed. Returns (the next shard's index, where it starts, whether the
@@ -1008,7 +1050,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
                 writer.start(k)
             size = len(item.text.encode("utf-8", "surrogatepass"))
             shard.add(f, item, size)
-            bar.update(size)
+            bar.read(pos[0], size)
             if len(shard.rows["id"]) >= cfg.row_group_docs or shard.rows_bytes >= cfg.row_group_bytes:
                 shard.flush(writer)
             if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:

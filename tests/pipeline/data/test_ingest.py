@@ -496,3 +496,36 @@ def test_a_validation_copy_outlives_its_training_copies_in_dedup(tmp_path, metho
     assert [t for s, t in kept if s == "train"] == [t.strip() for i, t in enumerate(train) if i not in (3, 4, 5)]
     assert {k: v for k, v in read_json(tmp_path / "r.json")["dropped"].items() if v} == \
         {"exact_duplicate": 2, "near_duplicate": 1}
+
+
+def test_the_progress_bar_counts_input_bytes_and_ends_full(tmp_path, monkeypatch):
+    """Compressed Parquet holds more text than bytes on disk, and a saved dataset
+    is a folder: the bar neither passes its total nor leaves them out of it."""
+    import contextlib
+
+    import datasets
+
+    from pipeline.data import ingest
+
+    class Bar:
+        def __init__(self, total, **_):
+            self.total, self.n, self.most = total, 0, 0
+
+        def update(self, n):
+            self.n += n
+            self.most = max(self.most, self.n)
+
+    bars = []
+    monkeypatch.setattr(ingest, "progress", lambda **kw: contextlib.nullcontext(bars.append(Bar(**kw)) or bars[-1]))
+    pq.write_table(pa.table({"text": ["the same words again " * 50] * 400}), tmp_path / "z.parquet",
+                   compression="zstd")
+    datasets.Dataset.from_dict({"text": ["a saved dataset row"] * 50}).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "t.txt").write_text("plain text\n")
+    sources = [{"path": str(tmp_path / "z.parquet")}, {"path": str(tmp_path / "ds")}, {"path": str(tmp_path / "t.txt")}]
+    metrics, _, _ = run(tmp_path, sources=sources)
+    on_disk = (tmp_path / "z.parquet").stat().st_size
+    assert metrics["bytes"] > 10 * on_disk  # the text is far larger than the file
+    [bar] = bars
+    folder = sum(p.stat().st_size for p in (tmp_path / "ds").rglob("*") if p.is_file())
+    assert bar.total == on_disk + folder + len("plain text\n")
+    assert bar.most == bar.n == bar.total
