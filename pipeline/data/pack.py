@@ -975,16 +975,20 @@ class Mixture:
             for name, target in wanted.items():
                 mine = codes == self.sources.code[name]
                 copies[mine] = multiplicities(order[mine], lens[mine], target)
+            bar = stack.enter_context(progress(total=int((lens * copies).sum()), unit="tok", unit_scale=True,
+                                               desc="pack mixture"))
             for r in range(1, int(copies.max(initial=0)) + 1):
                 row = 0
                 for i, b in enumerate(batches):
                     take = copies[row:row + b.num_rows] >= r
-                    if (r, i) >= start and take.any():
-                        flat = b.column(0).values.to_numpy(zero_copy_only=False)
-                        keys = Keys.of(b.column(3), b.column(4))
-                        writer.add(split_parts(flat, lens[row:row + b.num_rows], take, keys)["val"])
-                        if checkpoint is not None:
-                            checkpoint((r, i + 1))
+                    if take.any():
+                        if (r, i) >= start:
+                            flat = b.column(0).values.to_numpy(zero_copy_only=False)
+                            keys = Keys.of(b.column(3), b.column(4))
+                            writer.add(split_parts(flat, lens[row:row + b.num_rows], take, keys)["val"])
+                            if checkpoint is not None:
+                                checkpoint((r, i + 1))
+                        bar.update(int(lens[row:row + b.num_rows][take].sum()))
                     row += b.num_rows
         realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
         total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1

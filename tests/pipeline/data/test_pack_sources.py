@@ -202,3 +202,23 @@ def test_mixture_errors(corpus, tmp_path, monkeypatch):
     with pytest.raises(PackError, match="no source_name column"):
         run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}}), plain, tok, tmp_path / "out")
     assert PackConfig(**CFG, mixture={"web": {"weight": 1}}).mixture == {"web": Share(weight=1)}
+
+
+def test_writing_a_mixture_has_its_own_progress_bar_in_tokens(corpus, tmp_path, monkeypatch):
+    import contextlib
+
+    class Bar:
+        def __init__(self, total, desc, **_):
+            self.total, self.desc, self.n = total, desc, 0
+
+        def update(self, n):
+            self.n += n
+
+    bars = []
+    monkeypatch.setattr(pack_module, "progress",
+                        lambda **kw: contextlib.nullcontext(bars.append(Bar(**kw)) or bars[-1]))
+    path, tok, _ = corpus
+    metrics = run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 3}}), path, tok,
+                       tmp_path / "out")
+    [bar] = [b for b in bars if b.desc == "pack mixture"]
+    assert bar.n == bar.total == sum(s["train_tokens"] for s in metrics["sources"].values()) > 0
