@@ -96,7 +96,7 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
             code = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
         except StageError as err:  # TrainerBusyError included
             fail(stage, err)
-        if code != 0:
+        if code not in (0, 2):  # 2: a rank's StageError, which printed its one line
             print(f"error: stage {stage} failed (torchrun exit code {code}); see the rank's message above",
                   file=sys.stderr)
         sys.exit(code)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.errors import StageError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -31,14 +33,24 @@ class Dist:
         return self.backend is not None
 
 
+class DeviceError(StageError):
+    """The device asked for is not on this machine."""
+
+
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device of ``requested`` (auto: CUDA where there is one, else the CPU).
+    Raises DeviceError, one line, for a device this machine does not have."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+            raise DeviceError(f"device 'cuda' was asked for, but torch {torch.__version__} sees no CUDA GPU here; "
+                              "set the device to auto or cpu, or install a CUDA build of torch")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     if requested == "mps":
+        if not torch.backends.mps.is_available():
+            raise DeviceError("device 'mps' was asked for, but this machine has no MPS (Apple GPU); "
+                              "set the device to auto or cpu")
         return torch.device("mps")
     return torch.device("cpu")
 

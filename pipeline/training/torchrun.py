@@ -100,7 +100,8 @@ def hold_shared(folder: Path) -> int:
 
 
 def torchrun_command(module: str, cfg: LaunchConfig) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.nproc_per_node}"]
+    """torchrun's command line, run through :func:`main` (torchrun's own arguments)."""
+    cmd = [sys.executable, "-m", "pipeline.training.torchrun", f"--nproc_per_node={cfg.nproc_per_node}"]
     if cfg.nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -149,3 +150,23 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path, before: Callable[[
         for s, h in old.items():
             signal.signal(s, h)
         os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun (``torch.distributed.run``, the same arguments), exiting with the
+    code of the first rank that failed. A rank reports its own failure (a
+    StageError is one line and exit code 2); torchrun would add a traceback of
+    its own ``ChildFailedError`` and exit 1 whatever the rank's code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
