@@ -47,7 +47,7 @@ class ModelSection(Section):
     n_kv_head: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); must divide n_head")
     d_model: int | None = Field(None, ge=1, description="residual width")
     ffn_hidden: int | None = Field(None, ge=1, description="SwiGLU hidden width (default: Llama's 8/3 d_model, rounded)")
-    max_seq_len: int | None = Field(None, ge=1, description="longest sequence (RoPE, KV cache); raised to pack.seq_len if smaller")
+    max_seq_len: int | None = Field(None, ge=1, description="longest sequence (RoPE, KV cache); null: the preset's, raised to pack.seq_len if smaller; a value below pack.seq_len is an error")
     rope_theta: float | None = Field(None, gt=0, description="RoPE base")
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon")
     tie_embeddings: bool | None = Field(None, description="share the input embedding and output head")
