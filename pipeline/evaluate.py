@@ -18,6 +18,7 @@ export test recomputes the SFT model's perplexity with ``transformers``).
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,8 @@ from pipeline.progress import progress
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loss import IGNORE_INDEX, token_loss_sum
 from pipeline.training.precision import autocast, resolve_precision
+
+log = logging.getLogger("pipeline.evaluate")
 
 
 class SampleConfig(BaseModel):
@@ -189,8 +192,16 @@ def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_
         kinds += [("chat", p, encode_prompt(tok, [{"role": "user", "content": p}], template), chat_stops)
                   for p in cfg.chat]
         for i, (kind, prompt, prompt_ids, stops) in enumerate(kinds):
-            new = generate(model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            # A prompt longer than the model reads keeps its end (what the completion follows), leaving
+            # room for the new tokens; the sample says how many tokens of its start were left out.
+            keep = max(1, model.config.max_seq_len - cfg.max_new_tokens)
+            cut = max(0, len(prompt_ids) - keep)
+            if cut:
+                log.warning("evaluate: %s sample %d has %d prompt tokens, more than %s reads with %d new ones; "
+                            "its first %d are left out", kind, i, len(prompt_ids), name, cfg.max_new_tokens, cut)
+            new = generate(model, prompt_ids[cut:], max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                            top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed + i, stop_ids=stops)
             out.append({"model": name, "kind": kind, "prompt": prompt, "seed": cfg.seed + i,
+                        **({"prompt_tokens_left_out": cut} if cut else {}),
                         "completion": tok.decode([t for t in new if t not in stops], skip_special_tokens=False)})
     return out

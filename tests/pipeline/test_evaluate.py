@@ -76,6 +76,14 @@ def test_evaluate_models_and_seeded_samples(tmp_path, tok_path):
     s2 = record_samples(cfg.samples, models, tok_path)
     assert s1 == s2 and len(s1) == 2 * (len(cfg.samples.prompts) + len(cfg.samples.chat))
     assert {s["kind"] for s in s1} == {"text", "chat"}
+    assert not any("prompt_tokens_left_out" in s for s in s1)
+    # A prompt longer than the model reads keeps its end, and the sample says how much was left out.
+    long = parse_section(EvaluateConfig, {"samples": {"max_new_tokens": 8, "prompts": ["def f(x): return x\n" * 40],
+                                                      "chat": []}}, "evaluate").samples
+    [a, _] = record_samples(long, models, tok_path)
+    max_len = models["a"].config.max_seq_len
+    n = len(load_tokenizer(tok_path).encode(long.prompts[0], add_special_tokens=False).ids)
+    assert n > max_len and a["prompt_tokens_left_out"] == n - (max_len - 8) and a["completion"]
 
 
 def test_a_sharded_checkpoint_evaluates_like_the_single_file_one(tmp_path, tok_path):
