@@ -31,7 +31,7 @@ from pipeline.config import StageConfig
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
 from pipeline.files import write_json
-from pipeline.model.transformer import ModelConfig, Transformer
+from pipeline.model.transformer import Transformer
 from pipeline.progress import progress
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loss import IGNORE_INDEX, token_loss_sum
@@ -88,7 +88,7 @@ def load_checkpoint_model(folder: Path, device: torch.device) -> tuple[Transform
     last = ckpt.resolve(Path(folder))  # verified; a damaged newest one raises CheckpointError
     if last is None:
         raise EvaluateError(f"no checkpoint in {folder}; run its training stage first")
-    model = Transformer(ModelConfig(**last.meta["model"]))
+    model = Transformer(ckpt.model_config(last))
     ckpt.load_model_weights(last, model)
     return model.to(device).eval(), last
 

@@ -182,7 +182,7 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
             raise FileNotFoundError(f"{path}: no Hugging Face model (config.json + model.safetensors or "
                                     "its index) and no complete checkpoint")
         meta = checkpoint.meta
-        config = ModelConfig(**meta["model"])
+        config = ckpt.model_config(checkpoint)
         model = Transformer(config)
         ckpt.load_model_weights(checkpoint, model)
         tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON

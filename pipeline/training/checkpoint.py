@@ -97,6 +97,7 @@ from safetensors.torch import load_file, load_model, save_model
 from pipeline.config import flatten
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, fsync_path, sha256_file, write_json
+from pipeline.model.transformer import ModelConfig
 from pipeline.training import distributed
 
 log = logging.getLogger("pipeline.training.checkpoint")
@@ -313,6 +314,11 @@ def verify(ckpt: Checkpoint | Path) -> None:
         records = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in meta["files"].items()}
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise damaged("meta.json", f"unreadable ({type(err).__name__}: {err})".replace("\n", " ")) from err
+    if "model" in meta:  # the model the weights are for, which every reader builds
+        try:
+            ModelConfig(**meta["model"])
+        except (ValueError, TypeError) as err:
+            raise damaged("meta.json", f"records an invalid model ({err})".replace("\n", " ")) from None
     sharded = meta.get("format") == "dcp"
     for name in (SHARDED_FILES if sharded else FILES)[:-1]:
         if name not in records:
@@ -337,6 +343,15 @@ def verify(ckpt: Checkpoint | Path) -> None:
             raise damaged(name, "sha256 differs from the one recorded in meta.json")
     if signature is not None:
         _verified[key] = signature
+
+
+def model_config(checkpoint: Checkpoint) -> ModelConfig:
+    """The model a (verified) checkpoint's weights are for. Raises CheckpointError
+    when its meta.json records none (verify has checked one it records)."""
+    if "model" not in checkpoint.meta:
+        raise CheckpointError(f"{checkpoint.path / 'meta.json'}: records no model configuration, so its weights "
+                              "cannot be loaded (a checkpoint saved by another tool?)")
+    return ModelConfig(**checkpoint.meta["model"])
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

@@ -146,7 +146,7 @@ def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
 def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
     meta = found.meta
     carried = {k: meta[k] for k in ("hf_config", "hf_generation_config") if k in meta}
-    return InitSource(kind="checkpoint", path=found.path, model=ModelConfig(**meta["model"]),
+    return InitSource(kind="checkpoint", path=found.path, model=ckpt.model_config(found),
                       init_id="ckpt:" + str(meta.get("fingerprint")) + ":" + ckpt.weights_id(found)[:16],
                       tokenizer_sha256=meta.get("tokenizer_sha256"),
                       meta={"init_from": str(found.path), **carried}, checkpoint=found)

@@ -92,7 +92,7 @@ def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
          ) -> tuple[ckpt.Checkpoint, ModelConfig, str, dict[str, Any]]:
     """The starting checkpoint, its model, the data identity and the checkpoint metadata."""
     init = pretrained(pretrain_dir)
-    model_cfg = ModelConfig(**init.meta["model"])
+    model_cfg = ckpt.model_config(init)
     manifest = shards.read_manifest(data_dir)
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise SFTError(f"sft.data.seq_len {cfg.data.seq_len} exceeds the pretrained model's max_seq_len "

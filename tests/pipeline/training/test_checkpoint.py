@@ -509,3 +509,23 @@ def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
     sharded(tmp_path, [1])
     with pytest.raises(ckpt.CheckpointError, match="weights do not match the model"):
         ckpt.load_model_weights(tmp_path / "step-00000001", torch.nn.Linear(3, 3))
+
+
+def test_a_meta_json_with_an_invalid_or_no_model_is_one_line(tmp_path):
+    """meta.json is not hashed: its model entry is checked when the checkpoint is verified."""
+    from pipeline.model.transformer import ModelConfig
+    from tests.helpers import tiny_config, tiny_model
+    from tests.helpers import save_checkpoint as save_with_model
+
+    c = save_with_model(tmp_path / "a", tiny_model(tiny_config(64)), step=5)
+    assert ckpt.model_config(ckpt.resolve(tmp_path / "a")) == ModelConfig(**c.meta["model"])
+    meta = json.loads((c.path / "meta.json").read_text())
+    meta["model"]["n_kv_head"] = 3  # n_head 4 is not a multiple
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000005/meta.json: records an invalid model \(.*"
+                                                   r"must be divisible by n_kv_head.*\) \(checkpoint step-00000005 is"):
+        ckpt.verify(c.path)
+    del meta["model"]
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=r"meta.json: records no model configuration"):
+        ckpt.model_config(ckpt.resolve(tmp_path / "a"))
