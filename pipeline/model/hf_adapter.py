@@ -252,6 +252,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     problems = [f"config.json lacks {key}" for key in
                 ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                 if hf.get(key) is None]
+    problems += _type_problems(get)
+    if problems:  # a value of the wrong type would fail the checks below in its own way
+        raise UnsupportedModelError(f"unsupported Hugging Face model ({family.architecture}): " + "; ".join(problems))
     problems += _feature_problems(hf, family, get)
     rope_theta, rope_scaling, rope_problems = _rope(hf, get)
     problems += rope_problems
@@ -290,6 +293,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 
 def _family(hf: Mapping[str, Any]) -> Family:
     architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise UnsupportedModelError(f"config.json's architectures is {json.dumps(architectures)[:60]}, not a list "
+                                    f"such as [\"LlamaForCausalLM\"]; supported: {SUPPORTED}")
     model_type = hf.get("model_type")
     if not architectures and model_type in BY_MODEL_TYPE:
         return BY_MODEL_TYPE[model_type]
@@ -301,6 +307,28 @@ def _family(hf: Mapping[str, Any]) -> Family:
         raise UnsupportedModelError(f"unsupported Hugging Face config: model_type is {model_type!r} but the "
                                     f"architecture {family.architecture} has model_type {family.model_type!r}")
     return family
+
+
+# The type transformers gives each key it reads (bool is not an int here, as in JSON).
+_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")
+_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
+_MAPPINGS = ("rope_scaling", "rope_parameters")
+
+
+def _type_problems(get) -> list[str]:
+    """Every key whose value (the file's, else the family's default) is of the wrong JSON type."""
+    problems = []
+    for keys, ok, kind in ((_INTS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+                           (_NUMBERS, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+                           (_BOOLS, lambda v: isinstance(v, bool), "true or false"),
+                           (_MAPPINGS, lambda v: isinstance(v, Mapping), "an object")):
+        for key in keys:
+            value = get(key)
+            if value is not None and not ok(value):
+                problems.append(f"{key} is {json.dumps(value)[:60]}, not {kind}")
+    return problems
 
 
 def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:

@@ -332,6 +332,14 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "quantized": ("qwen2", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config (gptq)"),
     "odd-head-dim": ("qwen3", {"head_dim": 15}, "head_dim = 15 must be even"),
     "no-vocab": ("llama", {"vocab_size": None}, "config.json lacks vocab_size"),
+    # values of the wrong JSON type
+    "string-rope-scaling": ("llama", {"rope_scaling": "linear"}, 'rope_scaling is "linear", not an object'),
+    "string-window": ("mistral", {"sliding_window": "4096"}, 'sliding_window is "4096", not an integer'),
+    "list-eps": ("qwen2", {"rms_norm_eps": [1e-6]}, "rms_norm_eps is [1e-06], not a number"),
+    "string-tie": ("llama", {"tie_word_embeddings": "false"}, 'tie_word_embeddings is "false", not true or false'),
+    "float-heads": ("qwen3", {"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not an integer"),
+    "string-architectures": ("llama", {"architectures": "LlamaForCausalLM"},
+                             'architectures is "LlamaForCausalLM", not a list'),
 }
 
 
