@@ -18,8 +18,10 @@ export test recomputes the SFT model's perplexity with ``transformers``).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,15 +74,30 @@ class EvaluateError(StageError):
 SCORES = ("val_loss", "perplexity", "bits_per_byte")  # per model and split in metrics/evaluate.json
 
 
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback: one byte
+
+
 def token_bytes(tokenizer) -> np.ndarray:
-    """UTF-8 bytes each token id stands for. In a byte-level BPE every character
-    of a token's string is one byte (GPT-2's byte-to-unicode alphabet); added
-    special tokens stand for no bytes of text."""
+    """UTF-8 bytes each token id stands for; added special tokens stand for none.
+
+    In a byte-level BPE (GPT-2's byte-to-unicode alphabet: ours, Llama 3's,
+    Qwen's) every character of a token's string is one byte. Otherwise
+    (SentencePiece's layout: Llama 2's, Mistral's) a token is its text with
+    ``▁`` for a space, in UTF-8, and ``<0xNN>`` is one byte."""
+    spec = json.loads(tokenizer.to_str())
+    byte_level = '"ByteLevel"' in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     out = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
     special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
     for token, idx in vocab.items():
-        out[idx] = 0 if token in special else len(token)
+        if token in special:
+            continue
+        if byte_level:
+            out[idx] = len(token)
+        elif BYTE_TOKEN.fullmatch(token):
+            out[idx] = 1
+        else:
+            out[idx] = len(token.replace("\u2581", " ").encode("utf-8"))
     return out
 
 

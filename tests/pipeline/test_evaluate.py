@@ -23,6 +23,28 @@ def test_token_bytes_counts_utf8_bytes_and_zero_for_specials(tok_path):
         assert int(nbytes[ids].sum()) == len(text.encode("utf-8"))
 
 
+def test_token_bytes_of_a_sentencepiece_layout(tmp_path):
+    """Llama 2's and Mistral's layout: '▁' for a space and <0xNN> byte-fallback
+    tokens, one byte each. The text's bytes, plus the one of the space the
+    normaliser puts before it (which the decoder strips)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", *"abcdefghijklmnopqrstuvwxyz\u00e9", "af", "\u2581c", "\u2581caf", "\u2581caf\u00e9"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("\u2581", "c"), ("a", "f"), ("\u2581c", "af"), ("\u2581caf", "\u00e9")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    nbytes = token_bytes(tok)
+    for text in ["caf\u00e9 x", "x\n\u4e2d"]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert "<0x0A>" in tok.encode("x\n").tokens and tok.decode(ids) == text
+        assert int(nbytes[ids].sum()) == len(text.encode("utf-8")) + 1
+
+
 def test_score_is_summed_nll_over_targets_and_bits_per_byte(tmp_path):
     vocab = 40
     write_split(tmp_path / "val", synthetic_docs(60, vocab, seed=1), seq_len=16)
