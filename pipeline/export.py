@@ -149,10 +149,15 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     except ValueError as err:  # a tokenizer that does not belong to this model
         raise ExportError(str(err)) from err
 
+    manifest = json.loads(Path(sft_manifest).read_text()) if sft_manifest and Path(sft_manifest).is_file() else {}
+    specials = load_specials(tokenizer_path)
+    token_ids = None
+    if not specials.own and not meta.get("hf_config"):  # trained from scratch with an adopted tokenizer
+        token_ids = {"bos_token_id": specials.bos_id, "pad_token_id": specials.pad_id,
+                     "eos_token_id": list(manifest.get("stop_ids") or specials.eos_ids)}
     with atomic_dir(out_dir) as tmp:
-        write_model_files(tmp, model, meta)
-        manifest = json.loads(Path(sft_manifest).read_text()) if sft_manifest and Path(sft_manifest).is_file() else {}
-        if load_specials(tokenizer_path).own:
+        write_model_files(tmp, model, meta, token_ids=token_ids)
+        if specials.own:
             write_tokenizer_files(tmp, tokenizer_path, config)
         else:
             write_adopted_tokenizer_files(tmp, tokenizer_path, meta, manifest)
@@ -169,8 +174,13 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
             "dtype": DTYPE,
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.json"),
         }
+        chat = CHATML_FORMAT if specials.own else (
+            "The chat template that SFT rendered its data with, `chat_template.jinja`, which transformers "
+            "prefers to the tokenizer's own." if manifest.get("chat_template") not in (None, specials.chat_template) else
+            "The tokenizer's own chat template (`tokenizer_config.json` or `chat_template.jinja`), as the model "
+            "it was adopted from uses it.") + " Generation stops at the ids in `generation_config.json`."
         (tmp / "README.md").write_text(model_card(config, meta, summary, card_info,
-                                                  sha256_file(tmp / "model.safetensors")), encoding="utf-8")
+                                                  sha256_file(tmp / "model.safetensors"), chat), encoding="utf-8")
         # safetensors creates its file owner-only; give it the mode the other files got
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
@@ -281,9 +291,15 @@ def generation_config() -> dict[str, Any]:
     }
 
 
+CHATML_FORMAT = ("ChatML: each message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and the model answers "
+                 "after `<|im_start|>assistant\\n`. The tokenizer's `chat_template` renders it; generation stops at "
+                 "`<|im_end|>` or `<|endoftext|>` (`generation_config.json`).")
+
+
 def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[str, Any], card_info: Mapping[str, Any],
-               weights_sha256: str) -> str:
-    """The README.md text: YAML metadata, then Markdown sections."""
+               weights_sha256: str, chat_format: str = CHATML_FORMAT) -> str:
+    """The README.md text: YAML metadata, then Markdown sections; ``chat_format``
+    says how conversations are rendered."""
     name = card_info.get("name") or "llm-pipeline model"
     family = FAMILIES[config.family]
     front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
@@ -337,9 +353,7 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
     lines += ["## Limitations", "", (card_info.get("limitations") or DEFAULT_LIMITATIONS).strip(), ""]
     lines += [
         "## Chat format", "",
-        "ChatML: each message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and the model answers after "
-        "`<|im_start|>assistant\\n`. The tokenizer's `chat_template` renders it; generation stops at "
-        "`<|im_end|>` or `<|endoftext|>` (`generation_config.json`).", "",
+        chat_format, "",
         "## How to use", "",
         "With transformers (no custom code):", "",
         "```python",

@@ -449,3 +449,30 @@ def test_a_sharded_checkpoint_exports_the_same_folder(tmp_path, tok, tok_path):
     wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a["files"]["config.json"] == b["files"]["config.json"]
+
+
+def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_carries_its_ids(tmp_path):
+    """No hf_config to take the ids from: config.json gets the adopted tokenizer's
+    own (not the pipeline's tokenizer's 0/3/1), as generation_config.json does,
+    and the card does not call its template ChatML."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
+    from tests.hf_models import save_tiny_hf_folder
+
+    hf = save_tiny_hf_folder("qwen2", tmp_path / "base" / "qwen2")
+    tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
+    adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
+    specials = load_specials(tok_json)
+    model = tiny_model(tiny_config(Tokenizer.from_file(str(tok_json)).get_vocab_size()))
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": sha256_file(tok_json), "final": True})
+    export_model(tmp_path / "sft", tok_json, tmp_path / "export", card_info={})
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert config["pad_token_id"] == specials.pad_id == generation["pad_token_id"] != 1
+    assert config["eos_token_id"] == list(specials.eos_ids) == generation["eos_token_id"]
+    assert config.get("bos_token_id") == specials.bos_id
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "export").pad_token_id == specials.pad_id
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "ChatML" not in card and "The tokenizer's own chat template" in card
