@@ -23,6 +23,9 @@ A run folder (``models/pretrain``) holds one run: the checkpoints whose meta
     previous/<fingerprint>/step-N   earlier runs, moved aside when the identity
     previous/<fingerprint>/run.json changed: why, when, which keys; never deleted
                                     unless checkpoint.keep_previous says so
+    damaged/step-N                  this run's damaged checkpoints newer than the one
+                                    it resumes from, set aside before it saves those
+                                    steps again; never deleted
 
 A run is never deleted because params changed; any previous run can seed a new
 one (``init_from``).
@@ -108,6 +111,7 @@ DCP_METADATA = ".metadata"  # DCP's index of a sharded checkpoint's files
 SHARDED_FILES = (DCP_METADATA, "trainer.pt", "meta.json")  # plus one __<rank>_0.distcp per rank
 SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 PREVIOUS = "previous"  # <folder>/previous/<fingerprint>/step-N: checkpoints of earlier runs
+DAMAGED = "damaged"  # <folder>/damaged/step-N: this run's damaged checkpoints that it resumes before
 RUN_INFO = "run.json"  # <folder>/previous/<id>/run.json: why and when that run was moved aside
 BEST = "best.json"  # <folder>/best.json: {"step", "path", "val_loss", "fingerprint"} of the run's best checkpoint
 WHICH = ("last", "best")
@@ -748,8 +752,41 @@ class CheckpointManager:
                      best["path"])
         if moved:
             fsync_path(self.folder)
+        self._set_aside_damaged()
         self._prune_previous(in_use)
         return moved
+
+    def _set_aside_damaged(self) -> None:
+        """Move this run's checkpoints newer than its newest intact one (damaged,
+        or with a meta.json that cannot be read) to ``<folder>/damaged/step-N``,
+        each with a warning: the run resumes from the intact one and saves those
+        steps again, which would replace them, and their weights may be whole.
+        Where no checkpoint is intact nothing moves (resume_point stops the run)."""
+        damaged: list[tuple[Checkpoint, CheckpointError]] = []
+        for c in reversed(step_folders(self.folder)):  # other runs' are moved aside already
+            try:
+                verify(c)
+            except CheckpointError as err:
+                damaged.append((c, err))
+                continue
+            break
+        else:
+            return
+        if not damaged:
+            return
+        root = self.folder / DAMAGED
+        root.mkdir(exist_ok=True)
+        for c, err in damaged:
+            dest, n = root / c.path.name, 1
+            while dest.exists():
+                n += 1
+                dest = root / f"{c.path.name}-{n}"
+            os.replace(c.path, dest)
+            log.warning("%s; moved aside to %s, as this run resumes from an older checkpoint and will save step %d "
+                        "again (nothing under %s is deleted: remove it yourself once you no longer need it)",
+                        err, dest, c.step, root)
+        fsync_path(root)
+        fsync_path(self.folder)
 
     def _reason(self, meta: dict[str, Any]) -> str:
         old = meta.get("identity")

@@ -180,6 +180,30 @@ def test_resume_falls_back_past_a_flipped_byte_with_a_warning(tmp_path, caplog, 
     assert "checkpoint step-00000003 is damaged" in warning and "resuming from the older step-00000002" in warning
 
 
+def test_a_damaged_checkpoint_the_run_resumes_before_is_set_aside_not_overwritten(tmp_path, caplog):
+    m = manager(tmp_path)
+    run_saves(m, [1, 2, 3, 4])
+    flip_byte(tmp_path / "step-00000004" / "optimizer.pt")  # the weights may be whole
+    (tmp_path / "step-00000003" / "meta.json").unlink()
+    weights = (tmp_path / "step-00000004" / "model.safetensors").read_bytes()
+    with caplog.at_level("WARNING"):
+        m.prepare()
+    assert sorted(p.name for p in (tmp_path / "damaged").iterdir()) == ["step-00000003", "step-00000004"]
+    assert (tmp_path / "damaged" / "step-00000004" / "model.safetensors").read_bytes() == weights
+    assert "moved aside to" in caplog.text and "will save step 4 again" in caplog.text
+    assert m.resume_point().step == 2
+    run_saves(m, [3, 4])  # the run goes on: the set-aside copies stay
+    assert (tmp_path / "damaged" / "step-00000004" / "model.safetensors").read_bytes() == weights
+    # with no intact checkpoint nothing moves: the run stops and names the damage
+    left = ckpt.step_folders(tmp_path)
+    for c in left:
+        flip_byte(c.path / "trainer.pt")
+    m.prepare()
+    assert ckpt.step_folders(tmp_path) == left
+    with pytest.raises(ckpt.CheckpointError, match="no intact checkpoint"):
+        m.resume_point()
+
+
 def test_a_truncated_file_is_named_with_its_size(tmp_path):
     m = manager(tmp_path)
     run_saves(m, [1, 2])
