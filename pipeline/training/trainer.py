@@ -291,6 +291,28 @@ class Trainer:
                      "(global batch unchanged)", micro, rows // micro)
         return cfg.model_copy(update={"batch": batch})
 
+    def _keep_micro_batch(self, saved: int | None) -> None:
+        """``micro_batch_size: auto`` on resume: the checkpoint's micro-batch where it
+        still fits (the one auto picks now, or less), so that the run adds up its
+        losses in the same order as before (a step's rows do not depend on the
+        split). A larger one no longer fits: the new one, with a warning."""
+        chosen = self.cfg.batch.micro_batch_size
+        if self.requested_micro_batch != "auto" or saved is None or saved == chosen:
+            return
+        rows = requested_rows_per_rank(self.cfg.batch)
+        if saved > chosen or rows % saved:
+            if self.d.is_main:
+                log.warning("batch.micro_batch_size auto: the checkpoint's %d rows per forward do not fit now; "
+                            "continuing with %d, whose sums of the loss may differ from the run's in the last bits",
+                            saved, chosen)
+            return
+        batch = self.cfg.batch.model_copy(update={"micro_batch_size": saved, "grad_accum_steps": rows // saved})
+        self.cfg = self.cfg.model_copy(update={"batch": batch})
+        self._build_order()
+        if self.d.is_main:
+            log.info("batch.micro_batch_size auto: %d rows per forward, as the checkpoint's run (%d would fit now)",
+                     saved, chosen)
+
     def _probe_step(self, micro: int) -> None:
         """CUDA only: one forward and backward pass over ``micro`` rows of zeros, gradients dropped."""
         model = self.model
@@ -308,6 +330,7 @@ class Trainer:
 
     def _resume(self, last: ckpt.Checkpoint) -> None:
         state = self.checkpoints.load(last, self.model, self.optimizer, self.d)
+        self._keep_micro_batch(state.get("micro_batch_size"))
         self.scheduler.load_state_dict(state["scheduler"])
         before = set_schedule_lr(self.scheduler)  # this run's schedule, which may be longer than the checkpoint's
         self.scaler.load_state_dict(state["scaler"])
@@ -365,7 +388,7 @@ class Trainer:
         if self.d.is_main:
             state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                      "data": self.order.state_dict(), "rng": rngs, "loss_spikes": self.loss_spikes,
-                     "loss_ema": self._loss_ema}
+                     "loss_ema": self._loss_ema, "micro_batch_size": self.cfg.batch.micro_batch_size}
             meta = {"stage": self.stage, "model": self.model_cfg.to_dict(), "world_size": self.d.world_size,
                     "precision": self.precision, "seq_len": self.seq_len,
                     "tokens_seen": self.step * self.tokens_per_step, "metrics": metrics,

@@ -132,3 +132,34 @@ def test_choose_micro_batch_counts_fsdp_shards():
     micro, accum = memory.choose_micro_batch(c, 256, 1, precision="fp32", ranks_per_node=1, available=available,
                                              fsdp_world=8)
     assert micro >= 1 and micro * accum == 16
+
+
+def test_auto_micro_batch_resumes_with_the_checkpoints_split(tmp_path, monkeypatch, caplog):
+    """A resumed run adds its losses up as the run did: auto keeps the
+    checkpoint's micro-batch where it fits, though more would fit now."""
+    from pipeline.training import checkpoint as ckpt
+
+    c = cfg(max_steps=8, micro_batch_size="auto")
+    four_rows = memory.estimate(c.model.build(64, 32), 4, 32, precision="fp32").total
+    small = int(four_rows / memory.CPU_HEADROOM) + 1
+    monkeypatch.setattr(memory, "available_cpu_bytes", lambda: small)
+    fit(trainer(tmp_path, "full", c))
+    fit(trainer(tmp_path, "resumed", c))
+    for k in ckpt.complete_checkpoints(tmp_path / "resumed" / "models"):  # a crash after step 4
+        if k.step > 4:
+            ckpt.discard([k])
+    monkeypatch.setattr(memory, "available_cpu_bytes", lambda: 10**12)  # now 16 rows would fit
+    t = trainer(tmp_path, "resumed", c)
+    assert t.step == 4 and (t.cfg.batch.micro_batch_size, t.cfg.batch.grad_accum_steps) == (4, 4)
+    fit(t)
+    losses = {n: [r["loss"] for r in read_csv(tmp_path / n / "plots.csv")] for n in ("full", "resumed")}
+    assert losses["resumed"][-4:] == losses["full"][-4:]  # string-exact
+    # a checkpoint whose micro-batch no longer fits: the one that does, with a warning
+    fit(trainer(tmp_path, "big", cfg(max_steps=4, micro_batch_size="auto")))
+    assert ckpt.load_state(ckpt.resolve(tmp_path / "big" / "models"), "trainer.pt")["micro_batch_size"] == 16
+    monkeypatch.setattr(memory, "available_cpu_bytes", lambda: small)
+    with caplog.at_level("WARNING"):
+        t = trainer(tmp_path, "big", cfg(max_steps=8, micro_batch_size="auto"))
+    assert t.step == 4 and t.cfg.batch.micro_batch_size == 4
+    assert "the checkpoint's 16 rows per forward do not fit now; continuing with 4" in caplog.text
+    t.close()
