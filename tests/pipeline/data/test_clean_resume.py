@@ -143,6 +143,7 @@ def test_a_damaged_and_an_uncommitted_shard_are_redone_and_only_they(tmp_path, i
 
 KILLED_RUN = textwrap.dedent("""
     import sys, time
+    from tests.pipeline.data.ray_tasks import ray_only
     from pipeline.data import resume
     from pipeline.data.clean import CleanConfig, run_clean
 
@@ -152,20 +153,6 @@ KILLED_RUN = textwrap.dedent("""
         rec = seal(self, k, fields)
         time.sleep(0.3)
         return rec
-
-    def ray_only(marker):
-        # Every task on Ray: none run in this process while the instance starts;
-        # marker is written once the stage is connected.
-        from pipeline.data.executor import RayExecutor
-
-        ready = RayExecutor.ready
-
-        def ready_and_mark(self):
-            ready(self)
-            open(marker, "w").close()
-
-        RayExecutor.starting = lambda self: False
-        RayExecutor.ready = ready_and_mark
 
     if __name__ == "__main__":
         if sys.argv[2] == "slow":

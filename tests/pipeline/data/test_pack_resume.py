@@ -235,6 +235,7 @@ def test_the_sidecar_is_read_without_pickle(corpus):
 
 SCRIPT = textwrap.dedent("""
     import sys, time
+    from tests.pipeline.data.ray_tasks import ray_only
     from pipeline.data import pack
     from pipeline.data.pack import PackConfig, run_pack
 
@@ -243,20 +244,6 @@ SCRIPT = textwrap.dedent("""
     def slow_save(self, *a, **k):  # time to be killed between checkpoints; the bytes are the same
         save(self, *a, **k)
         time.sleep(0.25)
-
-    def ray_only(marker):
-        # Every task on Ray: none run in this process while the instance starts;
-        # marker is written once the stage is connected.
-        from pipeline.data.executor import RayExecutor
-
-        ready = RayExecutor.ready
-
-        def ready_and_mark(self):
-            ready(self)
-            open(marker, "w").close()
-
-        RayExecutor.starting = lambda self: False
-        RayExecutor.ready = ready_and_mark
 
     pack.Checkpoints.save = slow_save
     if __name__ == "__main__":

@@ -1,0 +1,18 @@
+"""For a stage run in a child process under a private Ray instance: every task on Ray."""
+
+
+def ray_only(marker: str) -> None:
+    """Make the RayExecutor run no task in the stage's own process while the
+    instance starts (it waits for the instance instead), and write the file
+    ``marker`` once the stage is connected: a test that sees it knows that the
+    stage's tasks ran on Ray."""
+    from pipeline.data.executor import RayExecutor
+
+    ready = RayExecutor.ready
+
+    def ready_and_mark(self: RayExecutor) -> None:
+        ready(self)
+        open(marker, "w").close()
+
+    RayExecutor.starting = lambda self: False
+    RayExecutor.ready = ready_and_mark
