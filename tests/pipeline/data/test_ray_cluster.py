@@ -60,11 +60,13 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 
-def _free_ports(ip: str, n: int) -> list[int]:
+def _free_ports(n: int) -> list[int]:
+    """Ports free on every address: Ray's client server listens on loopback, where
+    another test process's server may hold a port that is free on the node's address."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
-            s.bind((ip, 0))
+            s.bind(("", 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -112,17 +114,11 @@ def two_nodes(blind: Path, logs: Path, **head_env: str):
         pytest.skip("no mount namespace here (unshare -m), so no node can be made blind to a folder")
     blind.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
-    port, client_port = _free_ports(ip, 2)
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: it holds Unix sockets
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp, "HOME": str(logs)}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     ray_cli = str(Path(sys.executable).parent / "ray")
     common = ["--block", f"--node-ip-address={ip}", "--disable-usage-stats"]
-    head = [ray_cli, "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}", "--num-cpus=0",
-            "--include-dashboard=false", *common]
-    node = [ray_cli, "start", f"--address={ip}:{port}", "--num-cpus=2", *common]
-    blinded = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-               f"mount -t tmpfs tmpfs {shlex.quote(str(blind))} && exec {shlex.join(node)}"]
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + 90
 
@@ -131,23 +127,54 @@ def two_nodes(blind: Path, logs: Path, **head_env: str):
             assert proc.poll() is None and time.monotonic() < deadline, (logs / log).read_text()
             time.sleep(0.5)
 
-    def head_answers():
-        try:
-            socket.create_connection((ip, port), timeout=1).close()
-            return True
-        except OSError:
-            return False
+    def answers(*ports: int) -> bool:
+        for p in ports:
+            try:
+                socket.create_connection((ip, p), timeout=1).close()
+            except OSError:
+                try:
+                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
+                except OSError:
+                    return False
+        return True
+
+    def start_head(stack: contextlib.ExitStack) -> tuple[int, int]:
+        """The head, up with its client server. `ray start --block` stops the whole
+        head when one of its processes fails, as its client server does when
+        another test process took its port in the meantime: then again, on
+        other ports (a head that died under a driver would end the driver's
+        process a minute later)."""
+        for attempt in range(3):
+            port, client_port = _free_ports(2)
+            head = [ray_cli, "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}",
+                    "--num-cpus=0", "--include-dashboard=false", *common]
+            out = stack.enter_context(open(logs / f"head-{attempt}.log", "w"))
+            proc = subprocess.Popen(head, env={**env, **head_env}, stdout=out, stderr=out, start_new_session=True)
+            stack.callback(_stop, proc)
+            while proc.poll() is None and not answers(port, client_port) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            # A client server that cannot bind fails a second or two after the GCS answers; a port that
+            # another process holds answers too. So the head must stay up a while before a driver joins it.
+            settled = time.monotonic() + 5
+            while proc.poll() is None and time.monotonic() < settled:
+                time.sleep(0.25)
+            failed = "exited unexpectedly" in (logs / f"head-{attempt}.log").read_text()  # `ray start` stopping
+            if proc.poll() is None and not failed and answers(port, client_port):
+                procs.append(proc)
+                return port, client_port
+            _stop(proc)
+        pytest.fail(f"the Ray head did not start in 3 tries: {(logs / 'head-2.log').read_text()[-3000:]}")
 
     with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
         stack.callback(shutil.rmtree, temp, ignore_errors=True)
-        for cmd, log in ((head, "head.log"), (blinded, "node.log")):
-            out = stack.enter_context(open(logs / log, "w"))
-            procs.append(subprocess.Popen(cmd, env={**env, **head_env} if cmd is head else env, stdout=out,
-                                          stderr=out, start_new_session=True))
-            stack.callback(_stop, procs[-1])
-            if cmd is head:
-                wait(head_answers, procs[0], log)
+        port, client_port = start_head(stack)
+        node = [ray_cli, "start", f"--address={ip}:{port}", "--num-cpus=2", *common]
+        blinded = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                   f"mount -t tmpfs tmpfs {shlex.quote(str(blind))} && exec {shlex.join(node)}"]
+        out = stack.enter_context(open(logs / "node.log", "w"))
+        procs.append(subprocess.Popen(blinded, env=env, stdout=out, stderr=out, start_new_session=True))
+        stack.callback(_stop, procs[-1])
         ray.init(address=f"{ip}:{port}", logging_level="warning", log_to_driver=False)
         try:
             wait(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, procs[1], "node.log")
