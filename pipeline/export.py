@@ -160,7 +160,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         if specials.own:
             write_tokenizer_files(tmp, tokenizer_path, config)
         else:
-            write_adopted_tokenizer_files(tmp, tokenizer_path, meta, manifest)
+            own_template = write_adopted_tokenizer_files(tmp, tokenizer_path, meta, manifest)
         summary = {
             "out_dir": str(out_dir),
             "checkpoint": str(checkpoint.path),
@@ -176,7 +176,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         }
         chat = CHATML_FORMAT if specials.own else (
             "The chat template that SFT rendered its data with, `chat_template.jinja`, which transformers "
-            "prefers to the tokenizer's own." if manifest.get("chat_template") not in (None, specials.chat_template) else
+            "prefers to the tokenizer's own." if own_template else
             "The tokenizer's own chat template (`tokenizer_config.json` or `chat_template.jinja`), as the model "
             "it was adopted from uses it.") + " Generation stops at the ids in `generation_config.json`."
         (tmp / "README.md").write_text(model_card(config, meta, summary, card_info,
@@ -217,14 +217,15 @@ def write_tokenizer_files(folder: Path, tokenizer_path: Path, config: ModelConfi
 
 
 def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapping[str, Any],
-                                  sft_manifest: Mapping[str, Any]) -> None:
+                                  sft_manifest: Mapping[str, Any]) -> bool:
     """An adopted tokenizer ships as it came: every tokenizer file of the original
     folder (``data/tokenizer/hf/``) byte for byte, its chat template included.
     Only when SFT rendered with another template (``sft.data.chat_template``: a
     .jinja file) is that one written as ``chat_template.jinja``, which transformers
     prefers, so that the model is prompted the way it was trained.
     ``generation_config.json`` is the original model's, else built from the
-    tokenizer's roles and SFT's stop ids."""
+    tokenizer's roles and SFT's stop ids.
+    Returns whether it wrote SFT's template as ``chat_template.jinja``."""
     specials = load_specials(tokenizer_path)
     hf_dir = tokenizer_dir(tokenizer_path) / HF_DIR
     missing = [name for name in specials.hf_files if not (hf_dir / name).is_file()]
@@ -234,7 +235,8 @@ def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapp
     for name in specials.hf_files:
         shutil.copyfile(hf_dir / name, folder / name)
     trained_with = sft_manifest.get("chat_template")
-    if trained_with and trained_with != specials.chat_template:
+    own_template = bool(trained_with) and trained_with != specials.chat_template
+    if own_template:
         (folder / "chat_template.jinja").write_text(trained_with, encoding="utf-8")
     generation = dict(meta.get("hf_generation_config") or {})
     if not generation:
@@ -247,6 +249,7 @@ def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapp
         known = known if isinstance(known, list) else [] if known is None else [known]
         generation["eos_token_id"] = list(dict.fromkeys([*known, *sft_manifest["stop_ids"]]))
     _write_json(folder / "generation_config.json", generation)
+    return own_template
 
 
 def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapping[str, Any]) -> dict[str, Any]:

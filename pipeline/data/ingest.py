@@ -639,13 +639,13 @@ def read_parquet(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     # Row group by row group, so that a damaged one costs its own rows (counted), not the rest of the file.
     row = 0
     for group in range(pf.metadata.num_row_groups):
-        size, done = pf.metadata.row_group(group).num_rows, 0
+        size, last = pf.metadata.row_group(group).num_rows, None
         try:
-            for item in _read_columns(pf.iter_batches(batch_size=1000, row_groups=[group], columns=[field]),
+            for last in _read_columns(pf.iter_batches(batch_size=1000, row_groups=[group], columns=[field]),
                                       field, f.source.split_by, cfg, row):
-                done = _row_of(item) + 1 - row
-                yield item
+                yield last
         except (pa.ArrowException, OSError) as e:
+            done = 0 if last is None else _row_of(last) + 1 - row  # rows read before the damage
             yield Skip("unreadable", f"row:{row + done}", n=size - done,
                        detail=f"row group {group} is damaged, its last {size - done} of {size} rows not read: "
                               + str(e).replace("\n", " "))
