@@ -499,13 +499,24 @@ def _config_of(folder: Path) -> ModelConfig:
         raise UnsupportedModelError(f"{folder}: {err}") from None
 
 
-def _copy_weights(model: Transformer, folder: Path) -> None:
-    """Check every tensor's name, dtype and shape from the headers, then copy them in one by one."""
-    config = model.config
-    model.tie_weights()  # to_empty (or a caller's .to()) may have untied them
-    targets = dict(model.named_parameters())  # a tied head appears once, as the embedding
+def check_weights(folder: str | Path, config: ModelConfig) -> dict[str, list[str]]:
+    """The folder's :func:`weight_files`, each tensor checked to fit a model of
+    ``config`` by name, dtype and shape from the safetensors headers alone (the
+    model is built on the meta device): the launcher's check, before any rank
+    loads a weight. Raises UnsupportedModelError as :func:`load_hf_weights` does."""
+    with torch.device("meta"):
+        model = Transformer(config)
     files = weight_files(folder)
-    plan: dict[str, list[tuple[str, str]]] = {}  # file -> [(their name, our name)]
+    _weight_plan(model, Path(folder), files)
+    return files
+
+
+def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]]) -> dict[str, list[tuple[str, str]]]:
+    """Which tensor of which file goes to which of ``model``'s parameters (file ->
+    [(their name, our name)]), every name, dtype and shape checked from the headers."""
+    config = model.config
+    targets = dict(model.named_parameters())  # a tied head appears once, as the embedding
+    plan: dict[str, list[tuple[str, str]]] = {}
     unexpected, bad = [], []
     for file, names in files.items():
         with safe_open(str(folder / file), framework="pt") as f:
@@ -531,12 +542,21 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
     if problems:
         raise UnsupportedModelError(f"{folder}: weights do not fit {FAMILIES[config.family].architecture} "
                                     f"of this config: {'; '.join(problems)}")
+    return plan
+
+
+def _copy_weights(model: Transformer, folder: Path) -> None:
+    """Check every tensor's name, dtype and shape from the headers, then copy them in one by one."""
+    model.tie_weights()  # to_empty (or a caller's .to()) may have untied them
+    files = weight_files(folder)
+    plan = _weight_plan(model, folder, files)
+    targets = dict(model.named_parameters())
     with torch.no_grad():
         for file, pairs in plan.items():
             with safe_open(str(folder / file), framework="pt") as f:
                 for key, ours in pairs:
                     targets[ours].copy_(f.get_tensor(key))  # one tensor at a time, cast to the model's dtype
-    if config.tie_embeddings:
+    if model.config.tie_embeddings:
         _check_stored_head(model, folder, files)
 
 

@@ -118,13 +118,16 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
 
 def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
     # every problem with the folder is one line, before any rank starts: a config.json
-    # that does not parse, an unsupported model, or weights whose headers are damaged
+    # that does not parse, an unsupported model, weights whose headers are damaged, or
+    # tensors whose names, dtypes or shapes do not fit the config
     try:
         config = hf_adapter.read_hf_config(folder)
         model = hf_adapter.config_from_hf(config)
-        weights = hf_adapter.weight_files(folder)
+        weights = hf_adapter.check_weights(folder, model)
     except (StageError, ValueError) as err:
-        raise InitError(f"init_from {folder}: {err}") from None
+        message = str(err)  # the adapter's messages mostly name the folder or a file in it first
+        raise InitError(f"init_from {message}" if message.startswith(str(folder)) else
+                        f"init_from {folder}: {message}") from None
     except SafetensorError as err:
         raise InitError(f"init_from {folder}: damaged safetensors weights ({err})") from None
     if warn_outside_base and not _inside(folder, BASE_DIR):

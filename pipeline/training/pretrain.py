@@ -25,12 +25,13 @@ from pydantic import Field, field_validator
 
 from pipeline.data import shards
 from pipeline.data.shards import DataError, PackedRows
+from pipeline.errors import StageError
 from pipeline.files import write_json
 from pipeline.model.transformer import PRESETS, ModelConfig, build_config
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import Section, TrainConfig
 from pipeline.training.init import InitError, InitSource, check_tokenizer, resolve_init
-from pipeline.training.trainer import Trainer, check_resume
+from pipeline.training.trainer import Trainer, check_batch, check_resume
 
 log = logging.getLogger("pipeline.training")
 
@@ -99,6 +100,9 @@ def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = F
         if cfg.init_optimizer:
             raise InitError("pretrain.init_optimizer needs init_from to name a checkpoint of ours")
         model_cfg = cfg.model.build(manifest["vocab_size"], manifest["seq_len"])
+        if manifest["seq_len"] > model_cfg.max_seq_len:
+            raise StageError(f"pack.seq_len {manifest['seq_len']} exceeds pretrain.model.max_seq_len "
+                             f"{model_cfg.max_seq_len}; raise it (null follows pack.seq_len) or lower pack.seq_len")
     else:
         check_tokenizer(init, manifest)
         if cfg.init_optimizer and init.kind != "checkpoint":
@@ -140,6 +144,7 @@ def prepare_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path) -> No
     model_cfg, data_id, _, init = plan(cfg, packed_dir, out_dir, warn=True)
     kwargs = _init_kwargs(cfg, init)
     kwargs.pop("init_weights", None)  # the launcher only decides whether to resume
+    check_batch(cfg, Path(packed_dir) / "train")
     check_resume(cfg, model_cfg, out_dir, data_id=data_id, **kwargs)
 
 

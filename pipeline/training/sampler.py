@@ -24,6 +24,16 @@ class LoaderState:
     seed: int = 0
 
 
+def check_global_batch(rows_per_rank: int, world_size: int, n_rows: int) -> None:
+    """One optimizer step's rows (``rows_per_rank`` = micro-batch × accumulation
+    steps, on each of ``world_size`` ranks) fit a split of ``n_rows``; DataError
+    (one line) otherwise."""
+    if rows_per_rank * world_size > n_rows:
+        raise DataError(f"one step needs {rows_per_rank * world_size} rows (batch.micro_batch_size × "
+                        f"batch.grad_accum_steps = {rows_per_rank} per rank × {world_size} rank(s)) but the train "
+                        f"split has only {n_rows}; lower them or add data")
+
+
 class GlobalOrder:
     """Which rows each rank uses at each step. See the module docstring."""
 
@@ -31,11 +41,7 @@ class GlobalOrder:
         self.n_rows, self.micro, self.accum = n_rows, micro_batch, grad_accum
         self.world, self.rank = world_size, rank
         self.global_batch = micro_batch * grad_accum * world_size
-        if self.global_batch > n_rows:
-            raise DataError(
-                f"one step needs {self.global_batch} rows (micro_batch {micro_batch} × grad_accum "
-                f"{grad_accum} × world {world_size}) but the split has only {n_rows}; lower them or add data"
-            )
+        check_global_batch(micro_batch * grad_accum, world_size, n_rows)
         self.state = LoaderState(seed=seed)
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)

@@ -70,7 +70,7 @@ from pipeline.training.metrics import MetricsLogger
 from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
 from pipeline.training.parallelize import check_fsdp, parallelize
 from pipeline.training.precision import DTYPES, autocast, resolve_precision
-from pipeline.training.sampler import GlobalOrder, eval_rows
+from pipeline.training.sampler import GlobalOrder, check_global_batch, eval_rows
 from pipeline.training.torchrun import hold_shared
 
 log = logging.getLogger("pipeline.training")
@@ -124,6 +124,15 @@ def check_resume(cfg: TrainConfig, model_cfg: ModelConfig, out_dir: Path, *, dat
     manager = ckpt.CheckpointManager(Path(out_dir), fingerprint=fingerprint, keep=cfg.checkpoint.keep, is_main=True)
     last = manager.resume_point()
     return last if last is None or last.step <= cfg.schedule.max_steps else None  # lowered: a fresh run
+
+
+def check_batch(cfg: TrainConfig, train_dir: Path) -> None:
+    """Launcher side, before any rank starts: one step's rows fit the train split
+    (a DataError naming the batch params otherwise), as every rank's
+    :class:`GlobalOrder` checks again. ``micro_batch_size: auto`` leaves the
+    global batch as it is, so it is checked too."""
+    world = cfg.launch.nproc_per_node * cfg.launch.nnodes
+    check_global_batch(requested_rows_per_rank(cfg.batch), world, len(PackedRows(train_dir)))
 
 
 class Trainer:

@@ -239,6 +239,14 @@ def test_pretrain_before_pack_is_one_line_naming_the_fix(tmp_path):
     assert not (tmp_path / "models").exists() or not list((tmp_path / "models").rglob("step-*"))
 
 
+def test_a_batch_the_data_cannot_fill_is_refused_by_the_launcher(tmp_path):
+    """The launcher's own line (no rank's "(rank 0)"), before torchrun starts."""
+    p = project(tmp_path, micro_batch_size=4000)
+    line = one_error_line(stage(p, timeout=60))
+    assert "one step needs 4000 rows" in line and "lower them or add data" in line
+    assert [f.name for f in (p / "models" / "pretrain").iterdir()] == [".lock-vm"]  # the trainer lock only
+
+
 def test_a_damaged_checkpoint_is_named_and_resume_falls_back_or_stops(tmp_path):
     p = project(tmp_path, max_steps=4, checkpoint_every=2, keep_checkpoints=2)
     assert stage(p).returncode == 0

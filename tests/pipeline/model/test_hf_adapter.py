@@ -18,6 +18,7 @@ from pipeline.model import hf_adapter
 from pipeline.model.families import FAMILIES
 from pipeline.model.hf_adapter import (
     UnsupportedModelError,
+    check_weights,
     config_from_hf,
     hf_config,
     is_hf_model_folder,
@@ -186,6 +187,11 @@ def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change
     with pytest.raises(UnsupportedModelError, match=message) as err:
         load_hf_model(folder)
     assert "\n" not in str(err.value) and str(folder) in str(err.value)
+    # the launcher's check finds the same from the headers, with the model on the meta device
+    with pytest.raises(UnsupportedModelError) as headers_only:
+        check_weights(folder, config_from_hf(json.loads((folder / "config.json").read_text())))
+    assert str(headers_only.value) == str(err.value)
+    assert check_weights(folders("qwen2"), config_from_hf(json.loads((folders("qwen2") / "config.json").read_text())))
 
 
 def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):

@@ -44,6 +44,18 @@ def test_a_missing_path_is_one_line_naming_it(tmp_path):
     assert "Hugging Face model folder" in message and "checkpoint" in message
 
 
+def test_weights_that_do_not_fit_the_config_are_refused_from_their_headers(tmp_path):
+    """resolve_init runs in the launcher: a misshapen tensor is one line there, not a rank's error."""
+    folder = save_tiny_hf_model("llama", tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(2 * tensors["model.norm.weight"].shape[0])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    message = refused(folder)
+    assert message.startswith(f"init_from {folder}: weights do not fit LlamaForCausalLM of this config: ")
+    assert "model.norm.weight has shape [128], the config says [64]" in message
+    assert message.count(str(folder)) == 1
+
+
 @pytest.mark.parametrize("make", ["empty", "file", "weights_only"])
 def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
     path = tmp_path / "thing"

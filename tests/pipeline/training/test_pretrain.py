@@ -17,7 +17,9 @@ from pipeline.config import parse_section
 from pipeline.model import hf_adapter
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.init import InitError
-from pipeline.training.pretrain import PretrainConfig, plan, run_pretrain
+from pipeline.data.shards import DataError, PackedRows
+from pipeline.errors import StageError
+from pipeline.training.pretrain import PretrainConfig, plan, prepare_pretrain, run_pretrain
 from tests.hf_models import save_tiny_hf_folder
 from tests.helpers import train_params, write_packed
 
@@ -118,6 +120,29 @@ def test_pack_seq_len_above_the_models_context_is_one_line(tmp_path):
     write_packed(tmp_path / "packed33", vocab=VOCAB, seq_len=33, n_docs=40, tokenizer=folder / "tokenizer.json")
     message = refused(cfg(init_from=str(folder)), tmp_path / "packed33", tmp_path / "models")
     assert f"pack.seq_len 33 exceeds the max_seq_len 32 of {folder}" in message
+
+
+def test_a_model_max_seq_len_below_pack_seq_len_is_one_line_naming_both(hf, tmp_path):
+    _, packed = hf  # rows of 32 tokens
+    assert plan(cfg(model={"preset": "tiny", "max_seq_len": 32}), packed, tmp_path / "models")[0].max_seq_len == 32
+    with pytest.raises(StageError) as err:
+        plan(cfg(model={"preset": "tiny", "max_seq_len": 31}), packed, tmp_path / "models")
+    assert str(err.value) == ("pack.seq_len 32 exceeds pretrain.model.max_seq_len 31; raise it (null follows "
+                              "pack.seq_len) or lower pack.seq_len")
+
+
+def test_the_launcher_refuses_a_batch_the_train_split_cannot_fill(hf, tmp_path):
+    """Before torchrun starts: every rank would refuse it, after seconds of start-up."""
+    _, packed = hf
+    rows = len(PackedRows(packed / "train"))
+    fits = dict(model={"preset": "tiny"}, micro_batch_size=rows // 2, grad_accum_steps=1, nproc_per_node=2)
+    prepare_pretrain(cfg(**fits), packed, tmp_path / "models")
+    for too_many in (dict(fits, grad_accum_steps=2), dict(fits, nproc_per_node=3),
+                     dict(fits, micro_batch_size="auto", grad_accum_steps=rows // 16 + 1)):  # auto: 16 rows each
+        with pytest.raises(DataError) as err:
+            prepare_pretrain(cfg(**too_many), packed, tmp_path / "models")
+        assert f"but the train split has only {rows}; lower them or add data" in str(err.value)
+    assert not (tmp_path / "models").exists()
 
 
 def test_data_made_with_another_tokenizer_is_refused_before_training(hf, tmp_path):

@@ -11,8 +11,10 @@ from pipeline.config import ConfigError, parse_section
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loss import token_loss_sum
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
-from pipeline.training.sft import SFTConfig, SFTError, run_sft
+from pipeline.data.shards import DataError, PackedRows
+from pipeline.training.sft import SFTConfig, SFTError, prepare_sft, run_sft
 from tests.helpers import synthetic_docs, train_params, write_packed, write_split
+from tests.pipeline.data.test_chat import tiny_tokenizer
 
 TRAIN = train_params(precision="fp32", micro_batch_size=4, warmup_steps=1, log_every=1, eval_every=100,
                      eval_rows=8, checkpoint_every=100, track=False, peak_flops=1e15)
@@ -81,6 +83,28 @@ def test_refuses_an_unfinished_pretrain(tmp_path, pretrained):
 def test_sft_seq_len_beyond_model_is_refused(tmp_path, pretrained):
     with pytest.raises(SFTError, match="exceeds the pretrained model's max_seq_len"):
         run_sft(sft_cfg(seq_len=4096), sft_data(tmp_path / "sft"), pretrained, tmp_path / "m", tmp_path / "s.csv")
+
+
+def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path):
+    """prepare_sft builds the SFT shards, then refuses a global batch their train
+    split cannot fill, before torchrun starts (every rank would refuse it later)."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(tiny_tokenizer().to_str())
+    cfg = parse_section(PretrainConfig, train_params(TRAIN, model={"preset": "tiny"}, max_steps=2), "pretrain")
+    run_pretrain(cfg, write_packed(tmp_path / "packed", tokenizer=tok), tmp_path / "pretrain", tmp_path / "p.csv")
+    data = {"data": {"seq_len": 128, "overlong": "truncate", "max_examples": 300}}
+
+    def prepare(**kw):
+        return prepare_sft(sft_cfg(**data, **kw), tok, tmp_path / "sft", tmp_path / "q.jsonl", tmp_path / "pretrain",
+                           tmp_path / "models")
+
+    prepare()
+    rows = len(PackedRows(tmp_path / "sft" / "train"))
+    prepare(micro_batch_size=rows)
+    with pytest.raises(DataError) as err:
+        prepare(micro_batch_size=rows + 1)
+    assert f"one step needs {rows + 1} rows" in str(err.value) and f"train split has only {rows}" in str(err.value)
+    assert not (tmp_path / "models").exists()
 
 
 def test_sft_params_validate_data_and_training_keys():
