@@ -155,8 +155,40 @@ def _task_failed(desc: str, index: int, exc: BaseException, traceback_text: str)
                          f"{': ' + msg if msg else ''}{_where(traceback_text)}")
 
 
+# glibc malloc's thresholds for the processes that run tasks (see return_freed_memory).
+MMAP_THRESHOLD = 2 << 20
+TRIM_THRESHOLD = 16 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+
+
+@functools.lru_cache(maxsize=1)
+def return_freed_memory() -> bool:
+    """Fix this process's glibc malloc thresholds, so that a worker's memory is
+    that of its task, not of all the tasks it ran: a block of 2 MiB or more is
+    mapped on its own and handed back to the system when freed, and the heap
+    gives back free space above 16 MiB at its top. By default glibc raises its
+    mmap threshold to the size of each such block freed (up to 32 MiB), after
+    which a task's large buffers (a batch's texts, a long document's tokens)
+    are cut from the heap, whose free pieces the process keeps: a pack worker
+    encoding 1 MB tasks one after another peaked at 219 MB, against 196 MB with
+    these thresholds, for about 1% more CPU (the system's, faulting in fresh
+    mappings; a trim threshold of 2 MiB as well gave 190 MB for 3%). Once per process;
+    returns whether it applied (False where the C library has no
+    ``mallopt``: macOS, Windows)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
 def _local_worker_init(parent_pid: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
     die_with_parent(signal.SIGTERM, parent_pid)
+    return_freed_memory()
     if initializer is not None:
         initializer(*initargs)
 
@@ -220,6 +252,7 @@ def _ray_task(key: str, init: list, fn: Callable[..., Any], args: tuple) -> Any:
     if key not in _RAY_INITIALIZED:
         desc, identity, initializer, ref = init
         check_same_code(desc, identity)
+        return_freed_memory()
         if initializer is not None:
             import ray
 
@@ -765,6 +798,7 @@ def open_executor(cfg: ExecutorConfig, initializer: Callable[..., None] | None =
     ``initializer``, the mapped functions and their arguments must be picklable
     (module-level functions)."""
     ex: Executor
+    return_freed_memory()  # this process runs tasks too: in-process, and while a private Ray instance starts
     if cfg.kind == "ray":
         ex = RayExecutor(desc, cfg, max_workers, initializer, initargs)
     else:

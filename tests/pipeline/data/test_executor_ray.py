@@ -59,23 +59,26 @@ def run(code: str, home, timeout: float = 300, **env) -> list:
 def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
     """...and the variables it sets for Ray are this process's for the stage only, so
     that a later stage in the same process can join a cluster by the machine's address."""
-    (nodes, ips, during, after, state_after, left), = run(
+    (nodes, ips, during, after, state_after, left, mapped), = run(
         "import ray._private.ray_constants as C\n"
+        "from tests.pipeline.data.test_executor import mapped_after_free\n"
         "def state():\n"
         "    return [os.environ.get(k) for k in ('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', 'RAY_AUTH_MODE')] + \\\n"
         "        [C.ENABLE_RAY_CLUSTER]\n"
         "with open_executor(ExecutorConfig(kind='ray', num_workers=1)) as ex:\n"
         "    ex.ready()\n"
+        "    mapped = [mapped_after_free()] + list(ex.map(mapped_after_free, [(0,), (1,)]))\n"
         "    during = state()\n"
         "    nodes = sorted({n['NodeManagerAddress'] for n in ray.nodes()})\n"
         "    ips = sorted({c.laddr.ip for p in psutil.Process().children(recursive=True)\n"
         "                  for c in p.net_connections('tcp') if c.status == 'LISTEN'})\n"
-        "print(json.dumps([nodes, ips, during, ray.is_initialized(), state(), leftover()]))\n", tmp_path)
+        "print(json.dumps([nodes, ips, during, ray.is_initialized(), state(), leftover(), mapped]))\n", tmp_path)
     assert nodes == ["127.0.0.1"]
     assert ips and set(ips) <= {"127.0.0.1", "::ffff:127.0.0.1"}
     assert after is False and left == []  # disconnected, and every process of the instance is gone
     assert not (tmp_path / ".ray").exists()  # no ~/.ray/auth_token for a private instance
     assert during == ["0", "disabled", False] and state_after == [None, None, True]
+    assert mapped == [True, True, True]  # the stage's process and the Ray worker hand freed buffers back
 
 
 MAP = """
