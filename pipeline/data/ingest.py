@@ -95,6 +95,8 @@ class HFDataset(BaseModel):
     name: str | None = Field(None, min_length=1, description="the dataset's config, e.g. wikitext-103-raw-v1 "
                              "(load_dataset's name; a save_to_disk folder has none)")
     split: str = Field("train", min_length=1, description="the dataset split to read, e.g. validation")
+    revision: str | None = Field(None, min_length=1, description="for a dataset named for load_dataset: the "
+                                 "commit, tag or branch to read (pins what a rerun reads); a local folder has none")
 
 
 SPLIT_MARKS = ("auto", "train", "val")
@@ -115,7 +117,8 @@ class Source(BaseModel):
     split: Literal["auto", "train", "val"] = Field(
         "auto", description="where the source's documents go: auto (pack's hash split), train (all to train) "
                             "or val (all to val: a validation set of your choosing)")
-    hf: HFDataset = Field(default_factory=HFDataset, description="format hf only: {name, split} of the dataset")
+    hf: HFDataset = Field(default_factory=HFDataset,
+                          description="format hf only: {name, split, revision} of the dataset")
     exclude: list[str] = Field(
         default_factory=list,
         description="fnmatch patterns on the displayed path ('*' crosses '/'), e.g. '*/site-packages/*'",
@@ -292,8 +295,15 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         fmt = src.format
         if fmt == "hf" and not Path(expanded).exists():
             # A dataset name for datasets.load_dataset (needs the network or the HF cache).
+            if src.hf.revision is None:
+                log.warning("%s: the Hugging Face dataset %r is read at whatever revision the Hub (or the cache) "
+                            "has, and a rerun does not notice when it changes; pin it with hf.revision",
+                            where, src.path)
             files.append(InputFile(Path(expanded), _hf_display(src.path, src), "hf", src))
             continue
+        if src.hf.revision is not None:
+            raise IngestError(f"{where}: hf.revision pins a dataset named for load_dataset, but {src.path} is a "
+                              "local path (its files are what a rerun compares); remove hf.revision")
         p = Path(expanded)
         if glob.has_magic(expanded):
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
@@ -705,7 +715,7 @@ def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         if saved:
             ds = datasets.load_from_disk(str(f.path))
         else:  # a dataset repository: a local folder, or a name (needs the network or the HF cache)
-            ds = datasets.load_dataset(str(f.path), hf.name, split=hf.split)
+            ds = datasets.load_dataset(str(f.path), hf.name, split=hf.split, revision=hf.revision)
     except Exception as e:  # datasets raises many types; the message is what matters
         first = (str(e).strip().splitlines() or [""])[0]
         raise IngestError(f"{f.display}: cannot load Hugging Face dataset: {type(e).__name__}: {first}") from e

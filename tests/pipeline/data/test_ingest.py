@@ -338,6 +338,35 @@ def test_hf_config_name_and_split(tmp_path, hf_cache):
         run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
 
 
+def test_hub_dataset_revision_is_passed_and_an_unpinned_one_warned(tmp_path, monkeypatch, caplog):
+    """A dataset named for load_dataset is read at hf.revision; without one, a warning says a rerun cannot
+    notice the Hub's changes. (load_dataset is replaced: tests never ask the Hub.)"""
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, name=None, split=None, **kw):
+        calls.append((path, name, split, kw.get("revision")))
+        return datasets.Dataset.from_dict({"text": [f"{path} {name} {split}"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    source = {"path": "someone/corpus", "format": "hf", "hf": {"name": "en", "split": "validation"}}
+    with caplog.at_level("WARNING", logger="pipeline.data.ingest"):
+        _, docs, _ = run(tmp_path, sources=[{**source, "hf": {**source["hf"], "revision": "0123abc"}}])
+    assert calls == [("someone/corpus", "en", "validation", "0123abc")]
+    assert [d["text"] for d in docs] == ["someone/corpus en validation"]
+    assert "revision" not in caplog.text
+    with caplog.at_level("WARNING", logger="pipeline.data.ingest"):
+        run(tmp_path, sources=[source])
+    assert calls[-1][3] is None
+    assert "ingest.sources.0.path: the Hugging Face dataset 'someone/corpus' is read at whatever revision" \
+        in caplog.text
+    datasets.Dataset.from_dict({"text": ["t"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(IngestError, match=r"^ingest.sources.0.path: hf.revision pins a dataset named for "
+                                          r"load_dataset, but .*/ds is a local path"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "ds"), "hf": {"revision": "main"}}])
+
+
 def test_save_to_disk_read_split_by_split(tmp_path):
     import datasets
 
