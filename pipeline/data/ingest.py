@@ -29,6 +29,7 @@ any reading starts.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import fnmatch
 import glob
@@ -253,13 +254,26 @@ def expand_placeholders(path: str) -> tuple[str, str | None, str | None]:
 
 
 def _display(p: Path, placeholder: str | None, value: str | None) -> str:
+    """How the documents of ``p`` name their source (ids, the ``source`` column,
+    reports): relative to the working folder where it lies below it. A name that
+    is not UTF-8 shows its odd bytes as ``\\xNN``, so that it can be stored."""
     s = str(p)
     if placeholder and value and s.startswith(value):
-        return placeholder + s[len(value):]
+        return _as_utf8(placeholder + s[len(value):])
     try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
+        return _as_utf8(str(p.resolve().relative_to(Path.cwd().resolve())))
     except ValueError:
+        return _as_utf8(s)
+
+
+def _as_utf8(s: str) -> str:
+    """A file name (or a text read with ``errors="surrogateescape"``) as UTF-8
+    text: bytes that were not UTF-8 (decoded as lone surrogates) become ``\\xNN``."""
+    try:
+        s.encode("utf-8")
         return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _is_hidden(p: Path, root: Path) -> bool:
@@ -272,6 +286,25 @@ def _is_hidden(p: Path, root: Path) -> bool:
 
 def _is_hf_dir(p: Path) -> bool:
     return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+
+
+def _in_hf_dir(p: Path, root: Path) -> bool:
+    """Whether ``p`` lies inside a ``save_to_disk`` folder below ``root`` (a file of the dataset, read with it)."""
+    return any(_is_hf_dir(d) for d in p.parents if d != root and root in d.parents)
+
+
+def _walk(folder: Path, datasets: bool) -> list[Path]:
+    """The files below ``folder``, sorted; with ``datasets``, a ``save_to_disk``
+    folder is one input (read as a dataset) and its own files are not."""
+    found: list[Path] = []
+    for top, dirs, files in os.walk(folder):
+        here = Path(top)
+        if datasets:
+            inputs = [d for d in dirs if _is_hf_dir(here / d)]
+            found.extend(here / d for d in inputs)
+            dirs[:] = [d for d in dirs if d not in inputs]
+        found.extend(here / f for f in files if (here / f).is_file())
+    return sorted(found)
 
 
 def _infer_format(p: Path) -> str:
@@ -307,13 +340,16 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         p = Path(expanded)
         if glob.has_magic(expanded):
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
-            root = Path(expanded.split("*")[0].split("?")[0].split("[")[0]).parent
-            candidates = [m for m in matches if m.is_file() or (fmt in ("auto", "hf") and _is_hf_dir(m))]
+            # The folder before the first wildcard: its own name is the user's, never a hidden part.
+            root = Path(os.path.dirname(expanded.split("*")[0].split("?")[0].split("[")[0]) or ".")
+            datasets_too = fmt in ("auto", "hf")
+            candidates = [m for m in matches if (m.is_file() or (datasets_too and _is_hf_dir(m)))
+                          and not (datasets_too and _in_hf_dir(m, root))]
         elif p.is_dir() and (fmt == "hf" or (fmt == "auto" and _is_hf_dir(p))):
             candidates, root = [p], p.parent
         elif p.is_dir():
             root = p
-            candidates = sorted(x for x in p.rglob("*") if x.is_file())
+            candidates = _walk(p, datasets=fmt == "auto")
         elif p.exists():
             candidates, root = [p], p.parent
         else:
@@ -558,6 +594,8 @@ def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     with open(f.path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             loc = f"line:{n}"
+            if n == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark some editors write
             if not raw.strip():
                 continue  # blank lines separate nothing and carry nothing
             if len(raw) > cfg.max_doc_bytes:
@@ -587,23 +625,19 @@ def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         yield Skip("empty_file", "file")
         return
     try:
-        data = json.loads(f.path.read_bytes().decode("utf-8"))
+        data = json.loads(f.path.read_bytes().decode("utf-8-sig"))  # a byte-order mark is not the document's
     except UnicodeDecodeError as e:
         yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
         return
     except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         yield Skip("malformed_json", "file", detail=str(e))
         return
+    field = f.source.text_field
     if isinstance(data, dict):
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(lists) == 1:
-            data = lists[0]
-        else:
-            data = [data]
+        data = _records_of(data, field)
     if not isinstance(data, list):
         yield Skip("malformed_json", "file", detail=f"expected a list of objects, got {type(data).__name__}")
         return
-    field = f.source.text_field
     for i, obj in enumerate(data):
         loc = f"item:{i}"
         if not isinstance(obj, dict):
@@ -613,6 +647,19 @@ def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
             yield Skip("missing_field", loc, detail=f"no field {field!r}")
             continue
         yield from _texts(obj[field], f.source.split_by, loc, cfg.max_doc_bytes)
+
+
+def _records_of(obj: dict, field: str) -> list:
+    """The records of a JSON file holding one object: the object itself when it
+    has the text field; else its one list of objects (``{"data": [...], "version":
+    ...}``), or its one list of anything (whose items are checked one by one)."""
+    if field in obj:
+        return [obj]
+    lists = [v for v in obj.values() if isinstance(v, list)]
+    of_objects = [v for v in lists if any(isinstance(x, dict) for x in v)]
+    if len(of_objects) == 1:
+        return of_objects[0]
+    return lists[0] if len(lists) == 1 and not of_objects else [obj]
 
 
 def _read_columns(batches: Iterator[pa.RecordBatch], field: str, split_by: str, cfg: IngestConfig,
@@ -668,39 +715,102 @@ def _row_of(item: Item) -> int:
 
 
 def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    """A CSV file's text column, row by row, with pyarrow's reader. Where it
+    stops on the way (a row with the wrong number of columns, or larger than its
+    1 MiB block), the rest comes from Python's ``csv`` module
+    (:func:`_read_csv_rest`), which counts a malformed row with its line and
+    goes on. (pyarrow's handler of invalid rows gets no line number where
+    values may hold newlines, and none at all when the row is not UTF-8.)"""
     import pyarrow.csv as pacsv
 
     if f.path.stat().st_size == 0:
         yield Skip("empty_file", "file")
         return
-    bad_rows: list[str] = []
-
-    def on_invalid(row: pacsv.InvalidRow) -> str:
-        bad_rows.append(f"line:{row.number}" if row.number is not None else "?")
-        return "skip"
-
+    field = f.source.text_field
     try:
         reader = pacsv.open_csv(
             f.path,
-            parse_options=pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_invalid),
+            parse_options=pacsv.ParseOptions(newlines_in_values=True),
             # The text column undecoded (_read_columns decodes it row by row) and no other checked, so an
             # invalid byte costs its row, not the rest of the file.
-            convert_options=pacsv.ConvertOptions(column_types={f.source.text_field: pa.binary()}, check_utf8=False),
+            convert_options=pacsv.ConvertOptions(column_types={field: pa.binary()}, check_utf8=False),
         )
-    except pa.ArrowInvalid as e:
-        reason = "non_utf8" if "UTF8" in str(e) or "utf8" in str(e).lower() else "unreadable"
-        yield Skip(reason, "file", detail=str(e))
+        names = reader.schema.names  # decoded here: a header that is not UTF-8 raises
+    except pa.ArrowInvalid as e:  # the first block, read to find the columns, stopped it
+        log.debug("%s: pyarrow's CSV reader stopped in its first block (%s); reading it with Python's csv",
+                  f.display, e)
+        yield from _read_csv_rest(f, cfg, 0)
         return
-    field = f.source.text_field
-    if field not in reader.schema.names:
-        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {reader.schema.names})")
+    except UnicodeDecodeError as e:
+        yield Skip("non_utf8", "file", detail=f"the header row is not UTF-8 (invalid byte at {e.start})")
         return
+    if field not in names:
+        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {names})")
+        return
+    done = [0]
     try:
-        yield from _read_columns(iter(reader), field, f.source.split_by, cfg)
+        yield from _read_columns(_counted(reader, done), field, f.source.split_by, cfg)
     except pa.ArrowInvalid as e:
-        yield Skip("unreadable", "file", detail=f"CSV read stopped, the rest of the file not read: {e}")
-    for loc in bad_rows:
-        yield Skip("malformed_csv", loc, detail="wrong number of columns")
+        log.debug("%s: pyarrow's CSV reader stopped after %d rows (%s); reading the rest with Python's csv",
+                  f.display, done[0], e)
+        yield from _read_csv_rest(f, cfg, done[0])
+
+
+def _counted(batches: Iterable[pa.RecordBatch], done: list[int]) -> Iterator[pa.RecordBatch]:
+    """``batches``; ``done[0]`` counts the rows of those the caller has finished with (asked for the next)."""
+    for batch in batches:
+        yield batch
+        done[0] += batch.num_rows
+
+
+def _not_utf8(text: str) -> int | None:
+    """Where a text read with ``errors="surrogateescape"`` had its first byte that is not UTF-8 (None: none)."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return len(text[:e.start].encode("utf-8"))
+
+
+def _read_csv_rest(f: InputFile, cfg: IngestConfig, skip: int) -> Iterator[Item]:
+    """The items of a CSV file after its first ``skip`` well-formed rows (those
+    pyarrow gave), with Python's ``csv`` module: any row size, and a malformed row
+    counted wherever it is, with its line. Well-formed rows are numbered as
+    pyarrow numbers them (blank lines and malformed rows are not rows)."""
+    import csv
+
+    csv.field_size_limit(sys.maxsize)  # a value's size is max_doc_bytes' to judge
+    row = 0
+    with open(f.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = next(reader, [])
+            if any(_not_utf8(name) is not None for name in header):
+                yield Skip("non_utf8", "file", detail="the header row is not UTF-8")
+                return
+            if f.source.text_field not in header:
+                yield Skip("missing_field", "file", detail=f"no column {f.source.text_field!r} (columns: {header})")
+                return
+            column, width = header.index(f.source.text_field), len(header)
+            for record in reader:
+                if not record:
+                    continue
+                if len(record) != width:
+                    yield Skip("malformed_csv", f"line:{reader.line_num}",
+                               detail=f"{len(record)} columns, the header has {width}",
+                               text=_as_utf8(",".join(record)))
+                    continue
+                if row >= skip:
+                    value = record[column]
+                    bad = _not_utf8(value)
+                    if bad is not None:
+                        yield Skip("non_utf8", f"row:{row}", detail=f"invalid UTF-8 at byte {bad} of the value")
+                    else:
+                        yield from _texts(value, f.source.split_by, f"row:{row}", cfg.max_doc_bytes)
+                row += 1
+        except csv.Error as e:
+            yield Skip("unreadable", f"line:{reader.line_num}",
+                       detail=f"CSV read stopped, the rest of the file not read: {e}")
 
 
 def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:

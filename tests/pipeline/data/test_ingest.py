@@ -125,6 +125,90 @@ def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
                      ("deep.json", "file"): "malformed_json"}
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    (tmp_path / "b.json").write_bytes(b'\xef\xbb\xbf[{"text": "one"}, {"text": "two"}]')
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.jsonl", "b.json")])
+    assert [d["text"] for d in docs] == ["first", "second", "one", "two"]
+    assert metrics["skipped"] == 0
+
+
+def test_a_json_object_is_its_own_record_or_holds_its_one_list_of_records(tmp_path):
+    (tmp_path / "paper.json").write_text(json.dumps({"title": "A paper", "text": "The body.", "authors": ["A", "B"]}))
+    (tmp_path / "dump.json").write_text(json.dumps({"version": "1.0", "tags": ["news"],
+                                                    "data": [{"text": "d1"}, {"text": "d2"}, {"text": "d3"}]}))
+    (tmp_path / "two.json").write_text(json.dumps({"a": [{"text": "x"}], "b": [{"text": "y"}]}))
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)}
+                                                       for n in ("paper.json", "dump.json", "two.json")])
+    assert [d["text"] for d in docs] == ["The body.", "d1", "d2", "d3"]
+    assert [d["location"] for d in docs] == ["item:0", "item:0", "item:1", "item:2"]
+    # two lists of records: which one is meant is not guessed; the file is one counted skip
+    assert report(tmp_path)["skipped"] == {"missing_field": 1}
+    assert [(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine] == [("two.json", "missing_field")]
+
+
+@pytest.mark.parametrize("pattern", ["", "/*", "/**"])
+def test_a_dataset_folder_inside_a_source_folder_is_read_as_a_dataset(tmp_path, pattern):
+    import datasets
+
+    (tmp_path / "mix" / "deep").mkdir(parents=True)
+    (tmp_path / "mix" / "a.txt").write_text("plain text")
+    datasets.Dataset.from_dict({"text": ["h0", "h1", "h2"]}).save_to_disk(str(tmp_path / "mix" / "hfds"))
+    datasets.Dataset.from_dict({"text": ["deep"]}).save_to_disk(str(tmp_path / "mix" / "deep" / "ds"))
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "mix") + pattern}])
+    expected = ["plain text", "deep", "h0", "h1", "h2"] if pattern != "/*" else ["plain text", "h0", "h1", "h2"]
+    assert [d["text"] for d in docs] == expected
+    assert metrics["skipped"] == 0
+
+
+def test_a_glob_inside_a_folder_whose_name_starts_with_a_dot(tmp_path):
+    (tmp_path / ".corpus").mkdir()
+    (tmp_path / ".corpus" / "a.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / ".corpus" / ".hidden.jsonl").write_text('{"text": "hidden"}\n')
+    got = resolve_sources(cfg(sources=[{"path": str(tmp_path / ".corpus" / "*.jsonl")}]))
+    assert [f.path.name for f in got] == ["a.jsonl"]  # the user's folder is named; what is below it is hidden
+
+
+def test_a_file_name_that_is_not_utf8_keeps_its_documents(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "ok.txt").write_text("fine")
+    with open(bytes(tmp_path / "corpus") + b"/caf\xe9.txt", "wb") as fh:
+        fh.write(b"latin-1 name")
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "corpus")}])
+    assert sorted((d["source"].rsplit("/", 1)[-1], d["text"]) for d in docs) == [
+        ("caf\\xe9.txt", "latin-1 name"), ("ok.txt", "fine")]
+    assert metrics["skipped"] == 0
+
+
+def test_a_csv_header_that_is_not_utf8_is_a_counted_skip(tmp_path):
+    (tmp_path / "h.csv").write_bytes(b"text,caf\xe9\nhello,1\n")
+    (tmp_path / "ok.txt").write_text("fine")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("h.csv", "ok.txt")])
+    assert [d["text"] for d in docs] == ["fine"]
+    assert report(tmp_path)["skipped"] == {"non_utf8": 1}
+    assert "header row is not UTF-8" in quarantine[0]["detail"]
+
+
+@pytest.mark.parametrize("max_doc_bytes", [1_000_000, 4_000_000])
+def test_a_csv_row_larger_than_the_readers_block(tmp_path, max_doc_bytes):
+    """A 3 MB value (the reader's block is 1 MiB): the file is read again with larger blocks, past the rows
+    already given; the big row is a document or a too_large skip, and the rows after it are read."""
+    big = "y" * 3_000_000
+    (tmp_path / "mid.csv").write_bytes(b"text,n\nrow one,1\nrow two,2,extra\nrow three,3\n" + big.encode()
+                                       + b',4\n"row\nfive",5\nrow six \xff,6,extra\n')
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "mid.csv")}],
+                                    max_doc_bytes=max_doc_bytes)
+    kept = ["row one", "row three"] + ([big] if max_doc_bytes > len(big) else []) + ["row\nfive"]
+    assert [d["text"] for d in docs] == kept
+    assert [d["location"] for d in docs if d["text"] == "row\nfive"] == ["row:3"]
+    skipped = {"malformed_csv": 2, **({} if max_doc_bytes > len(big) else {"too_large": 1})}
+    assert report(tmp_path)["skipped"] == skipped
+    assert metrics["docs"] + metrics["skipped"] == 6  # every row accounted for, none twice
+    # each with its line: the value with a newline makes row six's line 8
+    assert [(q["location"], q["text"]) for q in quarantine if q["reason"] == "malformed_csv"] == [
+        ("line:3", "row two,2,extra"), ("line:8", "row six \\xff,6,extra")]
+
+
 def test_line_mode_keeps_good_lines_around_bad_bytes(tmp_path):
     f = tmp_path / "mixed.txt"
     f.write_bytes(b"good one\nbad \xff line\ngood two\n")
