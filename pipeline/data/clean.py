@@ -219,17 +219,21 @@ def _strip_blank_edges(text: str) -> str:
 
 
 def normalise(text: str, cfg: NormaliseConfig) -> str:
-    """Return ``text`` normalised as ``cfg`` says, steps in field order. Leading
-    whitespace of a line (indentation) is never changed. Trailing-whitespace
-    stripping uses ``str.rstrip``, so it also removes a stray \r at a line end
-    even with ``newlines`` off. With ``strip_blank_edges`` the result neither
-    starts nor ends with a blank line; the newline ending the last line stays."""
-    if cfg.unicode != "none" and not unicodedata.is_normalized(cfg.unicode, text):
-        text = unicodedata.normalize(cfg.unicode, text)
+    """Return ``text`` normalised as ``cfg`` says: newlines, control characters,
+    the Unicode form, then whitespace. The form comes after the control
+    characters go, since removing one can bring a letter and its combining
+    accent together, which the form then composes; so the result is in the form
+    and normalising it again changes nothing. Leading whitespace of a line
+    (indentation) is never changed. Trailing-whitespace stripping uses
+    ``str.rstrip``, so it also removes a stray \r at a line end even with
+    ``newlines`` off. With ``strip_blank_edges`` the result neither starts nor
+    ends with a blank line; the newline ending the last line stays."""
     if cfg.newlines and "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     if cfg.remove_control_chars:
         text = _CONTROL.sub("", text)
+    if cfg.unicode != "none" and not unicodedata.is_normalized(cfg.unicode, text):
+        text = unicodedata.normalize(cfg.unicode, text)
     if cfg.strip_trailing_whitespace:
         # split/rstrip/join is ~7x faster here than a multiline regex.
         text = "\n".join(map(str.rstrip, text.split("\n")))

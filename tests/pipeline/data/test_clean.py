@@ -4,6 +4,7 @@ import random
 import re
 import subprocess
 import sys
+import unicodedata
 
 import numpy as np
 import pyarrow as pa
@@ -107,6 +108,18 @@ def test_each_normalisation_option_can_be_switched_off():
     assert normalise(text, NormaliseConfig(**{**off, "newlines": True})) == text.replace("\r\n", "\n")
     assert normalise(text, NormaliseConfig(**{**off, "remove_control_chars": True})) == text.replace("\x07", "")
     assert normalise("a  \nb\t", NormaliseConfig(**{**off, "strip_trailing_whitespace": True})) == "a\nb"
+
+
+@pytest.mark.parametrize("form", ["NFC", "NFKC"])
+def test_normalised_text_is_in_the_form_and_normalising_it_again_changes_nothing(form):
+    """Removing a control character (or a BOM) between a letter and its accent brings them together: the form
+    is taken after, so "cafe" + control + U+0301 becomes the same text as "café" (and dedups with it)."""
+    cfg = NormaliseConfig(unicode=form)
+    for text in ["cafe\x01\u0301 au lait", "cafe\ufeff\u0301", "A\x7f\u030a\r\n\ufb01 \u00a0\n"]:
+        once = normalise(text, cfg)
+        assert unicodedata.is_normalized(form, once)
+        assert normalise(once, cfg) == once
+    assert normalise("cafe\x01\u0301 au lait", cfg) == normalise("caf\u00e9 au lait", cfg) == "caf\u00e9 au lait"
 
 
 def test_blank_document_normalises_to_empty():
