@@ -21,6 +21,7 @@ the token counts: not on worker counts or row order.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -33,13 +34,18 @@ class MixtureError(StageError):
     """The mixture cannot be realised: unknown or unlisted sources, or a source with nothing to give."""
 
 
+MAX_TOKENS = 10**15  # a budget beyond any corpus (and within int64, which the counts are)
+
+
 class Share(BaseModel):
     """One source's part of the train tokens: a ``weight`` or a ``tokens`` budget."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    weight: float | None = Field(None, gt=0, description="share of the weighted sources' train tokens")
-    tokens: int | None = Field(None, gt=0, description="train tokens to take from the source, instead of a weight")
+    weight: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                 description="share of the weighted sources' train tokens")
+    tokens: int | None = Field(None, gt=0, le=MAX_TOKENS,
+                               description="train tokens to take from the source, instead of a weight")
 
     @model_validator(mode="after")
     def _one_of(self) -> "Share":
@@ -66,6 +72,9 @@ def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[
     sources of the data without an entry and entries without data."""
     check_names(available, mixture)
     weighted = {n: s.weight for n, s in mixture.items() if s.weight is not None}
+    if not math.isfinite(sum(weighted.values())):  # weights near the largest float: scaled, so that they sum
+        largest = max(weighted.values())
+        weighted = {n: w / largest for n, w in weighted.items()}
     pool = sum(available[n] for n in weighted)
     total_weight = sum(weighted.values())
     out = {n: int(s.tokens) for n, s in mixture.items() if s.tokens is not None}

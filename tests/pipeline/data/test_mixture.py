@@ -21,9 +21,17 @@ def test_every_source_and_only_those(mixture, message):
 
 
 def test_a_share_is_a_weight_or_a_budget():
-    for bad in ({}, {"weight": 1, "tokens": 5}, {"weight": 0}, {"tokens": -1}):
+    for bad in ({}, {"weight": 1, "tokens": 5}, {"weight": 0}, {"tokens": -1}, {"weight": float("inf")},
+                {"weight": float("nan")}, {"tokens": 10**25}):
         with pytest.raises(ValidationError):
             Share(**bad)
+
+
+def test_weights_near_the_largest_float_share_as_any_others():
+    available = {"web": 900, "code": 100}
+    assert targets(available, {"web": Share(weight=1e308), "code": Share(weight=1e308)}) == {"web": 500, "code": 500}
+    assert targets(available, {"web": Share(weight=1.5e308), "code": Share(weight=0.5e308)}) == \
+        targets(available, {"web": Share(weight=3), "code": Share(weight=1)}) == {"web": 750, "code": 250}
 
 
 def test_a_source_with_nothing_cannot_give_tokens():
