@@ -255,8 +255,16 @@ class StopWordsConfig(FilterConfig):
     min_count: int = Field(2, ge=0, description="occurrences of stop words required")
     words: list[str] = Field(
         default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"],
-        description="lower-case stop words",
+        min_length=1, description="lower-case stop words",
     )
+
+    @field_validator("words")
+    @classmethod
+    def _lower_case_words(cls, words: list[str]) -> list[str]:
+        bad = [w for w in words if w != w.lower() or not w or w.split() != [w]]
+        if bad:  # the document's words are lower-cased before they are looked up, so these could never match
+            raise ValueError(f"stop words are single lower-case words; these never match: {bad}")
+        return words
 
 
 def gopher_stop_words(doc: Text, cfg: StopWordsConfig) -> str | None:

@@ -138,3 +138,7 @@ def test_bad_filter_params_are_rejected():
         FiltersSection.model_validate({"gopher_dup_ngrams": {"max_char_frac": {0: 0.1}}})
     with pytest.raises(ValueError, match="extra"):
         FiltersSection.model_validate({"gopher_dup_lines": {"max_fracs": 0.1}})
+    with pytest.raises(ValueError, match=r"single lower-case words; these never match: \['The', 'of the'\]"):
+        FiltersSection.model_validate({"gopher_stop_words": {"words": ["The", "of the", "and"]}})
+    with pytest.raises(ValueError, match="at least 1 item"):
+        FiltersSection.model_validate({"gopher_stop_words": {"words": []}})
