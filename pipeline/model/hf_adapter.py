@@ -247,6 +247,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     family = _family(hf)
 
     def get(key: str) -> Any:  # as transformers reads it: the file's value, else the family's default
+        if key in _NULL_IS_A_VALUE and key in hf and hf[key] is None:
+            return None
         return hf[key] if hf.get(key) is not None else family.defaults.get(key)
 
     problems = [f"config.json lacks {key}" for key in
@@ -317,6 +319,11 @@ _BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
 _MAPPINGS = ("rope_scaling", "rope_parameters")
 
 
+# Keys whose explicit null transformers reads as a value, not as "the default": no sliding window, as many
+# key/value heads as heads, head_dim from hidden_size (Qwen3 alone keeps a null head_dim, and cannot build).
+_NULL_IS_A_VALUE = ("sliding_window", "num_key_value_heads", "head_dim")
+
+
 def _type_problems(get) -> list[str]:
     """Every key whose value (the file's, else the family's default) is of the wrong JSON type."""
     problems = []
@@ -339,6 +346,9 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     if family.attention_bias_key and hf.get("attention_bias"):
         problems.append("attention_bias true: biases on the q/k/v/o projections are not supported "
                         "(only Qwen2ForCausalLM's q/k/v biases are)")
+    if family.defaults.get("head_dim") is not None and "head_dim" in hf and hf["head_dim"] is None:
+        problems.append(f"head_dim null: {family.architecture} takes it as given (transformers cannot build the "
+                        "model); set it, or leave the key out for its default")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias true: MLP biases are not supported")
     if get("attention_dropout"):

@@ -296,6 +296,25 @@ def test_keys_left_out_take_transformers_defaults():
         theirs.tie_word_embeddings, theirs.rope_parameters["rope_theta"])
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_an_explicit_null_means_what_it_means_to_transformers(family, caplog):
+    """A config.json key set to null is not the key left out: Mistral v0.2's "sliding_window": null is full
+    attention (not the 4096 default), "num_key_value_heads": null is one per head."""
+    nulls = {"sliding_window": None, "max_position_embeddings": 8192,
+             **({"num_key_value_heads": None} if family != "mistral" else {}),  # MistralConfig types it int
+             **({"head_dim": None} if family != "qwen3" else {})}
+    hf = {**saved_config(family), **nulls}
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
+        ours = config_from_hf(hf)
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert (ours.n_kv_head, ours.max_seq_len, ours.head_dim) == (
+        theirs.num_key_value_heads, 8192, theirs.head_dim or theirs.hidden_size // theirs.num_attention_heads)
+    assert "capped" not in caplog.text
+    if family == "qwen3":
+        with pytest.raises(UnsupportedModelError, match="head_dim null: Qwen3ForCausalLM takes it as given"):
+            config_from_hf({**hf, "head_dim": None})
+
+
 def test_mistral_sliding_window_caps_max_seq_len(folders, caplog):
     with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
         config = config_from_hf(saved_config("mistral", sliding_window=16))
