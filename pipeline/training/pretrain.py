@@ -62,10 +62,17 @@ class ModelSection(Section):
         return v
 
     def build(self, vocab_size: int, seq_len: int) -> ModelConfig:
+        """The model these params give; a shape it cannot take (heads that do not
+        divide the width, ...) is a StageError naming the section, in one line."""
         overrides = self.model_dump(exclude={"preset"})
-        cfg = build_config(self.preset, vocab_size, **overrides)
-        if self.max_seq_len is None and cfg.max_seq_len < seq_len:
-            cfg = build_config(self.preset, vocab_size, **{**overrides, "max_seq_len": seq_len})
+        try:
+            cfg = build_config(self.preset, vocab_size, **overrides)
+            if self.max_seq_len is None and cfg.max_seq_len < seq_len:
+                cfg = build_config(self.preset, vocab_size, **{**overrides, "max_seq_len": seq_len})
+        except ValueError as err:
+            problems = [line.strip() for line in str(err).splitlines()[1:]] or [str(err)]
+            raise StageError(f"pretrain.model (preset {self.preset}, with its overrides): " + "; ".join(problems)
+                             ) from None
         return cfg
 
 

@@ -122,6 +122,15 @@ def test_pack_seq_len_above_the_models_context_is_one_line(tmp_path):
     assert f"pack.seq_len 33 exceeds the max_seq_len 32 of {folder}" in message
 
 
+def test_a_model_shape_that_cannot_be_built_is_one_line(hf, tmp_path):
+    _, packed = hf
+    with pytest.raises(StageError) as err:
+        plan(cfg(model={"preset": "tiny", "n_head": 4, "n_kv_head": 3, "d_model": 30}), packed, tmp_path / "models")
+    assert str(err.value) == ("pretrain.model (preset tiny, with its overrides): d_model (30) must be divisible by "
+                              "n_head (4); n_head (4) must be divisible by n_kv_head (3), so that each kv head serves "
+                              "a whole group of query heads")
+
+
 def test_a_model_max_seq_len_below_pack_seq_len_is_one_line_naming_both(hf, tmp_path):
     _, packed = hf  # rows of 32 tokens
     assert plan(cfg(model={"preset": "tiny", "max_seq_len": 32}), packed, tmp_path / "models")[0].max_seq_len == 32
