@@ -499,16 +499,20 @@ def load_model_weights(ckpt: Checkpoint | Path, model: torch.nn.Module) -> None:
     """Verify the checkpoint, then load its weights into ``model`` (strict), a
     plain (unsharded) model, in this process alone: no process group is needed
     or used, whichever layout the checkpoint has. Raises CheckpointError,
-    leaving ``model`` untouched, if it is damaged."""
+    leaving ``model`` untouched, if it is damaged; and, in one line, if its
+    weights do not fit ``model`` (a meta.json edited by hand, or the wrong
+    model built), after which ``model`` is not to be used."""
     path = ckpt.path if isinstance(ckpt, Checkpoint) else Path(ckpt)
     verify(path)
-    if is_sharded(path):
-        full = full_model_state(path, model)
-        model.load_state_dict(full, strict=True)
-        return
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
-    if missing or unexpected:  # strict=True raises already; keep the contract explicit
-        raise CheckpointError(f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})")
+    try:
+        if is_sharded(path):
+            model.load_state_dict(full_model_state(path, model), strict=True)
+        else:
+            load_model(model, str(path / "model.safetensors"), strict=True)
+    except RuntimeError as err:  # torch's and safetensors' mismatch report, one line per kind of problem
+        detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise CheckpointError(f"{path}: the weights do not fit the model its meta.json describes: "
+                              f"{detail[:400]}{'...' if len(detail) > 400 else ''}") from None
 
 
 def full_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -553,3 +553,29 @@ def test_a_meta_json_with_an_invalid_or_no_model_is_one_line(tmp_path):
     (c.path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match=r"meta.json: records no model configuration"):
         ckpt.model_config(ckpt.resolve(tmp_path / "a"))
+
+
+@pytest.mark.parametrize("layout", ["plain", "sharded"])
+def test_weights_that_do_not_fit_the_model_meta_json_describes_are_one_line(tmp_path, layout):
+    """A meta.json edited by hand (one layer more) builds a model its weights do not fill: one line, no
+    traceback from torch or safetensors."""
+    from pipeline.model.transformer import ModelConfig, Transformer
+    from tests.helpers import tiny_config, tiny_model
+    from tests.helpers import save_checkpoint as save_with_model
+
+    if layout == "plain":
+        c = save_with_model(tmp_path / "a", tiny_model(tiny_config(64)), step=5)
+    else:
+        model = tiny_model(tiny_config(64))
+        opt = torch.optim.AdamW(model.parameters())
+        manager(tmp_path / "a").save(5, model, opt, {"step": 5}, {"model": tiny_config(64).to_dict()}, sharded=ALONE)
+        c = ckpt.resolve(tmp_path / "a")
+    meta = json.loads((c.path / "meta.json").read_text())
+    meta["model"]["n_layer"] += 1
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    last = ckpt.resolve(tmp_path / "a")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_model_weights(last, Transformer(ModelConfig(**last.meta["model"])))
+    assert "\n" not in str(err.value)
+    assert "the weights do not fit the model its meta.json describes" in str(err.value)
+    assert "layers.2" in str(err.value)  # names what is missing
