@@ -14,7 +14,7 @@ Two phases, both reusing the pretrain machinery rather than forking it:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -44,6 +44,14 @@ class SFTError(StageError):
 
 class SFTData(SFTDataConfig, DataSection):
     """The SFT dataset to build (:class:`~pipeline.data.sft_data.SFTDataConfig`) and how rows are masked."""
+
+    # Keys that change what is trained only through the rows they build, which the data identity (the
+    # shards' hashes) holds: the quarantine's sample size never, shard_rows and the template's date only
+    # where they change the shards.
+    THROUGH_THE_DATA: ClassVar[tuple[str, ...]] = ("quarantine_per_reason", "shard_rows", "template_date")
+
+    def identity_values(self) -> dict[str, Any]:
+        return {k: v for k, v in super().identity_values().items() if k not in self.THROUGH_THE_DATA}
 
 
 class SFTOptimizer(OptimizerSection):

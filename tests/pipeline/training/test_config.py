@@ -63,6 +63,18 @@ def test_only_the_run_length_and_inert_schedule_keys_are_left_out_of_the_identit
     assert len({fingerprint(c) for c in (cfg, wsd, steps)}) == 3
 
 
+def test_sft_data_keys_that_act_only_through_the_shards_are_left_to_the_data_identity():
+    """The quarantine's sample size never changes what is trained; shard_rows and template_date change it only
+    by changing the shards, whose hashes are the data identity."""
+    cfg = SFTConfig()
+    assert set(type(cfg.data).model_fields) - set(cfg.data.identity_values()) == {
+        "quarantine_per_reason", "shard_rows", "template_date"}
+    reporting = cfg.model_copy(update={"data": cfg.data.model_copy(update={"quarantine_per_reason": 5})})
+    assert fingerprint(reporting) == fingerprint(cfg)
+    seq = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": 128})})
+    assert fingerprint(seq) != fingerprint(cfg)
+
+
 def test_raising_max_steps_keeps_the_identity_and_other_schedule_keys_change_it():
     cfg = PretrainConfig()
     longer = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"max_steps": 6000})})
