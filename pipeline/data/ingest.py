@@ -630,6 +630,12 @@ def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
         return
     except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":  # a value per line: JSON Lines
+            if f.source.format == "auto":  # a .json name says no more than that: read it as what it is
+                yield from read_jsonl(f, cfg)
+                return
+            yield Skip("malformed_json", "file", detail=f"{e} (one JSON value per line? set format: jsonl)")
+            return
         yield Skip("malformed_json", "file", detail=str(e))
         return
     field = f.source.text_field
@@ -744,8 +750,12 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     except UnicodeDecodeError as e:
         yield Skip("non_utf8", "file", detail=f"the header row is not UTF-8 (invalid byte at {e.start})")
         return
-    if field not in names:
-        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {names})")
+    if field not in names:  # every row is skipped, and counted (as Parquet's are)
+        rows = 0
+        with contextlib.suppress(pa.ArrowInvalid):  # a row the reader stops at ends the count
+            for batch in reader:
+                rows += batch.num_rows
+        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {names})", n=max(rows, 1))
         return
     done = [0]
     try:
@@ -789,7 +799,8 @@ def _read_csv_rest(f: InputFile, cfg: IngestConfig, skip: int) -> Iterator[Item]
                 yield Skip("non_utf8", "file", detail="the header row is not UTF-8")
                 return
             if f.source.text_field not in header:
-                yield Skip("missing_field", "file", detail=f"no column {f.source.text_field!r} (columns: {header})")
+                yield Skip("missing_field", "file", detail=f"no column {f.source.text_field!r} (columns: {header})",
+                           n=max(sum(1 for record in reader if record), 1))
                 return
             column, width = header.index(f.source.text_field), len(header)
             for record in reader:

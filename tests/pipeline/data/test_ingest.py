@@ -147,6 +147,19 @@ def test_a_json_object_is_its_own_record_or_holds_its_one_list_of_records(tmp_pa
     assert [(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine] == [("two.json", "missing_field")]
 
 
+def test_json_lines_in_a_file_named_json(tmp_path):
+    """format: auto reads a .json file of one object per line as JSON Lines; format: json says how to read it."""
+    (tmp_path / "lines.json").write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "lines.json")}])
+    assert [(d["text"], d["location"]) for d in docs] == [("a", "line:1"), ("b", "line:2")]
+    assert report(tmp_path)["skipped"] == {"malformed_json": 1} and quarantine[0]["location"] == "line:3"
+    with pytest.raises(IngestError, match="no documents"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "lines.json"), "format": "json"}])
+    written = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
+    assert [q["location"] for q in written] == ["file"]
+    assert written[0]["detail"].endswith("(one JSON value per line? set format: jsonl)")
+
+
 @pytest.mark.parametrize("pattern", ["", "/*", "/**"])
 def test_a_dataset_folder_inside_a_source_folder_is_read_as_a_dataset(tmp_path, pattern):
     import datasets
@@ -187,6 +200,15 @@ def test_a_csv_header_that_is_not_utf8_is_a_counted_skip(tmp_path):
     assert [d["text"] for d in docs] == ["fine"]
     assert report(tmp_path)["skipped"] == {"non_utf8": 1}
     assert "header row is not UTF-8" in quarantine[0]["detail"]
+
+
+def test_a_csv_without_the_text_column_counts_its_rows(tmp_path):
+    (tmp_path / "a.csv").write_text("body,n\nx,1\n\ny,2\nz,3\n")
+    (tmp_path / "b.csv").write_bytes(b"body,n\n" + b"w" * 2_000_000 + b",1\nv,2\n")  # Python's csv counts these
+    (tmp_path / "ok.txt").write_text("fine")
+    metrics, _, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.csv", "b.csv", "ok.txt")])
+    assert report(tmp_path)["skipped"] == {"missing_field": 5}
+    assert metrics["docs"] + metrics["skipped"] == 3 + 2 + 1
 
 
 @pytest.mark.parametrize("max_doc_bytes", [1_000_000, 4_000_000])
