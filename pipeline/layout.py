@@ -38,6 +38,9 @@ SFT_MODEL = MODELS / "sft"
 EXPORT_DIR = MODELS / "export"
 EVALUATE_DIR = DATA / "evaluate"
 
+# The stage that writes each folder of packed rows, for the line that says what to run when one is missing.
+PACKED_ROWS_WRITERS = {PACKED: "pack", SFT_DATA: "sft"}
+
 
 def metrics_path(stage: str) -> Path:
     return METRICS / f"{stage}.json"
@@ -45,3 +48,14 @@ def metrics_path(stage: str) -> Path:
 
 def plots_path(stage: str) -> Path:
     return PLOTS / f"{stage}.csv"
+
+
+def packed_rows_writer(path: str | Path) -> str | None:
+    """The stage that writes the packed rows at ``path`` (a folder of
+    :data:`PACKED_ROWS_WRITERS` or one inside it, relative to the working
+    directory or absolute), or None for a folder of no stage."""
+    path = Path(path).resolve()
+    for folder, stage in PACKED_ROWS_WRITERS.items():
+        if path.is_relative_to(folder.resolve()):
+            return stage
+    return None

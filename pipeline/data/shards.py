@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline import layout
 from pipeline.errors import StageError
 from pipeline.files import atomic_path, read_json, sha256_file, write_json
 
@@ -244,7 +245,9 @@ class PackedRows:
         self.dir = Path(split_dir)
         paths = sorted(self.dir.glob("*.arrow"))
         if not paths:
-            raise DataError(f"no *.arrow shards in {self.dir}; run the pack stage first")
+            stage = layout.packed_rows_writer(self.dir)
+            raise DataError(f"no *.arrow shards in {self.dir}; " + (f"run `dvc repro {stage}` first" if stage else
+                                                                     "the stage that writes it has not completed"))
         self.shards = [_Shard(p) for p in paths]
         widths = {sh.input_ids.shape[1] for sh in self.shards}
         if len(widths) != 1:

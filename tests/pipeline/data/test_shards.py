@@ -70,9 +70,14 @@ def test_rows_span_shards_without_copying_them(tmp_path):
         data.input_ids(np.array([7]))
 
 
-def test_missing_split_is_clear(tmp_path):
-    with pytest.raises(DataError, match="run the pack stage"):
-        PackedRows(tmp_path)
+def test_missing_split_names_the_stage_that_writes_it(tmp_path, monkeypatch):
+    """data/packed is pack's, data/sft sft's (evaluate reads both); any other folder names no stage."""
+    monkeypatch.chdir(tmp_path)
+    for split, stage in (("data/packed/val", "pack"), ("data/sft/val", "sft"), (tmp_path / "data/sft/train", "sft")):
+        with pytest.raises(DataError, match=rf"^no \*.arrow shards in {split}; run `dvc repro {stage}` first$"):
+            PackedRows(split)
+    with pytest.raises(DataError, match=r"shards in elsewhere/val; the stage that writes it has not completed$"):
+        PackedRows("elsewhere/val")
 
 
 def offsets_of(starts):
