@@ -46,6 +46,7 @@ from pipeline.files import sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import KVCache, ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
+from pipeline.training.distributed import pick_device
 
 # Sampling defaults, shared by the CLI and the exported generation_config.json.
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -165,10 +166,12 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
     special ids (see ``pipeline.data.tokenizer.load_tokenizer``).
 
     Raises FileNotFoundError when ``path`` holds no model, ValueError for a
-    mismatched tokenizer or an unsupported model (UnsupportedModelError), and CheckpointError /
+    mismatched tokenizer or an unsupported model (UnsupportedModelError), DeviceError
+    for a ``device`` this machine does not have (checked first), and CheckpointError /
     RuntimeError for damaged or mismatched weights.
     """
     path = Path(path)
+    device = pick_device(device) if isinstance(device, str) else device
     if hf_adapter.is_hf_model_folder(path):
         config, model = hf_adapter.load_hf_model(path)
         if tokenizer_path:
@@ -273,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="0 = off")
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     return p
 
 

@@ -38,20 +38,32 @@ class DeviceError(StageError):
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
-    """The device of ``requested`` (auto: CUDA where there is one, else the CPU).
-    Raises DeviceError, one line, for a device this machine does not have."""
+    """The device of ``requested``: auto (CUDA where there is one, else the CPU),
+    cpu, cuda (the GPU of ``local_rank``), cuda:N or mps. Raises DeviceError,
+    one line, for a device this machine does not have or a name torch does not know."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda":
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"device {requested!r} is not a device name; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"device 'cuda' was asked for, but torch {torch.__version__} sees no CUDA GPU here; "
-                              "set the device to auto or cpu, or install a CUDA build of torch")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if requested == "mps":
+            raise DeviceError(f"device {requested!r} was asked for, but torch {torch.__version__} sees no CUDA GPU "
+                              "here; set the device to auto or cpu, or install a CUDA build of torch")
+        if device.index is None:
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        if device.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {requested!r} was asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
+        return device
+    if device.type == "mps":
         if not torch.backends.mps.is_available():
-            raise DeviceError("device 'mps' was asked for, but this machine has no MPS (Apple GPU); "
+            raise DeviceError(f"device {requested!r} was asked for, but this machine has no MPS (Apple GPU); "
                               "set the device to auto or cpu")
         return torch.device("mps")
+    if device.type != "cpu":
+        raise DeviceError(f"device {requested!r} is not supported; use auto, cpu, cuda, cuda:N or mps")
     return torch.device("cpu")
 
 

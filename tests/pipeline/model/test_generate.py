@@ -7,6 +7,7 @@ shared with test_export.py and test_registry.py."""
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,20 @@ def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok,
 def test_cli_reports_a_missing_model_without_a_traceback(capsys, tmp_path):
     assert main(["--model", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", r"device 'gpu' is not a device name; use auto, cpu, cuda, cuda:N or mps"),
+    ("xla", r"device 'xla' is not supported; use auto, cpu, cuda, cuda:N or mps"),
+    *([] if torch.cuda.is_available() else [
+        ("cuda", r"device 'cuda' was asked for, but torch .* sees no CUDA GPU here; set the device to auto or cpu"),
+        ("cuda:0", r"device 'cuda:0' was asked for, but torch .* sees no CUDA GPU here")]),
+])
+def test_cli_a_device_this_machine_lacks_is_one_line(capsys, tok_path, ckpt_dir, device, message):
+    """The stages' device check (pick_device), before any weight is loaded: no traceback, exit code 2."""
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "x", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: {message}.*\n", err), err
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
