@@ -151,7 +151,9 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     ``sources: {name: {metric: value}}`` to each model. The report, written to
     ``report_path`` when given, holds per model the checkpoint scored
     (``checkpoint``, ``checkpoint_step``) and per split the ``tokens`` and
-    ``bytes`` scored."""
+    ``bytes`` scored, and for a run folder ``run_finished``. A run whose newest
+    checkpoint is not ``final`` (interrupted) is scored with a warning, and its
+    model's metrics get ``finished: false``."""
     from pipeline.data.tokenizer import load_tokenizer
     from pipeline.training.distributed import pick_device
 
@@ -174,7 +176,13 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
                       for name, rows in by_source.items()}
         scores = {name: {k: v[k] for k in SCORES} for name, v in per_split.items()}
         out[model_name] = {**next(iter(scores.values())), **scores}
+        end = ckpt.run_end(folder, last)
+        why = ckpt.unfinished(end) if end is not None else None
+        if why:  # scored all the same (the numbers are still true of these weights), but flagged
+            log.warning("evaluate: %s; the %s scores describe an unfinished run", why, model_name)
+            out[model_name]["finished"] = False
         report[model_name] = {"checkpoint": str(last.path), "checkpoint_step": last.step,
+                              **({"run_finished": why is None} if end is not None else {}),
                               **{name: {k: v[k] for k in ("tokens", "bytes")} for name, v in per_split.items()}}
         if per_source:
             out[model_name]["sources"] = {name: {k: v[k] for k in SCORES} for name, v in per_source.items()}

@@ -131,8 +131,9 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
 
     Returns ``{out_dir, checkpoint, stage, step, fingerprint, architecture, params, vocab_size,
     tie_word_embeddings, dtype, tokenizer_sha256, files: {name: {bytes, sha256}}}``.
-    Raises ExportError for a missing checkpoint or a tokenizer other than the one
-    the checkpoint was trained with, TokenizerError for a missing or invalid
+    Raises ExportError for a missing checkpoint, a run folder whose run has not
+    finished (its newest checkpoint is not ``final``: the run was interrupted),
+    or a tokenizer other than the one the checkpoint was trained with, TokenizerError for a missing or invalid
     tokenizer, ValueError for unknown ``card_info`` keys; ``out_dir`` is then
     left as it was.
     """
@@ -143,6 +144,10 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     checkpoint = ckpt.resolve(folder, which)  # verified; a damaged one raises CheckpointError
     if checkpoint is None:
         raise ExportError(f"{folder}: no complete checkpoint to export")
+    end = ckpt.run_end(folder, checkpoint)
+    why = ckpt.unfinished(end) if end is not None else None
+    if why:  # e.g. sft killed: its newest checkpoint is not the model the run was asked for
+        raise ExportError(why)
     meta = checkpoint.meta
     try:
         model, _, config = gen.load_for_inference(checkpoint.path, tokenizer_path=tokenizer_path)

@@ -105,9 +105,11 @@ def tiny_model(config: ModelConfig, seed: int = 0) -> Transformer:
 def save_checkpoint(folder: Path, model: Transformer, *, step: int = 5, meta: dict | None = None,
                     sharded: bool = False) -> ckpt.Checkpoint:
     """A complete training checkpoint of ``model`` in the trainer's layout
-    (``sharded``: the DCP layout an FSDP run writes, here from one process)."""
+    (``sharded``: the DCP layout an FSDP run writes, here from one process),
+    the final one of its run unless ``meta`` says ``final: False``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    base = {"stage": "sft", "fingerprint": "f" * 16, "model": model.config.to_dict(), "metrics": {"loss": 1.25}}
+    base = {"stage": "sft", "fingerprint": "f" * 16, "model": model.config.to_dict(), "metrics": {"loss": 1.25},
+            "final": True}
     if sharded:
         from pipeline.training.distributed import Dist
 

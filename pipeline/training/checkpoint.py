@@ -240,7 +240,7 @@ def resolve(path: Path, which: str = "last") -> Checkpoint | None:
     path = Path(path)
     if which not in WHICH:
         raise ValueError(f"which checkpoint: {which!r} is not one of {', '.join(WHICH)}")
-    one = (STEP_RE.match(path.name) and path.is_dir()) or (path / "meta.json").is_file()
+    one = is_checkpoint(path)
     if which == "best":
         if one:
             raise CheckpointError(f"{path} is a single checkpoint; the best one is chosen in a run folder "
@@ -257,6 +257,13 @@ def resolve(path: Path, which: str = "last") -> Checkpoint | None:
     if found is not None:
         verify(found)
     return found
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint (a ``step-*`` folder, or any folder with a
+    ``meta.json``) rather than a run folder that holds them."""
+    path = Path(path)
+    return bool((STEP_RE.match(path.name) and path.is_dir()) or (path / "meta.json").is_file())
 
 
 def read_best(folder: Path) -> dict[str, Any] | None:
@@ -356,6 +363,34 @@ def model_config(checkpoint: Checkpoint) -> ModelConfig:
         raise CheckpointError(f"{checkpoint.path / 'meta.json'}: records no model configuration, so its weights "
                               "cannot be loaded (a checkpoint saved by another tool?)")
     return ModelConfig(**checkpoint.meta["model"])
+
+
+def unfinished(checkpoint: Checkpoint, stage: str | None = None) -> str | None:
+    """None when ``checkpoint`` ends its run (meta ``final``: saved at the run's
+    ``schedule.max_steps``); otherwise one line naming it, its step, the run's
+    max_steps when meta records it, and how to finish the run (``dvc repro
+    <stage>``, ``stage`` defaulting to the one meta records). The one check of
+    every reader of a run's result: sft refuses an unfinished pretrain, export an
+    unfinished run, and evaluate warns."""
+    meta = checkpoint.meta
+    if meta.get("final"):
+        return None
+    stage = stage or meta.get("stage") or "its training stage"
+    max_steps = (meta.get("schedule") or {}).get("max_steps")
+    of = f" of {max_steps}" if max_steps is not None else ""
+    return (f"{checkpoint.path} is not {stage}'s final checkpoint (step {checkpoint.step}{of}); "
+            f"{stage} was interrupted: run `dvc repro {stage}` to finish it")
+
+
+def run_end(path: Path, resolved: Checkpoint) -> Checkpoint | None:
+    """The checkpoint that says whether the run :func:`resolve` took ``resolved``
+    from has finished: the newest of the run folder ``path`` (``resolved`` itself
+    when it is the last one); None when ``path`` is one checkpoint, asked for by name."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return None
+    newest = latest(path)
+    return resolved if newest is None or newest.path == resolved.path else newest
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

@@ -90,9 +90,9 @@ def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
     last = ckpt.resolve(Path(pretrain_dir))
     if last is None:
         raise SFTError(f"no checkpoint in {pretrain_dir}; run `dvc repro pretrain` first")
-    if not last.meta.get("final"):
-        raise SFTError(f"{last.path} is not pretrain's final checkpoint (step {last.step}); "
-                       "pretrain was interrupted: run `dvc repro pretrain` to finish it")
+    why = ckpt.unfinished(last, "pretrain")
+    if why:
+        raise SFTError(why)
     return last
 
 

@@ -126,6 +126,27 @@ def test_a_sharded_checkpoint_evaluates_like_the_single_file_one(tmp_path, tok_p
         assert torch.equal(models["sharded"].state_dict()[k], v), k
 
 
+def test_an_unfinished_run_is_scored_with_a_warning_and_flagged(tmp_path, tok_path, caplog):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    model = tiny_model(tiny_config(vocab))
+    save_checkpoint(tmp_path / "done", model)
+    save_checkpoint(tmp_path / "killed", model, step=3, meta={"final": False, "schedule": {"max_steps": 8}})
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    with caplog.at_level("WARNING", logger="pipeline.evaluate"):
+        metrics, _ = evaluate_models(cfg, {"done": tmp_path / "done", "killed": tmp_path / "killed"},
+                                     {"text": tmp_path / "val"}, tok_path, tmp_path / "report.json")
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "step-00000003 is not sft's final checkpoint (step 3 of 8); sft was interrupted: run `dvc repro sft`" \
+        in warning and "killed scores describe an unfinished run" in warning
+    assert metrics["killed"]["finished"] is False and "finished" not in metrics["done"]
+    assert metrics["killed"]["val_loss"] == metrics["done"]["val_loss"]
+    report = read_json(tmp_path / "report.json")
+    assert report["killed"]["run_finished"] is False and report["done"]["run_finished"] is True
+
+
 def test_missing_checkpoint_is_clear(tmp_path, tok_path):
     write_split(tmp_path / "val", synthetic_docs(20, 40, seed=3), seq_len=16)
     with pytest.raises(EvaluateError, match="run its training stage first"):

@@ -436,6 +436,29 @@ def test_export_takes_the_last_or_the_best_checkpoint(tmp_path, tok, tok_path):
         export_model(tmp_path / "sft", tok_path, tmp_path / "none", card_info={}, which="best")
 
 
+def test_an_unfinished_run_is_refused_in_one_line(tmp_path, tok, tok_path):
+    """sft killed before max_steps: its newest checkpoint is not final, so neither it nor the run's
+    best is shipped; the line names the step, max_steps and what to run. One step folder asked for
+    by name still exports (the caller chose it)."""
+    from pipeline.files import write_json
+
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    for step in (2, 4):
+        save_checkpoint(tmp_path / "sft", model, step=step, meta={"final": False, "schedule": {"max_steps": 8}})
+    write_json(tmp_path / "sft" / ckpt.BEST, {"step": 2, "path": "step-00000002", "val_loss": 1.0,
+                                              "fingerprint": "f" * 16})
+    for which in ("last", "best"):
+        with pytest.raises(ExportError, match=r"^\S*step-00000004 is not sft's final checkpoint \(step 4 of 8\); "
+                                              r"sft was interrupted: run `dvc repro sft` to finish it$"):
+            export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, which=which)
+    assert not (tmp_path / "export").exists()
+    assert export_model(ckpt.step_dir(tmp_path / "sft", 4), tok_path, tmp_path / "export", card_info={})["step"] == 4
+    save_checkpoint(tmp_path / "sft", model, step=8, meta={"schedule": {"max_steps": 8}})  # the run finishes
+    write_json(tmp_path / "sft" / ckpt.BEST, {"step": 4, "path": "step-00000004", "val_loss": 1.0,
+                                              "fingerprint": "f" * 16})
+    assert export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, which="best")["step"] == 4
+
+
 def test_a_sharded_checkpoint_exports_the_same_folder(tmp_path, tok, tok_path):
     """An FSDP run's DCP checkpoint exports the weights a single-file one does."""
     from safetensors.torch import load_file
