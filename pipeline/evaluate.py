@@ -23,7 +23,7 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch
@@ -58,12 +58,25 @@ class SampleConfig(BaseModel):
     seed: int = Field(0, description="sample i uses seed + i")
 
 
+class CheckpointChoice(BaseModel):
+    """Which checkpoint of each run is scored. export ships one checkpoint and labels
+    it with these metrics, so it refuses to ship another than the one scored here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pretrain: Literal["last", "best"] = Field("last", description="models/pretrain: its last checkpoint, or its best "
+                                              "by val loss (needs pretrain.checkpoint.keep_best)")
+    sft: Literal["last", "best"] = Field("last", description="models/sft: its last checkpoint, or its best by val loss "
+                                         "(needs sft.checkpoint.keep_best); export.checkpoint must name the same")
+
+
 class EvaluateConfig(StageConfig):
     max_rows: int | None = Field(None, ge=1, description="val rows scored per split; null = all")
     batch_size: int = Field(8, ge=1, description="rows per forward pass")
     doc_mask: bool = Field(True, description="score with the same per-document attention as training")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field("fp32", description="fp32 keeps the numbers reproducible by transformers")
+    checkpoint: CheckpointChoice = Field(default_factory=CheckpointChoice)
     samples: SampleConfig = Field(default_factory=SampleConfig)
 
 
@@ -101,8 +114,9 @@ def token_bytes(tokenizer) -> np.ndarray:
     return out
 
 
-def load_checkpoint_model(folder: Path, device: torch.device) -> tuple[Transformer, ckpt.Checkpoint]:
-    last = ckpt.resolve(Path(folder))  # verified; a damaged newest one raises CheckpointError
+def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last"
+                          ) -> tuple[Transformer, ckpt.Checkpoint]:
+    last = ckpt.resolve(Path(folder), which)  # verified; a damaged one raises CheckpointError
     if last is None:
         raise EvaluateError(f"no checkpoint in {folder}; run its training stage first")
     model = Transformer(ckpt.model_config(last))
@@ -142,15 +156,18 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
 
 def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[str, Path], tokenizer_path: Path,
                     report_path: Path | None = None, sources: dict[str, Path] | None = None,
-                    ) -> tuple[dict[str, Any], dict[str, Transformer]]:
+                    which: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Transformer]]:
     """Score every model on every split. Returns ``({model: {metric: value,
     <split>: {metric: value}}}, loaded models)`` with the metrics val_loss,
     perplexity and bits_per_byte; the top-level metrics of each model are those
     on the first split (the packed pretraining val split). ``sources`` (source
     name -> its own packed val split, see pack's ``val_sources``) adds
-    ``sources: {name: {metric: value}}`` to each model. The report, written to
-    ``report_path`` when given, holds per model the checkpoint scored
-    (``checkpoint``, ``checkpoint_step``) and per split the ``tokens`` and
+    ``sources: {name: {metric: value}}`` to each model. ``which`` (model name ->
+    ``last`` or ``best``, default ``last``) picks the checkpoint of each run
+    folder scored. The report, written to ``report_path`` when given, holds per
+    model the checkpoint scored (``checkpoint``, ``checkpoint_step``,
+    ``fingerprint``, ``which``: what export compares with the checkpoint it
+    ships) and per split the ``tokens`` and
     ``bytes`` scored, and for a run folder ``run_finished``. A run whose newest
     checkpoint is not ``final`` (interrupted) is scored with a warning, and its
     model's metrics get ``finished: false``."""
@@ -166,7 +183,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     report: dict[str, Any] = {}
     loaded: dict[str, Transformer] = {}
     for model_name, folder in models.items():
-        model, last = load_checkpoint_model(folder, device)
+        model, last = load_checkpoint_model(folder, device, (which or {}).get(model_name, "last"))
         loaded[model_name] = model
         per_split = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
                                  doc_mask=cfg.doc_mask, device=device, precision=precision)
@@ -182,6 +199,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
             log.warning("evaluate: %s; the %s scores describe an unfinished run", why, model_name)
             out[model_name]["finished"] = False
         report[model_name] = {"checkpoint": str(last.path), "checkpoint_step": last.step,
+                              "fingerprint": last.meta.get("fingerprint"), "which": (which or {}).get(model_name, "last"),
                               **({"run_finished": why is None} if end is not None else {}),
                               **{name: {k: v[k] for k in ("tokens", "bytes")} for name, v in per_split.items()}}
         if per_source:

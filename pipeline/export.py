@@ -100,7 +100,8 @@ class ExportConfig(StageConfig):
 
     source: Literal["sft", "pretrain"] = Field("sft", description="export models/sft or models/pretrain")
     checkpoint: Literal["last", "best"] = Field("last", description="the run's last checkpoint, or its best by val "
-                                                "loss (needs checkpoint.keep_best in that stage)")
+                                                "loss (needs checkpoint.keep_best in that stage, and evaluate.checkpoint "
+                                                "to score the same one: export refuses to label it with another's metrics)")
     register_model: bool = Field(True, description="register the export in the MLflow model registry "
                                                    "(skipped with a warning when MLflow is unreachable)")
     model_name: str = Field("llm-pipeline", pattern=r"^[A-Za-z0-9][\w.\-]*$",
@@ -120,20 +121,25 @@ class ExportError(StageError):
 
 def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_dir: str | Path, *,
                  card_info: Mapping[str, Any], which: str = "last",
-                 sft_manifest: str | Path | None = None) -> dict[str, Any]:
+                 sft_manifest: str | Path | None = None, evaluated: Mapping[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """Write the Hugging Face folder ``out_dir`` (see the module doc) and return a summary.
 
     ``checkpoint_folder`` is a training output folder (its latest complete
     checkpoint is exported, or its best with ``which="best"``) or one
     ``step-XXXXXXXX`` folder. ``card_info`` feeds the model card; its keys are
     those of ``CARD_KEYS``, all optional. ``sft_manifest``: the SFT data's
-    manifest, whose chat template and stop ids the export carries.
+    manifest, whose chat template and stop ids the export carries. ``evaluated``:
+    evaluate's report of the model (``checkpoint``, ``checkpoint_step``,
+    ``fingerprint``, ``which``), whose metrics ``card_info`` carries; the export is
+    refused unless that is the checkpoint shipped (:func:`check_evaluated`).
 
     Returns ``{out_dir, checkpoint, stage, step, fingerprint, architecture, params, vocab_size,
     tie_word_embeddings, dtype, tokenizer_sha256, files: {name: {bytes, sha256}}}``.
     Raises ExportError for a missing checkpoint, a run folder whose run has not
     finished (its newest checkpoint is not ``final``: the run was interrupted),
-    or a tokenizer other than the one the checkpoint was trained with, TokenizerError for a missing or invalid
+    a checkpoint other than the one ``evaluated`` scored, or a tokenizer other
+    than the one the checkpoint was trained with, TokenizerError for a missing or invalid
     tokenizer, ValueError for unknown ``card_info`` keys; ``out_dir`` is then
     left as it was.
     """
@@ -148,6 +154,8 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     why = ckpt.unfinished(end) if end is not None else None
     if why:  # e.g. sft killed: its newest checkpoint is not the model the run was asked for
         raise ExportError(why)
+    if evaluated is not None:
+        check_evaluated(checkpoint, which, evaluated)
     meta = checkpoint.meta
     try:
         model, _, config = gen.load_for_inference(checkpoint.path, tokenizer_path=tokenizer_path)
@@ -191,6 +199,25 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                             for f in sorted(tmp.iterdir())}
     return summary
+
+
+def check_evaluated(checkpoint: ckpt.Checkpoint, which: str, evaluated: Mapping[str, Any]) -> None:
+    """Raise ExportError, one line saying what to set, unless ``evaluated`` (evaluate's
+    report of a model) scored ``checkpoint``, the one export ships: the model card and
+    the registry (whose champion is chosen by these numbers) must describe the
+    weights shipped, not another checkpoint of the run."""
+    fingerprint = checkpoint.meta.get("fingerprint")
+    scored, step = evaluated.get("checkpoint"), evaluated.get("checkpoint_step")
+    if (scored is not None and step == checkpoint.step and Path(scored).resolve() == checkpoint.path.resolve()
+            and evaluated.get("fingerprint") in (None, fingerprint)):
+        return
+    stage = checkpoint.meta.get("stage") or "sft"
+    scored_which = evaluated.get("which", "last")
+    fix = (f"set evaluate.checkpoint.{stage}: {which} (or export.checkpoint: {scored_which}) and run `dvc repro`"
+           if scored_which != which else "run `dvc repro evaluate` so that it scores the checkpoint shipped")
+    raise ExportError(f"export.checkpoint: {which} ships {checkpoint.path} (step {checkpoint.step}), but the evaluate "
+                      f"metrics describe {scored} (step {step}), so the model card and the registry would label it with "
+                      f"another checkpoint's numbers; {fix}")
 
 
 def write_model_files(folder: Path, model: Transformer, meta: Mapping[str, Any], *,

@@ -37,6 +37,7 @@ PRETRAIN_MODEL = MODELS / "pretrain"
 SFT_MODEL = MODELS / "sft"
 EXPORT_DIR = MODELS / "export"
 EVALUATE_DIR = DATA / "evaluate"
+EVALUATE_REPORT = EVALUATE_DIR / "report.json"  # which checkpoint each model's metrics describe; export checks it
 
 # The stage that writes each folder of packed rows, for the line that says what to run when one is missing.
 PACKED_ROWS_WRITERS = {PACKED: "pack", SFT_DATA: "sft"}

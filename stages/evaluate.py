@@ -8,14 +8,14 @@ from pipeline.files import write_json
 from pipeline.runner import run_stage
 
 SAMPLES = layout.EVALUATE_DIR / "samples.json"
-REPORT = layout.EVALUATE_DIR / "report.json"
+REPORT = layout.EVALUATE_REPORT
 
 
 def main(cfg: EvaluateConfig) -> dict:
     models = {"pretrain": layout.PRETRAIN_MODEL, "sft": layout.SFT_MODEL}
     splits = {"text": layout.PACKED / "val", "chat": layout.SFT_DATA / "val"}
     metrics, loaded = evaluate_models(cfg, models, splits, layout.TOKENIZER_JSON, REPORT,
-                                      sources=val_sources(layout.PACKED))
+                                      sources=val_sources(layout.PACKED), which=cfg.checkpoint.model_dump())
     write_json(SAMPLES, record_samples(cfg.samples, loaded, layout.TOKENIZER_JSON,
                                          layout.SFT_DATA / "manifest.json"))
     return metrics

@@ -1,4 +1,5 @@
-"""export: models/sft -> models/export, a Hugging Face folder with a model card,
+"""export: models/sft -> models/export, a Hugging Face folder with a model card
+(labelled with metrics/evaluate.json, refused unless evaluate scored the checkpoint shipped),
 registered in MLflow as a new version (alias ``candidate``; ``champion`` moves
 only when the evaluate metrics beat the current champion's), and its report.json."""
 
@@ -11,15 +12,20 @@ from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
 
 
 def main(cfg: ExportConfig, tracker) -> dict:
-    if not layout.metrics_path("evaluate").is_file():
-        raise ExportError(f"{layout.metrics_path('evaluate')} not found; run `dvc repro evaluate` first")
+    for path in (layout.metrics_path("evaluate"), layout.EVALUATE_REPORT):
+        if not path.is_file():
+            raise ExportError(f"{path} not found; run `dvc repro evaluate` first")
     evaluation = read_json(layout.metrics_path("evaluate"))
+    evaluated = read_json(layout.EVALUATE_REPORT).get(cfg.source)
+    if not evaluated:
+        raise ExportError(f"{layout.EVALUATE_REPORT} records no {cfg.source} model; run `dvc repro evaluate` first")
     source = layout.SFT_MODEL if cfg.source == "sft" else layout.PRETRAIN_MODEL
     lineage = {**git_tags(), **{f"dvc.{k}": v for k, v in dvc_stage_hashes().items()}}
     card = {"metrics": evaluation, "lineage": lineage, "name": cfg.name, "license": cfg.license,
             "intended_use": cfg.intended_use, "limitations": cfg.limitations}
     summary = export_model(source, layout.TOKENIZER_JSON, layout.EXPORT_DIR,
                            card_info={k: v for k, v in card.items() if v is not None}, which=cfg.checkpoint,
+                           evaluated=evaluated,
                            sft_manifest=layout.SFT_DATA / "manifest.json" if cfg.source == "sft" else None)
     registry = {"registered": False, "reason": "export.register_model is false"}
     if cfg.register_model:

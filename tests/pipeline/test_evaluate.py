@@ -93,6 +93,7 @@ def test_evaluate_models_and_seeded_samples(tmp_path, tok_path):
     assert metrics["a"]["text"] == {k: metrics["a"][k] for k in ("val_loss", "perplexity", "bits_per_byte")}
     report = read_json(tmp_path / "report.json")
     assert report["a"]["checkpoint_step"] == 5 and report["a"]["checkpoint"].startswith(str(tmp_path / "a"))
+    assert report["a"]["which"] == "last" and report["a"]["fingerprint"] == "f" * 16
     assert report["a"]["text"]["tokens"] > 0 and report["a"]["text"]["bytes"] > 0
     s1 = record_samples(cfg.samples, models, tok_path)
     s2 = record_samples(cfg.samples, models, tok_path)

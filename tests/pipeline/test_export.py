@@ -436,6 +436,24 @@ def test_export_takes_the_last_or_the_best_checkpoint(tmp_path, tok, tok_path):
         export_model(tmp_path / "sft", tok_path, tmp_path / "none", card_info={}, which="best")
 
 
+def test_export_ships_only_the_checkpoint_evaluate_scored(tmp_path, tok, tok_path):
+    """The card's and the registry's metrics come from evaluate's report of one checkpoint: another
+    step, or the same step of another run (fingerprint), is refused before anything is written."""
+    from pipeline.export import check_evaluated
+
+    c = save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())), step=4)
+    scored = {"checkpoint": str(c.path), "checkpoint_step": 4, "fingerprint": "f" * 16, "which": "last"}
+    check_evaluated(c, "last", scored)
+    assert export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, evaluated=scored)["step"] == 4
+    for other, fix in (({"checkpoint": str(c.path.parent / "step-00000006"), "checkpoint_step": 6, "which": "best"},
+                        r"set evaluate.checkpoint.sft: last \(or export.checkpoint: best\) and run `dvc repro`$"),
+                       ({"fingerprint": "e" * 16}, r"run `dvc repro evaluate` so that it scores the checkpoint shipped$")):
+        with pytest.raises(ExportError, match=r"^export.checkpoint: last ships \S*step-00000004 \(step 4\), but the "
+                                              rf"evaluate metrics describe .*; {fix}"):
+            export_model(tmp_path / "sft", tok_path, tmp_path / "export2", card_info={}, evaluated={**scored, **other})
+    assert not (tmp_path / "export2").exists()
+
+
 def test_an_unfinished_run_is_refused_in_one_line(tmp_path, tok, tok_path):
     """sft killed before max_steps: its newest checkpoint is not final, so neither it nor the run's
     best is shipped; the line names the step, max_steps and what to run. One step folder asked for

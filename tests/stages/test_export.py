@@ -1,0 +1,58 @@
+"""stages/export.py: the model card and the registry carry the metrics of the
+checkpoint shipped, never those of another checkpoint of the run."""
+
+import pytest
+
+from pipeline import layout
+from pipeline.config import parse_section
+from pipeline.evaluate import EvaluateConfig, evaluate_models
+from pipeline.export import ExportConfig, ExportError
+from pipeline.files import read_json, sha256_file, write_json
+from pipeline.training import checkpoint as ckpt
+from stages import export
+from tests.helpers import save_checkpoint, synthetic_docs, tiny_config, tiny_model, train_tiny_tokenizer, write_split
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_export_of_the_best_checkpoint_needs_evaluate_to_score_it(tmp_path, monkeypatch):
+    """sft kept its best checkpoint (step 2) besides its last (step 4); export.checkpoint: best.
+    evaluate scoring the last one is refused in one line saying what to set; scoring the best one,
+    the card's metrics are those of the weights shipped."""
+    monkeypatch.chdir(tmp_path)
+    tok = train_tiny_tokenizer(layout.TOKENIZER_JSON)
+    vocab = tok.get_vocab_size()
+    write_split(layout.PACKED / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    for step in (2, 4):
+        save_checkpoint(layout.SFT_MODEL, tiny_model(tiny_config(vocab), seed=step), step=step,
+                        meta={"tokenizer_sha256": sha256_file(layout.TOKENIZER_JSON)})
+    write_json(layout.SFT_MODEL / ckpt.BEST, {"step": 2, "path": "step-00000002", "val_loss": 1.0,
+                                              "fingerprint": "f" * 16})
+    cfg = parse_section(ExportConfig, {"checkpoint": "best", "register_model": False}, "export")
+
+    def evaluate(which: str) -> dict:
+        ecfg = parse_section(EvaluateConfig, {"checkpoint": {"sft": which}}, "evaluate")
+        metrics, _ = evaluate_models(ecfg, {"sft": layout.SFT_MODEL}, {"text": layout.PACKED / "val"},
+                                     layout.TOKENIZER_JSON, layout.EVALUATE_REPORT, which=ecfg.checkpoint.model_dump())
+        write_json(layout.metrics_path("evaluate"), metrics)
+        return metrics
+
+    last = evaluate("last")
+    with pytest.raises(ExportError, match=r"^export.checkpoint: best ships \S*step-00000002 \(step 2\), but the "
+                                          r"evaluate metrics describe \S*step-00000004 \(step 4\), .*; set "
+                                          r"evaluate.checkpoint.sft: best \(or export.checkpoint: last\) and run "
+                                          r"`dvc repro`$"):
+        export.main(cfg, None)
+    assert not layout.EXPORT_DIR.exists()
+
+    best = evaluate("best")
+    assert best["sft"]["val_loss"] != last["sft"]["val_loss"]
+    assert read_json(layout.EVALUATE_REPORT)["sft"]["checkpoint_step"] == 2
+    assert export.main(cfg, None)["step"] == 2
+    card = (layout.EXPORT_DIR / "README.md").read_text()
+    assert f"| sft.val_loss | {best['sft']['val_loss']:.6g} |" in card
+    assert f"{last['sft']['val_loss']:.6g}" not in card
+
+    layout.EVALUATE_REPORT.unlink()  # metrics with no record of what they describe are not used
+    with pytest.raises(ExportError, match=r"report.json not found; run `dvc repro evaluate` first"):
+        export.main(cfg, None)
