@@ -7,7 +7,7 @@ writes::
     model.safetensors        weights under Hugging Face names, float32
     generation_config.json   eos = [<|im_end|>, <|endoftext|>], pad, sampling defaults
     tokenizer.json           byte-identical copy of ours (same sha256)
-    tokenizer_config.json    PreTrainedTokenizerFast, special tokens, ChatML chat_template
+    tokenizer_config.json    PreTrainedTokenizerFast, special tokens, the chat_template SFT trained with (ChatML)
     special_tokens_map.json  the same special tokens, for older loaders
     README.md                model card: architecture, metrics, lineage, use, limitations
 
@@ -171,7 +171,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     with atomic_dir(out_dir) as tmp:
         write_model_files(tmp, model, meta, token_ids=token_ids)
         if specials.own:
-            write_tokenizer_files(tmp, tokenizer_path, config)
+            own_template = write_tokenizer_files(tmp, tokenizer_path, config, manifest)
         else:
             own_template = write_adopted_tokenizer_files(tmp, tokenizer_path, meta, manifest)
         summary = {
@@ -187,7 +187,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
             "dtype": DTYPE,
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.json"),
         }
-        chat = CHATML_FORMAT if specials.own else (
+        chat = (CHATML_FORMAT if not own_template else TRAINED_FORMAT) if specials.own else (
             "The chat template that SFT rendered its data with, `chat_template.jinja`, which transformers "
             "prefers to the tokenizer's own." if own_template else
             "The tokenizer's own chat template (`tokenizer_config.json` or `chat_template.jinja`), as the model "
@@ -239,13 +239,23 @@ def write_model_files(folder: Path, model: Transformer, meta: Mapping[str, Any],
     _write_json(folder / "config.json", hf_adapter.hf_config(config, dtype=DTYPE, original=original, **token_ids))
 
 
-def write_tokenizer_files(folder: Path, tokenizer_path: Path, config: ModelConfig) -> None:
+def write_tokenizer_files(folder: Path, tokenizer_path: Path, config: ModelConfig,
+                          sft_manifest: Mapping[str, Any] | None = None) -> bool:
     """The tokenizer's files and ``generation_config.json`` (its stop and pad ids)
-    in ``folder``: ``tokenizer.json`` byte for byte, and our ChatML set-up."""
-    _write_json(folder / "generation_config.json", generation_config())
+    in ``folder``: ``tokenizer.json`` byte for byte, and our ChatML set-up, with
+    the chat template SFT rendered its data with (``sft_manifest``:
+    ``sft.data.chat_template``, ChatML by default) in ``tokenizer_config.json``, and
+    its stop ids after ours in ``generation_config.json``, so that the model is
+    prompted the way it was trained. Returns whether that template is not ChatML."""
+    sft_manifest = sft_manifest or {}
+    template = sft_manifest.get("chat_template") or CHAT_TEMPLATE_JINJA
+    generation = generation_config()
+    generation["eos_token_id"] = list(dict.fromkeys([*generation["eos_token_id"], *sft_manifest.get("stop_ids", ())]))
+    _write_json(folder / "generation_config.json", generation)
     shutil.copyfile(tokenizer_path, folder / "tokenizer.json")
-    _write_json(folder / "tokenizer_config.json", tokenizer_config(config.max_seq_len))
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(config.max_seq_len, template))
     _write_json(folder / "special_tokens_map.json", SPECIAL_TOKENS_MAP)
+    return template != CHAT_TEMPLATE_JINJA
 
 
 def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapping[str, Any],
@@ -297,9 +307,10 @@ def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapp
 SPECIAL_TOKENS_MAP = {"bos_token": EOT, "eos_token": IM_END, "pad_token": PAD}
 
 
-def tokenizer_config(max_seq_len: int) -> dict[str, Any]:
+def tokenizer_config(max_seq_len: int, chat_template: str = CHAT_TEMPLATE_JINJA) -> dict[str, Any]:
     """``tokenizer_config.json``: no bos/eos added on encode, no space clean-up on
-    decode (both would break exact round-trips), and the ChatML template."""
+    decode (both would break exact round-trips), and the chat template (ChatML's
+    unless SFT trained with another)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **SPECIAL_TOKENS_MAP,
@@ -307,7 +318,7 @@ def tokenizer_config(max_seq_len: int) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_seq_len,
-        "chat_template": CHAT_TEMPLATE_JINJA,
+        "chat_template": chat_template,
     }
 
 
@@ -329,6 +340,11 @@ def generation_config() -> dict[str, Any]:
 CHATML_FORMAT = ("ChatML: each message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and the model answers "
                  "after `<|im_start|>assistant\\n`. The tokenizer's `chat_template` renders it; generation stops at "
                  "`<|im_end|>` or `<|endoftext|>` (`generation_config.json`).")
+
+
+TRAINED_FORMAT = ("The chat template that SFT rendered its data with (`sft.data.chat_template`), the tokenizer's "
+                  "`chat_template` in `tokenizer_config.json`; `apply_chat_template` renders conversations as SFT did. "
+                  "Generation stops at the ids in `generation_config.json`.")
 
 
 def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[str, Any], card_info: Mapping[str, Any],

@@ -39,10 +39,11 @@ from pipeline.data.chat_template import (
     load_chat_template,
     stop_ids,
     template_of_hf_folder,
+    template_of_sft_data,
 )
 from pipeline.data.tokenizer import EOT_ID, IM_END_ID, load_specials, load_tokenizer, open_hf_tokenizer
 from pipeline.errors import StageError
-from pipeline.files import sha256_file
+from pipeline.files import read_json, sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import KVCache, ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
@@ -211,15 +212,19 @@ def check_tokenizer(tokenizer_path: str | Path, expected_sha256: str | None) -> 
 # --------------------------------------------------------------------------- prompting
 
 
-def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path | None = None
+def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path | None = None,
+              sft_manifest: str | Path | None = layout.SFT_DATA / "manifest.json",
               ) -> tuple[ChatTemplate | None, tuple[int, ...], tuple[int, ...]]:
     """How to prompt the model at ``path``: (chat template, chat stop ids, text
     stop ids). A Hugging Face folder brings its own template and stop ids
-    (``tokenizer_config.json``, ``generation_config.json``); a checkpoint uses
-    the tokenizer folder's (its own template, else ChatML). The template is None
-    for ChatML on our own tokenizer."""
+    (``tokenizer_config.json``, ``generation_config.json``). A checkpoint folder
+    is prompted as SFT trained and evaluate samples: with the template and stop
+    ids of the SFT data (``sft_manifest``) when that data was tokenized with this
+    tokenizer, else with the tokenizer folder's (its own template, else ChatML).
+    The template is None for ChatML on our own tokenizer."""
     path = Path(path)
-    if hf_adapter.is_hf_model_folder(path) and not tokenizer_path:
+    hf_folder = hf_adapter.is_hf_model_folder(path)
+    if hf_folder and not tokenizer_path:
         template, roles = template_of_hf_folder(path, tokenizer)
         text_stops = tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
         if template is None:
@@ -227,6 +232,12 @@ def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path
         return template, stop_ids(tokenizer, template, roles.eos_ids), text_stops
     tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
     roles = load_specials(tok_path)
+    text_stops = TEXT_STOP_IDS if roles.own else tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
+    manifest = read_json(sft_manifest) if not hf_folder and sft_manifest and Path(sft_manifest).is_file() else {}
+    if manifest.get("chat_template") and manifest.get("tokenizer_sha256") in (None, sha256_file(tok_path)):
+        template = template_of_sft_data(manifest, tok_path, tokenizer)
+        chat_stops = tuple(manifest.get("stop_ids") or stop_ids(tokenizer, template, roles.eos_ids))
+        return (None if template.source is None else template), chat_stops, text_stops
     if roles.own:
         return None, CHAT_STOP_IDS, TEXT_STOP_IDS
     template = load_chat_template("auto", tok_path, tokenizer, key="--tokenizer")

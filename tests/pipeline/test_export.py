@@ -208,6 +208,39 @@ def test_chat_template_gives_encode_chat_ids(hf_tok, tok):
     assert got == encode_chat(tok, messages)[0]
 
 
+def test_our_tokenizer_ships_the_chat_template_sft_trained_with(tmp_path, tok, tok_path):
+    """sft.data.chat_template: a .jinja file on the pipeline's own tokenizer. The export's tokenizer
+    renders and encodes as SFT did (not ChatML), stops where SFT's data says, and the card says so."""
+    from pipeline.data.chat_template import encode_conversation, load_chat_template, render
+    from pipeline.data.chat_template import encode_prompt as template_prompt
+    from pipeline.data.chat_template import stop_ids as template_stops
+    from pipeline.files import write_json
+    from tests.hf_tokenizers import QWEN2_TEMPLATE
+
+    (tmp_path / "custom.jinja").write_text(QWEN2_TEMPLATE)  # ChatML's tokens, a default system prompt
+    template = load_chat_template(str(tmp_path / "custom.jinja"), tok_path, tok)
+    write_json(tmp_path / "manifest.json", {  # the fields build_sft_data records
+        "chat_template": template.text, "chat_template_name": template.name, "template_date": "2024-07-26",
+        "stop_ids": list(template_stops(tok, template, CHAT_STOP_IDS)), "tokenizer_sha256": sha256_file(tok_path)})
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())),
+                    meta={"tokenizer_sha256": sha256_file(tok_path)})
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, sft_manifest=tmp_path / "manifest.json")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    for messages in (MESSAGES[1:2], MESSAGES[1:]):  # no system message: the template adds its own
+        text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text == render(template, messages, add_generation_prompt=True) != \
+            tok.decode(encode_prompt(tok, messages), skip_special_tokens=False)
+        assert hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False) \
+            == template_prompt(tok, messages, template)
+    assert hf_tok.apply_chat_template(MESSAGES[1:3], tokenize=True, return_dict=False) == \
+        encode_conversation(tok, MESSAGES[1:3], template)[0]
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == list(CHAT_STOP_IDS)
+    card = (tmp_path / "export" / "README.md").read_text()
+    chat_format = card.split("## Chat format")[1].split("##")[0]
+    assert "ChatML" not in chat_format and "SFT rendered its data with" in chat_format
+
+
 # --------------------------------------------------------------------------- card and files
 
 

@@ -250,6 +250,41 @@ def test_cli_reports_a_missing_model_without_a_traceback(capsys, tmp_path):
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_checkpoint_is_prompted_with_the_template_sft_trained_with(tmp_path, tok, tok_path, ckpt_dir, monkeypatch):
+    """Our own tokenizer, sft.data.chat_template a .jinja file: --chat on a checkpoint folder renders
+    the prompt as the SFT data was rendered (data/sft/manifest.json), not as ChatML; data of
+    another tokenizer is not taken for this one's."""
+    from pipeline.data.chat_template import encode_prompt as template_prompt
+    from pipeline.data.chat_template import load_chat_template
+    from pipeline.files import write_json
+    from pipeline.model.generate import prompting
+    from tests.hf_tokenizers import QWEN2_TEMPLATE
+
+    (tmp_path / "custom.jinja").write_text(QWEN2_TEMPLATE)
+    template = load_chat_template(str(tmp_path / "custom.jinja"), tok_path, tok)
+    manifest = tmp_path / "manifest.json"
+    record = {"chat_template": template.text, "chat_template_name": template.name, "stop_ids": [3, 0],
+              "tokenizer_sha256": sha256_file(tok_path)}
+    write_json(manifest, record)
+    got, chat_stops, text_stops = prompting(ckpt_dir, tok, tok_path, sft_manifest=manifest)
+    assert got.source == QWEN2_TEMPLATE and chat_stops == (3, 0) and text_stops == (EOT_ID,)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert template_prompt(tok, messages, got) != encode_prompt(tok, messages)
+    write_json(manifest, {**record, "tokenizer_sha256": "0" * 64})
+    assert prompting(ckpt_dir, tok, tok_path, sft_manifest=manifest)[0] is None  # ChatML
+    # the CLI reads data/sft/manifest.json from the project root
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    write_json(tmp_path / "data" / "sft" / "manifest.json", record)
+    import pipeline.model.generate as gen
+
+    seen = []
+    real = gen._encode_chat_prompt
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gen, "_encode_chat_prompt", lambda *a, **kw: seen.append(kw["template"]) or real(*a, **kw))
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--chat", "Hi", "--max-new-tokens", "2"]) == 0
+    assert [t.source for t in seen] == [QWEN2_TEMPLATE]
+
+
 @pytest.mark.parametrize("device, message", [
     ("gpu", r"device 'gpu' is not a device name; use auto, cpu, cuda, cuda:N or mps"),
     ("xla", r"device 'xla' is not supported; use auto, cpu, cuda, cuda:N or mps"),
