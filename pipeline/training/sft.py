@@ -33,7 +33,7 @@ from pipeline.training.config import (
     TrainConfig,
 )
 from pipeline.training.pretrain import write_report
-from pipeline.training.trainer import Trainer, check_batch, check_resume
+from pipeline.training.trainer import Trainer, check_batch, check_compute, check_resume
 
 DATA_REPORT = "report.json"  # data/sft/report.json: the SFT data build, per source and split
 
@@ -121,6 +121,7 @@ def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine
     """Once, in the launcher: check that pretrain finished, build the SFT shards,
     and check that the run can start or resume."""
     pretrained(pretrain_dir)
+    check_compute(cfg)
     metrics = build_sft_data(cfg.data, tokenizer_path, data_dir, quarantine_path)
     write_json(Path(data_dir) / DATA_REPORT, metrics)
     init, model_cfg, data_id, _ = plan(cfg, data_dir, pretrain_dir)

@@ -135,6 +135,14 @@ def check_batch(cfg: TrainConfig, train_dir: Path) -> None:
     check_global_batch(requested_rows_per_rank(cfg.batch), world, len(PackedRows(train_dir)))
 
 
+def check_compute(cfg: TrainConfig) -> None:
+    """Launcher side, before any rank starts: the device this machine gives a
+    rank, and the attention backend on it in the resolved precision, as every
+    rank resolves them again (a DeviceError or AttentionBackendError, one line)."""
+    device = distributed.pick_device(cfg.compute.device)
+    attention.resolve(cfg.compute.attention, device, resolve_precision(cfg.compute.precision, device))
+
+
 class Trainer:
     """Train ``model_cfg`` on the rows in ``train_dir``, checkpointing into ``out_dir``.
 

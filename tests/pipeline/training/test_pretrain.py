@@ -154,6 +154,23 @@ def test_the_launcher_refuses_a_batch_the_train_split_cannot_fill(hf, tmp_path):
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.parametrize("compute, message", [
+    ({"attention": "flex"}, "attention flex trains on CUDA only"),
+    ({"attention": "varlen"}, "attention varlen needs a CUDA device"),
+    ({"device": "cuda"}, "device 'cuda' was asked for, but torch"),
+])
+def test_the_launcher_refuses_a_device_or_attention_this_machine_cannot_train_with(hf, tmp_path, compute, message):
+    """Before torchrun starts: every rank would refuse it, in a rank's line after torchrun's start-up."""
+    if torch.cuda.is_available():
+        pytest.skip("the refusals are those of a machine without CUDA")
+    _, packed = hf
+    params = train_params(BASE, model={"preset": "tiny"})
+    params["compute"] = {**params.get("compute", {}), **compute}
+    with pytest.raises(StageError, match=message):
+        prepare_pretrain(parse_section(PretrainConfig, params, "pretrain"), packed, tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+
+
 def test_data_made_with_another_tokenizer_is_refused_before_training(hf, tmp_path):
     folder, _ = hf
     write_packed(tmp_path / "packed", vocab=64, n_docs=40)  # our own (synthetic) tokenizer

@@ -12,6 +12,7 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.training.loss import token_loss_sum
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
 from pipeline.data.shards import DataError, PackedRows
+from pipeline.errors import StageError
 from pipeline.training.sft import SFTConfig, SFTError, prepare_sft, run_sft
 from tests.helpers import synthetic_docs, train_params, write_packed, write_split
 from tests.pipeline.data.test_chat import tiny_tokenizer
@@ -105,6 +106,17 @@ def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path
         prepare(micro_batch_size=rows + 1)
     assert f"one step needs {rows + 1} rows" in str(err.value) and f"train split has only {rows}" in str(err.value)
     assert not (tmp_path / "models").exists()
+
+
+def test_the_launcher_refuses_an_attention_this_machine_cannot_train_with(tmp_path, pretrained):
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is that of a machine without CUDA")
+    params = train_params(TRAIN, seq_len=32, max_steps=4)
+    params["compute"] = {**params.get("compute", {}), "attention": "flex"}
+    with pytest.raises(StageError, match="attention flex trains on CUDA only"):
+        prepare_sft(parse_section(SFTConfig, params, "sft"), tmp_path / "tokenizer.json", tmp_path / "sft",
+                    tmp_path / "q.jsonl", pretrained, tmp_path / "models")
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()  # refused before building data
 
 
 def test_sft_params_validate_data_and_training_keys():

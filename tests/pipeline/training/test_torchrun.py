@@ -24,6 +24,7 @@ def test_a_rank_that_fails_in_one_line_gives_its_exit_code_and_no_torchrun_trace
 
 
 def test_ranks_that_succeed_exit_zero(tmp_path):
-    proc = torchrun(tmp_path, "import os\nprint('rank', os.environ['RANK'])\n", ranks=2)
+    # one write per line: print's pieces from two unbuffered ranks can interleave ("rankrank 1\n 0")
+    proc = torchrun(tmp_path, "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n", ranks=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
