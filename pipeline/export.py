@@ -63,7 +63,7 @@ from safetensors.torch import save_file
 
 from pipeline.config import StageConfig, flatten
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
-from pipeline.data.tokenizer import EOT, EOT_ID, HF_DIR, IM_END, PAD, PAD_ID, load_specials, tokenizer_dir
+from pipeline.data.tokenizer import EOT_ID, HF_DIR, OWN_TOKEN_VARIABLES, PAD_ID, load_specials, tokenizer_dir
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, sha256_file, write_json
 from pipeline.model import generate as gen
@@ -304,7 +304,7 @@ def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapp
 
 # --------------------------------------------------------------------------- file contents
 
-SPECIAL_TOKENS_MAP = {"bos_token": EOT, "eos_token": IM_END, "pad_token": PAD}
+SPECIAL_TOKENS_MAP = OWN_TOKEN_VARIABLES
 
 
 def tokenizer_config(max_seq_len: int, chat_template: str = CHAT_TEMPLATE_JINJA) -> dict[str, Any]:

@@ -103,7 +103,8 @@ from tokenizers import Tokenizer
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, encode_chat as chatml_encode_chat
 from pipeline.data.chat import encode_prompt as chatml_encode_prompt
 from pipeline.data.chat import validate_messages
-from pipeline.data.tokenizer import HF_DIR, IM_END, IM_START, Specials, hf_specials, load_specials, tokenizer_dir
+from pipeline.data.tokenizer import (HF_DIR, IM_END, IM_START, OWN_TOKEN_VARIABLES, Specials, hf_specials, load_specials,
+                                     tokenizer_dir)
 from pipeline.errors import StageError
 from pipeline.files import read_json
 
@@ -175,18 +176,20 @@ def tokenizer_specials(tok: Tokenizer) -> dict[str, int]:
     return {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
 
-def _token_variables(folder: Path, specials_texts: Mapping[str, str], tok: Tokenizer,
-                     eos_ids: Sequence[int], bos_id: int | None) -> dict[str, str]:
-    """The special-token texts apply_chat_template would pass: from the adopted
-    folder's ``tokenizer_config.json`` when there is one, else from the roles."""
+def _token_variables(folder: Path, roles: Specials, tok: Tokenizer) -> dict[str, str]:
+    """The special-token texts apply_chat_template would pass: for our own
+    tokenizer, those its export declares; from the adopted folder's
+    ``tokenizer_config.json`` when there is one; else from the roles."""
+    if roles.own:
+        return dict(OWN_TOKEN_VARIABLES)
     config_file = folder / HF_DIR / "tokenizer_config.json"
     if config_file.is_file():
         return _config_variables(config_file)
-    out = {"eos_token": specials_texts.get("eos") or tok.id_to_token(eos_ids[0])} if eos_ids else {}
-    if bos_id is not None:
-        out["bos_token"] = tok.id_to_token(bos_id)
-    if specials_texts.get("pad"):
-        out["pad_token"] = specials_texts["pad"]
+    out = {"eos_token": roles.texts.get("eos") or tok.id_to_token(roles.eos_ids[0])} if roles.eos_ids else {}
+    if roles.bos_id is not None:
+        out["bos_token"] = tok.id_to_token(roles.bos_id)
+    if roles.texts.get("pad"):
+        out["pad_token"] = roles.texts["pad"]
     return {k: v for k, v in out.items() if v}
 
 
@@ -212,7 +215,7 @@ def load_chat_template(choice: str, tokenizer_path: str | Path, tok: Tokenizer, 
     folder = tokenizer_dir(tokenizer_path)
     roles = load_specials(folder)
     specials = tokenizer_specials(tok)
-    variables = _token_variables(folder, roles.texts, tok, roles.eos_ids, roles.bos_id)
+    variables = _token_variables(folder, roles, tok)
     if choice == "auto" and roles.chat_template:
         return ChatTemplate(f"tokenizer ({roles.source})", roles.chat_template, variables, specials, date)
     if choice in CHOICES:
@@ -243,7 +246,7 @@ def template_of_sft_data(manifest: Mapping[str, Any], tokenizer_path: str | Path
     date = dt.date.fromisoformat(manifest["template_date"]) if manifest.get("template_date") else DEFAULT_DATE
     folder = tokenizer_dir(tokenizer_path)
     roles = load_specials(folder)
-    variables = _token_variables(folder, roles.texts, tok, roles.eos_ids, roles.bos_id)
+    variables = _token_variables(folder, roles, tok)
     source = None if name == "chatml" and roles.own else manifest.get("chat_template") or CHAT_TEMPLATE_JINJA
     return ChatTemplate(name, source, variables, tokenizer_specials(tok), date)
 

@@ -78,6 +78,9 @@ IM_END = "<|im_end|>"
 # packed dataset and checkpoint made before.
 SPECIAL_TOKENS: tuple[str, ...] = (EOT, PAD, IM_START, IM_END)
 EOT_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+# What our own tokenizer declares to transformers (the exported tokenizer_config.json and
+# special_tokens_map.json), and so what a chat template reads as bos_token, eos_token and pad_token.
+OWN_TOKEN_VARIABLES = {"bos_token": EOT, "eos_token": IM_END, "pad_token": PAD}
 SPECIAL_ROLES: dict[str, str] = {"eot": EOT, "pad": PAD, "im_start": IM_START, "im_end": IM_END}
 
 BYTE_ALPHABET = 256

@@ -241,6 +241,27 @@ def test_our_tokenizer_ships_the_chat_template_sft_trained_with(tmp_path, tok, t
     assert "ChatML" not in chat_format and "SFT rendered its data with" in chat_format
 
 
+def test_a_template_reads_the_special_tokens_the_export_declares(tmp_path, tok, tok_path):
+    """A template using bos_token, eos_token and pad_token renders the same in SFT (our own tokenizer) and in
+    transformers on the export, whose tokenizer_config.json declares them."""
+    from pipeline.data.chat_template import load_chat_template, render
+    from pipeline.files import write_json
+
+    (tmp_path / "tokens.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}{{ pad_token }}")
+    template = load_chat_template(str(tmp_path / "tokens.jinja"), tok_path, tok)
+    write_json(tmp_path / "manifest.json", {"chat_template": template.text, "chat_template_name": template.name,
+                                            "tokenizer_sha256": sha256_file(tok_path)})
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())),
+                    meta={"tokenizer_sha256": sha256_file(tok_path)})
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, sft_manifest=tmp_path / "manifest.json")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ours = render(template, MESSAGES[1:3], add_generation_prompt=True)
+    assert ours.startswith("<|endoftext|>user: ") and ours.endswith("assistant: <|pad|>")
+    assert hf_tok.apply_chat_template(MESSAGES[1:3], tokenize=False, add_generation_prompt=True) == ours
+
+
 # --------------------------------------------------------------------------- card and files
 
 
