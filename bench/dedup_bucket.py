@@ -1,19 +1,26 @@
-"""Sharded near dedup on one large bucket: the memory of its band task and of its
-decision pass against the bucket's size.
+"""Sharded near dedup on one large bucket of near-identical documents: a large
+bucket's members checked against its kept documents (the default) against all
+of its pairs, side by side, and the memory of each step.
 
-    python -m bench.dedup_bucket                 # buckets of 3,000 and 6,000 documents
-    python -m bench.dedup_bucket --docs 2000 8000
+    python -m bench.dedup_bucket                         # 3,000 and 6,000 documents both ways, 100,000 the default way
+    python -m bench.dedup_bucket --docs 2000 --large 30000 300000
 
 A bucket of m near-identical documents (boilerplate pages, templated files)
-gives m(m-1)/2 candidate pairs: 4.5 M for 3,000, 18 M for 6,000. The band task
-(``dedup.band_pairs``) writes them in sorted runs of ``PAIRS_PER_RUN`` and the
-decision pass (``dedup.resolve``) reads at most ``RESOLVE_PAIRS`` of them at a
-time, so their own memory should not grow with m; the time and the disk do.
+has m(m-1)/2 pairs: 4.5 M for 3,000, 18 M for 6,000. Written as pairs (what
+every bucket gave before ``dedup.LARGE_BUCKET``, forced here by raising it),
+the band tasks (``dedup.band_pairs``) compute them all, in every band where
+the bucket's documents are equal, and write those first found in each band,
+and the decision pass (``dedup.resolve``) reads them all. As members, each
+band task writes one record per document, and the decision pass compares each
+document with the bucket's kept ones: here the first, so m - 1 comparisons.
+Both must drop the same documents; the bench checks it.
 
-Each size runs in a fresh process, which polls its own ``/proc/self/status``
-every 5 ms: the peak of anonymous memory (the process's own) above what it held
-before the step, and the peak of file-backed pages (the runs, memory-mapped;
-the kernel can reclaim them). Linux only.
+The documents: 128-slot signatures in 16 bands, equal in the first 15 bands and
+random in the last, so one bucket in each of 15 bands. Each way and size runs
+in a fresh process, which polls its own ``/proc/self/status`` every 5 ms: the
+peak of anonymous memory (the process's own) above what it held before the
+step, and the peak of file-backed pages (the runs, memory-mapped; the kernel
+can reclaim them). Linux only.
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ def _status() -> dict[str, int]:
     return out
 
 
-def one(docs: int, folder: Path) -> dict:
-    """In this process: one bucket of ``docs`` documents, its band task, then the decision pass."""
+def one(docs: int, folder: Path, way: str) -> dict:
+    """In this process: one bucket of ``docs`` documents, the band tasks of
+    every band, then the decision pass; ``way``: members or pairs."""
     import numpy as np
 
     from pipeline.data import dedup
 
+    if way == "pairs":
+        dedup.LARGE_BUCKET = docs  # no bucket is large: every one gives its pairs
     work = dedup.WorkDir(folder, docs, num_perm=128, bands=16, partition_docs=1_000_000)
     writer = dedup.SignatureWriter(work, exact=True, near=True)
     rng = np.random.default_rng(0)
@@ -77,35 +87,67 @@ def one(docs: int, folder: Path) -> dict:
         return result, {"seconds": round(time.perf_counter() - t0, 2), "anon_mb": peak["RssAnon"] - base,
                         "file_mb": peak["RssFile"]}
 
+    def band_tasks() -> list[str]:
+        return [r for b in range(work.bands) for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
+
     try:
-        runs, band = measured(dedup.band_pairs, work, 0, 0, writer.size(work.band_path(0, 0)))
-        pairs = sum(len(np.load(r, mmap_mode="r")) for r in runs)
+        runs, band = measured(band_tasks)
+        loaded = [np.load(r, mmap_mode="r") for r in runs]
+        pairs = sum(len(r) for r in loaded if r.dtype == dedup.PAIR)
+        members = sum(len(r) for r in loaded if r.dtype == dedup.MEMBER)
+        del loaded
         res, decide = measured(dedup.resolve, work, runs, 0.8, 10)
         disk = sum(Path(r).stat().st_size for r in runs)
+        state = work.state().tolist()
     finally:
         dedup.remove(folder)
-    return {"docs": docs, "pairs": pairs, "runs": len(runs), "pairs_disk_mb": round(disk / 1e6),
-            "near": res["near"], "band_task": band, "decision_pass": decide}
+    return {"docs": docs, "way": way, "pairs": pairs, "members": members, "disk_mb": disk / 1e6,
+            "near": res["near"], "checked": res["candidates_checked"], "state": hash(tuple(state)),
+            "band_tasks": band, "decision_pass": decide}
+
+
+def measure(docs: int, way: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.dedup_bucket", "--one", str(docs), way], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def row(r: dict) -> str:
+    b, d = r["band_tasks"], r["decision_pass"]
+    records = f"{r['pairs'] / 1e6:.1f} M pairs" if r["way"] == "pairs" else f"{r['members']:,} members"
+    return (f"| {r['docs']:,} | {r['way']} | {records} | {r['disk_mb']:.1f} MB | {r['checked']:,} | {b['anon_mb']} MB "
+            f"| {d['anon_mb']} MB | {d['file_mb']} MB | {b['seconds']} + {d['seconds']} s |")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--docs", type=int, nargs="+", default=[3000, 6000], help="bucket sizes")
-    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process's size
+    ap.add_argument("--docs", type=int, nargs="*", default=[3000, 6000], help="bucket sizes run both ways")
+    ap.add_argument("--large", type=int, nargs="*", default=[100_000], help="bucket sizes run as members only")
+    ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # the child process's size and way
     args = ap.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as d:
-            print(json.dumps(one(args.one, Path(d) / "work")))
+            print(json.dumps(one(int(args.one[0]), Path(d) / "work", args.one[1])))
         return 0
-    print("| bucket | pairs | on disk | band task: own peak | decision pass: own peak | its mapped runs | time |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print("| bucket | way | records | on disk | candidates checked | band tasks: own peak | decision pass: own peak "
+          "| its mapped runs | time (band tasks + decisions) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ratios = []
     for docs in args.docs:
-        out = subprocess.run([sys.executable, "-m", "bench.dedup_bucket", "--one", str(docs)], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
-        b, d = r["band_task"], r["decision_pass"]
-        print(f"| {docs:,} | {r['pairs'] / 1e6:.1f} M | {r['pairs_disk_mb']} MB | {b['anon_mb']} MB "
-              f"| {d['anon_mb']} MB | {d['file_mb']} MB | {b['seconds']} + {d['seconds']} s |")
+        members, pairs = measure(docs, "members"), measure(docs, "pairs")
+        if (members["state"], members["near"]) != (pairs["state"], pairs["near"]):
+            raise SystemExit(f"{docs} documents: the two ways dropped different documents")
+        print(row(members))
+        print(row(pairs))
+        total = {k: r["band_tasks"]["seconds"] + r["decision_pass"]["seconds"] for k, r in (("m", members),
+                                                                                          ("p", pairs))}
+        ratios.append(f"{docs:,} documents: pairs / members time {total['p'] / max(total['m'], 0.01):.0f}x, "
+                      f"disk {pairs['disk_mb'] / max(members['disk_mb'], 1e-6):.0f}x")
+    for docs in args.large:
+        print(row(measure(docs, "members")))
+    for line in ratios:
+        print(line)
     return 0
 
 

@@ -20,13 +20,17 @@ a range of documents rather than by the corpus:
    sorted by band hash, each bucket of documents whose band is equal gives its
    candidate pairs with their count of equal signature slots. A pair that also
    shares an earlier band is left to that band, so each pair is written once.
+   A bucket of more than :data:`LARGE_BUCKET` documents gives no pairs but
+   its members (:data:`MEMBER` records, one per document), which the
+   decision pass checks against the bucket's kept members only (below).
    Each task checks its partition file against the bytes the driver wrote to
    it, so a worker that does not see the work folder (a Ray node without its
    storage) stops the stage in one line instead of finding no duplicates.
-3. **decisions** (:func:`resolve`, one pass in document order over the pairs,
-   read a range of documents at a time): a document is a near duplicate when a
-   candidate pair links it to an earlier document still kept with estimated
-   Jaccard at or above the threshold. This is exactly the greedy rule of
+3. **decisions** (:func:`resolve`, one pass in document order over the pairs
+   and members, read a range of documents at a time): a document is a near
+   duplicate when a candidate pair, or a large bucket it shares, links it to
+   an earlier document still kept with estimated Jaccard at or above the
+   threshold. This is exactly the greedy rule of
    NearDedup, not a cluster rule: with A~B and B~C but not A~C, B is dropped and
    C kept, as the in-memory index does. The kept document named in a drop's
    detail is the best match, the earliest on a tie, as there.
@@ -41,13 +45,27 @@ Memory per task: an exact task holds its partition (24 B per document), a band
 task its partition (16 B per document) plus the signatures of one bucket (read
 with pread, nothing mapped) and up to :data:`PAIRS_PER_RUN` pairs (18 B each),
 plus one document's pairs with the earlier ones of its bucket, before it writes
-a sorted run, within a bucket too; :func:`resolve` maps the state bytes (1 B per
-document, file-backed) and holds the pairs of at most :data:`RESOLVE_DOCS`
-documents and :data:`RESOLVE_PAIRS` pairs at a time (or one document's pairs,
-fewer than the documents); the driver buffers at most :data:`FLUSH_BYTES` of step 1's records. The
-work folder on disk takes about ``4 x num_perm + 16 x (bands + 2)`` bytes per
-document. The one cost that grows faster than the corpus: a bucket of m
-near-identical documents gives m(m-1)/2 pairs to compute (spilled to disk).
+a sorted run, within a bucket too (a bucket of more than LARGE_BUCKET
+documents: its band only, ``4 x num_perm / bands`` B per document, and 26 B
+per member record); :func:`resolve` maps the state bytes (1 B per
+document, file-backed) and holds the pairs and member records of at most
+:data:`RESOLVE_DOCS` documents and :data:`RESOLVE_PAIRS` records at a time (or
+one document's, fewer than the documents), plus the signatures of the kept
+members of the large buckets it is inside of (``4 x num_perm`` B each, freed
+at a bucket's last member); the driver buffers at most :data:`FLUSH_BYTES` of
+step 1's records. The work folder on disk takes about ``4 x num_perm + 16 x
+(bands + 2)`` bytes per document.
+
+Large buckets. A bucket of m near-identical documents (boilerplate pages,
+templated files) would give m(m-1)/2 pairs, nearly all of them with a document
+that is dropped anyway: 18 M for m = 6,000 (324 MB on disk and 96 s in
+``python -m bench.dedup_bucket``), 450 M (8 GB) for 30,000.
+Greedy needs only the pairs with *kept* documents, and which ones are kept is
+known only in document order, so such a bucket is left to the decision pass:
+each member is compared with the members kept before it, as the in-memory
+index does (m - 1 comparisons for a cluster of copies; m(m-1)/2 only where every
+member is kept, which the in-memory index pays too). A pair that is also in a
+small bucket of another band is found both ways and counted once.
 """
 
 from __future__ import annotations
@@ -72,11 +90,15 @@ FILTERED = 16   # FILTERED + k: dropped by the k-th enabled filter
 EXACT_RECORD = np.dtype([("d0", "<u8"), ("d1", "<u8"), ("doc", "<i8")])
 BAND_RECORD = np.dtype([("key", "<u8"), ("doc", "<i8")])
 PAIR = np.dtype([("j", "<i8"), ("i", "<i8"), ("equal", "<u2")])  # doc j > doc i, equal signature slots
+# doc is in the bucket of band `band` whose members run from doc `first` to doc `last`
+MEMBER = np.dtype([("doc", "<i8"), ("first", "<i8"), ("last", "<i8"), ("band", "<u2")])
 
 PAIRS_PER_RUN = 1 << 20
 RESOLVE_DOCS = 1 << 20
 RESOLVE_PAIRS = 1 << 20
 FLUSH_BYTES = 16 << 20
+# A bucket of more documents than this gives its members, not its pairs (see "Large buckets").
+LARGE_BUCKET = 1000
 
 
 
@@ -129,16 +151,21 @@ class WorkDir:
     def pairs_path(self, b: int, p: int, run: int) -> Path:
         return self.root / f"pairs-{b:04d}-{p:05d}-{run:04d}.npy"
 
+    def members_path(self, b: int, p: int) -> Path:
+        return self.root / f"members-{b:04d}-{p:05d}.npy"
+
     def state(self, mode: str = "r") -> np.ndarray:
         return np.memmap(self.state_path, dtype=np.uint8, mode=mode, shape=(self.num_docs,))
 
-    def signatures(self, fd: int, docs: np.ndarray) -> np.ndarray:
+    def signatures(self, fd: int, docs: np.ndarray | list[int], band: int | None = None) -> np.ndarray:
         """The (len(docs), num_perm) signatures of ``docs``, read with pread from
         ``fd`` (the signature file, open): a task reads its buckets' rows only,
-        and maps nothing, so its memory does not grow with the file."""
+        and maps nothing, so its memory does not grow with the file. With
+        ``band``, only that band's slots: (len(docs), num_perm / bands)."""
         row = 4 * self.num_perm
-        data = b"".join(os.pread(fd, row, int(d) * row) for d in docs)
-        return np.frombuffer(data, dtype=np.uint32).reshape(len(docs), self.num_perm)
+        width, at = (row, 0) if band is None else (row // self.bands, band * (row // self.bands))
+        data = b"".join(os.pread(fd, width, int(d) * row + at) for d in docs)
+        return np.frombuffer(data, dtype=np.uint32).reshape(len(docs), width // 4)
 
 
 class Spill(NamedTuple):
@@ -272,7 +299,8 @@ def band_pairs(work: WorkDir, b: int, p: int, size: int) -> list[str]:
     """Step 2 (near): the candidate pairs first found in band ``b``, among the
     documents of partition ``p`` (whose file the stage wrote ``size`` bytes to)
     still CANDIDATE (exact duplicates are out). Writes them in runs sorted by
-    (j, i) and returns the runs' paths."""
+    (j, i), and the members of its buckets of more than LARGE_BUCKET documents
+    in one file sorted by document, and returns their paths."""
     rec = _read(work.band_path(b, p), BAND_RECORD, size)
     if len(rec) < 2:
         return []
@@ -298,51 +326,80 @@ def band_pairs(work: WorkDir, b: int, p: int, size: int) -> list[str]:
         buf.clear()
         buffered = 0
 
+    members: list[np.ndarray] = []
+    rows = work.num_perm // work.bands
     try:
         for s, m in zip(starts[sizes > 1], sizes[sizes > 1]):
-            for pairs in _bucket_pairs(work, b, rec["doc"][s:s + m], work.signatures(fd, rec["doc"][s:s + m])):
-                buf.append(pairs)
-                buffered += len(pairs)
-                if buffered >= PAIRS_PER_RUN:  # within a bucket too: a large one spills as it goes
-                    spill()
+            docs = rec["doc"][s:s + m]
+            # a bucket that may give pairs: all its signatures at once; a larger one: its band first
+            group = work.signatures(fd, docs) if m <= LARGE_BUCKET else None
+            band = group[:, b * rows:(b + 1) * rows] if group is not None else work.signatures(fd, docs, band=b)
+            for idx in _true_buckets(band):
+                if len(idx) > LARGE_BUCKET:
+                    out = np.empty(len(idx), MEMBER)
+                    out["doc"], out["first"], out["last"], out["band"] = docs[idx], docs[idx[0]], docs[idx[-1]], b
+                    members.append(out)
+                    continue
+                sigs = group[idx] if group is not None else work.signatures(fd, docs[idx])
+                for pairs in _bucket_pairs(work, b, docs[idx], sigs):
+                    buf.append(pairs)
+                    buffered += len(pairs)
+                    if buffered >= PAIRS_PER_RUN:  # within a bucket too: a large one spills as it goes
+                        spill()
     finally:
         os.close(fd)
     spill()
+    if members:
+        everyone = np.concatenate(members)
+        np.save(work.members_path(b, p), everyone[np.argsort(everyone["doc"], kind="stable")])
+        runs.append(str(work.members_path(b, p)))
     return runs
 
 
+def _true_buckets(band: np.ndarray) -> Iterator[np.ndarray]:
+    """The rows of ``band`` (one band's slots of documents whose band key is
+    equal) grouped by value, each group's row numbers ascending: a hash
+    collision puts unequal bands under one key."""
+    _, bucket = np.unique(band, axis=0, return_inverse=True)
+    bucket = bucket.ravel()
+    if bucket.max() == 0:
+        yield np.arange(len(band))
+        return
+    for k in np.unique(bucket):
+        yield np.flatnonzero(bucket == k)
+
+
 def _bucket_pairs(work: WorkDir, b: int, docs: np.ndarray, group: np.ndarray) -> Iterator[np.ndarray]:
-    """The pairs of one bucket (``docs`` ascending with band ``b``'s key equal,
+    """The pairs of one bucket (``docs`` ascending with band ``b`` equal,
     ``group`` their signatures) first found in band ``b``: for each document,
     its pairs with the earlier ones (fewer than the bucket's size at a time)."""
     rows = work.num_perm // work.bands
-    lo, hi = b * rows, (b + 1) * rows
-    # Equal keys, unequal bands (a hash collision): split into true buckets.
-    _, bucket = np.unique(group[:, lo:hi], axis=0, return_inverse=True)
-    for k in np.unique(bucket):
-        members = np.flatnonzero(bucket.ravel() == k)
-        if len(members) < 2:
+    lo = b * rows
+    for t in range(1, len(docs)):
+        eq = group[:t] == group[t]
+        earlier = eq[:, :lo].reshape(t, b, rows).all(axis=2).any(axis=1) if b else np.zeros(t, bool)
+        new = ~earlier
+        if not new.any():
             continue
-        sub, ids = group[members], docs[members]
-        for t in range(1, len(members)):
-            eq = sub[:t] == sub[t]
-            earlier = eq[:, :lo].reshape(t, b, rows).all(axis=2).any(axis=1) if b else np.zeros(t, bool)
-            new = ~earlier
-            if not new.any():
-                continue
-            out = np.empty(int(new.sum()), PAIR)
-            out["j"], out["i"], out["equal"] = ids[t], ids[:t][new], eq[new].sum(axis=1)
-            yield out
+        out = np.empty(int(new.sum()), PAIR)
+        out["j"], out["i"], out["equal"] = docs[t], docs[:t][new], eq[new].sum(axis=1)
+        yield out
+
+
+def _docs(run: np.ndarray) -> np.ndarray:
+    """The document each record of a run is about, ascending: a pair's later one, a member."""
+    return run["doc"] if run.dtype == MEMBER else run["j"]
 
 
 def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int, int]]:
     """The ranges of documents ``[lo, hi)`` that :func:`resolve` takes one at a
-    time, in order, covering them all: at most RESOLVE_DOCS documents whose pairs
-    in ``runs`` (each sorted by ``j``) number at most RESOLVE_PAIRS, or one
-    document with all its pairs (fewer than ``num_docs``): a large bucket gives
-    many pairs to few documents."""
+    time, in order, covering them all: at most RESOLVE_DOCS documents whose
+    records in ``runs`` (pairs and members, each run sorted by document)
+    number at most RESOLVE_PAIRS, or one document with all its records (fewer
+    than ``num_docs`` pairs and ``bands`` members): a large bucket under
+    LARGE_BUCKET gives many pairs to few documents."""
     def count(lo: int, hi: int) -> int:
-        return sum(int(np.searchsorted(r["j"], hi) - np.searchsorted(r["j"], lo)) for r in runs)
+        return sum(int(np.searchsorted(_docs(r), hi) - np.searchsorted(_docs(r), lo)) for r in runs)
 
     lo = 0
     while lo < num_docs:
@@ -353,9 +410,40 @@ def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int,
         lo = hi
 
 
+class _Kept:
+    """The kept members of one large bucket so far, and their signatures."""
+
+    def __init__(self, num_perm: int):
+        self.ids: list[int] = []
+        self.sigs = np.empty((4, num_perm), np.uint32)
+
+    def add(self, doc: int, sig: np.ndarray) -> None:
+        n = len(self.ids)
+        if n == len(self.sigs):
+            self.sigs = np.concatenate([self.sigs, np.empty_like(self.sigs)])
+        self.sigs[n] = sig
+        self.ids.append(doc)
+
+    def equal(self, sig: np.ndarray) -> list[int]:
+        """Equal slots of ``sig`` with each kept member's signature."""
+        return (self.sigs[:len(self.ids)] == sig).sum(axis=1).tolist()
+
+
+def _in_order(parts: list[np.ndarray], keys: tuple[str, ...]) -> np.ndarray | None:
+    """The records of ``parts`` (copied out of their mapped runs) sorted by ``keys``, the last the primary."""
+    parts = [np.asarray(x) for x in parts if len(x)]
+    if not parts:
+        return None
+    out = np.concatenate(parts)
+    return out[np.lexsort(tuple(out[k] for k in keys))]
+
+
 def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -> dict[str, Any]:
     """Step 3: mark near duplicates NEAR in the state file, in document order.
 
+    A document's candidates are the earlier documents still kept that a pair
+    names, and the kept members so far of each large bucket it is a member
+    of (their equal slots counted here); each candidate once.
     Returns ``candidates_checked`` and ``candidates_below_threshold`` (counted as
     the in-memory index counts them: pairs whose earlier document is kept),
     ``near`` (documents dropped) and ``detail``: for the first ``ids_wanted``
@@ -365,33 +453,61 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
     num_perm = work.num_perm
     checked = rejected = near = 0
     detail: dict[int, tuple[float, int]] = {}
-    for lo, hi in resolve_ranges(opened, work.num_docs):
-        parts = [r[np.searchsorted(r["j"], lo):np.searchsorted(r["j"], hi)] for r in opened]
-        parts = [np.asarray(x) for x in parts if len(x)]
-        if not parts:
-            continue
-        pairs = np.concatenate(parts)
-        pairs = pairs[np.lexsort((pairs["i"], pairs["j"]))]
-        js, is_, equal = pairs["j"].tolist(), pairs["i"].tolist(), pairs["equal"].tolist()
-        k, n = 0, len(js)
-        while k < n:
-            j = js[k]
-            best, best_i = -1.0, -1
-            while k < n and js[k] == j:
-                i = is_[k]
-                if state[i] == CANDIDATE:
+    live: dict[tuple[int, int], _Kept] = {}  # (band, first member) -> the large bucket's kept members so far
+    fd = os.open(work.sig_path, os.O_RDONLY) if any(r.dtype == MEMBER for r in opened) else None
+    end = work.num_docs  # past every document
+    try:
+        for lo, hi in resolve_ranges(opened, work.num_docs):
+            parts = [r[np.searchsorted(_docs(r), lo):np.searchsorted(_docs(r), hi)] for r in opened]
+            pairs = _in_order([x for x in parts if x.dtype == PAIR], ("i", "j"))
+            members = _in_order([x for x in parts if x.dtype == MEMBER], ("band", "doc"))
+            if pairs is None and members is None:
+                continue
+            js, is_, equal = ([], [], []) if pairs is None else \
+                (pairs["j"].tolist(), pairs["i"].tolist(), pairs["equal"].tolist())
+            ms, mkeys, mlast = ([], [], []) if members is None else (
+                members["doc"].tolist(), list(zip(members["band"].tolist(), members["first"].tolist())),
+                members["last"].tolist())
+            k = q = 0
+            n, nm = len(js), len(ms)
+            while k < n or q < nm:
+                j = min(js[k] if k < n else end, ms[q] if q < nm else end)
+                candidates: dict[int, int] = {}  # earlier kept document -> equal slots
+                while k < n and js[k] == j:
+                    if state[is_[k]] == CANDIDATE:
+                        candidates[is_[k]] = equal[k]
+                    k += 1
+                buckets: list[tuple[tuple[int, int], int]] = []  # j's large buckets: key, last member
+                while q < nm and ms[q] == j:
+                    buckets.append((mkeys[q], mlast[q]))
+                    q += 1
+                sig = None
+                if buckets:
+                    sig = work.signatures(fd, [j])[0]
+                    for key, _ in buckets:
+                        if key in live:
+                            candidates.update(zip(live[key].ids, live[key].equal(sig)))
+                best, best_i = -1.0, -1
+                for i in sorted(candidates):
                     checked += 1
-                    jac = equal[k] / num_perm
+                    jac = candidates[i] / num_perm
                     if jac < threshold:
                         rejected += 1
                     elif jac > best:  # ascending i: the earliest of equal matches wins
                         best, best_i = jac, i
-                k += 1
-            if best_i >= 0:
-                state[j] = NEAR
-                near += 1
-                if len(detail) < ids_wanted:
-                    detail[j] = (best, best_i)
+                if best_i >= 0:
+                    state[j] = NEAR
+                    near += 1
+                    if len(detail) < ids_wanted:
+                        detail[j] = (best, best_i)
+                for key, last in buckets:
+                    if j == last:
+                        live.pop(key, None)
+                    elif best_i < 0:
+                        live.setdefault(key, _Kept(num_perm)).add(j, sig)
+    finally:
+        if fd is not None:
+            os.close(fd)
     state.flush()
     del state
     return {"candidates_checked": checked, "candidates_below_threshold": rejected, "near": near, "detail": detail}
@@ -413,7 +529,7 @@ def remove(root: str | Path) -> None:
     if not root.is_dir():
         return
     for f in root.iterdir():
-        if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-")):
+        if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-", "members-")):
             os.unlink(f)
     with contextlib.suppress(OSError):
         os.rmdir(root)

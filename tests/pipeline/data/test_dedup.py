@@ -127,6 +127,75 @@ def test_a_large_bucket_spills_its_pairs_as_it_goes(tmp_path, monkeypatch):
     assert len(runs) > 10 and max(len(r) for r in runs) < 100 + m  # a run, plus one document's pairs
 
 
+@pytest.mark.parametrize("large", [1, 3])
+def test_large_buckets_keep_the_same_documents(tmp_path, monkeypatch, large):
+    """Buckets of more than LARGE_BUCKET documents give their members, checked in
+    the decision pass against the kept ones only: 1 sends every bucket that
+    way, 3 mixes both kinds (a pair found in a small bucket of one band and a
+    large one of another is counted once)."""
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", large)
+    monkeypatch.setattr(dedup, "RESOLVE_PAIRS", 7)  # ranges cut between a bucket's members
+    cluster = [" ".join(edited(A, [k, 200 + k], "x")) for k in range(25)]
+    texts = PLANTED + cluster + PLANTED * 2 + [prose(120, seed=3) + f" v{k}" for k in range(6)]
+    memory, sharded = both(tmp_path, texts, batch_docs=3, quarantine_per_reason=40)
+    assert sharded == memory
+    assert memory[1]["dropped"]["near_duplicate"] > 25
+    kept_of = {q["source"]: q["detail"].rsplit(" ", 1)[1] for q in memory[3] if q["reason"] == "near_duplicate"}
+    assert kept_of["src/2.py"] == "id000" and "src/4.py" not in kept_of  # the chain: C stays
+
+
+def test_band_hash_collisions_split_large_buckets_by_their_band(tmp_path, monkeypatch):
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 1)
+    monkeypatch.setattr(dedup, "band_keys", lambda sigs, bands: np.zeros((len(sigs), bands), np.uint64))
+    memory, sharded = both(tmp_path, PLANTED)
+    assert sharded == memory
+
+
+def test_a_large_bucket_gives_its_members_not_its_pairs(tmp_path, monkeypatch):
+    """A cluster of m copies: m member records, not m(m-1)/2 pairs, and each
+    copy is compared with the one kept document only."""
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 10)
+    m = 60
+    work = dedup.WorkDir(tmp_path / "w", num_docs=m, num_perm=8, bands=2, partition_docs=1000)
+    writer = dedup.SignatureWriter(work, exact=False, near=True)
+    sigs = np.random.default_rng(0).integers(0, 2**32, size=(m, 8), dtype=np.uint32)
+    sigs[:, :7] = sigs[0, :7]  # band 0 equal for all, 7 of 8 slots: estimated Jaccard 0.875
+    writer.add(np.full(m, dedup.CANDIDATE, np.uint8), None, sigs)
+    writer.close()
+    runs = dedup.band_pairs(work, 0, 0, writer.size(work.band_path(0, 0)))
+    assert [os.path.basename(r) for r in runs] == ["members-0000-00000.npy"]
+    members = np.load(runs[0])
+    assert members["doc"].tolist() == list(range(m)) and set(members["last"].tolist()) == {m - 1}
+    res = dedup.resolve(work, runs, 0.8, ids_wanted=3)
+    assert res["near"] == m - 1 and res["candidates_checked"] == m - 1
+    assert res["detail"] == {1: (7 / 8, 0), 2: (7 / 8, 0), 3: (7 / 8, 0)}
+    assert work.state().tolist() == [dedup.CANDIDATE] + [dedup.NEAR] * (m - 1)
+
+
+def test_a_large_bucket_is_checked_against_every_member_kept_before(tmp_path, monkeypatch):
+    """In one large bucket (band 1 equal): 0 and 1 are kept (estimated Jaccard
+    0.5), 2 matches 1 only, 3 matches 0 only, 4 is a copy of 1 (band 0 equal
+    too: a pair as well)."""
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 2)
+    rng = np.random.default_rng(1)
+    sigs = rng.integers(0, 2**32, size=(5, 8), dtype=np.uint32)
+    sigs[:, 4:] = sigs[0, 4:]
+    sigs[2, :3] = sigs[1, :3]  # 7 of 8 with 1, 4 of 8 with 0
+    sigs[3, :3] = sigs[0, :3]  # 7 of 8 with 0
+    sigs[4] = sigs[1]
+    work = dedup.WorkDir(tmp_path / "w", num_docs=5, num_perm=8, bands=2, partition_docs=1000)
+    writer = dedup.SignatureWriter(work, exact=False, near=True)
+    writer.add(np.full(5, dedup.CANDIDATE, np.uint8), None, sigs)
+    writer.close()
+    runs = [r for b in range(2) for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
+    assert sorted(os.path.basename(r)[:8] for r in runs) == ["members-", "pairs-00"]
+    res = dedup.resolve(work, runs, 0.8, ids_wanted=10)
+    assert work.state().tolist() == [dedup.CANDIDATE, dedup.CANDIDATE, dedup.NEAR, dedup.NEAR, dedup.NEAR]
+    assert res["detail"] == {2: (7 / 8, 1), 3: (7 / 8, 0), 4: (1.0, 1)}
+    # 1: {0}; 2: {0, 1}; 3: {0, 1}; 4: {0, 1}, 1 both by its pair and by the bucket, counted once
+    assert (res["candidates_checked"], res["candidates_below_threshold"]) == (7, 4)
+
+
 @pytest.mark.parametrize("order", [1, -1])
 def test_decisions_do_not_depend_on_the_order_of_the_runs(tmp_path, monkeypatch, order):
     monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)
