@@ -1,9 +1,10 @@
-"""Sharded near dedup on one large bucket of near-identical documents: a large
-bucket's members checked against its kept documents (the default) against all
-of its pairs, side by side, and the memory of each step.
+"""Sharded near dedup on one large bucket of near-identical documents: the
+default (a bucket of more than ``dedup.LARGE_BUCKET`` documents gives its
+members, checked against its kept documents) against all of its pairs, side by
+side, and the memory of each step.
 
     python -m bench.dedup_bucket                         # 3,000 and 6,000 documents both ways, 100,000 the default way
-    python -m bench.dedup_bucket --docs 2000 --large 30000 300000
+    python -m bench.dedup_bucket --docs 256 257 --large 30000 300000
 
 A bucket of m near-identical documents (boilerplate pages, templated files)
 has m(m-1)/2 pairs: 4.5 M for 3,000, 18 M for 6,000. Written as pairs (what
@@ -19,8 +20,8 @@ The documents: 128-slot signatures in 16 bands, equal in the first 15 bands and
 random in the last, so one bucket in each of 15 bands. Each way and size runs
 in a fresh process, which polls its own ``/proc/self/status`` every 5 ms: the
 peak of anonymous memory (the process's own) above what it held before the
-step, and the peak of file-backed pages (the runs, memory-mapped; the kernel
-can reclaim them). Linux only.
+step, and the peak of file-backed pages above what it held before (the runs,
+memory-mapped; the kernel can reclaim them). Linux only.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _status() -> dict[str, int]:
 
 def one(docs: int, folder: Path, way: str) -> dict:
     """In this process: one bucket of ``docs`` documents, the band tasks of
-    every band, then the decision pass; ``way``: members or pairs."""
+    every band, then the decision pass; ``way``: default or pairs."""
     import numpy as np
 
     from pipeline.data import dedup
@@ -74,7 +75,7 @@ def one(docs: int, folder: Path, way: str) -> dict:
 
     def measured(fn, *args):
         peak.clear()
-        base = _status()["RssAnon"]
+        base = _status()
         done.clear()
         t = threading.Thread(target=poll)
         t.start()
@@ -84,8 +85,8 @@ def one(docs: int, folder: Path, way: str) -> dict:
         finally:
             done.set()
             t.join()
-        return result, {"seconds": round(time.perf_counter() - t0, 2), "anon_mb": peak["RssAnon"] - base,
-                        "file_mb": peak["RssFile"]}
+        return result, {"seconds": round(time.perf_counter() - t0, 2), "anon_mb": peak["RssAnon"] - base["RssAnon"],
+                        "file_mb": peak["RssFile"] - base["RssFile"]}
 
     def band_tasks() -> list[str]:
         return [r for b in range(work.bands) for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
@@ -114,7 +115,9 @@ def measure(docs: int, way: str) -> dict:
 
 def row(r: dict) -> str:
     b, d = r["band_tasks"], r["decision_pass"]
-    records = f"{r['pairs'] / 1e6:.1f} M pairs" if r["way"] == "pairs" else f"{r['members']:,} members"
+    pairs = f"{r['pairs'] / 1e6:.1f} M pairs" if r["pairs"] >= 100_000 else f"{r['pairs']:,} pairs"
+    records = " + ".join([pairs] * bool(r["pairs"] or not r["members"])
+                         + [f"{r['members']:,} members"] * bool(r["members"]))
     return (f"| {r['docs']:,} | {r['way']} | {records} | {r['disk_mb']:.1f} MB | {r['checked']:,} | {b['anon_mb']} MB "
             f"| {d['anon_mb']} MB | {d['file_mb']} MB | {b['seconds']} + {d['seconds']} s |")
 
@@ -122,7 +125,7 @@ def row(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, nargs="*", default=[3000, 6000], help="bucket sizes run both ways")
-    ap.add_argument("--large", type=int, nargs="*", default=[100_000], help="bucket sizes run as members only")
+    ap.add_argument("--large", type=int, nargs="*", default=[100_000], help="bucket sizes run the default way only")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # the child process's size and way
     args = ap.parse_args(argv)
     if args.one:
@@ -135,17 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ratios = []
     for docs in args.docs:
-        members, pairs = measure(docs, "members"), measure(docs, "pairs")
+        members, pairs = measure(docs, "default"), measure(docs, "pairs")
         if (members["state"], members["near"]) != (pairs["state"], pairs["near"]):
             raise SystemExit(f"{docs} documents: the two ways dropped different documents")
         print(row(members))
         print(row(pairs))
         total = {k: r["band_tasks"]["seconds"] + r["decision_pass"]["seconds"] for k, r in (("m", members),
                                                                                           ("p", pairs))}
-        ratios.append(f"{docs:,} documents: pairs / members time {total['p'] / max(total['m'], 0.01):.0f}x, "
+        ratios.append(f"{docs:,} documents: pairs / default time {total['p'] / max(total['m'], 0.01):.0f}x, "
                       f"disk {pairs['disk_mb'] / max(members['disk_mb'], 1e-6):.0f}x")
     for docs in args.large:
-        print(row(measure(docs, "members")))
+        print(row(measure(docs, "default")))
     for line in ratios:
         print(line)
     return 0

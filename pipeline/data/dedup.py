@@ -47,23 +47,27 @@ with pread, nothing mapped) and up to :data:`PAIRS_PER_RUN` pairs (18 B each),
 plus one document's pairs with the earlier ones of its bucket, before it writes
 a sorted run, within a bucket too (a bucket of more than LARGE_BUCKET
 documents: its band only, ``4 x num_perm / bands`` B per document, and 26 B
-per member record); :func:`resolve` maps the state bytes (1 B per
-document, file-backed) and holds the pairs and member records of at most
-:data:`RESOLVE_DOCS` documents and :data:`RESOLVE_PAIRS` records at a time (or
-one document's, fewer than the documents), plus the signatures of the kept
-members of the large buckets it is inside of (``4 x num_perm`` B each, freed
-at a bucket's last member); the driver buffers at most :data:`FLUSH_BYTES` of
-step 1's records. The work folder on disk takes about ``4 x num_perm + 16 x
-(bands + 2)`` bytes per document.
+per member record; about 145 B per member in all, with sorting copies);
+:func:`resolve` maps the state bytes (1 B per document, file-backed) and holds
+the pairs and member records of at most :data:`RESOLVE_DOCS` documents and
+:data:`RESOLVE_PAIRS` records at a time (or one document's, fewer than the
+documents), plus the kept members of the open large buckets
+(:class:`_LargeBuckets`: each with its signature once, ``4 x num_perm`` B, and
+listed in each of its buckets; 4.2 KB per kept document in 15 buckets); the
+driver buffers at most :data:`FLUSH_BYTES` of step 1's records. The work
+folder on disk takes about ``4 x num_perm + 16 x (bands + 2)`` bytes per
+document, plus a bucket's pairs: up to ``18 x (LARGE_BUCKET - 1) / 2`` B per
+document in buckets of at most LARGE_BUCKET documents, and 26 B per member
+and band in larger ones.
 
 Large buckets. A bucket of m near-identical documents (boilerplate pages,
 templated files) would give m(m-1)/2 pairs, nearly all of them with a document
-that is dropped anyway: 18 M for m = 6,000 (324 MB on disk and 96 s in
+that is dropped anyway: 18 M for m = 6,000 (324 MB on disk and 80 s in
 ``python -m bench.dedup_bucket``), 450 M (8 GB) for 30,000.
 Greedy needs only the pairs with *kept* documents, and which ones are kept is
 known only in document order, so such a bucket is left to the decision pass:
-each member is compared with the members kept before it, as the in-memory
-index does (m - 1 comparisons for a cluster of copies; m(m-1)/2 only where every
+each member is compared with the members kept before it in its large buckets,
+each once, as the in-memory index does (m - 1 comparisons for a cluster of copies; m(m-1)/2 only where every
 member is kept, which the in-memory index pays too). A pair that is also in a
 small bucket of another band is found both ways and counted once.
 """
@@ -98,7 +102,8 @@ RESOLVE_DOCS = 1 << 20
 RESOLVE_PAIRS = 1 << 20
 FLUSH_BYTES = 16 << 20
 # A bucket of more documents than this gives its members, not its pairs (see "Large buckets").
-LARGE_BUCKET = 1000
+LARGE_BUCKET = 256
+READ_DOCS = 4096  # signatures read with one join of preads
 
 
 
@@ -164,8 +169,12 @@ class WorkDir:
         ``band``, only that band's slots: (len(docs), num_perm / bands)."""
         row = 4 * self.num_perm
         width, at = (row, 0) if band is None else (row // self.bands, band * (row // self.bands))
-        data = b"".join(os.pread(fd, width, int(d) * row + at) for d in docs)
-        return np.frombuffer(data, dtype=np.uint32).reshape(len(docs), width // 4)
+        out = np.empty((len(docs), width // 4), np.uint32)
+        for a in range(0, len(docs), READ_DOCS):  # a bounded piece at a time: no bytes object per document held
+            piece = docs[a:a + READ_DOCS]
+            out[a:a + len(piece)] = np.frombuffer(b"".join(os.pread(fd, width, int(d) * row + at) for d in piece),
+                                                  np.uint32).reshape(len(piece), width // 4)
+        return out
 
 
 class Spill(NamedTuple):
@@ -360,11 +369,11 @@ def _true_buckets(band: np.ndarray) -> Iterator[np.ndarray]:
     """The rows of ``band`` (one band's slots of documents whose band key is
     equal) grouped by value, each group's row numbers ascending: a hash
     collision puts unequal bands under one key."""
-    _, bucket = np.unique(band, axis=0, return_inverse=True)
-    bucket = bucket.ravel()
-    if bucket.max() == 0:
+    if all(bool((band[:, c] == band[0, c]).all()) for c in range(band.shape[1])):
         yield np.arange(len(band))
         return
+    _, bucket = np.unique(band, axis=0, return_inverse=True)
+    bucket = bucket.ravel()
     for k in np.unique(bucket):
         yield np.flatnonzero(bucket == k)
 
@@ -410,23 +419,44 @@ def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int,
         lo = hi
 
 
-class _Kept:
-    """The kept members of one large bucket so far, and their signatures."""
+class _LargeBuckets:
+    """The open large buckets of the decision pass: each one's kept members so
+    far, and their signatures, each held once however many of those buckets it
+    is in (a copy is in the buckets of every band where it equals the
+    others) and dropped when the last bucket that lists it closes."""
 
-    def __init__(self, num_perm: int):
-        self.ids: list[int] = []
-        self.sigs = np.empty((4, num_perm), np.uint32)
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, int], list[int]] = {}  # (band, first member) -> kept members so far
+        self.sig: dict[int, np.ndarray] = {}  # kept member -> its signature
+        self.listed: dict[int, int] = {}  # kept member -> open buckets that list it
 
-    def add(self, doc: int, sig: np.ndarray) -> None:
-        n = len(self.ids)
-        if n == len(self.sigs):
-            self.sigs = np.concatenate([self.sigs, np.empty_like(self.sigs)])
-        self.sigs[n] = sig
-        self.ids.append(doc)
+    def candidates(self, keys: list[tuple[int, int]], skip: dict[int, int]) -> list[int]:
+        """The kept members of the buckets ``keys``, once each, less those in ``skip``."""
+        out: set[int] = set()
+        for key in keys:
+            out.update(self.kept.get(key, ()))
+        return [i for i in out if i not in skip]
 
-    def equal(self, sig: np.ndarray) -> list[int]:
-        """Equal slots of ``sig`` with each kept member's signature."""
-        return (self.sigs[:len(self.ids)] == sig).sum(axis=1).tolist()
+    def equal(self, ids: list[int], sig: np.ndarray) -> list[int]:
+        """Equal slots of ``sig`` with the signature of each of ``ids``."""
+        if not ids:
+            return []
+        return (np.stack([self.sig[i] for i in ids]) == sig).sum(axis=1).tolist()
+
+    def keep(self, doc: int, sig: np.ndarray, keys: list[tuple[int, int]]) -> None:
+        """``doc`` is kept: a member of the open buckets ``keys`` (none: nothing to hold)."""
+        if not keys:
+            return
+        for key in keys:
+            self.kept.setdefault(key, []).append(doc)
+        self.sig[doc] = sig
+        self.listed[doc] = self.listed.get(doc, 0) + len(keys)
+
+    def close(self, key: tuple[int, int]) -> None:
+        for i in self.kept.pop(key, ()):
+            self.listed[i] -= 1
+            if not self.listed[i]:
+                del self.listed[i], self.sig[i]
 
 
 def _in_order(parts: list[np.ndarray], keys: tuple[str, ...]) -> np.ndarray | None:
@@ -453,7 +483,7 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
     num_perm = work.num_perm
     checked = rejected = near = 0
     detail: dict[int, tuple[float, int]] = {}
-    live: dict[tuple[int, int], _Kept] = {}  # (band, first member) -> the large bucket's kept members so far
+    large = _LargeBuckets()
     fd = os.open(work.sig_path, os.O_RDONLY) if any(r.dtype == MEMBER for r in opened) else None
     end = work.num_docs  # past every document
     try:
@@ -484,9 +514,8 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
                 sig = None
                 if buckets:
                     sig = work.signatures(fd, [j])[0]
-                    for key, _ in buckets:
-                        if key in live:
-                            candidates.update(zip(live[key].ids, live[key].equal(sig)))
+                    ids = large.candidates([key for key, _ in buckets], candidates)
+                    candidates.update(zip(ids, large.equal(ids, sig)))
                 best, best_i = -1.0, -1
                 for i in sorted(candidates):
                     checked += 1
@@ -500,11 +529,11 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
                     near += 1
                     if len(detail) < ids_wanted:
                         detail[j] = (best, best_i)
+                if best_i < 0 and sig is not None:
+                    large.keep(j, sig, [key for key, last in buckets if j != last])
                 for key, last in buckets:
                     if j == last:
-                        live.pop(key, None)
-                    elif best_i < 0:
-                        live.setdefault(key, _Kept(num_perm)).add(j, sig)
+                        large.close(key)
     finally:
         if fd is not None:
             os.close(fd)
