@@ -34,10 +34,11 @@ Schedules need a real server: see ``flows/retrain.py``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -48,9 +49,11 @@ from flows.runtime import (
     DEFAULT_RETRIES,
     DEFAULT_RETRY_DELAY_S,
     base_env,
+    check_stage_args,
     dvc_bin,
     parent_run,
     parse_status,
+    parse_timeouts,
     stream_command,
     summary_markdown,
     task_options,
@@ -127,16 +130,17 @@ def pipeline(
     return results
 
 
-def parse_timeouts(items: list[str]) -> dict[str, float]:
-    """``["pretrain=3600", "*=600"]`` -> ``{"pretrain": 3600.0, "*": 600.0}``;
-    raises ValueError on anything else."""
-    out = {}
-    for item in items:
-        name, sep, value = item.rpartition("=")
-        if not sep or not name:
-            raise ValueError(f"--timeout takes STAGE=SECONDS, got {item!r}")
-        out[name] = float(value)
-    return out
+def non_negative(kind: type) -> Callable[[str], Any]:
+    """An argparse ``type`` that reads a finite ``kind`` (int or float) >= 0."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="project root (default: current directory)")
     parser.add_argument("--targets", nargs="*", default=None, metavar="STAGE",
                         help="run only these stages and their upstream (default: all)")
-    parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help="retries for data stages")
-    parser.add_argument("--retry-delay", type=float, default=DEFAULT_RETRY_DELAY_S, metavar="S")
+    parser.add_argument("--retries", type=non_negative(int), default=DEFAULT_RETRIES, help="retries for data stages")
+    parser.add_argument("--retry-delay", type=non_negative(float), default=DEFAULT_RETRY_DELAY_S, metavar="S")
     parser.add_argument("--retry-stages", nargs="*", default=None, metavar="STAGE",
                         help="retry exactly these stages instead of the data stages")
     parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=S",
                         help="per-stage timeout in seconds, '*=S' for the others, 0 for none (repeatable)")
     args = parser.parse_args(argv)
-    try:
+    try:  # before the flow starts Prefect's temporary server
         timeouts = parse_timeouts(args.timeout)
+        check_stage_args(Path(args.root or os.getcwd()).resolve(), args.targets, timeouts, args.retry_stages)
     except ValueError as err:
         parser.error(str(err))
     state = pipeline(root=args.root, targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,

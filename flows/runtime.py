@@ -5,7 +5,9 @@ reconfigures the root logger on import), so that tests can reach it.
   own process group and streams its lines; :func:`stop_group` takes the group
   down; :func:`parse_status` reads what DVC did; :func:`changed_stages` asks
   ``dvc status`` what is stale.
-* Prefect: :func:`task_options` (retries and timeouts per stage) and
+* Prefect: :func:`parse_timeouts` and :func:`check_stage_args` (the flows'
+  command-line input, checked before a Prefect server starts),
+  :func:`task_options` (retries and timeouts per stage) and
   :func:`summary_markdown` (the ``pipeline-summary`` artifact).
 * MLflow: :func:`parent_run` opens the ``pipeline`` parent run of one flow run.
   Its id goes to every stage process as ``MLFLOW_PARENT_RUN_ID``
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -39,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from pipeline.config import load_yaml, metric_values
 from pipeline.tracking import tracker as tracking
-from pipeline.tracking.lineage import LineageError, StageInfo, dvc_stage_hashes, read_metrics
+from pipeline.tracking.lineage import LineageError, StageInfo, dvc_stage_hashes, load_stages, read_metrics, select
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,49 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def parse_timeouts(items: Sequence[str]) -> dict[str, float]:
+    """``["pretrain=3600", "*=600"]`` -> ``{"pretrain": 3600.0, "*": 600.0}``; 0
+    means no timeout, as in :func:`task_options`. Raises ValueError naming the
+    item unless it is ``STAGE=SECONDS`` with SECONDS a finite number >= 0."""
+    out = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not sep or not name or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"--timeout takes STAGE=SECONDS with SECONDS a number >= 0 (0: none), got {item!r}")
+        out[name] = seconds
+    return out
+
+
+def check_stage_args(root: str | Path, targets: Sequence[str] | None = None,
+                     timeouts: Mapping[str, float] | None = None,
+                     retry_stages: Sequence[str] | None = None) -> list[StageInfo]:
+    """The stages a run of the project at ``root`` would run (``targets`` and
+    their upstream), after checking every stage name it was given: ``targets``,
+    the keys of ``timeouts`` other than ``"*"``, and ``retry_stages``. Raises
+    ValueError with one line naming the option when ``root`` is not a DVC project
+    or a name is not a stage of it; the flows call this before Prefect starts."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"--root {root}: no such directory")
+    try:
+        stages = load_stages(root)
+    except LineageError as err:
+        raise ValueError(f"--root: {err}") from None
+    names = [s.name for s in stages]
+    given = {"--targets": targets or [], "--timeout": [n for n in timeouts or {} if n != "*"],
+             "--retry-stages": retry_stages or []}
+    for option, items in given.items():
+        unknown = [n for n in items if n not in names]
+        if unknown:
+            raise ValueError(f"{option}: unknown stage(s) {', '.join(unknown)}; {root / 'dvc.yaml'} has "
+                             f"{', '.join(names) or 'no stages'}")
+    return select(stages, targets)
 
 
 def task_options(stage: StageInfo, retries: int = DEFAULT_RETRIES, retry_delay_s: float = DEFAULT_RETRY_DELAY_S,

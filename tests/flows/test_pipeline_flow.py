@@ -164,6 +164,46 @@ def test_task_options_retry_data_stages_only_and_time_out_as_configured():
     assert runtime.task_options(data, retries=2, retry_stages=[])["retries"] == 0
 
 
+def test_parse_timeouts_takes_finite_non_negative_seconds():
+    assert runtime.parse_timeouts(["pretrain=3600", "*=0.5", "a=b=0"]) == {"pretrain": 3600.0, "*": 0.5, "a=b": 0.0}
+    for bad in ("prep=-5", "prep=nan", "prep=inf", "prep=x", "prep", "=5"):
+        with pytest.raises(ValueError, match="STAGE=SECONDS"):
+            runtime.parse_timeouts([bad])
+
+
+def test_check_stage_args_names_the_option_with_an_unknown_stage(tmp_path):
+    root = dvc_project(tmp_path / "proj", {
+        "a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]},
+        "b": {"cmd": "cp a.txt b.txt", "deps": ["a.txt"], "outs": ["b.txt"]},
+    })
+    assert [s.name for s in runtime.check_stage_args(root, ["a"], {"b": 5, "*": 1}, ["b"])] == ["a"]
+    assert [s.name for s in runtime.check_stage_args(root)] == ["a", "b"]
+    for kwargs, option in [({"targets": ["nope"]}, "--targets"), ({"timeouts": {"trian": 1}}, "--timeout"),
+                           ({"retry_stages": ["a", "x"]}, "--retry-stages")]:
+        with pytest.raises(ValueError, match=f"^{option}: unknown stage"):
+            runtime.check_stage_args(root, **kwargs)
+    with pytest.raises(ValueError, match="^--root .*: no such directory"):
+        runtime.check_stage_args(tmp_path / "missing")
+    with pytest.raises(ValueError, match="^--root: .* not a DVC project"):
+        runtime.check_stage_args(tmp_path)
+
+
+def test_cli_refuses_bad_arguments_in_one_line_before_starting_prefect(tmp_path):
+    root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    for args, message in [(["--targets", "nope"], "--targets: unknown stage(s) nope"),
+                          (["--timeout", "trian=1"], "--timeout: unknown stage(s) trian"),
+                          (["--timeout", "a=inf"], "got 'a=inf'"),
+                          (["--retries", "-1"], "argument --retries: expected a number >= 0"),
+                          (["--root", str(tmp_path / "missing")], "no such directory")]:
+        r = subprocess.run([sys.executable, "-m", "flows.pipeline", *args], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (args, r.stdout[-3000:], r.stderr[-3000:])
+        assert r.stdout == "" and r.stderr.startswith("usage: "), "no flow started, no Prefect server"
+        last = r.stderr.splitlines()[-1]
+        assert last.startswith("python -m flows.pipeline: error: ") and message in last, (args, r.stderr[-3000:])
+
+
 def test_parse_status_reads_what_dvc_did():
     assert runtime.parse_status(["Running stage 'pack':", "> python -m stages.pack"]) == "ran"
     assert runtime.parse_status(["Stage 'pack' is cached - skipping run, checking out outputs"]) == "restored"
