@@ -36,13 +36,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline
-from flows.runtime import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages
+from flows.runtime import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages, check_stage_args
 from pipeline.tracking.lineage import load_stages, select
 
 DEPLOYMENT = "retrain"
@@ -77,7 +79,11 @@ def retrain(
 def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str, str]:
     """``(cron, timezone)`` from ``--cron``, else ``$PIPELINE_RETRAIN_CRON``, else
     ``DEFAULT_CRON``, checked with Prefect's own schedule validator; raises
-    ValueError naming the source when the expression or the time zone is invalid."""
+    ValueError naming the source when the expression or the time zone is invalid,
+    when it has other than the 5 standard fields (an ``@daily``-style alias is
+    one; Prefect reads a 6th field as seconds, so ``"0 3 * * * *"`` would run
+    every second from 03:00 to 03:01), or when it never fires (``"0 3 31 2 *"``)."""
+    from prefect._vendor.croniter import CroniterBadDateError, croniter  # what Prefect's scheduler uses
     from prefect.client.schemas.schedules import CronSchedule
     from pydantic import ValidationError
 
@@ -86,11 +92,20 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
         value, source = os.environ.get(CRON_ENV), f"${CRON_ENV}"
     if not value:
         value, source = DEFAULT_CRON, "the default schedule"
+    where = f"{source} {value!r} (time zone {timezone!r})"
     try:
-        CronSchedule(cron=value, timezone=timezone)
+        schedule = CronSchedule(cron=value, timezone=timezone)
     except ValidationError as err:
         reason = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-        raise ValueError(f"{source} {value!r} (time zone {timezone!r}): {reason}") from None
+        raise ValueError(f"{where}: {reason}") from None
+    fields = value.split()
+    if len(fields) != 5 and not (len(fields) == 1 and value.startswith("@")):
+        raise ValueError(f"{where}: a cron expression has 5 fields (minute hour day month weekday), "
+                         f"this one has {len(fields)}")
+    try:
+        croniter(value, datetime.now(ZoneInfo(schedule.timezone)), day_or=schedule.day_or).get_next(datetime)
+    except CroniterBadDateError:
+        raise ValueError(f"{where}: never fires (no date matches it)") from None
     return value, timezone
 
 
@@ -131,16 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="run once now instead of serving the schedule")
     args = parser.parse_args(argv)
     # Pin the deployment to a directory now: a run starts wherever its runner does.
-    params: dict[str, Any] = {"root": str(Path(args.root or ".").resolve())}
+    root = Path(args.root or ".").resolve()
+    try:  # before any run or deployment exists: each would fail the same way
+        check_stage_args(root, args.targets)
+        if not args.once:
+            cron, timezone = resolve_schedule(args.cron, args.timezone)
+    except ValueError as err:
+        parser.error(str(err))
+    params: dict[str, Any] = {"root": str(root)}
     if args.targets:
         params["targets"] = args.targets
     if args.once:
         state = retrain(**params, return_state=True)
         return 0 if state.is_completed() else 1
     try:
-        cron, timezone = resolve_schedule(args.cron, args.timezone)
         serve(cron, timezone=timezone, name=args.name, parameters=params)
-    except (ValueError, RuntimeError) as err:
+    except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

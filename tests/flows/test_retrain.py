@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from flows.runtime import changed_stages, stop_group
-from tests.conftest import BIN, project_copy
+from tests.conftest import BIN, ROOT, project_copy
 
 pytestmark = pytest.mark.slow
 
@@ -239,3 +239,20 @@ def test_serve_refuses_without_a_real_server_and_rejects_bad_cron(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "every night"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--cron 'every night'" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cron", "0 3 * * * *"], "a cron expression has 5 fields"),  # the 6th would be seconds
+    (["--cron", "0 3 31 2 *"], "never fires"),
+    (["--targets", "nope"], "--targets: unknown stage(s) nope"),
+    (["--once", "--targets", "nope"], "--targets: unknown stage(s) nope"),
+    (["--once", "--root", "/nonexistent"], "--root /nonexistent: no such directory"),
+])
+def test_bad_schedule_targets_or_root_are_refused_before_a_deployment_or_run_exists(tmp_path, args, message):
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never contacted
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-3000:]
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("python -m flows.retrain: error: ") and message in last, r.stderr[-3000:]
