@@ -112,16 +112,22 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
 def serve(cron: str, *, timezone: str = "UTC", name: str = DEPLOYMENT, parameters: dict | None = None) -> None:
     """Register the deployment on the Prefect server at ``$PREFECT_API_URL`` and
     run its scheduled runs in subprocesses until interrupted. Raises RuntimeError
-    when no server is configured."""
+    when no server is configured or none answers there."""
+    import httpx
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
     from prefect.settings import PREFECT_API_URL
 
-    if not PREFECT_API_URL.value():
+    url = PREFECT_API_URL.value()
+    if not url:
         raise RuntimeError(
             "scheduling needs a running Prefect server: start one with `make prefect-server` and set "
             "PREFECT_API_URL=http://127.0.0.1:4200/api (the temporary server never fires schedules)"
         )
+    try:  # else serve() fails deep in its client with a page of httpx.ConnectError
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+    except httpx.TransportError:
+        raise RuntimeError(f"no Prefect server at {url}: start one with `make prefect-server`") from None
     retrain.serve(
         name=name,
         schedules=[Cron(cron, timezone=timezone)],

@@ -235,7 +235,11 @@ def test_serve_refuses_without_a_real_server_and_rejects_bad_cron(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "0 3 * * *"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "needs a running Prefect server" in r.stderr, r.stderr[-3000:]
-    env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"  # never contacted: the cron is checked first
+    env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"  # nothing listens on the discard port
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "0 3 * * *"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: no Prefect server at http://127.0.0.1:9/api: start one with `make prefect-server`"], r.stderr[-3000:]
     r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "every night"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--cron 'every night'" in r.stderr, r.stderr[-3000:]
