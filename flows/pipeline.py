@@ -18,8 +18,10 @@ no work. What Prefect adds on top:
   cancellation the stage's whole process group gets SIGTERM, then SIGKILL, so no
   trainer is left running behind the flow;
 * the output of DVC and of the stage streamed line by line into the task's log;
-* a markdown artifact ``pipeline-summary``: each stage's status (ran, restored
-  from DVC's run cache, skipped as unchanged, failed, not run), time and metrics;
+* a markdown artifact ``pipeline-summary``: the stage that failed, if one did,
+  then each stage's status (ran, restored from DVC's run cache, skipped as
+  unchanged, failed, not run), time and metrics (of the stages that did not
+  fail or go unrun: their metrics files are an earlier run's);
 * one MLflow parent run per flow run (``flows.runtime.parent_run``); each
   stage process gets ``MLFLOW_PARENT_RUN_ID``, so its own run nests under it.
 
@@ -118,8 +120,7 @@ def pipeline(
                 try:
                     results.append(run_stage.with_options(**opts)(stage, str(root_path), env))
                 except BaseException:
-                    results.append({"stage": stage.name, "status": "failed", "seconds": None,
-                                    "metrics": read_metrics(root_path, stage)})
+                    results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {}})
                     raise
         finally:
             markdown = summary_markdown(stages, results)

@@ -52,6 +52,9 @@ DEFAULT_RETRIES = 2
 DEFAULT_RETRY_DELAY_S = 30.0
 DATA_TIMEOUT_S = 4 * 3600.0
 KILL_GRACE_S = 30.0
+# What a stage's status can be in one flow run; in these, its metrics files
+# describe its current outputs (after a failure they are an earlier run's).
+CURRENT_STATUSES = ("ran", "restored", "skipped")
 
 # How `dvc repro --single-item` reports what it did (dvc 3.x: dvc/stage/__init__.py,
 # dvc/stage/run.py). tests/flows/test_pipeline_flow.py fails if they drift.
@@ -241,22 +244,34 @@ def task_options(stage: StageInfo, retries: int = DEFAULT_RETRIES, retry_delay_s
 
 
 def summary_markdown(stages: Sequence[StageInfo], results: Sequence[Mapping[str, Any]], max_metrics: int = 8) -> str:
-    """A markdown report: how many stages ran, then one table row per stage with
-    its status (``not run`` when it has no result), seconds and up to
-    ``max_metrics`` scalar metrics (the current values, whether or not it ran)."""
+    """A markdown report: a headline naming the stage that failed, if one did, and
+    which stages ran and which DVC restored from its run cache; then one table row
+    per stage with its status (``not run`` when it has no result), seconds and up
+    to ``max_metrics`` scalar metrics. Metrics are shown for the stages in
+    ``CURRENT_STATUSES`` only: a failed or not-run stage's metrics files, if any,
+    are from an earlier run."""
     by_name = {r["stage"]: r for r in results}
     rows = ["| stage | status | seconds | metrics |", "|---|---|---:|---|"]
     for s in stages:
         r = by_name.get(s.name, {"status": "not run"})
-        flat = metric_values(r.get("metrics") or {})
+        flat = metric_values(r.get("metrics") or {}) if r["status"] in CURRENT_STATUSES else {}
         flat.pop("seconds", None)
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in list(flat.items())[:max_metrics])
         if len(flat) > max_metrics:
             shown += f", … (+{len(flat) - max_metrics})"
         secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else ""
         rows.append(f"| {s.name} | {r['status']} | {secs} | {shown or '-'} |")
-    ran = [r["stage"] for r in results if r["status"] in ("ran", "restored")]
-    head = f"**{len(ran)} of {len(stages)} stages ran** ({', '.join(ran) or 'none: everything was up to date'})"
+    named = {status: [r["stage"] for r in results if r["status"] == status] for status in ("ran", "restored", "failed")}
+    head = f"**{len(named['ran'])} of {len(stages)} stages ran**"
+    head += f" ({', '.join(named['ran'])})" if named["ran"] else ""
+    if named["restored"]:
+        head += f"; {len(named['restored'])} restored from DVC's run cache ({', '.join(named['restored'])})"
+    if named["failed"]:
+        not_run = len(stages) - len(results)
+        after = f" ({not_run} not run after it)" if not_run else ""
+        head = f"**Failed: stage {', '.join(named['failed'])}**{after}; {head}"
+    elif not named["ran"] and not named["restored"]:
+        head += ": everything was up to date"
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 

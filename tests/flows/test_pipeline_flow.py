@@ -211,16 +211,25 @@ def test_parse_status_reads_what_dvc_did():
 
 
 def test_summary_lists_every_stage_with_its_status_and_metrics():
-    stages = [StageInfo(n, "x") for n in ("ingest", "clean", "pack")]
+    stages = [StageInfo(n, "x") for n in ("ingest", "clean", "tokenizer", "pack")]
     results = [
         {"stage": "ingest", "status": "skipped", "seconds": 1.0, "metrics": {"docs": 10, "seconds": 3.0}},
-        {"stage": "clean", "status": "failed", "seconds": None, "metrics": {}},
+        {"stage": "clean", "status": "restored", "seconds": 2.0, "metrics": {"kept": 9}},
+        {"stage": "tokenizer", "status": "failed", "seconds": None, "metrics": {"vocab": 512}},  # an earlier run's
     ]
     md = runtime.summary_markdown(stages, results)
-    assert "**0 of 3 stages ran**" in md
+    head = md.splitlines()[0]
+    assert head == ("**Failed: stage tokenizer** (1 not run after it); **0 of 4 stages ran**; "
+                    "1 restored from DVC's run cache (clean)")
     assert "| ingest | skipped | 1.0 | docs=10 |" in md  # the stage's own seconds metric is not repeated
-    assert "| clean | failed |  | - |" in md
-    assert "| pack | not run |" in md
+    assert "| clean | restored | 2.0 | kept=9 |" in md
+    assert "| tokenizer | failed |  | - |" in md
+    assert "| pack | not run |  | - |" in md
+
+    done = [{"stage": s.name, "status": "skipped", "seconds": 0.5, "metrics": {}} for s in stages]
+    assert runtime.summary_markdown(stages, done).startswith("**0 of 4 stages ran**: everything was up to date\n")
+    done[1]["status"] = done[3]["status"] = "ran"
+    assert runtime.summary_markdown(stages, done).startswith("**2 of 4 stages ran** (clean, pack)\n")
 
 
 def test_child_env_makes_stage_runs_children_of_the_parent():
