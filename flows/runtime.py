@@ -17,7 +17,10 @@ reconfigures the root logger on import), so that tests can reach it.
   after the stages, one ``dvc.stage_hash.<stage>`` per ``dvc.lock`` entry, ``pipeline.status.<stage>``
   (ran, restored, skipped, failed, not_run), every selected stage's params section
   flattened (``pack.seq_len``), its scalar metrics as ``<stage>.<key>`` (the same
-  names whether the stage ran or was skipped), and ``pipeline_summary.json``.
+  names whether the stage ran, was restored or was skipped as up to date: they
+  describe its current outputs; none for a failed or not-run stage, whose
+  metrics files are an earlier run's), ``pipeline.stages_ran`` and
+  ``pipeline.stages_restored``, and ``pipeline_summary.json``.
 
 The stage graph itself comes from DVC: ``pipeline.tracking.lineage``.
 """
@@ -318,15 +321,20 @@ class ParentRun:
             params = {}
         sections = {s.name: params[s.name] for s in stages if isinstance(params.get(s.name), (dict, list))}
         t.log_params(sections)
+        status = {s.name: by_name.get(s.name, {}).get("status", "not_run") for s in stages}
         metrics: dict[str, float] = {}
         for s in stages:
-            metrics.update(metric_values(read_metrics(self.root, s), s.name))
-        ran = [r["stage"] for r in results if r.get("status") in ("ran", "restored")]
+            if status[s.name] in CURRENT_STATUSES:
+                metrics.update(metric_values(read_metrics(self.root, s), s.name))
+        ran = [name for name, st in status.items() if st == "ran"]
+        restored = [name for name, st in status.items() if st == "restored"]
         metrics["pipeline.stages_ran"] = float(len(ran))
+        metrics["pipeline.stages_restored"] = float(len(restored))
         metrics["pipeline.seconds"] = float(sum(r.get("seconds") or 0.0 for r in results))
         t.log_metrics(metrics)
-        tags = {f"pipeline.status.{s.name}": by_name.get(s.name, {}).get("status", "not_run") for s in stages}
+        tags = {f"pipeline.status.{name}": st for name, st in status.items()}
         tags["pipeline.stages_ran"] = ",".join(ran) or "-"
+        tags["pipeline.stages_restored"] = ",".join(restored) or "-"
         try:
             tags.update({f"dvc.stage_hash.{k}": v for k, v in dvc_stage_hashes(self.root).items()})
         except Exception as err:  # an unreadable lock file must not fail a finished run

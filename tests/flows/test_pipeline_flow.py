@@ -232,6 +232,41 @@ def test_summary_lists_every_stage_with_its_status_and_metrics():
     assert runtime.summary_markdown(stages, done).startswith("**2 of 4 stages ran** (clean, pack)\n")
 
 
+class FakeTracker:
+    def __init__(self) -> None:
+        self.metrics: dict = {}
+        self.tags: dict = {}
+
+    def log_params(self, params) -> None:
+        pass
+
+    def log_metrics(self, metrics) -> None:
+        self.metrics.update(metrics)
+
+    def set_tags(self, tags) -> None:
+        self.tags.update(tags)
+
+    def log_dict(self, data, name) -> None:
+        pass
+
+
+def test_parent_run_logs_metrics_only_of_stages_whose_outputs_are_current(tmp_path):
+    """A failed or not-run stage's metrics file is an earlier run's: the parent
+    run of a failed flow must not present it as this run's."""
+    stages = [StageInfo(n, "x", metrics=(f"metrics/{n}.json",)) for n in ("prep", "cached", "train", "evaluate")]
+    (tmp_path / "metrics").mkdir()
+    for s in stages:
+        (tmp_path / "metrics" / f"{s.name}.json").write_text('{"value": 1.5}')
+    results = [{"stage": "prep", "status": "skipped", "seconds": 1.0},
+               {"stage": "cached", "status": "restored", "seconds": 2.0},
+               {"stage": "train", "status": "failed", "seconds": None}]
+    tracker = FakeTracker()
+    runtime.ParentRun(root=tmp_path, uri="u", run_id="r", tracker=tracker).record(stages, results)
+    assert {k for k in tracker.metrics if not k.startswith("pipeline.")} == {"prep.value", "cached.value"}
+    assert (tracker.metrics["pipeline.stages_ran"], tracker.metrics["pipeline.stages_restored"]) == (0, 1)
+    assert tracker.tags["pipeline.status.train"] == "failed" and tracker.tags["pipeline.status.evaluate"] == "not_run"
+
+
 def test_child_env_makes_stage_runs_children_of_the_parent():
     env = runtime.ParentRun(root=Path("."), uri="sqlite:////x/mlflow.db", run_id="abc").child_env({"A": "1"})
     assert env == {"A": "1", "MLFLOW_PARENT_RUN_ID": "abc", "MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"}
