@@ -54,7 +54,9 @@ PARENT_RUN_NAME = tracking.EXPERIMENT_PARENT_NAME
 DEFAULT_RETRIES = 2
 DEFAULT_RETRY_DELAY_S = 30.0
 DATA_TIMEOUT_S = 4 * 3600.0
-KILL_GRACE_S = 30.0
+# Shorter than the 30 s that Prefect's runner gives a cancelled flow process
+# before its SIGKILL, so that stop_group's own SIGKILL comes first.
+KILL_GRACE_S = 10.0
 # What a stage's status can be in one flow run; in these, its metrics files
 # describe its current outputs (after a failure they are an earlier run's).
 CURRENT_STATUSES = ("ran", "restored", "skipped")
@@ -63,6 +65,8 @@ CURRENT_STATUSES = ("ran", "restored", "skipped")
 # dvc/stage/run.py). tests/flows/test_pipeline_flow.py fails if they drift.
 _RAN = re.compile(r"^Running stage '(?P<stage>[^']+)'")
 _RESTORED = re.compile(r"^Stage '(?P<stage>[^']+)' is cached - skipping run")
+
+WATCHDOG = Path(__file__).with_name("watchdog.py")
 
 
 def dvc_bin() -> str:
@@ -121,11 +125,15 @@ def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], 
     on a worker thread; or Ctrl-C) lands within half a second. Whatever ends the
     wait early, the whole group (dvc, the stage, a torchrun launcher, which
     forwards the signal to its ranks) gets SIGTERM, then SIGKILL if anything is
-    still alive after ``kill_grace_s``; then the exception propagates."""
+    still alive after ``kill_grace_s``; then the exception propagates. Should
+    this process be killed outright instead, ``flows/watchdog.py`` stops the
+    group the same way."""
     proc = subprocess.Popen(
         list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1, start_new_session=True,
     )
+    watchdog = subprocess.Popen([sys.executable, str(WATCHDOG), str(os.getpid()), str(proc.pid), str(kill_grace_s)],
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     lines: list[str] = []
     q: queue.Queue[str | None] = queue.Queue()
 
@@ -152,6 +160,8 @@ def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], 
         stop_group(proc, kill_grace_s)
         raise
     finally:
+        watchdog.kill()
+        watchdog.wait()
         reader.join(timeout=5)
 
 

@@ -304,6 +304,41 @@ def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+def test_stage_dies_with_a_flow_process_killed_outright(tmp_path):
+    """SIGKILL to the flow process (Prefect's runner after its grace, the OOM
+    killer) runs none of its clean-up: the watchdog must stop the stage, even a
+    stage that ignores SIGTERM."""
+    (tmp_path / "stage.py").write_text(textwrap.dedent("""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"stage {os.getpid()}", flush=True)
+        time.sleep(300)
+    """))
+    (tmp_path / "flow.py").write_text(textwrap.dedent("""
+        import os, sys
+        from flows import runtime
+        runtime.stream_command([sys.executable, "stage.py"], ".", dict(os.environ), lambda line: print(line, flush=True),
+                               kill_grace_s=1.0)
+    """))
+    flow = subprocess.Popen([sys.executable, "flow.py"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    stage = None
+    try:
+        line = flow.stdout.readline()
+        assert line.startswith("stage "), line
+        stage = int(line.split()[1])
+        flow.kill()
+        flow.wait()
+        deadline = time.monotonic() + 30
+        while alive(stage) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(stage), "the stage outlived its flow process"
+    finally:
+        for pid in (flow.pid, stage):
+            if pid is not None and alive(pid):
+                os.kill(pid, 9)
+
+
 def test_stream_command_returns_exit_code_and_lines_in_order(tmp_path):
     got: list[str] = []
     code, lines = runtime.stream_command(
