@@ -167,22 +167,46 @@ def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     """SIGTERM ``proc``'s process group; SIGKILL it if any member outlives
-    ``grace_s``. Returns once the group is gone (or after a last 10 s wait)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the leader, or its zombie keeps the group "alive"
-        if not _group_alive(proc.pid):
+    ``grace_s``. Returns once the group is gone (or after a last 10 s wait).
+
+    A Ctrl-C or SIGTERM arriving meanwhile (a second Ctrl-C, a runner's SIGTERM)
+    is held until then and delivered after: acting on it at once would skip the
+    SIGKILL and leave a stage that ignores SIGTERM running."""
+    with _signals_held(signal.SIGINT, signal.SIGTERM):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
             return
-        time.sleep(0.1)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or its zombie keeps the group "alive"
+            if not _group_alive(proc.pid):
+                return
+            time.sleep(0.1)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        proc.wait(timeout=10)
+
+
+@contextmanager
+def _signals_held(*signums: int) -> Iterator[None]:
+    """Hold ``signums`` for the block, then restore their handlers and raise the
+    ones that came. Python runs signal handlers in the main thread only; on
+    another thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    proc.wait(timeout=10)
+    held: list[int] = []
+    previous = {n: signal.signal(n, lambda signum, _frame: held.append(signum)) for n in signums}
+    try:
+        yield
+    finally:
+        for n, handler in previous.items():
+            signal.signal(n, signal.SIG_DFL if handler is None else handler)
+        for n in dict.fromkeys(held):
+            signal.raise_signal(n)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -302,6 +303,31 @@ def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
         time.sleep(0.1)
     assert not alive(child), "the stage's child survived the stop (it ignores SIGTERM: SIGKILL must follow)"
     assert time.monotonic() - t0 < 20
+
+
+def test_a_second_ctrl_c_does_not_cut_the_stop_short(tmp_path):
+    """A Ctrl-C while stop_group waits out its grace must not skip the SIGKILL:
+    it is delivered once the group is gone."""
+    (tmp_path / "stage.py").write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        # Ignores SIGTERM, and answers it with the user's second Ctrl-C to the flow.
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(int(sys.argv[1]), signal.SIGINT))
+        print("armed", flush=True)
+        time.sleep(300)
+    """))
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "stage.py"), str(os.getpid())], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert proc.stdout.readline().strip() == "armed"
+        with pytest.raises(KeyboardInterrupt):
+            runtime.stop_group(proc, grace_s=2)
+        assert not alive(proc.pid), "the Ctrl-C cut stop_group short of its SIGKILL"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if alive(proc.pid):
+            proc.kill()
+        proc.wait()
 
 
 def test_stage_dies_with_a_flow_process_killed_outright(tmp_path):
