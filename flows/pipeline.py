@@ -52,6 +52,7 @@ from flows.runtime import (
     DEFAULT_RETRY_DELAY_S,
     base_env,
     check_stage_args,
+    exit_on_sigterm,
     dvc_bin,
     parent_run,
     parse_status,
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         check_stage_args(Path(args.root or os.getcwd()).resolve(), args.targets, timeouts, args.retry_stages)
     except ValueError as err:
         parser.error(str(err))
+    exit_on_sigterm()
     state = pipeline(root=args.root, targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
                      retry_stages=args.retry_stages, timeouts=timeouts or None, return_state=True)
     return 0 if state.is_completed() else 1

@@ -1,6 +1,8 @@
 """What the flows need around Prefect, kept importable without Prefect (which
 reconfigures the root logger on import), so that tests can reach it.
 
+* The process: :func:`exit_on_sigterm` (the temporary Prefect server goes down
+  with a killed ``python -m flows.pipeline``).
 * Running a stage: :func:`stream_command` runs ``dvc repro --single-item`` in its
   own process group and streams its lines; :func:`stop_group` takes the group
   down; :func:`parse_status` reads what DVC did; :func:`changed_stages` asks
@@ -258,6 +260,16 @@ def check_stage_args(root: str | Path, targets: Sequence[str] | None = None,
             raise ValueError(f"{option}: unknown stage(s) {', '.join(unknown)}; {root / 'dvc.yaml'} has "
                              f"{', '.join(names) or 'no stages'}")
     return select(stages, targets)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this process as ``SystemExit(143)`` (128 + 15), the way
+    Ctrl-C ends it as KeyboardInterrupt, so that ``finally`` blocks and exit
+    handlers run: Prefect stops its temporary server from one. During a flow run
+    Prefect's own handler takes SIGTERM, ends the run, and then sends the signal
+    again to the handler it found: by default the one that exits at once, which
+    left the server running with the port and database held."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def task_options(stage: StageInfo, retries: int = DEFAULT_RETRIES, retry_delay_s: float = DEFAULT_RETRY_DELAY_S,

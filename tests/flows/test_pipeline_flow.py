@@ -205,6 +205,29 @@ def test_cli_refuses_bad_arguments_in_one_line_before_starting_prefect(tmp_path)
         assert last.startswith("python -m flows.pipeline: error: ") and message in last, (args, r.stderr[-3000:])
 
 
+@pytest.mark.parametrize("module, flow, args", [("flows.pipeline", "pipeline", []),
+                                               ("flows.retrain", "retrain", ["--once"])])
+def test_sigterm_lets_the_cli_exit_through_its_clean_up(tmp_path, module, flow, args):
+    """Prefect stops its temporary server from an exit handler; a SIGTERM that
+    ended the process at once (Prefect re-sends it to the handler it found)
+    leaked the server. The flow here is a stand-in that is sent SIGTERM."""
+    root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
+    script = textwrap.dedent(f"""
+        import atexit, os, signal, sys, time
+        import {module} as cli
+        atexit.register(lambda: open("cleaned-up", "w").close())  # stands in for stopping the server
+        def stand_in(**kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        cli.{flow} = stand_in
+        sys.exit(cli.main({args!r}))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert (root / "cleaned-up").exists(), "SIGTERM skipped the exit handlers"
+
+
 def test_parse_status_reads_what_dvc_did():
     assert runtime.parse_status(["Running stage 'pack':", "> python -m stages.pack"]) == "ran"
     assert runtime.parse_status(["Stage 'pack' is cached - skipping run, checking out outputs"]) == "restored"
