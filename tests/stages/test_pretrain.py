@@ -1,6 +1,7 @@
 """The pretrain stage as DVC runs it: ``python -m stages.pretrain`` launching
 torchrun with gloo on CPU. Slow (each run starts torchrun), so kept few."""
 
+import contextlib
 import csv
 import os
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -51,8 +53,26 @@ def env(**extra):
 
 
 def stage(cwd, timeout=240, **kw):
-    return subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=cwd, env=env(**kw), capture_output=True,
-                           text=True, timeout=timeout)
+    """``python -m stages.pretrain`` in ``cwd``. One that outlives ``timeout`` fails
+    the test with the Python stacks of every process of its tree (faulthandler,
+    on SIGABRT): a hang names where each rank and the launcher were waiting."""
+    cmd = [sys.executable, "-m", "stages.pretrain"]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(PYTHONFAULTHANDLER="1", **kw), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = psutil.Process(proc.pid)
+        for p in [*tree.children(recursive=True), tree]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"stages.pretrain ran past {timeout} s; the stacks of its processes:\n{err[-20000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def losses(cwd):
