@@ -36,7 +36,6 @@ Schedules need a real server: see ``flows/retrain.py``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ from flows.runtime import (
     check_stage_args,
     dvc_bin,
     exit_on_sigterm,
+    non_negative_number,
     parent_run,
     parse_status,
     parse_timeouts,
@@ -135,11 +135,8 @@ def pipeline(
 def non_negative(kind: type) -> Callable[[str], Any]:
     """An argparse ``type`` that reads a finite ``kind`` (int or float) >= 0."""
     def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0:
+        value = non_negative_number(text, kind)
+        if value is None:
             raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
         return value
     return parse

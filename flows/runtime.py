@@ -219,6 +219,15 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def non_negative_number(text: str, kind: type = float) -> Any:
+    """``text`` read as ``kind`` (int or float) when that is a finite number >= 0, else None."""
+    try:
+        value = kind(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def parse_timeouts(items: Sequence[str]) -> dict[str, float]:
     """``["pretrain=3600", "*=600"]`` -> ``{"pretrain": 3600.0, "*": 600.0}``; 0
     means no timeout, as in :func:`task_options`. Raises ValueError naming the
@@ -226,11 +235,8 @@ def parse_timeouts(items: Sequence[str]) -> dict[str, float]:
     out = {}
     for item in items:
         name, sep, value = item.rpartition("=")
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = math.nan
-        if not sep or not name or not math.isfinite(seconds) or seconds < 0:
+        seconds = non_negative_number(value)
+        if not sep or not name or seconds is None:
             raise ValueError(f"--timeout takes STAGE=SECONDS with SECONDS a number >= 0 (0: none), got {item!r}")
         out[name] = seconds
     return out
