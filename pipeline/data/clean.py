@@ -926,7 +926,7 @@ class _Sharded:
             near_detail: dict[int, tuple[float, int]] = {}
             if use_near:
                 tasks = [(work, b, p, writer.size(work.band_path(b, p))) for b in range(work.bands) for p in parts]
-                runs = [r for rs in ex.map(dedup.band_pairs, tasks) for r in rs]
+                runs = dedup.merge(work, [r for rs in ex.map(dedup.band_pairs, tasks) for r in rs], ex.map)
                 res = dedup.resolve(work, runs, near_cfg.threshold, per_reason)
                 near_detail = res["detail"]
                 near_counts = {"candidates_checked": res["candidates_checked"],

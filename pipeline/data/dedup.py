@@ -26,6 +26,10 @@ a range of documents rather than by the corpus:
    Each task checks its partition file against the bytes the driver wrote to
    it, so a worker that does not see the work folder (a Ray node without its
    storage) stops the stage in one line instead of finding no duplicates.
+   **merge** (:func:`merge`, only where a kind of run has more than
+   :data:`MERGE_RUNS`): runs merged MERGE_RUNS at a time into one, sorted the
+   same way, level by level, so that the next step maps few files (each holds
+   a file descriptor) however many partitions and spills there were.
 3. **decisions** (:func:`resolve`, one pass in document order over the pairs
    and members, read a range of documents at a time): a document is a near
    duplicate when a candidate pair, or a large bucket it shares, links it to
@@ -48,7 +52,9 @@ plus one document's pairs with the earlier ones of its bucket, before it writes
 a sorted run, within a bucket too (a bucket of more than LARGE_BUCKET
 documents: its band only, ``4 x num_perm / bands`` B per document, and 26 B
 per member record; about 145 B per member in all, with sorting copies);
-:func:`resolve` maps the state bytes (1 B per document, file-backed) and holds
+a merge task maps its MERGE_RUNS runs and holds a range of their records as
+resolve does; :func:`resolve` maps the state bytes (1 B per document,
+file-backed) and at most MERGE_RUNS runs of each kind, and holds
 the pairs and member records of at most :data:`RESOLVE_DOCS` documents and
 :data:`RESOLVE_PAIRS` records at a time (or one document's, fewer than the
 documents), plus the kept members of the open large buckets
@@ -78,7 +84,7 @@ import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -104,6 +110,11 @@ FLUSH_BYTES = 16 << 20
 # A bucket of more documents than this gives its members, not its pairs (see "Large buckets").
 LARGE_BUCKET = 256
 READ_DOCS = 4096  # signatures read with one join of preads
+# The decision pass maps at most this many runs of each kind (pairs, members);
+# more are merged first, this many into one (each mapped run holds a memory map
+# and a file descriptor: 16 bands x 64 partitions would pass a common limit of
+# 1024 open files).
+MERGE_RUNS = 64
 
 
 
@@ -158,6 +169,10 @@ class WorkDir:
 
     def members_path(self, b: int, p: int) -> Path:
         return self.root / f"members-{b:04d}-{p:05d}.npy"
+
+    def merged_path(self, kind: str, level: int, k: int) -> Path:
+        """A run merged from others (:func:`merge`): ``kind`` is ``pairs`` or ``members``."""
+        return self.root / f"{kind}-merged-{level:02d}-{k:05d}.npy"
 
     def state(self, mode: str = "r") -> np.ndarray:
         return np.memmap(self.state_path, dtype=np.uint8, mode=mode, shape=(self.num_docs,))
@@ -419,6 +434,75 @@ def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int,
         lo = hi
 
 
+def _open_run(path: str) -> np.ndarray:
+    """A run that a step wrote, mapped. A run missing here (written on a Ray node
+    whose storage this process does not see) is one line, not a traceback."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except FileNotFoundError:
+        raise DedupError(f"the dedup work file {path} is missing on {socket.gethostname()}, where a dedup step "
+                         "ran; dedup.method: sharded on a Ray cluster needs the output folder on storage that "
+                         "every node mounts at the same path (or use method: memory)") from None
+
+
+def _kind(path: str) -> str:
+    """``pairs`` or ``members``: the kind of a run, from its name."""
+    return Path(path).name.split("-", 1)[0]
+
+
+def merge_runs(work: WorkDir, paths: list[str], out: str) -> str:
+    """Step 2b: write to ``out`` the records of the runs ``paths`` (of one kind,
+    each sorted by document) as one run, sorted as :func:`resolve` reads them:
+    a range of documents at a time, the ranges of :func:`resolve_ranges`. Returns ``out``."""
+    opened = [_open_run(p) for p in paths]
+    total = sum(len(r) for r in opened)
+    keys = ("band", "doc") if opened[0].dtype == MEMBER else ("i", "j")
+    dst = np.lib.format.open_memmap(out, mode="w+", dtype=opened[0].dtype, shape=(total,))
+    at = 0
+    for lo, hi in resolve_ranges(opened, work.num_docs):
+        part = _in_order([r[np.searchsorted(_docs(r), lo):np.searchsorted(_docs(r), hi)] for r in opened], keys)
+        if part is not None:
+            dst[at:at + len(part)] = part
+            at += len(part)
+    if at != total:
+        raise RuntimeError(f"dedup: merging {len(paths)} runs wrote {at} of their {total} records")
+    dst.flush()
+    del dst, opened
+    return out
+
+
+def merge(work: WorkDir, runs: list[str], map_tasks: Callable[..., Iterable[str]]) -> list[str]:
+    """The runs the decision pass reads: ``runs`` if there are at most
+    MERGE_RUNS of each kind, else those of a kind with more merged
+    (:func:`merge_runs`, run by ``map_tasks(fn, tasks)``, the executor's map)
+    into fewer runs of at most MERGE_RUNS each, level by level, each task's
+    inputs deleted once its run is written."""
+    assert MERGE_RUNS >= 2, "a merge of one run into one would never end"
+    by_kind: dict[str, list[str]] = {}
+    for r in runs:
+        by_kind.setdefault(_kind(r), []).append(r)
+    level = 0
+    while any(len(rs) > MERGE_RUNS for rs in by_kind.values()):
+        tasks, merged = [], set()
+        for kind, rs in by_kind.items():
+            if len(rs) <= MERGE_RUNS:
+                continue
+            groups = -(-len(rs) // MERGE_RUNS)
+            step = -(-len(rs) // groups)  # groups of nearly equal size
+            for k in range(groups):
+                tasks.append((work, rs[k * step:(k + 1) * step], str(work.merged_path(kind, level, k))))
+            merged.add(kind)
+        outs = []
+        for (_, paths, _), out in zip(tasks, map_tasks(merge_runs, tasks)):
+            outs.append(out)
+            for path in paths:  # once merged: the disk holds a level's records about once
+                os.unlink(path)
+        for kind in merged:
+            by_kind[kind] = [o for o in outs if _kind(o) == kind]
+        level += 1
+    return [r for rs in by_kind.values() for r in rs]
+
+
 class _LargeBuckets:
     """The open large buckets of the decision pass: each one's kept members so
     far, and their signatures, each held once however many of those buckets it
@@ -479,7 +563,7 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
     ``near`` (documents dropped) and ``detail``: for the first ``ids_wanted``
     drops, doc -> (estimated Jaccard, the kept doc it matches)."""
     state = work.state("r+")
-    opened = [np.load(r, mmap_mode="r") for r in runs]
+    opened = [_open_run(r) for r in runs]
     num_perm = work.num_perm
     checked = rejected = near = 0
     detail: dict[int, tuple[float, int]] = {}

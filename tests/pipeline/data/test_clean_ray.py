@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from pipeline.data import dedup
 from pipeline.data import executor as executor_module
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
 from tests.conftest import ROOT
@@ -58,7 +59,10 @@ def test_a_cluster_with_more_cpus_runs_no_more_tasks_at_once_than_num_workers(wo
     assert most == workers
 
 
-def test_clean_under_ray_equals_local_for_any_worker_count_and_dedup_method(tmp_path):
+def test_clean_under_ray_equals_local_for_any_worker_count_and_dedup_method(tmp_path, monkeypatch):
+    monkeypatch.setattr(dedup, "MERGE_RUNS", 2)  # sharded: Ray tasks merge the runs too
+    merged, merge = [], dedup.merge
+    monkeypatch.setattr(dedup, "merge", lambda work, runs, m: merged.append(len(runs)) or merge(work, runs, m))
     texts = MIXED * 2 + PLANTED + [prose(150, seed=s) for s in range(30, 36)] + [code(s) for s in range(40, 44)]
     small = {"batch_docs": 3, "shard_bytes": 4000, "num_workers": None}  # several shards
     _, local = outputs(tmp_path / "local", texts, executor={"kind": "local", "num_workers": 1}, **small)
@@ -73,6 +77,7 @@ def test_clean_under_ray_equals_local_for_any_worker_count_and_dedup_method(tmp_
         assert workers == kw["executor"]["num_workers"]
         if "dedup" in kw:  # another fingerprint, so other records: the shards' bytes and the rest are the same
             assert content(got) == content(local), name
+            assert merged and merged[-1] > 2, merged
         else:
             assert got == local, name
     metrics, files_ = local

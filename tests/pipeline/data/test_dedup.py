@@ -196,6 +196,67 @@ def test_a_large_bucket_is_checked_against_every_member_kept_before(tmp_path, mo
     assert (res["candidates_checked"], res["candidates_below_threshold"]) == (7, 4)
 
 
+MANY_RUNS = PLANTED + [" ".join(edited(A, [k, 200 + k], "x")) for k in range(12)] + PLANTED
+
+
+def test_many_runs_are_merged_before_the_decision_pass(tmp_path, monkeypatch):
+    """More than MERGE_RUNS runs of a kind are merged, level by level, into at
+    most MERGE_RUNS: the decision pass gets few runs, with the same records."""
+    monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)  # a run per document's pairs
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 3)   # and member runs
+    monkeypatch.setattr(dedup, "MERGE_RUNS", 2)
+    monkeypatch.setattr(dedup, "RESOLVE_PAIRS", 5)  # each merge in several ranges
+    given, merge = [], dedup.merge
+    monkeypatch.setattr(dedup, "merge", lambda work, runs, m: given.append(list(runs)) or merge(work, runs, m))
+    seen, resolve = [], dedup.resolve
+    monkeypatch.setattr(dedup, "resolve", lambda work, runs, *a: seen.append(
+        (runs, [np.load(r) for r in runs], sorted(os.listdir(work.root)))) or resolve(work, runs, *a))
+    memory, sharded = both(tmp_path, MANY_RUNS, batch_docs=3)
+    assert sharded == memory
+    (runs,), ((got, records, files),) = given, seen
+    kinds = [dedup._kind(r) for r in runs]
+    assert kinds.count("pairs") > 4 and kinds.count("members") > 16, kinds
+    assert sorted(dedup._kind(r) for r in got) == ["members", "members", "pairs", "pairs"]
+    assert any("-merged-03-" in r for r in got)  # members: four levels
+    # every level's inputs deleted; the merged runs hold every record, each sorted by document
+    assert [f for f in files if f.startswith(("pairs-", "members-"))] == sorted(os.path.basename(r) for r in got)
+    for kind, dtype, doc in (("pairs", dedup.PAIR, "j"), ("members", dedup.MEMBER, "doc")):
+        merged = [x for r, x in zip(got, records) if dedup._kind(r) == kind]
+        assert sum(len(x) for x in merged) > 4 and all((np.diff(x[doc]) >= 0).all() for x in merged)
+        assert all(x.dtype == dtype for x in merged)
+
+
+def test_the_decision_pass_keeps_few_files_open_however_many_runs(tmp_path, monkeypatch):
+    """Each mapped run holds a file descriptor: without the merge, a run per
+    document's pairs (80 of them here) passes a limit of 40 more open files."""
+    import resource
+
+    monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)
+    monkeypatch.setattr(dedup, "MERGE_RUNS", 8)
+    for way in ("memory", "sharded"):
+        (tmp_path / way).mkdir()
+    texts = [prose(150, seed=1000 + k) + end for k in range(80) for end in ("", " tail")]
+    memory = outputs(tmp_path / "memory", texts, batch_docs=3)
+    assert memory[1]["dropped"]["near_duplicate"] == 80
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard))
+    try:
+        sharded = outputs(tmp_path / "sharded", texts, batch_docs=3,
+                          dedup={"method": "sharded", "partition_docs": 3})
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sharded == memory
+
+
+def test_a_run_missing_where_the_decision_pass_runs_stops_in_one_line(tmp_path):
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=8, bands=2, partition_docs=100)
+    work.root.mkdir()
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    with pytest.raises(dedup.DedupError, match=r"pairs-0000-00000-0000.npy is missing on .*, where a dedup step "
+                                               r"ran; dedup.method: sharded on a Ray cluster needs"):
+        dedup.resolve(work, [str(work.pairs_path(0, 0, 0))], 0.8, ids_wanted=1)
+
+
 @pytest.mark.parametrize("order", [1, -1])
 def test_decisions_do_not_depend_on_the_order_of_the_runs(tmp_path, monkeypatch, order):
     monkeypatch.setattr(dedup, "PAIRS_PER_RUN", 1)
