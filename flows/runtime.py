@@ -16,7 +16,8 @@ reconfigures the root logger on import), so that tests can reach it.
   (:meth:`ParentRun.child_env`), and ``pipeline.tracking.tracker.Tracker`` in each
   stage nests its run under it. The parent carries the project's git tags,
   ``dvc.exp_name`` when ``DVC_EXP_NAME`` is set, and, from :meth:`ParentRun.record`
-  after the stages, one ``dvc.stage_hash.<stage>`` per ``dvc.lock`` entry, ``pipeline.status.<stage>``
+  after the stages, ``dvc.stage_hash.<stage>`` (its ``dvc.lock`` entry) for each stage whose outputs are
+  current (ran, restored or skipped), ``pipeline.status.<stage>``
   (ran, restored, skipped, failed, not_run), every selected stage's params section
   flattened (``pack.seq_len``), its scalar metrics as ``<stage>.<key>`` (the same
   names whether the stage ran, was restored or was skipped as up to date: they
@@ -388,7 +389,9 @@ class ParentRun:
         tags["pipeline.stages_ran"] = ",".join(ran) or "-"
         tags["pipeline.stages_restored"] = ",".join(restored) or "-"
         try:
-            tags.update({f"dvc.stage_hash.{k}": v for k, v in dvc_stage_hashes(self.root).items()})
+            # a failed or not-run stage's lock entry is an earlier run's
+            tags.update({f"dvc.stage_hash.{k}": v for k, v in dvc_stage_hashes(self.root).items()
+                         if status.get(k) in CURRENT_STATUSES})
         except Exception as err:  # an unreadable lock file must not fail a finished run
             log.warning("dvc.lock hashes not logged: %s", err)
         t.set_tags(tags)

@@ -274,9 +274,11 @@ class FakeTracker:
         pass
 
 
-def test_parent_run_logs_metrics_only_of_stages_whose_outputs_are_current(tmp_path):
-    """A failed or not-run stage's metrics file is an earlier run's: the parent
-    run of a failed flow must not present it as this run's."""
+def test_parent_run_logs_metrics_only_of_stages_whose_outputs_are_current(tmp_path, monkeypatch):
+    """A failed or not-run stage's metrics file and dvc.lock entry are an earlier
+    run's: the parent run of a failed flow must not present them as this run's."""
+    monkeypatch.setattr(runtime, "dvc_stage_hashes", lambda root: {n: f"h-{n}" for n in ("prep", "cached", "train",
+                                                                                          "evaluate")})
     stages = [StageInfo(n, "x", metrics=(f"metrics/{n}.json",)) for n in ("prep", "cached", "train", "evaluate")]
     (tmp_path / "metrics").mkdir()
     for s in stages:
@@ -289,6 +291,8 @@ def test_parent_run_logs_metrics_only_of_stages_whose_outputs_are_current(tmp_pa
     assert {k for k in tracker.metrics if not k.startswith("pipeline.")} == {"prep.value", "cached.value"}
     assert (tracker.metrics["pipeline.stages_ran"], tracker.metrics["pipeline.stages_restored"]) == (0, 1)
     assert tracker.tags["pipeline.status.train"] == "failed" and tracker.tags["pipeline.status.evaluate"] == "not_run"
+    assert {k: v for k, v in tracker.tags.items() if k.startswith("dvc.stage_hash.")} == {
+        "dvc.stage_hash.prep": "h-prep", "dvc.stage_hash.cached": "h-cached"}
 
 
 def test_child_env_makes_stage_runs_children_of_the_parent():
