@@ -26,7 +26,9 @@ no work. What Prefect adds on top:
   stage process gets ``MLFLOW_PARENT_RUN_ID``, so its own run nests under it.
 
 Stages run one at a time: ``dvc repro`` holds a repository-wide lock, so two
-stages of one project cannot run at once anyway. Prefect's task cache is off
+stages of one project cannot run at once anyway. Flow runs of one project run
+one at a time too (``flows.runtime.project_lock``): a second one, however it
+was started, waits for the first and says so. Prefect's task cache is off
 (``NO_CACHE``): DVC is the cache.
 
 ``python -m flows.pipeline`` runs on Prefect's temporary local server, offline.
@@ -57,6 +59,7 @@ from flows.runtime import (
     parent_run,
     parse_status,
     parse_timeouts,
+    project_lock,
     stream_command,
     summary_markdown,
     task_options,
@@ -111,7 +114,8 @@ def pipeline(
     tags = {"prefect.flow_run_id": str(ctx.flow_run.id), "prefect.flow_run_name": ctx.flow_run.name,
             "pipeline.targets": ",".join(targets or []) or "all"}
     results: list[dict[str, Any]] = []
-    with parent_run(root_path, tags=tags) as parent:
+    with project_lock(root_path, logger.info, f"flow run {ctx.flow_run.name!r}"), \
+            parent_run(root_path, tags=tags) as parent:
         if parent.run_id:
             logger.info("MLflow parent run %s at %s", parent.run_id, parent.uri)
         env = parent.child_env(base_env())

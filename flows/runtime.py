@@ -220,6 +220,45 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+FLOW_LOCK = Path(".dvc") / "tmp" / "pipeline-flow.lock"
+
+
+@contextmanager
+def project_lock(root: str | Path, emit: Callable[[str], None], who: str) -> Iterator[None]:
+    """Hold the project's flow lock (an exclusive ``flock`` on ``<root>/.dvc/tmp/
+    pipeline-flow.lock``) for the block, so that flow runs of one project run
+    one after another however they were started: a served deployment (whose
+    concurrency limit covers only its own runs), ``--once`` or ``make flow``.
+    Without it a second run's stages failed on DVC's repository lock. A run that
+    finds the lock held says whose it is (``who`` of the holder, its pid and
+    start) through ``emit`` and waits; Ctrl-C or SIGTERM ends the wait. The
+    kernel drops the lock of a process that dies, so none is left stale."""
+    import fcntl
+
+    path = Path(root) / FLOW_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another flow run"
+            emit(f"waiting for {holder} to finish: flow runs of one project run one at a time")
+            t0 = time.monotonic()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            emit(f"the project's flow lock is free after {time.monotonic() - t0:.0f} s; starting")
+        f.seek(0)
+        f.truncate()
+        f.write(f"{who} (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')})\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def non_negative_number(text: str, kind: type = float) -> Any:
     """``text`` read as ``kind`` (int or float) when that is a finite number >= 0, else None."""
     try:

@@ -83,6 +83,27 @@ def run_flow(cwd: Path, env: dict[str, str], *args: str, timeout: float = 300) -
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def run_flow_behind_a_held_lock(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The flow started while another run holds the project's flow lock: it must
+    say whose the lock is and wait, and run its stages once the lock is free."""
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    with runtime.project_lock(cwd, seen.append, "the test's flow run"):
+        for line in proc.stdout:
+            seen.append(line)
+            assert not re.search(r"Running stage|stage \S+: (ran|restored|skipped) in", line), \
+                "a stage ran while another flow run held the lock:\n" + "".join(seen[-40:])
+            if f"waiting for the test's flow run (pid {os.getpid()}, started " in line:
+                break
+        else:
+            raise AssertionError("the flow never waited for the lock:\n" + "".join(seen[-40:]))
+    out = "".join(seen) + proc.stdout.read()
+    proc.wait(timeout=300)
+    assert "the project's flow lock is free after" in out
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
 def statuses(output: str) -> dict[str, str]:
     """Stage -> status from the flow's log lines ``stage X: ran in 1.2 s``."""
     return dict(re.findall(r"stage (\S+): (ran|restored|skipped) in", output))
@@ -295,6 +316,34 @@ def test_parent_run_logs_metrics_only_of_stages_whose_outputs_are_current(tmp_pa
         "dvc.stage_hash.prep": "h-prep", "dvc.stage_hash.cached": "h-cached"}
 
 
+def test_flow_runs_of_one_project_take_turns(tmp_path):
+    import threading
+
+    first, second = [], []
+    started, done = threading.Event(), threading.Event()
+
+    def later():
+        started.set()
+        with runtime.project_lock(tmp_path, second.append, "flow run 'b'"):
+            done.set()
+
+    with runtime.project_lock(tmp_path, first.append, "flow run 'a'"):
+        assert f"flow run 'a' (pid {os.getpid()}, started " in (tmp_path / runtime.FLOW_LOCK).read_text()
+        t = threading.Thread(target=later)
+        t.start()
+        started.wait(5)
+        time.sleep(0.5)
+        assert not done.is_set(), "the second run must wait for the first"
+        assert second and second[0].startswith(f"waiting for flow run 'a' (pid {os.getpid()}, started ")
+    t.join(10)
+    assert done.is_set() and first == [] and "lock is free after" in second[1]
+    with pytest.raises(KeyError):  # a run that fails lets the next one in
+        with runtime.project_lock(tmp_path, first.append, "flow run 'c'"):
+            raise KeyError
+    with runtime.project_lock(tmp_path, first.append, "flow run 'd'"):
+        assert first == []
+
+
 def test_child_env_makes_stage_runs_children_of_the_parent():
     env = runtime.ParentRun(root=Path("."), uri="sqlite:////x/mlflow.db", run_id="abc").child_env({"A": "1"})
     assert env == {"A": "1", "MLFLOW_PARENT_RUN_ID": "abc", "MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"}
@@ -470,7 +519,7 @@ def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
     mtimes = {p: p.stat().st_mtime_ns for s in DATA_STAGES for p in (root / "metrics").glob(f"{s}.json")}
     assert len(mtimes) == len(DATA_STAGES)
 
-    second = run_flow(root, env, "--targets", "pack")
+    second = run_flow_behind_a_held_lock(root, env, "--targets", "pack")
     assert second.returncode == 0, second.stdout[-5000:]
     assert statuses(second.stdout) == {s: "skipped" for s in DATA_STAGES}
     assert "**0 of 4 stages ran**" in second.stdout
