@@ -13,7 +13,7 @@ import yaml
 
 from pipeline import layout
 from pipeline.config import SCHEMAS, load_params
-from tests.conftest import ROOT
+from tests.conftest import BIN, ROOT
 from tests.imports import imported_modules, module_name, pipeline_modules, rel
 
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -152,3 +152,47 @@ def test_pipeline_has_no_import_cycles():
 def test_every_pipeline_module_opens_with_a_docstring():
     missing = [rel(p) for p in pipeline_modules() if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
     assert not missing, f"modules without an opening docstring: {', '.join(missing)}"
+
+
+def test_dvc_hashes_the_data_stages_data_not_their_resume_bookkeeping(tmp_path):
+    """Every file ingest, clean and pack leave in their outputs is either data (a
+    shard its manifest lists, the manifest, a report), which DVC hashes, or
+    bookkeeping that names the fingerprint of the code that wrote it (shard
+    records, clean's decisions, pack's checkpoints), which .dvcignore leaves out:
+    in DVC's hash it would make a code change that leaves the data byte-identical
+    rerun every stage downstream."""
+    from pipeline.data.clean import run_clean
+    from pipeline.data.ingest import run_ingest
+    from pipeline.data.pack import PackConfig, run_pack
+    from pipeline.data.shards import MANIFEST
+    from pipeline.files import read_json
+    from tests.helpers import train_tiny_tokenizer
+    from tests.pipeline.data import test_clean, test_ingest
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k in range(12):
+        (raw / f"doc{k}.txt").write_text(test_clean.prose(300, seed=k) + "\n\n" + test_clean.code(k))
+    ingest_dir, clean_dir, packed = (tmp_path / p for p in (layout.INGEST_DIR, layout.CLEAN_DIR, layout.PACKED))
+    run_ingest(test_ingest.cfg(sources=[{"path": str(raw / "*.txt")}], shard_bytes=4000), ingest_dir / "docs",
+               ingest_dir / "quarantine.jsonl", ingest_dir / "report.json")
+    run_clean(test_clean.cfg(dedup={"method": "sharded"}, shard_bytes=4000), ingest_dir / "docs", clean_dir / "docs",
+              clean_dir / "quarantine.jsonl", clean_dir / "report.json")
+    tok = tmp_path / "tokenizer" / "tokenizer.json"
+    train_tiny_tokenizer(tok)
+    run_pack(PackConfig(seq_len=15, val_fraction=0.25, shard_tokens=64 * 16, batch_docs=2, task_bytes=2000),
+             clean_dir / "docs", tok, packed)
+
+    data = {d / MANIFEST for d in (ingest_dir / "docs", clean_dir / "docs", packed)}
+    data |= {d / f for d in (ingest_dir, clean_dir) for f in ("quarantine.jsonl", "report.json")}
+    data |= {d / "docs" / s["path"] for d in (ingest_dir, clean_dir) for s in read_json(d / "docs" / MANIFEST)["shards"]}
+    data |= {packed / s["path"] for split in read_json(packed / MANIFEST)["splits"].values() for s in split["shards"]}
+    written = {p for p in (tmp_path / "data").rglob("*") if p.is_file()}
+    assert data <= written and len(written - data) > 6
+    names = sorted(p.relative_to(tmp_path).as_posix() for p in written)
+    assert any(n.startswith("data/clean/docs/decisions-") for n in names)
+    assert any(n.startswith("data/packed/checkpoint-") for n in names)
+    out = subprocess.run([str(BIN / "dvc"), "check-ignore", *names], cwd=ROOT,
+                         capture_output=True, text=True)
+    ignored = set(out.stdout.split())
+    assert ignored == {p.relative_to(tmp_path).as_posix() for p in written - data}, out.stderr

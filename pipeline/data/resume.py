@@ -26,9 +26,16 @@ anything new is written. Shards of the same fingerprint are kept, so a rerun
 only writes the shards that are missing or damaged.
 
 *Manifest.* When every shard is committed the stage writes ``manifest.json``
-(last, atomically), listing the shards, their rows and digests, and the
-fingerprint. :meth:`ShardLog.open` removes it first: a folder without a
-manifest is incomplete, and readers refuse it.
+(last, atomically), listing the shards, their rows and digests.
+:meth:`ShardLog.open` removes it first: a folder without a manifest is
+incomplete, and readers refuse it.
+
+*What DVC sees.* The manifest and the shards are the data; the records (and
+pack's checkpoints, clean's decisions) are bookkeeping that names the
+fingerprint, so code included. The project's ``.dvcignore`` leaves the
+bookkeeping out of DVC's hash of an output and the manifest holds no
+fingerprint: a change of code that leaves the shards byte-identical leaves
+the output's hash as it was, and DVC reruns nothing downstream.
 """
 
 from __future__ import annotations
@@ -212,6 +219,8 @@ class ShardLog:
             del self.records[k]
         shards = [{"path": self.path(k).name, "rows": self.records[k].get("rows"),
                    "sha256": self.records[k]["sha256"]} for k in range(n)]
-        manifest = {**fields, "fingerprint": self.fp, "shards": shards}
+        # no fingerprint here: the manifest is what the next stage reads and DVC hashes, so it holds the
+        # data only, and a code change that leaves the shards byte-identical leaves it byte-identical too
+        manifest = {**fields, "shards": shards}
         write_json(self.folder / MANIFEST, manifest)
         return manifest
