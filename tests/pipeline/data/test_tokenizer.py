@@ -249,6 +249,25 @@ def adopt(folder, out_dir, corpus, **cfg):
     return build(cfg, corpus, out_dir / "tokenizer.json", out_dir / "report.json")
 
 
+def test_adopting_measures_on_a_documents_folder_as_the_stage_gives_it(family_folders, corpus, tmp_path):
+    """The clean stage's output is a documents folder, not one file: the adopted
+    tokenizer's bytes per token and round trip are measured on it all the same."""
+    from pipeline.data.docs import FORMAT
+    from pipeline.data.resume import ShardLog
+
+    table = pq.read_table(corpus)
+    folder = tmp_path / "docs"
+    log = ShardLog(folder, "test")
+    log.open()
+    log.commit(0, lambda tmp: pq.write_table(table, tmp), {"rows": table.num_rows})
+    log.finish(1, {"format": FORMAT, "rows": table.num_rows})
+    from_file = adopt(family_folders["qwen2"], tmp_path / "file", corpus)
+    from_folder = adopt(family_folders["qwen2"], tmp_path / "folder", folder)
+    assert from_folder["bytes_per_token"] == from_file["bytes_per_token"] > 1.0
+    report = read_json(tmp_path / "folder" / "report.json")
+    assert report["heldout_docs"] > 10 and report["corpus_docs"] == table.num_rows
+
+
 @pytest.mark.parametrize("family", ADOPTED)
 def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(family, family_folders, corpus, tmp_path):
     folder = family_folders[family]
