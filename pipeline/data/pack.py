@@ -1197,6 +1197,8 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         # Its own reader: the task reader is paused mid-file.
         plan = state["plan"] = plan_splits(open_docs(docs_path, PackError), cfg.seed, cfg.val_fraction,
                                            where=str(docs_path), val_by=cfg.val_by)
+        if cfg.mixture:  # before any encoding, or any file of the output is touched: a typo costs nothing
+            check_names(plan.trainable, cfg.mixture)
         names = [*SPLITS, *Sources.dirs(plan.sources)]
         logs, rec, pieces = checkpoints.open(names, resuming, mixture=bool(cfg.mixture))
         (out_dir / MIX_FILE).unlink(missing_ok=True)  # left by a mixture run that was killed
@@ -1211,7 +1213,6 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
             sources.restore(rec["sources"])
             state.update(row=rec["row"], docs=rec["docs"], text_bytes=rec["text_bytes"], resumed=checkpoints.shards)
         if cfg.mixture:
-            check_names(plan.trainable, cfg.mixture)  # before any encoding: a typo costs no pass over the corpus
             mix = rec["mixture"] if rec is not None else {}
             state["mixture"] = Mixture(cfg, sources, logs[MIX_DIR], mix.get("pieces", 0), mix.get("docs", 0))
             state["realise_at"] = (mix.get("round", 1), mix.get("batch", 0))

@@ -193,6 +193,11 @@ def test_mixture_errors(corpus, tmp_path, monkeypatch):
     with pytest.raises(MixtureError, match=r"no entry for source\(s\) \['code'\]"):
         run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}}), path, tok, tmp_path / "out")
     assert tasks > 10 and len(calls) <= 2, "the mixture's names are checked before the corpus is encoded"
+    before = {p: p.read_bytes() for p in (tmp_path / "ok").rglob("*") if p.is_file()}
+    with pytest.raises(MixtureError, match=r"no entry for source\(s\) \['code'\]"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}}), path, tok, tmp_path / "ok")
+    assert {p: p.read_bytes() for p in (tmp_path / "ok").rglob("*") if p.is_file()} == before, \
+        "a mixture refused leaves the earlier output as it was"
     with pytest.raises(MixtureError, match=r"names source\(s\) \['bench'\] that have no train documents"):
         run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 1}, "bench": {"weight": 1}}),
                  path, tok, tmp_path / "out")
