@@ -288,8 +288,11 @@ def _best_checkpoint(folder: Path) -> Checkpoint | None:
     if record is None:
         if not step_folders(folder):
             return None
-        raise CheckpointError(f"{folder / BEST}: missing, so no best checkpoint is recorded for this run; set "
-                              "checkpoint.keep_best: true and rerun the stage, or take the last checkpoint")
+        raise CheckpointError(f"{folder / BEST}: missing, so no best checkpoint is recorded for this run: "
+                              "checkpoint.keep_best was off while it saved its checkpoints, and turning it on later "
+                              "does not revisit a finished run; set it before the run starts (move "
+                              f"{folder} aside and rerun the stage, or raise schedule.max_steps to record the best "
+                              "of the steps to come), or take the last checkpoint")
     best = Checkpoint(Path(folder) / record["path"], int(record["step"]))
     if not best.path.is_dir():
         raise CheckpointError(f"{best.path}: missing, though {folder / BEST} records it as the best checkpoint")
