@@ -134,7 +134,7 @@ from pipeline.data.docs import (
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
 from pipeline.data.mixture import Share, check_names, multiplicities, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
-from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
+from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
     EOT_ID,
     SPECIALS_FILE,
@@ -145,7 +145,7 @@ from pipeline.data.tokenizer import (
     tokenizer_dir,
 )
 from pipeline.errors import StageError
-from pipeline.files import read_json, sha256_file
+from pipeline.files import read_json, sha256_file, write_json
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.pack")
@@ -1007,6 +1007,8 @@ class Mixture:
 # --- resume -----------------------------------------------------------------------------------
 
 CHECKPOINT = "checkpoint"  # out_dir/checkpoint-NNNNN.npz + .json: a point the stream can continue from
+COMPLETE = "complete.json"  # out_dir/complete.json: the fingerprint and metrics of a finished output (run_pack)
+RUN_FIGURES = ("tokens_per_s", "mb_per_s", "workers", "pack_seconds", "shards_resumed")  # a run's, not its output's
 
 
 def pack_fingerprint(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> str:
@@ -1130,6 +1132,23 @@ class Checkpoints:
             p.unlink()
 
 
+def finished(out_dir: Path, fp: str) -> dict[str, Any] | None:
+    """The metrics of the run that finished the output in ``out_dir`` under
+    fingerprint ``fp``, if its manifest and every shard it lists (sha256) are as
+    that run left them; else None (the rerun then resumes as after a kill)."""
+    try:
+        done = read_json(out_dir / COMPLETE)
+        if done.get("fingerprint") != fp or sha256_file(out_dir / MANIFEST) != done.get("manifest_sha256"):
+            return None
+        for split in read_json(out_dir / MANIFEST)["splits"].values():
+            for shard in split["shards"]:
+                if sha256_file(out_dir / shard["path"]) != shard["sha256"]:
+                    return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return done["metrics"] if isinstance(done.get("metrics"), dict) else None
+
+
 def shard_entry(split: str, k: int, record: dict[str, Any]) -> dict[str, Any]:
     """A committed shard's entry in the manifest, from its record."""
     return {"path": f"{split}/shard-{k:05d}.arrow", "rows": record["rows"], "sha256": record["sha256"]}
@@ -1171,7 +1190,14 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     the last piece reach ``shard_tokens`` tokens; the train split, written at
     the end, takes a checkpoint (round and batch) after each batch that wrote a
     shard, so the realisation resumes too. The pieces go when the manifest is
-    written: a rerun of a completed mixture run packs from the first document.
+    written. Last, the run writes ``complete.json``: its fingerprint, the
+    manifest's sha256 and its metrics. A rerun of the same fingerprint on a
+    finished output (``dvc repro --force``, or a kill after the manifest was
+    written) checks the manifest and every shard it lists against their sha256
+    (:func:`finished`) and, if all match, keeps everything and returns those
+    metrics (with this run's ``workers`` (0), seconds and rates, which count the
+    kept output as after any resume, and every shard in ``shards_resumed``); otherwise it
+    removes ``complete.json`` and resumes as after a kill.
 
     Workers are spawned processes, so a script that calls this must keep its own
     top-level code under ``if __name__ == "__main__":``.
@@ -1188,6 +1214,13 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
                         "source_name column; rerun ingest and clean")
     extra = (("source_name",) if named else ()) + (("id",) if cfg.mixture else ())
     checkpoints = Checkpoints(out_dir, pack_fingerprint(cfg, docs_path, tokenizer_path))
+    done = finished(out_dir, checkpoints.fp)
+    if done is not None:
+        log.info("%s is the finished output of these params, input and code: all %d shards kept", out_dir,
+                 done["shards"])
+        seconds = time.perf_counter() - t0  # the rates count the kept output, as after any resume
+        return {**done, "shards_resumed": done["shards"], "tokens_per_s": round(done["tokens"] / seconds),
+                "mb_per_s": round(done["bytes"] / seconds / 1e6, 3), "workers": 0, "pack_seconds": round(seconds, 3)}
     resuming = Checkpoints.exist(out_dir, checkpoints.fp)
     state: dict[str, Any] = {"row": 0, "docs": 0, "text_bytes": 0, "resumed": 0}
 
@@ -1200,6 +1233,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         if cfg.mixture:  # before any encoding, or any file of the output is touched: a typo costs nothing
             check_names(plan.trainable, cfg.mixture)
         names = [*SPLITS, *Sources.dirs(plan.sources)]
+        (out_dir / COMPLETE).unlink(missing_ok=True)  # the output changes from here: no longer finished
         logs, rec, pieces = checkpoints.open(names, resuming, mixture=bool(cfg.mixture))
         (out_dir / MIX_FILE).unlink(missing_ok=True)  # left by a mixture run that was killed
         writers = state["writers"] = {s: SplitWriter(out_dir, s, row_len, shard_rows, specials["eot"], logs[s])
@@ -1290,7 +1324,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     if state["resumed"]:
         log.info("resumed: %d of %d shards kept from an earlier run", state["resumed"], shards)
     seconds = time.perf_counter() - t0
-    return {
+    metrics = {
         "docs": docs,
         "bytes": state["text_bytes"],
         "tokens": total_tokens,
@@ -1304,6 +1338,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         "workers": state["workers"],
         "pack_seconds": round(seconds, 3),
     }
+    write_json(out_dir / COMPLETE, {"fingerprint": checkpoints.fp, "manifest_sha256": sha256_file(out_dir / MANIFEST),
+                                    "metrics": {k: v for k, v in metrics.items() if k not in RUN_FIGURES}})
+    return metrics
 
 
 # --- yardstick --------------------------------------------------------------------------------

@@ -181,10 +181,11 @@ def test_manifest_and_accounting(docs, packed):
     assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == 1
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     listed = sorted(e["path"] for s in m["splits"].values() for e in s["shards"])
-    # beside the manifest and the shards: each shard's commit record, and the checkpoints to resume from
+    # beside the manifest and the shards: each shard's commit record, the checkpoints to resume from, and the
+    # finished run's record
     records = [p.removesuffix(".arrow") + ".json" for p in listed]
     checkpoints = [f for f in files if f.startswith("checkpoint-")]
-    assert files == sorted([MANIFEST, *listed, *records, *checkpoints])
+    assert files == sorted([MANIFEST, *listed, *records, *checkpoints, pack.COMPLETE])
     assert metrics["shards"] == len(listed) and metrics["shards_resumed"] == 0
     for s in m["splits"].values():
         for e in s["shards"]:

@@ -60,8 +60,10 @@ def corpus(tmp_path_factory):
 
 
 def files(d):
-    """Every file under ``d``: shards, records, checkpoints, manifest."""
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    """Every file under ``d``: shards, records, checkpoints, manifest (not the
+    finished run's record, whose metrics hold its timings)."""
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != pack.COMPLETE}
 
 
 def stamps(d):
@@ -122,6 +124,34 @@ def test_a_run_interrupted_after_some_shards_resumes_to_the_same_bytes(corpus, t
     assert f"resumed: {len(kept)} of {metrics['shards']} shards kept from an earlier run" in caplog.text
     verify(out, pack.FORMAT)
     assert len(PackedRows(out / "train")) == metrics["train_rows"]
+
+
+def test_a_rerun_of_a_finished_output_keeps_every_shard(corpus, tmp_path, caplog):
+    """Same params, input and code on a finished output (dvc repro --force, or a
+    kill after the manifest was written): nothing is redone, nothing rewritten."""
+    path, tok, ref, metrics = corpus
+    out = tmp_path / "out"
+    first = run_pack(PackConfig(**CFG), path, tok, out)
+    before, kept = stamps(out), files(out)
+    with caplog.at_level(logging.INFO, logger="pipeline.data.pack"):
+        again = run_pack(PackConfig(**{**CFG, "num_workers": 2}), path, tok, out)  # not in the fingerprint
+    assert stamps(out) == before and files(out) == kept == files(ref)
+    assert same_metrics(again, first) and again["shards_resumed"] == first["shards"] and again["workers"] == 0
+    assert f"is the finished output of these params, input and code: all {first['shards']} shards kept" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["shard", "manifest", "record"])
+def test_a_finished_output_that_changed_is_resumed_as_after_a_kill(corpus, tmp_path, damage):
+    path, tok, ref, metrics = corpus
+    out = tmp_path / "out"
+    run_pack(PackConfig(**CFG), path, tok, out)
+    target = {"shard": out / "val" / "shard-00000.arrow", "manifest": out / MANIFEST, "record": out / pack.COMPLETE}
+    with open(target[damage], "r+b") as f:
+        f.seek(20)
+        f.write(b"!")
+    again = run_pack(PackConfig(**CFG), path, tok, out)
+    assert files(out) == files(ref) and same_metrics(again, metrics)
+    assert again["shards_resumed"] < metrics["shards"]
 
 
 def test_checkpoints_carry_open_documents_and_joins(corpus):
