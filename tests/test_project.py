@@ -75,8 +75,49 @@ def test_readme_recipes_validate_on_top_of_the_shipped_params():
 
 def test_gitignore_keeps_generated_state_out_of_git():
     ignored = (ROOT / ".gitignore").read_text()
-    for pattern in ("/data/*", "/models/", "/mlflow.db", "/mlartifacts/", ".venv/"):
+    for pattern in ("/mlflow.db", "/mlartifacts/", ".venv/"):
         assert pattern in ignored
+    # outputs and the user's inputs stay out of git; the inputs' `dvc add` files go in
+    paths = ["data/ingest/x", "data/stray.txt", "models/pretrain/x", "data/raw/book.txt", "data/raw/corpus/a.jsonl",
+             "models/base/qwen/config.json", "data/raw/README.md", "data/raw/book.txt.dvc", "data/raw/.gitignore",
+             "models/base/README.md", "models/base/qwen.dvc"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.split() == paths[:6]
+
+
+def test_dvc_add_of_user_inputs_is_seen_by_dvc(tmp_path):
+    """README: put your inputs in data/raw/ and models/base/ and `dvc add` them.
+    That failed ("bad DVC file name ... is git-ignored"); and with the .dvc file
+    un-ignored below a `/data/raw/*` line DVC still skipped it when it looked for
+    .dvc files (its git-ignore check prunes data/raw/), so `dvc exp run --temp` and
+    `--queue`, which restore inputs in their copy with a plain `dvc checkout`,
+    started without them. Here: the same checkout restores both inputs."""
+    import os
+    import shutil
+
+    from tests.conftest import BIN, project_copy
+
+    root = project_copy(tmp_path / "proj")
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    book, model = root / "data/raw/book.txt", root / "models/base/tiny"
+    book.write_text("a line of text\n" * 100)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def run(*cmd):
+        out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out.stdout
+
+    run(str(BIN / "dvc"), "add", "data/raw/book.txt", "models/base/tiny")
+    run("git", "add", "data/raw/book.txt.dvc", "models/base/tiny.dvc")  # git refuses an ignored path
+    assert run("git", "status", "--porcelain", "-uall").split() == [
+        "A", "data/raw/book.txt.dvc", "A", "models/base/tiny.dvc"]  # the data itself stays out of git
+    book.unlink()
+    shutil.rmtree(model)
+    run(str(BIN / "dvc"), "checkout", "--allow-missing")  # as `dvc exp run --temp` does in its copy
+    assert book.read_text() == "a line of text\n" * 100
+    assert (model / "config.json").read_text() == "{}"
 
 
 def test_metrics_and_plots_stay_visible_to_git():
