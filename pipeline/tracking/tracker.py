@@ -287,6 +287,7 @@ class Tracker:
         self._run: str | None = None  # the run id in that store
         self._monitor: Any = None
         self._started = self._ended = False
+        self._experiment_parent = False  # parent_run_id is a `dvc exp run` experiment's (experiment_parent)
         self._params: dict[str, str] = {}  # everything logged: conflicts, and the offline run's header
         self._tags: dict[str, str] = {}
         self._pending_params: dict[str, str] = {}
@@ -359,6 +360,7 @@ class Tracker:
         exp_name = os.environ.get("DVC_EXP_NAME")
         if not self.parent_run_id and exp_name and self.stage != EXPERIMENT_PARENT_NAME:
             self.parent_run_id = self._tags["mlflow.parentRunId"] = experiment_parent(client, exp_id, exp_name)
+            self._experiment_parent = True
         run = client.create_run(exp_id, run_name=self.stage, tags=self._tags)
         self._client, self.experiment_id, self.run_id = client, exp_id, run.info.run_id
         self._run = self.run_id
@@ -382,6 +384,13 @@ class Tracker:
         if self._monitor is not None:
             self._monitor.finish()  # catches its own errors
         self._call(f"ending run {self.run_id}", lambda c, run: c.set_terminated(run, status))
+        if status != "FINISHED" and self._experiment_parent and not self.offline:
+            # DVC stops the experiment at this stage: its parent run ends as this
+            # stage did, as a flow's parent does, not FINISHED (experiment_parent)
+            try:
+                self._client.set_terminated(self.parent_run_id, status)
+            except Exception as err:
+                log.warning("experiment parent run %s not marked %s: %s", self.parent_run_id, status, _short(err))
 
     # -- logging
 
@@ -526,7 +535,12 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     its ``dvc.exp_name`` tag, or created (named ``pipeline``, like a flow's parent
     run, with the whole params.yaml flattened as params) and marked finished at
     once, since MLflow nests children under a finished parent just as well.
-    Stages of an experiment run one after another, so find-or-create is enough."""
+    Stages of an experiment run one after another, so find-or-create is enough.
+
+    A stage that fails ends this run FAILED (KILLED on Ctrl-C) with it
+    (:meth:`Tracker.end`), as a flow's parent ends. DVC commits no experiment
+    then, so the name may be run again: the newest parent of that name is reused
+    only if it did not fail, else the new attempt gets a parent of its own."""
     from mlflow.entities import Param
 
     from pipeline.config import flatten, load_yaml
@@ -534,9 +548,10 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     found = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`dvc.exp_name` = '{exp_name}' and tags.`pipeline.parent` = 'true'",
+        order_by=["attributes.start_time DESC"],
         max_results=1,
     )
-    if found:
+    if found and found[0].info.status not in ("FAILED", "KILLED"):
         return found[0].info.run_id
     tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", **git_tags()}
     if os.environ.get("DVC_EXP_BASELINE_REV"):

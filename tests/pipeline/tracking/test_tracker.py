@@ -266,6 +266,35 @@ def test_tags_record_git_dvc_and_stage(client, git_repo, monkeypatch):
     assert tags["team"] == "llm" and tags["note"] == "late"
 
 
+def test_a_failed_stage_fails_its_dvc_experiments_parent_run(client, tmp_path, monkeypatch):
+    # Under `dvc exp run` the stages' parent run was created FINISHED and stayed so
+    # when a stage failed: the MLflow UI showed a failed experiment as finished.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-x")
+
+    def parents():
+        runs = client.search_runs([t.experiment_id], filter_string="tags.`pipeline.parent` = 'true'",
+                                  order_by=["attributes.start_time ASC"])
+        return [(r.info.run_id, r.info.status) for r in runs]
+
+    with Tracker("ingest", system_metrics=False) as t:
+        pass
+    first = t.parent_run_id
+    with pytest.raises(RuntimeError), Tracker("clean", system_metrics=False) as t:
+        raise RuntimeError("boom")
+    assert t.parent_run_id == first  # the same experiment's parent
+    assert client.get_run(t.run_id).info.status == "FAILED"
+    assert parents() == [(first, "FAILED")]
+
+    # The name may be run again (DVC committed nothing): that attempt gets its own parent.
+    with Tracker("ingest", system_metrics=False) as t:
+        pass
+    with Tracker("clean", system_metrics=False) as t2:
+        pass
+    assert t.parent_run_id == t2.parent_run_id != first
+    assert parents() == [(first, "FAILED"), (t.parent_run_id, "FINISHED")]
+
+
 def test_child_run_gets_parent_from_env(client, monkeypatch):
     parent_exp = client.create_experiment("parent-flow")
     parent = client.create_run(parent_exp, run_name="flow").info.run_id
