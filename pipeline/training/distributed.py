@@ -94,6 +94,15 @@ def init(requested_device: str = "auto", need_group: bool = False) -> Dist:
 
 
 def shutdown() -> None:
+    """Destroy the process group. Free every DDP module first (drop all references
+    to it): its C++ Reducer holds the group, and pybind frees a Reducer with the GIL
+    held. A Reducer freed after the group was destroyed is the group's last holder,
+    so ProcessGroupGloo's destructor joins its worker threads holding the GIL; a
+    worker that is still dropping a finished collective (a barrier holds the works
+    before it, all_gather_object's tensors among them) needs the GIL to free that
+    work's tensors, which have Python objects: both wait forever, after the rank's
+    work is done. Freed before, the Reducer drops one reference, and the group goes
+    here, through its Python object, whose destructor releases the GIL first."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -425,8 +425,9 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns loss, lr, grad norm and the spike flag."""
-        model, d = self.fwd_model, self.d
-        model.train()
+        # no local for the model: a traceback (NonFiniteError below) would keep DDP alive past close()
+        d = self.d
+        self.fwd_model.train()
         batches = [self.train_data.batch(rows, d.device, self.cfg.data.doc_mask) for rows in self.order.next_step()]
         local_tokens = torch.tensor(float(sum(int(scored_tokens(b["targets"])) for b in batches)), device=d.device)
         global_tokens = distributed.all_reduce_mean(local_tokens, d) * d.world_size
@@ -437,8 +438,9 @@ class Trainer:
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             if self.sharded:  # FSDP's no_sync: gradients reduce-scatter after the last micro-batch only
-                model.set_requires_gradient_sync(last)
-            with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+                self.fwd_model.set_requires_gradient_sync(last)
+            ddp = isinstance(self.fwd_model, DDP)
+            with contextlib.nullcontext() if last or not ddp else self.fwd_model.no_sync():
                 loss_sum = self._loss_sum(batch)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_total += loss_sum.detach()
@@ -566,6 +568,9 @@ class Trainer:
 
     def close(self) -> None:
         os.close(self._lock_fd)
+        # DDP first: its C++ Reducer holds the process group, and freed after the group
+        # was destroyed it would free it last, with the GIL held (distributed.shutdown)
+        self.fwd_model = None
         distributed.shutdown()
 
 

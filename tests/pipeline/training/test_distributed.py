@@ -1,10 +1,17 @@
-"""pipeline/training/distributed.py: the device a run asks for."""
+"""pipeline/training/distributed.py: the device a run asks for, and tearing the process group down."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from pipeline.errors import StageError
 from pipeline.training.distributed import DeviceError, pick_device
+from tests.conftest import ROOT
 
 
 def test_auto_and_cpu():
@@ -34,3 +41,57 @@ def test_a_numbered_or_unknown_device_is_checked_too():
         pick_device("gpu")
     with pytest.raises(DeviceError, match=r"^device 'meta' is not supported"):
         pick_device("meta")
+
+
+# Rank 0 closes a DDP Trainer while a gloo worker thread still holds a collective whose
+# tensor has a Python object (rank 1 joins it 2 s late), as a worker can at the end of a
+# run on a busy machine; then the Trainer goes, as when run_pretrain returns.
+CLOSE_WHILE_A_WORKER_HOLDS_A_TENSOR = """
+import os, sys, time
+import torch, torch.distributed as dist, torch.nn as nn
+import torch.distributed.nn  # imported before the group exists, as in a rank: it must not hold the group
+from pipeline.training.trainer import Trainer
+
+rank, store, lock = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+if rank == 1:
+    time.sleep(2)
+    dist.all_reduce(torch.ones(1000))
+    os._exit(0)
+trainer = Trainer.__new__(Trainer)  # only what close() uses
+trainer._lock_fd, trainer.fwd_model = os.open(lock, os.O_RDWR | os.O_CREAT), ddp
+del ddp
+t = torch.ones(1000)
+work = dist.all_reduce(t, async_op=True)
+del work, t  # the worker thread holds the last reference to the tensor
+trainer.close()
+del trainer
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_closing_a_ddp_trainer_does_not_deadlock_with_a_gloo_worker_that_needs_the_gil(tmp_path):
+    """A two-rank run once hung after its last step: rank 1 froze freeing its DDP
+    Reducer, which freed the destroyed gloo group with the GIL held and joined a
+    worker thread that waited for the GIL to free a tensor. Trainer.close() frees
+    DDP before the group (distributed.shutdown)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(CLOSE_WHILE_A_WORKER_HOLDS_A_TENSOR))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [str(tmp_path / "store"), str(tmp_path / "lock")]
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), *args], env=env, text=True,
+                              stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              start_new_session=True) for rank in (0, 1)]
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        out = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert out is not None, "rank 0 deadlocked closing its Trainer (a gloo worker waits for the GIL)"
+    assert procs[0].returncode == 0 and "closed" in out, out[-3000:]
