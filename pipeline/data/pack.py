@@ -1134,17 +1134,16 @@ class Checkpoints:
 
 def finished(out_dir: Path, fp: str) -> dict[str, Any] | None:
     """The metrics of the run that finished the output in ``out_dir`` under
-    fingerprint ``fp``, if its manifest and every shard it lists (sha256) are as
-    that run left them; else None (the rerun then resumes as after a kill)."""
+    fingerprint ``fp``, if its manifest is as that run wrote it and the folder
+    agrees with it (:func:`pipeline.data.shards.verify`: every listed shard's
+    sha256 and rows, none unlisted); else None (the rerun then resumes as after
+    a kill)."""
     try:
         done = read_json(out_dir / COMPLETE)
         if done.get("fingerprint") != fp or sha256_file(out_dir / MANIFEST) != done.get("manifest_sha256"):
             return None
-        for split in read_json(out_dir / MANIFEST)["splits"].values():
-            for shard in split["shards"]:
-                if sha256_file(out_dir / shard["path"]) != shard["sha256"]:
-                    return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        shards_module.verify(out_dir, FORMAT)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, shards_module.DataError):
         return None
     return done["metrics"] if isinstance(done.get("metrics"), dict) else None
 
