@@ -627,8 +627,10 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     _write_specials(out_dir, specials)
 
     tok.encode_special_tokens = True
-    _, heldout_mask, stats = choose_sample(docs_path, 0, cfg.eval_bytes, cfg.seed)  # a folder or one file
-    heldout = _read_rows(Path(docs_path), heldout_mask)[0]
+    # the clean documents (a folder, or one Parquet file); a caller without any adopts without measuring
+    _, heldout_mask, stats = choose_sample(docs_path, 0, cfg.eval_bytes, cfg.seed) if Path(docs_path).exists() \
+        else (None, None, {"corpus_docs": 0, "corpus_bytes": 0})
+    heldout = _read_rows(Path(docs_path), heldout_mask)[0] if heldout_mask is not None else []
     failures, nbytes, ntok = 0, 0, 0
     for name, text in [*((f"probe {i}", s) for i, s in enumerate(ROUNDTRIP_PROBES)),
                        *((f"document {i!r}", t or "") for i, t in heldout)]:
