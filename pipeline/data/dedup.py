@@ -118,6 +118,11 @@ MERGE_RUNS = 64
 
 
 
+# what a dedup step that does not find the work folder's files says to do
+SHARED_STORAGE = ("dedup.method: sharded on a Ray cluster needs the output folder on storage that every node mounts "
+                  "at the same path (or use method: memory)")
+
+
 class DedupError(StageError):
     """A step's work files are not those the stage wrote (a Ray node without the work folder's storage)."""
 
@@ -304,8 +309,7 @@ def _read(path: Path, dtype: np.dtype, size: int) -> np.ndarray:
             return rec
         got = f"{rec.nbytes} bytes, not the {size} the stage wrote,"
     raise DedupError(f"the dedup work file {path} is {got} on {socket.gethostname()}, where a dedup task ran; "
-                     "dedup.method: sharded on a Ray cluster needs the output folder on storage that every node "
-                     "mounts at the same path (or use method: memory)")
+                     + SHARED_STORAGE)
 
 
 def exact_partition(work: WorkDir, p: int, size: int) -> np.ndarray:
@@ -441,8 +445,7 @@ def _open_run(path: str) -> np.ndarray:
         return np.load(path, mmap_mode="r")
     except FileNotFoundError:
         raise DedupError(f"the dedup work file {path} is missing on {socket.gethostname()}, where a dedup step "
-                         "ran; dedup.method: sharded on a Ray cluster needs the output folder on storage that "
-                         "every node mounts at the same path (or use method: memory)") from None
+                         "ran; " + SHARED_STORAGE) from None
 
 
 def _kind(path: str) -> str:
