@@ -95,7 +95,7 @@ def test_dvc_add_of_user_inputs_is_seen_by_dvc(tmp_path):
     import os
     import shutil
 
-    from tests.conftest import BIN, project_copy
+    from tests.conftest import project_copy
 
     root = project_copy(tmp_path / "proj")
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}

@@ -158,7 +158,8 @@ class SFTDataConfig(BaseModel):
     seq_len: int = Field(256, ge=8, le=1_048_576, description="tokens a model sees per row; rows hold seq_len + 1")
     pack: bool = Field(True, description="several whole examples per row (document-masked); false: one per row")
     overlong: Literal["drop", "truncate"] = Field(
-        "drop", description="an example longer than a row: drop, or truncate to the row (kept only if a label survives)")
+        "drop",
+        description="an example longer than a row: drop, or truncate to the row (kept only if a label survives)")
     val_fraction: float = Field(0.05, gt=0.0, le=0.5, description="share of examples in the val split")
     seed: int = Field(0, ge=0, description="chooses the split and the row order")
     max_examples: int | None = Field(None, ge=1, description="records read per source, first ones; null = all")

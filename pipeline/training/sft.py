@@ -59,7 +59,8 @@ class SFTOptimizer(OptimizerSection):
 
 
 class SFTSchedule(ScheduleSection):
-    max_steps: int = Field(200, ge=1, description="optimizer steps (at least 1: sft has something to learn); the schedule ends here")
+    max_steps: int = Field(
+        200, ge=1, description="optimizer steps (at least 1: sft has something to learn); the schedule ends here")
     warmup_steps: int = Field(20, ge=0, description="linear warmup from 0 to optimizer.lr")
     min_lr: float = Field(1e-4, ge=0, description="floor of the schedule (reached at the end under wsd)")
 
