@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.errors import StageError
 
@@ -93,16 +94,22 @@ def init(requested_device: str = "auto", need_group: bool = False) -> Dist:
     return Dist(rank, local_rank, world, device, backend)
 
 
-def shutdown() -> None:
-    """Destroy the process group. Free every DDP module first (drop all references
-    to it): its C++ Reducer holds the group, and pybind frees a Reducer with the GIL
-    held. A Reducer freed after the group was destroyed is the group's last holder,
-    so ProcessGroupGloo's destructor joins its worker threads holding the GIL; a
-    worker that is still dropping a finished collective (a barrier holds the works
-    before it, all_gather_object's tensors among them) needs the GIL to free that
-    work's tensors, which have Python objects: both wait forever, after the rank's
-    work is done. Freed before, the Reducer drops one reference, and the group goes
-    here, through its Python object, whose destructor releases the GIL first."""
+def shutdown(model: torch.nn.Module | None = None) -> None:
+    """Destroy the process group, freeing ``model``'s DDP Reducer first when it
+    is a DDP module. The Reducer holds the group, and pybind frees a Reducer with
+    the GIL held. A Reducer freed after the group was destroyed is the group's
+    last holder, so ProcessGroupGloo's destructor joins its worker threads holding
+    the GIL; a worker that is still dropping a finished collective (a barrier holds
+    the works before it, all_gather_object's tensors among them) needs the GIL to
+    free that work's tensors, which have Python objects: both wait forever, after
+    the rank's work is done. Freed before, the Reducer drops one reference, and the
+    group goes here, through its Python object, whose destructor releases the GIL
+    first. The Reducer is taken from the module rather than the module dropped: a
+    traceback can keep the module alive past its owner (an exception raised in its
+    forward holds the frame), and it is unusable after this anyway."""
+    if isinstance(model, DDP):
+        model.logger = None  # the Logger holds the Reducer too
+        model.reducer = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -568,10 +568,9 @@ class Trainer:
 
     def close(self) -> None:
         os.close(self._lock_fd)
-        # DDP first: its C++ Reducer holds the process group, and freed after the group
-        # was destroyed it would free it last, with the GIL held (distributed.shutdown)
-        self.fwd_model = None
-        distributed.shutdown()
+        # DDP's C++ Reducer goes before the process group (distributed.shutdown)
+        model, self.fwd_model = self.fwd_model, None
+        distributed.shutdown(model)
 
 
 def sharded_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -45,16 +45,28 @@ def test_a_numbered_or_unknown_device_is_checked_too():
 
 # Rank 0 closes a DDP Trainer while a gloo worker thread still holds a collective whose
 # tensor has a Python object (rank 1 joins it 2 s late), as a worker can at the end of a
-# run on a busy machine; then the Trainer goes, as when run_pretrain returns.
+# run on a busy machine; then the Trainer goes, as when run_pretrain returns. With
+# "raised", the module's forward has raised, and the exception's traceback keeps DDP
+# alive until after close(), as when a forward pass fails in a rank.
 CLOSE_WHILE_A_WORKER_HOLDS_A_TENSOR = """
 import os, sys, time
 import torch, torch.distributed as dist, torch.nn as nn
 import torch.distributed.nn  # imported before the group exists, as in a rank: it must not hold the group
 from pipeline.training.trainer import Trainer
 
-rank, store, lock = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+class Failing(nn.Linear):
+    def forward(self, x):
+        raise RuntimeError("forward failed")
+
+rank, store, lock, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+ddp = nn.parallel.DistributedDataParallel(Failing(4, 4) if mode == "raised" else nn.Linear(4, 4))
+error = None
+if mode == "raised":
+    try:
+        ddp(torch.ones(1, 4))
+    except RuntimeError as e:
+        error = e  # its traceback holds DDP.forward's frame, and so the module
 if rank == 1:
     time.sleep(2)
     dist.all_reduce(torch.ones(1000))
@@ -66,21 +78,23 @@ t = torch.ones(1000)
 work = dist.all_reduce(t, async_op=True)
 del work, t  # the worker thread holds the last reference to the tensor
 trainer.close()
-del trainer
+del trainer, error
 print("closed", flush=True)
 """
 
 
 @pytest.mark.slow
-def test_closing_a_ddp_trainer_does_not_deadlock_with_a_gloo_worker_that_needs_the_gil(tmp_path):
+@pytest.mark.parametrize("mode", ["finished", "raised"])
+def test_closing_a_ddp_trainer_does_not_deadlock_with_a_gloo_worker_that_needs_the_gil(tmp_path, mode):
     """A two-rank run once hung after its last step: rank 1 froze freeing its DDP
     Reducer, which freed the destroyed gloo group with the GIL held and joined a
     worker thread that waited for the GIL to free a tensor. Trainer.close() frees
-    DDP before the group (distributed.shutdown)."""
+    DDP's Reducer before the group (distributed.shutdown), also while a traceback
+    still holds the module."""
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(CLOSE_WHILE_A_WORKER_HOLDS_A_TENSOR))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = [str(tmp_path / "store"), str(tmp_path / "lock")]
+    args = [str(tmp_path / "store"), str(tmp_path / "lock"), mode]
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), *args], env=env, text=True,
                               stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
                               start_new_session=True) for rank in (0, 1)]
