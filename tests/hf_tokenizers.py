@@ -442,3 +442,46 @@ def save_family_tokenizer(family: str, folder: str | Path, *, corpus: list[str] 
         (folder / "generation_config.json").write_text(json.dumps({**gen, "transformers_version": "4.45.0"}, indent=2)
                                                        + "\n")
     return folder
+
+
+# --- SentencePiece-style tokenizers (a dummy prefix before every text) -------------------------
+
+SENTENCEPIECE_SPECIALS = ("<unk>", "<s>", "</s>")
+
+
+def sentencepiece_tokenizer(corpus: list[str] | None = None, *, vocab_size: int = 400,
+                            metaspace: bool = False) -> Tokenizer:
+    """A tiny tokenizer in the layout of Llama 2's and Mistral 7B v0.1's
+    ``tokenizer.json`` (SentencePiece converted by transformers): ``<unk>``,
+    ``<s>``, ``</s>`` at ids 0..2, the 256 byte-fallback tokens ``<0x00>``..
+    ``<0xFF>``, then BPE pieces learned on :data:`CORPUS` (and ``corpus``) in
+    which ``▁`` stands for a space, never spanning two words nor holding a
+    newline (a newline is the byte token ``<0x0A>``, as in Llama 2's). Every
+    text gets a dummy prefix ``▁``: from the normalizer ``Prepend("▁")`` +
+    ``Replace(" ", "▁")`` (the legacy layout, no pre-tokenizer), or with
+    ``metaspace`` from a ``Metaspace`` pre-tokenizer with ``prepend_scheme``
+    "first". The decoder turns ``▁`` back into spaces and byte tokens into
+    text, and strips the prefix's space, so a text round-trips. The
+    post-processor puts ``<s>`` before every text (``add_special_tokens``)."""
+    texts = [t.replace("\n", " ") for t in list(CORPUS) * 4 + list(corpus or [])]
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    learner.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
+                                                           show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(SENTENCEPIECE_SPECIALS)}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    for piece in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    if metaspace:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SENTENCEPIECE_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
