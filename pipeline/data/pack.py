@@ -46,7 +46,11 @@ by clean (or sent to the other split, or empty) leaves a gap in the indices and
 so a document boundary. The decision uses the recorded ``source`` and ``chunk``,
 never the rows' position alone. A document that encodes to no tokens
 contributes nothing, not even EOT, and is counted as ``empty_docs``; the
-manifest counts the joins per split as ``joined``.
+manifest counts the joins per split as ``joined``. With a tokenizer that puts a
+dummy prefix before every text (SentencePiece-style, as Llama 2's and
+Mistral's: "Hello" is "▁Hello"), a chunk that is not its file's first is
+encoded as its text follows a newline, without that prefix
+(:func:`encode_continued`), whether it joins or starts a document after a gap.
 
 *Rows.* The stream is cut into consecutive rows of ``row_len = seq_len + 1`` tokens;
 training uses ``inputs = row[:-1]`` and ``targets = row[1:]``. The last
@@ -434,33 +438,94 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lens
 
 
+def newline_context(tok: Any) -> list[int] | None:
+    """The ids :func:`encode_texts` gives ``"\\n"`` when ``tok`` puts a dummy
+    prefix before every text it encodes, else None (our own tokenizer, and any
+    byte-level BPE without ``add_prefix_space``).
+
+    SentencePiece-style tokenizers (Llama 2's and Mistral 7B's, in the layout
+    transformers converts them to: a normalizer ``Prepend("▁")``, or a
+    ``Metaspace`` pre-tokenizer that prepends) encode "Hello" as "▁Hello", with
+    a space the text does not have. Measured, not guessed from the layout's
+    names: what the tokenizer's own normalizer and pre-tokenizer make of "a"."""
+    probe = "a"
+    if tok.normalizer is not None:
+        probe = tok.normalizer.normalize_str(probe)
+    if tok.pre_tokenizer is not None:
+        probe = "".join(piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(probe))
+    return None if probe == "a" else tok.encode_batch_fast(["\n"])[0].ids
+
+
+def encode_continued(tok: Any, texts: list[str], continues: np.ndarray, context: list[int]
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`encode_texts` for a tokenizer with a dummy prefix, whose ids of
+    ``"\\n"`` are ``context`` (:func:`newline_context`), where ``continues``
+    (bool per text) marks the chunks that continue their file's text (not its
+    first chunk). Returns the ids, the counts, and how many marked texts kept
+    their own encoding.
+
+    Why: pack joins a file's consecutive chunks into one document, but encoded
+    on its own each chunk would start with the prefix: a space after the
+    newline at every chunk boundary, which the file does not have. The chunk
+    before a continuing chunk ends at a line end, so the chunk is encoded after
+    a newline and the newline's ids are taken off its start: the ids the file's
+    text gives there, as far as the tokenizer allows. A text whose ids do not
+    begin with ``context`` (a merge across the newline) keeps its own encoding,
+    prefix and all; those are the ones counted."""
+    ids = [e.ids for e in tok.encode_batch_fast(["\n" + t if c else t for t, c in zip(texts, continues)])]
+    k, kept = len(context), []
+    for i in np.flatnonzero(continues):
+        if ids[i][:k] == context:
+            ids[i] = ids[i][k:]
+        else:
+            kept.append(i)
+    for i, enc in zip(kept, tok.encode_batch_fast([texts[i] for i in kept])):
+        ids[i] = enc.ids
+    lens = np.fromiter(map(len, ids), np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), np.int32, count=int(lens.sum()))
+    return flat, lens, len(kept)
+
+
 class Encoded(NamedTuple):
-    """A task's documents encoded: :func:`encode_texts`'s arrays, and their text's UTF-8 bytes."""
+    """A task's documents encoded: :func:`encode_texts`'s arrays, their text's
+    UTF-8 bytes, and the continuing chunks that kept a dummy prefix
+    (:func:`encode_continued`)."""
 
     flat: np.ndarray
     lens: np.ndarray
     text_bytes: int
+    kept_prefix: int = 0
 
 
-def encode_columns(tok: Any, columns: Iterable[pa.Array], task_bytes: int, batch_docs: int) -> Encoded:
+def encode_columns(tok: Any, columns: Iterable[pa.Array], task_bytes: int, batch_docs: int,
+                   continues: np.ndarray | None = None, context: list[int] | None = None) -> Encoded:
     """:func:`encode_texts` of text columns (null = ""), joined, in calls of at
     most ``batch_docs`` documents and about ``task_bytes`` of text
     (:class:`pipeline.data.docs.RunCutter`): the library holds a call's
-    encodings at once, so a call's size bounds a worker's memory."""
-    flats, lens, nbytes = [], [], 0
+    encodings at once, so a call's size bounds a worker's memory. With
+    ``continues`` (bool per document of the columns, joined) and ``context``,
+    a call with continuing chunks goes to :func:`encode_continued` instead."""
+    flats, lens, nbytes, kept, row = [], [], 0, 0, 0
     cutter = RunCutter(task_bytes, batch_docs)
     for texts in columns:
         lengths = text_lengths(texts)
         nbytes += int(lengths.sum())
         for a, b, _ in cutter.feed(lengths):
             part = texts.slice(a, b - a).to_pylist()
-            flat, n = encode_texts(tok, [t or "" for t in part] if texts.null_count else part)
+            part = [t or "" for t in part] if texts.null_count else part
+            marks = continues[row + a:row + b] if continues is not None else None
+            if marks is not None and marks.any():
+                flat, n, missed = encode_continued(tok, part, marks, context)  # type: ignore[arg-type]
+                kept += missed
+            else:
+                flat, n = encode_texts(tok, part)
             flats.append(flat)
             lens.append(n)
+        row += len(texts)
     if len(flats) == 1:
-        return Encoded(flats[0], lens[0], nbytes)
+        return Encoded(flats[0], lens[0], nbytes, kept)
     return Encoded(np.concatenate(flats or [np.zeros(0, np.int32)]), np.concatenate(lens or [np.zeros(0, np.int64)]),
-                   nbytes)
+                   nbytes, kept)
 
 
 _WORKER: dict[str, Any] = {}
@@ -476,16 +541,20 @@ def _init_worker(tokenizer_json: str, schema: pa.Schema, inputs: tuple[str, list
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.clear()
-    _WORKER.update(tok=parse_tokenizer(tokenizer_json), schema=schema, inputs=inputs, batch_docs=batch_docs,
+    tok = parse_tokenizer(tokenizer_json)
+    _WORKER.update(tok=tok, context=newline_context(tok), schema=schema, inputs=inputs, batch_docs=batch_docs,
                    task_bytes=task_bytes)
 
 
-def _encode_task(start: int, stop: int, message: bytes | None) -> Encoded | str:
+def _encode_task(start: int, stop: int, message: bytes | None, continues: np.ndarray | None = None
+                 ) -> Encoded | str:
     """Rows ``[start, stop)`` of the documents, encoded (:func:`encode_columns`).
     The worker reads their text itself, ``batch_docs`` rows at a time, unless
     the stage sends it (``message``: the text column as an Arrow IPC message);
     a worker that does not see the documents returns why
-    (:func:`pipeline.data.docs.table_as_seen`)."""
+    (:func:`pipeline.data.docs.table_as_seen`). ``continues``: the rows that
+    are continuing chunks, for a tokenizer with a dummy prefix
+    (:func:`encode_continued`)."""
     if message is not None:
         columns: Iterable[pa.Array] = [pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"]).column(0)]
     else:
@@ -493,7 +562,8 @@ def _encode_task(start: int, stop: int, message: bytes | None) -> Encoded | str:
         if isinstance(table, str):
             return f"on {socket.gethostname()}: {table}"
         columns = (b.column(0) for b in table.iter_batches(_WORKER["batch_docs"], ["text"], start, stop))
-    return encode_columns(_WORKER["tok"], columns, _WORKER["task_bytes"], _WORKER["batch_docs"])
+    return encode_columns(_WORKER["tok"], columns, _WORKER["task_bytes"], _WORKER["batch_docs"], continues,
+                          _WORKER["context"])
 
 
 # --- tasks and routing (main process, array operations only) ------------------------------------
@@ -520,6 +590,10 @@ class Keys:
             return None
         return cls(source, pc.fill_null(chunk, 0).to_numpy().astype(np.int64), chunk.is_valid().to_numpy(
             zero_copy_only=False))
+
+    def continuing(self) -> np.ndarray:
+        """bool per document: a chunk that is not the first of its file, whose text continues the chunk before."""
+        return self.has & (self.chunk > 0)
 
     def key(self, i: int) -> Key | None:
         return (self.source[i].as_py(), int(self.chunk[i])) if self.has[i] else None
@@ -588,6 +662,7 @@ class Task:
     keys: Keys | None
     columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _encoded
     text_bytes: int = 0  # known once encoded
+    continues: np.ndarray | None = None  # with a dummy-prefix tokenizer: Keys.continuing (see encode_continued)
 
 
 def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
@@ -613,6 +688,8 @@ def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch
     sent: deque[Task] = deque()
     unseen: list[str] = []  # per task a worker handed back, why
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
+    context = newline_context(parse_tokenizer(tokenizer_json)) if keys else None
+    kept_prefix = 0
     init = (tokenizer_json, schema, (str(pf.path), identity(pf)), batch_docs, task_bytes)
     with open_executor(executor, _init_worker, init, desc="pack") as ex:
         if on_open is not None:
@@ -637,11 +714,15 @@ def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch
                 send = run is not None or bool(unseen)
                 if run is None and (columns or send):
                     run = next(pf.iter_batches(b - a, columns + (["text"] if send else []), a, b))
-                sent.append(Task(a, b - a, Keys.of(run.column("source"), run.column("chunk")) if keys else None,
-                                 {name: run.column(name) for name in extra}))
+                task = Task(a, b - a, Keys.of(run.column("source"), run.column("chunk")) if keys else None,
+                            {name: run.column(name) for name in extra})
+                if context is not None and task.keys is not None and task.keys.continuing().any():
+                    task.continues = task.keys.continuing()
+                sent.append(task)
                 # IPC writes only the column's own bytes, where pickling a slice would copy its parent buffers
-                yield a, b, (pa.record_batch([run.column("text")], schema=schema).serialize().to_pybytes()
-                             if send else None)
+                message = (pa.record_batch([run.column("text")], schema=schema).serialize().to_pybytes()
+                           if send else None)
+                yield (a, b, message) if task.continues is None else (a, b, message, task.continues)
             plan_first()
 
         tok = None
@@ -652,10 +733,16 @@ def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch
                 if tok is None:
                     tok = parse_tokenizer(tokenizer_json)
                 result = encode_columns(tok, (b.column(0) for b in pf.iter_batches(
-                    batch_docs, ["text"], task.start, task.start + task.rows)), task_bytes, batch_docs)
+                    batch_docs, ["text"], task.start, task.start + task.rows)), task_bytes, batch_docs,
+                    task.continues, context)
             task.text_bytes = result.text_bytes
+            kept_prefix += result.kept_prefix
             yield task, result.flat, result.lens
         plan_first()  # an empty table: no task at all
+    if kept_prefix:
+        log.warning("%d chunk(s) that continue their file kept the tokenizer's dummy prefix (a space the file does "
+                    "not have at their start): encoded after a newline, their ids did not begin with the newline's "
+                    "own", kept_prefix)
     if unseen:
         log.warning("%d task(s) went to a worker that does not see the documents as the stage does (%s); the stage "
                     "encoded them itself and sent the text of the tasks after them: put %s on storage that every "

@@ -22,7 +22,14 @@ from pipeline.data.ingest import IngestConfig, run_ingest
 from pipeline.data.executor import ExecutorConfig
 from pipeline.data.pack import PackConfig, plan_splits, run_pack
 from pipeline.data.shards import MANIFEST, PackedRows
-from pipeline.data.tokenizer import EOT_ID, TokenizerConfig, load_tokenizer, train_tokenizer
+from pipeline.data.tokenizer import (
+    EOT_ID,
+    TokenizerConfig,
+    adopt_tokenizer,
+    load_specials,
+    load_tokenizer,
+    train_tokenizer,
+)
 from pipeline.errors import StageError
 from pipeline.files import read_json
 from tests.pipeline.data.test_pack import packed_files
@@ -254,3 +261,49 @@ def test_every_chunk_is_accounted_for_and_the_quarantine_names_file_and_offset(b
     joined = "".join(c["text"] for c in book["kept"] if c["chunk"] < 20)
     raw = "".join(c["text"] for c in book["chunks"] if c["chunk"] < 20)
     assert joined == normalise(raw, NormaliseConfig(strip_blank_edges=False)) != raw
+
+
+@pytest.mark.parametrize("metaspace", [False, True], ids=["prepend-normalizer", "metaspace"])
+def test_chunks_pack_as_the_text_with_a_dummy_prefix_tokenizer(tmp_path, metaspace):
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's layout) puts '▁'
+    before every text it encodes. A chunk after the first continues its file's
+    text after a newline, so it gets no such '▁': each split's document has the
+    ids of its text encoded in one piece, and decodes back to it exactly."""
+    from tests.hf_tokenizers import sentencepiece_tokenizer
+
+    book = make_book(3_000, seed=2)
+    (tmp_path / "book.txt").write_text(book, encoding="utf-8")
+    ingest = parse_section(IngestConfig, {
+        "sources": [{"path": str(tmp_path / "book.txt"), "split_by": "chunk", "chunk_bytes": 300}],
+        "max_bytes": None}, "ingest")
+    run_ingest(ingest, tmp_path / "ingest", tmp_path / "quarantine.jsonl")
+    chunks = [r for f in DocTable(tmp_path / "ingest", StageError).files for r in pq.read_table(f).to_pylist()]
+    assert len(chunks) > 8 and "".join(c["text"] for c in chunks) == book
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    sentencepiece_tokenizer([book], metaspace=metaspace).save(str(hf / "tokenizer.json"))
+    adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs", tmp_path / "tok" / "tokenizer.json")
+    tok, eot = load_tokenizer(tmp_path / "tok" / "tokenizer.json"), load_specials(tmp_path / "tok").eot_id
+    assert tok.encode("Hello").tokens[:2] == ["<s>", "\u2581"]  # begin-of-text, then the dummy prefix
+
+    cfg = PackConfig(seq_len=15, val_fraction=0.3, val_by="position", num_workers=1)
+    run_pack(cfg, tmp_path / "ingest", tmp_path / "tok" / "tokenizer.json", tmp_path / "packed")
+    plan = plan_splits(DocTable(tmp_path / "ingest", StageError), cfg.seed, cfg.val_fraction, val_by="position")
+    (first_val,) = plan.first_val_chunk.values()
+    assert 3 <= first_val <= len(chunks) - 3  # chunk boundaries inside both splits
+    cut = sum(len(c["text"]) for c in chunks if c["chunk"] < first_val)
+    newline = tok.encode("\n").ids
+    # train: the file's first chunks, as the text's start encodes; val: the rest, as it encodes after a
+    # newline (no <s> either: a chunk that continues its file is not the start of a text)
+    for split, text, ids in (("train", book[:cut], tok.encode(book[:cut]).ids),
+                             ("val", book[cut:], tok.encode("\n" + book[cut:]).ids[len(newline):])):
+        flat, _ = flat_rows(tmp_path / "packed", split)
+        assert flat.tolist() == (ids + [eot])[:len(flat)]  # one document, the rows drop less than a row of it
+        assert len(ids) + 1 - len(flat) <= cfg.seq_len
+        assert tok.decode(ids) == text  # so the packed document decodes to the file's text
+    # the same bytes with two workers and tasks of a few chunks (joins cross tasks)
+    two = run_pack(cfg.model_copy(update={"executor": ExecutorConfig(num_workers=2), "task_bytes": 1000}),
+                   tmp_path / "ingest", tmp_path / "tok" / "tokenizer.json", tmp_path / "two")
+    assert two["workers"] == 2
+    for f in packed_files(tmp_path / "packed"):
+        assert (tmp_path / "two" / f).read_bytes() == (tmp_path / "packed" / f).read_bytes(), f

@@ -482,6 +482,30 @@ def test_fast_encoding_gives_the_ids_of_encode_batch(docs):
     assert flat.tolist() == [t for w in want for t in w]
 
 
+def test_continuing_chunks_lose_the_dummy_prefix_and_a_failed_check_is_counted(docs):
+    """With a SentencePiece-style tokenizer a chunk that continues its file is
+    encoded after a newline, the newline's ids (and the <s> before them) taken
+    off; where they are not how its ids begin it keeps its own encoding,
+    counted. Our byte-level tokenizer has no dummy prefix: no context."""
+    from tests.hf_tokenizers import sentencepiece_tokenizer
+
+    assert pack.newline_context(load_tokenizer(docs[1])) is None
+    tok = sentencepiece_tokenizer()
+    context = pack.newline_context(tok)
+    assert [tok.id_to_token(i) for i in context] == ["<s>", "\u2581", "<0x0A>"]
+    texts = ["The capital", "of France", "    x = 1", "", "is Paris."]
+    continues = np.array([False, True, True, True, False])
+    flat, lens, kept = pack.encode_continued(tok, texts, continues, context)
+    want = [tok.encode(("\n" + t) if c else t).ids[3 if c else 0:] for t, c in zip(texts, continues)]
+    assert kept == 0 and lens.tolist() == [len(w) for w in want] and flat.tolist() == sum(want, [])
+    pieces = ["".join(map(tok.id_to_token, ids)).replace("\u2581", " ") for ids in want]
+    assert pieces[0] == "<s> The capital" and pieces[1:4] == texts[1:4]  # continuing: no <s>, no prefix
+    flat, lens, kept = pack.encode_continued(tok, texts, continues, [1, 999])
+    assert kept == 3 and flat.tolist() == [i for t in texts for i in tok.encode(t).ids]
+    got = encode_columns(tok, [pa.array(texts[:2]), pa.array(texts[2:])], 1000, 2, continues, context)
+    assert got.kept_prefix == 0 and got.flat.tolist() == sum(want, [])
+
+
 def reference_parts(flat, lens, val, keys):
     """What split_parts computes, the slow obvious way: one document at a time."""
     ids = np.split(flat, np.cumsum(lens)[:-1]) if len(lens) else []
