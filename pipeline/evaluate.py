@@ -9,7 +9,10 @@ Bits per byte divides the summed negative log-likelihood (converted to bits) by
 the number of UTF-8 bytes the scored target tokens stand for, so it does not
 depend on the tokenizer and runs with different tokenizers can be compared.
 Special tokens (end of document, chat markers) are scored but stand for zero
-bytes. Perplexity is ``exp(val_loss)`` per token.
+bytes. A tokenizer that puts a dummy prefix before every text (SentencePiece's
+``▁``) has its first token of each document stand for one byte more than the
+text has; that byte is taken off per scored document start (see :func:`score`).
+Perplexity is ``exp(val_loss)`` per token.
 
 Scoring uses the same document masking as training (``doc_mask``), in fp32 by
 default so that the numbers are reproducible by any other implementation (the
@@ -96,7 +99,9 @@ def token_bytes(tokenizer) -> np.ndarray:
     In a byte-level BPE (GPT-2's byte-to-unicode alphabet: ours, Llama 3's,
     Qwen's) every character of a token's string is one byte. Otherwise
     (SentencePiece's layout: Llama 2's, Mistral's) a token is its text with
-    ``▁`` for a space, in UTF-8, and ``<0xNN>`` is one byte."""
+    ``▁`` for a space, in UTF-8, and ``<0xNN>`` is one byte. That counts the
+    ``▁`` of such a tokenizer's dummy prefix too, which is not in the text:
+    :func:`dummy_prefix_bytes` measures it, and :func:`score` takes it off."""
     spec = json.loads(tokenizer.to_str())
     byte_level = '"ByteLevel"' in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
     vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -114,6 +119,14 @@ def token_bytes(tokenizer) -> np.ndarray:
     return out
 
 
+def dummy_prefix_bytes(tokenizer, nbytes: np.ndarray) -> int:
+    """Bytes that ``tokenizer``'s encoding of a text stands for beyond the text,
+    by ``nbytes`` (:func:`token_bytes`): 1 for a SentencePiece-style tokenizer,
+    which encodes "a" as "▁a" (a space before every text, its dummy prefix), 0
+    for a byte-level BPE such as ours. Measured on "a"."""
+    return max(0, int(nbytes[tokenizer.encode("a", add_special_tokens=False).ids].sum()) - 1)
+
+
 def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last"
                           ) -> tuple[Transformer, ckpt.Checkpoint]:
     last = ckpt.resolve(Path(folder), which)  # verified; a damaged one raises CheckpointError
@@ -126,9 +139,21 @@ def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last
 
 @torch.no_grad()
 def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_size: int, max_rows: int | None,
-          doc_mask: bool, device: torch.device, precision: str) -> dict[str, float]:
+          doc_mask: bool, device: torch.device, precision: str, eot_id: int | None = None,
+          prefix_bytes: int = 0) -> dict[str, float]:
     """Summed NLL over scored targets of the first ``max_rows`` rows, as loss,
-    perplexity and bits per byte."""
+    perplexity and bits per byte.
+
+    ``bytes`` is what the scored targets stand for by ``nbytes``, less
+    ``prefix_bytes`` (:func:`dummy_prefix_bytes`) per scored target whose input
+    is ``eot_id``: the first token of a document, which with a dummy-prefix
+    tokenizer stands for that prefix too. A split's first document has no
+    end-of-text before it, and a document whose first token begins a row is
+    only an input there: neither is a scored start. A document that pack starts
+    at a chunk continuing its file (after a dropped chunk, or one in the other
+    split) has no prefix (:func:`pipeline.data.pack.encode_continued`) and is
+    counted one byte short. With ``prefix_bytes`` 0 (a byte-level tokenizer)
+    the count is the plain sum."""
     n = len(rows) if max_rows is None else min(len(rows), max_rows)
     nll = 0.0
     tokens = 0
@@ -139,9 +164,12 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
             logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
         targets = batch["targets"]
         nll += float(token_loss_sum(logits, targets))
-        scored = targets[targets != IGNORE_INDEX].cpu().numpy()
+        mask = targets != IGNORE_INDEX
+        scored = targets[mask].cpu().numpy()
         tokens += scored.size
         text_bytes += int(nbytes[scored].sum())
+        if prefix_bytes:
+            text_bytes -= prefix_bytes * int((mask & (batch["input_ids"] == eot_id)).sum())
     if tokens == 0:
         raise EvaluateError(f"{rows.dir}: no scored tokens in the first {n} rows")
     loss = nll / tokens
@@ -171,12 +199,14 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     ``bytes`` scored, and for a run folder ``run_finished``. A run whose newest
     checkpoint is not ``final`` (interrupted) is scored with a warning, and its
     model's metrics get ``finished: false``."""
-    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_specials, load_tokenizer
     from pipeline.training.distributed import pick_device
 
     device = pick_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
-    nbytes = token_bytes(load_tokenizer(tokenizer_path))
+    tok = load_tokenizer(tokenizer_path)
+    nbytes = token_bytes(tok)
+    eot_id, prefix = load_specials(tokenizer_path).eot_id, dummy_prefix_bytes(tok, nbytes)
     data = {name: PackedRows(path) for name, path in splits.items()}
     by_source = {name: PackedRows(path) for name, path in (sources or {}).items()}
     out: dict[str, Any] = {}
@@ -186,10 +216,12 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
         model, last = load_checkpoint_model(folder, device, (which or {}).get(model_name, "last"))
         loaded[model_name] = model
         per_split = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
-                                 doc_mask=cfg.doc_mask, device=device, precision=precision)
+                                 doc_mask=cfg.doc_mask, device=device, precision=precision, eot_id=eot_id,
+                                 prefix_bytes=prefix)
                      for name, rows in data.items()}
         per_source = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
-                                  doc_mask=cfg.doc_mask, device=device, precision=precision)
+                                  doc_mask=cfg.doc_mask, device=device, precision=precision, eot_id=eot_id,
+                                  prefix_bytes=prefix)
                       for name, rows in by_source.items()}
         scores = {name: {k: v[k] for k in SCORES} for name, v in per_split.items()}
         out[model_name] = {**next(iter(scores.values())), **scores}

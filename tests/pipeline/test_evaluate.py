@@ -45,6 +45,54 @@ def test_token_bytes_of_a_sentencepiece_layout(tmp_path):
         assert int(nbytes[ids].sum()) == len(text.encode("utf-8")) + 1
 
 
+def adopted_sentencepiece(tmp_path):
+    """A tiny SentencePiece-style tokenizer (Llama 2's, Mistral's layout) adopted as the tokenizer stage would."""
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer
+    from tests.hf_tokenizers import sentencepiece_tokenizer
+
+    (tmp_path / "hf").mkdir()
+    sentencepiece_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    out = tmp_path / "tok" / "tokenizer.json"
+    adopt_tokenizer(TokenizerConfig(source=str(tmp_path / "hf")), tmp_path / "no-docs", out)
+    return out
+
+
+def test_the_dummy_prefix_is_measured(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.evaluate import dummy_prefix_bytes
+
+    for path, prefix in ((tok_path, 0), (adopted_sentencepiece(tmp_path), 1)):
+        tok = load_tokenizer(path)
+        assert dummy_prefix_bytes(tok, token_bytes(tok)) == prefix
+
+
+def test_bits_per_byte_counts_the_documents_bytes_with_a_dummy_prefix_tokenizer(tmp_path):
+    """A SentencePiece-style tokenizer encodes a document "The cat" as "<s>",
+    "▁The", "▁cat": "▁The" stands for a space the document does not have. The
+    bytes scored are the documents' own: here each row is one document after an
+    end-of-text, so every token of every document is scored."""
+    import random
+
+    from pipeline.data.tokenizer import load_specials, load_tokenizer
+
+    tok_json = adopted_sentencepiece(tmp_path)
+    tok, eot = load_tokenizer(tok_json), load_specials(tok_json).eot_id
+    # words of one token each ("café" among them), so that each document is one row
+    words = sorted(p[1:] for p in tok.get_vocab() if p.startswith("\u2581") and p[1:].isalpha()
+                   and len(tok.encode(p[1:], add_special_tokens=False).ids) == 1)
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(20)]
+    docs = [np.array([eot, *tok.encode(t).ids], np.int32) for t in texts]
+    assert {len(d) for d in docs} == {14} and tok.id_to_token(int(docs[0][2])).startswith("\u2581")
+    write_split(tmp_path / "val", docs, seq_len=13)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(tok.get_vocab_size())))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 8}, "evaluate")
+    evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_json, tmp_path / "report.json")
+    report = read_json(tmp_path / "report.json")["m"]["text"]
+    assert report["tokens"] == 20 * 13
+    assert report["bytes"] == sum(len(t.encode("utf-8")) for t in texts)
+
+
 def test_score_is_summed_nll_over_targets_and_bits_per_byte(tmp_path):
     vocab = 40
     write_split(tmp_path / "val", synthetic_docs(60, vocab, seed=1), seq_len=16)
