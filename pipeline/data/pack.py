@@ -46,11 +46,12 @@ by clean (or sent to the other split, or empty) leaves a gap in the indices and
 so a document boundary. The decision uses the recorded ``source`` and ``chunk``,
 never the rows' position alone. A document that encodes to no tokens
 contributes nothing, not even EOT, and is counted as ``empty_docs``; the
-manifest counts the joins per split as ``joined``. With a tokenizer that puts a
-dummy prefix before every text (SentencePiece-style, as Llama 2's and
-Mistral's: "Hello" is "▁Hello"), a chunk that is not its file's first is
-encoded as its text follows a newline, without that prefix
-(:func:`encode_continued`), whether it joins or starts a document after a gap.
+manifest counts the joins per split as ``joined``. With a tokenizer that adds
+to every text it encodes, a BOS (Llama 3's) or a dummy prefix
+(SentencePiece-style, as Llama 2's and Mistral's: "Hello" is "▁Hello"), a
+chunk that is not its file's first is encoded without the BOS, and as its text
+follows a newline, without that prefix (:func:`encode_continued`), whether it
+joins or starts a document after a gap.
 
 *Rows.* The stream is cut into consecutive rows of ``row_len = seq_len + 1`` tokens;
 training uses ``inputs = row[:-1]`` and ``targets = row[1:]``. The last
@@ -438,52 +439,65 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lens
 
 
-def newline_context(tok: Any) -> list[int] | None:
-    """The ids :func:`encode_texts` gives ``"\\n"`` when ``tok`` puts a dummy
-    prefix before every text it encodes, else None (our own tokenizer, and any
-    byte-level BPE without ``add_prefix_space``).
+def continuation_context(tok: Any) -> list[int] | None:
+    """How pack encodes a chunk that continues its file's text (see
+    :func:`encode_continued`): None when as any other text, because ``tok``
+    adds nothing to a text (our own tokenizer, a byte-level BPE such as Qwen's);
+    ``[]`` when only without the special tokens it adds around every text (a
+    BOS: Llama 3's); else, for a tokenizer that puts a dummy prefix before every
+    text, the ids :func:`encode_texts` gives ``"\\n"``.
 
     SentencePiece-style tokenizers (Llama 2's and Mistral 7B's, in the layout
     transformers converts them to: a normalizer ``Prepend("▁")``, or a
     ``Metaspace`` pre-tokenizer that prepends) encode "Hello" as "▁Hello", with
     a space the text does not have. Measured, not guessed from the layout's
-    names: what the tokenizer's own normalizer and pre-tokenizer make of "a"."""
+    names: what the tokenizer's own normalizer and pre-tokenizer make of "a",
+    and whether encoding it adds tokens."""
     probe = "a"
     if tok.normalizer is not None:
         probe = tok.normalizer.normalize_str(probe)
     if tok.pre_tokenizer is not None:
         probe = "".join(piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(probe))
-    return None if probe == "a" else tok.encode_batch_fast(["\n"])[0].ids
+    if probe != "a":
+        return tok.encode_batch_fast(["\n"])[0].ids
+    plain, added = (tok.encode_batch_fast(["a"], add_special_tokens=flag)[0].ids for flag in (False, True))
+    return None if plain == added else []
 
 
 def encode_continued(tok: Any, texts: list[str], continues: np.ndarray, context: list[int]
                      ) -> tuple[np.ndarray, np.ndarray, int]:
-    """:func:`encode_texts` for a tokenizer with a dummy prefix, whose ids of
-    ``"\\n"`` are ``context`` (:func:`newline_context`), where ``continues``
-    (bool per text) marks the chunks that continue their file's text (not its
-    first chunk). Returns the ids, the counts, and how many marked texts kept
-    their own encoding.
+    """:func:`encode_texts` where ``continues`` (bool per text) marks the chunks
+    that continue their file's text (not its first chunk), for a tokenizer that
+    adds to every text (``context``: :func:`continuation_context`, not None).
+    Returns the ids, the counts, and how many marked texts kept a dummy prefix.
 
     Why: pack joins a file's consecutive chunks into one document, but encoded
-    on its own each chunk would start with the prefix: a space after the
-    newline at every chunk boundary, which the file does not have. The chunk
-    before a continuing chunk ends at a line end, so the chunk is encoded after
-    a newline and the newline's ids are taken off its start: the ids the file's
+    on its own each chunk would start with what the tokenizer puts before a
+    text: a BOS in mid-document, or a dummy prefix, a space after the newline
+    at every chunk boundary, which the file does not have. A marked chunk is
+    encoded without the added special tokens. With a dummy prefix, since the
+    chunk before it ends at a line end, it is encoded after a newline and the
+    newline's ids (``context``) are taken off its start: the ids the file's
     text gives there, as far as the tokenizer allows. A text whose ids do not
-    begin with ``context`` (a merge across the newline) keeps its own encoding,
-    prefix and all; those are the ones counted."""
-    ids = [e.ids for e in tok.encode_batch_fast(["\n" + t if c else t for t, c in zip(texts, continues)])]
-    k, kept = len(context), []
-    for i in np.flatnonzero(continues):
-        if ids[i][:k] == context:
-            ids[i] = ids[i][k:]
-        else:
-            kept.append(i)
-    for i, enc in zip(kept, tok.encode_batch_fast([texts[i] for i in kept])):
+    begin with ``context`` (a merge across the newline) keeps the prefix;
+    those are the ones counted."""
+    ids: list[list[int]] = [[] for _ in texts]
+    first = np.flatnonzero(~continues)
+    for i, enc in zip(first, tok.encode_batch_fast([texts[i] for i in first])):
+        ids[i] = enc.ids
+    kept = marked = np.flatnonzero(continues)
+    if context:
+        kept = []
+        for i, enc in zip(marked, tok.encode_batch_fast(["\n" + texts[i] for i in marked])):
+            if enc.ids[:len(context)] == context:
+                ids[i] = enc.ids[len(context):]
+            else:
+                kept.append(i)
+    for i, enc in zip(kept, tok.encode_batch_fast([texts[i] for i in kept], add_special_tokens=False)):
         ids[i] = enc.ids
     lens = np.fromiter(map(len, ids), np.int64, count=len(ids))
     flat = np.fromiter(chain.from_iterable(ids), np.int32, count=int(lens.sum()))
-    return flat, lens, len(kept)
+    return flat, lens, len(kept) if context else 0
 
 
 class Encoded(NamedTuple):
@@ -542,7 +556,7 @@ def _init_worker(tokenizer_json: str, schema: pa.Schema, inputs: tuple[str, list
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.clear()
     tok = parse_tokenizer(tokenizer_json)
-    _WORKER.update(tok=tok, context=newline_context(tok), schema=schema, inputs=inputs, batch_docs=batch_docs,
+    _WORKER.update(tok=tok, context=continuation_context(tok), schema=schema, inputs=inputs, batch_docs=batch_docs,
                    task_bytes=task_bytes)
 
 
@@ -553,7 +567,7 @@ def _encode_task(start: int, stop: int, message: bytes | None, continues: np.nda
     the stage sends it (``message``: the text column as an Arrow IPC message);
     a worker that does not see the documents returns why
     (:func:`pipeline.data.docs.table_as_seen`). ``continues``: the rows that
-    are continuing chunks, for a tokenizer with a dummy prefix
+    are continuing chunks, for a tokenizer that adds to every text
     (:func:`encode_continued`)."""
     if message is not None:
         columns: Iterable[pa.Array] = [pa.ipc.read_record_batch(pa.py_buffer(message), _WORKER["schema"]).column(0)]
@@ -662,7 +676,7 @@ class Task:
     keys: Keys | None
     columns: dict[str, pa.Array] = field(default_factory=dict)  # the ``extra`` columns asked of _encoded
     text_bytes: int = 0  # known once encoded
-    continues: np.ndarray | None = None  # with a dummy-prefix tokenizer: Keys.continuing (see encode_continued)
+    continues: np.ndarray | None = None  # a tokenizer that adds to a text: Keys.continuing (encode_continued)
 
 
 def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch_docs: int,
@@ -688,7 +702,7 @@ def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch
     sent: deque[Task] = deque()
     unseen: list[str] = []  # per task a worker handed back, why
     tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
-    context = newline_context(parse_tokenizer(tokenizer_json)) if keys else None
+    context = continuation_context(parse_tokenizer(tokenizer_json)) if keys else None
     kept_prefix = 0
     init = (tokenizer_json, schema, (str(pf.path), identity(pf)), batch_docs, task_bytes)
     with open_executor(executor, _init_worker, init, desc="pack") as ex:

@@ -263,13 +263,14 @@ def test_every_chunk_is_accounted_for_and_the_quarantine_names_file_and_offset(b
     assert joined == normalise(raw, NormaliseConfig(strip_blank_edges=False)) != raw
 
 
-@pytest.mark.parametrize("metaspace", [False, True], ids=["prepend-normalizer", "metaspace"])
-def test_chunks_pack_as_the_text_with_a_dummy_prefix_tokenizer(tmp_path, metaspace):
+@pytest.mark.parametrize("layout", ["prepend-normalizer", "metaspace", "llama3"])
+def test_chunks_pack_as_the_text_with_a_tokenizer_that_adds_to_every_text(tmp_path, layout):
     """A SentencePiece-style tokenizer (Llama 2's, Mistral's layout) puts '▁'
-    before every text it encodes. A chunk after the first continues its file's
-    text after a newline, so it gets no such '▁': each split's document has the
-    ids of its text encoded in one piece, and decodes back to it exactly."""
-    from tests.hf_tokenizers import sentencepiece_tokenizer
+    and <s> before every text it encodes, Llama 3's <|begin_of_text|>. A chunk
+    after the first continues its file's text after a newline, so it gets
+    neither: each split's document has the ids of its text encoded in one
+    piece, and decodes back to it exactly."""
+    from tests.hf_tokenizers import save_family_tokenizer, sentencepiece_tokenizer
 
     book = make_book(3_000, seed=2)
     (tmp_path / "book.txt").write_text(book, encoding="utf-8")
@@ -280,11 +281,15 @@ def test_chunks_pack_as_the_text_with_a_dummy_prefix_tokenizer(tmp_path, metaspa
     chunks = [r for f in DocTable(tmp_path / "ingest", StageError).files for r in pq.read_table(f).to_pylist()]
     assert len(chunks) > 8 and "".join(c["text"] for c in chunks) == book
     hf = tmp_path / "hf"
-    hf.mkdir()
-    sentencepiece_tokenizer([book], metaspace=metaspace).save(str(hf / "tokenizer.json"))
+    if layout == "llama3":
+        save_family_tokenizer("llama3", hf, corpus=[book])
+    else:
+        hf.mkdir()
+        sentencepiece_tokenizer([book], metaspace=layout == "metaspace").save(str(hf / "tokenizer.json"))
     adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs", tmp_path / "tok" / "tokenizer.json")
     tok, eot = load_tokenizer(tmp_path / "tok" / "tokenizer.json"), load_specials(tmp_path / "tok").eot_id
-    assert tok.encode("Hello").tokens[:2] == ["<s>", "\u2581"]  # begin-of-text, then the dummy prefix
+    begins = ["<|begin_of_text|>", "H"] if layout == "llama3" else ["<s>", "\u2581"]  # and a dummy prefix
+    assert tok.encode("H").tokens[:2] == begins
 
     cfg = PackConfig(seq_len=15, val_fraction=0.3, val_by="position", num_workers=1)
     run_pack(cfg, tmp_path / "ingest", tmp_path / "tok" / "tokenizer.json", tmp_path / "packed")
@@ -295,8 +300,9 @@ def test_chunks_pack_as_the_text_with_a_dummy_prefix_tokenizer(tmp_path, metaspa
     newline = tok.encode("\n").ids
     # train: the file's first chunks, as the text's start encodes; val: the rest, as it encodes after a
     # newline (no <s> either: a chunk that continues its file is not the start of a text)
-    for split, text, ids in (("train", book[:cut], tok.encode(book[:cut]).ids),
-                             ("val", book[cut:], tok.encode("\n" + book[cut:]).ids[len(newline):])):
+    rest = (tok.encode(book[cut:], add_special_tokens=False).ids if layout == "llama3"
+            else tok.encode("\n" + book[cut:]).ids[len(newline):])
+    for split, text, ids in (("train", book[:cut], tok.encode(book[:cut]).ids), ("val", book[cut:], rest)):
         flat, _ = flat_rows(tmp_path / "packed", split)
         assert flat.tolist() == (ids + [eot])[:len(flat)]  # one document, the rows drop less than a row of it
         assert len(ids) + 1 - len(flat) <= cfg.seq_len

@@ -485,13 +485,13 @@ def test_fast_encoding_gives_the_ids_of_encode_batch(docs):
 def test_continuing_chunks_lose_the_dummy_prefix_and_a_failed_check_is_counted(docs):
     """With a SentencePiece-style tokenizer a chunk that continues its file is
     encoded after a newline, the newline's ids (and the <s> before them) taken
-    off; where they are not how its ids begin it keeps its own encoding,
-    counted. Our byte-level tokenizer has no dummy prefix: no context."""
+    off; where they are not how its ids begin it keeps the prefix (not the <s>),
+    counted. Our byte-level tokenizer adds nothing to a text: no context."""
     from tests.hf_tokenizers import sentencepiece_tokenizer
 
-    assert pack.newline_context(load_tokenizer(docs[1])) is None
+    assert pack.continuation_context(load_tokenizer(docs[1])) is None
     tok = sentencepiece_tokenizer()
-    context = pack.newline_context(tok)
+    context = pack.continuation_context(tok)
     assert [tok.id_to_token(i) for i in context] == ["<s>", "\u2581", "<0x0A>"]
     texts = ["The capital", "of France", "    x = 1", "", "is Paris."]
     continues = np.array([False, True, True, True, False])
@@ -501,9 +501,28 @@ def test_continuing_chunks_lose_the_dummy_prefix_and_a_failed_check_is_counted(d
     pieces = ["".join(map(tok.id_to_token, ids)).replace("\u2581", " ") for ids in want]
     assert pieces[0] == "<s> The capital" and pieces[1:4] == texts[1:4]  # continuing: no <s>, no prefix
     flat, lens, kept = pack.encode_continued(tok, texts, continues, [1, 999])
-    assert kept == 3 and flat.tolist() == [i for t in texts for i in tok.encode(t).ids]
+    assert kept == 3 and flat.tolist() == [i for t, c in zip(texts, continues)
+                                           for i in tok.encode(t, add_special_tokens=not c).ids]
     got = encode_columns(tok, [pa.array(texts[:2]), pa.array(texts[2:])], 1000, 2, continues, context)
     assert got.kept_prefix == 0 and got.flat.tolist() == sum(want, [])
+
+
+def test_continuing_chunks_get_no_bos_from_a_tokenizer_that_adds_one(tmp_path):
+    """Llama 3's tokenizer (byte-level, no dummy prefix) puts <|begin_of_text|>
+    before every text: a chunk that continues its file is encoded without it."""
+    from tokenizers import Tokenizer
+
+    from tests.hf_tokenizers import save_family_tokenizer
+
+    tok = Tokenizer.from_file(str(save_family_tokenizer("llama3", tmp_path) / "tokenizer.json"))
+    assert pack.continuation_context(tok) == []
+    texts = ["The capital", "of France", "\n  x = 1"]
+    continues = np.array([False, True, True])
+    flat, lens, kept = pack.encode_continued(tok, texts, continues, [])
+    want = [tok.encode(t, add_special_tokens=not c).ids for t, c in zip(texts, continues)]
+    assert kept == 0 and flat.tolist() == sum(want, []) and lens.tolist() == [len(w) for w in want]
+    bos = tok.token_to_id("<|begin_of_text|>")
+    assert want[0][0] == bos and bos not in flat.tolist()[len(want[0]):]
 
 
 def reference_parts(flat, lens, val, keys):
