@@ -569,7 +569,7 @@ class Trainer:
     def close(self) -> None:
         os.close(self._lock_fd)
         # DDP's C++ Reducer goes before the process group (distributed.shutdown)
-        model, self.fwd_model = self.fwd_model, None
+        model, self.fwd_model = getattr(self, "fwd_model", None), None  # None: closed while being built
         distributed.shutdown(model)
 
 
