@@ -288,9 +288,15 @@ def _is_hf_dir(p: Path) -> bool:
     return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
 
 
-def _in_hf_dir(p: Path, root: Path) -> bool:
-    """Whether ``p`` lies inside a ``save_to_disk`` folder below ``root`` (a file of the dataset, read with it)."""
-    return any(_is_hf_dir(d) for d in p.parents if d != root and root in d.parents)
+def _in_hf_dir(folder: Path, root: Path, seen: dict[Path, bool]) -> bool:
+    """Whether ``folder``, or a folder between it and ``root`` (not ``root``
+    itself), is a ``save_to_disk`` folder: a file in ``folder`` is then a file
+    of the dataset, read with it. ``seen`` remembers each folder's answer, as
+    a glob's files share their folders."""
+    if folder not in seen:
+        below = folder != root and root in folder.parents
+        seen[folder] = below and (_is_hf_dir(folder) or _in_hf_dir(folder.parent, root, seen))
+    return seen[folder]
 
 
 def _walk(folder: Path, datasets: bool) -> list[Path]:
@@ -342,9 +348,9 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
             # The folder before the first wildcard: its own name is the user's, never a hidden part.
             root = Path(os.path.dirname(expanded.split("*")[0].split("?")[0].split("[")[0]) or ".")
-            datasets_too = fmt in ("auto", "hf")
+            datasets_too, seen = fmt in ("auto", "hf"), {}
             candidates = [m for m in matches if (m.is_file() or (datasets_too and _is_hf_dir(m)))
-                          and not (datasets_too and _in_hf_dir(m, root))]
+                          and not (datasets_too and _in_hf_dir(m.parent, root, seen))]
         elif p.is_dir() and (fmt == "hf" or (fmt == "auto" and _is_hf_dir(p))):
             candidates, root = [p], p.parent
         elif p.is_dir():
