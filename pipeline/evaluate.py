@@ -119,12 +119,14 @@ def token_bytes(tokenizer) -> np.ndarray:
     return out
 
 
-def dummy_prefix_bytes(tokenizer, nbytes: np.ndarray) -> int:
-    """Bytes that ``tokenizer``'s encoding of a text stands for beyond the text,
-    by ``nbytes`` (:func:`token_bytes`): 1 for a SentencePiece-style tokenizer,
-    which encodes "a" as "▁a" (a space before every text, its dummy prefix), 0
-    for a byte-level BPE such as ours. Measured on "a"."""
-    return max(0, int(nbytes[tokenizer.encode("a", add_special_tokens=False).ids].sum()) - 1)
+def dummy_prefix_bytes(tokenizer) -> int:
+    """Bytes that ``tokenizer``'s encoding of a text stands for beyond the text
+    (:func:`token_bytes`): 1 for a tokenizer that puts a space before every text
+    (:func:`pipeline.data.tokenizer.adds_dummy_prefix`: SentencePiece-style
+    ones, which encode "a" as "▁a"), 0 for a byte-level BPE such as ours."""
+    from pipeline.data.tokenizer import adds_dummy_prefix
+
+    return int(adds_dummy_prefix(tokenizer))
 
 
 def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last"
@@ -206,7 +208,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     precision = resolve_precision(cfg.precision, device)
     tok = load_tokenizer(tokenizer_path)
     nbytes = token_bytes(tok)
-    eot_id, prefix = load_specials(tokenizer_path).eot_id, dummy_prefix_bytes(tok, nbytes)
+    eot_id, prefix = load_specials(tokenizer_path).eot_id, dummy_prefix_bytes(tok)
     data = {name: PackedRows(path) for name, path in splits.items()}
     by_source = {name: PackedRows(path) for name, path in (sources or {}).items()}
     out: dict[str, Any] = {}

@@ -445,20 +445,9 @@ def continuation_context(tok: Any) -> list[int] | None:
     adds nothing to a text (our own tokenizer, a byte-level BPE such as Qwen's);
     ``[]`` when only without the special tokens it adds around every text (a
     BOS: Llama 3's); else, for a tokenizer that puts a dummy prefix before every
-    text, the ids :func:`encode_texts` gives ``"\\n"``.
-
-    SentencePiece-style tokenizers (Llama 2's and Mistral 7B's, in the layout
-    transformers converts them to: a normalizer ``Prepend("▁")``, or a
-    ``Metaspace`` pre-tokenizer that prepends) encode "Hello" as "▁Hello", with
-    a space the text does not have. Measured, not guessed from the layout's
-    names: what the tokenizer's own normalizer and pre-tokenizer make of "a",
-    and whether encoding it adds tokens."""
-    probe = "a"
-    if tok.normalizer is not None:
-        probe = tok.normalizer.normalize_str(probe)
-    if tok.pre_tokenizer is not None:
-        probe = "".join(piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(probe))
-    if probe != "a":
+    text (:func:`pipeline.data.tokenizer.adds_dummy_prefix`), the ids
+    :func:`encode_texts` gives ``"\\n"``."""
+    if tokenizer_module.adds_dummy_prefix(tok):
         return tok.encode_batch_fast(["\n"])[0].ids
     plain, added = (tok.encode_batch_fast(["a"], add_special_tokens=flag)[0].ids for flag in (False, True))
     return None if plain == added else []

@@ -270,6 +270,23 @@ def parse_tokenizer(text: str, parse_special: bool = False) -> Tokenizer:
     return tok
 
 
+def adds_dummy_prefix(tok: Tokenizer) -> bool:
+    """Whether ``tok`` puts a space before every text it encodes, its dummy
+    prefix: SentencePiece-style tokenizers do (Llama 2's and Mistral 7B's, in
+    the layout transformers converts them to: a normalizer ``Prepend("▁")``, or
+    a ``Metaspace`` pre-tokenizer that prepends; "Hello" is "▁Hello"), as does
+    a byte-level BPE with ``add_prefix_space``; ours does not. Measured, not
+    guessed from the layout's names: what the tokenizer's own normalizer and
+    pre-tokenizer make of "a". Pack (a chunk that continues its file) and
+    evaluate (the bytes of a document) both go by this."""
+    probe = "a"
+    if tok.normalizer is not None:
+        probe = tok.normalizer.normalize_str(probe)
+    if tok.pre_tokenizer is not None:
+        probe = "".join(piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(probe))
+    return probe != "a"
+
+
 def build_tokenizer() -> Tokenizer:
     """An untrained byte-level BPE with our pre-tokenizer and decoder."""
     tok = Tokenizer(models.BPE())
