@@ -17,6 +17,7 @@ crash never leaves a stale lock behind.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shlex
 import signal
@@ -152,18 +153,36 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path, before: Callable[[
         os.close(fd)
 
 
+class _NoFailureLine(logging.Filter):
+    """Drops torchrun's own "failed (exitcode: N) local_rank: ..." record: a rank
+    that failed said why in its own line, and :func:`main` names a rank that a
+    signal killed; torchrun's other records (a rank sent SIGTERM because another
+    failed, rendezvous trouble) still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun (``torch.distributed.run``, the same arguments), exiting with the
     code of the first rank that failed. A rank reports its own failure (a
     StageError is one line and exit code 2); torchrun would add a traceback of
-    its own ``ChildFailedError`` and exit 1 whatever the rank's code."""
+    its own ``ChildFailedError`` and exit 1 whatever the rank's code, and a log
+    line of its own. A rank killed by a signal (the kernel's OOM killer, a
+    SIGKILL) could say nothing: that is one line here, and exit code 128 + the
+    signal's number, as a shell reports it."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureLine())
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        _, failure = e.get_first_failure()
+        rank, failure = e.get_first_failure()
+        if failure.exitcode < 0:
+            print(f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}", file=sys.stderr,
+                  flush=True)
+            return 128 - failure.exitcode
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
 

@@ -21,6 +21,17 @@ def test_a_rank_that_fails_in_one_line_gives_its_exit_code_and_no_torchrun_trace
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: stage x (rank 0) failed: a bad param" in proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert "failed (exitcode" not in proc.stderr  # torchrun's own line: the rank said why
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    """A rank the kernel kills (OOM, SIGKILL) prints nothing: the launcher names it."""
+    proc = torchrun(tmp_path, "import os, signal\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), "
+                              "signal.SIGKILL)\nimport time\ntime.sleep(60)\n", ranks=2)
+    assert proc.returncode == 128 + 9, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "failed" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 (pid "), proc.stderr[-2000:]
+    assert errors[0].endswith("was killed by SIGKILL")
 
 
 def test_ranks_that_succeed_exit_zero(tmp_path):
