@@ -433,9 +433,13 @@ def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     text's token count (int64). No EOT: :meth:`SplitWriter.add` separates documents.
     ``encode_batch_fast`` gives the ids of ``encode_batch`` without computing the
     character offsets, which pack never reads."""
-    encs = tok.encode_batch_fast(texts)
-    lens = np.fromiter(map(len, encs), np.int64, count=len(encs))
-    flat = np.fromiter(chain.from_iterable(e.ids for e in encs), np.int32, count=int(lens.sum()))
+    return flatten_ids([e.ids for e in tok.encode_batch_fast(texts)])
+
+
+def flatten_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-text id lists as :func:`encode_texts` returns them: back to back (int32), and each one's count (int64)."""
+    lens = np.fromiter(map(len, ids), np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), np.int32, count=int(lens.sum()))
     return flat, lens
 
 
@@ -484,9 +488,7 @@ def encode_continued(tok: Any, texts: list[str], continues: np.ndarray, context:
                 kept.append(i)
     for i, enc in zip(kept, tok.encode_batch_fast([texts[i] for i in kept], add_special_tokens=False)):
         ids[i] = enc.ids
-    lens = np.fromiter(map(len, ids), np.int64, count=len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), np.int32, count=int(lens.sum()))
-    return flat, lens, len(kept) if context else 0
+    return (*flatten_ids(ids), len(kept) if context else 0)
 
 
 class Encoded(NamedTuple):
@@ -719,8 +721,9 @@ def _encoded(pf: DocTable, tokenizer_path: Path, executor: ExecutorConfig, batch
                     run = next(pf.iter_batches(b - a, columns + (["text"] if send else []), a, b))
                 task = Task(a, b - a, Keys.of(run.column("source"), run.column("chunk")) if keys else None,
                             {name: run.column(name) for name in extra})
-                if context is not None and task.keys is not None and task.keys.continuing().any():
-                    task.continues = task.keys.continuing()
+                if context is not None and task.keys is not None:
+                    continues = task.keys.continuing()
+                    task.continues = continues if continues.any() else None
                 sent.append(task)
                 # IPC writes only the column's own bytes, where pickling a slice would copy its parent buffers
                 message = (pa.record_batch([run.column("text")], schema=schema).serialize().to_pybytes()
