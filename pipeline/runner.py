@@ -70,6 +70,21 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
     log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
 
 
+PEER_FAILURE_GRACE_S = 3.0
+
+
+def resume_hint(folder) -> str:
+    """What running a stopped training stage again does: resume from the newest
+    complete checkpoint in ``folder`` (the trainer still checks that it belongs
+    to this run), or start over."""
+    from pipeline.training import checkpoint
+
+    last = checkpoint.latest(folder)
+    if last is None:
+        return "no checkpoint was written yet, so running the stage again starts over"
+    return f"running the stage again resumes from its newest checkpoint, step {last.step} ({last.path})"
+
+
 def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[StageConfig], dict],
                        prepare: Callable[[StageConfig], object] | None = None) -> None:
     """Entry point of a torchrun stage.
@@ -81,6 +96,7 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     ``metrics/<stage>.json``. A StageError prints one line, no traceback.
     """
     import os
+    import signal
 
     from pipeline.files import die_with_parent
     from pipeline.training.torchrun import inside_torchrun, launch
@@ -93,15 +109,21 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
         fail(stage, err)
     if not inside_torchrun():
         try:
-            code = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
+            code, why = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
         except StageError as err:  # TrainerBusyError included
             fail(stage, err)
-        if code not in (0, 2):  # 2: a rank's StageError, which printed its one line
-            print(f"error: stage {stage} failed (torchrun exit code {code}); see the rank's message above",
-                  file=sys.stderr)
+        if why:  # a signal stopped the run or killed a rank: nothing else said so
+            print(f"error: stage {stage} {'' if why.startswith('stopped') else 'failed: '}{why}; "
+                  f"{resume_hint(lock_folder)}", file=sys.stderr)
+        elif code not in (0, 2):  # 2: a rank's StageError, which printed its one line
+            print(f"error: stage {stage} failed (exit code {code}); see the rank's message above", file=sys.stderr)
         sys.exit(code)
     if os.environ.get("PIPELINE_LAUNCHED"):
         die_with_parent()  # a rank never outlives its torchrun agent
+        # The agent passes a Ctrl-C on as SIGINT: stop at once, as on SIGTERM (checkpoints
+        # are written atomically), not with a KeyboardInterrupt that a collective may never
+        # see while it waits for a rank that has already gone.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     try:
@@ -111,6 +133,14 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
         sys.exit(3)
     except StageError as err:
         fail(stage, err, rank)
+    except Exception:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # A rank whose peer died (the OOM killer, a crash) fails in its next collective
+            # with the transport's own traceback ("Connection reset by peer"). The agent stops
+            # the other ranks within a tenth of a second of a death it sees: wait a moment
+            # before the traceback, so that only the rank that failed first speaks.
+            time.sleep(PEER_FAILURE_GRACE_S)
+        raise
     if rank == 0:
         metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
         write_json(layout.metrics_path(stage), metrics)

@@ -1,9 +1,9 @@
 """Self-launch under torchrun, and the one-trainer-per-folder guard.
 
 ``python -m stages.pretrain`` (what DVC runs) is not yet inside torchrun. It
-takes the folder lock, then runs ``torchrun ... -m stages.pretrain`` with the
-launch settings from params, and waits. Inside torchrun the same module sees
-``LOCAL_RANK`` and trains.
+takes the folder lock, then runs torchrun's agent in its own process with the
+launch settings from params (``torchrun ... -m stages.pretrain``), and waits.
+Inside torchrun the same module sees ``LOCAL_RANK`` and trains.
 
 Why a lock: killing ``dvc repro`` with SIGKILL orphans the stage's children, so
 the next ``dvc repro`` could start a second trainer on the same checkpoint
@@ -16,13 +16,13 @@ crash never leaves a stale lock behind.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Literal
@@ -31,7 +31,6 @@ from pydantic import Field
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
-from pipeline.files import die_with_parent
 
 
 def lock_name() -> str:
@@ -100,57 +99,73 @@ def hold_shared(folder: Path) -> int:
     return fd
 
 
-def torchrun_command(module: str, cfg: LaunchConfig) -> list[str]:
-    """torchrun's command line, run through :func:`main` (torchrun's own arguments)."""
-    cmd = [sys.executable, "-m", "pipeline.training.torchrun", f"--nproc_per_node={cfg.nproc_per_node}"]
+def torchrun_args(module: str, cfg: LaunchConfig) -> list[str]:
+    """torchrun's own arguments for ``cfg`` (``torchrun <these>`` runs the same ranks)."""
+    args = [f"--nproc_per_node={cfg.nproc_per_node}"]
     if cfg.nnodes == 1:
-        cmd.append("--standalone")
+        args.append("--standalone")
     else:
-        cmd += [
+        args += [
             f"--nnodes={cfg.nnodes}",
             f"--rdzv_backend={cfg.rdzv_backend}",
             f"--rdzv_endpoint={cfg.rdzv_endpoint}",
             f"--rdzv_id={cfg.rdzv_id}",
         ]
         if cfg.rdzv_backend == "static":
-            cmd.append(f"--node_rank={cfg.node_rank}")
-    cmd += [f"--max_restarts={cfg.max_restarts}", "-m", module]
-    return cmd
+            args.append(f"--node_rank={cfg.node_rank}")
+    return args + [f"--max_restarts={cfg.max_restarts}", "-m", module]
 
 
-def launch(module: str, cfg: LaunchConfig, lock_folder: Path, before: Callable[[], None] | None = None) -> int:
-    """Run ``module`` under torchrun while holding the folder lock; return its exit code.
+def torchrun_command(module: str, cfg: LaunchConfig) -> list[str]:
+    """The same agent as a command of its own: :func:`main` in a new process."""
+    return [sys.executable, "-m", "pipeline.training.torchrun", *torchrun_args(module, cfg)]
+
+
+@contextlib.contextmanager
+def _rank_environment(cfg: LaunchConfig):
+    """The variables the ranks inherit (torchrun copies this process's
+    environment into theirs), set for the launch and restored after it."""
+    saved = dict(os.environ)
+    os.environ["PIPELINE_LAUNCHED"] = "1"
+    # One thread per rank by default on CPU: ranks share the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
+           before: Callable[[], None] | None = None) -> tuple[int, str | None]:
+    """Run ``module`` under torchrun while holding the folder lock; return the
+    exit code and why, as :func:`run_agent` does.
 
     ``before`` runs once, under the lock, before any rank starts (e.g. building
     the SFT shards, which every rank then reads).
 
-    SIGINT/SIGTERM are forwarded so that Ctrl-C or a Prefect timeout stops the
-    ranks cleanly instead of orphaning them.
+    torchrun's agent runs in this process (:func:`main`), not in one of its own:
+    that saves a Python start and a torch import per launch, and a Ctrl-C or a
+    SIGTERM (a Prefect timeout) reaches the agent once, which stops the ranks and
+    returns 128 + the signal's number.
     """
     fd = acquire_exclusive(lock_folder)
+    handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
         if before is not None:
             before()
-    except BaseException:
-        os.close(fd)
-        raise
-    cmd = torchrun_command(module, cfg)
-    env = {**os.environ, "PIPELINE_LAUNCHED": "1"}
-    # One thread per rank by default on CPU: ranks share the cores.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
-    print(f"launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
-
-    def forward(signum, _frame):
-        proc.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return proc.wait()
+        args = torchrun_args(module, cfg)
+        print(f"launch: torchrun {shlex.join(args)}", file=sys.stderr, flush=True)
+        with _rank_environment(cfg):
+            return run_agent(args)
     finally:
-        for s, h in old.items():
+        for s, h in handlers.items():  # the agent leaves its own handlers installed
             signal.signal(s, h)
         os.close(fd)
+
+
+# The signals torchrun's agent turns into SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class _NoFailureLine(logging.Filter):
@@ -163,28 +178,45 @@ class _NoFailureLine(logging.Filter):
         return not str(record.msg).startswith("failed (exitcode")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """torchrun (``torch.distributed.run``, the same arguments), exiting with the
-    code of the first rank that failed. A rank reports its own failure (a
-    StageError is one line and exit code 2); torchrun would add a traceback of
-    its own ``ChildFailedError`` and exit 1 whatever the rank's code, and a log
-    line of its own. A rank killed by a signal (the kernel's OOM killer, a
-    SIGKILL) could say nothing: that is one line here, and exit code 128 + the
-    signal's number, as a shell reports it."""
+def run_agent(argv: list[str]) -> tuple[int, str | None]:
+    """torchrun's agent (``torch.distributed.run``, the same arguments) in this
+    process: the exit code of the first rank that failed, and why in one line
+    where the rank could not say it itself.
+
+    A rank reports its own failure (a StageError is one line and exit code 2);
+    torchrun would add a traceback of its own ``ChildFailedError``, exit 1
+    whatever the rank's code, and log a line of its own. A rank killed by a
+    signal (the kernel's OOM killer, a SIGKILL) could say nothing: it is named
+    here, with exit code 128 + the signal's number, as a shell reports it. So is
+    a signal that stopped the agent (Ctrl-C, a SIGTERM), after which the agent
+    has stopped the ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureLine())
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NoFailureLine) for f in agent_log.filters):
+        agent_log.addFilter(_NoFailureLine())
     try:
         run(parse_args(argv))
+    except (SignalException, KeyboardInterrupt) as e:  # KeyboardInterrupt: a Ctrl-C before the ranks started
+        sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
+        return 128 + sig, f"stopped by {sig.name}; the ranks were stopped"
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode < 0:
-            print(f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}", file=sys.stderr,
-                  flush=True)
-            return 128 - failure.exitcode
-        return failure.exitcode if failure.exitcode > 0 else 1
-    return 0
+            return 128 - failure.exitcode, f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}"
+        return (failure.exitcode if failure.exitcode > 0 else 1), None
+    return 0, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.training.torchrun ARGS``: :func:`run_agent` as a
+    command, its reason printed as one ``error:`` line."""
+    code, why = run_agent(sys.argv[1:] if argv is None else argv)
+    if why:
+        print(f"error: {why}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

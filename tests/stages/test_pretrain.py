@@ -180,7 +180,7 @@ def kill_and_resume(tmp_path, hf=None, **overrides):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     after = 2 * params["checkpoint_every"] + 2  # at least one checkpoint is on disk by then
     wait_for_step(run / "plots" / "pretrain.csv", after, proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: launcher, torchrun, both ranks
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group; the ranks die with it (their parent)
     proc.wait()
     killed_at = len(losses(run))
     assert after <= killed_at < params["max_steps"]
@@ -190,6 +190,46 @@ def kill_and_resume(tmp_path, hf=None, **overrides):
     assert losses(run) == losses(ref)  # every step's loss, string-exact
     for k, v in weights(ref).items():
         assert torch.equal(weights(run)[k], v), k
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "oom"])
+def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_checkpoint_to_resume_from(tmp_path, sig):
+    """Ctrl-C reaches the launcher's whole process group, as a terminal sends it
+    (torchrun starts the ranks in sessions of their own); SIGTERM (Prefect's
+    timeout, a service manager) reaches the launcher alone; SIGKILL (the
+    kernel's OOM killer) one rank. Either way every rank stops, and the stage
+    exits 128 + the signal's number with one line."""
+    p = project(tmp_path, nproc_per_node=2, max_steps=100000, checkpoint_every=2)
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, env=env(), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            wait_for_step(p / "plots" / "pretrain.csv", 3, proc)  # checkpoint_every 2: one is on disk
+            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "-u" in c.cmdline()]
+            assert len(ranks) == 2, ranks  # torchrun runs a rank as `python -u -m stages.pretrain`
+            victim = ranks[1].pid, ranks[1].environ()["RANK"]
+            if sig == signal.SIGINT:
+                os.killpg(proc.pid, sig)
+            elif sig == signal.SIGTERM:
+                proc.send_signal(sig)
+            else:
+                ranks[1].send_signal(sig)
+            proc.wait(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        err.seek(0)
+        stderr = err.read()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, f"ranks still running after the stage stopped: {alive}"
+    last = ckpt.latest(p / "models" / "pretrain")
+    what = (f"stopped by {sig.name}; the ranks were stopped" if sig != signal.SIGKILL else
+            f"failed: rank {victim[1]} (pid {victim[0]}) was killed by SIGKILL")
+    assert [line for line in stderr.splitlines() if "error" in line.lower()] == [
+        f"error: stage pretrain {what}; running the stage again resumes from its newest checkpoint, "
+        f"step {last.step} ({last.path.relative_to(p)})"], stderr[-3000:]
+    assert "Traceback" not in stderr
 
 
 def test_a_second_trainer_is_refused_while_orphans_run(tmp_path):
@@ -209,7 +249,7 @@ def test_a_second_trainer_is_refused_while_orphans_run(tmp_path):
             time.sleep(0.2)
         assert len(losses(p)) > rows, "the orphaned trainer should still be training, untouched"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # launcher and torchrun; the ranks die with their parent
+        os.killpg(proc.pid, signal.SIGKILL)  # sh and the launcher; the ranks die with their parent
     # once the orphans are gone the lock is free again: the kernel drops flocks of dead processes
     time.sleep(1.0)
     p2 = yaml.safe_load((p / "params.yaml").read_text())
