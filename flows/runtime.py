@@ -126,8 +126,8 @@ def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], 
     The wait is a loop of short waits, so an exception raised into this thread
     (Prefect's timeout: an alarm signal on the main thread, an injected exception
     on a worker thread; or Ctrl-C) lands within half a second. Whatever ends the
-    wait early, the whole group (dvc, the stage, a torchrun launcher, which
-    forwards the signal to its ranks) gets SIGTERM, then SIGKILL if anything is
+    wait early, the whole group (dvc, the stage; a training stage's torchrun
+    agent stops its ranks) gets SIGTERM, then SIGKILL if anything is
     still alive after ``kill_grace_s``; then the exception propagates. Should
     this process be killed outright instead, ``flows/watchdog.py`` stops the
     group the same way."""

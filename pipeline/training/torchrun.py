@@ -144,7 +144,7 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
     ``before`` runs once, under the lock, before any rank starts (e.g. building
     the SFT shards, which every rank then reads).
 
-    torchrun's agent runs in this process (:func:`main`), not in one of its own:
+    torchrun's agent runs in this process (:func:`run_agent`), not in one of its own:
     that saves a Python start and a torch import per launch, and a Ctrl-C or a
     SIGTERM (a Prefect timeout) reaches the agent once, which stops the ranks and
     returns 128 + the signal's number.
@@ -152,8 +152,11 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
     fd = acquire_exclusive(lock_folder)
     handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
-        if before is not None:
-            before()
+        try:
+            if before is not None:
+                before()
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT, _BEFORE_RANKS
         args = torchrun_args(module, cfg)
         print(f"launch: torchrun {shlex.join(args)}", file=sys.stderr, flush=True)
         with _rank_environment(cfg):
@@ -163,6 +166,8 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
             signal.signal(s, h)
         os.close(fd)
 
+
+_BEFORE_RANKS = "stopped by SIGINT before any rank started"
 
 # The signals torchrun's agent turns into SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -199,9 +204,10 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
         agent_log.addFilter(_NoFailureLine())
     try:
         run(parse_args(argv))
-    except (SignalException, KeyboardInterrupt) as e:  # KeyboardInterrupt: a Ctrl-C before the ranks started
-        sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
-        return 128 + sig, f"stopped by {sig.name}; the ranks were stopped"
+    except SignalException as e:
+        return 128 + e.sigval, f"stopped by {e.sigval.name}; the ranks were stopped"
+    except KeyboardInterrupt:  # the agent takes the signals as it starts the ranks
+        return 128 + signal.SIGINT, _BEFORE_RANKS
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode < 0:

@@ -1,8 +1,10 @@
 """pipeline/training/torchrun.py: torchrun as the launcher runs it."""
 
+import os
 import subprocess
 import sys
 
+from pipeline.training.torchrun import LaunchConfig, acquire_exclusive, launch
 from tests.conftest import ROOT
 
 
@@ -39,3 +41,14 @@ def test_ranks_that_succeed_exit_zero(tmp_path):
     proc = torchrun(tmp_path, "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n", ranks=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
+def test_a_ctrl_c_while_the_launcher_prepares_is_one_line_and_frees_the_folder(tmp_path):
+    """A Ctrl-C during ``before`` (SFT builds its shards there) stops the launch
+    before any rank starts, with the same kind of line as a Ctrl-C later on."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert launch("stages.pretrain", LaunchConfig(), tmp_path, before=interrupted) == (
+        130, "stopped by SIGINT before any rank started")
+    os.close(acquire_exclusive(tmp_path))  # the folder lock was let go
