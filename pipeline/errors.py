@@ -13,3 +13,15 @@ from __future__ import annotations
 class StageError(RuntimeError):
     """An expected failure: its message names the problem and the fix; the runner
     prints it as one line."""
+
+
+class Stopped(BaseException):
+    """A SIGTERM (Prefect's timeout, a service manager) raised in a stage's main
+    thread, as Python raises KeyboardInterrupt for a Ctrl-C: the stage's
+    ``finally`` blocks run (its worker pool shut down, a Ray instance it started
+    stopped) and its MLflow run ends KILLED. Not an Exception, so that no
+    ``except Exception`` takes it for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum

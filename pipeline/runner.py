@@ -7,13 +7,14 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import signal
 import sys
 import time
 from typing import Callable, NoReturn
 
 from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
-from pipeline.errors import StageError
+from pipeline.errors import StageError, Stopped
 from pipeline.files import write_json
 from pipeline.tracking.tracker import record_experiment
 
@@ -60,25 +61,37 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
     setup_logging()
     exit_without_a_last_collection()
     t0 = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        cfg = load_params(stage)
-    except StageError as err:
-        fail(stage, err)
-    with Tracker(stage) as tracker:
-        tracker.log_params(cfg, prefix=stage)
         try:
-            metrics = body(cfg, tracker) if pass_tracker else body(cfg)
+            cfg = load_params(stage)
         except StageError as err:
-            tracker.set_tags({"error": str(err)[:1000]})
-            tracker.end("FAILED")
             fail(stage, err)
-        metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
-        write_json(layout.metrics_path(stage), metrics)
-        tracker.log_metrics(metric_values(metrics))
-        for path in artifacts:
-            tracker.log_artifact(path)
-    record_experiment(stage, enabled=tracker.active and not tracker.offline)
+        with Tracker(stage) as tracker:
+            tracker.log_params(cfg, prefix=stage)
+            try:
+                metrics = body(cfg, tracker) if pass_tracker else body(cfg)
+            except StageError as err:
+                tracker.set_tags({"error": str(err)[:1000]})
+                tracker.end("FAILED")
+                fail(stage, err)
+            metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
+            write_json(layout.metrics_path(stage), metrics)
+            tracker.log_metrics(metric_values(metrics))
+            for path in artifacts:
+                tracker.log_artifact(path)
+        record_experiment(stage, enabled=tracker.active and not tracker.offline)
+    except (KeyboardInterrupt, Stopped) as stop:  # the Tracker ended its run KILLED on the way out
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        print(f"error: stage {stage} stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
 
 
 PEER_FAILURE_GRACE_S = 3.0
@@ -107,7 +120,6 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     ``metrics/<stage>.json``. A StageError prints one line, no traceback.
     """
     import os
-    import signal
 
     from pipeline.files import die_with_parent
     from pipeline.training.torchrun import inside_torchrun, launch

@@ -186,6 +186,24 @@ def return_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the block. A worker process started
+    meanwhile inherits the blocked signal for its life, so a Ctrl-C, which the
+    terminal sends to the whole process group, stops the stage through its main
+    process alone (which shuts the pool down), not with a KeyboardInterrupt
+    traceback from each worker. A SIGINT that comes meanwhile is not lost: it is
+    delivered when the block ends (or to another thread, which Python passes on)."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _local_worker_init(parent_pid: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
     die_with_parent(signal.SIGTERM, parent_pid)
     return_freed_memory()
@@ -338,7 +356,8 @@ class LocalPool(Executor):
         try:
             for i, task in enumerate(tasks):
                 try:
-                    pending.append((i, self.pool.submit(fn, *task)))
+                    with _sigint_blocked():  # a submit may start a worker, which inherits the mask
+                        pending.append((i, self.pool.submit(fn, *task)))
                 except BrokenProcessPool:
                     raise self._broken() from None
                 if len(pending) >= window:

@@ -60,6 +60,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from pipeline.errors import Stopped
+
 # current_stage_fingerprint and dvc_stage_hashes are re-exported: the trainer and stages import them from here.
 from pipeline.tracking.lineage import current_stage_fingerprint, dvc_stage_hashes, load_stages, read_metrics, select
 
@@ -246,9 +248,10 @@ class Tracker:
     """One MLflow run for one stage, logged from rank 0 only. See the module doc.
 
     Use as a context manager (or call :meth:`start` and :meth:`end`). Leaving the
-    block with an exception ends the run as FAILED (KILLED for KeyboardInterrupt)
-    and lets the exception propagate. No method raises because of MLflow; caller
-    errors (a metric that is not a number) do raise.
+    block with an exception ends the run as FAILED (KILLED for a Ctrl-C, or a
+    SIGTERM raised as :class:`pipeline.errors.Stopped`) and lets the exception
+    propagate. No method raises because of MLflow; caller errors (a metric that
+    is not a number) do raise.
 
     Attributes: ``run_id`` (the server's run; None on other ranks and when offline
     from the start), ``offline`` (True once records go to ``offline_path``),
@@ -302,7 +305,8 @@ class Tracker:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        self.end("FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+        stopped = exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, Stopped))
+        self.end("FINISHED" if exc_type is None else "KILLED" if stopped else "FAILED")
         return False
 
     def start(self) -> Tracker:

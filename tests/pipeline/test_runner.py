@@ -2,10 +2,13 @@
 <message>``, and exit code 2: no traceback. Each case runs the real stage module
 in an empty folder, so its inputs are missing (or its params are wrong)."""
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from pipeline.errors import StageError
@@ -58,3 +61,67 @@ def test_every_stage_error_class_is_a_stage_error():
 def test_one_line_joins_a_config_error_list():
     msg = "params.yaml is invalid:\n  pack.seq_len: too small\n  pack.bogus: unknown key"
     assert one_line(msg) == "params.yaml is invalid: pack.seq_len: too small; pack.bogus: unknown key"
+
+
+STAND_IN = '''
+import time
+
+from pipeline.data.executor import open_executor
+from pipeline.runner import run_stage
+
+
+def task(i):
+    return i
+
+
+def feed():  # slower than the workers, which wait for tasks most of the time
+    for i in range(100000):
+        time.sleep(0.05)
+        yield (i,)
+
+
+def body(cfg):
+    with open_executor(cfg.executor, desc="stand-in", max_workers=2) as ex:
+        for i in ex.map(task, feed()):
+            if i == 4:
+                print("working", flush=True)
+    return {}
+
+
+if __name__ == "__main__":
+    run_stage("clean", body)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_data_stage_stopped_by_a_signal_is_one_line_and_its_mlflow_run_is_killed(tmp_path, sig):
+    """A stand-in for a data stage: ``run_stage`` with clean's params and a pool
+    of 2 workers, waiting for tasks most of the time. Ctrl-C reaches the whole
+    process group (the workers too), as a terminal sends it; SIGTERM the stage
+    process alone."""
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    (tmp_path / "params.yaml").write_text("clean:\n  executor: {kind: local, num_workers: 2}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PIPELINE_PROGRESS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "stand_in"], cwd=tmp_path, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "working\n"
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line] == [
+        f"error: stage clean stopped by {sig.name}"], err[-3000:]
+    assert not psutil.wait_procs(workers, timeout=10)[1], "a worker outlived the stage"
+    import mlflow
+
+    runs = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_experiments()])
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("clean", "KILLED")]
