@@ -16,7 +16,7 @@ from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
 from pipeline.errors import StageError, Stopped
 from pipeline.files import write_json
-from pipeline.tracking.tracker import record_experiment
+from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, record_experiment
 
 log = logging.getLogger("pipeline")
 
@@ -120,6 +120,7 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     ``metrics/<stage>.json``. A StageError prints one line, no traceback.
     """
     import os
+    import uuid
 
     from pipeline.files import die_with_parent
     from pipeline.training.torchrun import inside_torchrun, launch
@@ -132,10 +133,13 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     except StageError as err:
         fail(stage, err)
     if not inside_torchrun():
+        launch_id = os.environ[LAUNCH_ENV] = uuid.uuid4().hex  # rank 0 tags its MLflow run with it
         try:
             code, why = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
         except StageError as err:  # TrainerBusyError included
             fail(stage, err)
+        if code != 0 and cfg.logging.track:  # a rank stopped by a signal left its run RUNNING
+            end_launch_runs(launch_id, "KILLED" if why and why.startswith("stopped") else "FAILED")
         if why:  # a signal stopped the run or killed a rank: nothing else said so
             print(f"error: stage {stage} {'' if why.startswith('stopped') else 'failed: '}{why}; "
                   f"{resume_hint(lock_folder)}", file=sys.stderr)

@@ -73,6 +73,7 @@ ARTIFACTS_DIR = "mlartifacts"
 OFFLINE_DIR = ".tracking-offline"
 PROBE_TIMEOUT_S = 3.0
 EXPERIMENT_PARENT_NAME = "pipeline"
+LAUNCH_ENV, LAUNCH_TAG = "PIPELINE_LAUNCH_ID", "pipeline.launch_id"  # one training launch's runs (end_launch_runs)
 MAX_TAG_VAL_LENGTH = 8000  # mlflow.utils.validation's; pipeline/promote.py cuts version tags to it
 
 # MLflow's own defaults retry for about four minutes with a 120 s timeout per try,
@@ -341,6 +342,8 @@ class Tracker:
             tags["dvc.stage_hash"] = fingerprint
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
+        if os.environ.get(LAUNCH_ENV):
+            tags[LAUNCH_TAG] = os.environ[LAUNCH_ENV]
         tags.update(self._extra_tags)
         return {_key(k): _text(v) for k, v in resolve_tags(tags).items()}
 
@@ -566,6 +569,33 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
         client.log_batch(run_id, params=[Param(_key(k), _text(v)) for k, v in flat.items()])
     client.set_terminated(run_id, "FINISHED")
     return run_id
+
+
+def end_launch_runs(launch_id: str, status: str, uri: str | None = None) -> list[str]:
+    """End as ``status`` the runs of one training launch (tagged with its id by
+    rank 0's Tracker) that are still RUNNING: a rank that a signal stopped or
+    killed could not end its own run, which MLflow would show as running for
+    ever. Called by the launcher after its agent stopped the ranks. Returns the
+    runs' ids; never raises (a warning says what failed)."""
+    if not _env_flag("PIPELINE_TRACKING", True):
+        return []
+    uri = uri or tracking_uri()
+    if probe(uri) is not None:
+        return []
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(uri)
+        ids = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(ids, filter_string=f"tags.`{LAUNCH_TAG}` = '{launch_id}' and "
+                                                     "attributes.status = 'RUNNING'") if ids else []
+        for run in runs:
+            client.set_terminated(run.info.run_id, status)
+            log.info("MLflow run %s (%s) ended %s", run.info.run_id, run.info.run_name, status)
+        return [run.info.run_id for run in runs]
+    except Exception as err:
+        log.warning("could not end the stopped run in MLflow at %s: %s", uri, _short(err))
+        return []
 
 
 def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) -> None:

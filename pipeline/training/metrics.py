@@ -153,7 +153,7 @@ class MetricsLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self._stack.__exit__(*exc)  # with the exception, if any: the MLflow run ends FAILED (KILLED), not FINISHED
 
     # -- reporting --
 

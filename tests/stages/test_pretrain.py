@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import mlflow
 import psutil
 import pytest
 import torch
@@ -199,9 +200,12 @@ def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_che
     timeout, a service manager) reaches the launcher alone; SIGKILL (the
     kernel's OOM killer) one rank. Either way every rank stops, and the stage
     exits 128 + the signal's number with one line."""
-    p = project(tmp_path, nproc_per_node=2, max_steps=100000, checkpoint_every=2)
+    p = project(tmp_path, nproc_per_node=2, max_steps=100000, checkpoint_every=2, track=True)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
     with open(tmp_path / "stderr", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, env=env(), start_new_session=True,
+        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, start_new_session=True,
+                                env=env(PIPELINE_TRACKING="1", MLFLOW_TRACKING_URI=uri,
+                                        MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="0"),
                                 stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
             wait_for_step(p / "plots" / "pretrain.csv", 3, proc)  # checkpoint_every 2: one is on disk
@@ -230,6 +234,11 @@ def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_che
         f"error: stage pretrain {what}; running the stage again resumes from its newest checkpoint, "
         f"step {last.step} ({last.path.relative_to(p)})"], stderr[-3000:]
     assert "Traceback" not in stderr
+    # rank 0 could not end its MLflow run: the launcher did
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [(r.info.run_name, r.info.status) for r in runs] == [
+        ("pretrain", "FAILED" if sig == signal.SIGKILL else "KILLED")]
 
 
 def test_a_second_trainer_is_refused_while_orphans_run(tmp_path):
