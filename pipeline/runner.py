@@ -114,10 +114,12 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     """Entry point of a torchrun stage.
 
     Outside torchrun (as DVC runs it): validate params, take the trainer lock on
-    ``lock_folder``, run ``prepare(cfg)`` once if given, start ``torchrun -m
-    <module>`` with the launch settings from params, and exit with its code.
-    Inside torchrun: run ``body`` on every rank; rank 0 writes
-    ``metrics/<stage>.json``. A StageError prints one line, no traceback.
+    ``lock_folder``, run ``prepare(cfg)`` once if given, run torchrun's agent
+    on ``-m <module>`` with the launch settings from params, and exit with its
+    code; a signal that stopped it or killed a rank is one line, and the MLflow
+    run that rank 0 left RUNNING is ended. Inside torchrun: run ``body`` on
+    every rank; rank 0 writes ``metrics/<stage>.json``. A StageError prints one
+    line, no traceback.
     """
     import os
     import uuid
@@ -138,13 +140,15 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
             code, why = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
         except StageError as err:  # TrainerBusyError included
             fail(stage, err)
-        if code != 0 and cfg.logging.track:  # a rank stopped by a signal left its run RUNNING
-            end_launch_runs(launch_id, "KILLED" if why and why.startswith("stopped") else "FAILED")
+        stopped = bool(why and why.startswith("stopped"))
         if why:  # a signal stopped the run or killed a rank: nothing else said so
-            print(f"error: stage {stage} {'' if why.startswith('stopped') else 'failed: '}{why}; "
-                  f"{resume_hint(lock_folder)}", file=sys.stderr)
+            print(f"error: stage {stage} {'' if stopped else 'failed: '}{why}; {resume_hint(lock_folder)}",
+                  file=sys.stderr, flush=True)
         elif code not in (0, 2):  # 2: a rank's StageError, which printed its one line
-            print(f"error: stage {stage} failed (exit code {code}); see the rank's message above", file=sys.stderr)
+            print(f"error: stage {stage} failed (exit code {code}); see the rank's message above", file=sys.stderr,
+                  flush=True)
+        if code != 0 and cfg.logging.track:  # rank 0, stopped by a signal, left its run RUNNING
+            end_launch_runs(launch_id, "KILLED" if stopped else "FAILED")
         sys.exit(code)
     if os.environ.get("PIPELINE_LAUNCHED"):
         die_with_parent()  # a rank never outlives its torchrun agent
