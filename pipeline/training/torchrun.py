@@ -24,6 +24,7 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -202,17 +203,22 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, _NoFailureLine) for f in agent_log.filters):
         agent_log.addFilter(_NoFailureLine())
-    try:
-        run(parse_args(argv))
-    except SignalException as e:
-        return 128 + e.sigval, f"stopped by {e.sigval.name}; the ranks were stopped"
-    except KeyboardInterrupt:  # the agent takes the signals as it starts the ranks
-        return 128 + signal.SIGINT, _BEFORE_RANKS
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if failure.exitcode < 0:
-            return 128 - failure.exitcode, f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}"
-        return (failure.exitcode if failure.exitcode > 0 else 1), None
+    # torchrun keeps a log folder per launch (the ranks' error files; their output
+    # with --redirects). Without --log-dir it makes a torchelastic_* folder in the
+    # temp dir and leaves it there, one per launch: here it ends with the launch.
+    named = any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv)
+    with tempfile.TemporaryDirectory(prefix="torchelastic_") as logs:
+        try:
+            run(parse_args(argv if named else ["--log-dir", logs, *argv]))
+        except SignalException as e:
+            return 128 + e.sigval, f"stopped by {e.sigval.name}; the ranks were stopped"
+        except KeyboardInterrupt:  # the agent takes the signals as it starts the ranks
+            return 128 + signal.SIGINT, _BEFORE_RANKS
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            if failure.exitcode < 0:
+                return 128 - failure.exitcode, f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}"
+            return (failure.exitcode if failure.exitcode > 0 else 1), None
     return 0, None
 
 

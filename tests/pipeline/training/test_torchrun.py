@@ -4,17 +4,22 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pipeline.training.torchrun import LaunchConfig, acquire_exclusive, launch
 from tests.conftest import ROOT
 
 
-def torchrun(tmp_path, code: str, ranks: int) -> subprocess.CompletedProcess:
-    """``code`` as the rank's script, under pipeline.training.torchrun with ``ranks`` ranks."""
+def torchrun(tmp_path, code: str, ranks: int, *args: str) -> subprocess.CompletedProcess:
+    """``code`` as the rank's script, under pipeline.training.torchrun with ``ranks``
+    ranks (and torchrun's ``args``), its temp dir ``tmp_path/"tmp"``."""
     rank = tmp_path / "rank.py"
     rank.write_text(code)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "pipeline.training.torchrun", "--standalone",
-                           f"--nproc_per_node={ranks}", "--max_restarts=0", str(rank)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           f"--nproc_per_node={ranks}", "--max_restarts=0", *args, str(rank)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
 
 
 def test_a_rank_that_fails_in_one_line_gives_its_exit_code_and_no_torchrun_traceback(tmp_path):
@@ -52,3 +57,21 @@ def test_a_ctrl_c_while_the_launcher_prepares_is_one_line_and_frees_the_folder(t
     assert launch("stages.pretrain", LaunchConfig(), tmp_path, before=interrupted) == (
         130, "stopped by SIGINT before any rank started")
     os.close(acquire_exclusive(tmp_path))  # the folder lock was let go
+
+
+@pytest.mark.parametrize("outcome", ["succeeds", "fails", "killed"])
+def test_a_launch_leaves_no_log_folder_in_the_temp_dir(tmp_path, outcome):
+    """torchrun alone leaves an empty torchelastic_* folder tree in the temp dir
+    per launch, whatever the outcome: thousands over a season of retraining."""
+    code = {"succeeds": "", "fails": "import sys\nsys.exit(2)\n",
+            "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"}[outcome]
+    proc = torchrun(tmp_path, code, 1)
+    assert proc.returncode == {"succeeds": 0, "fails": 2, "killed": 137}[outcome], proc.stderr[-2000:]
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_log_dir_the_user_names_is_kept(tmp_path):
+    proc = torchrun(tmp_path, "print('hello from the rank')\n", 1, f"--log-dir={tmp_path / 'logs'}", "--redirects=3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logs = [p.read_text() for p in (tmp_path / "logs").rglob("stdout.log")]
+    assert logs == ["hello from the rank\n"]
