@@ -20,6 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests that exercise MLflow opt in with PIPELINE_TRACKING=1 and a tmp database;
 # nothing else pays mlflow's import or touches the repo's mlflow.db.
 os.environ.setdefault("PIPELINE_TRACKING", "0")
+# The tests' own DVC projects send no usage reports: `dvc init` runs before
+# `core.analytics false` can be set, and its report's daemon leaves a file in
+# the temp dir when it cannot reach the network.
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

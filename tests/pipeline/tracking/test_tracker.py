@@ -388,7 +388,7 @@ def test_unreachable_server_goes_offline_quickly_with_one_warning(tmp_path, monk
     assert kept.data.params == {"model.n_layer": "2", "world_size": "2"}
     assert kept.data.tags["pipeline.stage"] == "pretrain" and kept.data.tags["mlflow.parentRunId"] == "abc"
     assert [m.step for m in local.get_metric_history(kept.info.run_id, "loss")] == list(range(50))
-    assert json.loads(Path(local.download_artifacts(kept.info.run_id, "summary.json")).read_text()) == {"tokens": 123}
+    assert json.loads(Path(local.download_artifacts(kept.info.run_id, "summary.json", str(tmp_path))).read_text()) == {"tokens": 123}
 
     # Nothing is lost: the file loads into MLflow later (the unknown parent is dropped).
     from mlflow import MlflowClient
