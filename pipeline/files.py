@@ -4,7 +4,10 @@ Anything that must survive a crash goes through :func:`atomic_write` (or
 :func:`atomic_path` for writers that want a filename, :func:`atomic_dir` for a
 whole folder): it is written to a temporary name in the same directory, fsynced,
 renamed over the target, and the directory is fsynced, so a reader sees the old
-file or the new one and never half of either.
+file or the new one and never half of either. A write that fails because its
+filesystem is full (or the user's quota is) raises :class:`DiskFullError`, a
+one-line StageError that names the path and the space left, whatever the
+writer raised (torch.save and safetensors do not pass the OS's errno on).
 
 :func:`available_cores` is the one count of the cores this process may use, and
 :func:`die_with_parent` the one way a child process is tied to its parent's life.
@@ -13,6 +16,7 @@ file or the new one and never half of either.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -22,6 +26,95 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+from pipeline.errors import StageError
+
+# Less than this left on a filesystem after a write into it failed: the write
+# failed for want of space, whatever the writer raised.
+LOW_SPACE_BYTES = 1 << 20
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(StageError):
+    """A write failed because its filesystem is full or the user's quota is."""
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """The bytes this user may still write on the filesystem of ``path`` (its
+    nearest existing folder), or None where the OS cannot say."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the filesystem that holds ``path``."""
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes for a message: 3.2 GB, 41.0 MB, 512 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e3:,.0f} kB"
+
+
+def out_of_space(err: BaseException, path: str | Path | None = None) -> bool:
+    """Whether ``err`` is a write that failed for want of space: an ENOSPC or
+    EDQUOT anywhere in its chain of causes, or, where ``path`` names what was
+    being written, less than ``LOW_SPACE_BYTES`` left on its filesystem (ask
+    before the failed write's files are removed)."""
+    if isinstance(err, DiskFullError):
+        return True
+    if isinstance(err, StageError):  # a stage's own error says what went wrong
+        return False
+    if any(isinstance(e, OSError) and e.errno in _FULL_ERRNOS for e in _causes(err)):
+        return True
+    free = free_bytes(path) if path is not None else None
+    return free is not None and free < LOW_SPACE_BYTES
+
+
+def no_space(path: str | Path | None) -> DiskFullError:
+    """The one-line error for a write to ``path`` that did not fit, with the
+    space free there now."""
+    if path is None:
+        return DiskFullError("no space left on the device; free some space and run the stage again")
+    free = free_bytes(path)
+    left = f" ({size_text(free)} free on {mount_point(path)})" if free is not None else ""
+    return DiskFullError(f"no space left on the device writing {path}{left}; free some space and run the "
+                         "stage again")
+
+
+def disk_full(err: BaseException) -> DiskFullError | None:
+    """A :class:`DiskFullError` for ``err`` if it is a write that failed for want
+    of space (an ENOSPC or EDQUOT among its causes; it names the file the OS
+    named), else None."""
+    if isinstance(err, DiskFullError):
+        return err
+    if not out_of_space(err):
+        return None
+    named = [e.filename for e in _causes(err) if isinstance(e, OSError) and e.filename]
+    return no_space(named[0] if named else None)
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and the exceptions it was raised from or while handling, in turn."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
 
 
 def fsync_path(path: str | Path) -> None:
@@ -59,9 +152,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.close(fd)
         os.replace(tmp, path)
         fsync_path(path.parent)
-    except BaseException:
+    except BaseException as err:
+        full = isinstance(err, Exception) and out_of_space(err, path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if full:
+            raise (err if isinstance(err, DiskFullError) else no_space(path)) from err
         raise
 
 
@@ -95,8 +191,11 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             path.unlink()
         os.replace(tmp, path)
         fsync_path(path.parent)
-    except BaseException:
+    except BaseException as err:
+        full = isinstance(err, Exception) and out_of_space(err, path)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise (err if isinstance(err, DiskFullError) else no_space(path)) from err
         raise
     shutil.rmtree(trash, ignore_errors=True)
 

@@ -1,6 +1,7 @@
 """What every stage's ``main()`` shares: load its params section, run, write its
-metrics, and turn expected failures (:class:`pipeline.errors.StageError`) into
-one line, ``error: stage <name> failed: <message>``, and exit code 2."""
+metrics, and turn expected failures (:class:`pipeline.errors.StageError`, and a
+write that failed for want of space, :func:`pipeline.files.disk_full`) into one
+line, ``error: stage <name> failed: <message>``, and exit code 2."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable, NoReturn
 from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
 from pipeline.errors import StageError, Stopped
-from pipeline.files import write_json
+from pipeline.files import disk_full, write_json
 from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, record_experiment
 
 log = logging.getLogger("pipeline")
@@ -71,10 +72,13 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
             tracker.log_params(cfg, prefix=stage)
             try:
                 metrics = body(cfg, tracker) if pass_tracker else body(cfg)
-            except StageError as err:
-                tracker.set_tags({"error": str(err)[:1000]})
+            except Exception as err:
+                expected = err if isinstance(err, StageError) else disk_full(err)
+                if expected is None:
+                    raise
+                tracker.set_tags({"error": str(expected)[:1000]})
                 tracker.end("FAILED")
-                fail(stage, err)
+                fail(stage, expected)
             metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
             write_json(layout.metrics_path(stage), metrics)
             tracker.log_metrics(metric_values(metrics))
@@ -165,7 +169,9 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
         sys.exit(3)
     except StageError as err:
         fail(stage, err, rank)
-    except Exception:
+    except Exception as err:
+        if (full := disk_full(err)) is not None:
+            fail(stage, full, rank)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # A rank whose peer died (the OOM killer, a crash) fails in its next collective
             # with the transport's own traceback ("Connection reset by peer"). The agent stops

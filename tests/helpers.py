@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -150,3 +151,25 @@ def train_params(base: dict | None = None, **short) -> dict:
             node = node.setdefault(p, {})
         node[last] = value
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def small_disks() -> str | None:
+    """None where :func:`on_small_disk` works here (a tmpfs mounted in a mount
+    namespace of its own, as root or in a user namespace), else why not."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"cannot mount a tmpfs: {probe.stderr.strip()}"
+
+
+def on_small_disk(folder: str, kilobytes: int, script: str) -> list[str]:
+    """A command that runs the shell ``script`` with a fresh tmpfs of ``kilobytes``
+    mounted on ``folder`` (relative to its cwd): a full disk without root, seen
+    by that command alone; the tmpfs and what it holds end with the command."""
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+            f"mount -t tmpfs -o size={kilobytes}k tmpfs {folder} && {script}"]

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from pipeline.data.resume import MANIFEST, ShardLog
 from pipeline.errors import StageError
-from pipeline.files import read_json
+from pipeline.files import no_space, out_of_space, read_json
 
 FORMAT = "pipeline.docs/1"
 
@@ -452,7 +452,14 @@ class ShardedParquetWriter:
     def write(self, table: pa.Table) -> None:
         assert self._writer is not None, "start a shard first"
         if table.num_rows:
-            self._writer.write_table(table, row_group_size=self.row_group_docs)
+            try:
+                self._writer.write_table(table, row_group_size=self.row_group_docs)
+            except Exception as err:
+                path = self.log.path(self._k)
+                if not out_of_space(err, path):
+                    raise
+                self.abort()  # its file's space is free again for the message to count
+                raise no_space(path) from err
             self.rows += table.num_rows
 
     def seal(self, fields: Mapping[str, Any]) -> dict[str, Any]:

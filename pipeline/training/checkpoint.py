@@ -99,7 +99,8 @@ from safetensors.torch import load_file, load_model, save_model
 
 from pipeline.config import flatten
 from pipeline.errors import StageError
-from pipeline.files import atomic_dir, fsync_path, sha256_file, write_json
+from pipeline.files import (DiskFullError, atomic_dir, free_bytes, fsync_path, size_text, mount_point, sha256_file,
+                            write_json)
 from pipeline.model.transformer import ModelConfig
 from pipeline.training import distributed
 
@@ -513,6 +514,15 @@ def _write_shards(tmp: Path, state: dict[str, Any], d: distributed.Dist) -> dict
                  no_dist=not d.enabled)
     mine = [name for name in os.listdir(tmp) if (m := SHARD_RE.match(name)) and int(m.group(1)) == d.rank]
     return {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in mine}
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the tensors a checkpoint of ``model`` and ``optimizer`` holds
+    (weights once each, and the optimizer's state): a lower bound of its size."""
+    tensors = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    once = {(t.data_ptr(), t.numel(), t.dtype): t for t in tensors}  # tied weights share their memory
+    return sum(t.numel() * t.element_size() for t in once.values())
 
 
 def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset()) -> None:
@@ -960,10 +970,17 @@ class CheckpointManager:
         best = self.best() if self.keep_best else None
         protect = frozenset([best["step"]]) if best else frozenset()
         meta = {**meta, "fingerprint": self.fingerprint, "identity": self.identity}
-        if sharded is not None:
-            c = save_sharded(self.folder, step, model, optimizer, trainer_state, meta, self.keep, sharded, protect)
-        else:
-            c = save(self.folder, step, model, optimizer, trainer_state, meta, self.keep, protect)
+        need = None if sharded is not None else state_bytes(model, optimizer)
+        if need is not None and (free := free_bytes(self.folder)) is not None and free < need:
+            raise self._no_room(step, need)  # before a write that would fill the device
+        try:
+            if sharded is not None:
+                c = save_sharded(self.folder, step, model, optimizer, trainer_state, meta, self.keep, sharded,
+                                 protect)
+            else:
+                c = save(self.folder, step, model, optimizer, trainer_state, meta, self.keep, protect)
+        except DiskFullError as err:
+            raise self._no_room(step, need) from err
         if (self.keep_best and val_loss is not None and math.isfinite(val_loss)
                 and (best is None or val_loss < best["val_loss"] or best["step"] == step)):
             write_json(self.folder / BEST, {"step": step, "path": c.path.name, "val_loss": val_loss,
@@ -971,6 +988,19 @@ class CheckpointManager:
             if best is not None and best["step"] != step:
                 trim(self.folder, step, self.keep, frozenset([step]))
         return c
+
+    def _no_room(self, step: int, need: int | None) -> DiskFullError:
+        """Checkpoint ``step`` did not fit: what it needs, what is free (the failed
+        save's files are gone again), and what running the stage again does."""
+        free = free_bytes(self.folder)
+        have = f"{size_text(free)} free on {mount_point(self.folder)}" if free is not None else "the device is full"
+        size = f"; a checkpoint takes at least {size_text(need)}, and checkpoint.keep = {self.keep} are kept" \
+            if need is not None else ""
+        last = latest(self.folder)
+        then = (f"it resumes from step {last.step} ({last.path}), which is intact" if last is not None
+                else "no checkpoint was saved yet, so it starts over")
+        return DiskFullError(f"no space left on the device for checkpoint step {step} in {self.folder} ({have}"
+                             f"{size}); free some space, or lower checkpoint.keep, and run the stage again: {then}")
 
     def load(self, ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              d: distributed.Dist | None = None) -> dict[str, Any]:

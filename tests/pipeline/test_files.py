@@ -1,9 +1,11 @@
+import errno
 import os
 
 import pytest
 
 from pipeline import files
-from pipeline.files import atomic_dir, available_cores
+from pipeline.errors import StageError
+from pipeline.files import DiskFullError, atomic_dir, atomic_path, available_cores, disk_full
 
 
 def test_atomic_dir_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path):
@@ -36,3 +38,74 @@ def test_available_cores_honours_the_affinity_mask(monkeypatch):
     monkeypatch.setattr(files.os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(files.os, "cpu_count", lambda: 64)
     assert available_cores() == 1
+
+
+def write_dir(path, fail, text="half"):
+    with atomic_dir(path) as tmp:
+        (tmp / "a.txt").write_text(text)
+        fail()
+
+
+def write_file(path, fail, text="half"):
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+        fail()
+
+
+def enospc():
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def torch_save_on_a_full_disk():  # torch.save passes no errno on
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 433472 vs 433360")
+
+
+@pytest.mark.parametrize("write", [write_dir, write_file])
+@pytest.mark.parametrize("fail, free", [(enospc, 10**9), (torch_save_on_a_full_disk, 4096)])
+def test_a_write_that_does_not_fit_is_one_line_naming_the_path_and_leaves_the_old_one(
+        tmp_path, monkeypatch, write, fail, free):
+    out = tmp_path / "out"
+    write(out, lambda: None, "old")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    monkeypatch.setattr(files, "free_bytes", lambda path: free)
+    with pytest.raises(DiskFullError) as err:
+        write(out, fail)
+    size = "1.0 GB" if free == 10**9 else "4 kB"
+    assert str(err.value) == (f"no space left on the device writing {out} ({size} free on "
+                              f"{files.mount_point(out)}); free some space and run the stage again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary left
+    assert ((out / "a.txt") if out.is_dir() else out).read_text() == "old"
+
+
+@pytest.mark.parametrize("write", [write_dir, write_file])
+def test_other_failures_of_a_write_keep_their_own_exception(tmp_path, monkeypatch, write):
+    monkeypatch.setattr(files, "free_bytes", lambda path: 10**9)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # with room to spare, not a full disk
+        write(tmp_path / "out", torch_save_on_a_full_disk)
+
+    class BadInput(StageError):
+        pass
+
+    def bad_input():
+        raise BadInput("document 3 is unreadable")
+
+    monkeypatch.setattr(files, "free_bytes", lambda path: 0)
+    with pytest.raises(BadInput):  # a stage's own error says what went wrong, even on a full disk
+        write(tmp_path / "out", bad_input)
+
+
+def test_disk_full_finds_enospc_among_the_causes_and_names_the_file(monkeypatch):
+    monkeypatch.setattr(files, "free_bytes", lambda path: 2_500_000)
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", "data/x.jsonl")
+        except OSError as e:
+            raise RuntimeError("writing the quarantine failed") from e
+    except RuntimeError as e:
+        err = disk_full(e)
+    assert isinstance(err, DiskFullError) and str(err).startswith(
+        "no space left on the device writing data/x.jsonl (2.5 MB free on ")
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device")).args == (
+        "no space left on the device; free some space and run the stage again",)
+    assert disk_full(OSError(errno.EACCES, "Permission denied", "data/x.jsonl")) is None
+    assert disk_full(ValueError("a bug")) is None

@@ -4,6 +4,7 @@ in an empty folder, so its inputs are missing (or its params are wrong)."""
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from pipeline.errors import StageError
 from pipeline.runner import one_line
 from tests.conftest import ROOT
+from tests.helpers import on_small_disk, small_disks
 
 CASES = {
     # stage, params.yaml text (None: the shipped one), what the message must name
@@ -40,6 +42,57 @@ def test_expected_failure_is_one_line_and_exit_2(case, tmp_path):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"error: stage {stage} failed: ") and named in lines[0], lines[0]
     assert r.returncode == 2
+
+
+def test_a_data_stage_on_a_full_disk_is_one_line_naming_the_file(tmp_path):
+    """ingest's first shard does not fit on a 64 kB filesystem (a real tmpfs)."""
+    if small_disks():
+        pytest.skip(small_disks())
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "data" / "ingest").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_TRACKING": "0"}
+    r = subprocess.run(on_small_disk("data/ingest", 64, f"exec {sys.executable} -m stages.ingest"), cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    [line] = r.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: stage ingest failed: no space left on the device writing data/ingest/docs/shard-00000\.parquet "
+        rf"\(\d+ kB free on {re.escape(str(tmp_path / 'data' / 'ingest'))}\); free some space and run the stage "
+        r"again", line), line
+
+
+FULL = '''
+import errno
+
+from pipeline.runner import run_stage, run_training_stage
+
+
+def body(cfg):  # a write outside the atomic helpers: the OS's error names the file
+    raise OSError(errno.ENOSPC, "No space left on device", "data/clean/quarantine.jsonl")
+
+
+if __name__ == "__main__":
+    if {training}:
+        run_training_stage("pretrain", "full", "models/pretrain", body)
+    else:
+        run_stage("clean", body)
+'''
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["data-stage", "training-rank"])
+def test_a_write_the_disk_cannot_hold_anywhere_in_a_stage_is_one_line(tmp_path, training):
+    (tmp_path / "full.py").write_text(FULL.format(training=training))
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "0"}
+    if training:  # as a rank: the stage's body runs in this process
+        env.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    r = subprocess.run([sys.executable, "-m", "full"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    [line] = [line for line in r.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    who = "stage pretrain (rank 0)" if training else "stage clean"
+    assert re.fullmatch(rf"error: {re.escape(who)} failed: no space left on the device writing data/clean/quarantine\.jsonl "
+                        r"\([\d,.]+ [kMG]B free on /\S*\); free some space and run the stage again", line), line
 
 
 def test_every_stage_error_class_is_a_stage_error():

@@ -4,6 +4,7 @@ torchrun with gloo on CPU. Slow (each run starts torchrun), so kept few."""
 import contextlib
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,9 @@ from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import OptimizerSection
 from pipeline.training.optimizer import build_optimizer
+from pipeline.training.torchrun import lock_name
 from tests.conftest import ROOT
-from tests.helpers import train_params, write_packed
+from tests.helpers import on_small_disk, small_disks, train_params, write_packed
 from tests.hf_models import save_tiny_hf_folder
 
 pytestmark = pytest.mark.slow
@@ -191,6 +193,29 @@ def kill_and_resume(tmp_path, hf=None, **overrides):
     assert losses(run) == losses(ref)  # every step's loss, string-exact
     for k, v in weights(ref).items():
         assert torch.equal(weights(run)[k], v), k
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_the_last_one_stays(tmp_path):
+    """models/pretrain on a real 2.5 MB filesystem: the tiny model's first
+    checkpoint (1.5 MB) fits, the second does not."""
+    if small_disks():
+        pytest.skip(small_disks())
+    p = project(tmp_path, max_steps=4, checkpoint_every=1)
+    (p / "models" / "pretrain").mkdir(parents=True)
+    # What the filesystem held when the stage had stopped (it ends with the command).
+    after = (f"{sys.executable} -c 'from pipeline.training import checkpoint as c; from pathlib import Path; "
+             "f = Path(\"models/pretrain\"); c.verify(c.latest(f)); print(sorted(p.name for p in f.iterdir()))'")
+    r = subprocess.run(on_small_disk("models/pretrain", 2500, f"{sys.executable} -m stages.pretrain; "
+                                     f"echo exit $?; {after}"),
+                       cwd=p, env=env(), capture_output=True, text=True, timeout=240)
+    assert r.stdout.splitlines()[-2:] == ["exit 2", str(sorted([lock_name(), "curve.csv", "step-00000001"]))], \
+        r.stdout + r.stderr
+    [line] = [line for line in r.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert re.fullmatch(
+        r"error: stage pretrain \(rank 0\) failed: no space left on the device for checkpoint step 2 in "
+        rf"models/pretrain \(\d+ kB free on {re.escape(str(p / 'models' / 'pretrain'))}; a checkpoint takes at least "
+        r"1\.5 MB, and checkpoint\.keep = 2 are kept\); free some space, or lower checkpoint\.keep, and run the stage "
+        r"again: it resumes from step 1 \(models/pretrain/step-00000001\), which is intact", line), line
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "oom"])

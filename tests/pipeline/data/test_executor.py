@@ -3,6 +3,7 @@ the Ray kind is tested with a real local instance in test_clean_ray.py
 and test_executor_ray.py (a stage's private instance, joining a loopback head)."""
 
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pipeline.config import ConfigError, parse_section
 from pipeline.data.clean import CleanConfig
 from pipeline.data.executor import ExecutorConfig, ExecutorError, InProcess, LocalPool, on_loopback, open_executor
 from pipeline.errors import StageError
+from pipeline.files import DiskFullError
 from tests.conftest import ROOT
 
 _STATE: dict = {}
@@ -128,6 +130,19 @@ def test_any_other_worker_exception_is_one_line_naming_the_task_and_place():
     assert "\n" not in msg
     assert msg.startswith("stage: task 2 failed in a worker: ValueError: a bug")
     assert "test_executor.py:" in msg and "in fails" in msg
+
+
+def writes_on_a_full_disk(x: int) -> int:
+    if x == 1:
+        raise OSError(errno.ENOSPC, "No space left on device", "data/clean/quarantine.jsonl")
+    return x
+
+
+def test_a_worker_write_the_disk_cannot_hold_is_a_disk_full_error_naming_the_file():
+    """Not a worker's failure of its own (in-process, the stage's runner reads the OSError alike)."""
+    with open_executor(local(2)) as ex, pytest.raises(DiskFullError) as err:
+        list(ex.map(writes_on_a_full_disk, [(x,) for x in range(3)]))
+    assert str(err.value).startswith("no space left on the device writing data/clean/quarantine.jsonl (")
 
 
 def test_a_dying_worker_is_a_clear_error():

@@ -579,3 +579,63 @@ def test_weights_that_do_not_fit_the_model_meta_json_describes_are_one_line(tmp_
     assert "\n" not in str(err.value)
     assert "the weights do not fit the model its meta.json describes" in str(err.value)
     assert "layers.2" in str(err.value)  # names what is missing
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def trained(tie=True):
+    model = Tiny(tie=tie)
+    opt = torch.optim.AdamW(model.parameters())
+    model.out(model.emb(torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_state_bytes_is_a_lower_bound_that_counts_tied_weights_once(tmp_path):
+    model, opt = trained()
+    # the 10x8 fp32 weight once, AdamW's two moments of it, and its step count
+    assert ckpt.state_bytes(model, opt) == 3 * 320 + 4
+    assert ckpt.state_bytes(*trained(tie=False)) == 2 * (3 * 320 + 4)
+    c = ckpt.save(tmp_path, 1, model, opt, {"step": 1}, {}, keep=1)
+    assert ckpt.state_bytes(model, opt) < sum(p.stat().st_size for p in c.path.iterdir())
+
+
+def test_a_checkpoint_that_cannot_fit_is_refused_before_any_write(tmp_path, monkeypatch):
+    m = manager(tmp_path, keep=2)
+    model, opt = trained()
+    m.save(1, model, opt, {"step": 1}, {})
+    need = ckpt.state_bytes(model, opt)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: need - 1)
+    monkeypatch.setattr(ckpt, "save_model", lambda *a: pytest.fail("a write began"))
+    with pytest.raises(ckpt.DiskFullError) as err:
+        m.save(2, model, opt, {"step": 2}, {})
+    assert str(err.value) == (  # 963 and 964 bytes
+        f"no space left on the device for checkpoint step 2 in {tmp_path} (1 kB free on "
+        f"{ckpt.mount_point(tmp_path)}; a checkpoint takes at least 1 kB, and checkpoint.keep = 2 are kept); "
+        f"free some space, or lower checkpoint.keep, and run the stage again: it resumes from step 1 "
+        f"({tmp_path / 'step-00000001'}), which is intact")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def test_a_save_the_disk_fills_up_under_is_one_line_and_the_last_checkpoint_stays(tmp_path, monkeypatch):
+    from pipeline import files
+
+    m = manager(tmp_path, keep=2)
+    model, opt = trained()
+    m.save(1, model, opt, {"step": 1}, {})
+    real_save = torch.save
+
+    def fills_the_disk(obj, path):  # as torch.save fails on a full disk: a partial file, no errno
+        ckpt.Path(path).write_bytes(b"\0" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 433472 vs 433360")
+
+    monkeypatch.setattr(ckpt.torch, "save", fills_the_disk)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 0)  # what the failed write left
+    with pytest.raises(ckpt.DiskFullError) as err:
+        m.save(2, model, opt, {"step": 2}, {})
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    assert str(err.value).startswith(f"no space left on the device for checkpoint step 2 in {tmp_path} (")
+    assert str(err.value).endswith(f"it resumes from step 1 ({tmp_path / 'step-00000001'}), which is intact")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+    ckpt.verify(ckpt.latest(tmp_path))
