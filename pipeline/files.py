@@ -107,6 +107,22 @@ def disk_full(err: BaseException) -> DiskFullError | None:
     return no_space(named[0] if named else None)
 
 
+_REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def refused(err: BaseException) -> StageError | None:
+    """``err`` as one line if the OS refused a file operation for a reason the
+    user fixes outside the code: no space (:func:`disk_full`), or a permission
+    or a read-only filesystem on a path it names; else None (a bug keeps its
+    traceback)."""
+    if (full := disk_full(err)) is not None:
+        return full
+    for e in _causes(err):
+        if isinstance(e, OSError) and e.errno in _REFUSED_ERRNOS and e.filename:
+            return StageError(f"{e.strerror.lower()}: {e.filename} ({errno.errorcode[e.errno]})")
+    return None
+
+
 def _causes(err: BaseException) -> Iterator[BaseException]:
     """``err`` and the exceptions it was raised from or while handling, in turn."""
     seen: set[int] = set()

@@ -1,7 +1,8 @@
 """What every stage's ``main()`` shares: load its params section, run, write its
-metrics, and turn expected failures (:class:`pipeline.errors.StageError`, and a
-write that failed for want of space, :func:`pipeline.files.disk_full`) into one
-line, ``error: stage <name> failed: <message>``, and exit code 2."""
+metrics, and turn expected failures (:class:`pipeline.errors.StageError`, and
+what the OS refused for a reason the user fixes: a full disk, a permission, a
+read-only filesystem, :func:`pipeline.files.refused`) into one line,
+``error: stage <name> failed: <message>``, and exit code 2."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Callable, NoReturn
 from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
 from pipeline.errors import StageError, Stopped
-from pipeline.files import disk_full, write_json
+from pipeline.files import refused, write_json
 from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, record_experiment
 
 log = logging.getLogger("pipeline")
@@ -73,7 +74,7 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
             try:
                 metrics = body(cfg, tracker) if pass_tracker else body(cfg)
             except Exception as err:
-                expected = err if isinstance(err, StageError) else disk_full(err)
+                expected = err if isinstance(err, StageError) else refused(err)
                 if expected is None:
                     raise
                 tracker.set_tags({"error": str(expected)[:1000]})
@@ -142,8 +143,10 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
         launch_id = os.environ[LAUNCH_ENV] = uuid.uuid4().hex  # rank 0 tags its MLflow run with it
         try:
             code, why = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
-        except StageError as err:  # TrainerBusyError included
-            fail(stage, err)
+        except Exception as err:  # TrainerBusyError included
+            if (expected := err if isinstance(err, StageError) else refused(err)) is None:
+                raise
+            fail(stage, expected)
         stopped = bool(why and why.startswith("stopped"))
         if why:  # a signal stopped the run or killed a rank: nothing else said so
             print(f"error: stage {stage} {'' if stopped else 'failed: '}{why}; {resume_hint(lock_folder)}",
@@ -170,8 +173,8 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     except StageError as err:
         fail(stage, err, rank)
     except Exception as err:
-        if (full := disk_full(err)) is not None:
-            fail(stage, full, rank)
+        if (expected := refused(err)) is not None:
+            fail(stage, expected, rank)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # A rank whose peer died (the OOM killer, a crash) fails in its next collective
             # with the transport's own traceback ("Connection reset by peer"). The agent stops

@@ -167,9 +167,10 @@ def small_disks() -> str | None:
     return None if probe.returncode == 0 else f"cannot mount a tmpfs: {probe.stderr.strip()}"
 
 
-def on_small_disk(folder: str, kilobytes: int, script: str) -> list[str]:
+def on_small_disk(folder: str, kilobytes: int, script: str, read_only: bool = False) -> list[str]:
     """A command that runs the shell ``script`` with a fresh tmpfs of ``kilobytes``
-    mounted on ``folder`` (relative to its cwd): a full disk without root, seen
-    by that command alone; the tmpfs and what it holds end with the command."""
+    (``read_only``: mounted so) on ``folder`` (relative to its cwd): a full or
+    read-only disk without root, seen by that command alone; the tmpfs and what
+    it holds end with the command."""
     return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-            f"mount -t tmpfs -o size={kilobytes}k tmpfs {folder} && {script}"]
+            f"mount -t tmpfs -o size={kilobytes}k{',ro' if read_only else ''} tmpfs {folder} && {script}"]

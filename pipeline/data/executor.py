@@ -73,7 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
-from pipeline.files import available_cores, die_with_parent, disk_full
+from pipeline.files import available_cores, die_with_parent, refused
 
 log = logging.getLogger("pipeline.data.executor")
 
@@ -149,8 +149,8 @@ def _task_failed(desc: str, index: int, exc: BaseException, traceback_text: str)
     """The exception the caller sees for task ``index`` that raised ``exc``."""
     if isinstance(exc, StageError):
         return exc
-    if (full := disk_full(exc)) is not None:
-        return full
+    if (expected := refused(exc)) is not None:
+        return expected
     log.debug("%s: task %d failed in a worker:\n%s", desc, index, traceback_text)
     msg = _first_line(exc)
     return ExecutorError(f"{desc}: task {index} failed in a worker: {type(exc).__name__}"

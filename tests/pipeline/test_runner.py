@@ -44,17 +44,22 @@ def test_expected_failure_is_one_line_and_exit_2(case, tmp_path):
     assert r.returncode == 2
 
 
-def test_a_data_stage_on_a_full_disk_is_one_line_naming_the_file(tmp_path):
-    """ingest's first shard does not fit on a 64 kB filesystem (a real tmpfs)."""
+@pytest.mark.parametrize("read_only", [False, True], ids=["full", "read-only"])
+def test_a_data_stage_on_a_full_or_read_only_disk_is_one_line_naming_the_file(tmp_path, read_only):
+    """ingest's first shard does not fit on a 64 kB filesystem (a real tmpfs), or
+    cannot be written at all."""
     if small_disks():
         pytest.skip(small_disks())
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     (tmp_path / "data" / "ingest").mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PIPELINE_TRACKING": "0"}
-    r = subprocess.run(on_small_disk("data/ingest", 64, f"exec {sys.executable} -m stages.ingest"), cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(on_small_disk("data/ingest", 64, f"exec {sys.executable} -m stages.ingest", read_only),
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]
     [line] = r.stderr.splitlines()
+    if read_only:
+        assert line == "error: stage ingest failed: read-only file system: data/ingest/docs (EROFS)"
+        return
     assert re.fullmatch(
         r"error: stage ingest failed: no space left on the device writing data/ingest/docs/shard-00000\.parquet "
         rf"\(\d+ kB free on {re.escape(str(tmp_path / 'data' / 'ingest'))}\); free some space and run the stage "
@@ -68,7 +73,7 @@ from pipeline.runner import run_stage, run_training_stage
 
 
 def body(cfg):  # a write outside the atomic helpers: the OS's error names the file
-    raise OSError(errno.ENOSPC, "No space left on device", "data/clean/quarantine.jsonl")
+    raise OSError({errno}, "{strerror}", "data/clean/quarantine.jsonl")
 
 
 if __name__ == "__main__":
@@ -79,9 +84,12 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.parametrize("refusal", ["ENOSPC", "EACCES"])
 @pytest.mark.parametrize("training", [False, True], ids=["data-stage", "training-rank"])
-def test_a_write_the_disk_cannot_hold_anywhere_in_a_stage_is_one_line(tmp_path, training):
-    (tmp_path / "full.py").write_text(FULL.format(training=training))
+def test_a_write_the_os_refuses_anywhere_in_a_stage_is_one_line(tmp_path, training, refusal):
+    """A full disk, or a permission: the user's to fix, so no traceback."""
+    strerror = {"ENOSPC": "No space left on device", "EACCES": "Permission denied"}[refusal]
+    (tmp_path / "full.py").write_text(FULL.format(training=training, errno=f"errno.{refusal}", strerror=strerror))
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "0"}
     if training:  # as a rank: the stage's body runs in this process
@@ -91,6 +99,9 @@ def test_a_write_the_disk_cannot_hold_anywhere_in_a_stage_is_one_line(tmp_path, 
     assert r.returncode == 2, r.stderr[-3000:]
     [line] = [line for line in r.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     who = "stage pretrain (rank 0)" if training else "stage clean"
+    if refusal == "EACCES":
+        assert line == f"error: {who} failed: permission denied: data/clean/quarantine.jsonl (EACCES)"
+        return
     assert re.fullmatch(rf"error: {re.escape(who)} failed: no space left on the device writing data/clean/quarantine\.jsonl "
                         r"\([\d,.]+ [kMG]B free on /\S*\); free some space and run the stage again", line), line
 

@@ -218,6 +218,18 @@ def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_the_last_one_stays(tm
         r"again: it resumes from step 1 \(models/pretrain/step-00000001\), which is intact", line), line
 
 
+def test_a_checkpoint_folder_on_a_read_only_disk_is_one_line_before_any_rank_starts(tmp_path):
+    if small_disks():
+        pytest.skip(small_disks())
+    p = project(tmp_path)
+    (p / "models" / "pretrain").mkdir(parents=True)
+    r = subprocess.run(on_small_disk("models/pretrain", 64, f"exec {sys.executable} -m stages.pretrain", True),
+                       cwd=p, env=env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        f"error: stage pretrain failed: read-only file system: models/pretrain/{lock_name()} (EROFS)"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "oom"])
 def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_checkpoint_to_resume_from(tmp_path, sig):
     """Ctrl-C reaches the launcher's whole process group, as a terminal sends it
