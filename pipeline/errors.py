@@ -25,3 +25,8 @@ class Stopped(BaseException):
     def __init__(self, signum: int):
         super().__init__(f"stopped by signal {signum}")
         self.signum = signum
+
+
+def raise_stopped(signum: int, _frame: object) -> None:
+    """A signal handler: raise :class:`Stopped` for ``signum`` (install it for SIGTERM)."""
+    raise Stopped(signum)

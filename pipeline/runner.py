@@ -16,7 +16,7 @@ from typing import Callable, NoReturn
 
 from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
-from pipeline.errors import StageError, Stopped
+from pipeline.errors import StageError, Stopped, raise_stopped
 from pipeline.files import refused, write_json
 from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, record_experiment
 
@@ -63,7 +63,7 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
     setup_logging()
     exit_without_a_last_collection()
     t0 = time.perf_counter()
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
     try:
         try:
             cfg = load_params(stage)
@@ -93,10 +93,6 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
     finally:
         signal.signal(signal.SIGTERM, previous)
     log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
-
-
-def _raise_stopped(signum: int, _frame: object) -> None:
-    raise Stopped(signum)
 
 
 PEER_FAILURE_GRACE_S = 3.0

@@ -31,7 +31,7 @@ from typing import Callable, Literal
 from pydantic import Field
 
 from pipeline.config import StageConfig
-from pipeline.errors import StageError
+from pipeline.errors import StageError, Stopped, raise_stopped
 
 
 def lock_name() -> str:
@@ -152,12 +152,15 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
     """
     fd = acquire_exclusive(lock_folder)
     handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
+    # Until the agent takes the signals as it starts the ranks, a SIGTERM stops the
+    # launch as a Ctrl-C does (the default would end this process without a word).
+    signal.signal(signal.SIGTERM, raise_stopped)
     try:
         try:
             if before is not None:
                 before()
-        except KeyboardInterrupt:
-            return 128 + signal.SIGINT, _BEFORE_RANKS
+        except (KeyboardInterrupt, Stopped) as stop:
+            return _before_ranks(stop)
         args = torchrun_args(module, cfg)
         print(f"launch: torchrun {shlex.join(args)}", file=sys.stderr, flush=True)
         with _rank_environment(cfg):
@@ -168,7 +171,11 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
         os.close(fd)
 
 
-_BEFORE_RANKS = "stopped by SIGINT before any rank started"
+def _before_ranks(stop: BaseException) -> tuple[int, str]:
+    """The exit code and reason of a launch stopped (a Ctrl-C, or ``Stopped``)
+    before any rank started."""
+    signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+    return 128 + signum, f"stopped by {signal.Signals(signum).name} before any rank started"
 
 # The signals torchrun's agent turns into SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -212,8 +219,8 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
             run(parse_args(argv if named else ["--log-dir", logs, *argv]))
         except SignalException as e:
             return 128 + e.sigval, f"stopped by {e.sigval.name}; the ranks were stopped"
-        except KeyboardInterrupt:  # the agent takes the signals as it starts the ranks
-            return 128 + signal.SIGINT, _BEFORE_RANKS
+        except (KeyboardInterrupt, Stopped) as stop:  # the agent takes the signals as it starts the ranks
+            return _before_ranks(stop)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             if failure.exitcode < 0:

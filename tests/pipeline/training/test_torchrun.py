@@ -1,8 +1,10 @@
 """pipeline/training/torchrun.py: torchrun as the launcher runs it."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,15 +50,20 @@ def test_ranks_that_succeed_exit_zero(tmp_path):
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
 
 
-def test_a_ctrl_c_while_the_launcher_prepares_is_one_line_and_frees_the_folder(tmp_path):
-    """A Ctrl-C during ``before`` (SFT builds its shards there) stops the launch
-    before any rank starts, with the same kind of line as a Ctrl-C later on."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_while_the_launcher_prepares_is_one_line_and_frees_the_folder(tmp_path, sig):
+    """A Ctrl-C or a SIGTERM during ``before`` (SFT builds its shards there) stops
+    the launch before any rank starts, with the same kind of line as later on."""
     def interrupted():
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), sig)
+        time.sleep(10)
+        pytest.fail("the signal did not stop the launch")
 
+    before = signal.getsignal(signal.SIGTERM)
     assert launch("stages.pretrain", LaunchConfig(), tmp_path, before=interrupted) == (
-        130, "stopped by SIGINT before any rank started")
+        128 + sig, f"stopped by {sig.name} before any rank started")
     os.close(acquire_exclusive(tmp_path))  # the folder lock was let go
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize("outcome", ["succeeds", "fails", "killed"])
