@@ -31,6 +31,10 @@ user and source tags from its context providers) or DVC's (``lineage.py``):
 * Lineage tags: :func:`git_tags` of the current directory, ``dvc.stage``,
   ``dvc.stage_hash`` (what ``dvc.lock`` will record for the stage),
   ``dvc.exp_name`` and ``dvc.exp_baseline_rev``.
+* Runs killed outright: each run records the process that logs it (host, pid
+  and start time). A stage killed by SIGKILL or the OOM killer cannot end its
+  run; the stage's next run on that host finds it RUNNING with its process gone
+  and ends it KILLED, with a ``pipeline.ended_by`` tag (:func:`end_orphaned_runs`).
 * Batching: metrics are buffered and sent with one ``log_batch`` every
   ``flush_every_s`` seconds or ``flush_every_n`` records, and at the end.
 * Outage: an http(s) server is probed at ``<uri>/health`` (3 s) first, and MLflow's
@@ -344,6 +348,7 @@ class Tracker:
             tags["mlflow.parentRunId"] = self.parent_run_id
         if os.environ.get(LAUNCH_ENV):
             tags[LAUNCH_TAG] = os.environ[LAUNCH_ENV]
+        tags.update(_process_tags())
         tags.update(self._extra_tags)
         return {_key(k): _text(v) for k, v in resolve_tags(tags).items()}
 
@@ -372,6 +377,7 @@ class Tracker:
         self._client, self.experiment_id, self.run_id = client, exp_id, run.info.run_id
         self._run = self.run_id
         log.info("MLflow run %s (%s) in experiment %s at %s", self.run_id, self.stage, exp_id, self.uri)
+        end_orphaned_runs(client, exp_id, self.stage, found_by=self.run_id)
         if self.system_metrics:
             try:
                 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -569,6 +575,70 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
         client.log_batch(run_id, params=[Param(_key(k), _text(v)) for k, v in flat.items()])
     client.set_terminated(run_id, "FINISHED")
     return run_id
+
+
+# The process that logs a run, so that a later run can tell it was killed outright.
+HOST_TAG, PID_TAG, PID_STARTED_TAG = "pipeline.host", "pipeline.pid", "pipeline.pid_started"
+ENDED_BY_TAG = "pipeline.ended_by"
+
+
+def _process_tags() -> dict[str, str]:
+    import socket
+
+    import psutil
+
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()),
+            PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
+
+
+def _process_alive(pid: int, started: float) -> bool:
+    """Whether process ``pid``, started at ``started`` (not a later process that
+    was given the same pid), is still alive; True when the OS will not say."""
+    import psutil
+
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+
+
+def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str | None = None) -> list[str]:
+    """End KILLED the runs of ``stage`` in the experiment that MLflow shows
+    RUNNING though the process that logged them, on this host, has ended: a
+    stage killed outright (SIGKILL, the kernel's OOM killer, a lost machine)
+    could not end its own run, which would otherwise show as running for ever.
+    Each gets a ``pipeline.ended_by`` tag that says so. Called as a stage starts
+    its run (``found_by``); returns the runs' ids and never raises."""
+    import socket
+
+    host = socket.gethostname()
+    try:
+        runs = client.search_runs([experiment_id], filter_string=(
+            f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = '{stage}' and tags.`{HOST_TAG}` = '{host}'"),
+            max_results=1000)
+        ended = []
+        for run in runs:
+            tags = run.data.tags
+            if run.info.run_id == found_by or PID_TAG not in tags or PID_STARTED_TAG not in tags:
+                continue
+            pid = int(tags[PID_TAG])
+            if _process_alive(pid, float(tags[PID_STARTED_TAG])):
+                continue
+            when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            client.set_tag(run.info.run_id, ENDED_BY_TAG,
+                           f"found at {when} by run {found_by} of stage {stage}: its process (pid {pid} on {host}) "
+                           "had ended without ending the run, so it was killed outright")
+            client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+    except Exception as err:
+        log.warning("could not check MLflow for runs of stage %s left RUNNING: %s", stage, _short(err))
+        return []
+    if ended:
+        log.warning("ended KILLED %d MLflow run(s) of stage %s that a process killed outright left RUNNING: %s",
+                    len(ended), stage, ", ".join(ended))
+    return ended
 
 
 def end_launch_runs(launch_id: str, status: str, uri: str | None = None) -> list[str]:

@@ -519,3 +519,48 @@ def test_stage_fingerprint_matches_dvc_lock_and_run_cache(tmp_path):
     assert current_stage_fingerprint("train", proj) != hashes["train"]
     assert current_stage_fingerprint("prep", proj) == hashes["prep"]  # not its params
     assert current_stage_fingerprint("nope", proj) is None
+
+
+# --------------------------------------------------------------------------- runs killed outright
+
+
+KILLED_OUTRIGHT = """
+import os, signal
+from pipeline.tracking.tracker import Tracker
+t = Tracker("{stage}").start()
+print(t.run_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_whose_process_was_killed_outright_is_ended_killed_by_the_stage_s_next_run(client, tmp_path):
+    env = {**os.environ, "PIPELINE_TRACKING": "1", "PYTHONPATH": str(ROOT)}
+    orphans = {}
+    for stage in ("clean", "pack"):
+        proc = subprocess.run([sys.executable, "-c", KILLED_OUTRIGHT.format(stage=stage)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -9, proc.stderr[-2000:]
+        orphans[stage] = proc.stdout.split()[-1]
+        assert client.get_run(orphans[stage]).info.status == "RUNNING"
+    alive = Tracker("clean").start()  # this process: alive, so its run is left alone
+    with Tracker("clean") as t:
+        pass
+    killed = client.get_run(orphans["clean"])
+    assert killed.info.status == "KILLED"
+    assert killed.data.tags["pipeline.ended_by"].startswith("found at ")
+    assert f"by run {alive.run_id} of stage clean: its process (pid " in killed.data.tags["pipeline.ended_by"]
+    assert client.get_run(alive.run_id).info.status == "RUNNING"
+    assert client.get_run(orphans["pack"]).info.status == "RUNNING"  # another stage's: its next run ends it
+    assert client.get_run(t.run_id).info.status == "FINISHED"
+    alive.end()
+
+
+def test_a_pid_that_was_given_to_a_later_process_is_not_the_run_s_process():
+    import psutil
+
+    me = psutil.Process()
+    assert tracking._process_alive(me.pid, me.create_time())
+    assert not tracking._process_alive(me.pid, me.create_time() - 3600)  # same pid, another process's start
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert not tracking._process_alive(dead.pid, time.time())
