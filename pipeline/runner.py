@@ -97,6 +97,16 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
 
 PEER_FAILURE_GRACE_S = 3.0
 
+# What a collective's transport says when the rank at the other end has gone
+# (gloo raises a RuntimeError with one of these; NCCL a DistBackendError).
+PEER_LOST = ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+             "remote process exited", "NCCL communicator was aborted")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether a rank's exception is a collective that lost the rank at its other end."""
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in PEER_LOST)
+
 
 def resume_hint(folder) -> str:
     """What running a stopped training stage again does: resume from the newest
@@ -177,6 +187,11 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
             # the other ranks within a tenth of a second of a death it sees: wait a moment
             # before the traceback, so that only the rank that failed first speaks.
             time.sleep(PEER_FAILURE_GRACE_S)
+            if peer_lost(err):  # a peer on another node, whose agent this one does not watch
+                print(f"error: stage {stage} (rank {rank}) failed: a collective lost a peer rank (it stopped, or "
+                      f"its node failed or left; its own node's line says why): {type(err).__name__}: "
+                      f"{one_line(str(err))[:300]}", file=sys.stderr, flush=True)
+                sys.exit(2)  # as a StageError's: the launcher adds no line of its own
         raise
     if rank == 0:
         metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}

@@ -205,6 +205,7 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
     has stopped the ranks."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run
 
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
@@ -221,6 +222,14 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
             return 128 + e.sigval, f"stopped by {e.sigval.name}; the ranks were stopped"
         except (KeyboardInterrupt, Stopped) as stop:  # the agent takes the signals as it starts the ranks
             return _before_ranks(stop)
+        except RendezvousError as e:
+            # On several nodes: the agent that hosted the rendezvous (the c10d store) has
+            # stopped, as a node's agent does when one of its ranks fails. This agent has
+            # stopped its ranks; the node where it began names the cause.
+            cause = e.__cause__ or e
+            return 1, (f"lost the rendezvous ({type(e).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}): "
+                       "another node's agent stopped, or the network failed; this node's ranks were stopped, and "
+                       "the node where the failure began says why")
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             if failure.exitcode < 0:

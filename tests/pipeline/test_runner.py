@@ -106,6 +106,40 @@ def test_a_write_the_os_refuses_anywhere_in_a_stage_is_one_line(tmp_path, traini
                         r"\([\d,.]+ [kMG]B free on /\S*\); free some space and run the stage again", line), line
 
 
+PEER = '''
+from pipeline.runner import run_training_stage
+
+
+def body(cfg):
+    raise RuntimeError({message!r})
+
+
+if __name__ == "__main__":
+    run_training_stage("pretrain", "peer", "models/pretrain", body)
+'''
+
+
+@pytest.mark.parametrize("message", [
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:24754. This is "
+    "typically caused by a remote worker crashing.", "a bug"], ids=["peer-lost", "bug"])
+def test_a_rank_whose_collective_lost_its_peer_says_so_in_one_line(tmp_path, message):
+    """On several nodes the agent does not watch the other node's ranks: a rank
+    whose peer there died is not stopped during the grace, and says why it fails."""
+    (tmp_path / "peer.py").write_text(PEER.format(message=message))
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "0",
+           "LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "2"}
+    r = subprocess.run([sys.executable, "-m", "peer"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    if message == "a bug":  # keeps its traceback
+        assert r.returncode == 1 and r.stderr.splitlines()[-1] == "RuntimeError: a bug", r.stderr[-3000:]
+        return
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        "error: stage pretrain (rank 1) failed: a collective lost a peer rank (it stopped, or its node failed or "
+        f"left; its own node's line says why): RuntimeError: {message}"]
+
+
 def test_every_stage_error_class_is_a_stage_error():
     from pipeline.config import ConfigError
     from pipeline.data.clean import CleanError

@@ -11,9 +11,12 @@ launcher itself is not run twice: on one host its trainer lock rightly refuses
 a second launcher on the same folder, while real nodes each hold their own."""
 
 import json
+import re
 import socket
 import subprocess
+import time
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -63,3 +66,42 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path, parallelism):
     assert w1.keys() == w2.keys()
     for k in w1:
         assert torch.equal(w1[k], w2[k]), k
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_rank_killed_on_one_node_is_one_line_on_every_node(tmp_path, node):
+    """The OOM killer takes the rank of one node: that node names it; the other
+    node's rank (its collective lost its peer) or agent (the rendezvous went
+    with the failed node's agent, whichever hosted it) says so in one line, no
+    traceback, and both stop."""
+    port = free_port()
+    launch = {"nproc_per_node": 1, "nnodes": 2, "rdzv_backend": "c10d", "rdzv_endpoint": f"127.0.0.1:{port}",
+              "rdzv_id": f"test-{port}"}
+    p = project(tmp_path / "p", **{f"launch.{k}": v for k, v in launch.items()}, max_steps=100000, log_every=1)
+    cmd = torchrun_command("stages.pretrain", LaunchConfig(**launch))
+    agents = [subprocess.Popen(cmd, cwd=p, env=env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        curve = p / "plots" / "pretrain.csv"
+        while not (curve.exists() and len(curve.read_text().splitlines()) > 3):  # both ranks are training
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "training never began"
+            time.sleep(0.2)
+        [rank] = psutil.Process(agents[node].pid).children()
+        rank.kill()
+        outs = [a.communicate(timeout=120)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    errors = [[line for line in out.splitlines() if line.startswith("error:") or "Traceback" in line] for out in outs]
+    assert agents[node].returncode == 128 + 9
+    [line] = errors[node]
+    killed = re.fullmatch(rf"error: rank ([01]) \(pid {rank.pid}\) was killed by SIGKILL", line)
+    assert killed, outs[node][-3000:]
+    other = 1 - node  # the agent; its rank is the other rank
+    assert agents[other].returncode in (1, 2), outs[other][-3000:]
+    [line] = errors[other]
+    assert line.startswith((f"error: stage pretrain (rank {1 - int(killed[1])}) failed: a collective lost a peer rank "
+                            "(it stopped, "
+                            "or its node failed or left; its own node's line says why): RuntimeError: ",
+                            "error: lost the rendezvous (RendezvousConnectionError: ")), outs[other][-3000:]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pipeline.training.torchrun import LaunchConfig, acquire_exclusive, launch
+from pipeline.training.torchrun import LaunchConfig, acquire_exclusive, launch, run_agent
 from tests.conftest import ROOT
 
 
@@ -82,3 +82,23 @@ def test_a_log_dir_the_user_names_is_kept(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     logs = [p.read_text() for p in (tmp_path / "logs").rglob("stdout.log")]
     assert logs == ["hello from the rank\n"]
+
+
+def test_an_agent_that_lost_the_rendezvous_says_so_in_one_line(monkeypatch):
+    """On several nodes the c10d store lives in one node's agent, which stops when
+    one of its ranks fails: every other agent loses the rendezvous."""
+    import torch.distributed.run
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def lost(args):
+        try:
+            raise DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        except DistNetworkError as e:
+            raise RendezvousConnectionError("The connection to the C10d store has failed.") from e
+
+    monkeypatch.setattr(torch.distributed.run, "run", lost)
+    assert run_agent(["--nnodes=2", "--nproc_per_node=1", "-m", "stages.pretrain"]) == (
+        1, "lost the rendezvous (RendezvousConnectionError: Failed to recv, got 0 bytes. Connection was likely "
+           "closed.): another node's agent stopped, or the network failed; this node's ranks were stopped, and the "
+           "node where the failure began says why")
