@@ -223,19 +223,28 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
         except (KeyboardInterrupt, Stopped) as stop:  # the agent takes the signals as it starts the ranks
             return _before_ranks(stop)
         except RendezvousError as e:
-            # On several nodes: the agent that hosted the rendezvous (the c10d store) has
-            # stopped, as a node's agent does when one of its ranks fails. This agent has
-            # stopped its ranks; the node where it began names the cause.
-            cause = e.__cause__ or e
-            return 1, (f"lost the rendezvous ({type(e).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}): "
-                       "another node's agent stopped, or the network failed; this node's ranks were stopped, and "
-                       "the node where the failure began says why")
+            return 1, _rendezvous_failed(e)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             if failure.exitcode < 0:
                 return 128 - failure.exitcode, f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}"
             return (failure.exitcode if failure.exitcode > 0 else 1), None
     return 0, None
+
+
+def _rendezvous_failed(e: BaseException) -> str:
+    """Why a multi-node launch's rendezvous failed, in one line."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    text = str(e.__cause__ or e).strip()
+    what = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    if isinstance(e, RendezvousTimeoutError):
+        return (f"the rendezvous timed out ({what}): not every node joined in time; start the stage on every node "
+                "(launch.nnodes) and check that each reaches launch.rdzv_endpoint")
+    # The agent that hosted the rendezvous (the c10d store) has stopped, as a node's
+    # agent does when one of its ranks fails; or the endpoint cannot be reached.
+    return (f"lost the rendezvous ({what}): another node's agent stopped, or the network failed; this node's ranks "
+            "were stopped, and the node where the failure began says why")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,3 +102,17 @@ def test_an_agent_that_lost_the_rendezvous_says_so_in_one_line(monkeypatch):
         1, "lost the rendezvous (RendezvousConnectionError: Failed to recv, got 0 bytes. Connection was likely "
            "closed.): another node's agent stopped, or the network failed; this node's ranks were stopped, and the "
            "node where the failure began says why")
+
+
+def test_a_rendezvous_that_times_out_names_what_to_check(monkeypatch):
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    def alone(args):
+        raise RendezvousTimeoutError("The node 'a_1_0' has timed out waiting for the other nodes.")
+
+    monkeypatch.setattr(torch.distributed.run, "run", alone)
+    assert run_agent(["--nnodes=2", "--nproc_per_node=1", "-m", "stages.pretrain"]) == (
+        1, "the rendezvous timed out (RendezvousTimeoutError: The node 'a_1_0' has timed out waiting for the other "
+           "nodes.): not every node joined in time; start the stage on every node (launch.nnodes) and check that "
+           "each reaches launch.rdzv_endpoint")
