@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -301,7 +302,13 @@ def _in_hf_dir(folder: Path, root: Path, seen: dict[Path, bool]) -> bool:
 
 def _walk(folder: Path, datasets: bool) -> list[Path]:
     """The files below ``folder``, sorted; with ``datasets``, a ``save_to_disk``
-    folder is one input (read as a dataset) and its own files are not."""
+    folder is one input (read as a dataset) and its own files are not.
+
+    Entries that are not files are listed too, for :func:`read_items` to skip
+    and count: a link to a folder (not walked, as DVC does not look into it
+    either), a link to nothing, a FIFO or a socket. Left out, they would be
+    lost without a word: a dataset folder linked into ``data/raw`` would give
+    no documents and no warning."""
     found: list[Path] = []
     for top, dirs, files in os.walk(folder):
         here = Path(top)
@@ -309,8 +316,25 @@ def _walk(folder: Path, datasets: bool) -> list[Path]:
             inputs = [d for d in dirs if _is_hf_dir(here / d)]
             found.extend(here / d for d in inputs)
             dirs[:] = [d for d in dirs if d not in inputs]
-        found.extend(here / f for f in files if (here / f).is_file())
+        found.extend(here / d for d in dirs if (here / d).is_symlink())
+        found.extend(here / f for f in files)
     return sorted(found)
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why an input that should be a file is none, or None when it is one."""
+    if path.is_file():
+        return None
+    if path.is_symlink() and not path.exists():
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    if path.is_dir():
+        return ("a symbolic link to a folder, which is not read: DVC does not look into it, so a rerun would not "
+                "see its files change; link the files, or list the folder as a source of its own")
+    if not path.exists():
+        return "no longer exists"
+    mode = path.stat().st_mode
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{kind}, not a regular file"
 
 
 def _infer_format(p: Path) -> str:
@@ -349,7 +373,9 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             # The folder before the first wildcard: its own name is the user's, never a hidden part.
             root = Path(os.path.dirname(expanded.split("*")[0].split("?")[0].split("[")[0]) or ".")
             datasets_too, seen = fmt in ("auto", "hf"), {}
-            candidates = [m for m in matches if (m.is_file() or (datasets_too and _is_hf_dir(m)))
+            # Folders a pattern matches are not inputs; a link to nothing, a FIFO or a socket
+            # is, to be skipped and counted (read_items).
+            candidates = [m for m in matches if (not m.is_dir() or (datasets_too and _is_hf_dir(m)))
                           and not (datasets_too and _in_hf_dir(m.parent, root, seen))]
         elif p.is_dir() and (fmt == "hf" or (fmt == "auto" and _is_hf_dir(p))):
             candidates, root = [p], p.parent
@@ -881,6 +907,9 @@ def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iter
     if duplicate:
         yield Skip("duplicate_path", "file", detail="listed by more than one source")
         return
+    if f.format != "hf" and (why := not_a_file(f.path)) is not None:
+        yield Skip("not_a_file", "file", detail=why)
+        return
     try:
         yield from READERS[f.format](f, cfg)
     except (PermissionError, IsADirectoryError) as e:
@@ -989,9 +1018,9 @@ def inputs_digest(files: list[InputFile]) -> str:
     for f in files:
         if f.path.is_file():
             paths.append(f.path)
-        elif f.path.is_dir():
+        elif f.path.is_dir() and f.format == "hf":
             paths.extend(sorted(p for p in f.path.rglob("*") if p.is_file()))
-        else:
+        else:  # a dataset named for load_dataset, or an entry skipped as not a file
             named.append(f.display)
     return resume.digest_json({"files": resume.files_digest(paths), "named": named})
 
@@ -1130,7 +1159,7 @@ def _input_bytes(f: InputFile) -> int:
     for a dataset named for load_dataset (its size is not known here)."""
     if f.path.is_file():
         return f.path.stat().st_size
-    if f.path.is_dir():
+    if f.path.is_dir() and f.format == "hf":
         return sum(p.stat().st_size for p in f.path.rglob("*") if p.is_file())
     return 0
 

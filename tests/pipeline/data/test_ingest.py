@@ -1,5 +1,6 @@
 import itertools
 import json
+import os
 import sysconfig
 
 import pyarrow as pa
@@ -91,6 +92,34 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     reasons = {(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine}
     assert ("latin1.txt", "non_utf8") in reasons and ("huge.txt", "too_large") in reasons
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
+
+
+@pytest.mark.parametrize("pattern", ["", "/*"], ids=["folder", "glob"])
+def test_entries_that_are_not_files_are_counted_skips_not_lost(tmp_path, pattern):
+    """A dataset folder linked into data/raw, a link whose target is gone, a FIFO
+    (reading it would wait for ever): each is a counted skip that says what it is."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "linked.txt").write_text("a document in a linked folder")
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "good.txt").write_text("hello world")
+    (d / "gone.txt").symlink_to(tmp_path / "moved.txt")
+    (d / "dataset").symlink_to(outside)
+    (d / "linked-file.txt").symlink_to(outside / "linked.txt")  # a link to a file is read
+    os.mkfifo(d / "pipe.txt")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}{pattern}"}])
+    assert sorted(x["text"] for x in docs) == ["a document in a linked folder", "hello world"]
+    expected = {"gone.txt": f"a symbolic link to {tmp_path / 'moved.txt'}, which does not exist",
+                "pipe.txt": "a FIFO, not a regular file"}
+    if not pattern:  # a glob's ** would go into the linked folder; "*" matches it as a folder
+        expected["dataset"] = ("a symbolic link to a folder, which is not read: DVC does not look into it, so a "
+                               "rerun would not see its files change; link the files, or list the folder as a source "
+                               "of its own")
+    assert {q["source"].rsplit("/", 1)[-1]: q["detail"] for q in quarantine} == expected
+    assert all(q["reason"] == "not_a_file" for q in quarantine)
+    assert report(tmp_path)["skipped"] == {"not_a_file": len(expected)}
+    assert metrics["files"] == 2 + len(expected)
 
 
 def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
