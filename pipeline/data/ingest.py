@@ -912,7 +912,7 @@ def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iter
         return
     try:
         yield from READERS[f.format](f, cfg)
-    except (PermissionError, IsADirectoryError) as e:
+    except (PermissionError, IsADirectoryError, FileNotFoundError) as e:  # gone since it was listed: a race
         yield Skip("unreadable", "file", detail=str(e))
 
 

@@ -122,6 +122,28 @@ def test_entries_that_are_not_files_are_counted_skips_not_lost(tmp_path, pattern
     assert metrics["files"] == 2 + len(expected)
 
 
+def test_a_file_removed_after_it_was_listed_is_a_counted_skip(tmp_path, monkeypatch):
+    from pipeline.data import ingest
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (d / name).write_text(f"the text of {name}")
+    listed = ingest.resolve_sources
+
+    def then_one_goes(cfg):
+        files = listed(cfg)
+        (d / "b.txt").unlink()  # as a sync or a rotation may, while the stage starts
+        return files
+
+    monkeypatch.setattr(ingest, "resolve_sources", then_one_goes)
+    monkeypatch.setattr(ingest, "not_a_file", lambda path: None)  # past that check too: the race at its worst
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(d)}])
+    assert [x["text"] for x in docs] == ["the text of a.txt"]
+    assert [(q["reason"], q["source"].rsplit("/", 1)[-1]) for q in quarantine] == [("unreadable", "b.txt")]
+    assert "No such file or directory" in quarantine[0]["detail"]
+
+
 def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
     # CSV: an invalid byte past the reader's first block (1 MB), in the text column and in another one.
     rows = [f"row {i} fine,x" for i in range(120_000)]
