@@ -79,6 +79,9 @@ class CsvLog:
         self._files, self._writers = [], []
         for target in (path, history):
             target.parent.mkdir(parents=True, exist_ok=True)
+            # A new file, not the old one truncated: DVC may have linked the old one to
+            # its cache (cache.type hardlink or symlink), which a write through would spoil.
+            target.unlink(missing_ok=True)
             f = open(target, "w", newline="")
             w = csv.DictWriter(f, self.COLUMNS, extrasaction="ignore")
             w.writeheader()

@@ -85,8 +85,9 @@ def acquire_exclusive(folder: Path) -> int:
             "This happens when `dvc repro` was killed but its training processes were not. "
             f"Stop them (e.g. `pkill -f stages.`) or wait for them, then run again."
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}: {shlex.join(sys.argv)}\n".encode())
+    if os.fstat(fd).st_nlink == 1 and not lock_path.is_symlink():  # not linked to DVC's cache: a write would spoil it
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}: {shlex.join(sys.argv)}\n".encode())
     # Downgrade so the ranks we start can take shared locks too.
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd

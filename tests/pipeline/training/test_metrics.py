@@ -30,3 +30,24 @@ def test_the_mlflow_run_ends_as_the_training_loop_did(tmp_path, monkeypatch, rai
     client = mlflow.MlflowClient(uri)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [(r.info.run_name, r.info.status) for r in runs] == [("pretrain", status)]
+
+
+@pytest.mark.parametrize("link", ["hardlink", "symlink"])
+def test_the_curve_beside_the_checkpoints_is_a_new_file_never_one_dvc_linked_from_its_cache(tmp_path, link):
+    """With DVC's cache.type hardlink or symlink, the run folder's files are links
+    to DVC's cache; a run resumed outside `dvc repro` (which copies them first)
+    must not write through a link and spoil the cached version."""
+    from pipeline.training.metrics import CsvLog
+
+    cached = tmp_path / "cache-object"
+    cached.write_text("step,loss\n1,5.0\n2,4.0\n3,3.0\n")
+    history = tmp_path / "models" / "curve.csv"
+    history.parent.mkdir()
+    history.hardlink_to(cached) if link == "hardlink" else history.symlink_to(cached)
+    log = CsvLog(tmp_path / "plots.csv", resume_step=2, history=history)
+    log.write({"step": 3, "loss": 2.5})
+    log.close()
+    assert cached.read_text() == "step,loss\n1,5.0\n2,4.0\n3,3.0\n"
+    assert not history.is_symlink() and history.stat().st_nlink == 1
+    assert [line.split(",")[:2] for line in history.read_text().splitlines()] == [
+        ["step", "loss"], ["1", "5.0"], ["2", "4.0"], ["3", "2.5"]]

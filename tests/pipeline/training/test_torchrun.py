@@ -5,10 +5,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from pipeline.training.torchrun import LaunchConfig, acquire_exclusive, launch, run_agent
+from pipeline.training.torchrun import LaunchConfig, TrainerBusyError, acquire_exclusive, launch, lock_name, run_agent
 from tests.conftest import ROOT
 
 
@@ -48,6 +49,32 @@ def test_ranks_that_succeed_exit_zero(tmp_path):
     proc = torchrun(tmp_path, "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n", ranks=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
+@pytest.mark.parametrize("link", ["hardlink", "symlink"])
+def test_a_lock_file_dvc_linked_from_its_cache_is_locked_but_never_written(tmp_path, link):
+    """Runs before .dvcignore left out the lock recorded it in DVC's cache, and
+    cache.type hardlink or symlink links it back into the folder."""
+    cached = tmp_path / "cache-object"
+    cached.write_text("pid 1 on a-host: python -m stages.pretrain\n")
+    folder = tmp_path / "models"
+    folder.mkdir()
+    lock = folder / lock_name()
+    lock.hardlink_to(cached) if link == "hardlink" else lock.symlink_to(cached)
+    fd = acquire_exclusive(folder)
+    try:
+        assert cached.read_text() == "pid 1 on a-host: python -m stages.pretrain\n"
+        with pytest.raises(TrainerBusyError):  # and it still locks
+            acquire_exclusive(folder)
+    finally:
+        os.close(fd)
+
+
+def test_the_lock_file_is_no_data_of_the_run_for_dvc(tmp_path):
+    out = subprocess.run([str(Path(sys.executable).parent / "dvc"), "check-ignore", f"models/pretrain/{lock_name()}",
+                          f"models/sft/{lock_name()}", "models/pretrain/step-00000100"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.stdout.split() == [f"models/pretrain/{lock_name()}", f"models/sft/{lock_name()}"], out.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
