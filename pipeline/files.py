@@ -119,7 +119,8 @@ def refused(err: BaseException) -> StageError | None:
         return full
     for e in _causes(err):
         if isinstance(e, OSError) and e.errno in _REFUSED_ERRNOS and e.filename:
-            return StageError(f"{e.strerror.lower()}: {e.filename} ({errno.errorcode[e.errno]})")
+            what = (e.strerror or os.strerror(e.errno)).lower()
+            return StageError(f"{what}: {e.filename} ({errno.errorcode[e.errno]})")
     return None
 
 

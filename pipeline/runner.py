@@ -73,6 +73,8 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
             tracker.log_params(cfg, prefix=stage)
             try:
                 metrics = body(cfg, tracker) if pass_tracker else body(cfg)
+                metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
+                write_json(layout.metrics_path(stage), metrics)
             except Exception as err:
                 expected = err if isinstance(err, StageError) else refused(err)
                 if expected is None:
@@ -80,8 +82,6 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
                 tracker.set_tags({"error": str(expected)[:1000]})
                 tracker.end("FAILED")
                 fail(stage, expected)
-            metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
-            write_json(layout.metrics_path(stage), metrics)
             tracker.log_metrics(metric_values(metrics))
             for path in artifacts:
                 tracker.log_artifact(path)
@@ -173,6 +173,9 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     t0 = time.perf_counter()
     try:
         metrics = body(cfg)
+        if rank == 0:
+            metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
+            write_json(layout.metrics_path(stage), metrics)
     except NonFiniteError as err:
         print(f"error: stage {stage} (rank {rank}) stopped: {err}", file=sys.stderr)
         sys.exit(3)
@@ -194,7 +197,5 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
                 sys.exit(2)  # as a StageError's: the launcher adds no line of its own
         raise
     if rank == 0:
-        metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
-        write_json(layout.metrics_path(stage), metrics)
         record_experiment(stage, enabled=cfg.logging.track)
         log.info("%s done: %s", stage, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
