@@ -201,8 +201,11 @@ def test_a_data_stage_stopped_by_a_signal_is_one_line_and_its_mlflow_run_is_kill
     (tmp_path / "params.yaml").write_text("clean:\n  executor: {kind: local, num_workers: 2}\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PIPELINE_PROGRESS": "0"}
+    # As from a terminal: SIGINT at its default, so that Python raises KeyboardInterrupt
+    # (a shell that starts a job in the background, `make test &`, ignores it for the job).
     proc = subprocess.Popen([sys.executable, "-m", "stand_in"], cwd=tmp_path, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == "working\n"
         workers = psutil.Process(proc.pid).children(recursive=True)

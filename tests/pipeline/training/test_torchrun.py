@@ -87,8 +87,13 @@ def test_a_stop_while_the_launcher_prepares_is_one_line_and_frees_the_folder(tmp
         pytest.fail("the signal did not stop the launch")
 
     before = signal.getsignal(signal.SIGTERM)
-    assert launch("stages.pretrain", LaunchConfig(), tmp_path, before=interrupted) == (
-        128 + sig, f"stopped by {sig.name} before any rank started")
+    # Python's own Ctrl-C handler, as in a terminal (`make test &` starts pytest with SIGINT ignored).
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert launch("stages.pretrain", LaunchConfig(), tmp_path, before=interrupted) == (
+            128 + sig, f"stopped by {sig.name} before any rank started")
+    finally:
+        signal.signal(signal.SIGINT, sigint)
     os.close(acquire_exclusive(tmp_path))  # the folder lock was let go
     assert signal.getsignal(signal.SIGTERM) is before
 
