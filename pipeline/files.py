@@ -39,23 +39,26 @@ class DiskFullError(StageError):
     """A write failed because its filesystem is full or the user's quota is."""
 
 
+def _existing(path: str | Path) -> Path:
+    """``path``, or its nearest folder that exists, absolute and with links resolved."""
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def free_bytes(path: str | Path) -> int | None:
     """The bytes this user may still write on the filesystem of ``path`` (its
     nearest existing folder), or None where the OS cannot say."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
     try:
-        return shutil.disk_usage(p).free
+        return shutil.disk_usage(_existing(path)).free
     except OSError:
         return None
 
 
 def mount_point(path: str | Path) -> Path:
     """The mount point of the filesystem that holds ``path``."""
-    p = Path(path).resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    p = _existing(path)
     while not os.path.ismount(p) and p != p.parent:
         p = p.parent
     return p

@@ -99,7 +99,7 @@ from safetensors.torch import load_file, load_model, save_model
 
 from pipeline.config import flatten
 from pipeline.errors import StageError
-from pipeline.files import (DiskFullError, atomic_dir, free_bytes, fsync_path, size_text, mount_point, sha256_file,
+from pipeline.files import (DiskFullError, atomic_dir, free_bytes, fsync_path, mount_point, sha256_file, size_text,
                             write_json)
 from pipeline.model.transformer import ModelConfig
 from pipeline.training import distributed
