@@ -113,11 +113,13 @@ def disk_full(err: BaseException) -> DiskFullError | None:
 _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def refused(err: BaseException) -> StageError | None:
-    """``err`` as one line if the OS refused a file operation for a reason the
-    user fixes outside the code: no space (:func:`disk_full`), or a permission
-    or a read-only filesystem on a path it names; else None (a bug keeps its
-    traceback)."""
+def expected_failure(err: BaseException) -> StageError | None:
+    """``err`` as the one-line error a runner prints: a StageError as it is, or,
+    where the OS refused a file operation for a reason the user fixes outside
+    the code, no space (:func:`disk_full`), or a permission or a read-only
+    filesystem on a path it names; else None (a bug keeps its traceback)."""
+    if isinstance(err, StageError):
+        return err
     if (full := disk_full(err)) is not None:
         return full
     for e in _causes(err):

@@ -1,7 +1,7 @@
 """What every stage's ``main()`` shares: load its params section, run, write its
 metrics, and turn expected failures (:class:`pipeline.errors.StageError`, and
 what the OS refused for a reason the user fixes: a full disk, a permission, a
-read-only filesystem, :func:`pipeline.files.refused`) into one line,
+read-only filesystem, :func:`pipeline.files.expected_failure`) into one line,
 ``error: stage <name> failed: <message>``, and exit code 2."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, NoReturn
 from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
 from pipeline.errors import StageError, Stopped, raise_stopped
-from pipeline.files import refused, write_json
+from pipeline.files import expected_failure, write_json
 from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, record_experiment
 
 log = logging.getLogger("pipeline")
@@ -76,7 +76,7 @@ def run_stage(stage: str, body: Callable[..., dict], *, artifacts: tuple = (), p
                 metrics = {**metrics, "seconds": round(time.perf_counter() - t0, 3)}
                 write_json(layout.metrics_path(stage), metrics)
             except Exception as err:
-                expected = err if isinstance(err, StageError) else refused(err)
+                expected = expected_failure(err)
                 if expected is None:
                     raise
                 tracker.set_tags({"error": str(expected)[:1000]})
@@ -150,7 +150,7 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
         try:
             code, why = launch(module, cfg.launch, lock_folder, before=(lambda: prepare(cfg)) if prepare else None)
         except Exception as err:  # TrainerBusyError included
-            if (expected := err if isinstance(err, StageError) else refused(err)) is None:
+            if (expected := expected_failure(err)) is None:
                 raise
             fail(stage, expected)
         stopped = bool(why and why.startswith("stopped"))
@@ -179,10 +179,8 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     except NonFiniteError as err:
         print(f"error: stage {stage} (rank {rank}) stopped: {err}", file=sys.stderr)
         sys.exit(3)
-    except StageError as err:
-        fail(stage, err, rank)
     except Exception as err:
-        if (expected := refused(err)) is not None:
+        if (expected := expected_failure(err)) is not None:
             fail(stage, expected, rank)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # A rank whose peer died (the OOM killer, a crash) fails in its next collective

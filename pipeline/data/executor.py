@@ -73,7 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
-from pipeline.files import available_cores, die_with_parent, refused
+from pipeline.files import available_cores, die_with_parent, expected_failure
 
 log = logging.getLogger("pipeline.data.executor")
 
@@ -147,9 +147,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _task_failed(desc: str, index: int, exc: BaseException, traceback_text: str) -> BaseException:
     """The exception the caller sees for task ``index`` that raised ``exc``."""
-    if isinstance(exc, StageError):
-        return exc
-    if (expected := refused(exc)) is not None:
+    if (expected := expected_failure(exc)) is not None:
         return expected
     log.debug("%s: task %d failed in a worker:\n%s", desc, index, traceback_text)
     msg = _first_line(exc)
