@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib.metadata
 import ipaddress
 import logging
@@ -73,7 +72,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError
-from pipeline.files import available_cores, die_with_parent, expected_failure
+from pipeline.files import available_cores, die_with_parent, expected_failure, source_digest
 
 log = logging.getLogger("pipeline.data.executor")
 
@@ -229,11 +228,7 @@ def code_identity() -> dict[str, str]:
     :data:`RESULT_LIBRARIES`. Ray pickles a task's function by reference, so a
     worker runs the code installed on its own node; computed once, when first
     asked (the stage's code was imported by then)."""
-    root = _package_root()
-    h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    out = {"pipeline source": h.hexdigest()[:16]}
+    out = {"pipeline source": source_digest()}
     for name in RESULT_LIBRARIES:
         try:
             out[name] = importlib.metadata.version(name)
