@@ -8,7 +8,12 @@ NCCL when the process owns a CUDA device and gloo otherwise.
 from __future__ import annotations
 
 import os
+import secrets
+import socket
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,3 +162,66 @@ def broadcast_object(obj: object, d: Dist, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class JobMismatchError(StageError):
+    """The ranks of one run were started on different jobs, or do not share its folder."""
+
+
+def check_one_job(d: Dist, job: dict[str, Any], folder: Path, *, wait: float = 5.0) -> None:
+    """Every rank runs the job rank 0 runs, and sees the folder rank 0 writes.
+
+    The nodes of a run are started by hand, each from its own copy of the
+    project. A node with another ``params.yaml``, ``data/packed`` or commit would
+    train another job inside the same run (another learning rate on some ranks:
+    their replicas drift apart without a word; another ``eval.every``: the ranks
+    wait on different collectives), and a node whose ``folder`` is not the
+    storage rank 0 writes would resume from other checkpoints than rank 0's, or
+    none. ``job``: flat keys and the values that must agree (params, data,
+    starting weights, code). Rank 0 writes a file of a random name in
+    ``folder`` and every rank looks for it (``wait`` seconds at most, for a
+    network filesystem's caches). A collective, the first of the run: every
+    rank raises the same one-line JobMismatchError."""
+    if not d.enabled or d.world_size == 1:
+        return
+    host = socket.gethostname()
+    seen = gather_objects((host, job), d)
+    hosts, first = [h for h, _ in seen], seen[0][1]
+    for rank, (_, other) in enumerate(seen):
+        differ = sorted(k for k in first.keys() | other.keys() if first.get(k, _ABSENT) != other.get(k, _ABSENT))
+        if differ:
+            shown = "; ".join(f"{k} is {_value(other, k)} there, {_value(first, k)} on rank 0" for k in differ[:4])
+            more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+            raise JobMismatchError(
+                f"rank {rank} (on {hosts[rank]}) was not started on the job rank 0 (on {hosts[0]}) runs: "
+                f"{shown}{more}; every node needs the same commit, params.yaml and data")
+    probe = None
+    if d.is_main:
+        try:
+            probe = folder / f"{PROBE}{secrets.token_hex(8)}"
+            probe.write_text(f"{host} {os.getpid()}\n")
+        except OSError:
+            probe = None
+    name = broadcast_object(probe.name if probe else None, d)
+    if name is None:
+        raise JobMismatchError(f"rank 0 (on {hosts[0]}) cannot write in {folder}")
+    deadline = time.monotonic() + wait
+    while not (found := (folder / name).exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found_by = gather_objects(found, d)
+    if d.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [rank for rank, ok in enumerate(found_by) if not ok]
+    if blind:
+        ranks = ", ".join(f"{rank} (on {hosts[rank]})" for rank in blind)
+        raise JobMismatchError(
+            f"rank{'s' if len(blind) > 1 else ''} {ranks} cannot see the file rank 0 (on {hosts[0]}) wrote in "
+            f"{folder}: every node needs that folder on storage all nodes share, at the same path")
+
+
+PROBE = ".probe-"  # <folder>/.probe-<random>: check_one_job's file, there for a moment
+_ABSENT = object()
+
+
+def _value(job: dict[str, Any], key: str) -> str:
+    return "absent" if key not in job else repr(job[key])

@@ -44,6 +44,7 @@ Checkpoints of any other run in ``out_dir`` are moved aside to
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -57,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pipeline.config import flatten
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
+from pipeline.files import source_digest
 from pipeline.model import attention
 from pipeline.model.transformer import ModelConfig, Transformer, flops_per_token, num_params
 from pipeline.training import checkpoint as ckpt
@@ -108,6 +110,17 @@ def run_fingerprint(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int, d
                     init_id: str | None) -> str:
     """The identity of a run: the digest of :func:`run_record`."""
     return fingerprint_of(run_record(cfg, model_cfg, world_size, data_id, init_id))
+
+
+def job_record(stage: str, cfg: TrainConfig, model_cfg: ModelConfig, data_id: str, init_id: str | None) -> dict[str, Any]:
+    """What every rank of a run must agree on (distributed.check_one_job), as
+    flat keys: the stage's params as given (but ``launch.node_rank``, which names
+    the node), the resolved model, digests of the data and the code, the
+    starting weights and the torch version."""
+    params = {f"{stage}.{k}": v for k, v in flatten(cfg).items() if k != "launch.node_rank"}
+    model = {f"model.{k}": v for k, v in flatten(model_cfg.to_dict()).items()}
+    return {**params, **model, "data (digest)": hashlib.sha256(data_id.encode()).hexdigest()[:16],
+            "starting weights": init_id, "pipeline code (digest)": source_digest(), "torch": torch.__version__}
 
 
 def check_resume(cfg: TrainConfig, model_cfg: ModelConfig, out_dir: Path, *, data_id: str,
@@ -182,12 +195,13 @@ class Trainer:
         self.d = d = distributed.init(cfg.compute.device, need_group=self.sharded)
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
-        if self.sharded:
-            try:
+        try:
+            distributed.check_one_job(d, job_record(stage, cfg, model_cfg, data_id, self.init_id), self.out_dir)
+            if self.sharded:
                 check_fsdp(d, self.precision)
-            except StageError:
-                self.close()
-                raise
+        except StageError:
+            self.close()
+            raise
         attention.resolve(cfg.compute.attention, d.device, self.precision)  # a backend that cannot run fails here, early
         if self.precision == "fp16" and d.device.type == "cpu":
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")

@@ -60,6 +60,7 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path, parallelism):
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outs)
 
     assert json.loads((two / "metrics" / "pretrain.json").read_text())["world_size"] == 2
+    assert not list((two / "models" / "pretrain").glob(".probe-*")), "the check that both nodes share it left nothing"
     assert [s for s, _ in losses(two)] == ["1", "2", "3"]
     assert losses(two) == losses(one)  # string-exact
     w1, w2 = weights(one), weights(two)
@@ -105,3 +106,39 @@ def test_a_rank_killed_on_one_node_is_one_line_on_every_node(tmp_path, node):
                             "(it stopped, "
                             "or its node failed or left; its own node's line says why): RuntimeError: ",
                             "error: lost the rendezvous (RendezvousConnectionError: ")), outs[other][-3000:]
+
+
+@pytest.mark.parametrize("node1", ["other params", "own folder"])
+def test_nodes_that_differ_in_params_or_storage_stop_before_training_in_one_line(tmp_path, node1):
+    """Each node runs from its own copy of the project. One whose params.yaml
+    differs (another learning rate) would train another job in the same run, and
+    one whose models/ is not the folder rank 0 writes would resume from other
+    checkpoints: both nodes stop before the first step, each in one line."""
+    port = free_port()
+    launch = {"nproc_per_node": 1, "nnodes": 2, "rdzv_backend": "c10d", "rdzv_endpoint": f"127.0.0.1:{port}",
+              "rdzv_id": f"test-{port}"}
+    params = {f"launch.{k}": v for k, v in launch.items()}
+    nodes = [project(tmp_path / "node0", **params),
+             project(tmp_path / "node1", **params, **({"lr": 3e-3} if node1 == "other params" else {}))]
+    cmd = torchrun_command("stages.pretrain", LaunchConfig(**launch))
+    agents = [subprocess.Popen(cmd, cwd=cwd, env=env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for cwd in nodes]
+    try:
+        outs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    host = socket.gethostname()
+    for agent, out in zip(agents, outs):
+        assert agent.returncode == 2, out[-3000:]
+        [line] = [line for line in out.splitlines() if line.startswith("error:") or "Traceback" in line]
+        if node1 == "other params":
+            why = (f"rank 1 (on {host}) was not started on the job rank 0 (on {host}) runs: pretrain.optimizer.lr is "
+                   "0.003 there, 0.01 on rank 0; every node needs the same commit, params.yaml and data")
+        else:
+            why = (f"rank 1 (on {host}) cannot see the file rank 0 (on {host}) wrote in models/pretrain: every node "
+                   "needs that folder on storage all nodes share, at the same path")
+        assert re.fullmatch(rf"error: stage pretrain \(rank [01]\) failed: {re.escape(why)}", line), line
+    for cwd in nodes:
+        assert not (cwd / "plots" / "pretrain.csv").exists(), "no step was trained"
+        assert [p.name for p in (cwd / "models" / "pretrain").iterdir()] == [f".lock-{host}"]

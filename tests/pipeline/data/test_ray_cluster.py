@@ -350,11 +350,13 @@ def test_a_node_that_dies_mid_stage_stops_it_in_one_line(tmp_path, capfd, caplog
     monkeypatch.setattr(executor_module, "CHECK_S", 0.5)
     with two_nodes(tmp_path / "blind", tmp_path / "logs", **FAST_HEALTH_CHECKS) as c:
         cfg = ExecutorConfig(kind="ray", address=c.address, num_workers=2)
+        killed = None
         with open_executor(cfg, desc="clean") as ex, pytest.raises(ExecutorError) as err:
             for i, _ in enumerate(ex.map(timed, [(x, 0.5) for x in range(40)])):
                 if i == 1:
                     _kill_node(c.node)
                     killed = time.monotonic()
+        assert killed is not None, f"the stage stopped before the node was killed: {err.value}"
         stopped = time.monotonic() - killed
     msg = str(err.value)
     assert "\n" not in msg and i < 10 and stopped < 60, (msg, i, stopped)

@@ -1,5 +1,7 @@
-"""pipeline/training/distributed.py: the device a run asks for, and tearing the process group down."""
+"""pipeline/training/distributed.py: the device a run asks for, one job on every rank, and tearing the
+process group down."""
 
+import json
 import os
 import signal
 import subprocess
@@ -109,3 +111,70 @@ def test_closing_a_ddp_trainer_does_not_deadlock_with_a_gloo_worker_that_needs_t
             p.wait()
     assert out is not None, "rank 0 deadlocked closing its Trainer (a gloo worker waits for the GIL)"
     assert procs[0].returncode == 0 and "closed" in out, out[-3000:]
+
+
+# Two ranks (gloo, a file store) call check_one_job once per case, in order, and
+# print each outcome as a JSON line: "ok", or the error's class and message.
+ONE_JOB = """
+import json, sys
+import torch.distributed as dist
+from pathlib import Path
+from pipeline.training.distributed import Dist, JobMismatchError, check_one_job
+import torch
+
+rank, store, cases = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+d = Dist(rank, rank, 2, torch.device("cpu"), "gloo")
+for case in cases:
+    job, folder = case["jobs"][rank], Path(case["folders"][rank])
+    try:
+        check_one_job(d, job, folder, wait=0.5)
+        print(json.dumps("ok"), flush=True)
+    except JobMismatchError as e:
+        print(json.dumps([type(e).__name__, str(e)]), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_runs_rank_0s_job_on_a_folder_both_see(tmp_path):
+    """What must agree is compared key by key, and the folder rank 0 writes must
+    be the one every rank sees: either breach stops every rank with the same
+    line; a run that agrees leaves nothing behind."""
+    shared, mine, theirs = (tmp_path / n for n in ("shared", "mine", "theirs"))
+    for f in (shared, mine, theirs):
+        f.mkdir()
+    job = {"pretrain.optimizer.lr": 0.003, "pretrain.seed": 1, "data (digest)": "ab12"}
+    many = {**job, **{f"pretrain.k{i}": i for i in range(6)}}
+    cases = [
+        {"jobs": [job, job], "folders": [str(shared)] * 2},
+        {"jobs": [job, {**job, "pretrain.optimizer.lr": 0.001}], "folders": [str(shared)] * 2},
+        {"jobs": [job, {k: v for k, v in job.items() if k != "pretrain.seed"}], "folders": [str(shared)] * 2},
+        {"jobs": [job, many], "folders": [str(shared)] * 2},
+        {"jobs": [job, job], "folders": [str(mine), str(theirs)]},
+    ]
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(ONE_JOB))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"), json.dumps(cases)],
+                              env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    results = [[json.loads(line) for line in out.splitlines() if line.startswith(('"', "["))] for out in outs]
+    assert results[0][:4] == results[1][:4], "every rank says the same"
+    ok, lr, absent, more, folder = results[0]
+    assert ok == "ok"
+    assert lr == ["JobMismatchError", f"rank 1 (on {os.uname().nodename}) was not started on the job rank 0 "
+                  f"(on {os.uname().nodename}) runs: pretrain.optimizer.lr is 0.001 there, 0.003 on rank 0; every "
+                  "node needs the same commit, params.yaml and data"]
+    assert "pretrain.seed is absent there, 1 on rank 0;" in absent[1]
+    assert "pretrain.k0 is 0 there, absent on rank 0; " in more[1] and "(and 2 more); every node" in more[1]
+    for result, here in zip((folder, results[1][4]), (mine, theirs)):  # each rank names the folder by its own path
+        assert result == ["JobMismatchError", f"rank 1 (on {os.uname().nodename}) cannot see the file rank 0 "
+                          f"(on {os.uname().nodename}) wrote in {here}: every node needs that folder on storage "
+                          "all nodes share, at the same path"]
+    assert [p.name for f in (shared, mine, theirs) for p in f.iterdir()] == [], "the probes are gone"
