@@ -108,6 +108,16 @@ def peer_lost(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(marker in str(err) for marker in PEER_LOST)
 
 
+# What a collective says when the other ranks did not come in time: gloo raises a
+# RuntimeError; NCCL's watchdog names the timeout (where it does not abort the rank).
+TIMED_OUT = ("Timed out waiting", "collective operation timeout")
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether a rank's exception is a collective that waited past the group's timeout."""
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in TIMED_OUT)
+
+
 def resume_hint(folder) -> str:
     """What running a stopped training stage again does: resume from the newest
     complete checkpoint in ``folder`` (the trainer still checks that it belongs
@@ -188,6 +198,14 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
             # the other ranks within a tenth of a second of a death it sees: wait a moment
             # before the traceback, so that only the rank that failed first speaks.
             time.sleep(PEER_FAILURE_GRACE_S)
+            if timed_out(err):  # another rank stalled (or its node was cut off) past the timeout
+                limit = cfg.launch.timeout_s
+                waited = f"{limit:g} s" if limit is not None else "torch's default (NCCL 600 s, gloo 1800 s)"
+                print(f"error: stage {stage} (rank {rank}) failed: a collective waited more than {waited} "
+                      f"(launch.timeout_s) for another rank, which stalled or was cut off: {type(err).__name__}: "
+                      f"{one_line(str(err))[:300]}; if a rank was only busy (writing a checkpoint alone, compiling), "
+                      "raise launch.timeout_s", file=sys.stderr, flush=True)
+                sys.exit(2)
             if peer_lost(err):  # a peer on another node, whose agent this one does not watch
                 print(f"error: stage {stage} (rank {rank}) failed: a collective lost a peer rank (it stopped, or "
                       f"its node failed or left; its own node's line says why): {type(err).__name__}: "

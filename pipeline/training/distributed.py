@@ -12,6 +12,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,14 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init(requested_device: str = "auto", need_group: bool = False) -> Dist:
+def init(requested_device: str = "auto", need_group: bool = False, timeout_s: float | None = None) -> Dist:
     """Join the process group torchrun describes (or run alone without one).
 
     ``need_group``: outside torchrun, still make a process group of this one
     process (an in-memory store, no network), for code that needs one even alone:
-    FSDP's device mesh and sharded checkpoints."""
+    FSDP's device mesh and sharded checkpoints. ``timeout_s``: how long a
+    collective waits for the other ranks (None: torch's default for the backend,
+    :func:`timeout_of`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -88,7 +91,8 @@ def init(requested_device: str = "auto", need_group: bool = False) -> Dist:
     backend = None
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None,
+                                timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     elif dist.is_initialized():
         backend = dist.get_backend()
     elif need_group:

@@ -52,6 +52,9 @@ class LaunchConfig(StageConfig):
     rdzv_endpoint: str = Field("127.0.0.1:29500", description="host:port of the rendezvous (node 0)")
     rdzv_id: str = Field("llm-pipeline", description="job id shared by all nodes of one run")
     max_restarts: int = Field(0, ge=0, description="torchrun restarts on worker failure")
+    timeout_s: float | None = Field(
+        None, gt=0, description="seconds a rank's collective waits for the others (rank 0 writing a checkpoint alone, "
+        "a first compile) before the run stops in one line; null = torch's default (NCCL 600, gloo 1800)")
 
 
 class TrainerBusyError(StageError):

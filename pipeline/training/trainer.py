@@ -192,7 +192,7 @@ class Trainer:
         self.init_meta = {"id": self.init_id, "from": str(init_from.path) if init_from else None,
                           "optimizer": init_optimizer}
         self.sharded = cfg.compute.parallelism == "fsdp"
-        self.d = d = distributed.init(cfg.compute.device, need_group=self.sharded)
+        self.d = d = distributed.init(cfg.compute.device, need_group=self.sharded, timeout_s=cfg.launch.timeout_s)
         self._lock_fd = hold_shared(self.out_dir)
         self.precision = resolve_precision(cfg.compute.precision, d.device)
         try:

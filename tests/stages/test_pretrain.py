@@ -278,6 +278,37 @@ def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_che
         ("pretrain", "FAILED" if sig == signal.SIGKILL else "KILLED")]
 
 
+def test_a_rank_that_stalls_past_launch_timeout_s_stops_the_run_in_one_line(tmp_path):
+    """A rank that stops answering (here SIGSTOP: a swapped-out or frozen
+    process, a node cut off) leaves the others waiting in a collective; past
+    launch.timeout_s they stop, and the one that waited says so in one line,
+    no traceback, naming the key to raise."""
+    p = project(tmp_path, nproc_per_node=2, max_steps=100000, **{"launch.timeout_s": 4})
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, start_new_session=True, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            wait_for_step(p / "plots" / "pretrain.csv", 2, proc)
+            [stalled] = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                         if "-u" in c.cmdline() and c.environ()["RANK"] == "1"]
+            stalled.suspend()
+            time.sleep(12)  # rank 0 waits 4 s, then 3 s of grace before it speaks
+            stalled.resume()
+            proc.wait(timeout=90)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        err.seek(0)
+        stderr = err.read()
+    assert proc.returncode == 2, stderr[-3000:]
+    [line] = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert re.fullmatch(r"error: stage pretrain \(rank 0\) failed: a collective waited more than 4 s "
+                        r"\(launch.timeout_s\) for another rank, which stalled or was cut off: RuntimeError: .*"
+                        r"Timed out waiting 4000ms .*; if a rank was only busy \(writing a checkpoint alone, "
+                        r"compiling\), raise launch.timeout_s", line), line
+    assert "Traceback" not in stderr
+
+
 def test_a_second_trainer_is_refused_while_orphans_run(tmp_path):
     p = project(tmp_path, nproc_per_node=1, max_steps=100000)
     # `sh` plays `dvc repro`: SIGKILL to it orphans the stage process and its ranks
