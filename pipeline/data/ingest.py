@@ -34,9 +34,11 @@ import contextlib
 import fnmatch
 import glob
 import hashlib
+import io
 import itertools
 import json
 import logging
+import lzma
 import os
 import socket
 import stat
@@ -44,7 +46,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Union
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -78,6 +80,19 @@ SUFFIX_FORMATS: dict[str, str] = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
+
+# Compressed inputs are decompressed as they are read, by their last suffix; the
+# suffix before it gives the format (corpus.jsonl.zst is JSON Lines, book.txt.gz
+# text). pyarrow's codecs; xz is Python's lzma.
+COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4",
+                                ".xz": "xz"}
+# A compressed file counts as this many times its size on disk against
+# worker_file_bytes (text compresses about 3-4x with gzip or zstd), so that a
+# worker reading one whole holds about as much as for a plain file of that limit.
+COMPRESSED_SIZE_FACTOR = 4
+# Decompressed in pieces of this size: a codec that meets damaged data drops the
+# piece it was filling, so what came before the damage is kept but for this much.
+DECOMPRESSED_PIECE = 1 << 16
 
 SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
@@ -192,8 +207,8 @@ class IngestConfig(ParallelStageConfig):
                              "once the current one holds this many bytes of text (a rerun after a kill keeps "
                              "the committed shards)")
     worker_file_bytes: int = Field(64 << 20, ge=0, description="with more than one worker, files up to this size "
-                                   "are read whole by the executor's workers; larger ones (and datasets) stream "
-                                   "in the stage's own process")
+                                   "(a compressed one counts 4x its size) are read whole by the executor's "
+                                   "workers; larger ones (and datasets) stream in the stage's own process")
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> "IngestConfig":
@@ -340,7 +355,49 @@ def not_a_file(path: Path) -> str | None:
 def _infer_format(p: Path) -> str:
     if _is_hf_dir(p):
         return "hf"
-    return SUFFIX_FORMATS.get(p.suffix.lower(), "text")
+    named = p.with_suffix("") if compression_of(p) else p
+    return SUFFIX_FORMATS.get(named.suffix.lower(), "text")
+
+
+def compression_of(path: Path) -> str | None:
+    """The codec a file is compressed with, by its suffix (None: not compressed)."""
+    return COMPRESSIONS.get(path.suffix.lower())
+
+
+class DamagedStream(Exception):
+    """A compressed input whose data is cut short or corrupt (its codec's error)."""
+
+
+class _Decompressed(io.RawIOBase):
+    """The decompressed bytes of a compressed file. Any error of the codec (or of
+    reading the file under it) is a DamagedStream, so that the readers above it
+    tell a damaged file from their own failures."""
+
+    def __init__(self, path: Path, codec: str):
+        self.codec = codec
+        self._stream = lzma.open(path, "rb") if codec == "xz" else pa.input_stream(str(path), compression=codec)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            return self._stream.readinto(buffer)
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            raise DamagedStream(f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stream.close()
+        super().close()
+
+
+def open_input(path: Path) -> BinaryIO:
+    """A text input's bytes, decompressed where its suffix names a codec (:data:`COMPRESSIONS`)."""
+    codec = compression_of(path)
+    if codec is None:
+        return open(path, "rb")
+    return io.BufferedReader(_Decompressed(path, codec), DECOMPRESSED_PIECE)
 
 
 def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
@@ -486,20 +543,21 @@ def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     if f.source.split_by == "chunk":
         yield from read_chunks(f, cfg)
         return
-    size = f.path.stat().st_size
-    if size == 0:
-        yield Skip("empty_file", "file")
-        return
-    with open(f.path, "rb") as fh:
+    with open_input(f.path) as fh:
         head = fh.read(BINARY_SNIFF_BYTES)
+        if not head:
+            yield Skip("empty_file", "file")
+            return
         if b"\x00" in head:
             yield Skip("binary", "file", detail="NUL byte in the first 8 KiB")
             return
-        if f.source.split_by == "file" and size > cfg.max_doc_bytes:
-            yield Skip("too_large", "file", detail=f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}")
-            return
         if f.source.split_by == "file":
-            data = head + fh.read()
+            data = head + fh.read(max(0, cfg.max_doc_bytes + 1 - len(head)))  # holds one byte too many at most
+            if len(data) > cfg.max_doc_bytes:
+                size = (f"more than {cfg.max_doc_bytes} bytes once decompressed" if compression_of(f.path)
+                        else f"{f.path.stat().st_size} bytes")  # a compressed file's is not known until read whole
+                yield Skip("too_large", "file", detail=f"{size} > max_doc_bytes={cfg.max_doc_bytes}")
+                return
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -510,9 +568,9 @@ def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
                 return
             yield Doc("file", text)
             return
-        # line / paragraph mode: stream lines so that a huge file is never held whole,
-        # and a bad byte costs one line, not the whole file.
-        fh.seek(0)
+    # line / paragraph mode: stream lines so that a huge file is never held whole,
+    # and a bad byte costs one line, not the whole file.
+    with open_input(f.path) as fh:
         para: list[str] = []
         para_start = 0
         para_bytes = 0
@@ -559,15 +617,16 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     with an invalid byte, ``empty_text`` for one of only whitespace), so a gap in
     the indices marks where text is missing. Locations are ``byte:<offset>``.
     """
-    if f.path.stat().st_size == 0:
-        yield Skip("empty_file", "file")
-        return
     chunk_bytes, max_line = f.source.chunk_bytes, cfg.max_doc_bytes
-    with open(f.path, "rb") as fh:
-        if b"\x00" in fh.read(BINARY_SNIFF_BYTES):
+    with open_input(f.path) as fh:
+        head = fh.read(BINARY_SNIFF_BYTES)
+        if not head:
+            yield Skip("empty_file", "file")
+            return
+        if b"\x00" in head:
             yield Skip("binary", "file", detail="NUL byte in the first 8 KiB")
             return
-        fh.seek(0)
+    with open_input(f.path) as fh:
         lines: list[bytes] = []
         size = start = pos = index = 0
 
@@ -619,11 +678,11 @@ def _emit_para(lines: list[str], start: int, nbytes: int, cfg: IngestConfig) -> 
 
 
 def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
-    if f.path.stat().st_size == 0:
-        yield Skip("empty_file", "file")
-        return
     field, split_by = f.source.text_field, f.source.split_by
-    with open(f.path, "rb") as fh:
+    with open_input(f.path) as fh:
+        if not fh.peek(1):
+            yield Skip("empty_file", "file")
+            return
         for n, raw in enumerate(fh, 1):
             loc = f"line:{n}"
             if n == 1:
@@ -653,11 +712,13 @@ def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
 
 
 def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
-    if f.path.stat().st_size == 0:
+    with open_input(f.path) as fh:
+        raw = fh.read()
+    if not raw:
         yield Skip("empty_file", "file")
         return
     try:
-        data = json.loads(f.path.read_bytes().decode("utf-8-sig"))  # a byte-order mark is not the document's
+        data = json.loads(raw.decode("utf-8-sig"))  # a byte-order mark is not the document's
     except UnicodeDecodeError as e:
         yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
         return
@@ -759,15 +820,22 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     (:func:`_read_csv_rest`), which counts a malformed row with its line and
     goes on. (pyarrow's handler of invalid rows gets no line number where
     values may hold newlines, and none at all when the row is not UTF-8.)"""
+    with open_input(f.path) as fh:
+        if not fh.peek(1):
+            yield Skip("empty_file", "file")
+            return
+    with contextlib.ExitStack() as stack:  # a compressed file is read through a stream, closed at the end
+        source = f.path if compression_of(f.path) is None else stack.enter_context(open_input(f.path))
+        yield from _read_csv(f, cfg, source)
+
+
+def _read_csv(f: InputFile, cfg: IngestConfig, source: Path | BinaryIO) -> Iterator[Item]:
     import pyarrow.csv as pacsv
 
-    if f.path.stat().st_size == 0:
-        yield Skip("empty_file", "file")
-        return
     field = f.source.text_field
     try:
         reader = pacsv.open_csv(
-            f.path,
+            source,
             parse_options=pacsv.ParseOptions(newlines_in_values=True),
             # The text column undecoded (_read_columns decodes it row by row) and no other checked, so an
             # invalid byte costs its row, not the rest of the file.
@@ -823,7 +891,7 @@ def _read_csv_rest(f: InputFile, cfg: IngestConfig, skip: int) -> Iterator[Item]
 
     csv.field_size_limit(sys.maxsize)  # a value's size is max_doc_bytes' to judge
     row = 0
-    with open(f.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+    with io.TextIOWrapper(open_input(f.path), encoding="utf-8-sig", errors="surrogateescape", newline="") as fh:
         reader = csv.reader(fh)
         try:
             header = next(reader, [])
@@ -910,10 +978,16 @@ def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iter
     if f.format != "hf" and (why := not_a_file(f.path)) is not None:
         yield Skip("not_a_file", "file", detail=why)
         return
+    read = 0
     try:
-        yield from READERS[f.format](f, cfg)
+        for item in READERS[f.format](f, cfg):
+            read += 1
+            yield item
     except (PermissionError, IsADirectoryError, FileNotFoundError) as e:  # gone since it was listed: a race
         yield Skip("unreadable", "file", detail=str(e))
+    except DamagedStream as e:  # what was read before the damage stays, counted as read
+        yield Skip("unreadable", "file", detail=f"its {compression_of(f.path)} data is damaged or cut short after "
+                                                f"{read} item(s); the rest of the file was not read: {e}")
 
 
 _WORKER: dict[str, IngestConfig] = {}
@@ -949,7 +1023,8 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
     """Every item of every input, in order, from ``start``, each with its
     position: the input's index in ``files`` and the item's index in that
     input's :func:`read_items` stream. With an executor of more than one worker,
-    files of at most ``worker_file_bytes`` are read whole by the workers, a
+    files of at most ``worker_file_bytes`` (a compressed one counts
+    :data:`COMPRESSED_SIZE_FACTOR` times its size) are read whole by the workers, a
     window of them ahead; larger files and datasets are streamed here, in their
     turn, so memory stays bounded. A worker that does not see a file as this
     process does (a Ray node without the input's storage) hands it back and it
@@ -985,7 +1060,8 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
         if dup or f.format == "hf" or not f.path.is_file():
             return None
         st = f.path.stat()
-        return (st.st_size, st.st_mtime_ns) if st.st_size <= cfg.worker_file_bytes else None
+        size = st.st_size * (COMPRESSED_SIZE_FACTOR if compression_of(f.path) else 1)
+        return (st.st_size, st.st_mtime_ns) if size <= cfg.worker_file_bytes else None
 
     elsewhere: list[str] = []
     results = ex.map(_read_whole, ((f, stat_of(f, dup)) for f, dup in plan[first:]))

@@ -1,7 +1,9 @@
 import itertools
 import json
+import lzma
 import os
 import sysconfig
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,7 +11,8 @@ import pytest
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.docs import DocTable
-from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
+from pipeline.data.ingest import (COMPRESSIONS, IngestConfig, IngestError, doc_id, resolve_sources, run_ingest,
+                                  split_text)
 from pipeline.files import read_json
 
 
@@ -37,6 +40,19 @@ def run(tmp_path, **kw):
 
 def report(tmp_path):
     return read_json(tmp_path / "out" / "report.json")
+
+
+def compress(path, codec: str) -> Path:
+    """``path`` compressed with ``codec`` beside it (its name plus the codec's suffix), as the tools that make
+    corpora write it: pyarrow's codecs, Python's lzma for xz."""
+    suffix = next(s for s, c in COMPRESSIONS.items() if c == codec)
+    out = Path(str(path) + suffix)
+    if codec == "xz":
+        out.write_bytes(lzma.compress(Path(path).read_bytes()))
+    else:
+        with pa.CompressedOutputStream(str(out), codec) as f:
+            f.write(Path(path).read_bytes())
+    return out
 
 
 def test_text_split_modes(tmp_path):
@@ -581,7 +597,7 @@ def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
 
 
 def mixed_corpus(root):
-    """Good and bad files of every format, a file listed twice, a dataset, and one large file."""
+    """Good and bad files of every format, a compressed one, a file listed twice, a dataset, and one large file."""
     import datasets
 
     d = root / "corpus"
@@ -593,9 +609,13 @@ def mixed_corpus(root):
     (d / "blob.txt").write_bytes(b"\x00\x01binary")
     (d / "big.txt").write_text("a large file\n\n" * 2000)
     (d / "rows.jsonl").write_text('{"text": "r1"}\n{"oops\n{"text": 3}\n{"text": "r2"}\n')
+    (d / "more.jsonl").write_text("".join(f'{{"text": "z{i}"}}\n' for i in range(30)) + "{bad\n")
+    compress(d / "more.jsonl", "zstd")
+    (d / "more.jsonl").unlink()
     datasets.Dataset.from_dict({"text": ["h1", "h2"]}).save_to_disk(str(root / "ds"))
     return [{"path": str(d / "*.txt"), "split_by": "paragraph"}, {"path": str(d / "rows.jsonl")},
-            {"path": str(d / "good00.txt"), "name": "again"}, {"path": str(root / "ds")}]
+            {"path": str(d / "good00.txt"), "name": "again"}, {"path": str(root / "ds")},
+            {"path": str(d / "more.jsonl.zst")}]
 
 
 def outputs(tmp_path, name, sources, **kw):
@@ -715,3 +735,84 @@ def test_the_progress_bar_counts_input_bytes_and_ends_full(tmp_path, monkeypatch
     folder = sum(p.stat().st_size for p in (tmp_path / "ds").rglob("*") if p.is_file())
     assert bar.total == on_disk + folder + len("plain text\n")
     assert bar.most == bar.n == bar.total
+
+
+def plain_corpus(d):
+    """One file of every format that can be compressed, with a skip in each record format."""
+    d.mkdir()
+    (d / "book.txt").write_text("".join(f"line {i} of the book\n\n" for i in range(300)))
+    (d / "rows.jsonl").write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(500)) + '{"oops\n')
+    (d / "list.json").write_text(json.dumps([{"text": f"item {i}"} for i in range(50)] + [7]))
+    (d / "table.csv").write_text("text,id\n" + "".join(f'"cell {i}, quoted",{i}\n' for i in range(200)) + "x,1,2\n")
+    return [{"path": str(d / "book.txt*"), "split_by": "paragraph"}, {"path": str(d / "rows.jsonl*")},
+            {"path": str(d / "list.json*")}, {"path": str(d / "table.csv*")}]
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "bz2", "lz4", "xz"])
+def test_a_compressed_input_gives_what_the_plain_file_gives(tmp_path, codec):
+    """corpus.jsonl.zst is JSON Lines read through zstd: the same documents,
+    locations and counted skips as the file it was made from; only the source's
+    name differs."""
+    plain = plain_corpus(tmp_path / "plain")
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for f in (tmp_path / "plain").iterdir():
+        (packed / f.name).write_bytes(f.read_bytes())
+        compress(packed / f.name, codec)
+        (packed / f.name).unlink()
+    assert len(list(packed.iterdir())) == 4
+    want, want_docs, want_q = run(tmp_path / "a", sources=plain)
+    got, got_docs, got_q = run(tmp_path / "b", sources=[{**s, "path": s["path"].replace("plain", "packed")}
+                                                        for s in plain])
+    assert got == want and want["docs"] == 300 + 500 + 50 + 200
+    assert report(tmp_path / "b")["skipped"] == report(tmp_path / "a")["skipped"] == {
+        "malformed_json": 2, "malformed_csv": 1}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("id", "source", "source_name")} for r in rows]
+    assert strip(got_docs) == strip(want_docs) and strip(got_q) == strip(want_q)
+    assert [d["source"].rsplit(".", 1)[0] for d in got_docs] == [d["source"].replace("plain", "packed")
+                                                                 for d in want_docs]
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "xz"])
+def test_a_damaged_compressed_file_keeps_what_came_before_and_counts_the_rest(tmp_path, codec):
+    """A download cut short or a corrupt block: the items read before the damage
+    stay (but for those in the last piece of DECOMPRESSED_PIECE bytes), the
+    rest of the file is one counted skip that says so, and the other files are read."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    rows = "".join(json.dumps({"text": f"row {i} " + "x" * (i % 97)}) + "\n" for i in range(20000))
+    (d / "whole.jsonl").write_text('{"text": "intact"}\n')
+    (d / "cut.jsonl").write_text(rows)
+    for name in ("whole.jsonl", "cut.jsonl"):
+        compress(d / name, codec)
+        (d / name).unlink()
+    cut = next(d.glob("cut.jsonl.*"))
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 2 // 3])
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(d / "*.jsonl.*")}])
+    texts = [doc["text"] for doc in docs]
+    assert texts[-1] == "intact" and 20000 // 2 < len(texts) - 1 < 20000  # cut.jsonl.* is read first
+    assert texts[:-1] == [f"row {i} " + "x" * (i % 97) for i in range(len(texts) - 1)], "a prefix, in order"
+    assert report(tmp_path)["skipped"] == {"unreadable": 1} and metrics["skipped"] == 1
+    [q] = quarantine
+    assert q["source"] == str(cut) and q["location"] == "file"
+    assert q["detail"].startswith(f"its {codec} data is damaged or cut short after {len(texts) - 1} item(s); the "
+                                  "rest of the file was not read: "), q["detail"]
+
+
+def test_compressed_files_that_are_empty_binary_or_too_large_are_counted_as_plain_ones_are(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "empty.txt").write_bytes(b"")
+    (d / "blob.txt").write_bytes(b"\x00\x01binary")
+    (d / "big.txt").write_text("y" * 5000)
+    (d / "empty.jsonl").write_bytes(b"")
+    (d / "empty.csv").write_bytes(b"")
+    (d / "fine.txt").write_text("fine")
+    for f in list(d.iterdir()):
+        compress(f, "gzip")
+        f.unlink()
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(d)}], max_doc_bytes=4000)
+    assert [doc["text"] for doc in docs] == ["fine"]
+    assert report(tmp_path)["skipped"] == {"empty_file": 3, "binary": 1, "too_large": 1}
+    [big] = [q for q in quarantine if q["reason"] == "too_large"]
+    assert big["detail"] == "more than 4000 bytes once decompressed > max_doc_bytes=4000"

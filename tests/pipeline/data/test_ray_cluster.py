@@ -227,14 +227,14 @@ def test_the_worker_node_cannot_see_the_folder(cluster):
 
 
 def test_ingest_on_a_cluster_without_shared_storage_gives_the_local_bytes(cluster, caplog):
-    """Every file a worker was to read comes back to the stage: 16 .txt and one
-    .jsonl (the file listed twice and the dataset are read by the stage anyway)."""
+    """Every file a worker was to read comes back to the stage: 16 .txt, a .jsonl
+    and a .jsonl.zst (the file listed twice and the dataset are read by the stage anyway)."""
     root = cluster.blind / "ingest"
     sources = mixed_corpus(root)
     local = ingest_outputs(root, "local", sources, executor={"num_workers": 2})
     assert "read by the stage itself" not in caplog.text
     assert ingest_outputs(root, "cluster", sources, executor=on_cluster(cluster)) == local
-    assert re.search(r"17 input file\(s\) were read by the stage itself, not by the workers, which do not see "
+    assert re.search(r"18 input file\(s\) were read by the stage itself, not by the workers, which do not see "
                      r"them as it does \(for example .*/corpus/\w+\.txt is not readable on .* "
                      r"\(FileNotFoundError\)\)", caplog.text)
 
