@@ -38,7 +38,6 @@ import io
 import itertools
 import json
 import logging
-import lzma
 import os
 import socket
 import stat
@@ -52,9 +51,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.data import accounting, resume
+from pipeline.data import accounting, compressed, resume
 from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
+from pipeline.data.compressed import DamagedStream, compression_of, format_suffix, open_input
 from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.resume import ShardLog
@@ -81,19 +81,10 @@ SUFFIX_FORMATS: dict[str, str] = {
     ".csv": "csv",
 }
 
-# Compressed inputs are decompressed as they are read, by their last suffix; the
-# suffix before it gives the format (corpus.jsonl.zst is JSON Lines, book.txt.gz
-# text). pyarrow's codecs; xz is Python's lzma.
-COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4",
-                                ".xz": "xz"}
 # A compressed file counts as this many times its size on disk against
 # worker_file_bytes (text compresses about 3-4x with gzip or zstd), so that a
 # worker reading one whole holds about as much as for a plain file of that limit.
 COMPRESSED_SIZE_FACTOR = 4
-# Decompressed in pieces of this size: a codec that meets damaged data drops the
-# piece it was filling, so what came before the damage is kept but for this much.
-DECOMPRESSED_PIECE = 1 << 16
-
 SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("location", pa.string()),
     ("chunk", pa.int64()), ("offset", pa.int64()), ("source_name", pa.string()), ("split", pa.string()),
@@ -355,49 +346,7 @@ def not_a_file(path: Path) -> str | None:
 def _infer_format(p: Path) -> str:
     if _is_hf_dir(p):
         return "hf"
-    named = p.with_suffix("") if compression_of(p) else p
-    return SUFFIX_FORMATS.get(named.suffix.lower(), "text")
-
-
-def compression_of(path: Path) -> str | None:
-    """The codec a file is compressed with, by its suffix (None: not compressed)."""
-    return COMPRESSIONS.get(path.suffix.lower())
-
-
-class DamagedStream(Exception):
-    """A compressed input whose data is cut short or corrupt (its codec's error)."""
-
-
-class _Decompressed(io.RawIOBase):
-    """The decompressed bytes of a compressed file. Any error of the codec (or of
-    reading the file under it) is a DamagedStream, so that the readers above it
-    tell a damaged file from their own failures."""
-
-    def __init__(self, path: Path, codec: str):
-        self.codec = codec
-        self._stream = lzma.open(path, "rb") if codec == "xz" else pa.input_stream(str(path), compression=codec)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        try:
-            return self._stream.readinto(buffer)
-        except (OSError, EOFError, lzma.LZMAError) as e:
-            raise DamagedStream(f"{type(e).__name__}: {e}") from None
-
-    def close(self) -> None:
-        if not self.closed:
-            self._stream.close()
-        super().close()
-
-
-def open_input(path: Path) -> BinaryIO:
-    """A text input's bytes, decompressed where its suffix names a codec (:data:`COMPRESSIONS`)."""
-    codec = compression_of(path)
-    if codec is None:
-        return open(path, "rb")
-    return io.BufferedReader(_Decompressed(path, codec), DECOMPRESSED_PIECE)
+    return SUFFIX_FORMATS.get(format_suffix(p), "text")
 
 
 def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
@@ -1105,7 +1054,7 @@ def ingest_fingerprint(cfg: IngestConfig, files: list[InputFile]) -> str:
     return resume.fingerprint(
         "ingest", params=cfg.model_dump(mode="json", exclude=OUTPUT_NEUTRAL),
         inputs={"files": inputs_digest(files)},
-        code=resume.code_digest(sys.modules[__name__], accounting, docs_format, resume))
+        code=resume.code_digest(sys.modules[__name__], accounting, compressed, docs_format, resume))
 
 
 class _Shard:

@@ -21,7 +21,8 @@ the data is reproducible.
 Accounting. Every record read is either an example in ``train`` or ``val`` or a
 skip counted by reason and sampled into the quarantine JSONL (source, location,
 reason, detail, the record): the converter reasons of :data:`pipeline.data.chat.REASONS`,
-plus ``malformed_json``, ``non_utf8``, ``duplicate`` (a conversation identical to
+plus ``malformed_json``, ``non_utf8``, ``unreadable`` (the rest of a compressed
+file whose data is damaged or cut short), ``duplicate`` (a conversation identical to
 an earlier one; dropping it keeps copies out of both splits), ``too_long``, and
 the template's reasons of :data:`pipeline.data.chat_template.TEMPLATE_REASONS`
 (a conversation the template refuses or rewrites, or whose text does not
@@ -92,6 +93,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline.data import stdlib_qa
 from pipeline.data.accounting import Ledger
+from pipeline.data.compressed import COMPRESSIONS, DamagedStream, compression_of, format_suffix, open_input
 from pipeline.data.chat import IGNORE_INDEX, ChatFormatError, to_messages
 from pipeline.data.chat_template import (
     DEFAULT_DATE,
@@ -206,7 +208,7 @@ def resolve_source(src: SFTSource, index: int) -> list[Path]:
     if glob.has_magic(src.path):
         files = sorted(Path(m) for m in glob.glob(src.path, recursive=True) if Path(m).is_file())
     elif p.is_dir():
-        files = sorted(x for x in p.rglob("*") if x.is_file() and x.suffix.lower() in SUFFIX_KINDS
+        files = sorted(x for x in p.rglob("*") if x.is_file() and format_suffix(x) in SUFFIX_KINDS
                        and not any(part.startswith(".") for part in x.relative_to(p).parts))
     elif p.is_file():
         files = [p]
@@ -214,14 +216,15 @@ def resolve_source(src: SFTSource, index: int) -> list[Path]:
         raise SFTDataError(f"{where}: no such file or directory: {src.path!r}")
     if not files:
         raise SFTDataError(f"{where}: {src.path!r} matched no .json/.jsonl/.ndjson files")
-    bad = [f for f in files if f.suffix.lower() not in SUFFIX_KINDS]
+    bad = [f for f in files if format_suffix(f) not in SUFFIX_KINDS]
     if bad:
-        raise SFTDataError(f"{where}: {str(bad[0])!r} is not .json, .jsonl or .ndjson")
+        raise SFTDataError(f"{where}: {str(bad[0])!r} is not .json, .jsonl or .ndjson (or one of them compressed: "
+                           f"{', '.join(COMPRESSIONS)})")
     return files
 
 
 def _read_jsonl(path: Path) -> Iterator[Raw]:
-    with open(path, "rb") as fh:
+    with open_input(path) as fh:
         for n, raw in enumerate(fh, 1):
             loc = f"line:{n}"
             if not raw.strip():
@@ -239,7 +242,8 @@ def _read_jsonl(path: Path) -> Iterator[Raw]:
 
 def _read_json(path: Path) -> Iterator[Raw]:
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        with open_input(path) as fh:
+            data = json.loads(fh.read().decode("utf-8"))
     except UnicodeDecodeError as e:
         yield Raw("file", reason="non_utf8", detail=f"invalid UTF-8 at byte {e.start}")
         return
@@ -263,9 +267,15 @@ def iter_source(src: SFTSource, files: list[Path]) -> Iterator[tuple[str, Raw]]:
             yield src.path, Raw(loc, rec)
         return
     for f in files:
-        name = _display(f)
-        for raw in READERS[SUFFIX_KINDS[f.suffix.lower()]](f):
-            yield name, raw
+        name, read = _display(f), 0
+        try:
+            for raw in READERS[SUFFIX_KINDS[format_suffix(f)]](f):
+                read += 1
+                yield name, raw
+        except DamagedStream as e:  # what was read before the damage stays
+            yield name, Raw("file", reason="unreadable", detail=f"its {compression_of(f)} data is damaged or cut "
+                                                                 f"short after {read} record(s); the rest of the file "
+                                                                 f"was not read: {e}")
 
 
 # --- examples, split, packing ------------------------------------------------------------------

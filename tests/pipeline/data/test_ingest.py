@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data.compressed import COMPRESSIONS
 from pipeline.data.docs import DocTable
-from pipeline.data.ingest import (COMPRESSIONS, IngestConfig, IngestError, doc_id, resolve_sources, run_ingest,
-                                  split_text)
+from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
 from pipeline.files import read_json
 
 

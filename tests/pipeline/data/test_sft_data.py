@@ -125,6 +125,38 @@ def test_a_directory_source_reads_json_files_only(tmp_path, tok_path, three_form
     assert m["examples_in"] == 30 and m["skipped"] == {}
 
 
+def test_compressed_sources_give_the_examples_of_the_plain_files(tmp_path, tok_path, three_formats):
+    """messages.jsonl.gz, sharegpt.json.zst and alpaca.ndjson.xz, found by a
+    folder source: the bytes of the plain files' build; one cut short keeps its
+    first records and counts the rest as unreadable."""
+    from tests.pipeline.data.test_ingest import compress
+
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for name, codec in (("messages.jsonl", "gzip"), ("sharegpt.json", "zstd"), ("alpaca.ndjson", "xz")):
+        (packed / name).write_bytes((three_formats / name).read_bytes())
+        compress(packed / name, codec)
+        (packed / name).unlink()
+    want, m_want = build(tmp_path, tok_path, "plain", sources=[SFTSource(path=str(three_formats / f))
+                                                              for f in ("alpaca.ndjson", "messages.jsonl",
+                                                                        "sharegpt.json")])
+    got, m_got = build(tmp_path, tok_path, "packed", sources=[SFTSource(path=str(packed))])
+    same = lambda m: {k: v for k, v in m.items() if k not in ("sources", "seconds")}  # sources: by path
+    assert same(m_got) == same(m_want) and m_got["examples_in"] == 30 and m_got["skipped"] == {}
+    for split in ("train", "val"):
+        assert [a.tolist() for a in read_split(got, split)[:2]] == [a.tolist() for a in read_split(want, split)[:2]]
+
+    write_jsonl(tmp_path / "many.jsonl", [messages_rec(i) for i in range(3000)])
+    cut = compress(tmp_path / "many.jsonl", "gzip")
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    _, m = build(tmp_path, tok_path, "cut", sources=[SFTSource(path=str(cut))], seq_len=512)
+    assert m["skipped"] == {"unreadable": 1} and 0 < m["examples_in"] - 1 < 3000
+    [q] = [json.loads(x) for x in (tmp_path / "cut-quarantine.jsonl").read_text().splitlines()]
+    assert q["location"] == "file" and q["detail"].startswith(
+        f"its gzip data is damaged or cut short after {m['examples_in'] - 1} record(s); the rest of the file was "
+        "not read: ")
+
+
 def test_malformed_rows_are_counted_and_quarantined(tmp_path, tok_path):
     good = [messages_rec(i) for i in range(8)]
     lines = [json.dumps(r).encode() for r in good] + [

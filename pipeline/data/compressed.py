@@ -1,0 +1,69 @@
+"""Compressed input files, decompressed as they are read.
+
+A file's last suffix names its codec (:data:`COMPRESSIONS`) and the suffix
+before it its format: ``corpus.jsonl.zst`` is JSON Lines, ``book.txt.gz`` text.
+pyarrow's codecs decompress gzip, bz2, zstd and lz4 (frame); Python's lzma, xz.
+The data stages read a compressed file as they would the file it was made from.
+"""
+
+from __future__ import annotations
+
+import io
+import lzma
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+
+COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4",
+                                ".xz": "xz"}
+
+# Decompressed in pieces of this size: a codec that meets damaged data drops the
+# piece it was filling, so what came before the damage is kept but for this much.
+DECOMPRESSED_PIECE = 1 << 16
+
+
+class DamagedStream(Exception):
+    """A compressed input whose data is cut short or corrupt (its codec's error)."""
+
+
+def compression_of(path: Path) -> str | None:
+    """The codec a file is compressed with, by its suffix (None: not compressed)."""
+    return COMPRESSIONS.get(path.suffix.lower())
+
+
+def format_suffix(path: Path) -> str:
+    """The suffix that names a file's format, lower-cased: the one before the
+    codec's for a compressed file (``.jsonl`` for ``x.JSONL.gz``)."""
+    return (path.with_suffix("") if compression_of(path) else path).suffix.lower()
+
+
+class _Decompressed(io.RawIOBase):
+    """The decompressed bytes of a compressed file. Any error of the codec (or of
+    reading the file under it) is a DamagedStream, so that a reader tells a
+    damaged file from its own failures."""
+
+    def __init__(self, path: Path, codec: str):
+        self._stream = lzma.open(path, "rb") if codec == "xz" else pa.input_stream(str(path), compression=codec)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            return self._stream.readinto(buffer)
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            raise DamagedStream(f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stream.close()
+        super().close()
+
+
+def open_input(path: Path) -> BinaryIO:
+    """A file's bytes, decompressed where its suffix names a codec."""
+    codec = compression_of(path)
+    if codec is None:
+        return open(path, "rb")
+    return io.BufferedReader(_Decompressed(path, codec), DECOMPRESSED_PIECE)
