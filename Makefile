@@ -64,6 +64,7 @@ bench: install
 	$(BIN)/python -m bench.ray_data
 	$(BIN)/python -m bench.dedup_bucket
 	$(BIN)/python -m bench.pack_resume
+	$(BIN)/python -m bench.compressed
 	$(BIN)/python -m bench.train
 	$(BIN)/python -m bench.hf
 

@@ -82,7 +82,7 @@ SUFFIX_FORMATS: dict[str, str] = {
 }
 
 # A compressed file counts as this many times its size on disk against
-# worker_file_bytes (text compresses about 3-4x with gzip or zstd), so that a
+# worker_file_bytes (text compresses about 3-6x with gzip, zstd or xz), so that a
 # worker reading one whole holds about as much as for a plain file of that limit.
 COMPRESSED_SIZE_FACTOR = 4
 SCHEMA = pa.schema([
@@ -488,17 +488,23 @@ def _texts(text: object, split_by: str, base: str, max_doc_bytes: int) -> Iterat
             yield Doc(loc, piece)
 
 
+def _not_text(head: bytes) -> Skip | None:
+    """The skip of a text file whose first BINARY_SNIFF_BYTES are ``head``: empty, or binary."""
+    if not head:
+        return Skip("empty_file", "file")
+    if b"\x00" in head:
+        return Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+    return None
+
+
 def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     if f.source.split_by == "chunk":
         yield from read_chunks(f, cfg)
         return
     with open_input(f.path) as fh:
         head = fh.read(BINARY_SNIFF_BYTES)
-        if not head:
-            yield Skip("empty_file", "file")
-            return
-        if b"\x00" in head:
-            yield Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+        if (skip := _not_text(head)) is not None:
+            yield skip
             return
         if f.source.split_by == "file":
             data = head + fh.read(max(0, cfg.max_doc_bytes + 1 - len(head)))  # holds one byte too many at most
@@ -569,11 +575,8 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     chunk_bytes, max_line = f.source.chunk_bytes, cfg.max_doc_bytes
     with open_input(f.path) as fh:
         head = fh.read(BINARY_SNIFF_BYTES)
-        if not head:
-            yield Skip("empty_file", "file")
-            return
-        if b"\x00" in head:
-            yield Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+        if (skip := _not_text(head)) is not None:
+            yield skip
             return
     with open_input(f.path) as fh:
         lines: list[bytes] = []
