@@ -77,10 +77,13 @@ from __future__ import annotations
 
 import bisect
 import datetime as dt
+import fcntl
 import glob
 import hashlib
 import json
 import logging
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -91,9 +94,8 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.data import stdlib_qa
+from pipeline.data import chat, chat_template, compressed, resume, shards, stdlib_qa
 from pipeline.data.accounting import Ledger
-from pipeline.data.compressed import COMPRESSIONS, DamagedStream, compression_of, format_suffix, open_input
 from pipeline.data.chat import IGNORE_INDEX, ChatFormatError, to_messages
 from pipeline.data.chat_template import (
     DEFAULT_DATE,
@@ -103,9 +105,11 @@ from pipeline.data.chat_template import (
     load_chat_template,
     stop_ids,
 )
-from pipeline.data.shards import SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
+from pipeline.data.compressed import COMPRESSIONS, DamagedStream, compression_of, format_suffix, open_input
+from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.data.tokenizer import load_specials, open_tokenizer
 from pipeline.errors import StageError
+from pipeline.files import read_json, sha256_file, write_json
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.sft_data")
@@ -517,3 +521,59 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
         "sources": {s["path"]: {k: s[k] for k in ("records", "examples", "capped")} for s in per_source},
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+# --- one build for the nodes of a run --------------------------------------------------------
+
+BUILD_RECORD = ".build.json"  # <out_dir>/.build.json: the fingerprint and metrics of its complete build
+BUILD_LOCK = ".build.lock"  # <out_dir>/.build.lock: held while a build is checked or made
+
+
+def build_fingerprint(cfg: SFTDataConfig, tokenizer_path: str | Path) -> str:
+    """What a build depends on: the data params, the tokenizer's folder (its
+    files' sizes and times: the tokenizer and any chat template in it), the
+    sources' files (sizes and times) and a ``.jinja`` template's, the Python
+    (the built-in dataset reads its standard library) and the code."""
+    folder = Path(tokenizer_path).parent
+    files = [f for i, src in enumerate(cfg.sources) for f in resolve_source(src, i)]
+    if Path(cfg.chat_template).expanduser().is_file():
+        files.append(Path(cfg.chat_template).expanduser())
+    return resume.digest_json({
+        "params": cfg.model_dump(mode="json"), "tokenizer": sha256_file(tokenizer_path),
+        "tokenizer folder": resume.files_digest(sorted(p for p in folder.iterdir() if p.is_file())),
+        "sources": resume.files_digest(files), "python": sys.version,
+        "code": resume.code_digest(sys.modules[__name__], chat, chat_template, compressed, shards, stdlib_qa)})
+
+
+def build_once(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Path,
+               quarantine_path: str | Path) -> dict:
+    """:func:`build_sft_data`, unless ``out_dir`` holds a complete build of the
+    same :func:`build_fingerprint`; returns the build's metrics either way.
+
+    Every node of a multi-node run starts the stage, and so the build. On
+    storage the nodes share, two builds at once would remove each other's
+    shards; so the check and the build hold an exclusive lock on
+    ``out_dir/.build.lock`` (flock, which is cluster-wide over NFS): the first
+    node builds while the others wait, and they then find it built."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = build_fingerprint(cfg, tokenizer_path)
+    record = out_dir / BUILD_RECORD
+    fd = os.open(out_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for the SFT data build in %s that another process (or node) holds", out_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if record.exists() and (out_dir / MANIFEST).exists():
+            built = read_json(record)
+            if built.get("fingerprint") == fingerprint:
+                log.info("%s holds this build already (made on %s): not built again", out_dir, built["host"])
+                return built["metrics"]
+        record.unlink(missing_ok=True)
+        metrics = build_sft_data(cfg, tokenizer_path, out_dir, quarantine_path)
+        write_json(record, {"fingerprint": fingerprint, "host": socket.gethostname(), "metrics": metrics})
+        return metrics
+    finally:
+        os.close(fd)  # and with it the lock

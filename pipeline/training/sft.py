@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from pipeline.data import shards
-from pipeline.data.sft_data import SFTDataConfig, build_sft_data
+from pipeline.data.sft_data import SFTDataConfig, build_once
 from pipeline.errors import StageError
 from pipeline.files import read_json, write_json
 from pipeline.model.transformer import ModelConfig
@@ -123,7 +123,7 @@ def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine
     and check that the run can start or resume."""
     pretrained(pretrain_dir)
     check_compute(cfg)
-    metrics = build_sft_data(cfg.data, tokenizer_path, data_dir, quarantine_path)
+    metrics = build_once(cfg.data, tokenizer_path, data_dir, quarantine_path)  # once for the nodes sharing it
     write_json(Path(data_dir) / DATA_REPORT, metrics)
     init, model_cfg, data_id, _ = plan(cfg, data_dir, pretrain_dir)
     check_batch(cfg, Path(data_dir) / "train")

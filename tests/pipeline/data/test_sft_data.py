@@ -459,3 +459,60 @@ def test_unusable_template_fails_in_one_line_before_reading(tmp_path, tok_path, 
     assert not (tmp_path / "out-quarantine.jsonl").exists()
     with pytest.raises(ChatTemplateError, match="neither auto, chatml nor an existing"):
         build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))], chat_template="nope.jinja")
+
+
+# Two processes (the launchers of two nodes) call build_once on one folder at the
+# same moment (a file each touches, then waits for the other's), and print
+# whether they built or found it built.
+BUILD_AT_ONCE = """
+import json, logging, sys, time
+from pathlib import Path
+from pipeline.data.sft_data import SFTDataConfig, build_once
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+me, tok, out, sources = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+cfg = SFTDataConfig(sources=sources, seq_len=64, val_fraction=0.25)
+(out.parent / f"ready-{me}").touch()
+while len(list(out.parent.glob("ready-*"))) < 2:
+    time.sleep(0.001)
+metrics = build_once(cfg, tok, out, out.parent / f"quarantine-{me}.jsonl")
+print("RESULT " + json.dumps(metrics["examples_in"]), flush=True)
+"""
+
+
+def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp_path, tok_path):
+    """Every node's launcher builds the SFT data; on shared storage two builds
+    at once would remove each other's shards. One builds, the other waits for
+    it and finds it built; the folder is the bytes of a build alone. A change
+    to the data params (or the sources) builds it again."""
+    import subprocess
+
+    from pipeline.data.sft_data import build_once
+    from tests.conftest import ROOT
+
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(1500)])
+    sources = [{"path": str(tmp_path / "chat.jsonl")}]
+    alone = build(tmp_path, tok_path, "alone", sources=[SFTSource(**s) for s in sources])[0]
+    shared = tmp_path / "nodes" / "sft"
+    shared.parent.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_AT_ONCE, me, str(tok_path), str(shared),
+                               json.dumps(sources)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for me in ("node0", "node1")]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    found = [("holds this build already" in out) for out in outs]
+    assert sorted(found) == [False, True], outs
+    assert all("RESULT 1500" in out for out in outs)
+    files = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*")
+                       if p.is_file() and not p.name.startswith(".build")}
+    assert files(shared) == files(alone)
+
+    cfg = SFTDataConfig(sources=sources, seq_len=64, val_fraction=0.25)
+    manifest = (shared / MANIFEST).stat().st_mtime_ns
+    build_once(cfg, tok_path, shared, tmp_path / "q.jsonl")
+    assert (shared / MANIFEST).stat().st_mtime_ns == manifest, "the same build is not made again"
+    build_once(cfg.model_copy(update={"seed": 1}), tok_path, shared, tmp_path / "q.jsonl")
+    assert (shared / MANIFEST).stat().st_mtime_ns != manifest, "other params build again"
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(1400)])
+    assert build_once(cfg.model_copy(update={"seed": 1}), tok_path, shared, tmp_path / "q.jsonl")[
+        "examples_in"] == 1400, "a changed source builds again"
