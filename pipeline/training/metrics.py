@@ -173,6 +173,15 @@ class MetricsLogger:
         if self._tracker is not None:
             self._tracker.log_params(params)
 
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self._tracker is not None:
+            self._tracker.set_tags(tags)
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id (rank 0, tracked, the server reached), else None."""
+        return self._tracker.run_id if self._tracker is not None else None
+
     def log(self, step: int, metrics: dict[str, Any], force: bool = False) -> None:
         """Count a finished step; at report steps (every ``cfg.every``, or ``force``)
         compute throughput, MFU and peak memory and write the row. Call on every rank."""

@@ -191,6 +191,7 @@ class Trainer:
         self.init_id = init_identity(init_from, init_id, init_optimizer)
         self.init_meta = {"id": self.init_id, "from": str(init_from.path) if init_from else None,
                           "optimizer": init_optimizer}
+        self._init_run = init_from.meta.get("mlflow_run_id") if init_from is not None else None
         self.sharded = cfg.compute.parallelism == "fsdp"
         self.d = d = distributed.init(cfg.compute.device, need_group=self.sharded, timeout_s=cfg.launch.timeout_s)
         self._lock_fd = hold_shared(self.out_dir)
@@ -424,7 +425,8 @@ class Trainer:
                     "precision": self.precision, "seq_len": self.seq_len,
                     "tokens_seen": self.step * self.tokens_per_step, "metrics": metrics,
                     "final": self.step >= self.cfg.schedule.max_steps,
-                    "schedule": self.cfg.schedule.model_dump(mode="json"), "init": self.init_meta, **self.extra_meta}
+                    "schedule": self.cfg.schedule.model_dump(mode="json"), "init": self.init_meta,
+                    "mlflow_run_id": self.metrics.run_id, **self.extra_meta}
             own = metrics.get("val_loss") if metrics.get("val_step") == self.step else None
             self.checkpoints.save(self.step, self.model, self.optimizer, state, meta, val_loss=own,
                                   sharded=self.d if self.sharded else None)
@@ -523,6 +525,7 @@ class Trainer:
         keep_best = cfg.checkpoint.keep_best
         with self.metrics.start(start_step) as metrics:
             metrics.log_params(self.run_params())
+            metrics.set_tags(self.lineage_tags())
             while self.step < cfg.schedule.max_steps:
                 m = self.train_step()
                 last_step = self.step == cfg.schedule.max_steps
@@ -579,6 +582,20 @@ class Trainer:
                 "batch.micro_batch_size.requested": self.requested_micro_batch,
                 "flops_per_token": self.metrics.flops_per_token, "peak_flops_total": self.metrics.peak_flops_total,
                 "peak_flops_source": self.metrics.peak_source, "run_fingerprint": self.fingerprint}
+
+    def lineage_tags(self) -> dict[str, Any]:
+        """MLflow tags that tie this run to the runs it continues: the run whose
+        checkpoint it resumed from (a run killed, or lengthened, goes on in a new
+        MLflow run), and the run that wrote the checkpoint it started from
+        (``init_from``: sft's pretrain run). "unknown" for a checkpoint written
+        untracked or offline."""
+        tags: dict[str, Any] = {}
+        if self.resumed is not None:
+            tags["pipeline.resumed_from_run_id"] = self.resumed.meta.get("mlflow_run_id") or "unknown"
+            tags["pipeline.resumed_from_step"] = self.resumed.step
+        if self.init_meta["from"] is not None:
+            tags["pipeline.init_from_run_id"] = self._init_run or "unknown"
+        return tags
 
     def close(self) -> None:
         os.close(self._lock_fd)

@@ -563,3 +563,31 @@ def test_fsdp_composes_with_compile_and_activation_checkpointing(tmp_path):
     run(tmp_path / "fsdp", max_steps=3, parallelism="fsdp", compile=True, activation_checkpointing=True)
     eager, fsdp = losses_and_norms(tmp_path / "eager"), losses_and_norms(tmp_path / "fsdp")
     assert [float(x) for row in fsdp for x in row] == pytest.approx([float(x) for row in eager for x in row], rel=1e-5)
+
+
+def test_mlflow_ties_a_continued_run_and_a_warm_start_to_the_runs_they_come_from(tmp_path, monkeypatch):
+    """A run that goes on from a checkpoint (lengthened here; killed and rerun
+    alike) is a new MLflow run, tagged with the run that wrote that checkpoint
+    and its step; a run started from a checkpoint of ours (init_from) is tagged
+    with the run that wrote it. The checkpoint's meta records its run."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for key, value in {"PIPELINE_TRACKING": "1", "MLFLOW_TRACKING_URI": uri,
+                       "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "0"}.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "a").mkdir()
+    run(tmp_path / "a", max_steps=4, checkpoint_every=2, track=True)
+    run(tmp_path / "a", max_steps=6, checkpoint_every=2, track=True)
+    last = ckpt.latest(tmp_path / "a" / "models")
+    (tmp_path / "b").mkdir()
+    run(tmp_path / "b", max_steps=3, track=True, init_from=str(last.path))
+    client = mlflow.MlflowClient(uri)
+    first, continued, warm = sorted(client.search_runs([e.experiment_id for e in client.search_experiments()]),
+                                    key=lambda r: r.info.start_time)
+    assert "pipeline.resumed_from_run_id" not in first.data.tags
+    assert continued.data.tags["pipeline.resumed_from_run_id"] == first.info.run_id
+    assert continued.data.tags["pipeline.resumed_from_step"] == "4"
+    assert last.meta["mlflow_run_id"] == continued.info.run_id
+    assert warm.data.tags["pipeline.init_from_run_id"] == continued.info.run_id
+    assert "pipeline.resumed_from_run_id" not in warm.data.tags
