@@ -744,8 +744,10 @@ def plain_corpus(d):
     (d / "rows.jsonl").write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(500)) + '{"oops\n')
     (d / "list.json").write_text(json.dumps([{"text": f"item {i}"} for i in range(50)] + [7]))
     (d / "table.csv").write_text("text,id\n" + "".join(f'"cell {i}, quoted",{i}\n' for i in range(200)) + "x,1,2\n")
+    (d / "long.txt").write_text("".join(f"sentence {i} of one long text\n" for i in range(2000)))
     return [{"path": str(d / "book.txt*"), "split_by": "paragraph"}, {"path": str(d / "rows.jsonl*")},
-            {"path": str(d / "list.json*")}, {"path": str(d / "table.csv*")}]
+            {"path": str(d / "list.json*")}, {"path": str(d / "table.csv*")},
+            {"path": str(d / "long.txt*"), "split_by": "chunk", "chunk_bytes": 4000}]
 
 
 @pytest.mark.parametrize("codec", ["gzip", "zstd", "bz2", "lz4", "xz"])
@@ -760,11 +762,11 @@ def test_a_compressed_input_gives_what_the_plain_file_gives(tmp_path, codec):
         (packed / f.name).write_bytes(f.read_bytes())
         compress(packed / f.name, codec)
         (packed / f.name).unlink()
-    assert len(list(packed.iterdir())) == 4
+    assert len(list(packed.iterdir())) == 5
     want, want_docs, want_q = run(tmp_path / "a", sources=plain)
     got, got_docs, got_q = run(tmp_path / "b", sources=[{**s, "path": s["path"].replace("plain", "packed")}
                                                         for s in plain])
-    assert got == want and want["docs"] == 300 + 500 + 50 + 200
+    assert got == want and want["docs"] == 300 + 500 + 50 + 200 + 16  # 60,890 bytes in chunks of at most 4,000
     assert report(tmp_path / "b")["skipped"] == report(tmp_path / "a")["skipped"] == {
         "malformed_json": 2, "malformed_csv": 1}
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("id", "source", "source_name")} for r in rows]
