@@ -1184,9 +1184,11 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
 
 def _input_bytes(f: InputFile) -> int:
     """The bytes of an input on disk: a file's, a saved dataset folder's files'; 0
-    for a dataset named for load_dataset (its size is not known here)."""
+    for a dataset named for load_dataset (its size is not known here). A
+    compressed file counts COMPRESSED_SIZE_FACTOR times its size, about the
+    text it holds, so that the bar moves through it at the pace of its text."""
     if f.path.is_file():
-        return f.path.stat().st_size
+        return f.path.stat().st_size * (COMPRESSED_SIZE_FACTOR if compression_of(f.path) else 1)
     if f.path.is_dir() and f.format == "hf":
         return sum(p.stat().st_size for p in f.path.rglob("*") if p.is_file())
     return 0
@@ -1194,8 +1196,8 @@ def _input_bytes(f: InputFile) -> int:
 
 class _FileBar:
     """The stage's progress bar, in bytes of input: a document advances it by its
-    text's bytes, but by no more than its file's size on disk (compressed Parquet
-    holds more text than bytes); a file read to its end (skips, markup, a
+    text's bytes, but by no more than its file's size (:func:`_input_bytes`;
+    compressed Parquet holds more text than bytes); a file read to its end (skips, markup, a
     format's overhead) brings the bar to its whole size."""
 
     def __init__(self, bar: Any, sizes: list[int]):

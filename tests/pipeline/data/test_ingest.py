@@ -705,8 +705,9 @@ def test_a_validation_copy_outlives_its_training_copies_in_dedup(tmp_path, metho
 
 
 def test_the_progress_bar_counts_input_bytes_and_ends_full(tmp_path, monkeypatch):
-    """Compressed Parquet holds more text than bytes on disk, and a saved dataset
-    is a folder: the bar neither passes its total nor leaves them out of it."""
+    """Compressed Parquet holds more text than bytes on disk, a compressed file
+    too, and a saved dataset is a folder: the bar neither passes its total nor
+    leaves them out of it."""
     import contextlib
 
     import datasets
@@ -727,13 +728,17 @@ def test_the_progress_bar_counts_input_bytes_and_ends_full(tmp_path, monkeypatch
                    compression="zstd")
     datasets.Dataset.from_dict({"text": ["a saved dataset row"] * 50}).save_to_disk(str(tmp_path / "ds"))
     (tmp_path / "t.txt").write_text("plain text\n")
-    sources = [{"path": str(tmp_path / "z.parquet")}, {"path": str(tmp_path / "ds")}, {"path": str(tmp_path / "t.txt")}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(300)))
+    gz = compress(tmp_path / "c.jsonl", "gzip")
+    sources = [{"path": str(tmp_path / "z.parquet")}, {"path": str(tmp_path / "ds")}, {"path": str(tmp_path / "t.txt")},
+               {"path": str(gz)}]
     metrics, _, _ = run(tmp_path, sources=sources)
     on_disk = (tmp_path / "z.parquet").stat().st_size
     assert metrics["bytes"] > 10 * on_disk  # the text is far larger than the file
     [bar] = bars
     folder = sum(p.stat().st_size for p in (tmp_path / "ds").rglob("*") if p.is_file())
-    assert bar.total == on_disk + folder + len("plain text\n")
+    # a compressed file counts as the text it is taken to hold: 4 times its size
+    assert bar.total == on_disk + folder + len("plain text\n") + 4 * gz.stat().st_size
     assert bar.most == bar.n == bar.total
 
 
