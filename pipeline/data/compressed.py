@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import lzma
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import pyarrow as pa
 
@@ -67,3 +67,20 @@ def open_input(path: Path) -> BinaryIO:
     if codec is None:
         return open(path, "rb")
     return io.BufferedReader(_Decompressed(path, codec), DECOMPRESSED_PIECE)
+
+
+T = TypeVar("T")
+
+
+def until_damaged(items: Iterable[T], path: Path, skip: Callable[[str], T], unit: str = "item") -> Iterator[T]:
+    """``items``, read from the file at ``path``, as they come; where its
+    compressed data turns out damaged, one last ``skip(why)`` for the rest of
+    the file, which is not read (what came before the damage stays)."""
+    read = 0
+    try:
+        for item in items:
+            read += 1
+            yield item
+    except DamagedStream as e:
+        yield skip(f"its {compression_of(path)} data is damaged or cut short after {read} {unit}(s); the rest of "
+                   f"the file was not read: {e}")

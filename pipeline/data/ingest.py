@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pipeline.data import accounting, compressed, resume
 from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
-from pipeline.data.compressed import DamagedStream, compression_of, format_suffix, open_input
+from pipeline.data.compressed import compression_of, format_suffix, open_input, until_damaged
 from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.resume import ShardLog
@@ -930,16 +930,10 @@ def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iter
     if f.format != "hf" and (why := not_a_file(f.path)) is not None:
         yield Skip("not_a_file", "file", detail=why)
         return
-    read = 0
     try:
-        for item in READERS[f.format](f, cfg):
-            read += 1
-            yield item
+        yield from until_damaged(READERS[f.format](f, cfg), f.path, lambda why: Skip("unreadable", "file", detail=why))
     except (PermissionError, IsADirectoryError, FileNotFoundError) as e:  # gone since it was listed: a race
         yield Skip("unreadable", "file", detail=str(e))
-    except DamagedStream as e:  # what was read before the damage stays, counted as read
-        yield Skip("unreadable", "file", detail=f"its {compression_of(f.path)} data is damaged or cut short after "
-                                                f"{read} item(s); the rest of the file was not read: {e}")
 
 
 _WORKER: dict[str, IngestConfig] = {}
@@ -1012,8 +1006,7 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
         if dup or f.format == "hf" or not f.path.is_file():
             return None
         st = f.path.stat()
-        size = st.st_size * (COMPRESSED_SIZE_FACTOR if compression_of(f.path) else 1)
-        return (st.st_size, st.st_mtime_ns) if size <= cfg.worker_file_bytes else None
+        return (st.st_size, st.st_mtime_ns) if _input_bytes(f) <= cfg.worker_file_bytes else None
 
     elsewhere: list[str] = []
     results = ex.map(_read_whole, ((f, stat_of(f, dup)) for f, dup in plan[first:]))

@@ -105,7 +105,7 @@ from pipeline.data.chat_template import (
     load_chat_template,
     stop_ids,
 )
-from pipeline.data.compressed import COMPRESSIONS, DamagedStream, compression_of, format_suffix, open_input
+from pipeline.data.compressed import COMPRESSIONS, format_suffix, open_input, until_damaged
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.data.tokenizer import load_specials, open_tokenizer
 from pipeline.errors import StageError
@@ -271,15 +271,10 @@ def iter_source(src: SFTSource, files: list[Path]) -> Iterator[tuple[str, Raw]]:
             yield src.path, Raw(loc, rec)
         return
     for f in files:
-        name, read = _display(f), 0
-        try:
-            for raw in READERS[SUFFIX_KINDS[format_suffix(f)]](f):
-                read += 1
-                yield name, raw
-        except DamagedStream as e:  # what was read before the damage stays
-            yield name, Raw("file", reason="unreadable", detail=f"its {compression_of(f)} data is damaged or cut "
-                                                                 f"short after {read} record(s); the rest of the file "
-                                                                 f"was not read: {e}")
+        name = _display(f)
+        for raw in until_damaged(READERS[SUFFIX_KINDS[format_suffix(f)]](f), f,
+                                 lambda why: Raw("file", reason="unreadable", detail=why), unit="record"):
+            yield name, raw
 
 
 # --- examples, split, packing ------------------------------------------------------------------
