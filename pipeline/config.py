@@ -151,6 +151,16 @@ def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def changed_keys(old: BaseModel | dict, new: BaseModel | dict) -> list[str]:
+    """Dotted keys (:func:`flatten`) whose values differ between two configs or
+    records, added and removed keys included, e.g. ``["optimizer.lr"]``."""
+    a, b = flatten(old), flatten(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, _MISSING) != b.get(k, _MISSING))
+
+
+_MISSING = object()
+
+
 def metric_values(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     """The numeric leaves of a (nested) metrics dict under dotted names, NaN kept;
     strings, bools, lists and nulls are dropped, since a metric is a number."""

@@ -97,7 +97,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_model
 
-from pipeline.config import flatten
+from pipeline.config import changed_keys, flatten
 from pipeline.errors import StageError
 from pipeline.files import (DiskFullError, atomic_dir, free_bytes, fsync_path, mount_point, sha256_file, size_text,
                             write_json)
@@ -712,16 +712,6 @@ def dcp_load(state: dict[str, Any], path: Path, *, no_dist: bool) -> None:
 
 # --- one run's checkpoint folder -------------------------------------------------------------------
 
-
-def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two identity records
-    (pipeline/training/config.py ``identity_record``), added and removed keys
-    included, e.g. ``["optimizer.lr"]``."""
-    a, b = flatten(old), flatten(new)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k, _MISSING) != b.get(k, _MISSING))
-
-
-_MISSING = object()
 
 
 @dataclass(frozen=True)

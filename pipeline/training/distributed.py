@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pipeline.config import changed_keys
 from pipeline.errors import StageError
 
 
@@ -81,7 +82,7 @@ def init(requested_device: str = "auto", need_group: bool = False, timeout_s: fl
     process (an in-memory store, no network), for code that needs one even alone:
     FSDP's device mesh and sharded checkpoints. ``timeout_s``: how long a
     collective waits for the other ranks (None: torch's default for the backend,
-    :func:`timeout_of`)."""
+    600 s for NCCL and 1800 s for gloo)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -192,7 +193,7 @@ def check_one_job(d: Dist, job: dict[str, Any], folder: Path, *, wait: float = 5
     seen = gather_objects((host, job), d)
     hosts, first = [h for h, _ in seen], seen[0][1]
     for rank, (_, other) in enumerate(seen):
-        differ = sorted(k for k in first.keys() | other.keys() if first.get(k, _ABSENT) != other.get(k, _ABSENT))
+        differ = changed_keys(first, other)
         if differ:
             shown = "; ".join(f"{k} is {_value(other, k)} there, {_value(first, k)} on rank 0" for k in differ[:4])
             more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
@@ -224,7 +225,6 @@ def check_one_job(d: Dist, job: dict[str, Any], folder: Path, *, wait: float = 5
 
 
 PROBE = ".probe-"  # <folder>/.probe-<random>: check_one_job's file, there for a moment
-_ABSENT = object()
 
 
 def _value(job: dict[str, Any], key: str) -> str:
