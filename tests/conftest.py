@@ -63,6 +63,15 @@ def tok_path(tmp_path_factory) -> Path:
     return path
 
 
+def dvc(cwd: Path, *args: str, env: dict | None = None, timeout: float = 900) -> str:
+    """``dvc *args`` in ``cwd`` (with this environment's bin first on PATH unless
+    ``env`` is given); asserts it succeeded and returns what it printed."""
+    env = env or {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
 def project_copy(dest: Path, params_overrides: dict | None = None) -> Path:
     """Copy the project's code and DVC files into ``dest`` as a fresh git+DVC repo."""
     import yaml

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import ast
 import fnmatch
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import BIN, ROOT, project_copy
+from tests.conftest import ROOT, dvc, project_copy
 from tests.imports import closure, rel
 
 # file (or glob) -> why a change to it cannot change any stage's outputs
@@ -107,13 +105,6 @@ def test_no_output_effect_names_real_files():
 
 # the packed-row reader (the "training data loader") is read by every stage that trains or scores
 READERS = {"pretrain", "sft", "evaluate"}
-
-
-def dvc(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    out = subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
 
 
 def changed_stages(status: str) -> set[str]:

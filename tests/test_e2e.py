@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from tests.conftest import BIN, project_copy
+from tests.conftest import BIN, dvc, project_copy
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +30,6 @@ TINY = {
     "evaluate.max_rows": 16, "evaluate.samples": {"max_new_tokens": 8},
 }
 STAGES = ["ingest", "clean", "tokenizer", "pack", "pretrain", "sft", "evaluate", "export"]
-
-
-def dvc(cwd, *args, env=None):
-    out = subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout + out.stderr
 
 
 def ran(output):

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import BIN, project_copy
+from tests.conftest import BIN, dvc, project_copy
 from tests.hf_models import save_tiny_hf_folder
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ RECIPE = {  # the README recipe's params, at test size
     "evaluate.max_rows": 8, "evaluate.samples": {"max_new_tokens": 4},
     "export.register_model": False,
 }
-
-
-def dvc(cwd, *args, env=None):
-    out = subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,11 @@ from tests.conftest import BIN, ROOT, project_copy
 DATA_STAGES = ["ingest", "clean", "tokenizer", "pack"]
 TINY = {
     "ingest.max_bytes": 300_000,
-    "clean.num_workers": 1,
+    "clean.executor.num_workers": 1,
     "tokenizer.vocab_size": 512,
     "tokenizer.sample_bytes": 200_000,
     "tokenizer.eval_bytes": 50_000,
-    "pack.num_workers": 1,
+    "pack.executor.num_workers": 1,
 }
 
 
@@ -541,13 +541,12 @@ def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
     assert set(p1.data.metrics) == set(p2.data.metrics), "metric names are the same across runs"
     assert any(k.startswith("pack.") for k in p1.data.metrics)
 
-    if "Tracker" in (ROOT / "pipeline" / "runner.py").read_text():  # per-stage child runs
-        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p1.info.run_id]
-        assert sorted(r.info.run_name for r in children) == sorted(DATA_STAGES)
-        for c in children:
-            assert c.data.tags.get("dvc.stage_hash") == hashes[c.info.run_name], "child and parent agree on lineage"
-        assert not [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p2.info.run_id], \
-            "a no-op run starts no stage runs"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p1.info.run_id]
+    assert sorted(r.info.run_name for r in children) == sorted(DATA_STAGES)
+    for c in children:
+        assert c.data.tags.get("dvc.stage_hash") == hashes[c.info.run_name], "child and parent agree on lineage"
+    assert not [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p2.info.run_id], \
+        "a no-op run starts no stage runs"
 
 
 def lineage_hashes(root: Path) -> dict[str, str]:

@@ -126,6 +126,22 @@ def test_two_ranks_give_the_same_update_as_one_rank_with_the_same_global_batch(t
                                    rtol=1e-5, atol=1e-6)
 
 
+def interrupted(p, tmp_path, act, **extra_env):
+    """Start the stage in ``p`` in a session of its own, its stderr to a file;
+    ``act(proc)`` disturbs it and waits for it to end. Whatever happens, the
+    stage's process group is killed after. Returns the stage's stderr."""
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, start_new_session=True,
+                                env=env(**extra_env), stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            act(proc)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        err.seek(0)
+        return proc, err.read()
+
+
 def wait_for_step(path, step, proc, timeout=120):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -239,28 +255,23 @@ def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_che
     exits 128 + the signal's number with one line."""
     p = project(tmp_path, nproc_per_node=2, max_steps=100000, checkpoint_every=2, track=True)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    with open(tmp_path / "stderr", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, start_new_session=True,
-                                env=env(PIPELINE_TRACKING="1", MLFLOW_TRACKING_URI=uri,
-                                        MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="0"),
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
-        try:
-            wait_for_step(p / "plots" / "pretrain.csv", 3, proc)  # checkpoint_every 2: one is on disk
-            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "-u" in c.cmdline()]
-            assert len(ranks) == 2, ranks  # torchrun runs a rank as `python -u -m stages.pretrain`
-            victim = ranks[1].pid, ranks[1].environ()["RANK"]
-            if sig == signal.SIGINT:
-                os.killpg(proc.pid, sig)
-            elif sig == signal.SIGTERM:
-                proc.send_signal(sig)
-            else:
-                ranks[1].send_signal(sig)
-            proc.wait(timeout=60)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        err.seek(0)
-        stderr = err.read()
+    ranks, victim = [], []
+
+    def stop(proc):
+        wait_for_step(p / "plots" / "pretrain.csv", 3, proc)  # checkpoint_every 2: one is on disk
+        ranks.extend(c for c in psutil.Process(proc.pid).children(recursive=True) if "-u" in c.cmdline())
+        assert len(ranks) == 2, ranks  # torchrun runs a rank as `python -u -m stages.pretrain`
+        victim.extend([ranks[1].pid, ranks[1].environ()["RANK"]])
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        elif sig == signal.SIGTERM:
+            proc.send_signal(sig)
+        else:
+            ranks[1].send_signal(sig)
+        proc.wait(timeout=60)
+
+    proc, stderr = interrupted(p, tmp_path, stop, PIPELINE_TRACKING="1", MLFLOW_TRACKING_URI=uri,
+                               MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="0")
     assert proc.returncode == 128 + sig, stderr[-3000:]
     _, alive = psutil.wait_procs(ranks, timeout=10)
     assert not alive, f"ranks still running after the stage stopped: {alive}"
@@ -284,22 +295,16 @@ def test_a_rank_that_stalls_past_launch_timeout_s_stops_the_run_in_one_line(tmp_
     launch.timeout_s they stop, and the one that waited says so in one line,
     no traceback, naming the key to raise."""
     p = project(tmp_path, nproc_per_node=2, max_steps=100000, **{"launch.timeout_s": 4})
-    with open(tmp_path / "stderr", "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=p, start_new_session=True, env=env(),
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
-        try:
-            wait_for_step(p / "plots" / "pretrain.csv", 2, proc)
-            [stalled] = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                         if "-u" in c.cmdline() and c.environ()["RANK"] == "1"]
-            stalled.suspend()
-            time.sleep(12)  # rank 0 waits 4 s, then 3 s of grace before it speaks
-            stalled.resume()
-            proc.wait(timeout=90)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        err.seek(0)
-        stderr = err.read()
+    def stall(proc):
+        wait_for_step(p / "plots" / "pretrain.csv", 2, proc)
+        [stalled] = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                     if "-u" in c.cmdline() and c.environ()["RANK"] == "1"]
+        stalled.suspend()
+        time.sleep(12)  # rank 0 waits 4 s, then 3 s of grace before it speaks
+        stalled.resume()
+        proc.wait(timeout=90)
+
+    proc, stderr = interrupted(p, tmp_path, stall)
     assert proc.returncode == 2, stderr[-3000:]
     [line] = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert re.fullmatch(r"error: stage pretrain \(rank 0\) failed: a collective waited more than 4 s "
