@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -33,6 +34,21 @@ from pipeline.errors import StageError
 # failed for want of space, whatever the writer raised.
 LOW_SPACE_BYTES = 1 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+# What a URL starts with: s3://, gs://, hf://, https://, file://
+URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def refuse_url(path: str) -> str:
+    """``path``, unless it is a URL: the stages read their inputs through this
+    machine's filesystem (and DVC tracks them there), so a URL is refused with
+    how to get its files there, rather than matching no files."""
+    if match := URL_SCHEME.match(path):
+        raise ValueError(f"a URL ({match.group(0)}), but inputs are read from this machine's "
+                         "filesystem: mount the storage at the same path on every node (an object store with "
+                         "mountpoint-s3, gcsfuse or blobfuse2) or copy the files here, and give that path")
+    return path
 
 
 class DiskFullError(StageError):

@@ -59,7 +59,7 @@ from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
-from pipeline.files import write_json
+from pipeline.files import refuse_url, write_json
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.ingest")
@@ -136,6 +136,11 @@ class Source(BaseModel):
 
     # Source is not a StageConfig: defaults are not validated, so these run only on
     # values written in params.yaml.
+    @field_validator("path")
+    @classmethod
+    def _path_is_local(cls, path: str) -> str:
+        return refuse_url(path)
+
     @field_validator("split", mode="before")
     @classmethod
     def _split_is_a_mark(cls, split: object) -> object:

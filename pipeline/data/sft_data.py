@@ -109,7 +109,7 @@ from pipeline.data.compressed import COMPRESSIONS, format_suffix, open_input, un
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.data.tokenizer import load_specials, open_tokenizer
 from pipeline.errors import StageError
-from pipeline.files import read_json, sha256_file, write_json
+from pipeline.files import read_json, refuse_url, sha256_file, write_json
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.sft_data")
@@ -141,6 +141,7 @@ class SFTSource(BaseModel):
     @field_validator("path")
     @classmethod
     def _known_builtin(cls, v: str) -> str:
+        refuse_url(v)
         if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise ValueError("unknown built-in dataset; known: "
                              + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS))
