@@ -4,16 +4,20 @@ A file's last suffix names its codec (:data:`COMPRESSIONS`) and the suffix
 before it its format: ``corpus.jsonl.zst`` is JSON Lines, ``book.txt.gz`` text.
 pyarrow's codecs decompress gzip, bz2, zstd and lz4 (frame); Python's lzma, xz.
 The data stages read a compressed file as they would the file it was made from.
+A file in an object store (:class:`~pipeline.data.remote.RemotePath`) is read
+the same way, compressed or not.
 """
 
 from __future__ import annotations
 
 import io
 import lzma
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import pyarrow as pa
+
+from pipeline.data.remote import RemotePath, open_stream
 
 COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4",
                                 ".xz": "xz"}
@@ -27,24 +31,32 @@ class DamagedStream(Exception):
     """A compressed input whose data is cut short or corrupt (its codec's error)."""
 
 
-def compression_of(path: Path) -> str | None:
+def compression_of(path: Path | RemotePath) -> str | None:
     """The codec a file is compressed with, by its suffix (None: not compressed)."""
     return COMPRESSIONS.get(path.suffix.lower())
 
 
-def format_suffix(path: Path) -> str:
+def format_suffix(path: Path | RemotePath) -> str:
     """The suffix that names a file's format, lower-cased: the one before the
     codec's for a compressed file (``.jsonl`` for ``x.JSONL.gz``)."""
-    return (path.with_suffix("") if compression_of(path) else path).suffix.lower()
+    name = PurePosixPath(path.name)
+    return (name.with_suffix("") if compression_of(path) else name).suffix.lower()
 
 
 class _Decompressed(io.RawIOBase):
-    """The decompressed bytes of a compressed file. Any error of the codec (or of
-    reading the file under it) is a DamagedStream, so that a reader tells a
-    damaged file from its own failures."""
+    """The decompressed bytes of a compressed file (or the bytes of a remote
+    one, ``codec`` None). Any error of the codec, or of reading the file under
+    it, is a DamagedStream, so that a reader tells a damaged file from its own
+    failures."""
 
-    def __init__(self, path: Path, codec: str):
-        self._stream = lzma.open(path, "rb") if codec == "xz" else pa.input_stream(str(path), compression=codec)
+    def __init__(self, path: Path | RemotePath, codec: str | None):
+        self._under = None
+        if isinstance(path, RemotePath):
+            self._under = open_stream(path)
+            self._stream = (self._under if codec is None else lzma.open(self._under, "rb") if codec == "xz"
+                            else pa.CompressedInputStream(self._under, codec))
+        else:
+            self._stream = lzma.open(path, "rb") if codec == "xz" else pa.input_stream(str(path), compression=codec)
 
     def readable(self) -> bool:
         return True
@@ -58,13 +70,15 @@ class _Decompressed(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             self._stream.close()
+            if self._under is not None and not self._under.closed:
+                self._under.close()
         super().close()
 
 
-def open_input(path: Path) -> BinaryIO:
+def open_input(path: Path | RemotePath) -> BinaryIO:
     """A file's bytes, decompressed where its suffix names a codec."""
     codec = compression_of(path)
-    if codec is None:
+    if codec is None and not isinstance(path, RemotePath):
         return open(path, "rb")
     return io.BufferedReader(_Decompressed(path, codec), DECOMPRESSED_PIECE)
 
@@ -72,15 +86,18 @@ def open_input(path: Path) -> BinaryIO:
 T = TypeVar("T")
 
 
-def until_damaged(items: Iterable[T], path: Path, skip: Callable[[str], T], unit: str = "item") -> Iterator[T]:
+def until_damaged(items: Iterable[T], path: Path | RemotePath, skip: Callable[[str], T], unit: str = "item"
+                  ) -> Iterator[T]:
     """``items``, read from the file at ``path``, as they come; where its
-    compressed data turns out damaged, one last ``skip(why)`` for the rest of
-    the file, which is not read (what came before the damage stays)."""
+    compressed data turns out damaged (or a remote file's reading fails), one
+    last ``skip(why)`` for the rest of the file, which is not read (what came
+    before the damage stays)."""
     read = 0
     try:
         for item in items:
             read += 1
             yield item
     except DamagedStream as e:
-        yield skip(f"its {compression_of(path)} data is damaged or cut short after {read} {unit}(s); the rest of "
-                   f"the file was not read: {e}")
+        codec = compression_of(path)
+        what = f"its {codec} data is damaged or cut short" if codec else "reading it failed"
+        yield skip(f"{what} after {read} {unit}(s); the rest of the file was not read: {e}")

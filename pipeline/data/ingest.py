@@ -54,7 +54,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pipeline.data import accounting, compressed, resume
 from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
+from pipeline.data import remote
 from pipeline.data.compressed import compression_of, format_suffix, open_input, until_damaged
+from pipeline.data.remote import RemotePath
 from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.resume import ShardLog
@@ -116,7 +118,8 @@ class Source(BaseModel):
     name: str | None = Field(None, min_length=1, description="what metrics and reports call this source "
                              "(default: its path, with the hf config and split when given)")
 
-    path: str = Field(min_length=1, description="a file, a directory or a glob; may start with {stdlib}")
+    path: str = Field(min_length=1, description="a file, a directory or a glob, here or in an object store "
+                      "(s3://, gs://); may start with {stdlib}")
     format: Format = "auto"
     text_field: str = Field("text", min_length=1, description="field/column holding the text (record formats)")
     split_by: SplitBy = Field(
@@ -139,7 +142,7 @@ class Source(BaseModel):
     @field_validator("path")
     @classmethod
     def _path_is_local(cls, path: str) -> str:
-        return refuse_url(path)
+        return refuse_url(path, readable=remote.SCHEMES)
 
     @field_validator("split", mode="before")
     @classmethod
@@ -234,7 +237,7 @@ class IngestError(StageError):
 
 @dataclass(frozen=True)
 class InputFile:
-    path: Path  # real path on this machine
+    path: Path | RemotePath  # real path on this machine, or a file in an object store
     display: str  # how it is named in ids and quarantine (placeholders kept)
     format: str
     source: Source
@@ -265,11 +268,13 @@ def expand_placeholders(path: str) -> tuple[str, str | None, str | None]:
     return path, None, None
 
 
-def _display(p: Path, placeholder: str | None, value: str | None) -> str:
+def _display(p: Path | RemotePath, placeholder: str | None, value: str | None) -> str:
     """How the documents of ``p`` name their source (ids, the ``source`` column,
     reports): relative to the working folder where it lies below it. A name that
     is not UTF-8 shows its odd bytes as ``\\xNN``, so that it can be stored."""
     s = str(p)
+    if isinstance(p, RemotePath):
+        return s
     if placeholder and value and s.startswith(value):
         return _as_utf8(placeholder + s[len(value):])
     try:
@@ -288,7 +293,9 @@ def _as_utf8(s: str) -> str:
         return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _is_hidden(p: Path, root: Path) -> bool:
+def _is_hidden(p: Path | RemotePath, root: Path | RemotePath) -> bool:
+    if isinstance(p, RemotePath):
+        return any(part.startswith(".") for part in p.relative_parts(root))
     try:
         parts = p.relative_to(root).parts
     except ValueError:
@@ -348,8 +355,8 @@ def not_a_file(path: Path) -> str | None:
     return f"{kind}, not a regular file"
 
 
-def _infer_format(p: Path) -> str:
-    if _is_hf_dir(p):
+def _infer_format(p: Path | RemotePath) -> str:
+    if isinstance(p, Path) and _is_hf_dir(p):
         return "hf"
     return SUFFIX_FORMATS.get(format_suffix(p), "text")
 
@@ -367,6 +374,9 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         where = f"ingest.sources.{i}.path"
         expanded, ph, value = expand_placeholders(src.path)
         fmt = src.format
+        if fmt == "hf" and remote.scheme_of(expanded):
+            raise IngestError(f"{where}: format hf reads a local dataset folder or a dataset name, not "
+                              f"{src.path!r}; save the dataset as Parquet or JSON Lines files there instead")
         if fmt == "hf" and not Path(expanded).exists():
             # A dataset name for datasets.load_dataset (needs the network or the HF cache).
             if src.hf.revision is None:
@@ -379,7 +389,15 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             raise IngestError(f"{where}: hf.revision pins a dataset named for load_dataset, but {src.path} is a "
                               "local path (its files are what a rerun compares); remove hf.revision")
         p = Path(expanded)
-        if glob.has_magic(expanded):
+        if remote.scheme_of(expanded):
+            try:
+                found = remote.list_files(expanded)
+            except OSError as e:
+                raise IngestError(f"{where}: cannot list {src.path!r}: {e}".replace("\n", " ")) from None
+            if found is None:
+                raise IngestError(f"{where}: no such file or folder: {src.path!r}")
+            root, candidates = found
+        elif glob.has_magic(expanded):
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
             # The folder before the first wildcard: its own name is the user's, never a hidden part.
             root = Path(os.path.dirname(expanded.split("*")[0].split("?")[0].split("[")[0]) or ".")
@@ -740,7 +758,8 @@ def _read_columns(batches: Iterator[pa.RecordBatch], field: str, split_by: str, 
 
 def read_parquet(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     try:
-        pf = pq.ParquetFile(f.path, pre_buffer=False, buffer_size=1 << 20)  # pre_buffer keeps every chunk read
+        source = remote.open_file(f.path) if isinstance(f.path, RemotePath) else f.path
+        pf = pq.ParquetFile(source, pre_buffer=False, buffer_size=1 << 20)  # pre_buffer keeps every chunk read
     except (pa.ArrowInvalid, OSError) as e:
         yield Skip("unreadable", "file", detail=f"not a readable Parquet file: {e}")
         return
@@ -782,7 +801,8 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
             yield Skip("empty_file", "file")
             return
     with contextlib.ExitStack() as stack:  # a compressed file is read through a stream, closed at the end
-        source = f.path if compression_of(f.path) is None else stack.enter_context(open_input(f.path))
+        plain = isinstance(f.path, Path) and compression_of(f.path) is None
+        source = f.path if plain else stack.enter_context(open_input(f.path))
         yield from _read_csv(f, cfg, source)
 
 
@@ -958,7 +978,7 @@ def _read_whole(f: InputFile, seen: tuple[int, int] | None) -> list[Item] | str 
     if seen is None:
         return None
     try:
-        st = os.stat(f.path)
+        st = os.stat(f.path) if isinstance(f.path, Path) else f.path.restat()
     except OSError as e:
         return f"{f.path} is not readable on {socket.gethostname()} ({type(e).__name__})"
     if (st.st_size, st.st_mtime_ns) != seen:
@@ -1055,7 +1075,7 @@ def ingest_fingerprint(cfg: IngestConfig, files: list[InputFile]) -> str:
     return resume.fingerprint(
         "ingest", params=cfg.model_dump(mode="json", exclude=OUTPUT_NEUTRAL),
         inputs={"files": inputs_digest(files)},
-        code=resume.code_digest(sys.modules[__name__], accounting, compressed, docs_format, resume))
+        code=resume.code_digest(sys.modules[__name__], accounting, compressed, docs_format, remote, resume))
 
 
 class _Shard:

@@ -71,13 +71,14 @@ def code_digest(*modules: Any) -> str:
     return h.hexdigest()
 
 
-def files_digest(paths: Iterable[str | Path]) -> str:
+def files_digest(paths: Iterable[Any]) -> str:
     """sha256 over each file's path, size and modification time: what a stage's
     raw input looks like without reading it (a file touched but unchanged makes
-    the shards stale, which costs time but never mixes inputs)."""
+    the shards stale, which costs time but never mixes inputs). A path is a
+    str, a Path, or a :class:`~pipeline.data.remote.RemotePath`."""
     entries = []
     for p in paths:
-        st = Path(p).stat()
+        st = (p if hasattr(p, "stat") else Path(p)).stat()
         entries.append([str(p), st.st_size, st.st_mtime_ns])
     return digest_json(entries)
 

@@ -581,10 +581,11 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
     ([{"path": "x", "name": "web"}, {"path": "y", "name": "web"}],
      "sources.0 and sources.1 are both called 'web'; give them distinct names"),
     ([{"path": "x"}, {"path": "x"}], "both called 'x'"),
-    ([{"path": "{stdlib}/json"}, {"path": "gs://bucket/c4/*.json.gz"}],
-     r"ingest\.sources\.1\.path: Value error, a URL \(gs://\), but inputs are read from this machine's filesystem: "
-     r"mount the storage at the same path on every node \(an object store with mountpoint-s3, gcsfuse or "
-     r"blobfuse2\) or copy the files here, and give that path \(got 'gs://bucket/c4/\*\.json\.gz'\)"),
+    ([{"path": "{stdlib}/json"}, {"path": "hf://datasets/org/corpus/*.parquet"}],
+     r"ingest\.sources\.1\.path: Value error, a URL \(hf://\), but inputs are read from this machine's filesystem "
+     r"\(ingest also reads s3://, gs://, gcs://; see the README's Ingest sources\): mount the storage at the same "
+     r"path on every node \(an object store with mountpoint-s3, gcsfuse or blobfuse2\) or copy the files here, "
+     r"and give that path \(got 'hf://datasets/org/corpus/\*\.parquet'\)"),
 ])
 def test_bad_source_marks_are_one_line_errors(sources, message):
     with pytest.raises(ConfigError, match=message):

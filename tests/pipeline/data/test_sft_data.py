@@ -364,7 +364,8 @@ def test_a_url_source_is_refused_with_how_to_read_it():
     with pytest.raises(ConfigError) as err:
         parse_section(SFTDataConfig, {"sources": [{"path": "s3://bucket/chat/*.jsonl.gz"}]}, "sft.data")
     assert "  sft.data.sources.0.path: Value error, a URL (s3://), but inputs are read from this machine's " \
-           "filesystem: mount the storage at the same path on every node" in str(err.value)
+           "filesystem (see the README's Ingest sources): mount the storage at the same path on every node" \
+           in str(err.value)
 
 
 def test_config_defaults():

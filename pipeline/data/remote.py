@@ -1,0 +1,223 @@
+"""Input files in an object store or a distributed filesystem, read through
+pyarrow's filesystems (no other client library): ``s3://bucket/c4/*.json.gz``.
+
+:data:`SCHEMES` is what a source path may start with. pyarrow finds the
+credentials and options where each service's own tools do: for S3 the
+``AWS_*`` variables (``AWS_ENDPOINT_URL`` for an S3-compatible store such as
+MinIO), ``~/.aws`` or the machine's role; for Google Cloud Storage the
+application default credentials. Every process that reads (a pool or Ray
+worker on another node too) needs them.
+
+A :class:`RemotePath` stands where ingest has a local :class:`~pathlib.Path`:
+the same ``name``, ``suffix``, ``stat()`` (size and modification time, which
+the resume fingerprint and a worker's same-file check compare) and
+``is_file()``; :func:`open_stream` and :func:`open_file` give its bytes. It
+has no ``__fspath__``, so that nothing opens it as a local file by mistake.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+# scheme -> what it names (pyarrow.fs.FileSystem.from_uri reads each; a path in
+# either is "bucket/key")
+SCHEMES: dict[str, str] = {
+    "s3": "Amazon S3 or an S3-compatible store",
+    "gs": "Google Cloud Storage",
+    "gcs": "Google Cloud Storage",
+}
+
+URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
+GLOB_MAGIC = re.compile(r"[*?[]")
+
+_FILESYSTEMS: dict[str, Any] = {}  # "scheme://authority" -> its pyarrow filesystem, one per process
+
+
+def scheme_of(path: str) -> str | None:
+    """The scheme of a URL (``s3``), or None for a local path."""
+    match = URL.match(path)
+    return match.group(1).lower() if match else None
+
+
+def _split(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> (``s3://bucket``, ``a/b``)."""
+    scheme, rest = uri.split("://", 1)
+    authority, _, key = rest.partition("/")
+    return f"{scheme.lower()}://{authority}", key
+
+
+def filesystem(uri: str) -> tuple[Any, str]:
+    """The pyarrow filesystem that holds ``uri`` (made once per process and
+    bucket: for S3, ``from_uri`` asks the bucket's region) and the path in it."""
+    import pyarrow.fs as pafs
+
+    root, key = _split(uri)
+    if root not in _FILESYSTEMS:
+        _FILESYSTEMS[root] = pafs.FileSystem.from_uri(root)[0]
+    return _FILESYSTEMS[root], f"{root.split('://', 1)[1]}/{key}".rstrip("/")
+
+
+def _found(root: str, info: Any) -> "RemotePath":
+    """The file the filesystem of ``root`` (``s3://bucket``) listed as ``info``."""
+    return RemotePath(f"{root}/{info.path.split('/', 1)[1]}", info.size, info.mtime_ns or 0)
+
+
+@dataclass(frozen=True)
+class RemotePath:
+    """A file (or folder) named by a URL; ``str()`` is the URL. A path that a
+    listing found carries the size and modification time it gave, which
+    ``stat()`` and ``is_file()`` then answer without asking the store again
+    (the stage asks several things of every input); :meth:`restat` asks."""
+    uri: str
+    size: int | None = field(default=None, compare=False)
+    mtime_ns: int | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(_split(self.uri)[1]).name
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.name).suffix
+
+    def relative_parts(self, root: "RemotePath") -> tuple[str, ...]:
+        """The parts of this path below ``root`` (all of them where it is not below)."""
+        mine, theirs = self.uri.rstrip("/"), root.uri.rstrip("/") + "/"
+        rest = mine[len(theirs):] if mine.startswith(theirs) else _split(mine)[1]
+        return PurePosixPath(rest).parts
+
+    def _info(self) -> Any:
+        fs, path = filesystem(self.uri)
+        return fs.get_file_info(path)
+
+    def _listed(self) -> bool:
+        return self.size is not None
+
+    def restat(self) -> "RemoteStat":
+        """Size and modification time as the store has them now (the store's
+        time, to the second for S3)."""
+        import pyarrow.fs as pafs
+
+        info = self._info()
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{self.uri} does not exist")
+        mode = stat.S_IFREG if info.type == pafs.FileType.File else stat.S_IFDIR
+        return _stat_result(mode, info.size or 0, info.mtime_ns or 0)
+
+    def stat(self) -> "RemoteStat":
+        if self._listed():
+            return _stat_result(stat.S_IFREG, self.size, self.mtime_ns)
+        return self.restat()
+
+    def is_file(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._listed() or self._info().type == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return not self._listed() and self._info().type == pafs.FileType.Directory
+
+    def exists(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._listed() or self._info().type != pafs.FileType.NotFound
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def resolve(self) -> "RemotePath":
+        return self
+
+
+@dataclass(frozen=True)
+class RemoteStat:
+    """What ``stat()`` tells of a remote file: what :class:`os.stat_result`
+    tells of a local one that the stages read."""
+    st_mode: int
+    st_size: int
+    st_mtime_ns: int
+
+    @property
+    def st_mtime(self) -> float:
+        return self.st_mtime_ns / 1e9
+
+
+def _stat_result(mode: int, size: int, mtime_ns: int) -> RemoteStat:
+    """A stat of a remote file, its time to the whole second: S3 lists objects'
+    times to the millisecond but HEAD gives them to the second, and a worker's
+    check compares the stage's listing with its own HEAD."""
+    return RemoteStat(mode, size, mtime_ns // 10**9 * 10**9)
+
+
+def open_stream(path: RemotePath) -> Any:
+    """The bytes of ``path``, read front to back (a pyarrow input stream)."""
+    fs, key = filesystem(path.uri)
+    return fs.open_input_stream(key)
+
+
+def open_file(path: RemotePath) -> Any:
+    """``path`` opened for random access (Parquet's footer and row groups)."""
+    fs, key = filesystem(path.uri)
+    return fs.open_input_file(key)
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A glob over a path's parts, as ``glob.glob(recursive=True)`` reads it:
+    ``*`` and ``?`` stay within a part, ``**`` as a whole part spans any parts."""
+    out, parts = [], pattern.split("/")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+            continue
+        j, piece = 0, []
+        while j < len(part):
+            c = part[j]
+            if c == "*":
+                piece.append("[^/]*")
+            elif c == "?":
+                piece.append("[^/]")
+            elif c == "[" and (end := part.find("]", j + 2)) != -1:
+                body = part[j + 1:end]
+                piece.append("[" + ("^" + re.escape(body[1:]) if body[0] == "!" else re.escape(body)) + "]")
+                j = end
+            else:
+                piece.append(re.escape(c))
+            j += 1
+        out.append("".join(piece) + ("" if last else "/"))
+    return re.compile("".join(out) + r"\Z")
+
+
+def list_files(uri: str) -> tuple[RemotePath, list[RemotePath]] | None:
+    """What a source URL names, as (the folder the user named, its files,
+    sorted): a file, every file below a folder, or the files a glob matches
+    (listing from the folder before its first wildcard). None where nothing
+    is at a URL without a wildcard."""
+    import pyarrow.fs as pafs
+
+    root, key = _split(uri)
+    if magic := GLOB_MAGIC.search(key):
+        base = RemotePath(f"{root}/{key[:magic.start()].rpartition('/')[0]}".rstrip("/"))
+        fs, base_path = filesystem(base.uri)
+        matches = _glob_regex(key).match
+        listed = fs.get_file_info(pafs.FileSelector(base_path, recursive=True, allow_not_found=True))
+        found = [_found(root, i) for i in listed if i.type == pafs.FileType.File]
+        return base, sorted((f for f in found if matches(_split(f.uri)[1])), key=str)
+    fs, path = filesystem(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return RemotePath(f"{root}/{key.rpartition('/')[0]}".rstrip("/")), [_found(root, info)]
+    if info.type == pafs.FileType.Directory:
+        listed = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+        return RemotePath(uri.rstrip("/")), sorted((_found(root, i) for i in listed
+                                                    if i.type == pafs.FileType.File), key=str)
+    return None

@@ -1,0 +1,212 @@
+"""pipeline/data/remote.py: ingest reads ``s3://`` sources through pyarrow's S3
+filesystem, tested against a real S3 server on 127.0.0.1 (moto's, started by
+the module): the same documents, skips and quarantine as the same files on
+local disk, in one process and with two workers that read the objects
+themselves."""
+
+import gzip
+import json
+import logging
+import lzma
+import os
+import socket
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from moto import server as moto_server
+
+from pipeline.config import ConfigError
+from pipeline.data import ingest, remote
+from pipeline.data.ingest import IngestError, inputs_digest, resolve_sources, run_ingest
+from tests.pipeline.data.test_ingest import cfg, compress, read_docs
+
+BUCKET = "corpus-bucket"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 with an empty bucket; the AWS_* variables
+    that point pyarrow (here and in worker processes) at it."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fs = pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"], allow_bucket_creation=True)
+    fs.create_dir(BUCKET)
+    try:
+        yield fs
+    finally:
+        remote._FILESYSTEMS.clear()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def upload(fs, folder, prefix):
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            with fs.open_output_stream(f"{BUCKET}/{prefix}/{p.relative_to(folder).as_posix()}") as out:
+                out.write(p.read_bytes())
+
+
+def corpus(d):
+    """Good and bad files of every format that a store can hold, compressed and not."""
+    (d / "a" / "nested").mkdir(parents=True)
+    for i in range(6):
+        (d / "a" / f"good{i}.txt").write_text(f"document {i}\n\nsecond paragraph {i}\n")
+    (d / "a" / "nested" / "deep.txt").write_text("deep down\n")
+    (d / "a" / ".hidden.txt").write_text("never read\n")
+    (d / "a" / "empty.txt").write_bytes(b"")
+    (d / "a" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (d / "a" / "blob.txt").write_bytes(b"\x00\x01binary")
+    (d / "rows.jsonl").write_text('{"text": "r1"}\n{"oops\n{"text": 3}\n{"text": "r2"}\n')
+    compress(d / "rows.jsonl", "gzip")
+    (d / "rows.jsonl").unlink()
+    (d / "records.json").write_text(json.dumps({"data": [{"text": f"rec {i}"} for i in range(5)]}))
+    compress(d / "records.json", "zstd")
+    (d / "records.json").unlink()
+    (d / "table.csv").write_text('text,n\n"a, quoted\nnewline",1\nplain,2\nshort\n')
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(9)]}), d / "table.parquet", row_group_size=4)
+    (d / "book.txt.xz").write_bytes(lzma.compress("".join(f"line {i} of the book\n" for i in range(60)).encode()))
+    whole = gzip.compress("".join(f'{{"text": "line {i} {"x" * 200}"}}\n' for i in range(3000)).encode())
+    (d / "cut.jsonl.gz").write_bytes(whole[:len(whole) * 2 // 3])  # an interrupted upload
+
+
+def sources(base):
+    return [{"path": f"{base}/a/**/*.txt", "split_by": "paragraph", "name": "text"},
+            {"path": f"{base}/rows.jsonl.gz", "name": "rows"},
+            {"path": f"{base}/records.json.zst", "name": "records"},
+            {"path": f"{base}/table.csv", "name": "csv"},
+            {"path": f"{base}/table.parquet", "name": "parquet"},
+            {"path": f"{base}/book.txt.xz", "format": "text", "split_by": "chunk", "chunk_bytes": 200,
+             "name": "book"},
+            {"path": f"{base}/cut.jsonl.gz", "name": "cut"}]
+
+
+def ingested(tmp_path, name, base, **kw):
+    """What ingest made of ``sources(base)``, with ``base`` named BASE and the ids
+    (a digest of the source's path) left out, so that two bases compare."""
+    out = tmp_path / name
+    metrics = run_ingest(cfg(sources=sources(base), max_bytes=None, **kw), out / "docs", out / "q.jsonl",
+                         out / "report.json")
+    docs = [{k: (v.replace(base, "BASE") if k == "source" else v) for k, v in row.items() if k != "id"}
+            for row in read_docs(out / "docs").to_pylist()]
+    quarantine = [json.loads(line.replace(base, "BASE")) for line in (out / "q.jsonl").read_text().splitlines()]
+    for rec in quarantine:
+        rec.pop("id", None)
+    report = json.loads((out / "report.json").read_text())
+    counts = {"docs": metrics["docs"], "bytes": metrics["bytes"], "files": metrics["files"],
+              "skipped": report["skipped"], "docs_per_source": report["docs_per_source"]}
+    return counts, docs, quarantine
+
+
+@pytest.fixture(scope="module")
+def stored(s3, tmp_path_factory):
+    local = tmp_path_factory.mktemp("local") / "corpus"
+    corpus(local)
+    upload(s3, local, "corpus")
+    return str(local), f"s3://{BUCKET}/corpus"
+
+
+def test_s3_sources_give_what_the_same_local_files_give(stored, tmp_path, caplog):
+    local, url = stored
+    here = ingested(tmp_path, "local", local, executor={"num_workers": 1})
+    counts, docs, quarantine = here
+    assert counts["skipped"] == {"empty_file": 1, "non_utf8": 1, "binary": 1, "malformed_json": 1,
+                                 "bad_type": 1, "malformed_csv": 1, "unreadable": 1}, counts
+    assert {d["source_name"] for d in docs} == {"text", "rows", "records", "csv", "parquet", "book", "cut"}
+    assert not any("hidden" in d["source"] for d in docs)
+    assert ingested(tmp_path, "s3-one", url, executor={"num_workers": 1}) == here
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.ingest"):
+        assert ingested(tmp_path, "s3-two", url, executor={"num_workers": 2}) == here
+    assert "read by the stage itself" not in caplog.text  # the workers read the objects
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3, ray_instance):
+    """A Ray instance started after the AWS_* variables were set, which its
+    workers inherit (a cluster's nodes need their own)."""
+    return ray_instance.get_runtime_context().gcs_address
+
+
+@pytest.mark.slow
+def test_ray_workers_read_the_objects_themselves(stored, ray_cluster, tmp_path, caplog):
+    local, url = stored
+    here = ingested(tmp_path, "local", local, executor={"num_workers": 1})
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.ingest"):
+        assert ingested(tmp_path, "ray", url, executor={"kind": "ray", "address": ray_cluster, "num_workers": 2}
+                        ) == here
+    assert "read by the stage itself" not in caplog.text
+
+
+def test_a_worker_reads_an_object_only_if_it_is_the_one_the_stage_listed(stored, s3):
+    _, url = stored
+    ingest._init_reader(cfg(sources=[{"path": f"{url}/a/good1.txt", "split_by": "paragraph"}]))
+    f, = resolve_sources(ingest._WORKER["cfg"])
+    st = f.path.stat()
+    seen = (st.st_size, st.st_mtime_ns)
+    assert [item.text for item in ingest._read_whole(f, seen)] == ["document 1", "second paragraph 1"]
+    assert ingest._read_whole(f, (st.st_size + 1, st.st_mtime_ns)) == (
+        f"{url}/a/good1.txt on {socket.gethostname()} is not the file the stage sees (size or modification time)")
+    s3.delete_file(f"{BUCKET}/corpus/a/good1.txt")
+    try:
+        assert ingest._read_whole(f, seen).endswith(" (FileNotFoundError)")
+    finally:
+        with s3.open_output_stream(f"{BUCKET}/corpus/a/good1.txt") as out:
+            out.write(b"document 1\n\nsecond paragraph 1\n")
+
+
+def test_an_object_that_changes_changes_the_inputs_digest(s3):
+    url = f"s3://{BUCKET}/digest/x.txt"
+    with s3.open_output_stream(f"{BUCKET}/digest/x.txt") as out:
+        out.write(b"one")
+    files = resolve_sources(cfg(sources=[{"path": url}]))
+    assert inputs_digest(resolve_sources(cfg(sources=[{"path": url}]))) == inputs_digest(files)
+    with s3.open_output_stream(f"{BUCKET}/digest/x.txt") as out:
+        out.write(b"three")
+    assert inputs_digest(resolve_sources(cfg(sources=[{"path": url}]))) != inputs_digest(files)
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"path": f"s3://{BUCKET}/corpus/nothing/*.txt"}, r"ingest\.sources\.0\.path: 's3://corpus-bucket/corpus/"
+                                                       r"nothing/\*\.txt' matched no files"),
+    ({"path": f"s3://{BUCKET}/corpus/none.txt"}, r"no such file or folder: 's3://corpus-bucket/corpus/none.txt'"),
+    ({"path": f"s3://{BUCKET}/corpus", "format": "hf"}, r"format hf reads a local dataset folder or a dataset name"),
+])
+def test_a_url_that_names_nothing_readable_is_one_line(s3, stored, source, message):
+    with pytest.raises(IngestError, match=message):
+        resolve_sources(cfg(sources=[source]))
+
+
+def test_other_urls_are_refused_before_any_work():
+    with pytest.raises(ConfigError, match=r"a URL \(https://\), but inputs are read from this machine's filesystem "
+                                          r"\(ingest also reads s3://, gs://, gcs://; "):
+        cfg(sources=[{"path": "https://example.org/corpus.jsonl"}])
+
+
+@pytest.mark.parametrize("pattern, path, matches", [
+    ("a/**/*.txt", "a/x.txt", True),
+    ("a/**/*.txt", "a/b/c/x.txt", True),
+    ("a/**/*.txt", "b/x.txt", False),
+    ("a/**/*.txt", "a/x.txt.gz", False),
+    ("a/**/x.txt", "a/x.txt", True),
+    ("a/**/x.txt", "a/bx.txt", False),
+    ("a/*.txt", "a/b/x.txt", False),
+    ("a/?.txt", "a/x.txt", True),
+    ("a/?.txt", "a/xy.txt", False),
+    ("a/[!x]*.txt", "a/x.txt", False),
+    ("a/[!x]*.txt", "a/y.txt", True),
+    ("a/**", "a/b/c", True),
+    ("a.b/*.txt", "aXb/x.txt", False),
+])
+def test_a_glob_over_keys_reads_as_python_s_recursive_glob(pattern, path, matches):
+    assert bool(remote._glob_regex(pattern).match(path)) is matches
