@@ -42,12 +42,12 @@ URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
 
 def refuse_url(path: str, readable: Iterable[str] = ()) -> str:
     """``path``, unless it is a URL of a scheme not in ``readable``: the stages
-    read their inputs through this machine's filesystem (and ingest from the
-    object stores it names), so another URL is refused with how to get its
+    read their inputs through this machine's filesystem (and from the object
+    stores ``readable`` names), so another URL is refused with how to get its
     files there, rather than matching no files."""
     match = URL_SCHEME.match(path)
     if match and match.group(0)[:-3].lower() not in readable:
-        stores = f"ingest also reads {', '.join(s + '://' for s in readable)}; " if readable else ""
+        stores = f"and from {', '.join(s + '://' for s in readable)}; " if readable else ""
         raise ValueError(f"a URL ({match.group(0)}), but inputs are read from this machine's filesystem ({stores}"
                          "see the README's Ingest sources): mount the storage at the same path on every node (an "
                          "object store with mountpoint-s3, gcsfuse or blobfuse2) or copy the files here, and give "

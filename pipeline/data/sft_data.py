@@ -94,7 +94,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.data import chat, chat_template, compressed, resume, shards, stdlib_qa
+from pipeline.data import chat, chat_template, compressed, remote, resume, shards, stdlib_qa
 from pipeline.data.accounting import Ledger
 from pipeline.data.chat import IGNORE_INDEX, ChatFormatError, to_messages
 from pipeline.data.chat_template import (
@@ -106,6 +106,7 @@ from pipeline.data.chat_template import (
     stop_ids,
 )
 from pipeline.data.compressed import COMPRESSIONS, format_suffix, open_input, until_damaged
+from pipeline.data.remote import RemotePath
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.data.tokenizer import load_specials, open_tokenizer
 from pipeline.errors import StageError
@@ -135,13 +136,14 @@ BUILTIN_DATASETS: dict[str, Callable[[], Iterator[tuple[str, dict]]]] = {
 class SFTSource(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str = Field(min_length=1, description="a file, directory or glob of .json/.jsonl, or builtin:<name>")
+    path: str = Field(min_length=1, description="a file, directory or glob of .json/.jsonl, here or in an object "
+                      "store (s3://, gs://), or builtin:<name>")
     format: ChatFormatName = Field("auto", description="record format; auto detects it per record")
 
     @field_validator("path")
     @classmethod
     def _known_builtin(cls, v: str) -> str:
-        refuse_url(v)
+        refuse_url(v, readable=remote.SCHEMES)
         if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise ValueError("unknown built-in dataset; known: "
                              + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS))
@@ -196,21 +198,35 @@ class Raw:
     text: str | None = None
 
 
-def _display(p: Path) -> str:
+def _display(p: Path | RemotePath) -> str:
+    if isinstance(p, RemotePath):
+        return str(p)
     try:
         return str(p.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(p)
 
 
-def resolve_source(src: SFTSource, index: int) -> list[Path]:
-    """The files of one source, sorted (empty for a built-in). Raises SFTDataError
-    naming ``sources.<index>.path`` when the path matches nothing usable."""
+def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
+    """The files of one source, sorted (empty for a built-in), on disk or in an
+    object store. Raises SFTDataError naming ``sources.<index>.path`` when the
+    path matches nothing usable."""
     where = f"sources.{index}.path"
     if src.path.startswith(BUILTIN_PREFIX):
         return []
     p = Path(src.path)
-    if glob.has_magic(src.path):
+    if remote.scheme_of(src.path):
+        try:
+            found = remote.list_files(src.path)
+        except OSError as e:
+            raise SFTDataError(f"{where}: cannot list {src.path!r}: {e}".replace("\n", " ")) from None
+        if found is None:
+            raise SFTDataError(f"{where}: no such file or folder: {src.path!r}")
+        root, files = found  # hidden names are left out, as glob and the folder walk below leave them
+        files = [x for x in files if not any(part.startswith(".") for part in x.relative_parts(root))]
+        if not remote.GLOB_MAGIC.search(src.path) and files != [RemotePath(src.path)]:  # a folder, as below
+            files = [x for x in files if format_suffix(x) in SUFFIX_KINDS]
+    elif glob.has_magic(src.path):
         files = sorted(Path(m) for m in glob.glob(src.path, recursive=True) if Path(m).is_file())
     elif p.is_dir():
         files = sorted(x for x in p.rglob("*") if x.is_file() and format_suffix(x) in SUFFIX_KINDS
@@ -262,10 +278,10 @@ def _read_json(path: Path) -> Iterator[Raw]:
         yield Raw("file", data)  # one record; to_messages rejects a non-object
 
 
-READERS: dict[str, Callable[[Path], Iterator[Raw]]] = {"jsonl": _read_jsonl, "json": _read_json}
+READERS: dict[str, Callable[[Path | RemotePath], Iterator[Raw]]] = {"jsonl": _read_jsonl, "json": _read_json}
 
 
-def iter_source(src: SFTSource, files: list[Path]) -> Iterator[tuple[str, Raw]]:
+def iter_source(src: SFTSource, files: list[Path | RemotePath]) -> Iterator[tuple[str, Raw]]:
     """``(display name, raw record)`` for every record of one source, in order."""
     if src.path.startswith(BUILTIN_PREFIX):
         for loc, rec in BUILTIN_DATASETS[src.path[len(BUILTIN_PREFIX):]]():
@@ -538,7 +554,8 @@ def build_fingerprint(cfg: SFTDataConfig, tokenizer_path: str | Path) -> str:
         "params": cfg.model_dump(mode="json"), "tokenizer": sha256_file(tokenizer_path),
         "tokenizer folder": resume.files_digest(sorted(p for p in folder.iterdir() if p.is_file())),
         "sources": resume.files_digest(files), "python": sys.version,
-        "code": resume.code_digest(sys.modules[__name__], chat, chat_template, compressed, shards, stdlib_qa)})
+        "code": resume.code_digest(sys.modules[__name__], chat, chat_template, compressed, remote, shards,
+                                   stdlib_qa)})
 
 
 def build_once(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Path,

@@ -20,7 +20,9 @@ from moto import server as moto_server
 from pipeline.config import ConfigError
 from pipeline.data import ingest, remote
 from pipeline.data.ingest import IngestError, inputs_digest, resolve_sources, run_ingest
+from pipeline.data.sft_data import SFTDataError, SFTSource
 from tests.pipeline.data.test_ingest import cfg, compress, read_docs
+from tests.pipeline.data.test_sft_data import build, read_split, three_formats, tok_path  # noqa: F401 - fixtures
 
 BUCKET = "corpus-bucket"
 
@@ -214,8 +216,33 @@ def test_a_url_that_names_nothing_readable_is_one_line(s3, stored, source, messa
 
 def test_other_urls_are_refused_before_any_work():
     with pytest.raises(ConfigError, match=r"a URL \(https://\), but inputs are read from this machine's filesystem "
-                                          r"\(ingest also reads s3://, gs://, gcs://; "):
+                                          r"\(and from s3://, gs://, gcs://; "):
         cfg(sources=[{"path": "https://example.org/corpus.jsonl"}])
+
+
+def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_path, tok_path, three_formats):
+    """A folder of chat files in S3 (with a hidden file and a file of another
+    kind, which a folder source leaves out), a glob, and one file."""
+    names = ("alpaca.ndjson", "messages.jsonl", "sharegpt.json")
+    upload(s3, three_formats, "chat")
+    for name, data in ((".hidden.jsonl", b"{broken"), ("notes.txt", b"not chat")):
+        with s3.open_output_stream(f"{BUCKET}/chat/{name}") as out:
+            out.write(data)
+    want, m_want = build(tmp_path, tok_path, "disk", sources=[SFTSource(path=str(three_formats / n)) for n in names])
+    same = lambda m: {k: v for k, v in m.items() if k not in ("sources", "seconds")}  # sources: by path
+    for name, path in (("folder", f"s3://{BUCKET}/chat"), ("glob", f"s3://{BUCKET}/chat/*.*json*")):
+        got, m_got = build(tmp_path, tok_path, name, sources=[SFTSource(path=path)])
+        assert same(m_got) == same(m_want) and m_got["examples_in"] == 30 and m_got["skipped"] == {}, name
+        assert list(m_got["sources"]) == [path] and m_got["sources"][path]["records"] == 30
+        for split in ("train", "val"):
+            (ids, labels, starts), (ids0, labels0, starts0) = read_split(got, split), read_split(want, split)
+            assert (ids.tolist(), labels.tolist(), starts) == (ids0.tolist(), labels0.tolist(), starts0), name
+    _, m_one = build(tmp_path, tok_path, "one", sources=[SFTSource(path=f"s3://{BUCKET}/chat/messages.jsonl")])
+    assert m_one["examples_in"] == 10
+    with pytest.raises(SFTDataError, match=r"'s3://corpus-bucket/chat/notes.txt' is not .json, .jsonl or .ndjson"):
+        build(tmp_path, tok_path, "bad", sources=[SFTSource(path=f"s3://{BUCKET}/chat/*.txt")])
+    with pytest.raises(SFTDataError, match=r"sources.0.path: no such file or folder: 's3://corpus-bucket/nochat'"):
+        build(tmp_path, tok_path, "none", sources=[SFTSource(path=f"s3://{BUCKET}/nochat")])
 
 
 @pytest.mark.parametrize("pattern, path, matches", [

@@ -362,10 +362,10 @@ def test_config_errors_name_the_key(data, key):
 
 def test_a_url_source_is_refused_with_how_to_read_it():
     with pytest.raises(ConfigError) as err:
-        parse_section(SFTDataConfig, {"sources": [{"path": "s3://bucket/chat/*.jsonl.gz"}]}, "sft.data")
-    assert "  sft.data.sources.0.path: Value error, a URL (s3://), but inputs are read from this machine's " \
-           "filesystem (see the README's Ingest sources): mount the storage at the same path on every node" \
-           in str(err.value)
+        parse_section(SFTDataConfig, {"sources": [{"path": "https://example.org/chat.jsonl.gz"}]}, "sft.data")
+    assert "  sft.data.sources.0.path: Value error, a URL (https://), but inputs are read from this machine's " \
+           "filesystem (and from s3://, gs://, gcs://; see the README's Ingest sources): mount the storage at the " \
+           "same path on every node" in str(err.value)
 
 
 def test_config_defaults():
