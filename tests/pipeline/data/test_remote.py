@@ -208,6 +208,7 @@ def test_an_object_that_changes_changes_the_inputs_digest(s3):
                                                        r"nothing/\*\.txt' matched no files"),
     ({"path": f"s3://{BUCKET}/corpus/none.txt"}, r"no such file or folder: 's3://corpus-bucket/corpus/none.txt'"),
     ({"path": f"s3://{BUCKET}/corpus", "format": "hf"}, r"format hf reads a local dataset folder or a dataset name"),
+    ({"path": "s3://no-such-bucket/x.jsonl"}, r"no such file or folder: 's3://no-such-bucket/x.jsonl'"),
 ])
 def test_a_url_that_names_nothing_readable_is_one_line(s3, stored, source, message):
     with pytest.raises(IngestError, match=message):
