@@ -51,14 +51,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.data import accounting, compressed, resume
+from pipeline.data import accounting, compressed, remote, resume
 from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
-from pipeline.data import remote
 from pipeline.data.compressed import compression_of, format_suffix, open_input, until_damaged
-from pipeline.data.remote import RemotePath
 from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
+from pipeline.data.remote import RemotePath
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 from pipeline.files import refuse_url, write_json
@@ -141,7 +140,7 @@ class Source(BaseModel):
     # values written in params.yaml.
     @field_validator("path")
     @classmethod
-    def _path_is_local(cls, path: str) -> str:
+    def _path_is_readable(cls, path: str) -> str:
         return refuse_url(path, readable=remote.SCHEMES)
 
     @field_validator("split", mode="before")

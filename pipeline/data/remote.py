@@ -1,5 +1,5 @@
-"""Input files in an object store or a distributed filesystem, read through
-pyarrow's filesystems (no other client library): ``s3://bucket/c4/*.json.gz``.
+"""Input files in an object store, read through pyarrow's filesystems (no other
+client library): ``s3://bucket/c4/*.json.gz``.
 
 :data:`SCHEMES` is what a source path may start with. pyarrow finds the
 credentials and options where each service's own tools do: for S3 the
@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+import pyarrow.fs as pafs
+
 # scheme -> what it names (pyarrow.fs.FileSystem.from_uri reads each; a path in
 # either is "bucket/key")
 SCHEMES: dict[str, str] = {
@@ -34,7 +36,7 @@ SCHEMES: dict[str, str] = {
 URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
 GLOB_MAGIC = re.compile(r"[*?[]")
 
-_FILESYSTEMS: dict[str, Any] = {}  # "scheme://authority" -> its pyarrow filesystem, one per process
+_FILESYSTEMS: dict[str, Any] = {}  # "s3://bucket" -> its pyarrow filesystem, one per process
 
 
 def scheme_of(path: str) -> str | None:
@@ -53,8 +55,6 @@ def _split(uri: str) -> tuple[str, str]:
 def filesystem(uri: str) -> tuple[Any, str]:
     """The pyarrow filesystem that holds ``uri`` (made once per process and
     bucket: for S3, ``from_uri`` asks the bucket's region) and the path in it."""
-    import pyarrow.fs as pafs
-
     root, key = _split(uri)
     if root not in _FILESYSTEMS:
         _FILESYSTEMS[root] = pafs.FileSystem.from_uri(root)[0]
@@ -103,8 +103,6 @@ class RemotePath:
     def restat(self) -> "RemoteStat":
         """Size and modification time as the store has them now (the store's
         time, to the second for S3)."""
-        import pyarrow.fs as pafs
-
         info = self._info()
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{self.uri} does not exist")
@@ -117,18 +115,12 @@ class RemotePath:
         return self.restat()
 
     def is_file(self) -> bool:
-        import pyarrow.fs as pafs
-
         return self._listed() or self._info().type == pafs.FileType.File
 
     def is_dir(self) -> bool:
-        import pyarrow.fs as pafs
-
         return not self._listed() and self._info().type == pafs.FileType.Directory
 
     def exists(self) -> bool:
-        import pyarrow.fs as pafs
-
         return self._listed() or self._info().type != pafs.FileType.NotFound
 
     def is_symlink(self) -> bool:
@@ -202,8 +194,6 @@ def list_files(uri: str) -> tuple[RemotePath, list[RemotePath]] | None:
     sorted): a file, every file below a folder, or the files a glob matches
     (listing from the folder before its first wildcard). None where nothing
     is at a URL without a wildcard."""
-    import pyarrow.fs as pafs
-
     root, key = _split(uri)
     if magic := GLOB_MAGIC.search(key):
         base = RemotePath(f"{root}/{key[:magic.start()].rpartition('/')[0]}".rstrip("/"))
