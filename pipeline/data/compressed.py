@@ -83,6 +83,32 @@ def open_input(path: Path | RemotePath) -> BinaryIO:
     return io.BufferedReader(_Decompressed(path, codec), DECOMPRESSED_PIECE)
 
 
+class _Rewound(io.RawIOBase):
+    """The bytes ``head`` that were read from ``rest`` already, then the rest
+    of it: the whole stream again, without opening the file a second time
+    (another request for a file in an object store)."""
+
+    def __init__(self, head: bytes, rest: BinaryIO):
+        self._head, self._rest = memoryview(head), rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._head:
+            n = min(len(buffer), len(self._head))
+            buffer[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._rest.readinto(buffer)
+
+
+def rewound(head: bytes, rest: BinaryIO) -> BinaryIO:
+    """A stream of ``head`` then what is left of ``rest``, from which ``head``
+    was read: reads as the file opened again would."""
+    return io.BufferedReader(_Rewound(head, rest), DECOMPRESSED_PIECE)
+
+
 T = TypeVar("T")
 
 

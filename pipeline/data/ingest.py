@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pipeline.data import accounting, compressed, remote, resume
 from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
-from pipeline.data.compressed import compression_of, format_suffix, open_input, until_damaged
+from pipeline.data.compressed import compression_of, format_suffix, open_input, rewound, until_damaged
 from pipeline.data.docs import ShardedParquetWriter
 from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.remote import RemotePath
@@ -545,37 +545,41 @@ def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
                 return
             yield Doc("file", text)
             return
-    # line / paragraph mode: stream lines so that a huge file is never held whole,
-    # and a bad byte costs one line, not the whole file.
-    with open_input(f.path) as fh:
-        para: list[str] = []
-        para_start = 0
-        para_bytes = 0
-        for n, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as e:
-                yield Skip("non_utf8", f"line:{n}", detail=f"invalid UTF-8 at byte {e.start} of the line")
+        # line / paragraph mode: stream lines so that a huge file is never held whole,
+        # and a bad byte costs one line, not the whole file.
+        yield from _lines_of(rewound(head, fh), f, cfg)
+
+
+def _lines_of(fh: BinaryIO, f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
+    """The documents of a text file read by line or by paragraph."""
+    para: list[str] = []
+    para_start = 0
+    para_bytes = 0
+    for n, raw in enumerate(fh, 1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            yield Skip("non_utf8", f"line:{n}", detail=f"invalid UTF-8 at byte {e.start} of the line")
+            continue
+        if f.source.split_by == "line":
+            if not line.strip():
                 continue
-            if f.source.split_by == "line":
-                if not line.strip():
-                    continue
-                if len(raw) > cfg.max_doc_bytes:
-                    yield Skip("too_large", f"line:{n}", detail=f"{len(raw)} bytes > max_doc_bytes={cfg.max_doc_bytes}", text=line)
-                else:
-                    yield Doc(f"line:{n}", line)
-                continue
-            if line.strip():
-                if not para:
-                    para_start = n
-                para.append(line)
-                para_bytes += len(raw)
-                continue
-            if para:
-                yield from _emit_para(para, para_start, para_bytes, cfg)
-                para, para_bytes = [], 0
+            if len(raw) > cfg.max_doc_bytes:
+                yield Skip("too_large", f"line:{n}", detail=f"{len(raw)} bytes > max_doc_bytes={cfg.max_doc_bytes}", text=line)
+            else:
+                yield Doc(f"line:{n}", line)
+            continue
+        if line.strip():
+            if not para:
+                para_start = n
+            para.append(line)
+            para_bytes += len(raw)
+            continue
         if para:
             yield from _emit_para(para, para_start, para_bytes, cfg)
+            para, para_bytes = [], 0
+    if para:
+        yield from _emit_para(para, para_start, para_bytes, cfg)
 
 
 def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
@@ -595,12 +599,12 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     the indices marks where text is missing. Locations are ``byte:<offset>``.
     """
     chunk_bytes, max_line = f.source.chunk_bytes, cfg.max_doc_bytes
-    with open_input(f.path) as fh:
-        head = fh.read(BINARY_SNIFF_BYTES)
+    with open_input(f.path) as opened:
+        head = opened.read(BINARY_SNIFF_BYTES)
         if (skip := _not_text(head)) is not None:
             yield skip
             return
-    with open_input(f.path) as fh:
+        fh = rewound(head, opened)
         lines: list[bytes] = []
         size = start = pos = index = 0
 
@@ -799,10 +803,9 @@ def read_csv(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         if not fh.peek(1):
             yield Skip("empty_file", "file")
             return
-    with contextlib.ExitStack() as stack:  # a compressed file is read through a stream, closed at the end
+        # pyarrow reads a plain local file by its path; a compressed or remote one through this stream
         plain = isinstance(f.path, Path) and compression_of(f.path) is None
-        source = f.path if plain else stack.enter_context(open_input(f.path))
-        yield from _read_csv(f, cfg, source)
+        yield from _read_csv(f, cfg, f.path if plain else fh)
 
 
 def _read_csv(f: InputFile, cfg: IngestConfig, source: Path | BinaryIO) -> Iterator[Item]:

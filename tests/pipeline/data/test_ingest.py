@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_section
-from pipeline.data.compressed import COMPRESSIONS
+from pipeline.data.compressed import COMPRESSIONS, open_input
 from pipeline.data.docs import DocTable
 from pipeline.data.ingest import IngestConfig, IngestError, doc_id, resolve_sources, run_ingest, split_text
 from pipeline.files import read_json
@@ -809,6 +809,27 @@ def test_a_damaged_compressed_file_keeps_what_came_before_and_counts_the_rest(tm
     assert q["source"] == str(cut) and q["location"] == "file"
     assert q["detail"].startswith(f"its {codec} data is damaged or cut short after {len(texts) - 1} item(s); the "
                                   "rest of the file was not read: "), q["detail"]
+
+
+@pytest.mark.parametrize("name, source", [
+    ("a.txt", {"split_by": "paragraph"}), ("a.txt", {"split_by": "line"}),
+    ("a.txt", {"split_by": "chunk", "chunk_bytes": 64}), ("a.txt.gz", {"split_by": "paragraph"}),
+    ("a.csv", {}), ("a.csv.gz", {}),
+])
+def test_a_file_is_opened_once(tmp_path, monkeypatch, name, source):
+    """Checking a file's first bytes and reading it is one opening, so one
+    request for a file in an object store (tests/pipeline/data/test_remote.py)."""
+    from pipeline.data import ingest
+
+    body = "text,n\n" + "".join(f"row {i},{i}\n\n" for i in range(4000))  # 60 KB: past the first 8 KiB read
+    (tmp_path / "a.txt").write_text(body)
+    (tmp_path / "a.csv").write_text(body.replace("\n\n", "\n"))
+    for plain in ("a.txt", "a.csv"):
+        compress(tmp_path / plain, "gzip")
+    opened = []
+    monkeypatch.setattr(ingest, "open_input", lambda path: opened.append(path) or open_input(path))
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / name), **source}], max_bytes=None)
+    assert len(opened) == 1 and len(docs) >= 900
 
 
 def test_compressed_files_that_are_empty_binary_or_too_large_are_counted_as_plain_ones_are(tmp_path):
