@@ -105,7 +105,11 @@ class _Rewound(io.RawIOBase):
 
 def rewound(head: bytes, rest: BinaryIO) -> BinaryIO:
     """A stream of ``head`` then what is left of ``rest``, from which ``head``
-    was read: reads as the file opened again would."""
+    was read: reads as the file opened again would. A local plain file is
+    sought back to its start instead."""
+    if rest.seekable():
+        rest.seek(0)
+        return rest
     return io.BufferedReader(_Rewound(head, rest), DECOMPRESSED_PIECE)
 
 
