@@ -294,7 +294,7 @@ def _as_utf8(s: str) -> str:
 
 def _is_hidden(p: Path | RemotePath, root: Path | RemotePath) -> bool:
     if isinstance(p, RemotePath):
-        return any(part.startswith(".") for part in p.relative_parts(root))
+        return p.hidden_below(root)
     try:
         parts = p.relative_to(root).parts
     except ValueError:
@@ -389,13 +389,7 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
                               "local path (its files are what a rerun compares); remove hf.revision")
         p = Path(expanded)
         if remote.scheme_of(expanded):
-            try:
-                found = remote.list_files(expanded)
-            except OSError as e:
-                raise IngestError(f"{where}: cannot list {src.path!r}: {e}".replace("\n", " ")) from None
-            if found is None:
-                raise IngestError(f"{where}: no such file or folder: {src.path!r}")
-            root, candidates = found
+            root, candidates = remote.listed(expanded, where, IngestError)
         elif glob.has_magic(expanded):
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
             # The folder before the first wildcard: its own name is the user's, never a hidden part.

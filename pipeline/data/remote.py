@@ -87,11 +87,12 @@ class RemotePath:
     def suffix(self) -> str:
         return PurePosixPath(self.name).suffix
 
-    def relative_parts(self, root: "RemotePath") -> tuple[str, ...]:
-        """The parts of this path below ``root`` (all of them where it is not below)."""
+    def hidden_below(self, root: "RemotePath") -> bool:
+        """Whether a part of this path below ``root`` (of all of it where it is
+        not below) starts with a dot, as glob and a folder walk leave out."""
         mine, theirs = self.uri.rstrip("/"), root.uri.rstrip("/") + "/"
         rest = mine[len(theirs):] if mine.startswith(theirs) else _split(mine)[1]
-        return PurePosixPath(rest).parts
+        return any(part.startswith(".") for part in PurePosixPath(rest).parts)
 
     def _info(self) -> Any:
         fs, path = filesystem(self.uri)
@@ -187,6 +188,19 @@ def _glob_regex(pattern: str) -> re.Pattern:
             j += 1
         out.append("".join(piece) + ("" if last else "/"))
     return re.compile("".join(out) + r"\Z")
+
+
+def listed(uri: str, where: str, error: type[Exception]) -> tuple[RemotePath, list[RemotePath]]:
+    """:func:`list_files` for a stage's source (``where``: its params key):
+    nothing there, or a store that cannot be listed (no network, no
+    credentials, after pyarrow's own retries), is one line, an ``error``."""
+    try:
+        found = list_files(uri)
+    except OSError as e:
+        raise error(f"{where}: cannot list {uri!r}: {e}".replace("\n", " ")) from None
+    if found is None:
+        raise error(f"{where}: no such file or folder: {uri!r}")
+    return found
 
 
 def list_files(uri: str) -> tuple[RemotePath, list[RemotePath]] | None:

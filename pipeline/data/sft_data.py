@@ -216,14 +216,8 @@ def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
         return []
     p = Path(src.path)
     if remote.scheme_of(src.path):
-        try:
-            found = remote.list_files(src.path)
-        except OSError as e:
-            raise SFTDataError(f"{where}: cannot list {src.path!r}: {e}".replace("\n", " ")) from None
-        if found is None:
-            raise SFTDataError(f"{where}: no such file or folder: {src.path!r}")
-        root, files = found  # hidden names are left out, as glob and the folder walk below leave them
-        files = [x for x in files if not any(part.startswith(".") for part in x.relative_parts(root))]
+        root, files = remote.listed(src.path, where, SFTDataError)
+        files = [x for x in files if not x.hidden_below(root)]  # as glob and the folder walk below leave them out
         if not remote.GLOB_MAGIC.search(src.path) and files != [RemotePath(src.path)]:  # a folder, as below
             files = [x for x in files if format_suffix(x) in SUFFIX_KINDS]
     elif glob.has_magic(src.path):
