@@ -142,7 +142,7 @@ class SFTSource(BaseModel):
 
     @field_validator("path")
     @classmethod
-    def _known_builtin(cls, v: str) -> str:
+    def _readable_path(cls, v: str) -> str:
         refuse_url(v, readable=remote.SCHEMES)
         if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise ValueError("unknown built-in dataset; known: "
@@ -217,9 +217,10 @@ def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
     p = Path(src.path)
     if remote.scheme_of(src.path):
         root, files = remote.listed(src.path, where, SFTDataError)
-        files = [x for x in files if not x.hidden_below(root)]  # as glob and the folder walk below leave them out
-        if not remote.GLOB_MAGIC.search(src.path) and files != [RemotePath(src.path)]:  # a folder, as below
-            files = [x for x in files if format_suffix(x) in SUFFIX_KINDS]
+        if files != [RemotePath(src.path)]:  # a glob or a folder leaves hidden names out, as below
+            files = [x for x in files if not x.hidden_below(root)]
+            if not remote.GLOB_MAGIC.search(src.path):  # a folder keeps its chat files, as below
+                files = [x for x in files if format_suffix(x) in SUFFIX_KINDS]
     elif glob.has_magic(src.path):
         files = sorted(Path(m) for m in glob.glob(src.path, recursive=True) if Path(m).is_file())
     elif p.is_dir():

@@ -240,6 +240,10 @@ def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_p
             assert (ids.tolist(), labels.tolist(), starts) == (ids0.tolist(), labels0.tolist(), starts0), name
     _, m_one = build(tmp_path, tok_path, "one", sources=[SFTSource(path=f"s3://{BUCKET}/chat/messages.jsonl")])
     assert m_one["examples_in"] == 10
+    with s3.open_output_stream(f"{BUCKET}/chat/.named.jsonl") as out:  # a hidden file named as such is read
+        out.write((three_formats / "messages.jsonl").read_bytes())
+    _, m_named = build(tmp_path, tok_path, "named", sources=[SFTSource(path=f"s3://{BUCKET}/chat/.named.jsonl")])
+    assert m_named["examples_in"] == 10
     with pytest.raises(SFTDataError, match=r"'s3://corpus-bucket/chat/notes.txt' is not .json, .jsonl or .ndjson"):
         build(tmp_path, tok_path, "bad", sources=[SFTSource(path=f"s3://{BUCKET}/chat/*.txt")])
     with pytest.raises(SFTDataError, match=r"sources.0.path: no such file or folder: 's3://corpus-bucket/nochat'"):
