@@ -25,6 +25,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from pipeline.files import URL_SCHEME
+
 # scheme -> what it names (pyarrow.fs.FileSystem.from_uri reads each; a path in
 # either is "bucket/key")
 SCHEMES: dict[str, str] = {
@@ -33,7 +35,6 @@ SCHEMES: dict[str, str] = {
     "gcs": "Google Cloud Storage",
 }
 
-URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
 GLOB_MAGIC = re.compile(r"[*?[]")
 
 _FILESYSTEMS: dict[str, Any] = {}  # "s3://bucket" -> its pyarrow filesystem, one per process
@@ -41,8 +42,8 @@ _FILESYSTEMS: dict[str, Any] = {}  # "s3://bucket" -> its pyarrow filesystem, on
 
 def scheme_of(path: str) -> str | None:
     """The scheme of a URL (``s3``), or None for a local path."""
-    match = URL.match(path)
-    return match.group(1).lower() if match else None
+    match = URL_SCHEME.match(path)
+    return match.group(0)[:-len("://")].lower() if match else None
 
 
 def _split(uri: str) -> tuple[str, str]:

@@ -219,7 +219,7 @@ def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
         root, files = remote.listed(src.path, where, SFTDataError)
         if files != [RemotePath(src.path)]:  # a glob or a folder leaves hidden names out, as below
             files = [x for x in files if not x.hidden_below(root)]
-            if not remote.GLOB_MAGIC.search(src.path):  # a folder keeps its chat files, as below
+            if not glob.has_magic(src.path):  # a folder keeps its chat files, as below
                 files = [x for x in files if format_suffix(x) in SUFFIX_KINDS]
     elif glob.has_magic(src.path):
         files = sorted(Path(m) for m in glob.glob(src.path, recursive=True) if Path(m).is_file())
