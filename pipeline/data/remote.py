@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -38,6 +39,7 @@ SCHEMES: dict[str, str] = {
 GLOB_MAGIC = re.compile(r"[*?[]")
 
 _FILESYSTEMS: dict[str, Any] = {}  # "s3://bucket" -> its pyarrow filesystem, one per process
+_LISTINGS_AT_ONCE = 16  # folders of one glob level listed concurrently
 
 
 def scheme_of(path: str) -> str | None:
@@ -207,15 +209,16 @@ def listed(uri: str, where: str, error: type[Exception]) -> tuple[RemotePath, li
 def list_files(uri: str) -> tuple[RemotePath, list[RemotePath]] | None:
     """What a source URL names, as (the folder the user named, its files,
     sorted): a file, every file below a folder, or the files a glob matches
-    (listing from the folder before its first wildcard). None where nothing
-    is at a URL without a wildcard."""
+    (see :func:`_glob_candidates`). None where nothing is at a URL without a
+    wildcard."""
     root, key = _split(uri)
     if magic := GLOB_MAGIC.search(key):
-        base = RemotePath(f"{root}/{key[:magic.start()].rpartition('/')[0]}".rstrip("/"))
+        prefix = key[:magic.start()].rpartition("/")[0]
+        base = RemotePath(f"{root}/{prefix}".rstrip("/"))
         fs, base_path = filesystem(base.uri)
+        parts = key[len(prefix):].lstrip("/").split("/")
         matches = _glob_regex(key).match
-        listed = fs.get_file_info(pafs.FileSelector(base_path, recursive=True, allow_not_found=True))
-        found = [_found(root, i) for i in listed if i.type == pafs.FileType.File]
+        found = [_found(root, i) for i in _glob_candidates(fs, base_path, parts)]
         return base, sorted((f for f in found if matches(_split(f.uri)[1])), key=str)
     fs, path = filesystem(uri)
     info = fs.get_file_info(path)
@@ -226,3 +229,36 @@ def list_files(uri: str) -> tuple[RemotePath, list[RemotePath]] | None:
         return RemotePath(uri.rstrip("/")), sorted((_found(root, i) for i in listed
                                                     if i.type == pafs.FileType.File), key=str)
     return None
+
+
+def _glob_candidates(fs: Any, base: str, parts: list[str]) -> list[Any]:
+    """The files below the folder ``base`` that the glob ``parts`` (the
+    pattern's parts below ``base``) may match: one folder level at a time, as
+    deep as the pattern goes, listing only the folders whose names match (a
+    store lists a folder's names without the keys below them); from a ``**``
+    on, everything below. So ``s3://bucket/*/train.jsonl`` lists the bucket's
+    top-level names, then asks for one name in each, not for every key in
+    the bucket. The requests of a level run concurrently."""
+    def listing(folder: str, recursive: bool = False) -> list[Any]:
+        return fs.get_file_info(pafs.FileSelector(folder, recursive=recursive, allow_not_found=True))
+
+    folders = [base]
+    with ThreadPoolExecutor(max_workers=_LISTINGS_AT_ONCE) as pool:
+        for i, part in enumerate(parts):
+            if part == "**":
+                return [f for found in pool.map(lambda d: listing(d, recursive=True), folders) for f in found
+                        if f.type == pafs.FileType.File]
+            last = i == len(parts) - 1
+            if not GLOB_MAGIC.search(part):  # a name: nothing to list at this level
+                folders = [f"{d}/{part}" for d in folders]
+                if last:  # one request each for what is there
+                    return [f for f in pool.map(fs.get_file_info, folders) if f.type == pafs.FileType.File]
+                continue
+            name = _glob_regex(part).match
+            want = pafs.FileType.File if last else pafs.FileType.Directory
+            found = [f for listed in pool.map(listing, folders) for f in listed
+                     if f.type == want and name(f.base_name)]
+            if last:
+                return found
+            folders = [f.path for f in found]
+    return []

@@ -267,3 +267,57 @@ def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_p
 ])
 def test_a_glob_over_keys_reads_as_python_s_recursive_glob(pattern, path, matches):
     assert bool(remote._glob_regex(pattern).match(path)) is matches
+
+
+class Requests:
+    """A store's filesystem that notes what each request asked and every name it returned."""
+
+    def __init__(self, fs):
+        self.fs, self.asked, self.returned = fs, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    def get_file_info(self, what):
+        got = self.fs.get_file_info(what)
+        self.asked.append((what.base_dir, what.recursive) if isinstance(what, pafs.FileSelector) else what)
+        self.returned += [i.path for i in (got if isinstance(got, list) else [got])]
+        return got
+
+
+GLOBS = ["*/train.jsonl", "**/train.jsonl", "*/*.txt", "?/t*.jsonl", "[ab]/*", "a/**", "*/deep/**/*.txt", "*",
+         "**", "*/sub/*.jsonl", "c/*/train.jsonl", "*/nothing/*", "*/deep/*/f?.txt"]
+
+
+@pytest.fixture(scope="module")
+def walk(s3, tmp_path_factory):
+    """A tree of folders, on disk and under s3://corpus-bucket/walk."""
+    tree = tmp_path_factory.mktemp("walk")
+    for name in ["a/train.jsonl", "b/train.jsonl", "b/other.txt", "c/sub/train.jsonl", ".h/train.jsonl", "x.txt",
+                 *(f"a/deep/{d}/f{i}.txt" for d in "pq" for i in range(5))]:
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(name)
+    upload(s3, tree, "walk")
+    return tree
+
+
+@pytest.mark.parametrize("pattern", GLOBS)
+def test_a_glob_lists_only_as_deep_as_it_reaches_and_matches_what_glob_matches_on_disk(walk, pattern):
+    import glob
+
+    on_disk = sorted(os.path.relpath(p, walk) for p in glob.glob(str(walk / pattern), recursive=True)
+                     if os.path.isfile(p))
+    requests = remote._FILESYSTEMS[f"s3://{BUCKET}"] = Requests(remote.filesystem(f"s3://{BUCKET}")[0])
+    try:
+        base, found = remote.list_files(f"s3://{BUCKET}/walk/{pattern}")
+    finally:
+        remote._FILESYSTEMS[f"s3://{BUCKET}"] = requests.fs
+    prefix = f"s3://{BUCKET}/walk/"
+    assert sorted(f.uri[len(prefix):] for f in found if not f.hidden_below(base)) == on_disk
+    if "**" not in pattern:  # a folder level at a time: nothing below the pattern's depth is listed
+        depth = pattern.count("/") + 1
+        assert not any(what[1] for what in requests.asked if isinstance(what, tuple)), requests.asked
+        assert all(p.count("/") - 1 <= depth for p in requests.returned), requests.returned  # bucket/walk/…
+    if pattern == "*/train.jsonl":  # the top level listed, then one name asked of each folder
+        assert requests.asked[0] == (f"{BUCKET}/walk", False)
+        assert sorted(requests.asked[1:]) == sorted(f"{BUCKET}/walk/{d}/train.jsonl" for d in (".h", "a", "b", "c"))
