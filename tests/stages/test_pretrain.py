@@ -154,10 +154,6 @@ def wait_for_step(path, step, proc, timeout=120):
     raise TimeoutError(f"no step {step} in {path}")
 
 
-def test_sigkill_then_resume_is_bit_exact_with_two_ranks(tmp_path):
-    kill_and_resume(tmp_path, nproc_per_node=2)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sigkill_then_resume_is_bit_exact_on_cuda_in_bf16(tmp_path):
     # a GPU takes milliseconds a step: more steps, so that the kill lands mid-run
@@ -180,6 +176,8 @@ def test_sigkill_then_resume_is_bit_exact_with_fsdp_on_cuda_in_bf16(tmp_path):
 
 
 def test_sigkill_then_resume_is_bit_exact_with_two_ranks_for_a_run_started_from_a_hugging_face_model(tmp_path):
+    # also the plain two-rank DDP case (a run from scratch differs only in its first weights); the continued run
+    # below is killed and resumed from scratch-initialised weights
     kill_and_resume(tmp_path, hf="qwen2", nproc_per_node=2)
 
 
