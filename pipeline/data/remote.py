@@ -242,23 +242,22 @@ def _glob_candidates(fs: Any, base: str, parts: list[str]) -> list[Any]:
     def listing(folder: str, recursive: bool = False) -> list[Any]:
         return fs.get_file_info(pafs.FileSelector(folder, recursive=recursive, allow_not_found=True))
 
+    def named(folders: list[str], part: str, kind: Any) -> list[Any]:
+        """What each of ``folders`` holds of type ``kind`` whose name matches ``part``."""
+        name = _glob_regex(part).match
+        return [f for listed in pool.map(listing, folders) for f in listed if f.type == kind and name(f.base_name)]
+
+    deep = parts.index("**") if "**" in parts else len(parts) - 1  # the last part, or the first **
     folders = [base]
     with ThreadPoolExecutor(max_workers=_LISTINGS_AT_ONCE) as pool:
-        for i, part in enumerate(parts):
-            if part == "**":
-                return [f for found in pool.map(lambda d: listing(d, recursive=True), folders) for f in found
-                        if f.type == pafs.FileType.File]
-            last = i == len(parts) - 1
-            if not GLOB_MAGIC.search(part):  # a name: nothing to list at this level
-                folders = [f"{d}/{part}" for d in folders]
-                if last:  # one request each for what is there
-                    return [f for f in pool.map(fs.get_file_info, folders) if f.type == pafs.FileType.File]
-                continue
-            name = _glob_regex(part).match
-            want = pafs.FileType.File if last else pafs.FileType.Directory
-            found = [f for listed in pool.map(listing, folders) for f in listed
-                     if f.type == want and name(f.base_name)]
-            if last:
-                return found
-            folders = [f.path for f in found]
-    return []
+        for part in parts[:deep]:  # a name is not listed: the folder is just extended
+            folders = ([f"{d}/{part}" for d in folders] if not GLOB_MAGIC.search(part)
+                       else [f.path for f in named(folders, part, pafs.FileType.Directory)])
+        last = parts[deep]
+        if last == "**":
+            found = [f for listed in pool.map(lambda d: listing(d, recursive=True), folders) for f in listed]
+        elif not GLOB_MAGIC.search(last):  # one request each for what is there
+            found = list(pool.map(fs.get_file_info, [f"{d}/{last}" for d in folders]))
+        else:
+            found = named(folders, last, pafs.FileType.File)
+    return [f for f in found if f.type == pafs.FileType.File]
