@@ -192,7 +192,9 @@ class IngestConfig(ParallelStageConfig):
         description="list of {path, name, format, text_field, split_by, split, hf, exclude, chunk_bytes}; "
                     "see 'ingest sources' above",
     )
-    max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents; null = no cap")
+    max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents, "
+                                  "sources read in their order (files left unread are counted, a source never "
+                                  "reached is a warning); null = no cap")
     max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large "
                                "(split_by: chunk never skips a file for its size, only a longer line)")
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
@@ -1181,6 +1183,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         bar.reach(len(files))
     if resumed:
         log.info("resumed: %d of %d shards kept from an earlier run", resumed, totals.shards)
+    unread = _unread_files(cfg, files, start) if totals.capped else {}
     totals.ledger.write(quarantine_path)
     if totals.docs == 0:
         raise IngestError(
@@ -1189,11 +1192,34 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         )
     if report_path is not None:
         write_json(report_path, {"skipped": totals.ledger.as_dict(), "capped": totals.capped,
-                                 "docs_per_source": totals.per_source})
+                                 "docs_per_source": totals.per_source, "unread_files_per_source": unread})
     shard_log.finish(totals.shards, {"format": docs_format.FORMAT, "rows": totals.docs, "bytes": totals.bytes,
                                      "columns": SCHEMA.names})
-    return {"docs": totals.docs, "bytes": totals.bytes, "files": len(files), "skipped": totals.ledger.total,
-            "shards": totals.shards, "shards_resumed": resumed}
+    return {"docs": totals.docs, "bytes": totals.bytes, "files": len(files), "unread_files": sum(unread.values()),
+            "skipped": totals.ledger.total, "shards": totals.shards, "shards_resumed": resumed}
+
+
+def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> dict[str, int]:
+    """The input files ``max_bytes`` left unread (every one after the file the cap
+    stopped in), by source name, and a line saying so: a warning for each source
+    of which no file was read, since its documents are simply missing downstream."""
+    listed: dict[str, int] = {}
+    unread: dict[str, int] = {}
+    for i, f in enumerate(files):
+        listed[f.source.label] = listed.get(f.source.label, 0) + 1
+        if i > end[0]:
+            unread[f.source.label] = unread.get(f.source.label, 0) + 1
+    where = files[min(end[0], len(files) - 1)]
+    counts = "; ".join(f"{name}: {n:,} of {listed[name]:,}" for name, n in unread.items())
+    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r): %d of %d input files not read%s; "
+             "set ingest.max_bytes: null to read everything", f"{cfg.max_bytes:,}", where.display,
+             where.source.label, sum(unread.values()), len(files), f" ({counts})" if counts else "")
+    for name, n in unread.items():
+        if n == listed[name]:
+            log.warning("source %r was not read at all: ingest.max_bytes (%s bytes) was reached before its %s "
+                        "file(s); raise ingest.max_bytes, or set it to null", name, f"{cfg.max_bytes:,}",
+                        f"{n:,}")
+    return unread
 
 
 def _input_bytes(f: InputFile) -> int:

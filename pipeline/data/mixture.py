@@ -64,7 +64,9 @@ def check_names(available: Iterable[str], mixture: Mapping[str, Share]) -> None:
     unknown = sorted(set(mixture) - set(available))
     if unknown:
         raise MixtureError(f"pack.mixture names source(s) {unknown} that have no train documents "
-                           f"(sources with train documents: {sorted(available)})")
+                           f"(sources with train documents: {sorted(available)}); a source has none when it is "
+                           f"split: val, when clean dropped all of it, or when ingest.max_bytes was reached before "
+                           f"it (data/ingest/report.json, unread_files_per_source)")
 
 
 def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[str, int]:

@@ -371,6 +371,32 @@ def test_max_bytes_cap_stops_reading(tmp_path):
     assert report(tmp_path)["docs_per_source"] == {str(tmp_path / "*.txt"): 3}
 
 
+def test_files_the_cap_leaves_unread_are_counted_by_source_and_a_source_never_reached_is_a_warning(tmp_path, caplog):
+    for folder, n in (("a", 10), ("b", 3)):
+        (tmp_path / folder).mkdir()
+        for i in range(n):
+            (tmp_path / folder / f"{i}.txt").write_text("z" * 100)
+    sources = [{"path": str(tmp_path / name / "*.txt"), "name": name} for name in ("a", "b")]
+    with caplog.at_level("INFO", logger="pipeline.data.ingest"):
+        metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=250)
+    assert len(docs) == 3 and metrics["files"] == 13 and metrics["unread_files"] == 10
+    assert report(tmp_path)["unread_files_per_source"] == {"a": 7, "b": 3}
+    assert f"ingest.max_bytes (250 bytes) reached in {tmp_path / 'a' / '2.txt'} (source 'a'): 10 of 13 input files " \
+           "not read (a: 7 of 10; b: 3 of 3)" in caplog.text
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.endswith("ingest")]
+    assert warning.startswith("source 'b' was not read at all: ingest.max_bytes (250 bytes) was reached before its 3")
+    # a cap that stops in the last file leaves nothing unread, and warns of nothing
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline.data.ingest"):
+        metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=1250)
+    assert len(docs) == 13 and metrics["unread_files"] == 0 and report(tmp_path)["unread_files_per_source"] == {}
+    assert "0 of 13 input files not read;" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name.endswith("ingest")]
+    metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=None)
+    assert (report(tmp_path)["capped"], metrics["unread_files"], report(tmp_path)["unread_files_per_source"]) == \
+        (False, 0, {})
+
+
 def test_stdlib_placeholder_and_exclude():
     files = resolve_sources(cfg(sources=[{"path": "{stdlib}/json/*.py", "exclude": ["*/tool.py"]}]))
     names = [f.display for f in files]
