@@ -1211,9 +1211,9 @@ def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> d
             unread[f.source.label] = unread.get(f.source.label, 0) + 1
     where = files[min(end[0], len(files) - 1)]
     counts = "; ".join(f"{name}: {n:,} of {listed[name]:,}" for name, n in unread.items())
-    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r): %d of %d input files not read%s; "
+    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r): %s of %s input files not read%s; "
              "set ingest.max_bytes: null to read everything", f"{cfg.max_bytes:,}", where.display,
-             where.source.label, sum(unread.values()), len(files), f" ({counts})" if counts else "")
+             where.source.label, f"{sum(unread.values()):,}", f"{len(files):,}", f" ({counts})" if counts else "")
     for name, n in unread.items():
         if n == listed[name]:
             log.warning("source %r was not read at all: ingest.max_bytes (%s bytes) was reached before its %s "
