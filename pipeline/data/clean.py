@@ -548,7 +548,7 @@ class Piece(NamedTuple):
     bytes_in: int  # their text's UTF-8 bytes
     bytes_out: int  # the kept rows' normalised text's UTF-8 bytes
     kept: pa.RecordBatch | None  # the kept rows in SCHEMA, their text normalised (None: none kept)
-    dropped: pa.RecordBatch | None  # id, text, source and location of the dropped rows, in order (None: none)
+    dropped: pa.RecordBatch | None  # id, text, source, location, source_name of the dropped rows (None: none)
 
 
 def _piece(batch: pa.RecordBatch, keep: np.ndarray | list[bool], texts: pa.Array, bytes_out: int) -> Piece:
@@ -560,7 +560,7 @@ def _piece(batch: pa.RecordBatch, keep: np.ndarray | list[bool], texts: pa.Array
         k = batch.filter(mask)
         kept = pa.RecordBatch.from_arrays([k.column(0), texts, *k.columns[2:]], schema=SCHEMA)
     if len(texts) < batch.num_rows:
-        dropped = batch.select(["id", "text", "source", "location"]).filter(pc.invert(mask))
+        dropped = batch.select(["id", "text", "source", "location", "source_name"]).filter(pc.invert(mask))
     return Piece(batch.num_rows, pc.sum(pc.binary_length(batch.column(1))).as_py() or 0, bytes_out, kept, dropped)
 
 
@@ -994,8 +994,10 @@ class _Totals:
         self.docs_in = self.docs_out = self.bytes_in = self.bytes_out = self.changed = 0
         self.near: dict[str, int] = {}
         self.whole: dict[str, Any] | None = None
+        self.per_source: dict[str, dict[str, Any]] = {}
 
     def add(self, rec: dict[str, Any]) -> None:
+        _add_per_source(self.per_source, rec["per_source"])
         self.docs_in += rec["docs_in"]
         self.docs_out += rec["rows"]
         self.bytes_in += rec["bytes_in"]
@@ -1007,6 +1009,40 @@ class _Totals:
             self.changed += rec["changed"]
             for key, v in rec["near"].items():
                 self.near[key] = self.near.get(key, 0) + v
+
+
+UNNAMED = "(no source_name)"  # documents of an input without ingest's source names
+
+
+def _add_per_source(into: dict[str, dict[str, Any]], more: dict[str, dict[str, Any]]) -> None:
+    """Add one count of documents by source name (docs_in, docs and bytes kept,
+    dropped by reason) to another."""
+    for name, c in more.items():
+        mine = into.setdefault(name, {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+        for key in ("docs_in", "docs", "bytes"):
+            mine[key] += c[key]
+        for reason, n in c["dropped"].items():
+            mine["dropped"][reason] = mine["dropped"].get(reason, 0) + n
+
+
+def _piece_per_source(piece: Piece, drops: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """A piece's documents by source name: those kept (with their normalised
+    text's bytes) and those dropped, by reason."""
+    out: dict[str, dict[str, Any]] = {}
+    if piece.kept is not None:
+        kept = pa.table({"name": piece.kept.column("source_name").fill_null(UNNAMED),
+                         "bytes": pc.binary_length(piece.kept.column("text"))})
+        for row in kept.group_by("name", use_threads=False).aggregate([("bytes", "count"), ("bytes", "sum")]
+                                                                      ).to_pylist():
+            out[row["name"]] = {"docs_in": row["bytes_count"], "docs": row["bytes_count"], "bytes": row["bytes_sum"],
+                                "dropped": {}}
+    if drops:
+        names = piece.dropped.column("source_name").fill_null(UNNAMED).to_pylist()
+        for (reason, _), name in zip(drops, names):
+            c = out.setdefault(name, {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+            c["docs_in"] += 1
+            c["dropped"][reason] = c["dropped"].get(reason, 0) + 1
+    return out
 
 
 def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, k: int, pos: int, stop: int,
@@ -1033,9 +1069,10 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
             for piece, drops in decided:
                 if shard is None:
                     writer.start(k)
-                    shard = {"start": pos, "docs_in": 0, "bytes_in": 0, "bytes_out": 0,
+                    shard = {"start": pos, "docs_in": 0, "bytes_in": 0, "bytes_out": 0, "per_source": {},
                              "ledger": Ledger(per_reason=cfg.quarantine_per_reason)}
                 n = piece.n
+                _add_per_source(shard["per_source"], _piece_per_source(piece, drops))
                 shard["docs_in"] += n
                 shard["bytes_in"] += piece.bytes_in
                 shard["bytes_out"] += piece.bytes_out
@@ -1091,7 +1128,9 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     ``dropped`` by reason (every enabled filter and dedup pass, fired or not, so
     reports diff cleanly; ``docs_in == docs + sum(dropped)``),
     ``docs_changed_by_normalise``, ``near_dedup`` (candidates checked and
-    rejected, ids kept in the index) and ``filters_enabled``. All of it but
+    rejected, ids kept in the index), ``filters_enabled`` and ``per_source``
+    (by ingest's source name: docs_in, docs and bytes kept, dropped by reason;
+    the same identity holds in each). All of it but
     shards_resumed, workers and mb_per_s is the same for any executor, worker
     count, dedup method and interruption.
 
@@ -1163,9 +1202,12 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
         dropped[NEAR_DUPLICATE] = 0
     dropped.update(ledger.counts)
     docs_in, docs_out = totals.docs_in, totals.docs_out
-    if docs_in != docs_out + sum(dropped.values()) or docs_in != num_rows:
-        raise RuntimeError(
-            f"clean accounting is broken: rows={num_rows} docs_in={docs_in} docs_out={docs_out} dropped={dropped}")
+    by_source = list(totals.per_source.values())
+    if docs_in != docs_out + sum(dropped.values()) or docs_in != num_rows or \
+            sum(c["docs_in"] for c in by_source) != docs_in or sum(c["docs"] for c in by_source) != docs_out or \
+            any(c["docs_in"] != c["docs"] + sum(c["dropped"].values()) for c in by_source):
+        raise RuntimeError(f"clean accounting is broken: rows={num_rows} docs_in={docs_in} docs_out={docs_out} "
+                           f"dropped={dropped} per_source={totals.per_source}")
     slog.finish(k, {"format": FORMAT, "rows": docs_out})
     changed, near = (totals.whole["changed"], totals.whole["near"]) if totals.whole is not None else \
         (totals.changed, totals.near)
@@ -1178,6 +1220,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             "docs_changed_by_normalise": changed,
             "near_dedup": near if cfg.near_dedup.enabled else {},
             "filters_enabled": [name for name, _, _ in cfg.filters.enabled()],
+            "per_source": {name: totals.per_source[name] for name in sorted(totals.per_source)},
         })
     return {
         "docs": docs_out,

@@ -218,6 +218,41 @@ def test_accounting_identity_on_mixed_input(tmp_path):
     assert [d["id"] for d in docs] == ["id000", "id004", "id006", "id008"]
 
 
+@pytest.mark.parametrize("kw", [{}, {"num_workers": 2}, {"dedup": {"method": "sharded", "partition_docs": 3}}],
+                         ids=["one-process", "two-workers", "sharded-dedup"])
+def test_the_report_counts_each_source_s_documents_kept_and_dropped_by_reason(tmp_path, kw):
+    """A mixture's user sees where a source's documents went: its drops are its
+    own, told apart from the other sources' by ingest's source_name."""
+    texts = MIXED * 2
+    names = ["web", "code", "code"] * 6
+    table = pq.read_table(write_docs(tmp_path / "in.parquet", texts))
+    pq.write_table(table.append_column("source_name", pa.array(names)), tmp_path / "named.parquet", row_group_size=3)
+    out = tmp_path / "out"
+    metrics = run_clean(cfg(batch_docs=2, **kw), tmp_path / "named.parquet", out / "docs", out / "q.jsonl",
+                        out / "report.json")
+    # what each source should hold, from the documents written and the quarantine (every drop is kept in it)
+    want: dict = {}
+    for d in read_out(out / "docs").to_pylist():
+        c = want.setdefault(d["source_name"], {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+        c["docs_in"], c["docs"], c["bytes"] = c["docs_in"] + 1, c["docs"] + 1, c["bytes"] + len(d["text"].encode())
+    for q in map(json.loads, (out / "q.jsonl").read_text().splitlines()):
+        c = want.setdefault(names[int(q["source"][4:-3])], {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+        c["docs_in"] += 1
+        c["dropped"][q["reason"]] = c["dropped"].get(q["reason"], 0) + 1
+    got = read_json(out / "report.json")["per_source"]
+    assert got == want and list(got) == ["code", "web"]
+    assert sum(c["docs_in"] for c in got.values()) == 18 and sum(c["docs"] for c in got.values()) == metrics["docs"]
+    assert {k: v for k, v in got["web"].items() if k != "bytes"} == {
+        "docs_in": 6, "docs": 2, "dropped": {"too_short": 2, "exact_duplicate": 2}}
+
+
+def test_an_input_without_source_names_is_counted_as_one_unnamed_source(tmp_path):
+    metrics, docs, _ = run(tmp_path, MIXED)
+    assert report(tmp_path)["per_source"] == {"(no source_name)": {
+        "docs_in": 9, "docs": 4, "bytes": metrics["bytes"], "dropped": {k: v for k, v in report(tmp_path)[
+            "dropped"].items() if v}}}
+
+
 def test_quarantine_records_reason_source_location_and_text(tmp_path):
     texts = [code(1)] + [code(1)] * 3 + ["lorem ipsum"]
     metrics, _, quarantine = run(tmp_path, texts, quarantine_per_reason=1)
