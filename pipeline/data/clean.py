@@ -1016,13 +1016,17 @@ UNNAMED = "(no source_name)"  # documents of an input without ingest's source na
 
 def _add_per_source(into: dict[str, dict[str, Any]], more: dict[str, dict[str, Any]]) -> None:
     """Add one count of documents by source name (docs_in, docs and bytes kept,
-    dropped by reason) to another."""
+    the dropped documents' bytes as they came in, dropped by reason) to another."""
     for name, c in more.items():
-        mine = into.setdefault(name, {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
-        for key in ("docs_in", "docs", "bytes"):
+        mine = into.setdefault(name, _no_docs())
+        for key in ("docs_in", "docs", "bytes", "bytes_dropped"):
             mine[key] += c[key]
         for reason, n in c["dropped"].items():
             mine["dropped"][reason] = mine["dropped"].get(reason, 0) + n
+
+
+def _no_docs() -> dict[str, Any]:
+    return {"docs_in": 0, "docs": 0, "bytes": 0, "bytes_dropped": 0, "dropped": {}}
 
 
 def _piece_per_source(piece: Piece, drops: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
@@ -1034,13 +1038,15 @@ def _piece_per_source(piece: Piece, drops: list[tuple[str, str]]) -> dict[str, d
                          "bytes": pc.binary_length(piece.kept.column("text"))})
         for row in kept.group_by("name", use_threads=False).aggregate([("bytes", "count"), ("bytes", "sum")]
                                                                       ).to_pylist():
-            out[row["name"]] = {"docs_in": row["bytes_count"], "docs": row["bytes_count"], "bytes": row["bytes_sum"],
-                                "dropped": {}}
+            out[row["name"]] = {**_no_docs(), "docs_in": row["bytes_count"], "docs": row["bytes_count"],
+                                "bytes": row["bytes_sum"]}
     if drops:
         names = piece.dropped.column("source_name").fill_null(UNNAMED).to_pylist()
-        for (reason, _), name in zip(drops, names):
-            c = out.setdefault(name, {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+        sizes = pc.binary_length(piece.dropped.column("text")).fill_null(0).to_pylist()
+        for (reason, _), name, size in zip(drops, names, sizes):
+            c = out.setdefault(name, _no_docs())
             c["docs_in"] += 1
+            c["bytes_dropped"] += size
             c["dropped"][reason] = c["dropped"].get(reason, 0) + 1
     return out
 
@@ -1129,7 +1135,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     reports diff cleanly; ``docs_in == docs + sum(dropped)``),
     ``docs_changed_by_normalise``, ``near_dedup`` (candidates checked and
     rejected, ids kept in the index), ``filters_enabled`` and ``per_source``
-    (by ingest's source name: docs_in, docs and bytes kept, dropped by reason;
+    (by ingest's source name: docs_in, docs and bytes kept, bytes_dropped (as
+    they came in), dropped by reason;
     the same identity holds in each). All of it but
     shards_resumed, workers and mb_per_s is the same for any executor, worker
     count, dedup method and interruption.
@@ -1205,6 +1212,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     by_source = list(totals.per_source.values())
     if docs_in != docs_out + sum(dropped.values()) or docs_in != num_rows or \
             sum(c["docs_in"] for c in by_source) != docs_in or sum(c["docs"] for c in by_source) != docs_out or \
+            sum(c["bytes"] for c in by_source) != totals.bytes_out or \
             any(c["docs_in"] != c["docs"] + sum(c["dropped"].values()) for c in by_source):
         raise RuntimeError(f"clean accounting is broken: rows={num_rows} docs_in={docs_in} docs_out={docs_out} "
                            f"dropped={dropped} per_source={totals.per_source}")

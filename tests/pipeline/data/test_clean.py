@@ -233,24 +233,28 @@ def test_the_report_counts_each_source_s_documents_kept_and_dropped_by_reason(tm
     # what each source should hold, from the documents written and the quarantine (every drop is kept in it)
     want: dict = {}
     for d in read_out(out / "docs").to_pylist():
-        c = want.setdefault(d["source_name"], {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+        c = want.setdefault(d["source_name"], {"docs_in": 0, "docs": 0, "bytes": 0, "bytes_dropped": 0, "dropped": {}})
         c["docs_in"], c["docs"], c["bytes"] = c["docs_in"] + 1, c["docs"] + 1, c["bytes"] + len(d["text"].encode())
     for q in map(json.loads, (out / "q.jsonl").read_text().splitlines()):
-        c = want.setdefault(names[int(q["source"][4:-3])], {"docs_in": 0, "docs": 0, "bytes": 0, "dropped": {}})
+        i = int(q["source"][4:-3])
+        c = want.setdefault(names[i], {"docs_in": 0, "docs": 0, "bytes": 0, "bytes_dropped": 0, "dropped": {}})
         c["docs_in"] += 1
+        c["bytes_dropped"] += len(texts[i].encode())
         c["dropped"][q["reason"]] = c["dropped"].get(q["reason"], 0) + 1
     got = read_json(out / "report.json")["per_source"]
     assert got == want and list(got) == ["code", "web"]
     assert sum(c["docs_in"] for c in got.values()) == 18 and sum(c["docs"] for c in got.values()) == metrics["docs"]
     assert {k: v for k, v in got["web"].items() if k != "bytes"} == {
-        "docs_in": 6, "docs": 2, "dropped": {"too_short": 2, "exact_duplicate": 2}}
+        "docs_in": 6, "docs": 2, "bytes_dropped": len(code(1)) + len(prose(300, seed=5)),
+        "dropped": {"too_short": 2, "exact_duplicate": 2}}
 
 
 def test_an_input_without_source_names_is_counted_as_one_unnamed_source(tmp_path):
     metrics, docs, _ = run(tmp_path, MIXED)
     assert report(tmp_path)["per_source"] == {"(no source_name)": {
-        "docs_in": 9, "docs": 4, "bytes": metrics["bytes"], "dropped": {k: v for k, v in report(tmp_path)[
-            "dropped"].items() if v}}}
+        "docs_in": 9, "docs": 4, "bytes": metrics["bytes"], "bytes_dropped": report(tmp_path)["bytes_in"] - sum(
+            len(MIXED[int(d["id"][2:])].encode()) for d in docs),
+        "dropped": {k: v for k, v in report(tmp_path)["dropped"].items() if v}}}
 
 
 def test_quarantine_records_reason_source_location_and_text(tmp_path):
