@@ -1084,6 +1084,7 @@ class _Shard:
         self.ledger = Ledger(per_reason=per_reason)
         self.docs = self.bytes = 0
         self.per_source: dict[str, int] = {}
+        self.skipped_per_source: dict[str, dict[str, int]] = {}
         self.rows: dict[str, list] = {k: [] for k in SCHEMA.names}
         self.rows_bytes = 0  # text bytes of the rows not yet flushed
 
@@ -1101,6 +1102,11 @@ class _Shard:
         self.rows_bytes += size
         self.per_source[f.source.label] = self.per_source.get(f.source.label, 0) + 1
 
+    def skip(self, f: InputFile, item: Skip) -> None:
+        self.ledger.record(item.reason, f.display, item.location, item.text, item.detail, n=item.n)
+        reasons = self.skipped_per_source.setdefault(f.source.label, {})
+        reasons[item.reason] = reasons.get(item.reason, 0) + item.n
+
     def flush(self, writer: ShardedParquetWriter) -> None:
         if self.rows["id"]:
             writer.write(pa.table(self.rows, schema=SCHEMA))
@@ -1111,6 +1117,7 @@ class _Shard:
     def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool) -> dict:
         self.flush(writer)
         return writer.seal({"docs": self.docs, "bytes": self.bytes, "per_source": self.per_source,
+                            "skipped_per_source": self.skipped_per_source,
                             "end": list(end), "capped": capped, "last": last, "ledger": self.ledger.to_dict()})
 
 
@@ -1123,6 +1130,7 @@ class _Totals:
         self.ledger = Ledger(per_reason=per_reason)
         self.docs = self.bytes = self.shards = 0
         self.per_source: dict[str, int] = {}
+        self.skipped_per_source: dict[str, dict[str, int]] = {}
         self.capped = False
 
     def add(self, rec: dict) -> None:
@@ -1131,6 +1139,10 @@ class _Totals:
         self.bytes += rec["bytes"]
         for name, n in rec["per_source"].items():
             self.per_source[name] = self.per_source.get(name, 0) + n
+        for name, reasons in rec["skipped_per_source"].items():
+            mine = self.skipped_per_source.setdefault(name, {})
+            for reason, n in reasons.items():
+                mine[reason] = mine.get(reason, 0) + n
         self.capped = rec["capped"]
         self.shards += 1
 
@@ -1153,7 +1165,8 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
 
     Returns the metrics: docs, bytes, files, skipped (total), shards and
     shards_resumed. The report, written to ``report_path`` when given, holds
-    ``skipped`` by reason, ``capped`` and ``docs_per_source``.
+    ``skipped`` by reason, ``capped``, ``docs_per_source``,
+    ``skipped_per_source`` (by reason) and ``unread_files_per_source``.
     Raises IngestError when no document was read."""
     files = resolve_sources(cfg)
     shard_log = ShardLog(out_dir, ingest_fingerprint(cfg, files))
@@ -1192,7 +1205,8 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         )
     if report_path is not None:
         write_json(report_path, {"skipped": totals.ledger.as_dict(), "capped": totals.capped,
-                                 "docs_per_source": totals.per_source, "unread_files_per_source": unread})
+                                 "docs_per_source": totals.per_source, "skipped_per_source": totals.skipped_per_source,
+                                 "unread_files_per_source": unread})
     shard_log.finish(totals.shards, {"format": docs_format.FORMAT, "rows": totals.docs, "bytes": totals.bytes,
                                      "columns": SCHEMA.names})
     return {"docs": totals.docs, "bytes": totals.bytes, "files": len(files), "unread_files": sum(unread.values()),
@@ -1275,7 +1289,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
     with contextlib.closing(iter_items(files, cfg, ex, start)) as items:
         for pos, f, item in items:
             if isinstance(item, Skip):
-                shard.ledger.record(item.reason, f.display, item.location, item.text, item.detail, n=item.n)
+                shard.skip(f, item)
                 continue
             if shard.bytes >= cfg.shard_bytes:  # full: this document starts the next shard
                 totals.add(shard.seal(writer, end=pos, capped=False, last=False))

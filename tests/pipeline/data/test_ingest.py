@@ -666,6 +666,29 @@ def test_workers_give_the_bytes_of_one_process(tmp_path):
     assert capped[0] == capped[1] and capped[0][0]["docs"] < one[0]["docs"]
 
 
+def test_the_report_counts_each_source_s_skips_by_reason(tmp_path):
+    sources = mixed_corpus(tmp_path)
+    (tmp_path / "table.csv").write_text("body\none\ntwo\nthree\n")  # no text column: 3 rows in one skip
+    sources.append({"path": str(tmp_path / "table.csv"), "name": "csv"})
+    # small shards: the counts are summed over several shard records
+    metrics, _, (_, report_bytes) = outputs(tmp_path, "out", sources, executor={"num_workers": 2}, shard_bytes=200)
+    assert metrics["shards"] > 3
+    rep = json.loads(report_bytes)
+    corpus = str(tmp_path / "corpus")
+    assert rep["skipped_per_source"] == {
+        f"{corpus}/*.txt": {"empty_file": 1, "non_utf8": 1, "binary": 1},
+        f"{corpus}/rows.jsonl": {"malformed_json": 1, "bad_type": 1},
+        "again": {"duplicate_path": 1},
+        f"{corpus}/more.jsonl.zst": {"malformed_json": 1},
+        "csv": {"missing_field": 3},
+    }
+    by_reason: dict = {}
+    for reasons in rep["skipped_per_source"].values():
+        for reason, n in reasons.items():
+            by_reason[reason] = by_reason.get(reason, 0) + n
+    assert by_reason == rep["skipped"] and sum(by_reason.values()) == metrics["skipped"]
+
+
 def test_a_worker_reads_a_file_only_if_it_is_the_one_the_stage_saw(tmp_path):
     """A worker that lacks the file, or holds another one at its path (a Ray node
     without the input's storage), hands it back to the stage with a line saying so."""
