@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -107,7 +108,7 @@ ROUNDTRIP_PROBES: tuple[str, ...] = (
 
 
 SOURCE_TRAIN = "train"
-TRAINING_KEYS = ("vocab_size", "min_frequency", "sample_bytes", "eval_bytes", "seed")
+TRAINING_KEYS = ("vocab_size", "min_frequency", "sample_bytes", "sample_weights", "eval_bytes", "seed")
 
 
 class TokenizerConfig(StageConfig):
@@ -120,9 +121,21 @@ class TokenizerConfig(StageConfig):
     min_frequency: int = Field(2, ge=1, description="a pair seen fewer times is never merged")
     sample_bytes: int = Field(4_000_000, ge=1_000, le=20_000_000_000,
                               description="UTF-8 bytes of whole documents to train on (bounds memory)")
+    sample_weights: dict[str, float] = Field(
+        {}, description="ingest source name -> its share of sample_bytes, e.g. a mixture's weights (every source "
+        "with train documents listed); {} = documents taken as they come, by hash")
     eval_bytes: int = Field(1_000_000, ge=1_000,
                             description="held-out bytes for the compression and round-trip check")
     seed: int = Field(0, ge=0, description="chooses the sample")
+
+    @field_validator("sample_weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(not math.isfinite(w) or w < 0 for w in v.values()):
+            raise ValueError("weights are finite and >= 0")
+        if v and not sum(v.values()) > 0:
+            raise ValueError("at least one weight is above 0")
+        return v
 
     @field_validator("source")
     @classmethod
@@ -348,24 +361,38 @@ def _greedy(order: np.ndarray, sizes: np.ndarray, budget: int, taken: np.ndarray
             left -= s
 
 
-def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, seed: int
-                  ) -> tuple[np.ndarray, np.ndarray, dict]:
+def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, seed: int,
+                  weights: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """Row masks ``(sample, heldout)`` over the table, disjoint, plus corpus stats.
+    With ``weights`` (source name -> weight), each source's documents fill its
+    share of ``sample_bytes`` on their own, in rank order; stats then add
+    ``sample_bytes_per_source``.
 
-    Reads only ``id`` and the byte length of ``text``. Raises TokenizerError on a
-    missing file or column, and on a corpus with no non-empty text.
+    Reads only ``id``, the byte length of ``text``, ``split`` and (with weights)
+    ``source_name``. Raises TokenizerError on a missing file or column, on a
+    corpus with no non-empty text, and on weights that do not name exactly the
+    sources with documents to train on.
     """
     pf = open_docs(Path(docs_path), TokenizerError)
     ranks: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
     marked: list[np.ndarray] = []  # split: val
+    names: list[np.ndarray] = []  # with weights: each document's source, as an index into `sources`
+    sources: dict[str, int] = {}
     marks = "split" in pf.schema_arrow.names
-    for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["id", "text", *(["split"] if marks else [])]):
+    if weights and "source_name" not in pf.schema_arrow.names:
+        raise TokenizerError(f"{docs_path}: tokenizer.sample_weights needs the documents' source names, and these "
+                             "have none (rerun ingest and clean)")
+    columns = ["id", "text", *(["split"] if marks else []), *(["source_name"] if weights else [])]
+    for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
         ids = batch.column(0).to_pylist()
         ranks.append(np.fromiter((_rank(seed, str(i)) for i in ids), np.uint64, count=len(ids)))
         sizes.append(pc.fill_null(pc.binary_length(batch.column(1)), 0).to_numpy().astype(np.int64))
         if marks:
-            marked.append(pc.fill_null(pc.equal(batch.column(2), "val"), False).to_numpy(zero_copy_only=False))
+            marked.append(pc.fill_null(pc.equal(batch.column("split"), "val"), False).to_numpy(zero_copy_only=False))
+        if weights:
+            names.append(np.fromiter((sources.setdefault(n, len(sources)) for n in batch.column("source_name")
+                                      .fill_null("").to_pylist()), np.int64, count=len(ids)))
     size = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
     val_only = np.concatenate(marked) if marked else np.zeros(len(size), bool)
     total = int(size.sum())
@@ -383,7 +410,13 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     if not trainable.any():
         raise TokenizerError(f"{docs_path}: every document with text is marked split: val; the tokenizer has "
                              "nothing it may train on")
-    _greedy(order[trainable[order]], size, sample_bytes, sample)
+    stats: dict[str, Any] = {"corpus_docs": len(size), "corpus_bytes": total}
+    if weights:
+        source = np.concatenate(names)
+        stats["sample_bytes_per_source"] = _weighted(order, size, trainable, source, sources, weights,
+                                                     sample_bytes, sample, heldout | val_only)
+    else:
+        _greedy(order[trainable[order]], size, sample_bytes, sample)
     sample &= ~(heldout | val_only)
     if not sample.any():
         # Every document is larger than the budget: a clipped prefix of the first one in
@@ -392,8 +425,42 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
         first = order[trainable[order] & ~heldout[order]]
         doc = (first if len(first) else order[trainable[order]])[0]
         sample[doc], heldout[doc] = True, False  # the held-out set never overlaps what is trained on
-    stats = {"corpus_docs": len(size), "corpus_bytes": total}
+    if weights:
+        name_of = {k: name for name, k in sources.items()}
+        stats["heldout_sources"] = [name_of[int(k)] for k in source[heldout]]
     return sample, heldout, stats
+
+
+def _weighted(order: np.ndarray, size: np.ndarray, trainable: np.ndarray, source: np.ndarray,
+              sources: dict[str, int], weights: dict[str, float], sample_bytes: int, sample: np.ndarray,
+              excluded: np.ndarray) -> dict[str, int]:
+    """Fill ``sample`` source by source: each takes its share of ``sample_bytes``
+    (its weight over their sum) from its own documents in rank order. Returns the
+    bytes each took; a source without enough text for its share is a warning."""
+    available = {name: trainable & (source == k) for name, k in sources.items()}
+    train_names = sorted(name for name, mask in available.items() if mask.any())
+    unlisted = sorted(set(train_names) - set(weights))
+    if unlisted:
+        raise TokenizerError(f"tokenizer.sample_weights has no entry for source(s) {unlisted}; list every source "
+                             f"with train documents (names: {train_names})")
+    unknown = sorted(set(weights) - set(train_names))
+    if unknown:
+        raise TokenizerError(f"tokenizer.sample_weights names source(s) {unknown} that have no documents to train "
+                             f"on (sources with some: {train_names})")
+    total_weight = sum(weights.values())
+    taken: dict[str, int] = {}
+    for name in train_names:
+        budget = int(sample_bytes * weights[name] / total_weight)
+        mine = available[name] & ~excluded
+        before = sample.copy()
+        if budget > 0 and mine.any():
+            _greedy(order[mine[order]], size, budget, sample)
+        taken[name] = int(size[sample & ~before].sum())
+        if budget > 0 and int(size[mine].sum()) < budget:
+            log.warning("source %r has %s bytes of text to train the tokenizer on, less than its share of the "
+                        "sample, %s bytes (weight %g of %g); the sample is smaller by the difference", name,
+                        f"{int(size[mine].sum()):,}", f"{budget:,}", weights[name], total_weight)
+    return taken
 
 
 def _read_rows(docs_path: Path, *masks: np.ndarray) -> list[list[tuple[str, str]]]:
@@ -452,13 +519,16 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     total_seconds. The report, written to ``report_path`` when given, holds
     vocab_size_requested, corpus_docs/bytes, sample_docs, heldout_docs/bytes,
     bytes_per_token_on ("heldout" or "sample"), roundtrip_ok, roundtrip_docs and
-    the sha256 of ``out_path``.
+    the sha256 of ``out_path``; with ``sample_weights``, also the sample's bytes
+    and the held-out documents' bytes per token, source by source.
     Raises TokenizerError on missing input, an empty corpus or a failed round-trip;
     ``out_path`` is then left as it was.
     """
     t0 = time.perf_counter()
     docs_path, out_path = Path(docs_path), Path(out_path)
-    sample_mask, heldout_mask, stats = choose_sample(docs_path, cfg.sample_bytes, cfg.eval_bytes, cfg.seed)
+    sample_mask, heldout_mask, stats = choose_sample(docs_path, cfg.sample_bytes, cfg.eval_bytes, cfg.seed,
+                                                     cfg.sample_weights)
+    heldout_sources = stats.pop("heldout_sources", None)
     sample, heldout = _read_rows(docs_path, sample_mask, heldout_mask)
     texts = [t or "" for _, t in sample]
     if len(texts) == 1 and len(texts[0].encode("utf-8")) > cfg.sample_bytes:
@@ -487,6 +557,8 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     measured_on = "heldout" if heldout else "sample"
     check_set = heldout or sample[:max(1, len(sample) // 10)]
     n_check, check_bytes, check_tokens = check_roundtrip(tok, ((f"document {i!r}", t or "") for i, t in check_set))
+    if heldout_sources is not None:
+        stats["heldout_bytes_per_token_per_source"] = _bytes_per_token_by_source(tok, heldout, heldout_sources)
 
     with atomic_write(out_path) as f:
         f.write(tok.to_str(pretty=True))
@@ -511,6 +583,18 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
         "train_seconds": round(train_seconds, 3),
         "total_seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _bytes_per_token_by_source(tok: Tokenizer, rows: list[tuple[str, str]], names: list[str]) -> dict[str, float]:
+    """UTF-8 bytes per token of the held-out documents, source by source."""
+    texts: dict[str, list[str]] = {}
+    for name, (_, text) in zip(names, rows):
+        texts.setdefault(name, []).append(text or "")
+    out = {}
+    for name in sorted(texts):
+        tokens = sum(len(e.ids) for e in tok.encode_batch(texts[name], add_special_tokens=False))
+        out[name] = round(sum(len(t.encode("utf-8")) for t in texts[name]) / max(tokens, 1), 4)
+    return out
 
 
 # --- adopting a Hugging Face model's tokenizer -----------------------------------------------

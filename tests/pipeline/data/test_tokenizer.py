@@ -214,7 +214,71 @@ def test_errors(tmp_path, trained):
         load_tokenizer(swapped)
 
 
+def named(corpus, tmp_path, names):
+    """The corpus with a source name for each document."""
+    table = pq.read_table(corpus)
+    path = tmp_path / "named.parquet"
+    pq.write_table(table.append_column("source_name", pa.array(names)), path)
+    return path, np.array([len(t.encode()) for t in table.column("text").to_pylist()])
+
+
+def test_sample_weights_give_each_source_its_share_of_the_sample(corpus, tmp_path):
+    """A mixture's upweighted source is trained on as much as its weight says,
+    not as much as its size: here 'small' holds a quarter of the documents and
+    asks for half the sample."""
+    names = ["small" if i % 4 == 0 else "big" for i in range(200)]
+    path, sizes = named(corpus, tmp_path, names)
+    small = np.array([n == "small" for n in names])
+    plain, _, _ = choose_sample(path, 20_000, 3_000, seed=0)
+    assert sizes[plain & small].sum() < 0.4 * sizes[plain].sum()  # by hash alone: about its share of the text
+    sample, heldout, stats = choose_sample(path, 20_000, 3_000, seed=0, weights={"big": 1.0, "small": 1.0})
+    assert not (sample & heldout).any()
+    got = {"big": int(sizes[sample & ~small].sum()), "small": int(sizes[sample & small].sum())}
+    assert stats["sample_bytes_per_source"] == got
+    for n in got:  # each fills its half greedily, short of it by less than its largest document
+        assert 10_000 - sizes.max() < got[n] <= 10_000
+    assert stats["heldout_sources"] == [n for n, h in zip(names, heldout) if h]
+    # the same seed and ids give the same sample whatever the weights' order; another weight another share
+    again, _, _ = choose_sample(path, 20_000, 3_000, seed=0, weights={"small": 1.0, "big": 1.0})
+    assert (again == sample).all()
+    _, _, stats = choose_sample(path, 20_000, 3_000, seed=0, weights={"big": 3.0, "small": 1.0})
+    assert 5_000 - sizes.max() < stats["sample_bytes_per_source"]["small"] <= 5_000
+
+
+def test_a_source_without_text_for_its_share_is_a_warning_and_names_must_match(corpus, tmp_path, caplog):
+    names = ["small" if i % 20 == 0 else "big" for i in range(200)]
+    path, sizes = named(corpus, tmp_path, names)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        sample, heldout, stats = choose_sample(path, 30_000, 3_000, seed=0, weights={"big": 1, "small": 1})
+    small = np.array([n == "small" for n in names])
+    assert (sample | heldout)[small].all()  # all of it, less what is held out
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"source 'small' has {sizes[small & ~heldout].sum():,} bytes of text to train the "
+                           "tokenizer on, less than its share of the sample, 15,000 bytes")
+    with pytest.raises(TokenizerError, match=r"no entry for source\(s\) \['small'\]"):
+        choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1})
+    with pytest.raises(TokenizerError, match=r"names source\(s\) \['web'\] that have no documents"):
+        choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1, "small": 1, "web": 1})
+    with pytest.raises(TokenizerError, match="needs the documents' source names"):
+        choose_sample(corpus, 10_000, 3_000, seed=0, weights={"big": 1})
+
+
+def test_sample_weights_report_each_source_s_sample_and_bytes_per_token(corpus, tmp_path):
+    names = ["small" if i % 5 == 0 else "big" for i in range(200)]
+    path, _ = named(corpus, tmp_path, names)
+    cfg = TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000, sample_weights={"big": 1, "small": 1})
+    metrics = train_tokenizer(cfg, path, tmp_path / "out" / "tokenizer.json", tmp_path / "out" / "report.json")
+    report = read_json(tmp_path / "out" / "report.json")
+    assert set(report["sample_bytes_per_source"]) == {"big", "small"}
+    assert sum(report["sample_bytes_per_source"].values()) == metrics["sample_bytes"]
+    per_source = report["heldout_bytes_per_token_per_source"]
+    assert set(per_source) <= {"big", "small"} and per_source
+    assert min(per_source.values()) <= metrics["bytes_per_token"] <= max(per_source.values())
+
+
 @pytest.mark.parametrize("key, value, msg", [
+    ("sample_weights", {"web": -1}, "weights are finite and >= 0"),
+    ("sample_weights", {"web": 0}, "at least one weight is above 0"),
     ("vocab_size", 100, "greater than or equal to 260"),
     ("sample_bytes", 10, "greater than or equal to 1000"),
     ("min_frequency", 0, "greater than or equal to 1"),
