@@ -365,8 +365,12 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
                   weights: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """Row masks ``(sample, heldout)`` over the table, disjoint, plus corpus stats.
     With ``weights`` (source name -> weight), each source's documents fill its
-    share of ``sample_bytes`` on their own, in rank order; stats then add
-    ``sample_bytes_per_source``.
+    share of ``sample_bytes`` on their own, in rank order, a source with less
+    text than its share being repeated up to it as pack upsamples (whole
+    copies, then one more of some documents in rank order); stats then add
+    ``sample_bytes_per_source``, ``text_used_per_source`` (its sample bytes over
+    the bytes of its documents: below 1 a part of them, above 1 repeated) and
+    ``copies`` (each sampled row's, in table order).
 
     Reads only ``id``, the byte length of ``text``, ``split`` and (with weights)
     ``source_name``. Raises TokenizerError on a missing file or column, on a
@@ -413,8 +417,10 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     stats: dict[str, Any] = {"corpus_docs": len(size), "corpus_bytes": total}
     if weights:
         source = np.concatenate(names)
-        stats["sample_bytes_per_source"] = _weighted(order, size, trainable, source, sources, weights,
-                                                     sample_bytes, sample, heldout | val_only)
+        copies = np.zeros(len(size), np.int64)
+        stats["sample_bytes_per_source"], stats["text_used_per_source"] = _weighted(
+            order, size, trainable, source, sources, weights, sample_bytes, copies, heldout | val_only)
+        sample |= copies > 0
     else:
         _greedy(order[trainable[order]], size, sample_bytes, sample)
     sample &= ~(heldout | val_only)
@@ -425,20 +431,25 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
         first = order[trainable[order] & ~heldout[order]]
         doc = (first if len(first) else order[trainable[order]])[0]
         sample[doc], heldout[doc] = True, False  # the held-out set never overlaps what is trained on
+        if weights:
+            copies[doc] = 1
     if weights:
+        stats["copies"] = copies[sample]
         name_of = {k: name for name, k in sources.items()}
         stats["heldout_sources"] = [name_of[int(k)] for k in source[heldout]]
     return sample, heldout, stats
 
 
 def _weighted(order: np.ndarray, size: np.ndarray, trainable: np.ndarray, source: np.ndarray,
-              sources: dict[str, int], weights: dict[str, float], sample_bytes: int, sample: np.ndarray,
-              excluded: np.ndarray) -> dict[str, int]:
-    """Fill ``sample`` source by source: each takes its share of ``sample_bytes``
-    (its weight over their sum) from its own documents in rank order. Returns the
-    bytes each took; a source without enough text for its share is a warning."""
-    available = {name: trainable & (source == k) for name, k in sources.items()}
-    train_names = sorted(name for name, mask in available.items() if mask.any())
+              sources: dict[str, int], weights: dict[str, float], sample_bytes: int, copies: np.ndarray,
+              excluded: np.ndarray) -> tuple[dict[str, int], dict[str, float]]:
+    """Set ``copies`` source by source: each takes its share of ``sample_bytes``
+    (its weight over their sum) from its own documents in rank order, and one
+    with less text than that repeats them: every one k times, then one more
+    time for some, in rank order, up to its share. Returns each source's bytes
+    in the sample, and those bytes over its documents' bytes."""
+    available = {name: trainable & ~excluded & (source == k) for name, k in sources.items()}
+    train_names = sorted(name for name, k in sources.items() if (trainable & (source == k)).any())
     unlisted = sorted(set(train_names) - set(weights))
     if unlisted:
         raise TokenizerError(f"tokenizer.sample_weights has no entry for source(s) {unlisted}; list every source "
@@ -449,18 +460,25 @@ def _weighted(order: np.ndarray, size: np.ndarray, trainable: np.ndarray, source
                              f"on (sources with some: {train_names})")
     total_weight = sum(weights.values())
     taken: dict[str, int] = {}
+    used: dict[str, float] = {}
     for name in train_names:
         budget = int(sample_bytes * weights[name] / total_weight)
-        mine = available[name] & ~excluded
-        before = sample.copy()
-        if budget > 0 and mine.any():
-            _greedy(order[mine[order]], size, budget, sample)
-        taken[name] = int(size[sample & ~before].sum())
-        if budget > 0 and int(size[mine].sum()) < budget:
-            log.warning("source %r has %s bytes of text to train the tokenizer on, less than its share of the "
-                        "sample, %s bytes (weight %g of %g); the sample is smaller by the difference", name,
-                        f"{int(size[mine].sum()):,}", f"{budget:,}", weights[name], total_weight)
-    return taken
+        mine = order[available[name][order]]
+        have = int(size[mine].sum())
+        whole = budget // have if have else 0
+        if whole:  # repeated: every document `whole` times, the rest of the share from a further copy of some
+            copies[mine] = whole
+        extra = np.zeros(len(size), bool)
+        if budget - whole * have > 0 and len(mine):
+            _greedy(mine, size, budget - whole * have, extra)
+        copies[extra] += 1
+        taken[name] = int((size[mine] * copies[mine]).sum())
+        used[name] = round(taken[name] / have, 4) if have else 0.0
+        if whole:
+            log.info("source %r has %s bytes of text to train the tokenizer on, less than its share of the sample, "
+                     "%s bytes (weight %g of %g): its documents are repeated %.2f times on average", name,
+                     f"{have:,}", f"{budget:,}", weights[name], total_weight, used[name])
+    return taken, used
 
 
 def _read_rows(docs_path: Path, *masks: np.ndarray) -> list[list[tuple[str, str]]]:
@@ -529,13 +547,17 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     sample_mask, heldout_mask, stats = choose_sample(docs_path, cfg.sample_bytes, cfg.eval_bytes, cfg.seed,
                                                      cfg.sample_weights)
     heldout_sources = stats.pop("heldout_sources", None)
+    copies = stats.pop("copies", None)
     sample, heldout = _read_rows(docs_path, sample_mask, heldout_mask)
     texts = [t or "" for _, t in sample]
+    if copies is not None:  # sample_weights: a source short of its share is repeated (the same str objects)
+        texts = [t for t, n in zip(texts, copies.tolist()) for _ in range(n)]
     if len(texts) == 1 and len(texts[0].encode("utf-8")) > cfg.sample_bytes:
         texts = [_clip_utf8(texts[0], cfg.sample_bytes)]
     sample_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    log.info("training BPE (vocab %d) on %d docs, %.1f MB of %d docs, %.1f MB",
-             cfg.vocab_size, len(texts), sample_bytes / 1e6, stats["corpus_docs"], stats["corpus_bytes"] / 1e6)
+    log.info("training BPE (vocab %d) on %d docs%s, %.1f MB of %d docs, %.1f MB", cfg.vocab_size, len(sample),
+             f" ({len(texts)} with repeats)" if len(texts) != len(sample) else "", sample_bytes / 1e6,
+             stats["corpus_docs"], stats["corpus_bytes"] / 1e6)
 
     tok = build_tokenizer()
     trainer = trainers.BpeTrainer(

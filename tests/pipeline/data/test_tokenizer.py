@@ -245,16 +245,26 @@ def test_sample_weights_give_each_source_its_share_of_the_sample(corpus, tmp_pat
     assert 5_000 - sizes.max() < stats["sample_bytes_per_source"]["small"] <= 5_000
 
 
-def test_a_source_without_text_for_its_share_is_a_warning_and_names_must_match(corpus, tmp_path, caplog):
+def test_a_source_short_of_its_share_is_repeated_up_to_it_and_names_must_match(corpus, tmp_path, caplog):
+    """As pack upsamples a mixture's source: every document of the source the
+    same number of times, then one more time for some, in rank order."""
     names = ["small" if i % 20 == 0 else "big" for i in range(200)]
     path, sizes = named(corpus, tmp_path, names)
-    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+    with caplog.at_level("INFO", logger="pipeline.data.tokenizer"):
         sample, heldout, stats = choose_sample(path, 30_000, 3_000, seed=0, weights={"big": 1, "small": 1})
     small = np.array([n == "small" for n in names])
-    assert (sample | heldout)[small].all()  # all of it, less what is held out
+    have = int(sizes[small & ~heldout].sum())
+    copies = np.zeros(len(names), np.int64)
+    copies[sample] = stats["copies"]
+    assert (sample == (copies > 0)).all() and not (sample & heldout).any()
+    assert have < 15_000 and set(copies[small & ~heldout]) == {15_000 // have, 15_000 // have + 1}
+    assert set(copies[~small & sample]) == {1}  # big has enough: each document once
+    assert 15_000 - sizes.max() < stats["sample_bytes_per_source"]["small"] == int((sizes * copies)[small].sum()) \
+        <= 15_000
+    assert stats["text_used_per_source"]["small"] == round(stats["sample_bytes_per_source"]["small"] / have, 4)
     [line] = [r.getMessage() for r in caplog.records]
-    assert line.startswith(f"source 'small' has {sizes[small & ~heldout].sum():,} bytes of text to train the "
-                           "tokenizer on, less than its share of the sample, 15,000 bytes")
+    assert line.startswith(f"source 'small' has {have:,} bytes of text to train the tokenizer on, less than its "
+                           "share of the sample, 15,000 bytes (weight 1 of 2): its documents are repeated")
     with pytest.raises(TokenizerError, match=r"no entry for source\(s\) \['small'\]"):
         choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1})
     with pytest.raises(TokenizerError, match=r"names source\(s\) \['web'\] that have no documents"):
@@ -264,13 +274,14 @@ def test_a_source_without_text_for_its_share_is_a_warning_and_names_must_match(c
 
 
 def test_sample_weights_report_each_source_s_sample_and_bytes_per_token(corpus, tmp_path):
-    names = ["small" if i % 5 == 0 else "big" for i in range(200)]
+    names = ["small" if i % 20 == 0 else "big" for i in range(200)]
     path, _ = named(corpus, tmp_path, names)
-    cfg = TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000, sample_weights={"big": 1, "small": 1})
+    cfg = TokenizerConfig(vocab_size=400, sample_bytes=30_000, eval_bytes=3_000, sample_weights={"big": 1, "small": 1})
     metrics = train_tokenizer(cfg, path, tmp_path / "out" / "tokenizer.json", tmp_path / "out" / "report.json")
     report = read_json(tmp_path / "out" / "report.json")
-    assert set(report["sample_bytes_per_source"]) == {"big", "small"}
-    assert sum(report["sample_bytes_per_source"].values()) == metrics["sample_bytes"]
+    assert set(report["sample_bytes_per_source"]) == {"big", "small"} == set(report["text_used_per_source"])
+    assert sum(report["sample_bytes_per_source"].values()) == metrics["sample_bytes"]  # what BPE was trained on
+    assert report["text_used_per_source"]["small"] > 2 and report["text_used_per_source"]["big"] < 0.5
     per_source = report["heldout_bytes_per_token_per_source"]
     assert set(per_source) <= {"big", "small"} and per_source
     assert min(per_source.values()) <= metrics["bytes_per_token"] <= max(per_source.values())
