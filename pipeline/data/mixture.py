@@ -11,11 +11,12 @@ For a source with ``available`` train tokens and a ``target``, every document is
 written ``target // available`` times, and the remaining ``target mod available``
 tokens are filled with one more copy of documents taken in a seeded order (the
 BLAKE2b hash of seed and id, person ``pack-mix``), each taken only while it
-still fits. Downsampling is the case ``target < available``; upsampling repeats
-whole passes over the source. The shortfall is smaller than the shortest
-document left without its extra copy, so on real corpora the realised tokens are
-within a few of the target; and the choice depends only on the seed, the ids and
-the token counts: not on worker counts or row order.
+still fits (:func:`pipeline.data.shares.multiplicities`). Downsampling is the
+case ``target < available``; upsampling repeats whole passes over the source.
+The shortfall is smaller than the shortest document left without its extra copy,
+so on real corpora the realised tokens are within a few of the target; and the
+choice depends only on the seed, the ids and the token counts: not on worker
+counts or row order.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Iterable, Mapping
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.data import shares
 from pipeline.errors import StageError
 
 
@@ -57,16 +59,7 @@ class Share(BaseModel):
 def check_names(available: Iterable[str], mixture: Mapping[str, Share]) -> None:
     """Raise MixtureError, naming them, for sources with train documents that the
     mixture does not list, and mixture entries with no such source."""
-    unlisted = sorted(set(available) - set(mixture))
-    if unlisted:
-        raise MixtureError(f"pack.mixture has no entry for source(s) {unlisted}; list every train source "
-                           f"(names: {sorted(available)})")
-    unknown = sorted(set(mixture) - set(available))
-    if unknown:
-        raise MixtureError(f"pack.mixture names source(s) {unknown} that have no train documents "
-                           f"(sources with train documents: {sorted(available)}); a source has none when it is "
-                           f"split: val, when clean dropped all of it, or when ingest.max_bytes was reached before "
-                           f"it (data/ingest/report.json, unread_files_per_source)")
+    shares.check_names(available, mixture, "pack.mixture", MixtureError)
 
 
 def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[str, int]:
@@ -92,32 +85,6 @@ def order_keys(seed: int, ids: list[str]) -> np.ndarray:
     return np.array([int.from_bytes(hashlib.blake2b(f"{seed}\x00{i}".encode(), digest_size=8,
                                                     person=b"pack-mix").digest(), "big") for i in ids],
                     dtype=np.uint64)
-
-
-def multiplicities(keys: np.ndarray, tokens: np.ndarray, target: int) -> np.ndarray:
-    """Copies of each document (``tokens[i]`` tokens, order key ``keys[i]``) whose
-    tokens sum to ``target`` as nearly as whole documents allow (see the module
-    docstring)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    total = int(tokens.sum())
-    if total == 0:
-        return np.zeros(len(tokens), dtype=np.int64)
-    full, rest = divmod(int(target), total)
-    m = np.full(len(tokens), full, dtype=np.int64)
-    if rest == 0:
-        return m
-    order = np.argsort(keys, kind="stable")
-    taken = np.cumsum(tokens[order])
-    prefix = int(np.searchsorted(taken, rest, side="right"))  # the longest prefix that fits
-    m[order[:prefix]] += 1
-    gap = rest - (int(taken[prefix - 1]) if prefix else 0)
-    for i in order[prefix:]:  # then each later document that still fits
-        if gap == 0:
-            break
-        if 0 < tokens[i] <= gap:
-            m[i] += 1
-            gap -= int(tokens[i])
-    return m
 
 
 def repeat_warnings(available: Mapping[str, int], wanted: Mapping[str, int], max_repeats: float) -> list[str]:

@@ -127,6 +127,7 @@ from pipeline.data import docs as docs_module
 from pipeline.data import mixture as mixture_module
 from pipeline.data import resume
 from pipeline.data import shards as shards_module
+from pipeline.data import shares as shares_module
 from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.docs import (
     DocTable,
@@ -137,8 +138,9 @@ from pipeline.data.docs import (
     text_lengths,
 )
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
-from pipeline.data.mixture import Share, check_names, multiplicities, order_keys, repeat_warnings, targets
+from pipeline.data.mixture import Share, check_names, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
+from pipeline.data.shares import multiplicities
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
 from pipeline.data.tokenizer import (
     EOT_ID,
@@ -1107,14 +1109,15 @@ RUN_FIGURES = ("tokens_per_s", "mb_per_s", "workers", "pack_seconds", "shards_re
 def pack_fingerprint(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> str:
     """What the packed output depends on (:func:`pipeline.data.resume.fingerprint`):
     the params but the executor's, the documents (a docs folder's manifest, or
-    the file), the tokenizer and its roles, and the code of pack, mixture, shards,
+    the file), the tokenizer and its roles, and the code of pack, mixture, shares, shards,
     and of the readers of the documents and the tokenizer (docs, tokenizer)."""
     specials = tokenizer_dir(tokenizer_path) / SPECIALS_FILE
     inputs = {"docs": resume.input_digest(docs_path), "tokenizer": sha256_file(tokenizer_path),
               "specials": sha256_file(specials) if specials.is_file() else ""}
     return resume.fingerprint("pack", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
                               inputs=inputs, code=resume.code_digest(sys.modules[__name__], mixture_module,
-                                                                     shards_module, docs_module, tokenizer_module))
+                                                                     shares_module, shards_module, docs_module,
+                                                                     tokenizer_module))
 
 
 def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -65,6 +65,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.config import StageConfig
 from pipeline.data.docs import DocTable
+from pipeline.data.shares import check_names, multiplicities
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, atomic_write, read_json, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
@@ -419,7 +420,7 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
         source = np.concatenate(names)
         copies = np.zeros(len(size), np.int64)
         stats["sample_bytes_per_source"], stats["text_used_per_source"] = _weighted(
-            order, size, trainable, source, sources, weights, sample_bytes, copies, heldout | val_only)
+            rank, size, trainable, source, sources, weights, sample_bytes, copies, heldout | val_only)
         sample |= copies > 0
     else:
         _greedy(order[trainable[order]], size, sample_bytes, sample)
@@ -440,41 +441,28 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     return sample, heldout, stats
 
 
-def _weighted(order: np.ndarray, size: np.ndarray, trainable: np.ndarray, source: np.ndarray,
+def _weighted(rank: np.ndarray, size: np.ndarray, trainable: np.ndarray, source: np.ndarray,
               sources: dict[str, int], weights: dict[str, float], sample_bytes: int, copies: np.ndarray,
               excluded: np.ndarray) -> tuple[dict[str, int], dict[str, float]]:
     """Set ``copies`` source by source: each takes its share of ``sample_bytes``
-    (its weight over their sum) from its own documents in rank order, and one
-    with less text than that repeats them: every one k times, then one more
-    time for some, in rank order, up to its share. Returns each source's bytes
-    in the sample, and those bytes over its documents' bytes."""
-    available = {name: trainable & ~excluded & (source == k) for name, k in sources.items()}
+    (its weight over their sum) from its own documents as pack realises a
+    mixture (:func:`pipeline.data.shares.multiplicities`, in rank order): every
+    document k times, then one more time for some, so a source with less text
+    than its share is repeated up to it. Returns each source's bytes in the
+    sample, and those bytes over its documents' bytes."""
     train_names = sorted(name for name, k in sources.items() if (trainable & (source == k)).any())
-    unlisted = sorted(set(train_names) - set(weights))
-    if unlisted:
-        raise TokenizerError(f"tokenizer.sample_weights has no entry for source(s) {unlisted}; list every source "
-                             f"with train documents (names: {train_names})")
-    unknown = sorted(set(weights) - set(train_names))
-    if unknown:
-        raise TokenizerError(f"tokenizer.sample_weights names source(s) {unknown} that have no documents to train "
-                             f"on (sources with some: {train_names})")
+    check_names(train_names, weights, "tokenizer.sample_weights", TokenizerError)
     total_weight = sum(weights.values())
     taken: dict[str, int] = {}
     used: dict[str, float] = {}
     for name in train_names:
         budget = int(sample_bytes * weights[name] / total_weight)
-        mine = order[available[name][order]]
+        mine = np.flatnonzero(trainable & ~excluded & (source == sources[name]))
+        copies[mine] = multiplicities(rank[mine], size[mine], budget)
         have = int(size[mine].sum())
-        whole = budget // have if have else 0
-        if whole:  # repeated: every document `whole` times, the rest of the share from a further copy of some
-            copies[mine] = whole
-        extra = np.zeros(len(size), bool)
-        if budget - whole * have > 0 and len(mine):
-            _greedy(mine, size, budget - whole * have, extra)
-        copies[extra] += 1
         taken[name] = int((size[mine] * copies[mine]).sum())
         used[name] = round(taken[name] / have, 4) if have else 0.0
-        if whole:
+        if budget > have:
             log.info("source %r has %s bytes of text to train the tokenizer on, less than its share of the sample, "
                      "%s bytes (weight %g of %g): its documents are repeated %.2f times on average", name,
                      f"{have:,}", f"{budget:,}", weights[name], total_weight, used[name])

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from pipeline.data.mixture import MixtureError, Share, multiplicities, order_keys, repeat_warnings, targets
+from pipeline.data.mixture import MixtureError, Share, order_keys, repeat_warnings, targets
+from pipeline.data.shares import multiplicities
 
 
 def test_weights_share_the_weighted_tokens_and_budgets_are_exact():

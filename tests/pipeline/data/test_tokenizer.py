@@ -267,7 +267,7 @@ def test_a_source_short_of_its_share_is_repeated_up_to_it_and_names_must_match(c
                            "share of the sample, 15,000 bytes (weight 1 of 2): its documents are repeated")
     with pytest.raises(TokenizerError, match=r"no entry for source\(s\) \['small'\]"):
         choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1})
-    with pytest.raises(TokenizerError, match=r"names source\(s\) \['web'\] that have no documents"):
+    with pytest.raises(TokenizerError, match=r"names source\(s\) \['web'\] that have no train documents"):
         choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1, "small": 1, "web": 1})
     with pytest.raises(TokenizerError, match="needs the documents' source names"):
         choose_sample(corpus, 10_000, 3_000, seed=0, weights={"big": 1})
