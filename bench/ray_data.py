@@ -13,6 +13,11 @@ What it measures, each run a fresh process (so Ray's start-up is included):
   the time);
 * clean and pack under Ray (2 workers) against the local pool (2 workers) on
   the same corpus: wall time ratio (goal: at most 1.3x, start-up included);
+* the CPU-seconds of each run's whole process tree, and from them the most
+  2 workers could give over 1 on this machine: the 1-worker wall time over
+  the 2-worker run's CPU-seconds spread evenly on every core, with no core
+  ever idle (where Ray's own processes take a share of few cores, this
+  bound falls below the goal however the work is scheduled);
 * the same two ratios for stages that join a long-lived local Ray instance
   (``executor.address: 127.0.0.1:PORT``, started once with ``ray start --head``
   on the loopback interface, its start-up timed and reported on its own): the
@@ -165,14 +170,17 @@ def _role(p: psutil.Process, main_pid: int) -> str:
 
 def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", tokenizer: Path | None = None) -> dict:
     """One clean or pack run in a fresh process tree: wall time (start-up included),
-    metrics, and peak RSS (MB) of the main process, the largest worker, and
-    Ray's own processes summed."""
+    metrics, peak RSS (MB) of the main process, the largest worker, and Ray's
+    own processes summed, and the CPU-seconds of the whole tree (``cpu_s``:
+    each process's as last sampled, the main process's as it reports at its
+    end; a process's last 0.1 s may be missed, so this is a lower bound)."""
     out = Path(tempfile.mkdtemp(dir=work))
     env = {**os.environ, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0", "RAY_AUTH_MODE": "disabled"}
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "bench.ray_data", "--child", stage, str(corpus), str(out),
                              json.dumps(section), str(tokenizer)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     peak: dict[str, float] = {"main": 0, "worker": 0, "ray-system": 0}
+    cpu: dict[int, float] = {}  # CPU-seconds of each process of the tree, as last sampled
     stop = threading.Event()
 
     def sample() -> None:
@@ -186,8 +194,10 @@ def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", token
             for p in procs:
                 try:
                     rss = p.memory_info().rss
+                    times = p.cpu_times()
                 except psutil.Error:
                     continue
+                cpu[p.pid] = times.user + times.system
                 role = _role(p, proc.pid)
                 if role == "ray-system":
                     system += rss
@@ -207,9 +217,10 @@ def measure(corpus: Path, section: dict, work: Path, stage: str = "clean", token
     metrics = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     files = digests(out)
     report = json.loads((out / "report.json").read_text()) if stage == "clean" else {}
-    cpu = float(next(line for line in stdout.splitlines() if line.startswith("CPU "))[4:])
-    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report, "out": out, "main_cpu_s": cpu,
-            **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
+    main_cpu = float(next(line for line in stdout.splitlines() if line.startswith("CPU "))[4:])
+    cpu[proc.pid] = max(cpu.get(proc.pid, 0.0), main_cpu)
+    return {"wall_s": wall, "metrics": metrics, "files": files, "report": report, "out": out, "main_cpu_s": main_cpu,
+            "cpu_s": sum(cpu.values()), **{f"peak_{k}_mb": round(v / MB) for k, v in peak.items()}}
 
 
 class LongLivedRay:
@@ -356,10 +367,12 @@ def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float,
     print(f"\n{stage} on {corpus_mb:.0f} MB, {n_rounds} interleaved rounds, medians (wall time includes "
           f"start-up; outputs byte-identical across all runs: {same}; a joined run's workers belong to the "
           "long-lived instance, not to the run's process tree, so their memory is not shown)")
-    print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
+    cpu = {name: statistics.median(r["cpu_s"] for r in rs) for name, rs in rounds.items()}
+    print(f"{'run':<20}{'wall s':>8}{'MB/s':>8}{'CPU s':>8}{'main MB':>9}{'worker MB':>11}{'ray sys MB':>12}")
     for name, rs in rounds.items():
         peak = {k: max(r[k] for r in rs) for k in ("peak_main_mb", "peak_worker_mb", "peak_ray-system_mb")}
-        print(f"{name:<20}{wall[name]:>8.1f}{corpus_mb / wall[name]:>8.2f}{peak['peak_main_mb']:>9}"
+        print(f"{name:<20}{wall[name]:>8.1f}{corpus_mb / wall[name]:>8.2f}"
+              f"{'-' if name.startswith('joined') else f'{cpu[name]:.1f}':>8}{peak['peak_main_mb']:>9}"
               f"{peak['peak_worker_mb'] or '-':>11}{peak['peak_ray-system_mb'] or '-':>12}")
 
     def ratio(a: str, b: str) -> str:
@@ -369,6 +382,12 @@ def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float,
     print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
     print(f"{stage}: local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
           "(what the machine gives two processes now)")
+    cores = psutil.cpu_count() or 1
+    for kind in ("ray", "local"):
+        floor = cpu[f"{kind}, 2 workers"] / cores  # no run of that much CPU work ends sooner on this machine
+        print(f"{stage}: {kind} 2 workers' CPU-seconds over the machine's {cores} cores: {floor:.1f} s, the shortest "
+              f"wall time this machine allows them, so at most {wall[f'{kind}, 1 worker'] / floor:.2f}x over 1 worker "
+              "here")
     print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} "
           "(goal <= 1.3)")
     if "joined, 2 workers" in runs:
