@@ -382,10 +382,12 @@ def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float,
     print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
     print(f"{stage}: local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
           "(what the machine gives two processes now)")
-    cores = psutil.cpu_count() or 1
+    from pipeline.files import available_cores
+
+    cores = available_cores()  # the runs' processes inherit this affinity
     for kind in ("ray", "local"):
         floor = cpu[f"{kind}, 2 workers"] / cores  # no run of that much CPU work ends sooner on this machine
-        print(f"{stage}: {kind} 2 workers' CPU-seconds over the machine's {cores} cores: {floor:.1f} s, the shortest "
+        print(f"{stage}: {kind} 2 workers' CPU-seconds over the {cores} cores they may use: {floor:.1f} s, the shortest "
               f"wall time this machine allows them, so at most {wall[f'{kind}, 1 worker'] / floor:.2f}x over 1 worker "
               "here")
     print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} "
