@@ -58,8 +58,10 @@ def run(code: str, home, timeout: float = 300, **env) -> list:
 
 def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
     """...and the variables it sets for Ray are this process's for the stage only, so
-    that a later stage in the same process can join a cluster by the machine's address."""
-    (nodes, ips, during, after, state_after, left, mapped), = run(
+    that a later stage in the same process can join a cluster by the machine's address.
+    Its raylet tries its object store every 10 ms as it starts (Ray's default: a
+    second's wait whenever the store is not listening yet, often on a loaded machine)."""
+    (nodes, ips, during, after, state_after, left, mapped, retry), = run(
         "import ray._private.ray_constants as C\n"
         "from tests.pipeline.data.test_executor import mapped_after_free\n"
         "def state():\n"
@@ -72,13 +74,17 @@ def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stop
         "    nodes = sorted({n['NodeManagerAddress'] for n in ray.nodes()})\n"
         "    ips = sorted({c.laddr.ip for p in psutil.Process().children(recursive=True)\n"
         "                  for c in p.net_connections('tcp') if c.status == 'LISTEN'})\n"
-        "print(json.dumps([nodes, ips, during, ray.is_initialized(), state(), leftover(), mapped]))\n", tmp_path)
+        "    raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == 'raylet')\n"
+        "    retry = {k: v for k, v in raylet.environ().items() if k.startswith('RAY_raylet_client_')}\n"
+        "print(json.dumps([nodes, ips, during, ray.is_initialized(), state(), leftover(), mapped, retry]))\n", tmp_path)
     assert nodes == ["127.0.0.1"]
     assert ips and set(ips) <= {"127.0.0.1", "::ffff:127.0.0.1"}
     assert after is False and left == []  # disconnected, and every process of the instance is gone
     assert not (tmp_path / ".ray").exists()  # no ~/.ray/auth_token for a private instance
     assert during == ["0", "disabled", False] and state_after == [None, None, True]
     assert mapped == [True, True, True]  # the stage's process and the Ray worker hand freed buffers back
+    assert retry == {"RAY_raylet_client_connect_timeout_milliseconds": "10",
+                     "RAY_raylet_client_num_connect_attempts": "1000"}
 
 
 MAP = """
