@@ -460,7 +460,7 @@ TASK_RETRIES = 3
 # As it starts, the raylet connects to its object store, which one of its own
 # threads is starting. Where the store is not listening yet, Ray tries again a
 # second later (10 tries, 1000 ms apart), and the whole start waits that second:
-# a quarter of the private instances started on a 2-core machine during
+# a quarter of the Ray instances started on a 2-core machine during
 # bench.ray_data's runs did. The same 10 s in all, in 10 ms steps, takes the
 # start on at once.
 _QUICK_RETRY = {"RAY_raylet_client_connect_timeout_milliseconds": "10",
