@@ -461,8 +461,8 @@ TASK_RETRIES = 3
 # threads is starting. Where the store is not listening yet, Ray tries again a
 # second later (10 tries, 1000 ms apart), and the whole start waits that second:
 # a quarter of the Ray instances started on a 2-core machine during
-# bench.ray_data's runs did. The same 10 s in all, in 10 ms steps, takes the
-# start on at once.
+# bench.ray_data's runs did. The same 10 s in all, in 10 ms steps, lets the
+# start go on as soon as the store listens.
 _QUICK_RETRY = {"RAY_raylet_client_connect_timeout_milliseconds": "10",
                 "RAY_raylet_client_num_connect_attempts": "1000"}
 
