@@ -1203,6 +1203,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
             f"ingest produced no documents from {len(files)} file(s); skipped: {totals.ledger.as_dict()} "
             f"(see {quarantine_path})"
         )
+    _say_skips(cfg, totals, unread, quarantine_path, report_path)
     if report_path is not None:
         write_json(report_path, {"skipped": totals.ledger.as_dict(), "capped": totals.capped,
                                  "docs_per_source": totals.per_source, "skipped_per_source": totals.skipped_per_source,
@@ -1234,6 +1235,25 @@ def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> d
                         "file(s); raise ingest.max_bytes, or set it to null", name, f"{cfg.max_bytes:,}",
                         f"{n:,}")
     return unread
+
+
+def _say_skips(cfg: IngestConfig, totals: _Totals, unread: dict[str, int], quarantine_path: str | Path,
+               report_path: str | Path | None) -> None:
+    """One line with the skipped records by reason, and a warning for each
+    source that gave no document although it was read (a wrong ``text_field``,
+    a damaged file, files another source already read): its data is missing
+    downstream, and the counts alone would not say so."""
+    if totals.ledger.total:
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(totals.ledger.as_dict().items()))
+        where = f"; by source in {report_path}" if report_path is not None else ""
+        log.info("skipped %s record(s): %s (samples in %s%s)", f"{totals.ledger.total:,}", reasons, quarantine_path,
+                 where)
+    for src in cfg.sources:
+        skipped = totals.skipped_per_source.get(src.label, {})
+        if totals.per_source.get(src.label) or (src.label in unread and not skipped):  # never reached: warned
+            continue
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skipped.items())) or "nothing read"
+        log.warning("source %r gave no documents; skipped: %s", src.label, reasons)
 
 
 def _input_bytes(f: InputFile) -> int:

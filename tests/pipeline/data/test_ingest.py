@@ -689,6 +689,27 @@ def test_the_report_counts_each_source_s_skips_by_reason(tmp_path):
     assert by_reason == rep["skipped"] and sum(by_reason.values()) == metrics["skipped"]
 
 
+def test_skips_are_summed_up_in_one_line_and_a_source_that_gave_no_document_is_a_warning(tmp_path, caplog):
+    sources = mixed_corpus(tmp_path)
+    (tmp_path / "table.csv").write_text("body\none\ntwo\nthree\n")
+    sources.append({"path": str(tmp_path / "table.csv"), "name": "csv"})
+    with caplog.at_level("INFO", logger="pipeline.data.ingest"):
+        outputs(tmp_path, "out", sources, executor={"num_workers": 2})
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "pipeline.data.ingest"]
+    out = tmp_path / "out"
+    assert ("INFO", f"skipped 10 record(s): bad_type 1, binary 1, duplicate_path 1, empty_file 1, malformed_json 2, "
+                    f"missing_field 3, non_utf8 1 (samples in {out / 'q.jsonl'}; by source in {out / 'report.json'})"
+            ) in lines
+    # 'again' lists a file the first source read; 'csv' has no text column; the others gave documents
+    assert [m for level, m in lines if level == "WARNING"] == [
+        "source 'again' gave no documents; skipped: duplicate_path 1",
+        "source 'csv' gave no documents; skipped: missing_field 3"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline.data.ingest"):
+        outputs(tmp_path, "good", [{"path": str(tmp_path / "corpus" / "good*.txt")}])
+    assert not [r for r in caplog.records if r.name == "pipeline.data.ingest" and "skipped" in r.getMessage()]
+
+
 def test_a_worker_reads_a_file_only_if_it_is_the_one_the_stage_saw(tmp_path):
     """A worker that lacks the file, or holds another one at its path (a Ray node
     without the input's storage), hands it back to the stage with a line saying so."""
