@@ -1216,6 +1216,12 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
             any(c["docs_in"] != c["docs"] + sum(c["dropped"].values()) for c in by_source):
         raise RuntimeError(f"clean accounting is broken: rows={num_rows} docs_in={docs_in} docs_out={docs_out} "
                            f"dropped={dropped} per_source={totals.per_source}")
+    for name in sorted(totals.per_source):  # its documents are missing downstream (a mixture naming it fails)
+        c = totals.per_source[name]
+        if c["docs"] == 0:
+            reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(c["dropped"].items()))
+            log.warning("source %r: clean dropped all %s of its documents (%s); see %s", name, f"{c['docs_in']:,}",
+                        reasons, quarantine_path)
     slog.finish(k, {"format": FORMAT, "rows": docs_out})
     changed, near = (totals.whole["changed"], totals.whole["near"]) if totals.whole is not None else \
         (totals.changed, totals.near)

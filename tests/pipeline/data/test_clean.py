@@ -249,6 +249,24 @@ def test_the_report_counts_each_source_s_documents_kept_and_dropped_by_reason(tm
         "dropped": {"too_short": 2, "exact_duplicate": 2}}
 
 
+@pytest.mark.parametrize("kw", [{}, {"dedup": {"method": "sharded", "partition_docs": 3}}],
+                         ids=["one-process", "sharded-dedup"])
+def test_a_source_that_clean_empties_is_a_warning_with_its_reasons(tmp_path, kw, caplog):
+    names = ["web", "junk", "junk", "junk", "web", "web", "web", "web", "web"]  # junk: lorem, a duplicate, empty
+    table = pq.read_table(write_docs(tmp_path / "in.parquet", MIXED))
+    pq.write_table(table.append_column("source_name", pa.array(names)), tmp_path / "named.parquet")
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="pipeline.data.clean"):
+        run_clean(cfg(**kw), tmp_path / "named.parquet", out / "docs", out / "q.jsonl", out / "report.json")
+    assert [r.getMessage() for r in caplog.records if r.name == "pipeline.data.clean"] == [
+        f"source 'junk': clean dropped all 3 of its documents (c4_lorem_ipsum 1, exact_duplicate 1, too_short 1); "
+        f"see {out / 'q.jsonl'}"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.data.clean"):
+        run(tmp_path, MIXED)  # every source keeps documents
+    assert not [r for r in caplog.records if r.name == "pipeline.data.clean"]
+
+
 def test_an_input_without_source_names_is_counted_as_one_unnamed_source(tmp_path):
     metrics, docs, _ = run(tmp_path, MIXED)
     assert report(tmp_path)["per_source"] == {"(no source_name)": {
