@@ -413,7 +413,8 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     Returns metrics: examples_in, train/val {examples, truncated, rows, tokens,
     label_tokens, pad_tokens, shards (count)}, skipped {reason: n}, truncated,
     forced, fill (share of row positions that are example tokens), sources
-    {path: {records, examples, capped}}, seconds.
+    {path: {records, examples, capped}}. No timings: the metrics are data/sft's
+    report.json, whose DVC hash should change only with the data.
     Raises SFTDataError on a missing source path or tokenizer (before any
     reading), or when the examples kept cannot fill both splits;
     ChatTemplateError (one line) for a chat template that cannot be used.
@@ -518,6 +519,8 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                        "forced": forced,
                    })
     positions = sum(w["rows"] for w in written.values()) * row_len
+    log.info("built the SFT data in %.1f s: %d train and %d val rows", time.perf_counter() - t0,
+             written["train"]["rows"], written["val"]["rows"])
     return {
         "examples_in": examples_in,
         **split_counts(written),
@@ -526,7 +529,6 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
         "forced": forced,
         "fill": round(sum(w["tokens"] for w in written.values()) / positions, 4),
         "sources": {s["path"]: {k: s[k] for k in ("records", "examples", "capped")} for s in per_source},
-        "seconds": round(time.perf_counter() - t0, 3),
     }
 
 

@@ -141,7 +141,7 @@ def test_compressed_sources_give_the_examples_of_the_plain_files(tmp_path, tok_p
                                                               for f in ("alpaca.ndjson", "messages.jsonl",
                                                                         "sharegpt.json")])
     got, m_got = build(tmp_path, tok_path, "packed", sources=[SFTSource(path=str(packed))])
-    same = lambda m: {k: v for k, v in m.items() if k not in ("sources", "seconds")}  # sources: by path
+    same = lambda m: {k: v for k, v in m.items() if k != "sources"}  # sources: by path
     assert same(m_got) == same(m_want) and m_got["examples_in"] == 30 and m_got["skipped"] == {}
     for split in ("train", "val"):
         assert [a.tolist() for a in read_split(got, split)[:2]] == [a.tolist() for a in read_split(want, split)[:2]]
@@ -283,9 +283,10 @@ def test_packed_rows_loads_the_output(tmp_path, tok_path, tok, three_formats):
 
 def test_split_is_deterministic_and_content_keyed(tmp_path, tok_path, tok, three_formats):
     src = [SFTSource(path=str(three_formats / "messages.jsonl")), SFTSource(path=str(three_formats / "sharegpt.json"))]
-    a, _ = build(tmp_path, tok_path, "a", sources=src)
-    b, _ = build(tmp_path, tok_path, "b", sources=src)
+    a, ma = build(tmp_path, tok_path, "a", sources=src)
+    b, mb = build(tmp_path, tok_path, "b", sources=src)
     assert (a / MANIFEST).read_bytes() == (b / MANIFEST).read_bytes()
+    assert ma == mb  # data/sft/report.json: no timings, so DVC's hash of data/sft is its data
 
     def val_texts(out):
         ids, labels, _ = read_split(out, "val")
