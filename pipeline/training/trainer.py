@@ -48,6 +48,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 from pathlib import Path
 from typing import Any, Callable
 
@@ -208,6 +209,10 @@ class Trainer:
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        # Nothing here draws from Python's or NumPy's global generators, but each
+        # checkpoint saves their states: seeded, identical runs write identical files.
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
         self.train_data, self.val_data = PackedRows(train_dir), PackedRows(val_dir)
         self.seq_len = self.train_data.seq_len
         if self.seq_len > model_cfg.max_seq_len:
