@@ -82,3 +82,8 @@ class Ledger:
                     except UnicodeEncodeError:  # a lone surrogate (the reason for some skips): kept as its escape
                         line = json.dumps(s)
                 f.write(line + "\n")
+
+
+def counts_text(counts: dict[str, int]) -> str:
+    """Counts by reason as one log line's part, by reason name: ``binary 1, non_utf8 2``."""
+    return ", ".join(f"{reason} {n:,}" for reason, n in sorted(counts.items()))

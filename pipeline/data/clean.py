@@ -82,7 +82,7 @@ from rensa import RMinHash, RMinHashLSH
 from pipeline.data import dedup, resume
 from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
-from pipeline.data.accounting import Ledger
+from pipeline.data.accounting import Ledger, counts_text
 from pipeline.data.docs import (
     FORMAT,
     DocTable,
@@ -1219,9 +1219,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     for name in sorted(totals.per_source):  # its documents are missing downstream (a mixture naming it fails)
         c = totals.per_source[name]
         if c["docs"] == 0:
-            reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(c["dropped"].items()))
             log.warning("source %r: clean dropped all %s of its documents (%s); see %s", name, f"{c['docs_in']:,}",
-                        reasons, quarantine_path)
+                        counts_text(c["dropped"]), quarantine_path)
     slog.finish(k, {"format": FORMAT, "rows": docs_out})
     changed, near = (totals.whole["changed"], totals.whole["near"]) if totals.whole is not None else \
         (totals.changed, totals.near)

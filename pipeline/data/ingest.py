@@ -1244,7 +1244,7 @@ def _say_skips(cfg: IngestConfig, totals: _Totals, unread: dict[str, int], quara
     a damaged file, files another source already read): its data is missing
     downstream, and the counts alone would not say so."""
     if totals.ledger.total:
-        reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(totals.ledger.as_dict().items()))
+        reasons = accounting.counts_text(totals.ledger.counts)
         where = f"; by source in {report_path}" if report_path is not None else ""
         log.info("skipped %s record(s): %s (samples in %s%s)", f"{totals.ledger.total:,}", reasons, quarantine_path,
                  where)
@@ -1252,8 +1252,8 @@ def _say_skips(cfg: IngestConfig, totals: _Totals, unread: dict[str, int], quara
         skipped = totals.skipped_per_source.get(src.label, {})
         if totals.per_source.get(src.label) or (src.label in unread and not skipped):  # never reached: warned
             continue
-        reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skipped.items())) or "nothing read"
-        log.warning("source %r gave no documents; skipped: %s", src.label, reasons)
+        log.warning("source %r gave no documents; skipped: %s", src.label,
+                    accounting.counts_text(skipped) or "nothing read")
 
 
 def _input_bytes(f: InputFile) -> int:
