@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -142,7 +143,7 @@ def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last
 @torch.no_grad()
 def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_size: int, max_rows: int | None,
           doc_mask: bool, device: torch.device, precision: str, eot_id: int | None = None,
-          prefix_bytes: int = 0) -> dict[str, float]:
+          prefix_bytes: int = 0, label: str | None = None) -> dict[str, float]:
     """Summed NLL over scored targets of the first ``max_rows`` rows, as loss,
     perplexity and bits per byte.
 
@@ -155,12 +156,13 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
     at a chunk continuing its file (after a dropped chunk, or one in the other
     split) has no prefix (:func:`pipeline.data.pack.encode_continued`) and is
     counted one byte short. With ``prefix_bytes`` 0 (a byte-level tokenizer)
-    the count is the plain sum."""
+    the count is the plain sum. ``label`` names the progress bar (default: the
+    split's folder name)."""
     n = len(rows) if max_rows is None else min(len(rows), max_rows)
     nll = 0.0
     tokens = 0
     text_bytes = 0
-    for i in progress(iterable=range(0, n, batch_size), desc=f"score {rows.dir.name}", unit="batch"):
+    for i in progress(iterable=range(0, n, batch_size), desc=f"score {label or rows.dir.name}", unit="batch"):
         batch = rows.batch(np.arange(i, min(n, i + batch_size)), device, doc_mask)
         with autocast(device, precision):
             logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
@@ -182,6 +184,17 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
         "tokens": tokens,
         "bytes": text_bytes,
     }
+
+
+def results_line(model_name: str, step: int, per_split: Mapping[str, Mapping[str, float]],
+                 per_source: Mapping[str, Mapping[str, float]]) -> str:
+    """One log line of a model's scores, for a reader of the stage's output:
+    ``pretrain (step 300): text loss 2.1480, ppl 8.57, 0.9100 bits/byte; ...``,
+    then bits per byte by source where there are sources."""
+    splits = "; ".join(f"{name} loss {v['val_loss']:.4f}, ppl {v['perplexity']:.2f}, "
+                       f"{v['bits_per_byte']:.4f} bits/byte" for name, v in per_split.items())
+    sources = ", ".join(f"{name} {v['bits_per_byte']:.4f}" for name, v in per_source.items())
+    return f"{model_name} (step {step}): {splits}" + (f"; bits/byte by source: {sources}" if sources else "")
 
 
 def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[str, Path], tokenizer_path: Path,
@@ -217,14 +230,11 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     for model_name, folder in models.items():
         model, last = load_checkpoint_model(folder, device, (which or {}).get(model_name, "last"))
         loaded[model_name] = model
-        per_split = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
-                                 doc_mask=cfg.doc_mask, device=device, precision=precision, eot_id=eot_id,
-                                 prefix_bytes=prefix)
-                     for name, rows in data.items()}
-        per_source = {name: score(model, rows, nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
-                                  doc_mask=cfg.doc_mask, device=device, precision=precision, eot_id=eot_id,
-                                  prefix_bytes=prefix)
-                      for name, rows in by_source.items()}
+        scorer = partial(score, model, nbytes=nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
+                         doc_mask=cfg.doc_mask, device=device, precision=precision, eot_id=eot_id,
+                         prefix_bytes=prefix)
+        per_split = {name: scorer(rows, label=f"{model_name} {name}") for name, rows in data.items()}
+        per_source = {name: scorer(rows, label=f"{model_name} source {name}") for name, rows in by_source.items()}
         scores = {name: {k: v[k] for k in SCORES} for name, v in per_split.items()}
         out[model_name] = {**next(iter(scores.values())), **scores}
         end = ckpt.run_end(folder, last)
@@ -240,6 +250,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
             out[model_name]["sources"] = {name: {k: v[k] for k in SCORES} for name, v in per_source.items()}
             report[model_name]["sources"] = {name: {k: v[k] for k in ("tokens", "bytes")}
                                              for name, v in per_source.items()}
+        log.info("%s", results_line(model_name, last.step, per_split, per_source))
     if report_path is not None:
         write_json(report_path, report)
     return out, loaded

@@ -204,8 +204,12 @@ def test_missing_checkpoint_is_clear(tmp_path, tok_path):
         evaluate_models(EvaluateConfig(), {"x": tmp_path / "none"}, {"text": tmp_path / "val"}, tok_path)
 
 
-def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path):
+def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path, caplog, monkeypatch):
+    import pipeline.evaluate
     from pipeline.data.tokenizer import load_tokenizer
+
+    bars = []
+    monkeypatch.setattr(pipeline.evaluate, "progress", lambda **kw: bars.append(kw["desc"]) or kw["iterable"])
 
     vocab = load_tokenizer(tok_path).get_vocab_size()
     web, code = synthetic_docs(30, vocab, seed=4), synthetic_docs(20, vocab, seed=5)
@@ -215,9 +219,17 @@ def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path):
     save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
     cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
     sources = {"web": tmp_path / "val-web", "code": tmp_path / "val-code"}
-    metrics, models = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path,
-                                      tmp_path / "report.json", sources=sources)
+    with caplog.at_level("INFO", logger="pipeline.evaluate"):
+        metrics, models = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path,
+                                          tmp_path / "report.json", sources=sources)
     model = models["m"]
+    # what the stage's output says: a bar per model and split, named, and one line of the model's scores
+    assert bars == ["score m text", "score m source web", "score m source code"]
+    m = metrics["m"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"m (step 5): text loss {m['val_loss']:.4f}, ppl {m['perplexity']:.2f}, {m['bits_per_byte']:.4f} bits/byte; "
+        f"bits/byte by source: web {m['sources']['web']['bits_per_byte']:.4f}, "
+        f"code {m['sources']['code']['bits_per_byte']:.4f}"]
     for name, path in sources.items():
         alone = score(model, PackedRows(path), token_bytes(load_tokenizer(tok_path)), batch_size=4, max_rows=None,
                       doc_mask=True, device=torch.device("cpu"), precision="fp32")
