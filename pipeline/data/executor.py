@@ -56,6 +56,7 @@ import multiprocessing
 import os
 import re
 import signal
+import site
 import socket
 import sys
 import threading
@@ -473,6 +474,22 @@ def _unset(values: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in values.items() if v and k not in os.environ}
 
 
+def _this_code_first() -> dict[str, str]:
+    """PYTHONPATH for a private instance's processes, with the folder of the
+    ``pipeline`` package this process imported first. Its workers import the
+    stage's code as they start (:func:`_start_private_instance`), before the
+    driver's ``sys.path`` reaches them as Ray passes it on; without this they
+    would import whichever ``pipeline`` the environment has installed (another
+    checkout's, as with git worktrees sharing one virtual environment, or an
+    install older than this checkout's edits), which :func:`check_same_code`
+    then refuses. Empty where the package is the environment's installed one."""
+    folder = str(_package_root().parent)
+    if folder in {*site.getsitepackages(), site.getusersitepackages()}:
+        return {}
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != folder]
+    return {"PYTHONPATH": os.pathsep.join([folder, *rest])}
+
+
 @contextlib.contextmanager
 def _environ(values: dict[str, str]) -> Iterator[None]:
     """Set environment variables the user has not set, for the block only."""
@@ -517,8 +534,8 @@ def _start_private_instance(workers: int, preload: Sequence[str] = ()) -> Any | 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # The raylet's settings for the workers, as environment variables: a name a
     # later Ray no longer knows is ignored (in _system_config it stops the GCS).
-    raylet_env = _unset({"RAY_enable_worker_prestart": "1", "RAY_preload_python_modules": ",".join(preload),
-                         **_NO_TASK_EVENTS, **_QUICK_RETRY})
+    raylet_env = {**_unset({"RAY_enable_worker_prestart": "1", "RAY_preload_python_modules": ",".join(preload),
+                            **_NO_TASK_EVENTS, **_QUICK_RETRY}), **_this_code_first()}
     try:
         params = RayParams(num_cpus=workers, node_ip_address="127.0.0.1", include_dashboard=False,
                            no_monitor=True, include_log_monitor=False, env_vars=raylet_env)

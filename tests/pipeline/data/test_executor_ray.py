@@ -121,6 +121,35 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
     assert left == []
 
 
+@pytest.mark.parametrize("internals", ["lean", "ray.init"])
+def test_a_private_instance_runs_the_checkout_the_stage_runs_in(tmp_path, internals):
+    """``python -m stages.<name>`` imports the ``pipeline`` of the checkout it
+    runs in; a private instance's workers run that same code, not the
+    ``pipeline`` the environment has installed (here this suite's checkout,
+    beside a second one with an edit of its own, as git worktrees sharing one
+    virtual environment are), also where the workers import the module of the
+    executor's initializer as they start. No PYTHONPATH, as under ``dvc repro``."""
+    checkout = tmp_path / "worktree"
+    shutil.copytree(ROOT / "pipeline", checkout / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "pipeline" / "edited_here.py").write_text("# a change only this checkout has\n")
+    patch = "E._start_private_instance = lambda workers, preload=(): None\n" if internals == "ray.init" else ""
+    code = ("import json, os\n"
+            "import pipeline.data.executor as E\n" + patch +
+            "with E.open_executor(E.ExecutorConfig(kind='ray', num_workers=1), E.return_freed_memory) as ex:\n"
+            "    ex.ready()\n"
+            "    pids = list(ex.map(os.getpid, [(), ()]))\n"
+            "    roots = [str(r) for r in ex.map(E._package_root, [(), ()])]\n"
+            "print(json.dumps([os.getpid() in pids, str(E._package_root()), roots]))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=checkout,
+                          env={**env, "HOME": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    here, root, roots = json.loads(proc.stdout.splitlines()[-1])
+    assert here is False  # the tasks ran on Ray's workers
+    assert root == str(checkout / "pipeline") and roots == [root, root]
+
+
 def test_the_workers_start_with_the_instance_and_import_the_stage_code_before_it_connects(tmp_path):
     """Ray's own default starts the workers when the first driver connects, and
     that connect waits for them; then each imports the stage's code on its first
