@@ -1,9 +1,7 @@
-import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from pipeline.data.mixture import MixtureError, Share, order_keys, repeat_warnings, targets
-from pipeline.data.shares import multiplicities
+from pipeline.data.mixture import MixtureError, Share, repeat_warnings, targets
 
 
 def test_weights_share_the_weighted_tokens_and_budgets_are_exact():
@@ -38,30 +36,6 @@ def test_weights_near_the_largest_float_share_as_any_others():
 def test_a_source_with_nothing_cannot_give_tokens():
     with pytest.raises(MixtureError, match="'code' has no train tokens"):
         targets({"web": 10, "code": 0}, {"web": Share(weight=1), "code": Share(tokens=5)})
-
-
-@pytest.mark.parametrize("huge", [[], [40_000, 25_000]])
-def test_multiplicities_fall_short_by_less_than_the_shortest_document_left_out(huge):
-    rng = np.random.default_rng(0)
-    tokens = np.concatenate([rng.integers(1, 50, 500), huge]).astype(np.int64)
-    keys = order_keys(7, [f"d{i}" for i in range(len(tokens))])
-    total = int(tokens.sum())
-    for target in (total // 3, total, 2 * total + total // 7, 10, total - 1):
-        m = multiplicities(keys, tokens, target)
-        got = int((m * tokens).sum())
-        full = target // total
-        assert m.min() >= full and m.max() <= full + 1
-        assert got <= target
-        left_out = tokens[m == full]
-        assert target - got < (left_out.min() if len(left_out) else 1), (target, got)
-
-
-def test_multiplicities_are_deterministic_and_follow_the_seed():
-    tokens = np.arange(1, 201)
-    a = multiplicities(order_keys(1, [str(i) for i in range(200)]), tokens, 5000)
-    b = multiplicities(order_keys(1, [str(i) for i in range(200)]), tokens, 5000)
-    c = multiplicities(order_keys(2, [str(i) for i in range(200)]), tokens, 5000)
-    assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
 def test_too_many_repeats_is_a_warning_with_the_figures():

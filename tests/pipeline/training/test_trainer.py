@@ -11,7 +11,6 @@ import torch
 from pipeline.config import ConfigError, parse_section
 from pipeline.model.transformer import Transformer
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.precision import resolve_precision
 from pipeline.training.pretrain import PretrainConfig, run_pretrain
 from pipeline.training.trainer import NonFiniteError, ckpt_model
 from tests.helpers import train_params, write_packed
@@ -119,11 +118,6 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatc
     model = Transformer(cfg().model.build(64, 32))
     ckpt.load_model_weights(last, model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
-
-
-def test_precision_resolution():
-    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
-    assert resolve_precision("auto", torch.device("cpu")) in ("bf16", "fp32")
 
 
 def test_bf16_autocast_on_cpu_trains(tmp_path):
