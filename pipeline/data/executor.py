@@ -421,7 +421,11 @@ def _resolve_auto(desc: str) -> str:
         return "auto"
     try:  # as written (Ray's canonical form would turn 127.0.0.1 into the machine's address)
         return get_ray_address_from_environment("auto", None)
-    except Exception as e:  # ConnectionError: none running
+    except ConnectionError:  # Ray's own words name its command-line flag, not this param
+        raise ExecutorError(f"{desc}: executor.address is auto, but no Ray instance runs on this machine and "
+                            "RAY_ADDRESS is not set: start one with `ray start --head`, or set executor.address "
+                            "to a cluster's address (null: a private instance for the stage)") from None
+    except Exception as e:
         raise ExecutorError(f"{desc}: could not start or join the Ray cluster at auto: {type(e).__name__}: "
                             f"{_first_line(e)}") from None
 

@@ -233,6 +233,25 @@ def test_on_loopback(address, loopback):
     assert on_loopback(address) is loopback
 
 
+def test_address_auto_with_no_instance_running_is_one_line_naming_the_param(monkeypatch):
+    """Ray's own error names its command-line flag; the stage's names its param.
+    No instance is found: none in RAY_ADDRESS, no GCS process, no address that
+    ``ray start`` left."""
+    pytest.importorskip("ray")
+    import ray._private.services as services
+
+    from pipeline.data.executor import _resolve_auto
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    with pytest.raises(ExecutorError, match=r"^clean: executor.address is auto, but no Ray instance runs on this "
+                                            r"machine and RAY_ADDRESS is not set: start one with `ray start --head`"):
+        _resolve_auto("clean")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")  # Ray's order: the variable first
+    assert _resolve_auto("clean") == "127.0.0.1:6390"
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
