@@ -88,6 +88,31 @@ def parse_section(schema: type[C], data: Any, prefix: str, source: str = "params
         raise ConfigError(f"{source} is invalid:\n{format_validation_error(err, prefix)}") from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an
+    error: PyYAML would keep the second silently (so a key added to a section
+    that already sets it further down would do nothing), and DVC, which reads
+    params.yaml too, refuses such a file."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}  # key -> the line it was first given on
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: the keys it brings in may be overridden, as YAML means
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: construct_mapping says so
+                continue
+            if first is not None:
+                lines = f"lines {first} and {line}" if first != line else f"line {line}"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping ({lines}); keep one", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> Any:
     """The parsed contents of the YAML file ``path`` (None for an empty file).
     Raises ConfigError for a missing file or invalid YAML, naming the file and,
@@ -98,7 +123,7 @@ def load_yaml(path: str | Path) -> Any:
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""

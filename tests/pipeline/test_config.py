@@ -63,6 +63,22 @@ def test_load_yaml_reads_a_file_and_names_where_it_is_invalid(tmp_path):
         load_yaml(tmp_path / "missing.yaml")
 
 
+def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
+    """YAML parsers keep the second of two equal keys; a `source:` added at the
+    top of a section that sets it again further down would do nothing."""
+    twice = "tokenizer:\n  source: models/base/qwen\n  vocab_size: 512\n  source: train\n"
+    with pytest.raises(ConfigError, match=r"^.*params\.yaml is not valid YAML \(line 4, column 3\): key 'source' is "
+                                          r"given twice in one mapping \(lines 2 and 4\); keep one$"):
+        load_params("tokenizer", write(tmp_path, twice))
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice in one mapping \(line 1\)"):
+        load_yaml(write(tmp_path, "opt: {lr: 1, lr: 2}\n"))
+    with pytest.raises(ConfigError, match=r"key 'pack' is given twice"):
+        read_params(write(tmp_path, "pack: {}\ningest: {}\npack: {seq_len: 64}\n"))
+    # the same key in different mappings, and keys a merge brings in and the mapping overrides, are fine
+    assert load_yaml(write(tmp_path, "a: {x: 1}\nb: {x: 2}\n")) == {"a": {"x": 1}, "b": {"x": 2}}
+    assert load_yaml(write(tmp_path, "base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  y: 3\n"))["d"] == {"x": 1, "y": 3}
+
+
 def test_empty_section_gives_defaults(tmp_path):
     cfg = load_params("ingest", write(tmp_path, "ingest:\n"))
     assert cfg == IngestConfig()
