@@ -370,7 +370,11 @@ class Trainer:
         self._keep_micro_batch(state.get("micro_batch_size"))
         self.scheduler.load_state_dict(state["scheduler"])
         before = set_schedule_lr(self.scheduler)  # this run's schedule, which may be longer than the checkpoint's
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # a disabled scaler (bf16, fp32) ignores an fp16 run's state
+            self.scaler.load_state_dict(state["scaler"])
+        elif self.scaler.is_enabled() and self.d.is_main:  # torch refuses the empty state of a disabled one
+            log.info("compute.precision fp16: the checkpoint was trained in another precision, so the loss scale "
+                     "starts afresh at %g", self.scaler.get_scale())
         self.order.load_state_dict(state["data"])
         self.step = int(state["step"])
         self.loss_spikes = int(state.get("loss_spikes", 0))
@@ -379,7 +383,7 @@ class Trainer:
         rngs = state["rng"]
         if len(rngs) == self.d.world_size:
             ckpt.set_rng_state(rngs[self.d.rank])
-        else:
+        elif self.d.is_main:
             log.warning("checkpoint has RNG states for %d ranks, running with %d: RNG streams not restored",
                         len(rngs), self.d.world_size)
         if self.d.is_main:

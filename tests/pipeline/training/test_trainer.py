@@ -603,3 +603,14 @@ def test_mlflow_ties_a_continued_run_and_a_warm_start_to_the_runs_they_come_from
     assert last.meta["mlflow_run_id"] == continued.info.run_id
     assert warm.data.tags["pipeline.init_from_run_id"] == continued.info.run_id
     assert "pipeline.resumed_from_run_id" not in warm.data.tags
+
+
+def test_a_run_resumes_in_fp16_from_a_checkpoint_trained_in_another_precision(tmp_path, caplog):
+    """compute is outside the run identity: an fp32 (or bf16) run's checkpoint,
+    whose loss scaler was disabled and saved empty, resumes under fp16 with a
+    fresh loss scale (torch refuses to load the empty state into an enabled one)."""
+    run(tmp_path, max_steps=4, precision="fp32")
+    with caplog.at_level("INFO", logger="pipeline.training"):
+        m = run(tmp_path, max_steps=8, precision="fp16")
+    assert m["resumed_from_step"] == 4 and math.isfinite(m["final_loss"])
+    assert "the loss scale starts afresh" in caplog.text
