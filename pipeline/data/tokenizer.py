@@ -531,6 +531,9 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     ``out_path`` is then left as it was.
     """
     t0 = time.perf_counter()
+    if cfg.eot_token is not None:
+        log.warning("tokenizer.source is train: ignoring tokenizer.eot_token %r (the trained tokenizer's end of "
+                    "text is %s, id %d)", cfg.eot_token, EOT, EOT_ID)
     docs_path, out_path = Path(docs_path), Path(out_path)
     sample_mask, heldout_mask, stats = choose_sample(docs_path, cfg.sample_bytes, cfg.eval_bytes, cfg.seed,
                                                      cfg.sample_weights)
@@ -692,6 +695,15 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
                     special_ids=tuple(special), texts=texts)
 
 
+def missing_chatml_tokens(tok: Tokenizer) -> list[str]:
+    """ChatML's tokens (``<|im_start|>``, ``<|im_end|>``) that ``tok`` does not
+    have as special added tokens. A tokenizer without a chat template of its
+    own can be prompted and trained in ChatML only when none is missing (what
+    ``sft.data.chat_template: auto`` and ``generate --chat`` go by)."""
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    return [t for t in (IM_START, IM_END) if t not in specials]
+
+
 def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of a Hugging Face folder; a one-line TokenizerError
     when the folder or the file is missing or unreadable."""
@@ -728,6 +740,12 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
                     ", ".join(f"tokenizer.{k}" for k in ignored))
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
+    # the check and the words of pretrain's init_from warning (models/base/README.md: "the stages warn");
+    # imported here, as only adoption needs it and it brings in torch
+    from pipeline.training.init import BASE_DIR, _inside
+    if not _inside(folder, BASE_DIR):
+        log.warning("tokenizer.source %s is outside %s/, so DVC does not see changes to it: a replaced model there "
+                    "does not rerun the tokenizer stage by itself", folder, BASE_DIR)
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out_dir / HF_DIR) as tmp:
@@ -758,9 +776,16 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
         write_json(report_path, {"source": str(folder), **stats, "heldout_docs": len(heldout),
                                  "roundtrip_failures": failures, "specials": specials.to_json(),
                                  "sha256": sha256_file(out_path)})
-    log.info("adopted the tokenizer of %s: %d tokens, end of text %r (id %d), chat template: %s",
-             folder, tok.get_vocab_size(), specials.texts["eot"], specials.eot_id,
-             "yes" if specials.chat_template else "none (ChatML for sft)")
+    # sft's chat_template auto takes the tokenizer's own template, else ChatML, which needs ChatML's tokens:
+    # said now, not after pretrain has run
+    if specials.chat_template:
+        chat, level = "yes", logging.INFO
+    elif missing_chatml_tokens(tok):
+        chat, level = "none, and no ChatML tokens: sft needs sft.data.chat_template (a .jinja file)", logging.WARNING
+    else:
+        chat, level = "none (ChatML for sft)", logging.INFO
+    log.log(level, "adopted the tokenizer of %s: %d tokens, end of text %r (id %d), chat template: %s",
+            folder, tok.get_vocab_size(), specials.texts["eot"], specials.eot_id, chat)
     return {"vocab_size": tok.get_vocab_size(), "bytes_per_token": round(nbytes / max(ntok, 1), 4),
             "roundtrip_failures": failures, "total_seconds": round(time.perf_counter() - t0, 3)}
 

@@ -1,5 +1,6 @@
 import json
 import random
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -408,3 +409,56 @@ def test_pack_separates_documents_with_the_adopted_end_of_text(family_folders, c
     rows = PackedRows(tmp_path / "packed" / "train")
     ids = np.concatenate(list(rows.iter_input_ids()))
     assert (ids == eot).sum() > 10 and not (ids == EOT_ID).any()
+
+
+def test_an_eot_token_while_training_is_warned_about_but_not_by_the_default_params(corpus, tmp_path, caplog):
+    """The reverse of the ignored training keys: eot_token names a token of an
+    adopted tokenizer, so training ignores it, and says so. params.yaml sets it
+    to null, which is no setting: the default run does not warn."""
+    from pipeline.config import load_params
+
+    default = load_params("tokenizer")
+    assert default.source == "train" and "eot_token" in default.model_fields_set
+    small = {"vocab_size": 400, "sample_bytes": 20_000, "eval_bytes": 2_000}
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        build(default.model_copy(update=small), corpus, tmp_path / "a" / "tokenizer.json")
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        build(TokenizerConfig(eot_token="</s>", **small), corpus, tmp_path / "b" / "tokenizer.json")
+    assert "tokenizer.source is train: ignoring tokenizer.eot_token '</s>' (the trained tokenizer's end of text " \
+           "is <|endoftext|>, id 0)" in caplog.text
+
+
+def test_adopting_from_outside_models_base_is_warned_about(family_folders, corpus, tmp_path, caplog, monkeypatch):
+    """DVC tracks models/base/ for the tokenizer stage; a folder elsewhere works,
+    but its changes go unseen, which the stage says, as pretrain does for init_from."""
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(family_folders["qwen2"], tmp_path / "outside", corpus)
+    assert f"tokenizer.source {family_folders['qwen2']} is outside models/base/, so DVC does not see changes to " \
+           "it" in caplog.text
+    caplog.clear()
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(family_folders["qwen2"], tmp_path / "models" / "base" / "qwen2")
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt("models/base/qwen2", tmp_path / "inside", corpus)
+    assert "outside" not in caplog.text
+
+
+def test_adopting_a_tokenizer_without_a_template_or_chatml_tokens_warns_that_sft_needs_one(
+        family_folders, corpus, tmp_path, caplog):
+    """Llama 3 without its template has no <|im_start|>: sft's auto could not
+    fall back to ChatML, which the tokenizer stage says before pretrain runs."""
+    for family, line in (("llama3", "chat template: none, and no ChatML tokens: sft needs sft.data.chat_template"),
+                         ("qwen2", "chat template: none (ChatML for sft)")):
+        folder = tmp_path / family
+        shutil.copytree(family_folders[family], folder)
+        config = read_json(folder / "tokenizer_config.json")
+        config.pop("chat_template", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pipeline.data.tokenizer"):
+            adopt(folder, tmp_path / f"{family}-out", corpus)
+        [record] = [r for r in caplog.records if r.getMessage().startswith("adopted the tokenizer")]
+        assert line in record.getMessage()
+        assert record.levelname == ("WARNING" if family == "llama3" else "INFO")
