@@ -103,8 +103,8 @@ from tokenizers import Tokenizer
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, encode_chat as chatml_encode_chat
 from pipeline.data.chat import encode_prompt as chatml_encode_prompt
 from pipeline.data.chat import validate_messages
-from pipeline.data.tokenizer import (HF_DIR, IM_END, IM_START, OWN_TOKEN_VARIABLES, Specials, hf_specials, load_specials,
-                                     tokenizer_dir)
+from pipeline.data.tokenizer import (HF_DIR, IM_END, OWN_TOKEN_VARIABLES, Specials, hf_specials, load_specials,
+                                     missing_chatml_tokens, tokenizer_dir)
 from pipeline.errors import StageError
 from pipeline.files import read_json
 
@@ -221,7 +221,7 @@ def load_chat_template(choice: str, tokenizer_path: str | Path, tok: Tokenizer, 
     if choice in CHOICES:
         if roles.own:
             return ChatTemplate("chatml", None, variables, specials, date)
-        missing = [t for t in (IM_START, IM_END) if t not in specials]
+        missing = missing_chatml_tokens(tok)
         if missing:
             raise ChatTemplateError(
                 f"{key}: {choice} means ChatML, but the tokenizer adopted from {roles.source} has no "
@@ -254,14 +254,21 @@ def template_of_sft_data(manifest: Mapping[str, Any], tokenizer_path: str | Path
 def template_of_hf_folder(folder: str | Path, tok: Tokenizer, date: dt.date = DEFAULT_DATE
                           ) -> tuple[ChatTemplate | None, Specials]:
     """The chat template and token roles of a Hugging Face model folder (an export
-    of ours or a published model), read as transformers reads them; the
-    template is None when the folder has none."""
+    of ours or a published model), read as transformers reads them. As
+    ``auto`` chooses for SFT (:func:`load_chat_template`): the folder's own
+    template, else ChatML with the folder's own ``<|im_start|>``/``<|im_end|>``
+    ids when its tokenizer has them as special tokens, else None (the folder
+    cannot be prompted as a chat)."""
     folder = Path(folder)
     roles = hf_specials(folder, tok)
-    if not roles.chat_template:
-        return None, roles
     variables = _config_variables(folder / "tokenizer_config.json")
-    return ChatTemplate(f"tokenizer ({folder})", roles.chat_template, variables, tokenizer_specials(tok), date), roles
+    if roles.chat_template:
+        name, source = f"tokenizer ({folder})", roles.chat_template
+    elif not missing_chatml_tokens(tok):
+        name, source = "chatml", CHAT_TEMPLATE_JINJA
+    else:
+        return None, roles
+    return ChatTemplate(name, source, variables, tokenizer_specials(tok), date), roles
 
 
 # --- rendering -------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from pipeline import layout
 from pipeline.data.chat_template import (
     ChatTemplate,
+    ChatTemplateError,
     encode_prompt,
     load_chat_template,
     stop_ids,
@@ -213,11 +214,15 @@ def check_tokenizer(tokenizer_path: str | Path, expected_sha256: str | None) -> 
 
 
 def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path | None = None,
-              sft_manifest: str | Path | None = layout.SFT_DATA / "manifest.json",
+              sft_manifest: str | Path | None = layout.SFT_DATA / "manifest.json", chat: bool = True,
               ) -> tuple[ChatTemplate | None, tuple[int, ...], tuple[int, ...]]:
     """How to prompt the model at ``path``: (chat template, chat stop ids, text
     stop ids). A Hugging Face folder brings its own template and stop ids
-    (``tokenizer_config.json``, ``generation_config.json``). A checkpoint folder
+    (``tokenizer_config.json``, ``generation_config.json``); one without a
+    template is prompted in ChatML with its own ``<|im_start|>``/``<|im_end|>``
+    ids, as SFT's ``chat_template: auto`` would train it, and when it has no
+    such tokens either, ``chat`` (the caller will chat) raises
+    ChatTemplateError, one line. A checkpoint folder
     is prompted as SFT trained and evaluate samples: with the template and stop
     ids of the SFT data (``sft_manifest``) when that data was tokenized with this
     tokenizer, else with the tokenizer folder's (its own template, else ChatML).
@@ -228,7 +233,10 @@ def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path
         template, roles = template_of_hf_folder(path, tokenizer)
         text_stops = tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
         if template is None:
-            return None, text_stops, text_stops
+            if chat:
+                raise ChatTemplateError(f"{path} has no chat template (and no <|im_start|>/<|im_end|> tokens for "
+                                        "ChatML); use --prompt")
+            return None, text_stops, text_stops  # raw completion only
         return template, stop_ids(tokenizer, template, roles.eos_ids), text_stops
     tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
     roles = load_specials(tok_path)
@@ -295,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         model, tokenizer, config = load_for_inference(args.model, tokenizer_path=args.tokenizer, device=args.device)
-        template, chat_stops, text_stops = prompting(args.model, tokenizer, args.tokenizer)
+        template, chat_stops, text_stops = prompting(args.model, tokenizer, args.tokenizer,
+                                                     chat=args.prompt is None)
         if args.prompt is not None:
             # Every training document follows an end-of-text token, so an empty
             # prompt samples a document from scratch.

@@ -312,3 +312,55 @@ def test_a_hugging_face_folder_is_prompted_with_its_own_template_and_stop_ids(fa
     assert text_stops[0] == tok.token_to_id({"qwen2": "<|endoftext|>", "llama": "<|end_of_text|>"}[family])
     assert main(["--model", str(folder), "--chat", "Hi", "--max-new-tokens", "3", "--temperature", "0"]) == 0
     assert main(["--model", str(folder), "--prompt", "", "--max-new-tokens", "3"]) == 0
+
+
+def _without_template(folder: Path, *, tokenizer_config: bool) -> Path:
+    """``folder`` with its chat template removed: with ``tokenizer_config=False``
+    the whole tokenizer_config.json goes, as in Qwen-style folders that ship
+    only tokenizer.json."""
+    import json
+
+    config_file = folder / "tokenizer_config.json"
+    if tokenizer_config:
+        config = json.loads(config_file.read_text())
+        config.pop("chat_template", None)
+        config_file.write_text(json.dumps(config))
+    else:
+        config_file.unlink()
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def test_a_hugging_face_folder_without_a_template_chats_in_chatml_with_its_own_ids(tmp_path, capsys):
+    """As sft's chat_template auto does: no template, but <|im_start|>/<|im_end|>
+    as special tokens, means ChatML with the folder's ids (not ours, 0-3)."""
+    from pipeline.data.chat_template import encode_prompt as template_prompt
+    from pipeline.model.generate import main, prompting
+    from tests.hf_models import save_tiny_hf_folder
+
+    folder = _without_template(save_tiny_hf_folder("qwen2", tmp_path / "qwen2", max_position_embeddings=512),
+                               tokenizer_config=False)
+    capsys.readouterr()  # transformers' progress bar while saving
+    _, tok, _ = load_for_inference(folder)
+    template, chat_stops, _ = prompting(folder, tok)
+    assert template is not None and template.name == "chatml"
+    assert chat_stops[0] == tok.token_to_id("<|im_end|>") != 3
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.decode(template_prompt(tok, messages, template), skip_special_tokens=False) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert main(["--model", str(folder), "--chat", "Hi", "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_hugging_face_folder_without_a_template_or_chatml_tokens_refuses_chat_in_one_line(tmp_path, capsys):
+    from pipeline.model.generate import main
+    from tests.hf_models import save_tiny_hf_folder
+
+    folder = _without_template(save_tiny_hf_folder("llama", tmp_path / "llama", max_position_embeddings=512),
+                               tokenizer_config=True)
+    capsys.readouterr()  # transformers' progress bar while saving
+    assert main(["--model", str(folder), "--chat", "hi"]) == 2
+    assert capsys.readouterr().err == (f"error: {folder} has no chat template (and no <|im_start|>/<|im_end|> "
+                                       "tokens for ChatML); use --prompt\n")
+    assert main(["--model", str(folder), "--prompt", "def", "--max-new-tokens", "3"]) == 0  # completion still works
