@@ -76,6 +76,9 @@ class CsvLog:
             with open(source, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
         self.last_loss = float(kept[-1]["loss"]) if kept and kept[-1].get("loss") else None
+        timed = [r for r in kept if r.get("tokens_per_s") and r.get("mfu")]
+        # the run's last measured speed, for a rerun that has nothing left to train
+        self.last_speed = (float(timed[-1]["tokens_per_s"]), float(timed[-1]["mfu"])) if timed else None
         self._files, self._writers = [], []
         for target in (path, history):
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +127,7 @@ class MetricsLogger:
             peak = measure_peak_flops(d.device, precision_dtype) if d.is_main else None
             self.peak_flops_total = float(distributed.broadcast_object(peak, d)) * devices
             self.peak_source = "measured"
-        self.tokens_per_s: float | None = None  # None until a step is timed (a resumed, finished run)
+        self.tokens_per_s: float | None = None  # None until a step is timed, or read back from the curve (rank 0)
         self.mfu: float | None = None
         self._csv: CsvLog | None = None
         self._bar = None
@@ -140,6 +143,8 @@ class MetricsLogger:
         if self.d.is_main:
             self._csv = CsvLog(self.csv_path, start_step, self.history)
             self._stack.callback(self._csv.close)
+            if self._csv.last_speed is not None:  # replaced at the first step this process times
+                self.tokens_per_s, self.mfu = self._csv.last_speed
             if self.cfg.track:
                 from pipeline.tracking.tracker import Tracker
 
@@ -204,6 +209,13 @@ class MetricsLogger:
                                       tok_s=f"{self.tokens_per_s:,.0f}")
         if self._bar is not None:
             self._bar.update(1)
+
+    def flush(self) -> None:
+        """Send the MLflow metrics buffered so far (rank 0; elsewhere a no-op).
+        Called before a checkpoint is committed: a run stopped after it resumes
+        after that step, so its steps up to there must be in MLflow already."""
+        if self._tracker is not None:
+            self._tracker.flush()
 
     def log_summary(self, summary: dict[str, Any], step: int, artifact: Path | None) -> None:
         if self._tracker is not None:

@@ -424,6 +424,7 @@ class Trainer:
         that val loss was measured at (the best checkpoint is chosen among
         checkpoints whose own weights were evaluated)."""
         rngs = distributed.gather_objects(ckpt.rng_state(), self.d)
+        self.metrics.flush()  # MLflow has every step up to this checkpoint before a resume would skip past them
         if self.sharded and not self.d.is_main:
             self.checkpoints.save(self.step, self.model, self.optimizer, {}, {}, sharded=self.d)
         if self.d.is_main:

@@ -285,6 +285,9 @@ def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_che
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [(r.info.run_name, r.info.status) for r in runs] == [
         ("pretrain", "FAILED" if sig == signal.SIGKILL else "KILLED")]
+    # every step up to the checkpoint a rerun resumes after reached MLflow before the stop
+    logged = {m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}
+    assert set(range(1, last.step + 1)) <= logged, sorted(logged)
 
 
 def test_a_rank_that_stalls_past_launch_timeout_s_stops_the_run_in_one_line(tmp_path):
