@@ -76,6 +76,7 @@ sets are small, and packing and the tiny-split rule need them all.
 from __future__ import annotations
 
 import bisect
+import codecs
 import datetime as dt
 import fcntl
 import glob
@@ -95,7 +96,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.data import chat, chat_template, compressed, remote, resume, shards, stdlib_qa
-from pipeline.data.accounting import Ledger
+from pipeline.data.accounting import Ledger, counts_text
 from pipeline.data.chat import IGNORE_INDEX, ChatFormatError, to_messages
 from pipeline.data.chat_template import (
     DEFAULT_DATE,
@@ -240,9 +241,13 @@ def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
 
 
 def _read_jsonl(path: Path) -> Iterator[Raw]:
+    # As ingest reads JSON Lines: a byte-order mark before the first record is dropped, and a
+    # line's "\r\n" is JSON whitespace.
     with open_input(path) as fh:
         for n, raw in enumerate(fh, 1):
             loc = f"line:{n}"
+            if n == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark some editors write
             if not raw.strip():
                 continue  # blank lines carry no record
             try:
@@ -259,7 +264,7 @@ def _read_jsonl(path: Path) -> Iterator[Raw]:
 def _read_json(path: Path) -> Iterator[Raw]:
     try:
         with open_input(path) as fh:
-            data = json.loads(fh.read().decode("utf-8"))
+            data = json.loads(fh.read().decode("utf-8-sig"))  # a byte-order mark is not the document's
     except UnicodeDecodeError as e:
         yield Raw("file", reason="non_utf8", detail=f"invalid UTF-8 at byte {e.start}")
         return
@@ -490,6 +495,9 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     if examples_in != kept["train"] + kept["val"] + ledger.total:
         raise AssertionError(f"{examples_in} records read but {kept} kept and {ledger.total} skipped")
     ledger.write(quarantine_path)
+    if ledger.total:  # the data stages' line: the counts alone are in the metrics only
+        log.info("skipped %s record(s): %s (samples in %s)", f"{ledger.total:,}", counts_text(ledger.counts),
+                 quarantine_path)
     empty = [s for s in SPLITS if not splits[s]]
     if empty:
         raise SFTDataError(

@@ -190,6 +190,37 @@ def test_malformed_rows_are_counted_and_quarantined(tmp_path, tok_path):
     assert any(e["source"].endswith("broken.json") and e["location"] == "file" for e in q)
 
 
+def test_a_byte_order_mark_and_crlf_lines_cost_no_record(tmp_path, tok_path):
+    """Read as ingest reads them: a BOM before the first record (utf-8-sig) is
+    not the JSON's, nor is a line's \\r, in .jsonl, .json and compressed files."""
+    import gzip
+
+    lines = "\r\n".join(json.dumps(messages_rec(i)) for i in range(6)) + "\r\n"
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([messages_rec(i) for i in range(6, 12)],
+                                                                     indent=1).replace("\n", "\r\n").encode())
+    (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + json.dumps(messages_rec(12)).encode()))
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / name))
+                                              for name in ("bom.jsonl", "bom.json", "bom.jsonl.gz")])
+    assert m["skipped"] == {} and m["train"]["examples"] + m["val"]["examples"] == 13
+
+
+def test_the_build_says_why_records_were_skipped(tmp_path, tok_path, caplog):
+    """One line of skip counts by reason and where their samples are, as the data
+    stages log it; the metrics alone did not say it."""
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i % 5) for i in range(60)] + [{"nope": 1}])
+    with caplog.at_level("INFO", logger="pipeline.data.sft_data"):
+        _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))])
+    assert m["skipped"] == {"duplicate": 55, "unknown_format": 1}
+    assert f"skipped 56 record(s): duplicate 55, unknown_format 1 (samples in {tmp_path / 'out-quarantine.jsonl'})" \
+        in caplog.messages
+    caplog.clear()
+    write_jsonl(tmp_path / "clean.jsonl", [messages_rec(i) for i in range(8)])
+    with caplog.at_level("INFO", logger="pipeline.data.sft_data"):
+        build(tmp_path, tok_path, "clean", sources=[SFTSource(path=str(tmp_path / "clean.jsonl"))])
+    assert not any(line.startswith("skipped") for line in caplog.messages)
+
+
 def test_overlong_drop_vs_truncate(tmp_path, tok_path, tok):
     records = [messages_rec(i) for i in range(6)]
     long_answer = " ".join(f"word{i}" for i in range(80))
