@@ -30,6 +30,11 @@ Choices
       eos. ``generation_config.json`` (and ``config.json``) list both
       ``<|im_end|>`` and ``<|endoftext|>`` as eos ids, so raw-text completion
       also ends at a document boundary.
+    * Sampling settings: a model started from a Hugging Face folder ships that
+      folder's ``generation_config.json`` as it reads at export time (the
+      ``init_from`` chain of the checkpoint leads to it), with SFT's end-of-turn
+      id added to its eos ids. Editing the file reruns export only: it is no part
+      of the run identity, since it does not change what training computes.
     * bos: we never prepend one; every document in pretraining follows an
       ``<|endoftext|>``, so that is declared as bos (as GPT-2 does), with
       ``add_bos_token: false`` so that encoding matches ours exactly.
@@ -51,6 +56,7 @@ leaves no ``out_dir`` but a complete ``.trash-*`` copy of the previous one.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -71,6 +77,8 @@ from pipeline.model import hf_adapter
 from pipeline.model.families import FAMILIES
 from pipeline.model.transformer import ModelConfig, Transformer, num_params
 from pipeline.training import checkpoint as ckpt
+
+log = logging.getLogger("pipeline.export")
 
 DTYPE = "float32"
 REPORT = "report.json"  # beside the Hugging Face files, written after registration
@@ -265,8 +273,9 @@ def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapp
     Only when SFT rendered with another template (``sft.data.chat_template``: a
     .jinja file) is that one written as ``chat_template.jinja``, which transformers
     prefers, so that the model is prompted the way it was trained.
-    ``generation_config.json`` is the original model's, else built from the
-    tokenizer's roles and SFT's stop ids.
+    ``generation_config.json`` is the original model's as its folder holds it
+    now (:func:`original_generation_config`), else built from the tokenizer's
+    roles and SFT's stop ids.
     Returns whether it wrote SFT's template as ``chat_template.jinja``."""
     specials = load_specials(tokenizer_path)
     hf_dir = tokenizer_dir(tokenizer_path) / HF_DIR
@@ -280,7 +289,7 @@ def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapp
     own_template = bool(trained_with) and trained_with != specials.chat_template
     if own_template:
         (folder / "chat_template.jinja").write_text(trained_with, encoding="utf-8")
-    generation = dict(meta.get("hf_generation_config") or {})
+    generation = dict(original_generation_config(meta) or {})
     if not generation:
         generation = {"eos_token_id": list(sft_manifest.get("stop_ids") or specials.eos_ids),
                       "pad_token_id": specials.pad_id}
@@ -292,6 +301,74 @@ def write_adopted_tokenizer_files(folder: Path, tokenizer_path: Path, meta: Mapp
         generation["eos_token_id"] = list(dict.fromkeys([*known, *sft_manifest["stop_ids"]]))
     _write_json(folder / "generation_config.json", generation)
     return own_template
+
+
+def original_generation_config(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``generation_config.json`` of the Hugging Face model a checkpoint
+    descends from (``meta``: the checkpoint's), as that model's folder holds it
+    now; None for a model of ours or a folder that ships none.
+
+    Sampling settings do not change what training computes, so the file is no
+    part of the run identity (pipeline/training/init.py): an edited or
+    re-downloaded one reruns export (``models/base`` is its DVC dep), not
+    training, and the copy recorded in the checkpoint when the run started
+    (meta ``hf_generation_config``) may be stale. That copy is used only when
+    the folder can no longer be found (moved, or a link of the ``init_from``
+    chain gone) or holds another model (its config.json is not meta
+    ``hf_config``), with a warning. Raises ExportError, one line, for a file
+    that does not parse."""
+    if not meta.get("hf_config"):
+        return None
+    recorded = meta.get("hf_generation_config")
+    origin = hf_origin(meta)
+    why = (None if origin is not None and hf_adapter.is_hf_model_folder(origin) else
+           f"the Hugging Face model folder the run started from is gone (its init_from chain ends at {origin})")
+    if why is None:
+        try:
+            same = hf_adapter.read_hf_config(origin) == meta["hf_config"]
+        except StageError:
+            same = False
+        why = None if same else f"{origin} now holds another model (its config.json is not the one trained)"
+    if why:
+        log.warning("%s, so the export carries the generation_config.json recorded when the run started%s; edits "
+                    "to the model's file since then are not in it", why, "" if recorded else " (none)")
+        return recorded
+    file = origin / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        generation = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{file}: cannot read it ({err})") from None
+    if not isinstance(generation, dict):
+        raise ExportError(f"{file}: not a JSON object")
+    return generation
+
+
+def hf_origin(meta: Mapping[str, Any], max_links: int = 32) -> Path | None:
+    """The folder at the start of a checkpoint's ``init_from`` chain: sft's
+    points at the pretrain checkpoint it started from, a warm start at the
+    checkpoint of ours it started from, and a run started from a Hugging Face
+    model at that model's folder. Paths are as recorded (relative ones from the
+    project root, where the stages run). Returns the Hugging Face folder, or the
+    first link that is neither it nor a readable checkpoint (moved aside,
+    deleted: the caller tells them apart with ``hf_adapter.is_hf_model_folder``);
+    None when no ``init_from`` is recorded."""
+    path = None
+    for _ in range(max_links):  # paths are reused across runs, so a chain could loop back: bound it
+        source = meta.get("init_from")
+        if not source:
+            return path
+        path = Path(source)
+        if hf_adapter.is_hf_model_folder(path):
+            return path
+        try:
+            meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return path
+        if not isinstance(meta, dict):
+            return path
+    return path
 
 
 def write_report(out_dir: str | Path, summary: Mapping[str, Any], registry: Mapping[str, Any]) -> dict[str, Any]:

@@ -571,3 +571,64 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_carries_its_ids(
     assert transformers.AutoConfig.from_pretrained(tmp_path / "export").pad_token_id == specials.pad_id
     card = (tmp_path / "export" / "README.md").read_text()
     assert "ChatML" not in card and "The tokenizer's own chat template" in card
+
+
+def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_path, caplog):
+    """The Hugging Face model's generation_config.json is read anew at export time,
+    through the checkpoint's init_from chain (sft -> pretrain -> the model folder):
+    an edit after training is carried (its sampling settings, with SFT's end of
+    turn added to its eos ids), though it leaves the run identity alone, so that
+    pretrain resumes and sft is not rerun. Only when the folder has gone does the
+    export fall back, with a warning, to the copy recorded when the run started."""
+    from tokenizers import Tokenizer
+
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
+    from pipeline.model.transformer import Transformer
+    from pipeline.training.init import resolve_init
+    from tests.hf_models import save_tiny_hf_folder
+
+    hf = save_tiny_hf_folder("qwen2", tmp_path / "models" / "base" / "qwen2")
+    tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
+    adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
+    specials, tokenizer_sha = load_specials(tok_json), sha256_file(tok_json)
+    im_end = Tokenizer.from_file(str(tok_json)).token_to_id("<|im_end|>")
+    manifest = tmp_path / "data" / "sft" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"stop_ids": [im_end]}))
+    # pretrain passes the model through (max_steps 0) with init.meta in its checkpoint; sft records
+    # its start as sft.plan does: init_from the pretrain checkpoint, the Hugging Face metadata carried
+    init = resolve_init(str(hf), warn_outside_base=False)
+    model = Transformer(init.model)
+    init.load_weights(model)
+    pretrain = save_checkpoint(tmp_path / "models" / "pretrain", model, step=0,
+                               meta={"stage": "pretrain", "tokenizer_sha256": tokenizer_sha, **init.meta})
+    save_checkpoint(tmp_path / "models" / "sft", model, meta={
+        "stage": "sft", "tokenizer_sha256": tokenizer_sha, "init_from": str(pretrain.path),
+        **{k: init.meta[k] for k in ("hf_config", "hf_generation_config")}})
+
+    def exported_generation(name: str) -> dict:
+        export_model(tmp_path / "models" / "sft", tok_json, tmp_path / name, card_info={}, sft_manifest=manifest)
+        return json.loads((tmp_path / name / "generation_config.json").read_text())
+
+    original = json.loads((hf / "generation_config.json").read_text())
+    before = exported_generation("before")
+    assert "temperature" not in original and im_end in original["eos_token_id"]
+    assert before == {**original, "eos_token_id": list(dict.fromkeys([*original["eos_token_id"], im_end]))}
+
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (hf / "generation_config.json").write_text(json.dumps({**original, **sampling}, indent=2))
+    assert resolve_init(str(hf), warn_outside_base=False).init_id == init.init_id  # nothing retrains
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.export"):
+        after = exported_generation("after")
+    assert not [r for r in caplog.records if r.name == "pipeline.export"]
+    assert after == {**before, **sampling}
+    assert after["pad_token_id"] == specials.pad_id and set(specials.eos_ids) <= set(after["eos_token_id"])
+    loaded = transformers.GenerationConfig.from_pretrained(tmp_path / "after")
+    assert (loaded.do_sample, loaded.temperature, loaded.top_p, loaded.top_k, loaded.repetition_penalty) == (
+        True, 0.7, 0.8, 20, 1.05)
+
+    hf.rename(hf.with_name("moved"))  # the folder has gone: the copy recorded at the start, and a warning
+    with caplog.at_level("WARNING", logger="pipeline.export"):
+        assert exported_generation("gone") == before
+    assert f"init_from chain ends at {hf}" in caplog.text and "recorded when the run started" in caplog.text

@@ -127,6 +127,21 @@ def test_the_init_id_is_stable_and_follows_every_weight_file(tmp_path, sharded):
     assert resolve_init(str(retuned), warn_outside_base=False).init_id != first
 
 
+def test_sampling_settings_are_no_part_of_the_init_id(tmp_path):
+    """generation_config.json does not change what training computes, so an edited
+    or re-downloaded one resumes the run instead of restarting it; export reads the
+    file anew (tests/pipeline/test_export.py)."""
+    folder = save_tiny_hf_folder("qwen2", tmp_path / "m")
+    first = resolve_init(str(folder), warn_outside_base=False)
+    file = folder / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "do_sample": True, "temperature": 0.7}))
+    again = resolve_init(str(folder), warn_outside_base=False)
+    assert again.init_id == first.init_id
+    assert again.meta["hf_generation_config"]["temperature"] == 0.7
+    file.unlink()
+    assert resolve_init(str(folder), warn_outside_base=False).init_id == first.init_id
+
+
 def test_a_folder_outside_models_base_warns_that_dvc_does_not_track_it(tmp_path, caplog):
     folder = save_tiny_hf_model("llama", tmp_path / "llama")
     with caplog.at_level("WARNING", logger="pipeline.training"):
