@@ -15,11 +15,15 @@ one loader, and one test, can reach all of them.
 from __future__ import annotations
 
 import importlib
+import types
+import typing
+from collections import abc
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Annotated, Any, Literal, Mapping, TypeVar, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from pipeline.errors import StageError
 
@@ -43,11 +47,88 @@ class ConfigError(StageError, ValueError):
     """A params file or section failed validation. The message names dotted keys."""
 
 
-class StageConfig(BaseModel):
-    """Base for every stage schema: unknown keys are errors, values are validated
-    on assignment too, and the model is immutable once built."""
+BOOL_NOT_NUMBER = "bool_not_number"
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+class ParamsModel(BaseModel):
+    """Base for every model read from params.yaml, a stage's schema or a part of
+    one: unknown keys are errors, the model is immutable once built, a float is
+    finite (``.inf`` and ``.nan`` are errors), and a boolean is not a number.
+
+    pydantic reads True as 1 for int and float fields, and YAML reads ``yes``,
+    ``no``, ``on``, ``off``, ``true`` and ``false`` as booleans, so ``lr: yes``
+    would train at a learning rate of 1.0. A field whose type admits a boolean
+    (``bool``, ``bool | None``) takes one as before."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        where = _bool_as_number(field.annotation, value) if field is not None else None
+        if where is not None:
+            loc, flag = where  # loc: the key or index inside a dict or list field, () for the field itself
+            raise PydanticCustomError(
+                BOOL_NOT_NUMBER, f"a number is expected, not the boolean {flag} (YAML reads "
+                "yes/no/on/off/true/false as booleans)", {"inner_loc": loc})
+        return value
+
+
+def _bool_as_number(annotation: Any, value: Any) -> tuple[tuple[Any, ...], bool] | None:
+    """Where in ``value`` (a path of keys and indices, and the boolean found) a
+    boolean stands for a number of ``annotation``; None where there is none. Looks
+    into lists, tuples and dicts, not into nested models (they check their own)."""
+    if isinstance(value, bool):
+        return ((), value) if _numeric(annotation) and not _admits_bool(annotation) else None
+    for m in _members(annotation):
+        origin, args = typing.get_origin(m), typing.get_args(m)
+        if isinstance(value, dict) and origin in (dict, abc.Mapping) and len(args) == 2:
+            found = [(k, _bool_as_number(args[0], k) or _bool_as_number(args[1], v)) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)) and origin in (list, tuple, abc.Sequence) and args:
+            # list[X], tuple[X, ...]; tuple[X, Y] gives each position its own type
+            fixed = origin is tuple and args[-1] is not Ellipsis
+            found = [(i, _bool_as_number(args[i] if fixed and i < len(args) else args[0], v))
+                     for i, v in enumerate(value)]
+        else:
+            continue
+        return next((((at, *f[0]), f[1]) for at, f in found if f is not None), None)
+    return None
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The alternatives of a type, Annotated and unions (``X | Y``, Optional) unwrapped."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _numeric(annotation: Any) -> bool:
+    for m in _members(annotation):
+        if typing.get_origin(m) is Literal:
+            if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in typing.get_args(m)):
+                return True
+        elif isinstance(m, type) and issubclass(m, (int, float)) and not issubclass(m, bool):
+            return True
+    return False
+
+
+def _admits_bool(annotation: Any) -> bool:
+    for m in _members(annotation):
+        if m is Any or m is object or m is bool:
+            return True
+        if typing.get_origin(m) is Literal and any(isinstance(v, bool) for v in typing.get_args(m)):
+            return True
+    return False
+
+
+class StageConfig(ParamsModel):
+    """Base for every stage schema (see :class:`ParamsModel`); defaults are validated too."""
+
+    model_config = ConfigDict(validate_default=True)
 
 
 C = TypeVar("C", bound=BaseModel)
@@ -65,7 +146,9 @@ def format_validation_error(err: ValidationError, prefix: str) -> str:
     for e in err.errors():
         key = ".".join([prefix, *(str(p) for p in e["loc"])]) if e["loc"] else prefix
         msg = e["msg"]
-        if e["type"] == "extra_forbidden":
+        if e["type"] == BOOL_NOT_NUMBER:  # the message shows the boolean; the key may lie inside a dict or list
+            key = ".".join([key, *(str(p) for p in e["ctx"]["inner_loc"])])
+        elif e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see README 'Params reference')"
         elif "input" in e and e["type"] != "missing" and e["loc"] and not isinstance(e["input"], dict):
             shown = repr(e["input"])

@@ -31,9 +31,9 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pipeline.config import StageConfig
+from pipeline.config import ParamsModel, StageConfig
 from pipeline.data.shards import PackedRows
 from pipeline.errors import StageError
 from pipeline.files import write_json
@@ -46,10 +46,8 @@ from pipeline.training.precision import autocast, resolve_precision
 log = logging.getLogger("pipeline.evaluate")
 
 
-class SampleConfig(BaseModel):
+class SampleConfig(ParamsModel):
     """Fixed prompts completed with fixed seeds, recorded with every evaluation."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompts: list[str] = Field(default_factory=lambda: ["def fibonacci(n):", "import os\n\n\ndef "],
                                description="raw-text prompts completed by both models")
@@ -62,11 +60,9 @@ class SampleConfig(BaseModel):
     seed: int = Field(0, description="sample i uses seed + i")
 
 
-class CheckpointChoice(BaseModel):
+class CheckpointChoice(ParamsModel):
     """Which checkpoint of each run is scored. export ships one checkpoint and labels
     it with these metrics, so it refuses to ship another than the one scored here."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     pretrain: Literal["last", "best"] = Field("last", description="models/pretrain: its last checkpoint, or its best "
                                               "by val loss (needs pretrain.checkpoint.keep_best)")

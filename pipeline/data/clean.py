@@ -76,9 +76,10 @@ from typing import Any, Iterator, Literal, NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
+from pipeline.config import ParamsModel
 from pipeline.data import dedup, resume
 from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
@@ -121,8 +122,8 @@ class CleanError(StageError):
     nothing left after cleaning."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Section(ParamsModel):
+    """A sub-section of clean's params."""
 
 
 class NormaliseConfig(_Section):

@@ -69,19 +69,17 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from pipeline.config import StageConfig
+from pipeline.config import ParamsModel, StageConfig
 from pipeline.errors import StageError
 from pipeline.files import available_cores, die_with_parent, expected_failure, source_digest
 
 log = logging.getLogger("pipeline.data.executor")
 
 
-class ExecutorConfig(BaseModel):
+class ExecutorConfig(ParamsModel):
     """The ``executor:`` sub-section of a data stage's params."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["local", "ray"] = Field(
         "local", description="local: a process pool on this machine; ray: Ray tasks (pip install .[ray])")

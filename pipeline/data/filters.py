@@ -32,13 +32,13 @@ from itertools import compress
 from operator import ne
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
+
+from pipeline.config import ParamsModel
 
 
-class FilterConfig(BaseModel):
+class FilterConfig(ParamsModel):
     """Base of every filter's config: a switch, unknown keys rejected."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True
 
@@ -461,10 +461,8 @@ FILTERS: dict[str, Filter] = {
 }
 
 
-class FiltersConfig(BaseModel):
+class FiltersConfig(ParamsModel):
     """Base of the generated per-filter section (see :data:`FiltersSection`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     def enabled(self) -> list[tuple[str, Filter, FilterConfig]]:
         """Enabled filters in registry order, each with its config."""

@@ -49,8 +49,9 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from pipeline.config import ParamsModel
 from pipeline.data import accounting, compressed, remote, resume
 from pipeline.data import docs as docs_format
 from pipeline.data.accounting import Ledger
@@ -96,10 +97,9 @@ DEFAULT_CHUNK_BYTES = 65_536
 BINARY_SNIFF_BYTES = 8192
 
 
-class HFDataset(BaseModel):
+class HFDataset(ParamsModel):
     """Which part of a Hugging Face dataset to read: ``load_dataset(path, name, split=split)``,
     or one split of a ``save_to_disk`` folder."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str | None = Field(None, min_length=1, description="the dataset's config, e.g. wikitext-103-raw-v1 "
                              "(load_dataset's name; a save_to_disk folder has none)")
@@ -111,9 +111,7 @@ class HFDataset(BaseModel):
 SPLIT_MARKS = ("auto", "train", "val")
 
 
-class Source(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Source(ParamsModel):
     name: str | None = Field(None, min_length=1, description="what metrics and reports call this source "
                              "(default: its path, with the hf config and split when given)")
 

@@ -26,8 +26,9 @@ import math
 from typing import Iterable, Mapping
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from pipeline.config import ParamsModel
 from pipeline.data import shares
 from pipeline.errors import StageError
 
@@ -39,13 +40,10 @@ class MixtureError(StageError):
 MAX_TOKENS = 10**15  # a budget beyond any corpus (and within int64, which the counts are)
 
 
-class Share(BaseModel):
+class Share(ParamsModel):
     """One source's part of the train tokens: a ``weight`` or a ``tokens`` budget."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    weight: float | None = Field(None, gt=0, allow_inf_nan=False,
-                                 description="share of the weighted sources' train tokens")
+    weight: float | None = Field(None, gt=0, description="share of the weighted sources' train tokens")
     tokens: int | None = Field(None, gt=0, le=MAX_TOKENS,
                                description="train tokens to take from the source, instead of a weight")
 

@@ -93,8 +93,9 @@ from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from pipeline.config import ParamsModel
 from pipeline.data import chat, chat_template, compressed, remote, resume, shards, stdlib_qa
 from pipeline.data.accounting import Ledger, counts_text
 from pipeline.data.chat import IGNORE_INDEX, ChatFormatError, to_messages
@@ -134,9 +135,7 @@ BUILTIN_DATASETS: dict[str, Callable[[], Iterator[tuple[str, dict]]]] = {
 # --- config ------------------------------------------------------------------------------------
 
 
-class SFTSource(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class SFTSource(ParamsModel):
     path: str = Field(min_length=1, description="a file, directory or glob of .json/.jsonl, here or in an object "
                       "store (s3://, gs://), or builtin:<name>")
     format: ChatFormatName = Field("auto", description="record format; auto detects it per record")
@@ -157,10 +156,10 @@ class SFTSource(BaseModel):
         return self
 
 
-class SFTDataConfig(BaseModel):
+class SFTDataConfig(ParamsModel):
     """The data part of the sft stage's config (embeddable: frozen, no extra keys)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(validate_default=True)
 
     sources: list[SFTSource] = Field(
         default_factory=lambda: [SFTSource(path=BUILTIN_PREFIX + "stdlib-docstrings")], min_length=1,

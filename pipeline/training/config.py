@@ -38,15 +38,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.config import StageConfig
+from pipeline.config import ParamsModel, StageConfig
 from pipeline.training.torchrun import LaunchConfig
 
 
-class Section(BaseModel):
-    """A frozen, strict config section. Subclasses set ``identity``: True when a
+class Section(ParamsModel):
+    """A frozen, strict config section (see ParamsModel). Subclasses set ``identity``: True when a
     change to any key of theirs changes what training computes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(validate_default=True)
     identity: ClassVar[bool]
 
     def identity_values(self) -> dict[str, Any]:

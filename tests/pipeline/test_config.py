@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from pipeline.config import ConfigError, flatten, load_params, load_yaml, metric_values, parse_section, read_params
@@ -104,3 +106,58 @@ def test_metric_values_are_the_numeric_leaves_under_dotted_names():
                                    "steps": 3, "bad": float("nan"), "sizes": [1, 2]}, "eval")
     assert flat.keys() == {"eval.sft.bits_per_byte", "eval.steps", "eval.bad"}
     assert flat["eval.sft.bits_per_byte"] == 1.5 and flat["eval.steps"] == 3.0 and flat["eval.bad"] != flat["eval.bad"]
+
+
+BOOL_HINT = r"a number is expected, not the boolean {} \(YAML reads yes/no/on/off/true/false as booleans\)$"
+
+
+@pytest.mark.parametrize("stage, yaml_value, key, flag", [
+    ("pretrain", "optimizer: {lr: yes}", "pretrain.optimizer.lr", True),
+    ("pretrain", "optimizer: {lr: on}", "pretrain.optimizer.lr", True),
+    ("pretrain", "schedule: {max_steps: true}", "pretrain.schedule.max_steps", True),
+    ("pretrain", "batch: {micro_batch_size: true}", "pretrain.batch.micro_batch_size", True),  # int | 'auto'
+    ("sft", "optimizer: {lr: off}", "sft.optimizer.lr", False),
+    ("tokenizer", "sample_weights: {a: 1.0, b: no}", "tokenizer.sample_weights.b", False),  # inside a dict
+    ("pack", "mixture: {a: {weight: yes}}", "pack.mixture.a.weight", True),  # float | None, in a nested model
+])
+def test_a_boolean_is_not_a_number(tmp_path, stage, yaml_value, key, flag):
+    """pydantic reads True as 1, so `lr: yes` would have trained at lr=1.0."""
+    p = write(tmp_path, f"{stage}:\n  {yaml_value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_params(stage, p)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{p} is invalid:" and len(lines) == 2
+    assert lines[1].startswith(f"  {key}: ")
+    assert re.search(BOOL_HINT.format(flag), lines[1])
+
+
+@pytest.mark.parametrize("yaml_value", [".inf", "-.inf", ".nan", ".NaN", "'inf'", "1.0e999"])
+def test_a_float_is_finite(tmp_path, yaml_value):
+    """A non-finite lr passed validation and failed only at the first step, after
+    the previous run had been moved aside."""
+    p = write(tmp_path, f"pretrain:\n  optimizer:\n    lr: {yaml_value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_params("pretrain", p)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2 and lines[1].startswith("  pretrain.optimizer.lr: Input should be a finite number (got ")
+
+
+@pytest.mark.parametrize("section, key", [("optimizer", "weight_decay"), ("optimizer", "eps"),
+                                          ("logging", "spike_factor"), ("model", "rope_theta")])
+def test_other_floats_are_finite_too(tmp_path, section, key):
+    p = write(tmp_path, f"pretrain:\n  {section}:\n    {key}: .inf\n")
+    with pytest.raises(ConfigError, match=rf"pretrain\.{section}\.{key}: Input should be a finite number"):
+        load_params("pretrain", p)
+
+
+def test_boolean_fields_still_take_yaml_booleans(tmp_path):
+    p = write(tmp_path, "pretrain:\n  compute: {compile: yes}\n  checkpoint: {keep_best: on}\n"
+                        "  model: {tie_embeddings: no}\n  logging: {track: false}\n  batch: {micro_batch_size: auto}\n"
+                        "  optimizer: {lr: 1e-3}\n")
+    cfg = load_params("pretrain", p)
+    assert cfg.compute.compile is True and cfg.checkpoint.keep_best is True
+    assert cfg.model.tie_embeddings is False and cfg.logging.track is False
+    assert cfg.batch.micro_batch_size == "auto" and cfg.optimizer.lr == 1e-3  # PyYAML reads 1e-3 as a string
+    assert load_params("ingest", write(tmp_path, "ingest: {include_hidden: yes}\n")).include_hidden is True
+    assert load_params("clean", write(tmp_path, "clean:\n  filters: {too_short: {enabled: off}}\n")
+                       ).filters.too_short.enabled is False
