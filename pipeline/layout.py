@@ -43,6 +43,16 @@ EVALUATE_REPORT = EVALUATE_DIR / "report.json"  # which checkpoint each model's 
 PACKED_ROWS_WRITERS = {PACKED: "pack", SFT_DATA: "sft"}
 
 
+def in_base_models(path: Path) -> bool:
+    """Whether ``path`` (resolved) lies under ``models/base/``, where DVC sees a
+    replaced model: tokenizer and pretrain warn about a folder elsewhere."""
+    try:
+        Path(path).resolve().relative_to(BASE_MODELS.resolve())
+        return True
+    except ValueError:
+        return False
+
+
 def metrics_path(stage: str) -> Path:
     return METRICS / f"{stage}.json"
 

@@ -63,6 +63,7 @@ import pyarrow.compute as pc
 from pydantic import Field, field_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pipeline import layout
 from pipeline.config import StageConfig
 from pipeline.data.docs import DocTable
 from pipeline.data.shares import check_names, multiplicities
@@ -740,12 +741,9 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
                     ", ".join(f"tokenizer.{k}" for k in ignored))
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
-    # the check and the words of pretrain's init_from warning (models/base/README.md: "the stages warn");
-    # imported here, as only adoption needs it and it brings in torch
-    from pipeline.training.init import BASE_DIR, _inside
-    if not _inside(folder, BASE_DIR):
+    if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
         log.warning("tokenizer.source %s is outside %s/, so DVC does not see changes to it: a replaced model there "
-                    "does not rerun the tokenizer stage by itself", folder, BASE_DIR)
+                    "does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS)
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out_dir / HF_DIR) as tmp:

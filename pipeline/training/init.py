@@ -40,7 +40,7 @@ from pipeline.training import checkpoint as ckpt
 
 log = logging.getLogger("pipeline.training")
 
-BASE_DIR = layout.BASE_MODELS  # DVC tracks this folder as a dep of tokenizer and pretrain
+BASE_DIR = layout.BASE_MODELS  # DVC tracks this folder as a dep of tokenizer, pretrain and export
 
 
 class InitError(StageError):
@@ -130,7 +130,7 @@ def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
                         f"init_from {folder}: {message}") from None
     except SafetensorError as err:
         raise InitError(f"init_from {folder}: damaged safetensors weights ({err})") from None
-    if warn_outside_base and not _inside(folder, BASE_DIR):
+    if warn_outside_base and not layout.in_base_models(folder):
         log.warning("init_from %s is outside %s/, so DVC does not see changes to it: a replaced model there "
                     "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR)
     tok = folder / "tokenizer.json"
@@ -153,14 +153,6 @@ def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
                       init_id="ckpt:" + str(meta.get("fingerprint")) + ":" + ckpt.weights_id(found)[:16],
                       tokenizer_sha256=meta.get("tokenizer_sha256"),
                       meta={"init_from": str(found.path), **carried}, checkpoint=found)
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    try:
-        path.resolve().relative_to(folder.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
