@@ -91,7 +91,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -749,7 +749,8 @@ class CheckpointManager:
 
     # -- the folder holds this run only --
 
-    def prepare(self, max_steps: int | None = None, in_use: Path | None = None) -> list[MovedRun]:
+    def prepare(self, max_steps: int | None = None, in_use: Path | None = None,
+                branch: Callable[[int, dict[str, Any]], tuple[int, str] | None] | None = None) -> list[MovedRun]:
         """Main rank only (no-op elsewhere); call it before the other ranks look,
         e.g. before a barrier. Sweeps the leftovers of interrupted saves and moves
         the checkpoints of other runs (another fingerprint: params, model or data
@@ -764,6 +765,14 @@ class CheckpointManager:
 
         ``in_use``: a checkpoint this run starts from (``init_from``); the
         previous run that holds it is never deleted by ``keep_previous``.
+
+        ``branch``: given the step and meta of this run's newest checkpoint, the step at
+        or before which a checkpoint continues this run exactly, with the
+        reason, or None when the newest does. When this run has an intact
+        checkpoint at or before that step, its newer checkpoints are moved
+        aside (to ``previous/``, as a run of their own, named in a warning) and
+        the run resumes from it. A wsd run lengthened after its decay started
+        is the case: its decayed checkpoints are a branch of the run.
 
         A checkpoint whose meta cannot be read stays: :meth:`resume_point`
         reports it as damaged. Returns the runs moved aside."""
@@ -785,6 +794,8 @@ class CheckpointManager:
                                          f"checkpoint (step {mine[-1][0].step}); a run cannot be shortened past steps "
                                          "it has trained, so a fresh run starts")
         moved = [self._move_aside(fp, [c for c, _ in cps], reasons[fp]) for fp, cps in runs.items()]
+        if branch is not None and mine and self.fingerprint not in runs:  # (moved aside whole when shortened)
+            moved += self._branch_aside([c for c, _ in mine], branch(mine[-1][0].step, mine[-1][1]))
         best = self._best_record(warn=True)
         if best is not None and best.get("fingerprint") != self.fingerprint:
             (self.folder / BEST).unlink()  # its run was moved aside with its own copy, or has no checkpoint left
@@ -797,6 +808,29 @@ class CheckpointManager:
         self._set_aside_damaged()
         self._prune_previous(in_use)
         return moved
+
+    def _branch_aside(self, mine: list[Checkpoint], branch: tuple[int, str] | None) -> list[MovedRun]:
+        """This run's checkpoints after the newest intact one at or before
+        ``branch[0]``, moved to ``previous/`` (see :meth:`prepare`)."""
+        if branch is None:
+            return []
+        step, why = branch
+        base = next((c for c in reversed(mine) if c.step <= step and self._intact(c)), None)
+        if base is None:
+            return []
+        later = [c for c in mine if c.step > base.step]
+        name = f"{self.fingerprint}-after-step-{base.step}"
+        return [self._move_aside(name, later, f"{why}; the run goes on exactly from its checkpoint at step "
+                                 f"{base.step}, and these checkpoints are kept here as their own branch",
+                                 fingerprint=self.fingerprint)]
+
+    @staticmethod
+    def _intact(c: Checkpoint) -> bool:
+        try:
+            verify(c)
+        except CheckpointError:
+            return False
+        return True
 
     def _set_aside_damaged(self) -> None:
         """Move this run's checkpoints newer than its newest intact one (damaged,
@@ -842,8 +876,12 @@ class CheckpointManager:
         more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
         return "changed: " + ", ".join(shown) + more
 
-    def _move_aside(self, fingerprint: str, checkpoints: list[Checkpoint], reason: str) -> MovedRun:
-        name = fingerprint if re.fullmatch(r"[0-9A-Za-z_.-]{1,64}", fingerprint) else "unknown"
+    def _move_aside(self, name: str, checkpoints: list[Checkpoint], reason: str,
+                    fingerprint: str | None = None) -> MovedRun:
+        """Move ``checkpoints`` to ``previous/<name>`` (``name``: their run's
+        fingerprint, unless given with ``fingerprint``) with a run.json."""
+        fingerprint = name if fingerprint is None else fingerprint
+        name = name if re.fullmatch(r"[0-9A-Za-z_.-]{1,80}", name) else "unknown"
         root = self.folder / PREVIOUS
         dest, n = root / name, 1
         while dest.exists() and (dest / RUN_INFO).exists():  # taken by an earlier move (without run.json: interrupted, go on)
@@ -853,7 +891,8 @@ class CheckpointManager:
         for c in checkpoints:
             os.replace(c.path, dest / c.path.name)
         best = self._best_record(warn=False)
-        if best is not None and best.get("fingerprint") == fingerprint:
+        if (best is not None and best.get("fingerprint") == fingerprint  # a branch of this run: with its checkpoint
+                and (fingerprint != self.fingerprint or best.get("step") in {c.step for c in checkpoints})):
             os.replace(self.folder / BEST, dest / BEST)
         steps = tuple(int(p.name[len("step-"):]) for p in sorted(dest.iterdir()) if STEP_RE.match(p.name))
         write_json(dest / RUN_INFO, {"fingerprint": fingerprint, "reason": reason, "moved_at": time.time(),
@@ -942,7 +981,7 @@ class CheckpointManager:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], meta: dict[str, Any], *, val_loss: float | None = None,
-             sharded: distributed.Dist | None = None) -> Checkpoint:
+             sharded: distributed.Dist | None = None, protect: frozenset[int] = frozenset()) -> Checkpoint:
         """Main rank only: write checkpoint ``step`` atomically with this run's
         fingerprint and identity in its meta, then keep the newest ``keep`` (see
         :func:`save`). With ``keep_best``, ``val_loss`` is the val loss of these
@@ -952,13 +991,16 @@ class CheckpointManager:
 
         ``sharded``: write the sharded layout (:func:`save_sharded`) instead; a
         collective then, called on every rank of ``sharded`` (``trainer_state``,
-        ``meta`` and ``val_loss`` count on the main rank only)."""
+        ``meta`` and ``val_loss`` count on the main rank only).
+
+        ``protect``: more steps keep-last-K never removes (a wsd run's last
+        checkpoint before its decay, from which a lengthened run goes on exactly)."""
         if sharded is not None and not self.is_main:
             return save_sharded(self.folder, step, model, optimizer, None, None, self.keep, sharded)
         if not self.is_main:
             raise RuntimeError("CheckpointManager.save runs on the main rank only")
         best = self.best() if self.keep_best else None
-        protect = frozenset([best["step"]]) if best else frozenset()
+        protect = protect | {best["step"]} if best else protect
         meta = {**meta, "fingerprint": self.fingerprint, "identity": self.identity}
         need = None if sharded is not None else state_bytes(model, optimizer)
         if need is not None and (free := free_bytes(self.folder)) is not None and free < need:
@@ -976,7 +1018,7 @@ class CheckpointManager:
             write_json(self.folder / BEST, {"step": step, "path": c.path.name, "val_loss": val_loss,
                                             "fingerprint": self.fingerprint})
             if best is not None and best["step"] != step:
-                trim(self.folder, step, self.keep, frozenset([step]))
+                trim(self.folder, step, self.keep, protect - {best["step"]} | {step})
         return c
 
     def _no_room(self, step: int, need: int | None) -> DiskFullError:

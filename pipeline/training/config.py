@@ -105,7 +105,7 @@ class ScheduleSection(Section):
     WSD_ONLY: ClassVar[tuple[str, ...]] = ("decay_fraction", "decay_steps", "decay_shape")
 
     kind: Literal["cosine", "wsd"] = Field("cosine", description="cosine | wsd (warmup-stable-decay)")
-    max_steps: int = Field(600, ge=0, description="optimizer steps; raising it continues the run; 0 = no training (the initial weights are the result)")
+    max_steps: int = Field(600, ge=0, description="optimizer steps; raising it continues the run; 0 = no training: init_from (required) passes through as the result")
     warmup_steps: int = Field(50, ge=0, description="linear warmup from 0 to optimizer.lr")
     min_lr: float = Field(3e-4, ge=0, description="floor of the schedule (reached at the end under wsd)")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of max_steps spent decaying, at the end (rounded to whole steps)")

@@ -44,6 +44,7 @@ Checkpoints of any other run in ``out_dir`` are moved aside to
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -122,6 +123,23 @@ def job_record(stage: str, cfg: TrainConfig, model_cfg: ModelConfig, data_id: st
     model = {f"model.{k}": v for k, v in flatten(model_cfg.to_dict()).items()}
     return {**params, **model, "data (digest)": hashlib.sha256(data_id.encode()).hexdigest()[:16],
             "starting weights": init_id, "pipeline code (digest)": source_digest(), "torch": torch.__version__}
+
+
+def wsd_branch(schedule: ScheduleSection, step: int, meta: dict[str, Any]) -> tuple[int, str] | None:
+    """A wsd run lengthened after its newest checkpoint (at ``step``, with ``meta``)
+    began the old decay: the last step that continues the run exactly (the old
+    decay start: the longer run's learning rates agree up to it) and why; else None."""
+    try:
+        old = ScheduleSection.model_validate(meta.get("schedule"))
+    except ValueError:
+        return None  # written before checkpoints recorded their schedule
+    if schedule.kind != "wsd" or old.kind != "wsd" or schedule.max_steps <= old.max_steps:
+        return None
+    if step <= old.decay_start():
+        return None
+    return old.decay_start(), (f"schedule.max_steps was raised from {old.max_steps} to {schedule.max_steps}, and "
+                               f"these checkpoints lie in the old run's decay (steps {old.decay_start() + 1}-"
+                               f"{old.max_steps}), whose learning rates the longer run does not use")
 
 
 def check_resume(cfg: TrainConfig, model_cfg: ModelConfig, out_dir: Path, *, data_id: str,
@@ -250,7 +268,8 @@ class Trainer:
                     raise InitError(f"init_from {init_from.path}: its optimizer state does not fit this model's "
                                     f"parameter groups ({err})".replace("\n", " ")) from None
         self.moved_aside = self.checkpoints.prepare(cfg.schedule.max_steps,
-                                                    in_use=init_from.path if init_from else None)
+                                                    in_use=init_from.path if init_from else None,
+                                                    branch=functools.partial(wsd_branch, cfg.schedule))
         distributed.barrier(d)
         last = self.checkpoints.resume_point()
         if last is not None and not self.sharded:
@@ -415,8 +434,8 @@ class Trainer:
                 log.warning("the run had started decaying: its checkpoint at step %d lies inside the old decay phase "
                             "(steps %d-%d), so step %d trains at lr %.6g again (it was %.6g) and the run differs from "
                             "an uninterrupted %d-step run; only a checkpoint at or before step %d continues exactly "
-                            "as that run would", step, old.decay_start() + 1, old.max_steps, step + 1, new_lr,
-                            old_lr, new.max_steps, old.decay_start())
+                            "as that run would, and this run has none left", step, old.decay_start() + 1,
+                            old.max_steps, step + 1, new_lr, old_lr, new.max_steps, old.decay_start())
 
     def save(self, metrics: dict[str, Any]) -> None:
         """Checkpoint the current step (a collective: every rank's RNG state is gathered).
@@ -439,8 +458,17 @@ class Trainer:
                     "mlflow_run_id": self.metrics.run_id, **self.extra_meta}
             own = metrics.get("val_loss") if metrics.get("val_step") == self.step else None
             self.checkpoints.save(self.step, self.model, self.optimizer, state, meta, val_loss=own,
-                                  sharded=self.d if self.sharded else None)
+                                  sharded=self.d if self.sharded else None, protect=self._before_decay())
         distributed.barrier(self.d)
+
+    def _before_decay(self) -> frozenset[int]:
+        """wsd: the newest checkpoint at or before the decay start, which
+        keep-last-K keeps: a run lengthened later goes on exactly from it."""
+        schedule = self.cfg.schedule
+        if schedule.kind != "wsd" or self.step <= schedule.decay_start():
+            return frozenset()
+        steps = [c.step for c in ckpt.complete_checkpoints(self.out_dir) if c.step <= schedule.decay_start()]
+        return frozenset(steps[-1:])
 
     # -- steps --
 

@@ -429,7 +429,7 @@ def metrics(p):
 
 
 def test_a_continued_run_killed_and_resumed_is_bit_exact_with_two_ranks(tmp_path):
-    """Raise max_steps 12 -> 36 (wsd): the continuation, SIGKILLed mid-way and
+    """Raise max_steps 12 -> 36 (wsd): the continuation (from before the old decay), SIGKILLed mid-way and
     resumed, gives the same per-step losses, string-exact, and the same weights
     as the continuation left alone."""
     params = {"nproc_per_node": 2, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 12, "kind": "wsd",
@@ -439,8 +439,10 @@ def test_a_continued_run_killed_and_resumed_is_bit_exact_with_two_ranks(tmp_path
     set_params(ref, max_steps=36)
     r = stage(ref)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "continuing the run from its checkpoint at step 12" in r.stderr and "had started decaying" in r.stderr
-    assert metrics(ref)["resumed_from_step"] == 12 and [s for s, _ in losses(ref)] == [str(i) for i in range(1, 37)]
+    # from step 8, the last checkpoint before the 12-step run's decay (steps 11-12); step 12 is kept under previous/
+    assert "continuing the run from its checkpoint at step 8" in r.stderr and "had started decaying" not in r.stderr
+    assert metrics(ref)["resumed_from_step"] == 8 and [s for s, _ in losses(ref)] == [str(i) for i in range(1, 37)]
+    assert metrics(ref)["moved_aside"] == 1
     run = project(tmp_path / "run", **params)
     assert stage(run).returncode == 0
     set_params(run, max_steps=36)

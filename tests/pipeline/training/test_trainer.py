@@ -259,11 +259,31 @@ def test_raising_max_steps_continues_the_run_without_repeating_a_step(tmp_path, 
 WSD = {"kind": "wsd", "decay_fraction": 0.2, "warmup_steps": 2}  # 20 steps: decay over steps 17-20; 30: 25-30
 
 
-def test_a_lengthened_wsd_run_keeps_the_uninterrupted_runs_steps_up_to_the_old_decay_start(tmp_path, caplog):
+def test_a_lengthened_wsd_run_goes_on_exactly_from_its_last_checkpoint_before_the_old_decay(tmp_path, caplog):
+    """Raising max_steps of a finished wsd run: keep-last-K kept its checkpoint
+    at the decay start (here keep 1), the run goes on from it and is the longer
+    run bit for bit; its decayed checkpoints are kept under previous/ as a branch."""
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    run(tmp_path / "a", max_steps=30, **WSD)
+    models = tmp_path / "b" / "models"
+    run(tmp_path / "b", max_steps=20, keep_checkpoints=1, **WSD)
+    assert [c.step for c in ckpt.complete_checkpoints(models)] == [16, 20]  # 16: the decay start, kept
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        m = run(tmp_path / "b", max_steps=30, keep_checkpoints=1, **WSD)
+    assert m["resumed_from_step"] == 16 and m["moved_aside"] == 1
+    assert rows_of(tmp_path / "b" / "plots.csv") == rows_of(tmp_path / "a" / "plots.csv")
+    [branch] = (models / "previous").iterdir()
+    assert [c.step for c in ckpt.complete_checkpoints(branch)] == [20] and ckpt.latest(branch).meta["final"]
+    assert json.loads((branch / "run.json").read_text())["reason"].startswith(
+        "schedule.max_steps was raised from 20 to 30, and these checkpoints lie in the old run's decay (steps 17-20)")
+    assert f"moved aside to {branch}" in caplog.text
+
+
+def test_a_lengthened_wsd_run_with_no_checkpoint_before_its_old_decay_goes_on_from_the_decayed_one(tmp_path, caplog):
     (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
     run(tmp_path / "a", max_steps=30, **WSD)
     uninterrupted = rows_of(tmp_path / "a" / "plots.csv")
-    run(tmp_path / "b", max_steps=20, **WSD)
+    run(tmp_path / "b", max_steps=20, checkpoint_every=20, **WSD)  # its only checkpoint: step 20, decayed
     with caplog.at_level("WARNING", logger="pipeline.training"):
         assert run(tmp_path / "b", max_steps=30, **WSD)["resumed_from_step"] == 20
     continued = rows_of(tmp_path / "b" / "plots.csv")
@@ -272,7 +292,7 @@ def test_a_lengthened_wsd_run_keeps_the_uninterrupted_runs_steps_up_to_the_old_d
     assert [c[2] for c in continued[20:]] == [u[2] for u in uninterrupted[20:]]  # 21-30: the 30-step schedule's lr
     assert continued[29][1] != uninterrupted[29][1]  # but from weights that had decayed: not the same run
     assert ("the run had started decaying: its checkpoint at step 20 lies inside the old decay phase (steps 17-20)"
-            in caplog.text)
+            in caplog.text and "this run has none left" in caplog.text)
 
 
 def test_a_wsd_run_continued_from_before_its_decay_equals_the_uninterrupted_longer_run(tmp_path):
