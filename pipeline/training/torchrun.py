@@ -72,6 +72,20 @@ def _holders(lock_path: Path) -> str:
         return "unknown"
 
 
+def lock_holders(lock_path: Path) -> list[int]:
+    """The processes holding a lock on ``lock_path`` now (Linux's /proc/locks;
+    empty where it cannot be read), this one left out."""
+    try:
+        st = os.stat(lock_path)
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return []
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = {int(r[-4]) for r in rows if len(r) >= 8 and r[-3] == where and r[-4].isdigit()}
+    return sorted(pids - {os.getpid()})
+
+
 def acquire_exclusive(folder: Path) -> int:
     """Take the folder lock for a new run; raise TrainerBusyError naming the
     live holder otherwise. Returns the fd, now holding a shared lock that child
@@ -83,10 +97,12 @@ def acquire_exclusive(folder: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        pids = lock_holders(lock_path)
+        stop = f"`kill {' '.join(map(str, pids))}`" if pids else "the processes named"
         raise TrainerBusyError(
             f"another trainer is still running on {folder} (launched by {_holders(lock_path)}). "
             "This happens when `dvc repro` was killed but its training processes were not. "
-            f"Stop them (e.g. `pkill -f stages.`) or wait for them, then run again."
+            f"Stop them ({stop}) or wait for them, then run again."
         ) from None
     if os.fstat(fd).st_nlink == 1 and not lock_path.is_symlink():  # not linked to DVC's cache: a write would spoil it
         os.ftruncate(fd, 0)

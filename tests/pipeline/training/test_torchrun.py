@@ -148,3 +148,20 @@ def test_a_rendezvous_that_times_out_names_what_to_check(monkeypatch):
         1, "the rendezvous timed out (RendezvousTimeoutError: The node 'a_1_0' has timed out waiting for the other "
            "nodes.): not every node joined in time; start the stage on every node (launch.nnodes) and check that "
            "each reaches launch.rdzv_endpoint")
+
+
+def test_a_busy_folder_names_the_processes_that_hold_it_to_stop(tmp_path):
+    """Not a `pkill` that would stop every project's stages on a shared machine:
+    the pids that hold the folder's lock (Linux's /proc/locks)."""
+    folder = tmp_path / "models"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from pipeline.training.torchrun import acquire_exclusive; "
+                               f"acquire_exclusive(Path({str(folder)!r})); print('held', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TrainerBusyError, match=rf"Stop them \(`kill {holder.pid}`\) or wait for them"):
+            acquire_exclusive(folder)
+    finally:
+        holder.kill()
+        holder.wait()
