@@ -118,6 +118,28 @@ def test_mlflow_has_a_run_per_stage_and_the_registry_aliases(project):
     assert client.get_model_version_by_alias("llm-pipeline", "candidate").version == mv.version
 
 
+def test_a_failed_export_leaves_the_last_export_in_place(project):
+    """DVC removes a stage's outputs before it runs it, unless they persist:
+    models/export does, and export swaps a new folder in whole, so an export
+    that stops (here: asked for a best checkpoint no run recorded) keeps the last one."""
+    import subprocess
+
+    root, env, _ = project
+    before = {p.name: p.read_bytes() for p in (root / "models" / "export").iterdir() if p.is_file()}
+    text = (root / "params.yaml").read_text()
+    params = yaml.safe_load(text)
+    params["export"]["checkpoint"] = "best"
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        r = subprocess.run([str(BIN / "dvc"), "repro", "export"], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=600)
+    finally:
+        (root / "params.yaml").write_text(text)
+    assert r.returncode != 0 and "best" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in (root / "models" / "export").iterdir() if p.is_file()} == before
+    assert "model.safetensors" in before
+
+
 def test_editing_pack_seq_len_reruns_pack_only(project):
     root, env, _ = project
     params = yaml.safe_load((root / "params.yaml").read_text())
