@@ -153,7 +153,9 @@ class ShardLog:
         """None when shard ``k`` is committed under this fingerprint (and keep its record), else why not."""
         rec_path, path = self.record_path(k), self.path(k)
         if not rec_path.is_file():
-            return "no commit record: the run writing it was interrupted"
+            # DVC caches a persisted output without the .dvcignore'd records, so a restored copy lacks them too
+            return ("no commit record (a run interrupted while writing it, or a copy of the output restored without "
+                    "its records, as `dvc exp run --temp` and `dvc checkout` make; it is written again)")
         try:
             rec = read_json(rec_path)
         except (OSError, ValueError):

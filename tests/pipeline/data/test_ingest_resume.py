@@ -164,7 +164,7 @@ def test_a_damaged_shard_and_an_uncommitted_one_are_redone_alone(reference, tmp_
     redone = sorted(name for name in before if after[name] != before[name])
     assert redone == ["shard-00001.json", "shard-00001.parquet", "shard-00003.json", "shard-00003.parquet"]
     assert "sha256 does not match its record: shard-00001.parquet, shard-00001.json" in caplog.text
-    assert "no commit record: the run writing it was interrupted: shard-00003.parquet" in caplog.text
+    assert "as `dvc exp run --temp` and `dvc checkout` make; it is written again): shard-00003.parquet" in caplog.text
 
 
 def test_workers_and_shards_give_the_bytes_of_one_process(reference, tmp_path):

@@ -56,6 +56,20 @@ def test_damaged_missing_and_uncommitted_shards_are_removed(tmp_path):
         assert why in text
 
 
+def test_shards_restored_without_records_are_not_blamed_on_an_interrupted_run(tmp_path, caplog):
+    """DVC caches a persisted output without its .dvcignore'd records, so `dvc exp
+    run --temp` and `dvc checkout` restore shards with no record beside them: the
+    warning names that cause too, not only an interrupted run."""
+    _three(tmp_path)
+    for k in range(3):  # what a copy restored from DVC's cache holds
+        (tmp_path / f"shard-{k:05d}.json").unlink()
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        assert ShardLog(tmp_path, "a", ext=".txt").open() == {}
+    assert f"{tmp_path}: removed 3 file(s), no commit record (a run interrupted while writing it, or a copy of the " \
+           "output restored without its records, as `dvc exp run --temp` and `dvc checkout` make; it is written " \
+           "again): shard-00000.txt, shard-00001.txt, shard-00002.txt" in caplog.text
+
+
 def test_unreadable_record_is_not_trusted(tmp_path):
     _three(tmp_path)
     (tmp_path / "shard-00000.json").write_text("{not json")
