@@ -563,6 +563,12 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     tok.train_from_iterator(texts, trainer, length=len(texts))
     train_seconds = time.perf_counter() - t_train
     del texts
+    if tok.get_vocab_size() < cfg.vocab_size:  # else only report.json would show it
+        log.warning("tokenizer.vocab_size is %d but the trained tokenizer has %d tokens: the BPE trainer ran out of "
+                    "pairs to merge in its sample (%s bytes; pairs seen fewer than tokenizer.min_frequency = %d "
+                    "times are not merged): give it more text (tokenizer.sample_bytes, or a larger corpus) or a "
+                    "smaller tokenizer.vocab_size", cfg.vocab_size, tok.get_vocab_size(), f"{sample_bytes:,}",
+                    cfg.min_frequency)
     special_ids(tok)
     tok.encode_special_tokens = True
 

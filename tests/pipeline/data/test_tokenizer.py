@@ -125,6 +125,23 @@ def test_metrics_report_and_output(trained, corpus):
     json.loads(out.read_text())
 
 
+def test_a_vocabulary_smaller_than_asked_is_a_warning_naming_both_sizes(corpus, tmp_path, caplog):
+    """The test corpus (22 words) runs out of pairs to merge near 357 tokens: asked
+    for 400, the tokenizer is smaller, and the log says so, not only report.json."""
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        m = train_tokenizer(SMALL, corpus, tmp_path / "t.json")
+    assert m["vocab_size"] < SMALL.vocab_size
+    assert f"tokenizer.vocab_size is 400 but the trained tokenizer has {m['vocab_size']} tokens: the BPE trainer " \
+           f"ran out of pairs to merge in its sample ({m['sample_bytes']:,} bytes; pairs seen fewer than " \
+           "tokenizer.min_frequency = 2 times are not merged): give it more text (tokenizer.sample_bytes, or a " \
+           "larger corpus) or a smaller tokenizer.vocab_size" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        m = train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), corpus,
+                            tmp_path / "t.json")
+    assert m["vocab_size"] == 300 and "tokenizer.vocab_size" not in caplog.text
+
+
 def test_sample_respects_bound_is_spread_and_disjoint(corpus):
     sample, heldout, stats = choose_sample(corpus, 10_000, 3_000, seed=0)
     sizes = np.array([len(t.encode()) for t in pq.read_table(corpus).column("text").to_pylist()])
@@ -419,7 +436,7 @@ def test_an_eot_token_while_training_is_warned_about_but_not_by_the_default_para
 
     default = load_params("tokenizer")
     assert default.source == "train" and "eot_token" in default.model_fields_set
-    small = {"vocab_size": 400, "sample_bytes": 20_000, "eval_bytes": 2_000}
+    small = {"vocab_size": 300, "sample_bytes": 20_000, "eval_bytes": 2_000}  # a size the corpus reaches
     with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
         build(default.model_copy(update=small), corpus, tmp_path / "a" / "tokenizer.json")
     assert caplog.text == ""
