@@ -112,6 +112,7 @@ DCP_METADATA = ".metadata"  # DCP's index of a sharded checkpoint's files
 SHARDED_FILES = (DCP_METADATA, "trainer.pt", "meta.json")  # plus one __<rank>_0.distcp per rank
 SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 PREVIOUS = "previous"  # <folder>/previous/<fingerprint>/step-N: checkpoints of earlier runs
+CURVE = "curve.csv"  # <folder>/curve.csv: the run's plots CSV rows, kept beside the checkpoints (a copy moves aside too)
 DAMAGED = "damaged"  # <folder>/damaged/step-N: this run's damaged checkpoints that it resumes before
 RUN_INFO = "run.json"  # <folder>/previous/<id>/run.json: why and when that run was moved aside
 BEST = "best.json"  # <folder>/best.json: {"step", "path", "val_loss", "fingerprint"} of the run's best checkpoint
@@ -766,6 +767,12 @@ class CheckpointManager:
         ``in_use``: a checkpoint this run starts from (``init_from``); the
         previous run that holds it is never deleted by ``keep_previous``.
 
+        A run with no checkpoint here whose identity equals a run kept under
+        ``previous/`` (params changed and then changed back) takes that run's
+        checkpoints back and goes on from them, with a warning, instead of
+        training again from nothing; not a branch, nor one that ran past
+        ``max_steps`` or holds ``in_use``.
+
         ``branch``: given the step and meta of this run's newest checkpoint, the step at
         or before which a checkpoint continues this run exactly, with the
         reason, or None when the newest does. When this run has an intact
@@ -796,6 +803,8 @@ class CheckpointManager:
         moved = [self._move_aside(fp, [c for c, _ in cps], reasons[fp]) for fp, cps in runs.items()]
         if branch is not None and mine and self.fingerprint not in runs:  # (moved aside whole when shortened)
             moved += self._branch_aside([c for c, _ in mine], branch(mine[-1][0].step, mine[-1][1]))
+        if not mine:
+            self._restore_previous(max_steps, in_use)
         best = self._best_record(warn=True)
         if best is not None and best.get("fingerprint") != self.fingerprint:
             (self.folder / BEST).unlink()  # its run was moved aside with its own copy, or has no checkpoint left
@@ -808,6 +817,34 @@ class CheckpointManager:
         self._set_aside_damaged()
         self._prune_previous(in_use)
         return moved
+
+    def _restore_previous(self, max_steps: int | None, in_use: Path | None) -> None:
+        """The newest run under previous/ with this run's fingerprint, moved back (see :meth:`prepare`)."""
+        used = Path(in_use).resolve() if in_use is not None else None
+        for run in self.previous_runs():
+            try:
+                info = json.loads((run / RUN_INFO).read_text())
+            except (OSError, ValueError):
+                continue
+            steps = [c.step for c in step_folders(run)]
+            if (not isinstance(info, dict) or info.get("fingerprint") != self.fingerprint or info.get("branch")
+                    or not steps or (max_steps is not None and steps[-1] > max_steps)
+                    or not (run / CURVE).is_file()  # moved aside without its curve: the plots would be another run's
+                    or (used is not None and used.is_relative_to(run.resolve()))):
+                continue
+            for c in step_folders(run):
+                os.replace(c.path, self.folder / c.path.name)
+            os.replace(run / CURVE, self.folder / CURVE)  # the folder's was the run just moved aside, which has a copy
+            if (run / BEST).is_file() and not (self.folder / BEST).exists():
+                os.replace(run / BEST, self.folder / BEST)
+            (run / RUN_INFO).unlink()
+            if not any(run.iterdir()):
+                run.rmdir()
+            fsync_path(self.folder)
+            log.warning("this run's identity equals that of the run kept in %s (moved aside because: %s): its "
+                        "checkpoints (steps %s) are moved back and the run goes on from step %d instead of training "
+                        "again", run, info.get("reason", "unknown"), ", ".join(map(str, steps)), steps[-1])
+            return
 
     def _branch_aside(self, mine: list[Checkpoint], branch: tuple[int, str] | None) -> list[MovedRun]:
         """This run's checkpoints after the newest intact one at or before
@@ -822,7 +859,7 @@ class CheckpointManager:
         name = f"{self.fingerprint}-after-step-{base.step}"
         return [self._move_aside(name, later, f"{why}; the run goes on exactly from its checkpoint at step "
                                  f"{base.step}, and these checkpoints are kept here as their own branch",
-                                 fingerprint=self.fingerprint)]
+                                 fingerprint=self.fingerprint, branch=True)]
 
     @staticmethod
     def _intact(c: Checkpoint) -> bool:
@@ -877,7 +914,7 @@ class CheckpointManager:
         return "changed: " + ", ".join(shown) + more
 
     def _move_aside(self, name: str, checkpoints: list[Checkpoint], reason: str,
-                    fingerprint: str | None = None) -> MovedRun:
+                    fingerprint: str | None = None, branch: bool = False) -> MovedRun:
         """Move ``checkpoints`` to ``previous/<name>`` (``name``: their run's
         fingerprint, unless given with ``fingerprint``) with a run.json."""
         fingerprint = name if fingerprint is None else fingerprint
@@ -890,6 +927,8 @@ class CheckpointManager:
         dest.mkdir(parents=True, exist_ok=True)
         for c in checkpoints:
             os.replace(c.path, dest / c.path.name)
+        if (self.folder / CURVE).is_file():  # the run's curve so far, for a run restored or continued from here
+            shutil.copyfile(self.folder / CURVE, dest / CURVE)
         best = self._best_record(warn=False)
         if (best is not None and best.get("fingerprint") == fingerprint  # a branch of this run: with its checkpoint
                 and (fingerprint != self.fingerprint or best.get("step") in {c.step for c in checkpoints})):
@@ -897,7 +936,7 @@ class CheckpointManager:
         steps = tuple(int(p.name[len("step-"):]) for p in sorted(dest.iterdir()) if STEP_RE.match(p.name))
         write_json(dest / RUN_INFO, {"fingerprint": fingerprint, "reason": reason, "moved_at": time.time(),
                                      "moved_at_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": list(steps),
-                                     "from": str(self.folder)})
+                                     "from": str(self.folder), **({"branch": True} if branch else {})})
         fsync_path(dest)
         fsync_path(root)
         log.warning("run %s moved aside to %s (%d checkpoint(s), steps %s): %s. Start a new run from it with "

@@ -78,7 +78,7 @@ from pipeline.training.sampler import GlobalOrder, check_global_batch, eval_rows
 from pipeline.training.torchrun import hold_shared
 
 log = logging.getLogger("pipeline.training")
-CURVE = "curve.csv"  # <out_dir>/curve.csv: the plots CSV's rows, kept beside the checkpoints for resume
+CURVE = ckpt.CURVE  # <out_dir>/curve.csv: the plots CSV's rows, kept beside the checkpoints for resume
 
 
 class NonFiniteError(StageError):

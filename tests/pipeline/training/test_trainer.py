@@ -332,6 +332,24 @@ def test_changed_lr_moves_the_old_run_to_previous_and_keep_previous_prunes(tmp_p
     assert f"deleting the earlier run {aside}" in caplog.text
 
 
+def test_params_changed_back_take_the_earlier_run_back_from_previous_instead_of_training_again(tmp_path, caplog,
+                                                                                                monkeypatch):
+    first = run(tmp_path, max_steps=8)
+    curve = read_csv(tmp_path / "plots.csv")
+    run(tmp_path, max_steps=8, lr=5e-3)
+    steps = count_steps(monkeypatch)
+    with caplog.at_level("WARNING"):
+        m = run(tmp_path, max_steps=8)  # lr back to the first run's
+    assert steps == [] and m["resumed_from_step"] == 8 and (m["moved_aside"], m["previous_runs"]) == (1, 1)
+    assert m["val_loss"] == first["val_loss"] and read_csv(tmp_path / "plots.csv") == curve  # its own curve, not lr 5e-3's
+    [aside] = (tmp_path / "models" / "previous").iterdir()
+    assert ckpt.resolve(aside).meta["identity"]["optimizer"]["lr"] == 5e-3 and (aside / "curve.csv").is_file()
+    assert "its checkpoints (steps 4, 8) are moved back and the run goes on from step 8" in caplog.text
+    # raised max_steps: the restored run goes on, as it would have without the detour
+    m = run(tmp_path, max_steps=10, lr=5e-3)
+    assert m["resumed_from_step"] == 8 and m["steps"] == 10
+
+
 def test_lowering_max_steps_below_the_newest_checkpoint_starts_a_fresh_run(tmp_path, caplog):
     run(tmp_path, max_steps=12)
     with caplog.at_level("WARNING"):
