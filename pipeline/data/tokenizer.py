@@ -741,7 +741,9 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     model's own). Returns metrics like :func:`train_tokenizer`."""
     t0 = time.perf_counter()
     folder, out_path = Path(cfg.source).expanduser(), Path(out_path)
-    ignored = sorted(set(TRAINING_KEYS) & cfg.model_fields_set)
+    # params.yaml ships every training key at its default: only one changed from it is worth a warning
+    fields = type(cfg).model_fields
+    ignored = sorted(k for k in TRAINING_KEYS if getattr(cfg, k) != fields[k].get_default(call_default_factory=True))
     if ignored:
         log.warning("tokenizer.source is a Hugging Face folder: ignoring the training key(s) %s",
                     ", ".join(f"tokenizer.{k}" for k in ignored))

@@ -19,6 +19,7 @@ from pipeline.data.tokenizer import (
     PAD,
     ROUNDTRIP_PROBES,
     SPECIAL_TOKENS,
+    TRAINING_KEYS,
     TokenizerConfig,
     TokenizerError,
     build,
@@ -384,11 +385,28 @@ def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(famil
     assert specials.eot_id not in tok.encode(f"a {eot} b", add_special_tokens=False).ids
 
 
+def test_adopting_is_quiet_about_training_keys_left_at_their_defaults(family_folders, corpus, tmp_path, caplog):
+    """params.yaml ships every training key at its default value: adopting with them
+    says nothing of them, and names only the one changed from its default."""
+    from pipeline.config import load_params
+
+    shipped = load_params("tokenizer")
+    assert set(TRAINING_KEYS) <= shipped.model_fields_set
+    source = {"source": str(family_folders["qwen2"])}
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        build(shipped.model_copy(update=source), corpus, tmp_path / "a" / "tokenizer.json")
+    assert "training key" not in caplog.text
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        build(shipped.model_copy(update={**source, "vocab_size": 1000}), corpus, tmp_path / "b" / "tokenizer.json")
+    assert "tokenizer.source is a Hugging Face folder: ignoring the training key(s) tokenizer.vocab_size\n" \
+        in caplog.text
+
+
 def test_adopting_warns_about_ignored_training_keys_and_takes_an_eot_override(family_folders, corpus, tmp_path,
                                                                                caplog):
     with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
         adopt(family_folders["qwen2"], tmp_path, corpus, vocab_size=1000, seed=3, eot_token="<|im_end|>")
-    assert "ignoring the training key(s) tokenizer.seed, tokenizer.vocab_size" in caplog.text
+    assert "ignoring the training key(s) tokenizer.seed, tokenizer.vocab_size\n" in caplog.text
     tok = load_tokenizer(tmp_path / "tokenizer.json")
     assert load_specials(tmp_path).eot_id == tok.token_to_id("<|im_end|>")
     with pytest.raises(TokenizerError, match=r"tokenizer\.eot_token\) '<\|nope\|>' is not in the tokenizer"):
