@@ -26,7 +26,8 @@ from pipeline.errors import StageError
 from pipeline.model import attention
 from pipeline.model.transformer import Transformer
 from pipeline.training.config import ComputeSection
-from pipeline.training.distributed import Dist
+from pipeline.training.distributed import Dist, pick_device
+from pipeline.training.precision import resolve_precision
 
 
 class ParallelismError(StageError):
@@ -61,10 +62,25 @@ def parallelize(model: Transformer, cfg: ComputeSection, d: Dist, precision: str
 
 
 def check_fsdp(d: Dist, precision: str) -> None:
-    """Raise ParallelismError (one line) when FSDP cannot run here."""
+    """Raise ParallelismError (one line) when FSDP cannot run here: in every
+    rank, a backstop to :func:`check_parallelism` in the launcher."""
     if not d.enabled:
         raise ParallelismError("compute.parallelism fsdp needs a process group (torchrun, or "
                                "distributed.init(need_group=True) in one process)")
+    _check_fsdp_precision(precision)
+
+
+def check_parallelism(cfg: ComputeSection) -> None:
+    """Launcher side, before any rank starts: with ``parallelism: fsdp``, the
+    precision the device this machine gives a rank resolves to (``auto`` is fp16
+    on a GPU without bf16), as every rank's :func:`check_fsdp` resolves it again.
+    Raises ParallelismError, or DeviceError for a device this machine lacks
+    (one line each)."""
+    if cfg.parallelism == "fsdp":
+        _check_fsdp_precision(resolve_precision(cfg.precision, pick_device(cfg.device)))
+
+
+def _check_fsdp_precision(precision: str) -> None:
     if precision == "fp16":
         raise ParallelismError("compute.parallelism fsdp trains in bf16 or fp32, not fp16 (its gradient scaler "
                                "does not apply to sharded gradients); set compute.precision to bf16 or fp32")

@@ -31,6 +31,7 @@ from pipeline.model.transformer import PRESETS, ModelConfig, build_config
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import Section, TrainConfig
 from pipeline.training.init import InitError, InitSource, check_tokenizer, resolve_init
+from pipeline.training.parallelize import check_parallelism
 from pipeline.training.trainer import Trainer, check_batch, check_compute, check_resume
 
 log = logging.getLogger("pipeline.training")
@@ -153,6 +154,7 @@ def prepare_pretrain(cfg: PretrainConfig, packed_dir: Path, out_dir: Path) -> No
     kwargs.pop("init_weights", None)  # the launcher only decides whether to resume
     check_batch(cfg, Path(packed_dir) / "train")
     check_compute(cfg)
+    check_parallelism(cfg.compute)
     check_resume(cfg, model_cfg, out_dir, data_id=data_id, **kwargs)
 
 

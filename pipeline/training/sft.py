@@ -32,6 +32,7 @@ from pipeline.training.config import (
     ScheduleSection,
     TrainConfig,
 )
+from pipeline.training.parallelize import check_parallelism
 from pipeline.training.pretrain import write_report
 from pipeline.training.trainer import Trainer, check_batch, check_compute, check_resume
 
@@ -123,6 +124,7 @@ def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine
     and check that the run can start or resume."""
     pretrained(pretrain_dir)
     check_compute(cfg)
+    check_parallelism(cfg.compute)
     metrics = build_once(cfg.data, tokenizer_path, data_dir, quarantine_path)  # once for the nodes sharing it
     write_json(Path(data_dir) / DATA_REPORT, metrics)
     init, model_cfg, data_id, _ = plan(cfg, data_dir, pretrain_dir)

@@ -244,6 +244,16 @@ def test_a_checkpoint_folder_on_a_read_only_disk_is_one_line_before_any_rank_sta
         f"error: stage pretrain failed: read-only file system: models/pretrain/{lock_name()} (EROFS)"]
 
 
+def test_fsdp_in_fp16_is_one_line_from_the_launcher_before_any_rank_starts(tmp_path):
+    p = project(tmp_path, precision="fp16", parallelism="fsdp")
+    r = stage(p, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        "error: stage pretrain failed: compute.parallelism fsdp trains in bf16 or fp32, not fp16 (its gradient "
+        "scaler does not apply to sharded gradients); set compute.precision to bf16 or fp32"]
+    assert not list((p / "models" / "pretrain").glob("step-*"))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "oom"])
 def test_a_stop_or_a_killed_rank_stops_every_rank_in_one_line_that_names_the_checkpoint_to_resume_from(tmp_path, sig):
     """Ctrl-C reaches the launcher's whole process group, as a terminal sends it

@@ -11,7 +11,14 @@ from pipeline.model.transformer import Transformer, build_config
 from pipeline.training import distributed
 from pipeline.training.config import ComputeSection
 from pipeline.training.distributed import Dist
-from pipeline.training.parallelize import ParallelismError, check_fsdp, is_sharded, mixed_precision, parallelize
+from pipeline.training.parallelize import (
+    ParallelismError,
+    check_fsdp,
+    check_parallelism,
+    is_sharded,
+    mixed_precision,
+    parallelize,
+)
 
 CUDA = Dist(0, 0, 8, torch.device("cuda", 0), "nccl")
 CPU = Dist(0, 0, 2, torch.device("cpu"), "gloo")
@@ -31,6 +38,21 @@ def test_fsdp_needs_a_process_group_and_refuses_fp16():
     with pytest.raises(ParallelismError, match="not fp16"):
         check_fsdp(CPU, "fp16")
     check_fsdp(CPU, "bf16")
+
+
+def test_the_launcher_refuses_fsdp_in_the_fp16_a_rank_would_resolve(monkeypatch):
+    """Before torchrun starts, with the precision resolved for this machine's
+    device: ``auto`` is fp16 on a GPU without bf16."""
+    with pytest.raises(ParallelismError, match="not fp16") as err:
+        check_parallelism(ComputeSection(parallelism="fsdp", precision="fp16", device="cpu"))
+    assert "\n" not in str(err.value)
+    check_parallelism(ComputeSection(parallelism="ddp", precision="fp16", device="cpu"))  # ddp scales fp16
+    check_parallelism(ComputeSection(parallelism="fsdp", precision="fp32", device="cpu"))
+    check_parallelism(ComputeSection(parallelism="fsdp", precision="auto", device="cpu"))  # bf16 or fp32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr("pipeline.training.parallelize.pick_device", lambda requested: torch.device("cuda", 0))
+    with pytest.raises(ParallelismError, match="not fp16"):
+        check_parallelism(ComputeSection(parallelism="fsdp", precision="auto"))
 
 
 def test_each_block_then_the_root_is_sharded_under_the_same_names():

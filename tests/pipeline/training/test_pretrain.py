@@ -171,6 +171,17 @@ def test_the_launcher_refuses_a_device_or_attention_this_machine_cannot_train_wi
     assert not (tmp_path / "models").exists()
 
 
+def test_the_launcher_refuses_fsdp_in_fp16_before_any_rank_starts(hf, tmp_path):
+    """Every rank would refuse it too, but only after torchrun's start-up, in a rank's line."""
+    _, packed = hf
+    c = cfg(model={"preset": "tiny"}, precision="fp16", parallelism="fsdp")
+    with pytest.raises(StageError, match=r"^compute.parallelism fsdp trains in bf16 or fp32, not fp16") as err:
+        prepare_pretrain(c, packed, tmp_path / "models")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "models").exists()
+    prepare_pretrain(cfg(model={"preset": "tiny"}, precision="fp16"), packed, tmp_path / "models")  # ddp: fine
+
+
 def test_data_made_with_another_tokenizer_is_refused_before_training(hf, tmp_path):
     folder, _ = hf
     write_packed(tmp_path / "packed", vocab=64, n_docs=40)  # our own (synthetic) tokenizer

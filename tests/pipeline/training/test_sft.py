@@ -119,6 +119,13 @@ def test_the_launcher_refuses_an_attention_this_machine_cannot_train_with(tmp_pa
     assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()  # refused before building data
 
 
+def test_the_launcher_refuses_fsdp_in_fp16_before_building_the_data(tmp_path, pretrained):
+    with pytest.raises(StageError, match="compute.parallelism fsdp trains in bf16 or fp32, not fp16"):
+        prepare_sft(sft_cfg(precision="fp16", parallelism="fsdp"), tmp_path / "tokenizer.json", tmp_path / "sft",
+                    tmp_path / "q.jsonl", pretrained, tmp_path / "models")
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
+
+
 def test_sft_params_validate_data_and_training_keys():
     cfg = sft_cfg(data={"overlong": "truncate", "sources": [{"path": "x.jsonl", "format": "alpaca"}]})
     assert cfg.data.overlong == "truncate" and cfg.data.sources[0].format == "alpaca" and cfg.optimizer.lr == 1e-3
