@@ -98,15 +98,23 @@ def pretrained(pretrain_dir: Path) -> ckpt.Checkpoint:
     return last
 
 
-def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
-         ) -> tuple[ckpt.Checkpoint, ModelConfig, str, dict[str, Any]]:
-    """The starting checkpoint, its model, the data identity and the checkpoint metadata."""
+def starting_model(cfg: SFTConfig, pretrain_dir: Path) -> tuple[ckpt.Checkpoint, ModelConfig]:
+    """pretrain's final checkpoint (:func:`pretrained`) and its model, from the
+    checkpoint's metadata, so before any SFT data is built; a one-line SFTError
+    when ``sft.data.seq_len`` exceeds the model's ``max_seq_len``."""
     init = pretrained(pretrain_dir)
     model_cfg = ckpt.model_config(init)
-    manifest = shards.read_manifest(data_dir)
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise SFTError(f"sft.data.seq_len {cfg.data.seq_len} exceeds the pretrained model's max_seq_len "
                        f"{model_cfg.max_seq_len}; lower it")
+    return init, model_cfg
+
+
+def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
+         ) -> tuple[ckpt.Checkpoint, ModelConfig, str, dict[str, Any]]:
+    """The starting checkpoint, its model, the data identity and the checkpoint metadata."""
+    init, model_cfg = starting_model(cfg, pretrain_dir)
+    manifest = shards.read_manifest(data_dir)
     if init.meta.get("tokenizer_sha256") not in (None, manifest["tokenizer_sha256"]):
         raise SFTError("the SFT data was tokenized with a different tokenizer than the pretrained model's; "
                        "rerun `dvc repro sft` after `dvc repro tokenizer pretrain`")
@@ -120,9 +128,10 @@ def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
 
 def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine_path: Path,
                 pretrain_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """Once, in the launcher: check that pretrain finished, build the SFT shards,
-    and check that the run can start or resume."""
-    pretrained(pretrain_dir)
+    """Once, in the launcher: check that pretrain finished and that its model takes
+    ``sft.data.seq_len``, build the SFT shards, and check that the run can start
+    or resume."""
+    starting_model(cfg, pretrain_dir)
     check_compute(cfg)
     check_parallelism(cfg.compute)
     metrics = build_once(cfg.data, tokenizer_path, data_dir, quarantine_path)  # once for the nodes sharing it

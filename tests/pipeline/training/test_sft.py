@@ -86,6 +86,20 @@ def test_sft_seq_len_beyond_model_is_refused(tmp_path, pretrained):
         run_sft(sft_cfg(seq_len=4096), sft_data(tmp_path / "sft"), pretrained, tmp_path / "m", tmp_path / "s.csv")
 
 
+def test_the_launcher_refuses_a_seq_len_beyond_the_model_before_building_the_data(tmp_path, pretrained):
+    """The model is known from the checkpoint's metadata: building the data first
+    would cost its whole build time (minutes on real data) for nothing."""
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(tiny_tokenizer().to_str())
+    max_seq_len = ckpt.model_config(ckpt.latest(pretrained)).max_seq_len
+    cfg = sft_cfg(data={"seq_len": max_seq_len + 1, "overlong": "truncate", "max_examples": 50})
+    with pytest.raises(SFTError) as err:
+        prepare_sft(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl", pretrained, tmp_path / "models")
+    assert str(err.value) == (f"sft.data.seq_len {max_seq_len + 1} exceeds the pretrained model's max_seq_len "
+                              f"{max_seq_len}; lower it")
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
+
+
 def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path):
     """prepare_sft builds the SFT shards, then refuses a global batch their train
     split cannot fill, before torchrun starts (every rank would refuse it later)."""
