@@ -223,6 +223,11 @@ class Trainer:
             self.close()
             raise
         attention.resolve(cfg.compute.attention, d.device, self.precision)  # a backend that cannot run fails here, early
+        planned = cfg.launch.nproc_per_node * cfg.launch.nnodes
+        if d.world_size != planned and d.is_main:  # torchrun run by hand with other counts
+            log.warning("%d rank(s) run, but launch.nproc_per_node x launch.nnodes is %d: the global batch (part of "
+                        "the run identity) follows the ranks that run, so a run of the other size is not resumed",
+                        d.world_size, planned)
         if self.precision == "fp16" and d.device.type == "cpu":
             log.warning("fp16 autocast on CPU is slow and rarely useful; consider bf16")
 

@@ -656,3 +656,15 @@ def test_a_run_resumes_in_fp16_from_a_checkpoint_trained_in_another_precision(tm
     assert m["resumed_from_step"] == 4 and math.isfinite(m["final_loss"])
     assert "the loss scale starts afresh" in caplog.text
 
+
+
+def test_ranks_other_than_the_launch_params_say_are_warned_about(tmp_path, caplog):
+    """torchrun run by hand with another --nproc_per_node than launch.nproc_per_node:
+    the run goes on with the ranks that run, and says what that changes."""
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        run(tmp_path, max_steps=4, nproc_per_node=2)
+    assert "1 rank(s) run, but launch.nproc_per_node x launch.nnodes is 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        run(tmp_path, max_steps=4)
+    assert "rank(s) run, but" not in caplog.text
