@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import os
 import resource
 import time
@@ -24,6 +25,8 @@ from pipeline.progress import progress
 from pipeline.training import distributed
 from pipeline.training.config import LoggingSection
 from pipeline.training.distributed import Dist
+
+log = logging.getLogger("pipeline.training")
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -58,6 +61,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _whole(row: dict[str, Any]) -> bool:
+    """A curve row as CsvLog writes it: a step, a loss, every cell a number or empty."""
+    if not (row.get("step") or "").isdigit() or not row.get("loss") or None in row or None in row.values():
+        return False
+    try:
+        [float(v) for k, v in row.items() if k != "step" and v != ""]
+    except ValueError:
+        return False
+    return True
+
+
 class CsvLog:
     """``plots/<stage>.csv``, appended and flushed per row, and the same rows in
     ``history`` beside the checkpoints.
@@ -74,7 +88,12 @@ class CsvLog:
         source = history if history.exists() else path
         if resume_step > 0 and source.exists():
             with open(source, newline="") as f:
-                kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
+                rows = [r for r in csv.DictReader(f) if not (r.get("step") or "").isdigit() or int(r["step"]) <= resume_step]
+            kept = [r for r in rows if _whole(r)]
+            if len(kept) < len(rows):
+                bad = [r.get("step") or "?" for r in rows if not _whole(r)]
+                log.warning("%s: %d damaged row(s) left out of the curve (steps %s): a row needs a step, a loss and "
+                            "numbers in every column", source, len(bad), ", ".join(bad[:10]))
         self.last_loss = float(kept[-1]["loss"]) if kept and kept[-1].get("loss") else None
         timed = [r for r in kept if r.get("tokens_per_s") and r.get("mfu")]
         # the run's last measured speed, for a rerun that has nothing left to train

@@ -51,3 +51,19 @@ def test_the_curve_beside_the_checkpoints_is_a_new_file_never_one_dvc_linked_fro
     assert not history.is_symlink() and history.stat().st_nlink == 1
     assert [line.split(",")[:2] for line in history.read_text().splitlines()] == [
         ["step", "loss"], ["1", "5.0"], ["2", "4.0"], ["3", "2.5"]]
+
+
+def test_damaged_rows_of_the_curve_are_left_out_with_a_warning(tmp_path, caplog):
+    """A curve.csv cut mid-row or edited by hand: a resumed run's plots get its
+    whole rows only, and the log names the steps left out."""
+    from pipeline.training.metrics import CsvLog
+
+    history = tmp_path / "models" / "curve.csv"
+    history.parent.mkdir()
+    history.write_text("step,loss,lr\n1,5.0,0.1\n2,4.0,0.1\n3,3.5\n4,oops,0.1\n5,3.0,0.1\n")
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        log = CsvLog(tmp_path / "plots.csv", resume_step=5, history=history)
+    log.close()
+    assert [line.split(",")[:2] for line in (tmp_path / "plots.csv").read_text().splitlines()] == [
+        ["step", "loss"], ["1", "5.0"], ["2", "4.0"], ["5", "3.0"]]
+    assert "2 damaged row(s) left out of the curve (steps 3, 4)" in caplog.text
