@@ -1106,15 +1106,30 @@ COMPLETE = "complete.json"  # out_dir/complete.json: the fingerprint and metrics
 RUN_FIGURES = ("tokens_per_s", "mb_per_s", "workers", "pack_seconds", "shards_resumed")  # a run's, not its output's
 
 
+# Params that only cut each split's token stream into rows and shards: the streams are the same under any value.
+CUTS_ONLY = frozenset({"seq_len", "shard_tokens"})
+
+
 def pack_fingerprint(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> str:
     """What the packed output depends on (:func:`pipeline.data.resume.fingerprint`):
     the params but the executor's, the documents (a docs folder's manifest, or
     the file), the tokenizer and its roles, and the code of pack, mixture, shares, shards,
     and of the readers of the documents and the tokenizer (docs, tokenizer)."""
+    return _fingerprint("pack", cfg, docs_path, tokenizer_path, exclude=frozenset())
+
+
+def streams_key(cfg: PackConfig, docs_path: Path, tokenizer_path: Path) -> str:
+    """As :func:`pack_fingerprint` less the params in :data:`CUTS_ONLY`: equal for
+    two outputs whose splits hold the same token streams, so the same tokens."""
+    return _fingerprint("pack-streams", cfg, docs_path, tokenizer_path, exclude=CUTS_ONLY)
+
+
+def _fingerprint(stage: str, cfg: PackConfig, docs_path: Path, tokenizer_path: Path, exclude: frozenset[str]
+                 ) -> str:
     specials = tokenizer_dir(tokenizer_path) / SPECIALS_FILE
     inputs = {"docs": resume.input_digest(docs_path), "tokenizer": sha256_file(tokenizer_path),
               "specials": sha256_file(specials) if specials.is_file() else ""}
-    return resume.fingerprint("pack", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
+    return resume.fingerprint(stage, params=cfg.model_dump(mode="json", exclude={"executor", "num_workers", *exclude}),
                               inputs=inputs, code=resume.code_digest(sys.modules[__name__], mixture_module,
                                                                      shares_module, shards_module, docs_module,
                                                                      tokenizer_module))
@@ -1244,6 +1259,27 @@ def finished(out_dir: Path, fp: str) -> dict[str, Any] | None:
     return done["metrics"] if isinstance(done.get("metrics"), dict) else None
 
 
+def too_short(out_dir: Path, streams: str, row_len: int) -> PackError | None:
+    """Before anything in ``out_dir`` is touched: the error this run would end
+    with, when the finished output there (its manifest as its run wrote it) holds
+    the same token streams (:func:`streams_key`) and a split of them has fewer
+    than ``row_len`` tokens. Else None: only tokenizing can tell."""
+    try:
+        done = read_json(out_dir / COMPLETE)
+        if done.get("streams") != streams or sha256_file(out_dir / MANIFEST) != done.get("manifest_sha256"):
+            return None
+        splits = read_json(out_dir / MANIFEST)["splits"]
+        short = [(s, int(splits[s]["tokens"]), int(splits[s]["docs"])) for s in SPLITS
+                 if int(splits[s]["tokens"]) < row_len]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return next((PackError(f"the {s} split has {tokens} tokens from {docs} document(s), fewer than one row of "
+                           f"{row_len}; lower pack.seq_len, raise pack.val_fraction, or add data (the count of the "
+                           f"output in {out_dir}, packed from the same documents, tokenizer and split, which is "
+                           "left as it was)")
+                 for s, tokens, docs in short), None)
+
+
 def shard_entry(split: str, k: int, record: dict[str, Any]) -> dict[str, Any]:
     """A committed shard's entry in the manifest, from its record."""
     return {"path": f"{split}/shard-{k:05d}.arrow", "rows": record["rows"], "sha256": record["sha256"]}
@@ -1259,7 +1295,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     manifest is the report: per split docs, empty_docs, joined, tokens,
     dropped_tail_tokens and the shards. Raises PackError on missing input or
     tokenizer, an empty or single-document corpus, or a split too small to fill
-    one row (and then removes the shards written).
+    one row (and then removes the shards written; but when the finished output
+    in ``out_dir`` holds the same token streams, :func:`too_short` tells before
+    anything is read or removed).
 
     *Resume.* Each shard is committed with a record ``shard-NNNNN.json`` beside
     it (:class:`pipeline.data.resume.ShardLog`: the run's fingerprint,
@@ -1286,7 +1324,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     the end, takes a checkpoint (round and batch) after each batch that wrote a
     shard, so the realisation resumes too. The pieces go when the manifest is
     written. Last, the run writes ``complete.json``: its fingerprint, the
-    manifest's sha256 and its metrics. A rerun of the same fingerprint on a
+    manifest's sha256, its :func:`streams_key` and its metrics. A rerun of the same fingerprint on a
     finished output (``dvc repro --force``, or a kill after the manifest was
     written) checks the manifest and every shard it lists against their sha256
     (:func:`finished`) and, if all match, keeps everything and returns those
@@ -1316,6 +1354,10 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         seconds = time.perf_counter() - t0  # the rates count the kept output, as after any resume
         return {**done, "shards_resumed": done["shards"], "tokens_per_s": round(done["tokens"] / seconds),
                 "mb_per_s": round(done["bytes"] / seconds / 1e6, 3), "workers": 0, "pack_seconds": round(seconds, 3)}
+    streams = streams_key(cfg, docs_path, tokenizer_path)
+    short = too_short(out_dir, streams, row_len)
+    if short is not None:  # as the end of this run would say, after removing that output and tokenizing
+        raise short
     resuming = Checkpoints.exist(out_dir, checkpoints.fp)
     state: dict[str, Any] = {"row": 0, "docs": 0, "text_bytes": 0, "resumed": 0}
 
@@ -1434,6 +1476,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         "pack_seconds": round(seconds, 3),
     }
     write_json(out_dir / COMPLETE, {"fingerprint": checkpoints.fp, "manifest_sha256": sha256_file(out_dir / MANIFEST),
+                                    "streams": streams,
                                     "metrics": {k: v for k, v in metrics.items() if k not in RUN_FIGURES}})
     return metrics
 

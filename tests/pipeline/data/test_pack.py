@@ -292,6 +292,33 @@ def test_errors(docs, tmp_path):
     assert not list(out.rglob("*.arrow")) and not (out / MANIFEST).exists()
 
 
+def test_a_seq_len_the_kept_output_shows_too_long_is_refused_before_anything_is_read_or_removed(docs, tmp_path,
+                                                                                                 monkeypatch):
+    """Only seq_len changed: the finished output's manifest already counts each
+    split's tokens, so the run need not remove it and tokenize to find out."""
+    path, tok, _ = docs
+    out = tmp_path / "packed"
+    run_pack(PackConfig(seq_len=16, num_workers=1), path, tok, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    val = read_json(out / MANIFEST)["splits"]["val"]
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(pack, "_encoded", no_tokenizing)
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=val["tokens"], shard_tokens=1 << 20, num_workers=1), path, tok, out)
+    assert str(err.value) == (
+        f"the val split has {val['tokens']} tokens from {val['docs']} document(s), fewer than one row of "
+        f"{val['tokens'] + 1}; lower pack.seq_len, raise pack.val_fraction, or add data (the count of the output "
+        f"in {out}, packed from the same documents, tokenizer and split, which is left as it was)")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    monkeypatch.undo()
+    # one token fewer fills the row: the check refuses nothing the run would have packed
+    m = run_pack(PackConfig(seq_len=val["tokens"] - 1, num_workers=1), path, tok, out)
+    assert m["val_rows"] == 1
+
+
 def test_rerun_removes_stale_shards(docs, tmp_path):
     path, tok, _ = docs
     stale = tmp_path / "train" / "shard-00099.arrow"
