@@ -558,15 +558,19 @@ def check_template(tok: Tokenizer, template: ChatTemplate) -> tuple[int, ...]:
         return (template.specials[IM_END],)
     ends: dict[int, None] = {}
     for n, probe in enumerate(PROBES):
+        where = (f"the built-in probe conversation {n} ({', '.join(m['role'] for m in probe)}), tried before any "
+                 "of your data")
         try:
             encode_conversation(tok, probe, template)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{e}; found on {where}") from None
         except TemplateSkip as e:
             if e.reason == "template_error" and probe[0]["role"] == "system":
                 continue
             if e.reason == "no_roundtrip":
                 raise ChatTemplateError(f"the tokenizer does not give back the text of chat template {template.name} "
-                                        f"(probe conversation {n}: {e.detail}); SFT needs an exact round trip") from e
-            raise _fail(template, f"probe conversation {n}: {e}") from e
+                                        f"(on {where}: {e.detail}); SFT needs an exact round trip") from e
+            raise _fail(template, f"on {where}: {e}") from e
         layout = _layout(template, tuple(m["role"] for m in probe), add_generation_prompt=False, spans=True)
         ends.update(dict.fromkeys(template.specials[t] for t in layout.end_tokens))
     return tuple(ends)
