@@ -190,9 +190,11 @@ class IngestConfig(ParallelStageConfig):
         description="list of {path, name, format, text_field, split_by, split, hf, exclude, chunk_bytes}; "
                     "see 'ingest sources' above",
     )
-    max_bytes: int | None = Field(8_000_000, ge=1, description="stop after this many UTF-8 bytes of documents, "
-                                  "sources read in their order (files left unread are counted, a source never "
-                                  "reached is a warning); null = no cap")
+    max_bytes: int | None = Field(8_000_000, ge=1, description="reading stops after the document that brings the "
+                                  "UTF-8 bytes read to this or past it: documents are kept whole, so the last one (a "
+                                  "whole file with split_by: file) can take the total past the cap by up to its own "
+                                  "size (at most max_doc_bytes). Sources are read in their order (files left unread "
+                                  "are counted, a source never reached is a warning); null = no cap")
     max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large "
                                "(split_by: chunk never skips a file for its size, only a longer line)")
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")

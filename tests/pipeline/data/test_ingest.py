@@ -371,6 +371,19 @@ def test_max_bytes_cap_stops_reading(tmp_path):
     assert report(tmp_path)["docs_per_source"] == {str(tmp_path / "*.txt"): 3}
 
 
+def test_max_bytes_keeps_the_document_that_reaches_it_whole_as_its_description_says(tmp_path):
+    """Not a hard cap: a large file read past the cap is read whole, and the
+    params reference says so (it said "stop after this many bytes")."""
+    for name, size in (("a", 100), ("b", 1000), ("c", 100)):
+        (tmp_path / f"{name}.txt").write_text(name * size)
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_bytes=200)
+    assert metrics["bytes"] == 1100 and [len(d["text"]) for d in docs] == [100, 1000] and metrics["unread_files"] == 1
+    assert IngestConfig.model_fields["max_bytes"].description.startswith(
+        "reading stops after the document that brings the UTF-8 bytes read to this or past it: documents are kept "
+        "whole, so the last one (a whole file with split_by: file) can take the total past the cap by up to its own "
+        "size")
+
+
 def test_files_the_cap_leaves_unread_are_counted_by_source_and_a_source_never_reached_is_a_warning(tmp_path, caplog):
     for folder, n in (("a", 10), ("b", 3)):
         (tmp_path / folder).mkdir()
