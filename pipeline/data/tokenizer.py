@@ -110,12 +110,13 @@ ROUNDTRIP_PROBES: tuple[str, ...] = (
 
 
 SOURCE_TRAIN = "train"
-TRAINING_KEYS = ("vocab_size", "min_frequency", "sample_bytes", "sample_weights", "eval_bytes", "seed")
+# keys only training reads; eval_bytes and seed also choose the held-out documents an adopted tokenizer is measured on
+TRAINING_KEYS = ("vocab_size", "min_frequency", "sample_bytes", "sample_weights")
 
 
 class TokenizerConfig(StageConfig):
     source: str = Field(SOURCE_TRAIN, description="train (a byte-level BPE on the clean docs) or the path of a "
-                        "local Hugging Face model folder whose tokenizer is adopted (then the training keys are ignored)")
+                        "local Hugging Face model folder whose tokenizer is adopted (then vocab_size, min_frequency, sample_bytes and sample_weights are ignored)")
     eot_token: str | None = Field(None, description="adopted tokenizers: the token pack puts between documents "
                                   "(null: the tokenizer's own end-of-text token, detected)")
     vocab_size: int = Field(8192, ge=BYTE_ALPHABET + len(SPECIAL_TOKENS), le=262_144,

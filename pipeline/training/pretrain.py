@@ -120,7 +120,8 @@ def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = F
         if manifest["seq_len"] > model_cfg.max_seq_len:
             raise InitError(f"pack.seq_len {manifest['seq_len']} exceeds the max_seq_len {model_cfg.max_seq_len} "
                             f"of {init.path}; lower pack.seq_len")
-        ignored = sorted(cfg.model.model_fields_set)
+        fields = type(cfg.model).model_fields  # keys left at their defaults (params.yaml ships preset: mini) say nothing
+        ignored = sorted(k for k in cfg.model.model_fields_set if getattr(cfg.model, k) != fields[k].get_default())
         if warn and ignored:
             log.warning("init_from is set: the architecture comes from %s, so pretrain.model key(s) %s are ignored",
                         init.path, ", ".join(ignored))

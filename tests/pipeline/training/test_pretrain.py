@@ -86,6 +86,7 @@ def test_the_architecture_comes_from_the_initial_model_and_model_keys_are_ignore
     caplog.clear()
     with caplog.at_level("WARNING", logger="pipeline.training"):
         plan(cfg(init_from=str(folder)), packed, tmp_path / "models", warn=True)  # no model keys: nothing to say
+        plan(cfg(init_from=str(folder), model={"preset": "mini"}), packed, tmp_path / "models", warn=True)  # default
         plan(c, packed, tmp_path / "models")  # every rank plans too: only the launcher (warn=True) says it
     assert "are ignored" not in caplog.text
 
