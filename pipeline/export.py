@@ -41,8 +41,9 @@ Choices
     * Tied embeddings: ``lm_head.weight`` is not stored and
       ``tie_word_embeddings: true`` makes transformers re-tie it, which it does
       without a missing-key warning. Untied models store ``lm_head.weight``.
-    * dtype: float32, as trained (master weights); cast on load if wanted
-      (``torch_dtype=torch.bfloat16``).
+    * dtype (``export.dtype``): ``auto`` is the dtype of the Hugging Face model
+      the run started from (a bf16 base ships bf16, at half the size), and
+      float32, as trained (master weights), for a model of ours.
     * The Hugging Face tokenizer turns special-token strings inside text into
       special ids (its chat template relies on it); ours does not. On text
       without such strings both give identical ids.
@@ -63,6 +64,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+import torch
 import yaml
 from pydantic import Field
 from safetensors.torch import save_file
@@ -80,7 +82,19 @@ from pipeline.training import checkpoint as ckpt
 
 log = logging.getLogger("pipeline.export")
 
-DTYPE = "float32"
+DTYPE = "float32"  # a model trained from scratch: its fp32 master weights, as trained
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(requested: str, meta: Mapping[str, Any]) -> str:
+    """The dtype ``export.dtype`` asks for; ``auto``: that of the Hugging Face
+    model the run started from (``torch_dtype``, or ``dtype`` in newer configs;
+    fp32 when it names none we write), else :data:`DTYPE`."""
+    if requested != "auto":
+        return requested
+    original = meta.get("hf_config") or {}
+    named = original.get("torch_dtype") or original.get("dtype")
+    return named if named in DTYPES else DTYPE
 REPORT = "report.json"  # beside the Hugging Face files, written after registration
 METRICS = ("params", "vocab_size", "step")
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
@@ -110,6 +124,9 @@ class ExportConfig(StageConfig):
     checkpoint: Literal["last", "best"] = Field("last", description="the run's last checkpoint, or its best by val "
                                                 "loss (needs checkpoint.keep_best in that stage, and evaluate.checkpoint "
                                                 "to score the same one: export refuses to label it with another's metrics)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the weights' dtype in model.safetensors: auto = the dtype of the Hugging Face model the "
+        "run started from (its config's torch_dtype), float32 for a model trained from scratch (its master weights)")
     register_model: bool = Field(True, description="register the export in the MLflow model registry "
                                                    "(skipped with a warning when MLflow is unreachable)")
     model_name: str = Field("llm-pipeline", pattern=r"^[A-Za-z0-9][\w.\-]*$",
@@ -129,8 +146,8 @@ class ExportError(StageError):
 
 def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_dir: str | Path, *,
                  card_info: Mapping[str, Any], which: str = "last",
-                 sft_manifest: str | Path | None = None, evaluated: Mapping[str, Any] | None = None
-                 ) -> dict[str, Any]:
+                 sft_manifest: str | Path | None = None, evaluated: Mapping[str, Any] | None = None,
+                 dtype: str = "auto") -> dict[str, Any]:
     """Write the Hugging Face folder ``out_dir`` (see the module doc) and return a summary.
 
     ``checkpoint_folder`` is a training output folder (its latest complete
@@ -141,6 +158,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     evaluate's report of the model (``checkpoint``, ``checkpoint_step``,
     ``fingerprint``, ``which``), whose metrics ``card_info`` carries; the export is
     refused unless that is the checkpoint shipped (:func:`check_evaluated`).
+    ``dtype``: the weights' dtype (:func:`export_dtype`; ``export.dtype``).
 
     Returns ``{out_dir, checkpoint, stage, step, fingerprint, architecture, params, vocab_size,
     tie_word_embeddings, dtype, tokenizer_sha256, files: {name: {bytes, sha256}}}``.
@@ -176,8 +194,9 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     if not specials.own and not meta.get("hf_config"):  # trained from scratch with an adopted tokenizer
         token_ids = {"bos_token_id": specials.bos_id, "pad_token_id": specials.pad_id,
                      "eos_token_id": list(manifest.get("stop_ids") or specials.eos_ids)}
+    dtype = export_dtype(dtype, meta)
     with atomic_dir(out_dir) as tmp:
-        write_model_files(tmp, model, meta, token_ids=token_ids)
+        write_model_files(tmp, model, meta, token_ids=token_ids, dtype=dtype)
         if specials.own:
             own_template = write_tokenizer_files(tmp, tokenizer_path, config, manifest)
         else:
@@ -192,7 +211,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
             "params": num_params(model),
             "vocab_size": config.vocab_size,
             "tie_word_embeddings": config.tie_embeddings,
-            "dtype": DTYPE,
+            "dtype": dtype,
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.json"),
         }
         chat = (CHATML_FORMAT if not own_template else TRAINED_FORMAT) if specials.own else (
@@ -229,7 +248,7 @@ def check_evaluated(checkpoint: ckpt.Checkpoint, which: str, evaluated: Mapping[
 
 
 def write_model_files(folder: Path, model: Transformer, meta: Mapping[str, Any], *,
-                      token_ids: Mapping[str, Any] | None = None) -> None:
+                      token_ids: Mapping[str, Any] | None = None, dtype: str = DTYPE) -> None:
     """``model.safetensors`` and ``config.json`` of ``model`` in ``folder``, in its family.
 
     ``meta`` is the checkpoint's: with ``meta["hf_config"]`` (the config.json of
@@ -239,12 +258,12 @@ def write_model_files(folder: Path, model: Transformer, meta: Mapping[str, Any],
     given; None keeps the original's, or, for a model of ours, our tokenizer's.
     """
     config = model.config
-    save_file(hf_adapter.to_hf(model.state_dict(), config), str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in hf_adapter.to_hf(model.state_dict(), config).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     original = meta.get("hf_config")
     if token_ids is None:
         token_ids = {} if original else {"bos_token_id": EOT_ID, "eos_token_id": list(STOP_IDS), "pad_token_id": PAD_ID}
-    _write_json(folder / "config.json", hf_adapter.hf_config(config, dtype=DTYPE, original=original, **token_ids))
+    _write_json(folder / "config.json", hf_adapter.hf_config(config, dtype=dtype, original=original, **token_ids))
 
 
 def write_tokenizer_files(folder: Path, tokenizer_path: Path, config: ModelConfig,
@@ -454,7 +473,8 @@ def model_card(config: ModelConfig, meta: Mapping[str, Any], summary: Mapping[st
         ("context length", config.max_seq_len),
         ("RoPE theta", config.rope_theta),
         ("tied embeddings", "yes" if config.tie_embeddings else "no"),
-        ("weights", f"{DTYPE}, safetensors"),
+        ("weights", f"{summary['dtype']}, safetensors" + ("" if summary["dtype"] == DTYPE else
+                    f" (cast from the {DTYPE} weights trained and evaluated)")),
     ]), ""]
 
     metrics = flatten(dict(card_info.get("metrics") or {}))

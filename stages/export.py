@@ -25,7 +25,7 @@ def main(cfg: ExportConfig, tracker) -> dict:
             "intended_use": cfg.intended_use, "limitations": cfg.limitations}
     summary = export_model(source, layout.TOKENIZER_JSON, layout.EXPORT_DIR,
                            card_info={k: v for k, v in card.items() if v is not None}, which=cfg.checkpoint,
-                           evaluated=evaluated,
+                           evaluated=evaluated, dtype=cfg.dtype,
                            sft_manifest=layout.SFT_DATA / "manifest.json" if cfg.source == "sft" else None)
     registry = {"registered": False, "reason": "export.register_model is false"}
     if cfg.register_model:

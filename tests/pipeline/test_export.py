@@ -448,6 +448,36 @@ def test_export_of_an_import_loads_back_as_the_same_model(round_trip):
     assert f"| architecture | `{architecture}`: decoder-only" in (export / "README.md").read_text()
 
 
+def test_a_bf16_base_exports_in_bf16_by_default_and_in_the_dtype_asked_for(tmp_path, tok_path):
+    """export.dtype auto: a run started from a bf16 model ships bf16, the base's own
+    bits where nothing was trained (its fp32 master weights hold bf16 values
+    exactly), at half the size; float32 when asked, as trained."""
+    from safetensors import safe_open
+
+    original = save_tiny_hf_model("qwen2", tmp_path / "original", dtype=torch.bfloat16)
+    _, model = load_hf_model(original)
+    save_checkpoint(tmp_path / "sft", model, meta={"hf_config": json.loads((original / "config.json").read_text())})
+    sizes = {}
+    for dtype, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        out = tmp_path / f"export-{dtype}"
+        summary = export_model(tmp_path / "sft", tok_path, out, card_info={}, dtype=dtype)
+        name = str(want).removeprefix("torch.")
+        config = json.loads((out / "config.json").read_text())
+        assert summary["dtype"] == config["dtype"] == config["torch_dtype"] == name
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {want}
+        sizes[dtype] = (out / "model.safetensors").stat().st_size
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=want).eval()
+        ours = load_hf(out)
+        assert ours.dtype == want
+        idx = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(ours(input_ids=idx).logits, theirs(input_ids=idx).logits)
+    assert sizes["auto"] < 0.6 * sizes["float32"]
+    assert "| weights | bfloat16, safetensors (cast from the float32 weights trained and evaluated) |" in (
+        tmp_path / "export-auto" / "README.md").read_text()
+
+
 def test_a_model_trained_from_scratch_writes_todays_llama_config(export_dir):
     config = json.loads((export_dir / "config.json").read_text())
     assert list(config) == [
