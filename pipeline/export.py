@@ -352,16 +352,10 @@ def original_generation_config(meta: Mapping[str, Any]) -> dict[str, Any] | None
         log.warning("%s, so the export carries the generation_config.json recorded when the run started%s; edits "
                     "to the model's file since then are not in it", why, "" if recorded else " (none)")
         return recorded
-    file = origin / "generation_config.json"
-    if not file.is_file():
-        return None
     try:
-        generation = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ExportError(f"{file}: cannot read it ({err})") from None
-    if not isinstance(generation, dict):
-        raise ExportError(f"{file}: not a JSON object")
-    return generation
+        return hf_adapter.read_generation_config(origin)
+    except StageError as err:
+        raise ExportError(str(err)) from None
 
 
 def hf_origin(meta: Mapping[str, Any], max_links: int = 32) -> Path | None:

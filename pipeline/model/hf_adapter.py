@@ -49,6 +49,7 @@ from pipeline.model.transformer import ModelConfig, Transformer
 log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 FILE_DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes read into fp32 master weights
@@ -398,14 +399,24 @@ def _rope(hf: Mapping[str, Any], get) -> tuple[float, dict[str, Any] | None, lis
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """The config.json dict of a model folder. Raises UnsupportedModelError if it is
     missing or not a JSON object."""
-    path = Path(folder) / CONFIG
+    return _read_object(Path(folder) / CONFIG, "a Hugging Face config")
+
+
+def read_generation_config(folder: str | Path) -> dict[str, Any] | None:
+    """The generation_config.json dict of a model folder, None where it has none.
+    Raises UnsupportedModelError if it cannot be read or is not a JSON object."""
+    path = Path(folder) / GENERATION_CONFIG
+    return _read_object(path, "a generation config") if path.is_file() else None
+
+
+def _read_object(path: Path, what: str) -> dict[str, Any]:
     try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise UnsupportedModelError(f"{path}: cannot read a Hugging Face config ({err})") from None
-    if not isinstance(hf, dict):
+        raise UnsupportedModelError(f"{path}: cannot read {what} ({err})") from None
+    if not isinstance(data, dict):
         raise UnsupportedModelError(f"{path}: not a JSON object")
-    return hf
+    return data
 
 
 def is_hf_model_folder(path: str | Path) -> bool:

@@ -135,12 +135,12 @@ def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
                     "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR)
     tok = folder / "tokenizer.json"
     meta: dict[str, Any] = {"init_from": str(folder), "hf_config": config}
-    generation = folder / "generation_config.json"
-    if generation.is_file():
-        try:
-            meta["hf_generation_config"] = json.loads(generation.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise InitError(f"init_from {generation}: cannot read it ({err})") from None
+    try:
+        generation = hf_adapter.read_generation_config(folder)
+    except StageError as err:
+        raise InitError(f"init_from {err}") from None
+    if generation is not None:
+        meta["hf_generation_config"] = generation
     return InitSource(kind="hf", path=folder, model=model,
                       init_id="hf:" + _folder_id(folder, ["config.json", *weights]),
                       tokenizer_sha256=sha256_file(tok) if tok.is_file() else None, meta=meta)
