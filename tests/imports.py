@@ -8,6 +8,7 @@ imported): which project files a module imports, and the closure of a stage.
 from __future__ import annotations
 
 import ast
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -113,6 +114,21 @@ def closure(start: Path, stop_at: callable = lambda path: False) -> set[Path]:
         if path == start or not stop_at(path):
             todo.extend(imported_files(path))
     return seen
+
+
+@lru_cache(maxsize=None)
+def third_party_imports(path: Path, module_level_only: bool = False) -> frozenset[str]:
+    """The top-level names of the libraries ``path`` imports (``from torch.nn import
+    x`` -> torch): neither the standard library nor the project's own packages."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: set[str] = set()
+    for node in _import_nodes(tree.body, module_level_only):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return frozenset(n for n in names if n not in sys.stdlib_module_names and n not in PACKAGES
+                     and n != "__future__")
 
 
 def pipeline_modules() -> list[Path]:

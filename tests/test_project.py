@@ -7,14 +7,19 @@ and pipeline/ has no import cycles."""
 import ast
 import importlib.util
 import subprocess
+import tomllib
+from importlib import metadata
+from importlib.metadata import packages_distributions
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from pipeline import layout
 from pipeline.config import SCHEMAS, load_params
 from tests.conftest import BIN, ROOT
-from tests.imports import imported_modules, module_name, pipeline_modules, rel
+from tests.imports import imported_modules, module_name, pipeline_modules, rel, third_party_imports
 
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -188,6 +193,53 @@ def test_pipeline_has_no_import_cycles():
              for p in pipeline_modules()}
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# A library the code imports that pyproject.toml does not name, because the
+# library named here requires it and it is part of that library's interface:
+# imported name -> (the declared distribution that requires it, why we use it).
+PROVIDED_BY = {
+    "pydantic_core": ("pydantic", "pydantic's compiled core: PydanticCustomError, the error a validator raises"),
+    "networkx": ("dvc", "DVC's API hands out the stage graph as a networkx graph"),
+    "httpx": ("prefect", "the Prefect client's transport: its connection errors say the server is down"),
+}
+OPTIONAL = {"ray"}  # extras imported only when a param chooses them, never on import
+
+
+def requirement_names(specs) -> set[str]:
+    return {canonicalize_name(Requirement(s).name) for s in specs}
+
+
+def test_every_library_the_code_imports_is_a_declared_dependency():
+    """`pip install .` (the container image, a user's own environment) installs
+    [project.dependencies] and nothing of the dev extras, so a library imported by
+    pipeline/, stages/ or flows/ and named only among the dev extras breaks there
+    and nowhere in the tests. An optional extra's library is imported only inside
+    the function that needs it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = requirement_names(project["dependencies"])
+    extras = {extra: requirement_names(specs) for extra, specs in project["optional-dependencies"].items()}
+    distributions = packages_distributions()
+    problems = []
+    for path in sorted(p for layer in ("pipeline", "stages", "flows") for p in (ROOT / layer).rglob("*.py")):
+        module_level = third_party_imports(path, module_level_only=True)
+        for name in sorted(third_party_imports(path)):
+            dists = {canonicalize_name(d) for d in distributions.get(name, [name])}
+            if name in PROVIDED_BY:
+                provider = PROVIDED_BY[name][0]
+                needs = requirement_names(metadata.requires(provider) or [])
+                if provider not in declared or not dists & needs:
+                    problems.append(f"{rel(path)} imports {name}, which {provider} no longer provides: declare it")
+            elif dists & declared:
+                continue
+            elif any(dists & extras.get(extra, set()) for extra in OPTIONAL):
+                if name in module_level:
+                    problems.append(f"{rel(path)} imports the optional {name} at module level")
+            else:
+                where = [extra for extra, names in extras.items() if dists & names]
+                problems.append(f"{rel(path)} imports {name} ({', '.join(sorted(dists))}), which is not in "
+                                f"[project.dependencies]" + (f" (only in the extras {where})" if where else ""))
+    assert not problems, "\n".join(problems)
 
 
 def test_every_pipeline_module_opens_with_a_docstring():
