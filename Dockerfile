@@ -17,14 +17,23 @@
 #   TORCH_INDEX_URL  where to get torch when the base image has none (CPU wheels by default)
 #   APP_UID          the numeric user the container runs as (match your host user so
 #                    files written into a mounted checkout stay yours)
+#   EXTRAS           the package's optional extras to install (default ray, for
+#                    executor.kind: ray; empty for none)
 #   GIT_COMMIT       recorded as the image's org.opencontainers.image.revision label
+#
+# An ARG lives in the stage that declares it. The ones every stage uses are
+# declared here, before the first FROM, and again (without a value) in each
+# stage that reads them: without that, `USER ${APP_UID}` in a later stage reads
+# an empty value and the container runs as root.
 ARG BASE_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
+ARG APP_UID=1000
 
 FROM ${BASE_IMAGE} AS base
 
+ARG APP_UID
 ARG CONSTRAINTS=constraints.txt
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG APP_UID=1000
+ARG EXTRAS=ray
 ARG GIT_COMMIT=unknown
 
 LABEL org.opencontainers.image.title="llm-pipeline" \
@@ -60,7 +69,7 @@ RUN apt-get update \
 WORKDIR /tmp/build
 COPY pyproject.toml README* ${CONSTRAINTS} docker/image-constraints.sh ./
 RUN bash image-constraints.sh "$(basename "${CONSTRAINTS}")" /tmp/constraints-image.txt "${TORCH_INDEX_URL}" \
- && python -m pip install --no-cache-dir -c /tmp/constraints-image.txt . \
+ && python -m pip install --no-cache-dir -c /tmp/constraints-image.txt ".${EXTRAS:+[${EXTRAS}]}" \
  && python -m pip uninstall -y llm-pipeline \
  && rm -rf /tmp/build
 
@@ -77,9 +86,11 @@ CMD ["repro"]
 
 # Test image: the dev extras on top (`docker run IMAGE python -m pytest -m "not slow"`).
 FROM base AS dev
+ARG APP_UID
 RUN python -m pip install --no-cache-dir -c /tmp/constraints-image.txt -e '.[dev]'
 USER ${APP_UID}
 
 # Default target, last so that a plain `docker build` builds it.
 FROM base AS runtime
+ARG APP_UID
 USER ${APP_UID}

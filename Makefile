@@ -113,4 +113,5 @@ screenshot: install
 # GPU image by default; BASE_IMAGE=python:3.11-slim gives the CPU image.
 docker-build:
 	docker build -t $(IMAGE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+	  $(if $(APP_UID),--build-arg APP_UID=$(APP_UID)) $(if $(EXTRAS),--build-arg EXTRAS=$(EXTRAS)) \
 	  --build-arg GIT_COMMIT=$$(git rev-parse HEAD) .

@@ -39,6 +39,55 @@ def test_dockerfile_keeps_its_contract():
     assert re.findall(r"^FROM .* AS (\w+)$", text, flags=re.M)[-1] == "runtime"
 
 
+def undeclared_build_args(dockerfile: str) -> list[str]:
+    """Each ``${NAME}`` an instruction reads that its stage has not declared by then.
+
+    An ARG lives in the stage that declares it: a later stage, even one built
+    ``FROM`` it, reads an empty value unless it declares the ARG again (a global
+    ARG, before the first FROM, too). ENV values pass to the stages built on the
+    stage that sets them. hadolint does not check this."""
+    text = re.sub(r"\\\n", " ", dockerfile)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    global_args: set[str] = set()
+    env_of: dict[str, set[str]] = {}
+    stage, scope = None, set()
+    problems = []
+    for line in lines:
+        word, _, rest = line.partition(" ")
+        word = word.upper()
+        if word == "FROM":
+            image, *alias = re.split(r"\s+AS\s+", rest, flags=re.I)
+            used = set(re.findall(r"\$\{(\w+)", image)) - global_args
+            problems += [f"FROM {image}: ${{{name}}} is no global ARG" for name in sorted(used)]
+            stage = alias[0].strip() if alias else f"#{len(env_of)}"
+            env_of[stage] = set(env_of.get(image.strip(), set()))
+            scope = set(env_of[stage])
+            continue
+        names = set(re.findall(r"\$\{(\w+)", rest))
+        if stage is None:
+            if word == "ARG":
+                global_args.add(re.split(r"[=\s]", rest, maxsplit=1)[0])
+            continue
+        problems += [f"stage {stage}: {line[:60]!r} reads ${{{n}}}, not declared in it" for n in sorted(names - scope)]
+        if word == "ARG":
+            scope.add(re.split(r"[=\s]", rest, maxsplit=1)[0])
+        elif word == "ENV":
+            keys = set(re.findall(r"(?:^|\s)(\w+)=", rest)) or {rest.split()[0]}
+            scope |= keys
+            env_of[stage] |= keys
+    return problems
+
+
+def test_each_stage_declares_the_build_args_it_reads():
+    assert undeclared_build_args((ROOT / "Dockerfile").read_text()) == []
+    # The check itself: `USER ${APP_UID}` in a stage built FROM the one that
+    # declared APP_UID reads nothing, and the container would run as root.
+    broken = "ARG BASE=img\nFROM ${BASE} AS base\nARG UID=1000\nENV HOME_DIR=/h\nRUN echo ${UID} ${HOME_DIR}\n" \
+             "FROM base AS runtime\nRUN ls ${HOME_DIR}\nUSER ${UID}\n"
+    assert undeclared_build_args(broken) == ["stage runtime: 'USER ${UID}' reads ${UID}, not declared in it"]
+    assert undeclared_build_args(broken.replace("AS runtime\n", "AS runtime\nARG UID\n")) == []
+
+
 def test_dockerignore_keeps_state_and_environments_out_of_the_image():
     patterns = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")}
