@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import fnmatch
 import glob
 import hashlib
@@ -279,7 +280,11 @@ def _display(p: Path | RemotePath, placeholder: str | None, value: str | None) -
     if placeholder and value and s.startswith(value):
         return _as_utf8(placeholder + s[len(value):])
     try:
-        return _as_utf8(str(p.resolve().relative_to(Path.cwd().resolve())))
+        real = p.resolve()
+    except (OSError, RuntimeError):  # a link in a loop (RuntimeError before Python 3.13): its folder's path
+        real = p.parent.resolve() / p.name
+    try:
+        return _as_utf8(str(real.relative_to(Path.cwd().resolve())))
     except ValueError:
         return _as_utf8(s)
 
@@ -345,6 +350,11 @@ def not_a_file(path: Path) -> str | None:
     if path.is_file():
         return None
     if path.is_symlink() and not path.exists():
+        try:
+            path.stat()
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"a symbolic link to {os.readlink(path)}, which leads back to itself (a loop of links)"
         return f"a symbolic link to {os.readlink(path)}, which does not exist"
     if path.is_dir():
         return ("a symbolic link to a folder, which is not read: DVC does not look into it, so a rerun would not "

@@ -138,6 +138,24 @@ def test_entries_that_are_not_files_are_counted_skips_not_lost(tmp_path, pattern
     assert metrics["files"] == 2 + len(expected)
 
 
+@pytest.mark.parametrize("pattern", ["", "/*"], ids=["folder", "glob"])
+def test_a_loop_of_links_is_a_counted_skip_not_a_traceback(tmp_path, pattern):
+    """Links that point at each other cannot be resolved (Python raises on the
+    loop): each is a not_a_file skip that says so, and the rest is read."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "good.txt").write_text("hello world")
+    (d / "loop1").symlink_to("loop2")
+    (d / "loop2").symlink_to("loop1")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}{pattern}"}])
+    assert [x["text"] for x in docs] == ["hello world"]
+    assert {q["source"].rsplit("/", 1)[-1]: q["detail"] for q in quarantine} == {
+        "loop1": "a symbolic link to loop2, which leads back to itself (a loop of links)",
+        "loop2": "a symbolic link to loop1, which leads back to itself (a loop of links)"}
+    assert report(tmp_path)["skipped"] == {"not_a_file": 2}
+    assert metrics["files"] == 3
+
+
 def test_a_file_removed_after_it_was_listed_is_a_counted_skip(tmp_path, monkeypatch):
     from pipeline.data import ingest
 
