@@ -310,7 +310,10 @@ def _is_hidden(p: Path | RemotePath, root: Path | RemotePath) -> bool:
 
 
 def _is_hf_dir(p: Path) -> bool:
-    return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+    try:
+        return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+    except PermissionError:  # a folder that cannot be searched: listed as such (_walk, _unlisted_folders)
+        return False
 
 
 def _in_hf_dir(folder: Path, root: Path, seen: dict[Path, bool]) -> bool:
@@ -332,9 +335,10 @@ def _walk(folder: Path, datasets: bool) -> list[Path]:
     and count: a link to a folder (not walked, as DVC does not look into it
     either), a link to nothing, a FIFO or a socket. Left out, they would be
     lost without a word: a dataset folder linked into ``data/raw`` would give
-    no documents and no warning."""
+    no documents and no warning. So is a folder that cannot be listed (a
+    permission), which ``os.walk`` would pass over in silence."""
     found: list[Path] = []
-    for top, dirs, files in os.walk(folder):
+    for top, dirs, files in os.walk(folder, onerror=lambda e: found.append(Path(e.filename))):
         here = Path(top)
         if datasets:
             inputs = [d for d in dirs if _is_hf_dir(here / d)]
@@ -345,10 +349,38 @@ def _walk(folder: Path, datasets: bool) -> list[Path]:
     return sorted(found)
 
 
+def _unlisted_folders(pattern: str, root: Path, include_hidden: bool) -> list[Path]:
+    """The folders below ``root`` that ``glob.glob(pattern)`` would have looked
+    into but could not list (a permission): glob passes over them in silence,
+    and their files would be lost without a word."""
+    parts = Path(pattern).relative_to(root).parts
+    into = parts if parts[-1] == "**" else parts[:-1]  # the parts a folder on the way must match
+
+    def on_the_way(rel: tuple[str, ...], pat: tuple[str, ...]) -> bool:
+        if not rel:
+            return True
+        if not pat:
+            return False
+        if pat[0] == "**":
+            return on_the_way(rel, pat[1:]) or on_the_way(rel[1:], pat)
+        return fnmatch.fnmatchcase(rel[0], pat[0]) and on_the_way(rel[1:], pat[1:])
+
+    unlisted: list[Path] = []
+    for top, dirs, _ in os.walk(root, onerror=lambda e: unlisted.append(Path(e.filename))):
+        rel = Path(top).relative_to(root).parts
+        dirs[:] = [d for d in dirs if (include_hidden or not d.startswith(".")) and on_the_way((*rel, d), into)]
+    return unlisted
+
+
 def not_a_file(path: Path) -> str | None:
     """Why an input that should be a file is none, or None when it is one."""
     if path.is_file():
         return None
+    if path.is_dir() and not path.is_symlink():
+        try:
+            os.scandir(path).close()
+        except OSError as e:
+            return f"a folder that cannot be listed ({e.strerror}), so none of its files were read"
     if path.is_symlink() and not path.exists():
         try:
             path.stat()
@@ -411,6 +443,7 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             # is, to be skipped and counted (read_items).
             candidates = [m for m in matches if (not m.is_dir() or (datasets_too and _is_hf_dir(m)))
                           and not (datasets_too and _in_hf_dir(m.parent, root, seen))]
+            candidates = sorted({*candidates, *_unlisted_folders(expanded, root, cfg.include_hidden)})
         elif p.is_dir() and (fmt == "hf" or (fmt == "auto" and _is_hf_dir(p))):
             candidates, root = [p], p.parent
         elif p.is_dir():

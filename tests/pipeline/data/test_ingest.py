@@ -156,6 +156,51 @@ def test_a_loop_of_links_is_a_counted_skip_not_a_traceback(tmp_path, pattern):
     assert metrics["files"] == 3
 
 
+@pytest.mark.parametrize("fmt", ["auto", "text"])
+@pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt"], ids=["folder", "recursive-glob", "glob"])
+def test_a_folder_that_cannot_be_listed_is_a_counted_skip_not_lost(tmp_path, monkeypatch, pattern, fmt):
+    """A sub-folder without read permission: os.walk and glob pass over it in
+    silence, so its files would be lost without a word. It is a not_a_file skip
+    that says why. (The refusal is simulated: the tests may run as root.)"""
+    d = tmp_path / "corpus"
+    (d / "open").mkdir(parents=True)
+    (d / "locked").mkdir()
+    (d / "open" / "a.txt").write_text("hello world")
+    (d / "locked" / "b.txt").write_text("never read")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if Path(path) == d / "locked":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}{pattern}", "format": fmt}])
+    assert [x["text"] for x in docs] == ["hello world"]
+    assert [(q["reason"], q["source"].rsplit("/", 1)[-1], q["detail"]) for q in quarantine] == [
+        ("not_a_file", "locked", "a folder that cannot be listed (Permission denied), so none of its files were read")]
+    assert metrics["skipped"] == 1
+
+
+def test_a_glob_does_not_count_folders_it_would_not_enter(tmp_path, monkeypatch):
+    """Only the folders a pattern leads into are checked: a locked folder that
+    the pattern's parts do not match is none of its business."""
+    d = tmp_path / "corpus"
+    (d / "web").mkdir(parents=True)
+    (d / "private").mkdir()
+    (d / "web" / "a.txt").write_text("hello world")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if Path(path) == d / "private":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}/web*/*.txt"}])
+    assert [x["text"] for x in docs] == ["hello world"] and quarantine == [] and metrics["skipped"] == 0
+
+
 def test_a_file_removed_after_it_was_listed_is_a_counted_skip(tmp_path, monkeypatch):
     from pipeline.data import ingest
 
