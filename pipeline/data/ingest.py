@@ -956,6 +956,9 @@ def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         else:  # a dataset repository: a local folder, or a name (needs the network or the HF cache)
             ds = datasets.load_dataset(str(f.path), hf.name, split=hf.split, revision=hf.revision)
     except Exception as e:  # datasets raises many types; the message is what matters
+        if not saved and hf.name is None and len(configs := _config_names(f)) > 1:
+            raise IngestError(f"{f.display}: the dataset has configs {configs}; pick one with hf.name (a source "
+                              "per config to read several)") from e
         first = (str(e).strip().splitlines() or [""])[0]
         raise IngestError(f"{f.display}: cannot load Hugging Face dataset: {type(e).__name__}: {first}") from e
     if isinstance(ds, datasets.DatasetDict):
@@ -969,6 +972,18 @@ def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     if field not in ds.column_names:
         raise IngestError(f"{f.display}: no column {field!r}; columns are {ds.column_names}")
     yield from _read_columns(ds.data.to_batches(max_chunksize=1000), field, f.source.split_by, cfg)
+
+
+def _config_names(f: InputFile) -> list[str]:
+    """The configs of a dataset repository (local, or named where the Hub or the
+    cache answers), or [] where they cannot be listed: what to tell a user whose
+    source gives no hf.name, which datasets reports in lines of its own."""
+    import datasets
+
+    try:
+        return list(datasets.get_dataset_config_names(str(f.path), revision=f.source.hf.revision))
+    except Exception:  # noqa: BLE001 - only a better message is at stake; the load's own error is raised
+        return []
 
 
 READERS: dict[str, Callable[[InputFile, IngestConfig], Iterator[Item]]] = {

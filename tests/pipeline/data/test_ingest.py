@@ -613,6 +613,16 @@ def test_hf_config_name_and_split(tmp_path, hf_cache):
         run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
 
 
+def test_a_dataset_of_several_configs_read_without_hf_name_names_them(tmp_path, hf_cache):
+    """datasets says which configs there are only in lines after its first; the
+    one-line error names them and the key that picks one."""
+    repo = _dataset_repo(tmp_path / "repo")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(repo), "format": "hf"}])
+    assert str(err.value) == (f"{repo}: the dataset has configs ['small', 'big']; pick one with hf.name "
+                              "(a source per config to read several)")
+
+
 def test_hub_dataset_revision_is_passed_and_an_unpinned_one_warned(tmp_path, monkeypatch, caplog):
     """A dataset named for load_dataset is read at hf.revision; without one, a warning says a rerun cannot
     notice the Hub's changes. (load_dataset is replaced: tests never ask the Hub.)"""
