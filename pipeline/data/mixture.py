@@ -94,3 +94,12 @@ def repeat_warnings(available: Mapping[str, int], wanted: Mapping[str, int], max
                          f"each document is repeated {wanted[n] / available[n]:.2f} times on average, more than "
                          f"pack.max_repeats={max_repeats:g}")
     return lines
+
+
+def empty_warnings(wanted: Mapping[str, int], realised: Mapping[str, int], shortest: Mapping[str, int]) -> list[str]:
+    """One line per source that the mixture lists but takes nothing of: its target
+    is below its shortest document, which is never cut (a tiny weight, or a
+    small budget, beside a large corpus)."""
+    return [f"source {n!r}: the mixture asks for {wanted[n]:,} train tokens, fewer than its shortest document "
+            f"({shortest[n]:,} tokens), so none of its documents is trained on; raise its weight or tokens"
+            for n in sorted(wanted) if realised[n] == 0 and shortest.get(n, 0) > 0]

@@ -138,7 +138,7 @@ from pipeline.data.docs import (
     text_lengths,
 )
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
-from pipeline.data.mixture import Share, check_names, order_keys, repeat_warnings, targets
+from pipeline.data.mixture import Share, check_names, empty_warnings, order_keys, repeat_warnings, targets
 from pipeline.data.resume import ShardLog
 from pipeline.data.shares import multiplicities
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
@@ -1070,6 +1070,11 @@ class Mixture:
             for name, target in wanted.items():
                 mine = codes == self.sources.code[name]
                 copies[mine] = multiplicities(order[mine], lens[mine], target)
+            realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
+            shortest = {n: int(np.min(lens[codes == self.sources.code[n]], initial=np.iinfo(np.int64).max))
+                        for n in wanted}
+            for line in empty_warnings(wanted, realised, shortest):
+                log.warning("%s", line)
             bar = stack.enter_context(progress(total=int((lens * copies).sum()), unit="tok", unit_scale=True,
                                                desc="pack mixture"))
             for r in range(1, int(copies.max(initial=0)) + 1):
@@ -1085,7 +1090,6 @@ class Mixture:
                                 checkpoint((r, i + 1))
                         bar.update(int(lens[row:row + b.num_rows][take].sum()))
                     row += b.num_rows
-        realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
         total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1
         return {n: {"available_tokens": available[n], "target_tokens": wanted[n], "tokens": realised[n],
                     "requested_share": round(wanted[n] / total_wanted, 6), "share": round(realised[n] / total, 6),

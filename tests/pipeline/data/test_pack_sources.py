@@ -183,6 +183,20 @@ def test_a_source_repeated_too_often_is_a_warning_with_the_figures(corpus, tmp_p
     assert line.startswith("source 'code' has ") and "more than pack.max_repeats=2" in line
 
 
+def test_a_source_the_mixture_takes_nothing_of_is_a_warning_with_the_figures(corpus, tmp_path, caplog):
+    """A weight so small that the source's target is below its shortest document:
+    none of it is trained on, which is said, not left to the metrics."""
+    path, tok, _ = corpus
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.pack"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 1e-6}}), path, tok,
+                 tmp_path / "out")
+    src = read_json(tmp_path / "out" / MANIFEST)["sources"]["code"]
+    assert src["train_tokens"] == 0 and src["target_tokens"] == 0 and src["dropped_docs"] == src["train_docs"]
+    [line] = [r.getMessage() for r in caplog.records if "none of its documents" in r.getMessage()]
+    assert line.startswith("source 'code': the mixture asks for 0 train tokens, fewer than its shortest document (")
+    assert line.endswith(" tokens), so none of its documents is trained on; raise its weight or tokens")
+
+
 def test_mixture_errors(corpus, tmp_path, monkeypatch):
     path, tok, rows = corpus
     calls = []
