@@ -453,15 +453,21 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             candidates, root = [p], p.parent
         else:
             raise IngestError(f"{where}: no such file or directory: {src.path!r} (expanded to {expanded!r})")
+        listed = len(candidates)
         if not cfg.include_hidden:
             candidates = [c for c in candidates if not _is_hidden(c, root)]
+        hidden = listed - len(candidates)
         if src.exclude:
             candidates = [
                 c for c in candidates
                 if not any(fnmatch.fnmatchcase(_display(c, ph, value), pat) for pat in src.exclude)
             ]
         if not candidates:
-            raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})")
+            left_out = ", ".join(part for part in (
+                f"{hidden} hidden (ingest.include_hidden is false)" if hidden else "",
+                f"{listed - hidden} left out by exclude {src.exclude}" if listed - hidden else "") if part)
+            raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})"
+                              + (f"; of the {listed} it found, {left_out}" if listed else ""))
         for c in candidates:
             f_fmt = fmt if fmt != "auto" else _infer_format(c)
             if "hf" in src.model_fields_set and f_fmt != "hf":

@@ -383,6 +383,23 @@ def test_record_formats(tmp_path):
     assert report(tmp_path)["skipped"] == {"missing_field": 1, "malformed_json": 1}
 
 
+def test_a_source_whose_files_are_all_left_out_says_by_what(tmp_path):
+    """A folder of dot-files, or an exclude that takes everything: the error says
+    what left the files out, not only that nothing matched."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / ".notes.txt").write_text("hidden")
+    (d / "a.txt").write_text("excluded")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(d), "exclude": ["*/a.txt"]}])
+    assert str(err.value) == (f"ingest.sources.0.path: {str(d)!r} matched no files (expanded to {str(d)!r}); of the "
+                              "2 it found, 1 hidden (ingest.include_hidden is false), 1 left out by exclude "
+                              "['*/a.txt']")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": f"{d}/*.md"}])
+    assert str(err.value).endswith("matched no files (expanded to " + repr(f"{d}/*.md") + ")")
+
+
 def test_hf_save_to_disk(tmp_path):
     import datasets
 
