@@ -1178,11 +1178,15 @@ class _Shard:
                 v.clear()
             self.rows_bytes = 0
 
-    def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool) -> dict:
+    def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool,
+             rest_unread: bool = False) -> dict:
+        """Commit the shard; ``rest_unread``: max_bytes stopped the reading part-way
+        through the file it ends in (recorded only then)."""
         self.flush(writer)
         return writer.seal({"docs": self.docs, "bytes": self.bytes, "per_source": self.per_source,
                             "skipped_per_source": self.skipped_per_source,
-                            "end": list(end), "capped": capped, "last": last, "ledger": self.ledger.to_dict()})
+                            "end": list(end), "capped": capped, "last": last, "ledger": self.ledger.to_dict(),
+                            **({"rest_unread": True} if rest_unread else {})})
 
 
 class _Totals:
@@ -1195,7 +1199,7 @@ class _Totals:
         self.docs = self.bytes = self.shards = 0
         self.per_source: dict[str, int] = {}
         self.skipped_per_source: dict[str, dict[str, int]] = {}
-        self.capped = False
+        self.capped = self.rest_unread = False
 
     def add(self, rec: dict) -> None:
         self.ledger.merge(Ledger.from_dict(rec["ledger"], per_reason=self.per_reason))
@@ -1207,7 +1211,7 @@ class _Totals:
             mine = self.skipped_per_source.setdefault(name, {})
             for reason, n in reasons.items():
                 mine[reason] = mine.get(reason, 0) + n
-        self.capped = rec["capped"]
+        self.capped, self.rest_unread = rec["capped"], rec.get("rest_unread", False)
         self.shards += 1
 
 
@@ -1260,7 +1264,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         bar.reach(len(files))
     if resumed:
         log.info("resumed: %d of %d shards kept from an earlier run", resumed, totals.shards)
-    unread = _unread_files(cfg, files, start) if totals.capped else {}
+    unread = _unread_files(cfg, files, start, totals.rest_unread) if totals.capped else {}
     totals.ledger.write(quarantine_path)
     if totals.docs == 0:
         raise IngestError(
@@ -1269,18 +1273,23 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         )
     _say_skips(cfg, totals, unread, quarantine_path, report_path)
     if report_path is not None:
+        partly = {"partly_read_file": {"path": files[start[0]].display, "source": files[start[0]].source.label,
+                                       "items_read": start[1]}} if totals.rest_unread else {}
         write_json(report_path, {"skipped": totals.ledger.as_dict(), "capped": totals.capped,
                                  "docs_per_source": totals.per_source, "skipped_per_source": totals.skipped_per_source,
-                                 "unread_files_per_source": unread})
+                                 "unread_files_per_source": unread, **partly})
     shard_log.finish(totals.shards, {"format": docs_format.FORMAT, "rows": totals.docs, "bytes": totals.bytes,
                                      "columns": SCHEMA.names})
     return {"docs": totals.docs, "bytes": totals.bytes, "files": len(files), "unread_files": sum(unread.values()),
             "skipped": totals.ledger.total, "shards": totals.shards, "shards_resumed": resumed}
 
 
-def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> dict[str, int]:
+def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position, rest_unread: bool = False
+                  ) -> dict[str, int]:
     """The input files ``max_bytes`` left unread (every one after the file the cap
-    stopped in), by source name, and a line saying so: a warning for each source
+    stopped in), by source name, and a line saying so, which also says when the
+    cap stopped part-way through a file (``rest_unread``: one large JSONL file
+    is read in part, and no file is left unread); a warning for each source
     of which no file was read, since its documents are simply missing downstream."""
     listed: dict[str, int] = {}
     unread: dict[str, int] = {}
@@ -1290,9 +1299,11 @@ def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> d
             unread[f.source.label] = unread.get(f.source.label, 0) + 1
     where = files[min(end[0], len(files) - 1)]
     counts = "; ".join(f"{name}: {n:,} of {listed[name]:,}" for name, n in unread.items())
-    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r): %s of %s input files not read%s; "
+    partly = f" after its first {end[1]:,} item(s), so the rest of that file was not read" if rest_unread else ""
+    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r)%s: %s of %s input files not read%s; "
              "set ingest.max_bytes: null to read everything", f"{cfg.max_bytes:,}", where.display,
-             where.source.label, f"{sum(unread.values()):,}", f"{len(files):,}", f" ({counts})" if counts else "")
+             where.source.label, partly, f"{sum(unread.values()):,}", f"{len(files):,}",
+             f" ({counts})" if counts else "")
     for name, n in unread.items():
         if n == listed[name]:
             log.warning("source %r was not read at all: ingest.max_bytes (%s bytes) was reached before its %s "
@@ -1389,7 +1400,9 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
                 shard.flush(writer)
             if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:
                 end = (pos[0], pos[1] + 1)
-                totals.add(shard.seal(writer, end=end, capped=True, last=True))
+                following = next(items, None)  # whether the file goes on: its rest is then not read
+                totals.add(shard.seal(writer, end=end, capped=True, last=True,
+                                      rest_unread=following is not None and following[0][0] == pos[0]))
                 return k + 1, end, True
     if shard.docs == 0:  # nothing read at all: no shard to commit (the stage raises)
         writer.abort()

@@ -490,6 +490,32 @@ def test_files_the_cap_leaves_unread_are_counted_by_source_and_a_source_never_re
         (False, 0, {})
 
 
+@pytest.mark.parametrize("source", [{"path": "big.jsonl"}, {"path": "book.txt", "split_by": "chunk", "chunk_bytes": 100}],
+                         ids=["jsonl", "chunks"])
+def test_a_cap_that_stops_part_way_through_a_file_says_so(tmp_path, caplog, source):
+    """One large JSONL file (or one chunked text) is the common corpus: a cap
+    inside it leaves no file unread, so "0 of 1 input files not read" alone
+    would hide that most of it was not read. The line and the report say so,
+    also when a rerun replays the shard's record."""
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "z" * 90}) + "\n"
+                                                for i in range(20)))
+    (tmp_path / "book.txt").write_text("".join(f"line {i} " + "z" * 90 + "\n" for i in range(20)))
+    sources = [{**source, "path": str(tmp_path / source["path"])}]
+    for attempt in ("run", "rerun"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pipeline.data.ingest"):
+            metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=250)
+        assert len(docs) == 3 and metrics["unread_files"] == 0 and metrics["shards_resumed"] == (attempt == "rerun")
+        assert report(tmp_path)["partly_read_file"] == {"path": sources[0]["path"], "source": sources[0]["path"],
+                                                        "items_read": 3}
+        assert (f"reached in {sources[0]['path']} (source {sources[0]['path']!r}) after its first 3 item(s), so the "
+                "rest of that file was not read: 0 of 1 input files not read;") in caplog.text
+    # a cap reached at a file's last item leaves nothing of it unread
+    whole, _, _ = run(tmp_path, sources=sources, max_bytes=None)
+    metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=whole["bytes"])
+    assert len(docs) == 20 and report(tmp_path)["capped"] is True and "partly_read_file" not in report(tmp_path)
+
+
 def test_stdlib_placeholder_and_exclude():
     files = resolve_sources(cfg(sources=[{"path": "{stdlib}/json/*.py", "exclude": ["*/tool.py"]}]))
     names = [f.display for f in files]
