@@ -543,6 +543,7 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     copies = stats.pop("copies", None)
     sample, heldout = _read_rows(docs_path, sample_mask, heldout_mask)
     texts = [t or "" for _, t in sample]
+    distinct_bytes = sum(len(t.encode("utf-8")) for t in texts)
     if copies is not None:  # sample_weights: a source short of its share is repeated (the same str objects)
         texts = [t for t, n in zip(texts, copies.tolist()) for _ in range(n)]
     if len(texts) == 1 and len(texts[0].encode("utf-8")) > cfg.sample_bytes:
@@ -565,11 +566,16 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     train_seconds = time.perf_counter() - t_train
     del texts
     if tok.get_vocab_size() < cfg.vocab_size:  # else only report.json would show it
+        # Repeats (sample_weights) add no new pair: more sample_bytes would only repeat the text more.
+        repeated = sample_bytes > distinct_bytes
         log.warning("tokenizer.vocab_size is %d but the trained tokenizer has %d tokens: the BPE trainer ran out of "
-                    "pairs to merge in its sample (%s bytes; pairs seen fewer than tokenizer.min_frequency = %d "
-                    "times are not merged): give it more text (tokenizer.sample_bytes, or a larger corpus) or a "
-                    "smaller tokenizer.vocab_size", cfg.vocab_size, tok.get_vocab_size(), f"{sample_bytes:,}",
-                    cfg.min_frequency)
+                    "pairs to merge in its sample (%s bytes%s; pairs seen fewer than tokenizer.min_frequency = %d "
+                    "times are not merged): give it more text (%s) or a smaller tokenizer.vocab_size",
+                    cfg.vocab_size, tok.get_vocab_size(), f"{sample_bytes:,}",
+                    f", of which {distinct_bytes:,} are distinct text, repeated for sample_weights" if repeated else "",
+                    cfg.min_frequency,
+                    "a larger corpus: the sample already repeats what it has" if repeated
+                    else "tokenizer.sample_bytes, or a larger corpus")
     special_ids(tok)
     tok.encode_special_tokens = True
 
