@@ -335,6 +335,7 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
     names: dict[str, None] = {}
     trainable: dict[str, None] = {}
     marked = {"train": 0, "val": 0}
+    marked_chunks = 0  # chunks that ingest marked split: train or val, which position leaves where they are
     for batch in pf.iter_batches(batch_size=65_536, columns=columns + extra):
         col = batch.column(0)
         if col.null_count:
@@ -370,6 +371,8 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
                 if c is not None and hashed[i]:
                     files.setdefault(sources[i], []).append((c, sizes[i], n + i, ids[i]))
                     hashed[i] = False
+                elif c is not None:
+                    marked_chunks += 1
         hashed_ids = ids if hashed.all() else [d for d, h in zip(ids, hashed) if h]
         u = split_hashes(seed, hashed_ids)
         scores.many(u, rows[hashed], hashed_ids)
@@ -377,6 +380,10 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
         val[hashed] = u < np.uint64(threshold)  # val_fraction <= 0.5: the threshold fits in 64 bits
         bits.extend(val)
         n += len(ids)
+    if position and not files and marked_chunks:
+        raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but every chunk "
+                        f"({marked_chunks:,}) is marked split: train or val in ingest.sources, which goes before "
+                        "it; set split: auto on the chunked source, or pack.val_by: hash")
     if position and not files:
         raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but no "
                         "document is a chunk; use ingest split_by: chunk, or pack.val_by: hash")
