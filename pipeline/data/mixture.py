@@ -22,7 +22,6 @@ counts or row order.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -64,10 +63,7 @@ def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[
     """Train tokens wanted from each source. Raises MixtureError, naming them, for
     sources of the data without an entry and entries without data."""
     check_names(available, mixture)
-    weighted = {n: s.weight for n, s in mixture.items() if s.weight is not None}
-    if not math.isfinite(sum(weighted.values())):  # weights near the largest float: scaled, so that they sum
-        largest = max(weighted.values())
-        weighted = {n: w / largest for n, w in weighted.items()}
+    weighted = shares.summable({n: s.weight for n, s in mixture.items() if s.weight is not None})
     pool = sum(available[n] for n in weighted)
     total_weight = sum(weighted.values())
     out = {n: int(s.tokens) for n, s in mixture.items() if s.tokens is not None}

@@ -66,7 +66,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pipeline import layout
 from pipeline.config import StageConfig
 from pipeline.data.docs import DocTable
-from pipeline.data.shares import check_names, multiplicities
+from pipeline.data.shares import check_names, multiplicities, summable
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, atomic_write, read_json, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
@@ -454,6 +454,7 @@ def _weighted(rank: np.ndarray, size: np.ndarray, trainable: np.ndarray, source:
     sample, and those bytes over its documents' bytes."""
     train_names = sorted(name for name, k in sources.items() if (trainable & (source == k)).any())
     check_names(train_names, weights, "tokenizer.sample_weights", TokenizerError)
+    weights = summable(weights)
     total_weight = sum(weights.values())
     taken: dict[str, int] = {}
     used: dict[str, float] = {}

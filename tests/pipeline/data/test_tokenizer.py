@@ -309,6 +309,16 @@ def test_a_small_vocabulary_from_a_sample_of_repeats_asks_for_a_larger_corpus(co
                          "sample already repeats what it has) or a smaller tokenizer.vocab_size")
 
 
+def test_sample_weights_near_the_largest_float_share_as_any_others(corpus, tmp_path):
+    """Their sum overflows to inf, and each share (weight over sum) would be 0 or
+    NaN, a traceback; they share as their ratios do, as pack's mixture weights do."""
+    names = ["small" if i % 4 == 0 else "big" for i in range(200)]
+    path, _ = named(corpus, tmp_path, names)
+    huge = choose_sample(path, 20_000, 3_000, seed=0, weights={"big": 1.5e308, "small": 1.5e308})
+    plain = choose_sample(path, 20_000, 3_000, seed=0, weights={"big": 1.0, "small": 1.0})
+    assert (huge[0] == plain[0]).all() and huge[2]["sample_bytes_per_source"] == plain[2]["sample_bytes_per_source"]
+
+
 def test_sample_weights_report_each_source_s_sample_and_bytes_per_token(corpus, tmp_path):
     names = ["small" if i % 20 == 0 else "big" for i in range(200)]
     path, _ = named(corpus, tmp_path, names)
