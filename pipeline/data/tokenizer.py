@@ -134,8 +134,9 @@ class TokenizerConfig(StageConfig):
     @field_validator("sample_weights")
     @classmethod
     def _weights(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(not math.isfinite(w) or w < 0 for w in v.values()):
-            raise ValueError("weights are finite and >= 0")
+        bad = {name: w for name, w in v.items() if not math.isfinite(w) or w < 0}
+        if bad:
+            raise ValueError(f"weights are finite and >= 0 (got {bad})")
         if v and not sum(v.values()) > 0:
             raise ValueError("at least one weight is above 0")
         return v

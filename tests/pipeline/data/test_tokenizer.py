@@ -334,7 +334,7 @@ def test_sample_weights_report_each_source_s_sample_and_bytes_per_token(corpus, 
 
 
 @pytest.mark.parametrize("key, value, msg", [
-    ("sample_weights", {"web": -1}, "weights are finite and >= 0"),
+    ("sample_weights", {"web": -1, "code": 1}, r"weights are finite and >= 0 \(got \{'web': -1\.0\}\)"),
     ("sample_weights", {"web": 0}, "at least one weight is above 0"),
     ("vocab_size", 100, "greater than or equal to 260"),
     ("sample_bytes", 10, "greater than or equal to 1000"),
