@@ -1052,10 +1052,11 @@ Position = tuple[int, int]  # (index of the input in the resolved files, items o
 
 
 def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = None, start: Position = (0, 0)
-               ) -> Iterator[tuple[Position, InputFile, Item]]:
+               ) -> Iterator[tuple[Position, InputFile, Item, bool]]:
     """Every item of every input, in order, from ``start``, each with its
-    position: the input's index in ``files`` and the item's index in that
-    input's :func:`read_items` stream. With an executor of more than one worker,
+    position (the input's index in ``files`` and the item's index in that
+    input's :func:`read_items` stream) and whether it is its input's last
+    (each input is read one item ahead, never the next input). With an executor of more than one worker,
     files of at most ``worker_file_bytes`` (a compressed one counts
     :data:`COMPRESSED_SIZE_FACTOR` times its size) are read whole by the workers, a
     window of them ahead; larger files and datasets are streamed here, in their
@@ -1075,12 +1076,15 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
         seen.add(f.key)
     first, skip = start
 
-    def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item]]:
+    def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item, bool]]:
         numbered = enumerate(items)
         if i == first and skip:
             numbered = itertools.islice(numbered, skip, None)
-        for j, item in numbered:
-            yield (i, j), f, item
+        held = next(numbered, None)
+        while held is not None:
+            following = next(numbered, None)
+            yield (i, held[0]), f, held[1], following is None
+            held = following
 
     if ex is None or ex.workers == 1:
         for i in range(first, len(plan)):
@@ -1382,7 +1386,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
     shard = _Shard(cfg.quarantine_per_reason)
     writer.start(k)
     with contextlib.closing(iter_items(files, cfg, ex, start)) as items:
-        for pos, f, item in items:
+        for pos, f, item, last_of_file in items:
             if isinstance(item, Skip):
                 shard.skip(f, item)
                 continue
@@ -1400,9 +1404,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
                 shard.flush(writer)
             if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:
                 end = (pos[0], pos[1] + 1)
-                following = next(items, None)  # whether the file goes on: its rest is then not read
-                totals.add(shard.seal(writer, end=end, capped=True, last=True,
-                                      rest_unread=following is not None and following[0][0] == pos[0]))
+                totals.add(shard.seal(writer, end=end, capped=True, last=True, rest_unread=not last_of_file))
                 return k + 1, end, True
     if shard.docs == 0:  # nothing read at all: no shard to commit (the stage raises)
         writer.abort()

@@ -516,6 +516,24 @@ def test_a_cap_that_stops_part_way_through_a_file_says_so(tmp_path, caplog, sour
     assert len(docs) == 20 and report(tmp_path)["capped"] is True and "partly_read_file" not in report(tmp_path)
 
 
+def test_a_cap_at_a_file_s_last_item_opens_no_further_input(tmp_path, monkeypatch):
+    """Telling a file read in part from one read whole looks one item ahead in
+    that file only: the next input (a dataset named for load_dataset, an
+    object in a store) is never opened for it."""
+    from pipeline.data import ingest
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {i} " + "z" * 90}) + "\n"
+                                                        for i in range(3)))
+    opened = []
+    reader = ingest.READERS["jsonl"]
+    monkeypatch.setitem(ingest.READERS, "jsonl", lambda f, c: (opened.append(f.path.name), reader(f, c))[1])
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "*.jsonl")}], max_bytes=250,
+                           executor={"num_workers": 1})  # read here, where the reader is watched
+    assert len(docs) == 3 and metrics["unread_files"] == 1 and opened == ["a.jsonl"]
+    assert "partly_read_file" not in report(tmp_path)
+
+
 def test_stdlib_placeholder_and_exclude():
     files = resolve_sources(cfg(sources=[{"path": "{stdlib}/json/*.py", "exclude": ["*/tool.py"]}]))
     names = [f.display for f in files]
