@@ -560,7 +560,12 @@ def _not_text(head: bytes) -> Skip | None:
     if not head:
         return Skip("empty_file", "file")
     if b"\x00" in head:
-        return Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+        # UTF-32 LE's byte-order mark begins with UTF-16 LE's, so it is tried first
+        wide = next((name for name, bom in (("UTF-32", codecs.BOM_UTF32_LE), ("UTF-32", codecs.BOM_UTF32_BE),
+                                            ("UTF-16", codecs.BOM_UTF16_LE), ("UTF-16", codecs.BOM_UTF16_BE))
+                     if head.startswith(bom)), None)
+        return Skip("binary", "file", detail="NUL byte in the first 8 KiB" + (
+            f": {wide} text by its byte-order mark; convert it to UTF-8 (iconv -f {wide} -t UTF-8)" if wide else ""))
     return None
 
 

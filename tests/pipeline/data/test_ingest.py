@@ -110,6 +110,20 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_text_is_a_binary_skip_that_says_what_it_is(tmp_path, encoding):
+    """Windows tools write UTF-16 with a byte-order mark: its NUL bytes make it a
+    binary skip, whose detail names the encoding and the conversion."""
+    (tmp_path / "notes.txt").write_bytes("hello from Notepad".encode(encoding))  # Python writes the BOM
+    (tmp_path / "ok.txt").write_text("hello world")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}])
+    assert [d["text"] for d in docs] == ["hello world"]
+    name = encoding.upper()
+    assert [(q["reason"], q["detail"]) for q in quarantine] == [
+        ("binary", f"NUL byte in the first 8 KiB: {name} text by its byte-order mark; convert it to UTF-8 "
+                   f"(iconv -f {name} -t UTF-8)")]
+
+
 @pytest.mark.parametrize("pattern", ["", "/*"], ids=["folder", "glob"])
 def test_entries_that_are_not_files_are_counted_skips_not_lost(tmp_path, pattern):
     """A dataset folder linked into data/raw, a link whose target is gone, a FIFO
