@@ -111,7 +111,7 @@ import sys
 import time
 import zipfile
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -138,7 +138,15 @@ from pipeline.data.docs import (
     text_lengths,
 )
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
-from pipeline.data.mixture import Share, check_names, empty_warnings, order_keys, repeat_warnings, targets
+from pipeline.data.mixture import (
+    MixtureError,
+    Share,
+    check_names,
+    empty_warnings,
+    order_keys,
+    repeat_warnings,
+    targets,
+)
 from pipeline.data.resume import ShardLog
 from pipeline.data.shares import multiplicities
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
@@ -1070,6 +1078,7 @@ class Mixture:
             codes = np.concatenate([b.column(1).to_numpy() for b in batches] or [[]]).astype(np.int64)
             order = np.concatenate([b.column(2).to_numpy() for b in batches] or [[]]).astype(np.uint64)
             available = {names[c]: int(lens[codes == c].sum()) for c in np.unique(codes)}
+            self.check_some_in_train(available)
             wanted = targets(available, self.cfg.mixture)
             for line in repeat_warnings(available, wanted, self.cfg.max_repeats):
                 log.warning("%s", line)
@@ -1104,6 +1113,20 @@ class Mixture:
                     "copies": int(copies[codes == self.sources.code[n]].sum()),
                     "dropped_docs": int(((copies == 0) & (codes == self.sources.code[n])).sum())}
                 for n in wanted}
+
+    def check_some_in_train(self, available: Mapping[str, int]) -> None:
+        """Raise MixtureError for a listed source that has documents not marked
+        split: val (run_pack checked that before it began) but none in train: the
+        hash split sent them all to val (a source of a few documents), which no
+        entry of the mixture can mend, listed or not."""
+        gone = sorted(n for n in self.cfg.mixture if n not in available and n in self.sources.code)
+        if gone:
+            val = {n: int(self.sources.docs["val"][self.sources.code[n]]) for n in gone}
+            raise MixtureError(
+                f"pack.mixture lists source(s) {gone}, but none of their documents went to train: the split sent "
+                f"all of them to val ({', '.join(f'{n}: {k:,}' for n, k in val.items())} document(s); "
+                f"pack.val_fraction={self.cfg.val_fraction:g}, pack.seed={self.cfg.seed}); mark such a source "
+                "split: train in ingest.sources (it then has no val score), or give it more documents")
 
     def discard(self) -> None:
         """Remove the pieces (the mixture is written, or the run failed on its data)."""
