@@ -504,7 +504,8 @@ def test_files_the_cap_leaves_unread_are_counted_by_source_and_a_source_never_re
         (False, 0, {})
 
 
-@pytest.mark.parametrize("source", [{"path": "big.jsonl"}, {"path": "book.txt", "split_by": "chunk", "chunk_bytes": 100}],
+@pytest.mark.parametrize("source", [{"path": "big.jsonl"},
+                                    {"path": "book.txt", "split_by": "chunk", "chunk_bytes": 100}],
                          ids=["jsonl", "chunks"])
 def test_a_cap_that_stops_part_way_through_a_file_says_so(tmp_path, caplog, source):
     """One large JSONL file (or one chunked text) is the common corpus: a cap

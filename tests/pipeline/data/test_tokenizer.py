@@ -302,8 +302,9 @@ def test_a_small_vocabulary_from_a_sample_of_repeats_asks_for_a_larger_corpus(co
     with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
         m = train_tokenizer(cfg, path, tmp_path / "t.json")
     [line] = [r.getMessage() for r in caplog.records if "trained tokenizer has" in r.getMessage()]
-    assert line.startswith(f"tokenizer.vocab_size is 8192 but the trained tokenizer has {m['vocab_size']} tokens: the "
-                           f"BPE trainer ran out of pairs to merge in its sample ({m['sample_bytes']:,} bytes, of which ")
+    assert line.startswith(f"tokenizer.vocab_size is 8192 but the trained tokenizer has {m['vocab_size']} tokens: "
+                           f"the BPE trainer ran out of pairs to merge in its sample ({m['sample_bytes']:,} bytes, "
+                           "of which ")
     assert line.endswith(" are distinct text, repeated for sample_weights; pairs seen fewer than "
                          "tokenizer.min_frequency = 2 times are not merged): give it more text (a larger corpus: the "
                          "sample already repeats what it has) or a smaller tokenizer.vocab_size")
