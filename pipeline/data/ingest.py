@@ -533,8 +533,8 @@ def split_text(text: str, split_by: str, base: str = "") -> Iterator[tuple[str, 
 
 def _texts(text: object, split_by: str, base: str, max_doc_bytes: int) -> Iterator[Item]:
     """Checks shared by the record formats: type, emptiness, size, then splitting."""
-    if text is None:
-        yield Skip("missing_field", base)
+    if text is None:  # JSON null, an empty cell, a Parquet null: the field is there, its text is not
+        yield Skip("missing_field", base, detail="the value is null")
         return
     if not isinstance(text, str):
         yield Skip("bad_type", base, detail=f"expected a string, got {type(text).__name__}")

@@ -110,6 +110,18 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
 
 
+def test_a_null_text_is_a_missing_field_skip_that_says_it_is_null(tmp_path):
+    """A field that is there with a null value was a skip with no detail, unlike a field that is absent."""
+    (tmp_path / "a.jsonl").write_text('{"text": null}\n{"body": "x"}\n{"text": "kept"}\n')
+    pq.write_table(pa.table({"text": pa.array([None, "kept too"], pa.string())}), tmp_path / "b.parquet")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "a.jsonl")},
+                                                 {"path": str(tmp_path / "b.parquet")}])
+    assert [d["text"] for d in docs] == ["kept", "kept too"]
+    assert [(q["reason"], q["location"], q["detail"]) for q in quarantine] == [
+        ("missing_field", "line:1", "the value is null"), ("missing_field", "line:2", "no field 'text'"),
+        ("missing_field", "row:0", "the value is null")]
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
 def test_a_utf16_text_is_a_binary_skip_that_says_what_it_is(tmp_path, encoding):
     """Windows tools write UTF-16 with a byte-order mark: its NUL bytes make it a
