@@ -434,7 +434,7 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         p = Path(expanded)
         if remote.scheme_of(expanded):
             root, candidates = remote.listed(expanded, where, IngestError)
-        elif glob.has_magic(expanded):
+        elif glob.has_magic(expanded) and not os.path.lexists(expanded):  # a name with [ ] * ? is itself first
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
             # The folder before the first wildcard: its own name is the user's, never a hidden part.
             root = Path(os.path.dirname(expanded.split("*")[0].split("?")[0].split("[")[0]) or ".")

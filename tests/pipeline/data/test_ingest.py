@@ -409,6 +409,18 @@ def test_record_formats(tmp_path):
     assert report(tmp_path)["skipped"] == {"missing_field": 1, "malformed_json": 1}
 
 
+def test_a_path_whose_name_holds_glob_characters_is_read_as_named(tmp_path):
+    """'notes[1].txt' as a pattern matches 'notes1.txt' only, so the file the
+    user named was 'matched no files'; a path that exists is read as it is,
+    and one that does not is still a pattern."""
+    (tmp_path / "notes[1].txt").write_text("literal brackets")
+    (tmp_path / "notes1.txt").write_text("matched by the pattern")
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "notes[1].txt")}])
+    assert [d["text"] for d in docs] == ["literal brackets"]
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "notes[0-9].txt")}])
+    assert [d["text"] for d in docs] == ["matched by the pattern"]
+
+
 def test_a_source_whose_files_are_all_left_out_says_by_what(tmp_path):
     """A folder of dot-files, or an exclude that takes everything: the error says
     what left the files out, not only that nothing matched."""
