@@ -49,11 +49,12 @@ class DocTable:
 
     Raises ``error`` (a StageError class) with one line when the path is
     missing, a folder has no manifest or lacks a listed shard, a file is not
-    Parquet, or the shards' schemas differ."""
+    Parquet, the shards' schemas differ, or, as it is read, a file's data is
+    damaged (Parquet pages carry no checksum: the codec or the decoder finds it)."""
 
     def __init__(self, path: str | Path, error: type[Exception], missing_hint: str = ""):
         path = Path(path)
-        self.path = path
+        self.path, self.error = path, error
         if path.is_dir():
             manifest_path = path / MANIFEST
             if not manifest_path.is_file():
@@ -94,7 +95,8 @@ class DocTable:
         before ``start`` or from ``stop`` on are not read (a stage resuming
         mid-table, a worker reading its part)."""
         if start == 0 and stop is None and len(self._parts) == 1:
-            yield from self._parts[0].iter_batches(batch_size=batch_size, columns=columns)
+            yield from self._decoded(self.files[0], self._parts[0].iter_batches(batch_size=batch_size,
+                                                                                 columns=columns))
             return
         pending: list[pa.RecordBatch] = []
         have = 0
@@ -167,10 +169,13 @@ class DocTable:
         wanted = sorted(set(rows))
         groups = sorted({int(np.searchsorted(starts, r, side="right")) - 1 for r in wanted})
         g0 = 0  # the first group of the current part, in table order
-        for part in self._parts:
+        for f, part in zip(self.files, self._parts):
             n = part.metadata.num_row_groups
             for g in [g for g in groups if g0 <= g < g0 + n]:
-                values = part.read_row_group(g - g0, columns=[column]).column(0)
+                try:
+                    values = part.read_row_group(g - g0, columns=[column]).column(0)
+                except (OSError, pa.ArrowException) as e:
+                    raise self._damaged(f, e) from None
                 lo, hi = int(starts[g]), int(starts[g + 1])
                 for r in wanted:
                     if lo <= r < hi:
@@ -183,12 +188,24 @@ class DocTable:
         over the shards (:meth:`row_groups`): an estimate of its bytes that reads no data."""
         return int(self.row_groups(name)[1].sum())
 
+    def _damaged(self, f: Path, e: BaseException) -> Exception:
+        why = " ".join(str(e).split())  # pyarrow's messages run over lines
+        return self.error(f"{f}: damaged Parquet data ({type(e).__name__}: {why}); run the stage that wrote it "
+                          "again, which replaces a damaged shard")
+
+    def _decoded(self, f: Path, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """``batches`` of file ``f``, a decoding error raised as one line that names the file."""
+        try:
+            yield from batches
+        except (OSError, pa.ArrowException) as e:
+            raise self._damaged(f, e) from None
+
     def _pieces(self, batch_size: int, columns: list[str] | None, skip: int, stop: int
                 ) -> Iterator[pa.RecordBatch]:
         """Every shard's batches in order, rows ``[skip, stop)`` of the table: only
         the row groups that hold them are read."""
         left = stop - skip  # rows still to give
-        for part in self._parts:
+        for f, part in zip(self.files, self._parts):
             if left <= 0:
                 return
             md = part.metadata
@@ -207,7 +224,7 @@ class DocTable:
                     break
                 groups.append(g)
                 need -= rows
-            for b in part.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns):
+            for b in self._decoded(f, part.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns)):
                 cut = min(skip, b.num_rows)
                 skip -= cut
                 b = b.slice(cut, left)

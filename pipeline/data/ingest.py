@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import fnmatch
 import glob
 import hashlib
@@ -279,7 +280,11 @@ def _display(p: Path | RemotePath, placeholder: str | None, value: str | None) -
     if placeholder and value and s.startswith(value):
         return _as_utf8(placeholder + s[len(value):])
     try:
-        return _as_utf8(str(p.resolve().relative_to(Path.cwd().resolve())))
+        real = p.resolve()
+    except (OSError, RuntimeError):  # a link in a loop (RuntimeError before Python 3.13): its folder's path
+        real = p.parent.resolve() / p.name
+    try:
+        return _as_utf8(str(real.relative_to(Path.cwd().resolve())))
     except ValueError:
         return _as_utf8(s)
 
@@ -305,7 +310,10 @@ def _is_hidden(p: Path | RemotePath, root: Path | RemotePath) -> bool:
 
 
 def _is_hf_dir(p: Path) -> bool:
-    return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+    try:
+        return p.is_dir() and any((p / n).exists() for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+    except PermissionError:  # a folder that cannot be searched: listed as such (_walk, _unlisted_folders)
+        return False
 
 
 def _in_hf_dir(folder: Path, root: Path, seen: dict[Path, bool]) -> bool:
@@ -327,9 +335,10 @@ def _walk(folder: Path, datasets: bool) -> list[Path]:
     and count: a link to a folder (not walked, as DVC does not look into it
     either), a link to nothing, a FIFO or a socket. Left out, they would be
     lost without a word: a dataset folder linked into ``data/raw`` would give
-    no documents and no warning."""
+    no documents and no warning. So is a folder that cannot be listed (a
+    permission), which ``os.walk`` would pass over in silence."""
     found: list[Path] = []
-    for top, dirs, files in os.walk(folder):
+    for top, dirs, files in os.walk(folder, onerror=lambda e: found.append(Path(e.filename))):
         here = Path(top)
         if datasets:
             inputs = [d for d in dirs if _is_hf_dir(here / d)]
@@ -340,11 +349,44 @@ def _walk(folder: Path, datasets: bool) -> list[Path]:
     return sorted(found)
 
 
+def _unlisted_folders(pattern: str, root: Path, include_hidden: bool) -> list[Path]:
+    """The folders below ``root`` that ``glob.glob(pattern)`` would have looked
+    into but could not list (a permission): glob passes over them in silence,
+    and their files would be lost without a word."""
+    parts = Path(pattern).relative_to(root).parts
+    into = parts if parts[-1] == "**" else parts[:-1]  # the parts a folder on the way must match
+
+    def on_the_way(rel: tuple[str, ...], pat: tuple[str, ...]) -> bool:
+        if not rel:
+            return True
+        if not pat:
+            return False
+        if pat[0] == "**":
+            return on_the_way(rel, pat[1:]) or on_the_way(rel[1:], pat)
+        return fnmatch.fnmatchcase(rel[0], pat[0]) and on_the_way(rel[1:], pat[1:])
+
+    unlisted: list[Path] = []
+    for top, dirs, _ in os.walk(root, onerror=lambda e: unlisted.append(Path(e.filename))):
+        rel = Path(top).relative_to(root).parts
+        dirs[:] = [d for d in dirs if (include_hidden or not d.startswith(".")) and on_the_way((*rel, d), into)]
+    return unlisted
+
+
 def not_a_file(path: Path) -> str | None:
     """Why an input that should be a file is none, or None when it is one."""
     if path.is_file():
         return None
+    if path.is_dir() and not path.is_symlink():
+        try:
+            os.scandir(path).close()
+        except OSError as e:
+            return f"a folder that cannot be listed ({e.strerror}), so none of its files were read"
     if path.is_symlink() and not path.exists():
+        try:
+            path.stat()
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"a symbolic link to {os.readlink(path)}, which leads back to itself (a loop of links)"
         return f"a symbolic link to {os.readlink(path)}, which does not exist"
     if path.is_dir():
         return ("a symbolic link to a folder, which is not read: DVC does not look into it, so a rerun would not "
@@ -392,7 +434,7 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         p = Path(expanded)
         if remote.scheme_of(expanded):
             root, candidates = remote.listed(expanded, where, IngestError)
-        elif glob.has_magic(expanded):
+        elif glob.has_magic(expanded) and not os.path.lexists(expanded):  # a name with [ ] * ? is itself first
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True, include_hidden=cfg.include_hidden))
             # The folder before the first wildcard: its own name is the user's, never a hidden part.
             root = Path(os.path.dirname(expanded.split("*")[0].split("?")[0].split("[")[0]) or ".")
@@ -401,6 +443,7 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             # is, to be skipped and counted (read_items).
             candidates = [m for m in matches if (not m.is_dir() or (datasets_too and _is_hf_dir(m)))
                           and not (datasets_too and _in_hf_dir(m.parent, root, seen))]
+            candidates = sorted({*candidates, *_unlisted_folders(expanded, root, cfg.include_hidden)})
         elif p.is_dir() and (fmt == "hf" or (fmt == "auto" and _is_hf_dir(p))):
             candidates, root = [p], p.parent
         elif p.is_dir():
@@ -410,15 +453,21 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
             candidates, root = [p], p.parent
         else:
             raise IngestError(f"{where}: no such file or directory: {src.path!r} (expanded to {expanded!r})")
+        listed = len(candidates)
         if not cfg.include_hidden:
             candidates = [c for c in candidates if not _is_hidden(c, root)]
+        hidden = listed - len(candidates)
         if src.exclude:
             candidates = [
                 c for c in candidates
                 if not any(fnmatch.fnmatchcase(_display(c, ph, value), pat) for pat in src.exclude)
             ]
         if not candidates:
-            raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})")
+            left_out = ", ".join(part for part in (
+                f"{hidden} hidden (ingest.include_hidden is false)" if hidden else "",
+                f"{listed - hidden} left out by exclude {src.exclude}" if listed - hidden else "") if part)
+            raise IngestError(f"{where}: {src.path!r} matched no files (expanded to {expanded!r})"
+                              + (f"; of the {listed} it found, {left_out}" if listed else ""))
         for c in candidates:
             f_fmt = fmt if fmt != "auto" else _infer_format(c)
             if "hf" in src.model_fields_set and f_fmt != "hf":
@@ -484,8 +533,8 @@ def split_text(text: str, split_by: str, base: str = "") -> Iterator[tuple[str, 
 
 def _texts(text: object, split_by: str, base: str, max_doc_bytes: int) -> Iterator[Item]:
     """Checks shared by the record formats: type, emptiness, size, then splitting."""
-    if text is None:
-        yield Skip("missing_field", base)
+    if text is None:  # JSON null, an empty cell, a Parquet null: the field is there, its text is not
+        yield Skip("missing_field", base, detail="the value is null")
         return
     if not isinstance(text, str):
         yield Skip("bad_type", base, detail=f"expected a string, got {type(text).__name__}")
@@ -511,7 +560,12 @@ def _not_text(head: bytes) -> Skip | None:
     if not head:
         return Skip("empty_file", "file")
     if b"\x00" in head:
-        return Skip("binary", "file", detail="NUL byte in the first 8 KiB")
+        # UTF-32 LE's byte-order mark begins with UTF-16 LE's, so it is tried first
+        wide = next((name for name, bom in (("UTF-32", codecs.BOM_UTF32_LE), ("UTF-32", codecs.BOM_UTF32_BE),
+                                            ("UTF-16", codecs.BOM_UTF16_LE), ("UTF-16", codecs.BOM_UTF16_BE))
+                     if head.startswith(bom)), None)
+        return Skip("binary", "file", detail="NUL byte in the first 8 KiB" + (
+            f": {wide} text by its byte-order mark; convert it to UTF-8 (iconv -f {wide} -t UTF-8)" if wide else ""))
     return None
 
 
@@ -913,6 +967,9 @@ def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         else:  # a dataset repository: a local folder, or a name (needs the network or the HF cache)
             ds = datasets.load_dataset(str(f.path), hf.name, split=hf.split, revision=hf.revision)
     except Exception as e:  # datasets raises many types; the message is what matters
+        if not saved and hf.name is None and len(configs := _config_names(f)) > 1:
+            raise IngestError(f"{f.display}: the dataset has configs {configs}; pick one with hf.name (a source "
+                              "per config to read several)") from e
         first = (str(e).strip().splitlines() or [""])[0]
         raise IngestError(f"{f.display}: cannot load Hugging Face dataset: {type(e).__name__}: {first}") from e
     if isinstance(ds, datasets.DatasetDict):
@@ -926,6 +983,18 @@ def read_hf(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     if field not in ds.column_names:
         raise IngestError(f"{f.display}: no column {field!r}; columns are {ds.column_names}")
     yield from _read_columns(ds.data.to_batches(max_chunksize=1000), field, f.source.split_by, cfg)
+
+
+def _config_names(f: InputFile) -> list[str]:
+    """The configs of a dataset repository (local, or named where the Hub or the
+    cache answers), or [] where they cannot be listed: what to tell a user whose
+    source gives no hf.name, which datasets reports in lines of its own."""
+    import datasets
+
+    try:
+        return list(datasets.get_dataset_config_names(str(f.path), revision=f.source.hf.revision))
+    except Exception:  # noqa: BLE001 - only a better message is at stake; the load's own error is raised
+        return []
 
 
 READERS: dict[str, Callable[[InputFile, IngestConfig], Iterator[Item]]] = {
@@ -988,10 +1057,11 @@ Position = tuple[int, int]  # (index of the input in the resolved files, items o
 
 
 def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = None, start: Position = (0, 0)
-               ) -> Iterator[tuple[Position, InputFile, Item]]:
+               ) -> Iterator[tuple[Position, InputFile, Item, bool]]:
     """Every item of every input, in order, from ``start``, each with its
-    position: the input's index in ``files`` and the item's index in that
-    input's :func:`read_items` stream. With an executor of more than one worker,
+    position (the input's index in ``files`` and the item's index in that
+    input's :func:`read_items` stream) and whether it is its input's last
+    (each input is read one item ahead, never the next input). With an executor of more than one worker,
     files of at most ``worker_file_bytes`` (a compressed one counts
     :data:`COMPRESSED_SIZE_FACTOR` times its size) are read whole by the workers, a
     window of them ahead; larger files and datasets are streamed here, in their
@@ -1011,12 +1081,15 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
         seen.add(f.key)
     first, skip = start
 
-    def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item]]:
+    def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item, bool]]:
         numbered = enumerate(items)
         if i == first and skip:
             numbered = itertools.islice(numbered, skip, None)
-        for j, item in numbered:
-            yield (i, j), f, item
+        held = next(numbered, None)
+        while held is not None:
+            following = next(numbered, None)
+            yield (i, held[0]), f, held[1], following is None
+            held = following
 
     if ex is None or ex.workers == 1:
         for i in range(first, len(plan)):
@@ -1114,11 +1187,15 @@ class _Shard:
                 v.clear()
             self.rows_bytes = 0
 
-    def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool) -> dict:
+    def seal(self, writer: ShardedParquetWriter, end: Position, capped: bool, last: bool,
+             rest_unread: bool = False) -> dict:
+        """Commit the shard; ``rest_unread``: max_bytes stopped the reading part-way
+        through the file it ends in (recorded only then)."""
         self.flush(writer)
         return writer.seal({"docs": self.docs, "bytes": self.bytes, "per_source": self.per_source,
                             "skipped_per_source": self.skipped_per_source,
-                            "end": list(end), "capped": capped, "last": last, "ledger": self.ledger.to_dict()})
+                            "end": list(end), "capped": capped, "last": last, "ledger": self.ledger.to_dict(),
+                            **({"rest_unread": True} if rest_unread else {})})
 
 
 class _Totals:
@@ -1131,7 +1208,7 @@ class _Totals:
         self.docs = self.bytes = self.shards = 0
         self.per_source: dict[str, int] = {}
         self.skipped_per_source: dict[str, dict[str, int]] = {}
-        self.capped = False
+        self.capped = self.rest_unread = False
 
     def add(self, rec: dict) -> None:
         self.ledger.merge(Ledger.from_dict(rec["ledger"], per_reason=self.per_reason))
@@ -1143,7 +1220,7 @@ class _Totals:
             mine = self.skipped_per_source.setdefault(name, {})
             for reason, n in reasons.items():
                 mine[reason] = mine.get(reason, 0) + n
-        self.capped = rec["capped"]
+        self.capped, self.rest_unread = rec["capped"], rec.get("rest_unread", False)
         self.shards += 1
 
 
@@ -1196,7 +1273,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         bar.reach(len(files))
     if resumed:
         log.info("resumed: %d of %d shards kept from an earlier run", resumed, totals.shards)
-    unread = _unread_files(cfg, files, start) if totals.capped else {}
+    unread = _unread_files(cfg, files, start, totals.rest_unread) if totals.capped else {}
     totals.ledger.write(quarantine_path)
     if totals.docs == 0:
         raise IngestError(
@@ -1205,18 +1282,23 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
         )
     _say_skips(cfg, totals, unread, quarantine_path, report_path)
     if report_path is not None:
+        partly = {"partly_read_file": {"path": files[start[0]].display, "source": files[start[0]].source.label,
+                                       "items_read": start[1]}} if totals.rest_unread else {}
         write_json(report_path, {"skipped": totals.ledger.as_dict(), "capped": totals.capped,
                                  "docs_per_source": totals.per_source, "skipped_per_source": totals.skipped_per_source,
-                                 "unread_files_per_source": unread})
+                                 "unread_files_per_source": unread, **partly})
     shard_log.finish(totals.shards, {"format": docs_format.FORMAT, "rows": totals.docs, "bytes": totals.bytes,
                                      "columns": SCHEMA.names})
     return {"docs": totals.docs, "bytes": totals.bytes, "files": len(files), "unread_files": sum(unread.values()),
             "skipped": totals.ledger.total, "shards": totals.shards, "shards_resumed": resumed}
 
 
-def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> dict[str, int]:
+def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position, rest_unread: bool = False
+                  ) -> dict[str, int]:
     """The input files ``max_bytes`` left unread (every one after the file the cap
-    stopped in), by source name, and a line saying so: a warning for each source
+    stopped in), by source name, and a line saying so, which also says when the
+    cap stopped part-way through a file (``rest_unread``: one large JSONL file
+    is read in part, and no file is left unread); a warning for each source
     of which no file was read, since its documents are simply missing downstream."""
     listed: dict[str, int] = {}
     unread: dict[str, int] = {}
@@ -1226,9 +1308,11 @@ def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position) -> d
             unread[f.source.label] = unread.get(f.source.label, 0) + 1
     where = files[min(end[0], len(files) - 1)]
     counts = "; ".join(f"{name}: {n:,} of {listed[name]:,}" for name, n in unread.items())
-    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r): %s of %s input files not read%s; "
+    partly = f" after its first {end[1]:,} item(s), so the rest of that file was not read" if rest_unread else ""
+    log.info("ingest.max_bytes (%s bytes) reached in %s (source %r)%s: %s of %s input files not read%s; "
              "set ingest.max_bytes: null to read everything", f"{cfg.max_bytes:,}", where.display,
-             where.source.label, f"{sum(unread.values()):,}", f"{len(files):,}", f" ({counts})" if counts else "")
+             where.source.label, partly, f"{sum(unread.values()):,}", f"{len(files):,}",
+             f" ({counts})" if counts else "")
     for name, n in unread.items():
         if n == listed[name]:
             log.warning("source %r was not read at all: ingest.max_bytes (%s bytes) was reached before its %s "
@@ -1307,7 +1391,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
     shard = _Shard(cfg.quarantine_per_reason)
     writer.start(k)
     with contextlib.closing(iter_items(files, cfg, ex, start)) as items:
-        for pos, f, item in items:
+        for pos, f, item, last_of_file in items:
             if isinstance(item, Skip):
                 shard.skip(f, item)
                 continue
@@ -1325,7 +1409,7 @@ def _write_shards(cfg: IngestConfig, files: list[InputFile], ex: Executor, write
                 shard.flush(writer)
             if cfg.max_bytes and totals.bytes + shard.bytes >= cfg.max_bytes:
                 end = (pos[0], pos[1] + 1)
-                totals.add(shard.seal(writer, end=end, capped=True, last=True))
+                totals.add(shard.seal(writer, end=end, capped=True, last=True, rest_unread=not last_of_file))
                 return k + 1, end, True
     if shard.docs == 0:  # nothing read at all: no shard to commit (the stage raises)
         writer.abort()

@@ -22,7 +22,6 @@ counts or row order.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -64,10 +63,7 @@ def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[
     """Train tokens wanted from each source. Raises MixtureError, naming them, for
     sources of the data without an entry and entries without data."""
     check_names(available, mixture)
-    weighted = {n: s.weight for n, s in mixture.items() if s.weight is not None}
-    if not math.isfinite(sum(weighted.values())):  # weights near the largest float: scaled, so that they sum
-        largest = max(weighted.values())
-        weighted = {n: w / largest for n, w in weighted.items()}
+    weighted = shares.summable({n: s.weight for n, s in mixture.items() if s.weight is not None})
     pool = sum(available[n] for n in weighted)
     total_weight = sum(weighted.values())
     out = {n: int(s.tokens) for n, s in mixture.items() if s.tokens is not None}
@@ -94,3 +90,12 @@ def repeat_warnings(available: Mapping[str, int], wanted: Mapping[str, int], max
                          f"each document is repeated {wanted[n] / available[n]:.2f} times on average, more than "
                          f"pack.max_repeats={max_repeats:g}")
     return lines
+
+
+def empty_warnings(wanted: Mapping[str, int], realised: Mapping[str, int], shortest: Mapping[str, int]) -> list[str]:
+    """One line per source that the mixture lists but takes nothing of: its target
+    is below its shortest document, which is never cut (a tiny weight, or a
+    small budget, beside a large corpus)."""
+    return [f"source {n!r}: the mixture asks for {wanted[n]:,} train tokens, fewer than its shortest document "
+            f"({shortest[n]:,} tokens), so none of its documents is trained on; raise its weight or tokens"
+            for n in sorted(wanted) if realised[n] == 0 and shortest.get(n, 0) > 0]

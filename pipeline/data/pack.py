@@ -111,7 +111,7 @@ import sys
 import time
 import zipfile
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -138,7 +138,15 @@ from pipeline.data.docs import (
     text_lengths,
 )
 from pipeline.data.executor import Executor, ExecutorConfig, ParallelStageConfig, open_executor
-from pipeline.data.mixture import Share, check_names, order_keys, repeat_warnings, targets
+from pipeline.data.mixture import (
+    MixtureError,
+    Share,
+    check_names,
+    empty_warnings,
+    order_keys,
+    repeat_warnings,
+    targets,
+)
 from pipeline.data.resume import ShardLog
 from pipeline.data.shares import multiplicities
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, write_manifest
@@ -335,6 +343,7 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
     names: dict[str, None] = {}
     trainable: dict[str, None] = {}
     marked = {"train": 0, "val": 0}
+    marked_chunks = 0  # chunks that ingest marked split: train or val, which position leaves where they are
     for batch in pf.iter_batches(batch_size=65_536, columns=columns + extra):
         col = batch.column(0)
         if col.null_count:
@@ -370,6 +379,8 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
                 if c is not None and hashed[i]:
                     files.setdefault(sources[i], []).append((c, sizes[i], n + i, ids[i]))
                     hashed[i] = False
+                elif c is not None:
+                    marked_chunks += 1
         hashed_ids = ids if hashed.all() else [d for d, h in zip(ids, hashed) if h]
         u = split_hashes(seed, hashed_ids)
         scores.many(u, rows[hashed], hashed_ids)
@@ -377,6 +388,10 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
         val[hashed] = u < np.uint64(threshold)  # val_fraction <= 0.5: the threshold fits in 64 bits
         bits.extend(val)
         n += len(ids)
+    if position and not files and marked_chunks:
+        raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but every chunk "
+                        f"({marked_chunks:,}) is marked split: train or val in ingest.sources, which goes before "
+                        "it; set split: auto on the chunked source, or pack.val_by: hash")
     if position and not files:
         raise PackError(f"{where}: pack.val_by: position holds out the end of each chunked text, but no "
                         "document is a chunk; use ingest split_by: chunk, or pack.val_by: hash")
@@ -1063,6 +1078,7 @@ class Mixture:
             codes = np.concatenate([b.column(1).to_numpy() for b in batches] or [[]]).astype(np.int64)
             order = np.concatenate([b.column(2).to_numpy() for b in batches] or [[]]).astype(np.uint64)
             available = {names[c]: int(lens[codes == c].sum()) for c in np.unique(codes)}
+            self.check_some_in_train(available)
             wanted = targets(available, self.cfg.mixture)
             for line in repeat_warnings(available, wanted, self.cfg.max_repeats):
                 log.warning("%s", line)
@@ -1070,6 +1086,11 @@ class Mixture:
             for name, target in wanted.items():
                 mine = codes == self.sources.code[name]
                 copies[mine] = multiplicities(order[mine], lens[mine], target)
+            realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
+            shortest = {n: int(np.min(lens[codes == self.sources.code[n]], initial=np.iinfo(np.int64).max))
+                        for n in wanted}
+            for line in empty_warnings(wanted, realised, shortest):
+                log.warning("%s", line)
             bar = stack.enter_context(progress(total=int((lens * copies).sum()), unit="tok", unit_scale=True,
                                                desc="pack mixture"))
             for r in range(1, int(copies.max(initial=0)) + 1):
@@ -1085,7 +1106,6 @@ class Mixture:
                                 checkpoint((r, i + 1))
                         bar.update(int(lens[row:row + b.num_rows][take].sum()))
                     row += b.num_rows
-        realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
         total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1
         return {n: {"available_tokens": available[n], "target_tokens": wanted[n], "tokens": realised[n],
                     "requested_share": round(wanted[n] / total_wanted, 6), "share": round(realised[n] / total, 6),
@@ -1093,6 +1113,20 @@ class Mixture:
                     "copies": int(copies[codes == self.sources.code[n]].sum()),
                     "dropped_docs": int(((copies == 0) & (codes == self.sources.code[n])).sum())}
                 for n in wanted}
+
+    def check_some_in_train(self, available: Mapping[str, int]) -> None:
+        """Raise MixtureError for a listed source that has documents not marked
+        split: val (run_pack checked that before it began) but none in train: the
+        hash split sent them all to val (a source of a few documents), which no
+        entry of the mixture can mend, listed or not."""
+        gone = sorted(n for n in self.cfg.mixture if n not in available and n in self.sources.code)
+        if gone:
+            val = {n: int(self.sources.docs["val"][self.sources.code[n]]) for n in gone}
+            raise MixtureError(
+                f"pack.mixture lists source(s) {gone}, but none of their documents went to train: the split sent "
+                f"all of them to val ({', '.join(f'{n}: {k:,}' for n, k in val.items())} document(s); "
+                f"pack.val_fraction={self.cfg.val_fraction:g}, pack.seed={self.cfg.seed}); mark such a source "
+                "split: train in ingest.sources (it then has no val score), or give it more documents")
 
     def discard(self) -> None:
         """Remove the pieces (the mixture is written, or the run failed on its data)."""

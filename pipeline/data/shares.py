@@ -15,6 +15,7 @@ order.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -36,6 +37,16 @@ def check_names(available: Iterable[str], named: Mapping[str, object], key: str,
                     f"(sources with train documents: {sorted(available)}); a source has none when it is "
                     f"split: val, when clean dropped all of it, or when ingest.max_bytes was reached before "
                     f"it (data/ingest/report.json, unread_files_per_source)")
+
+
+def summable(weights: Mapping[str, float]) -> dict[str, float]:
+    """``weights`` scaled by the largest where their sum overflows a float
+    (weights near the largest float), so that each one's share, its weight over
+    their sum, is their ratio as for any other weights."""
+    if math.isfinite(sum(weights.values())):
+        return dict(weights)
+    largest = max(weights.values())
+    return {n: w / largest for n, w in weights.items()}
 
 
 def multiplicities(keys: np.ndarray, sizes: np.ndarray, target: int) -> np.ndarray:

@@ -66,7 +66,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pipeline import layout
 from pipeline.config import StageConfig
 from pipeline.data.docs import DocTable
-from pipeline.data.shares import check_names, multiplicities
+from pipeline.data.shares import check_names, multiplicities, summable
 from pipeline.errors import StageError
 from pipeline.files import atomic_dir, atomic_write, read_json, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
@@ -134,8 +134,9 @@ class TokenizerConfig(StageConfig):
     @field_validator("sample_weights")
     @classmethod
     def _weights(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(not math.isfinite(w) or w < 0 for w in v.values()):
-            raise ValueError("weights are finite and >= 0")
+        bad = {name: w for name, w in v.items() if not math.isfinite(w) or w < 0}
+        if bad:
+            raise ValueError(f"weights are finite and >= 0 (got {bad})")
         if v and not sum(v.values()) > 0:
             raise ValueError("at least one weight is above 0")
         return v
@@ -454,6 +455,7 @@ def _weighted(rank: np.ndarray, size: np.ndarray, trainable: np.ndarray, source:
     sample, and those bytes over its documents' bytes."""
     train_names = sorted(name for name, k in sources.items() if (trainable & (source == k)).any())
     check_names(train_names, weights, "tokenizer.sample_weights", TokenizerError)
+    weights = summable(weights)
     total_weight = sum(weights.values())
     taken: dict[str, int] = {}
     used: dict[str, float] = {}
@@ -543,6 +545,7 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     copies = stats.pop("copies", None)
     sample, heldout = _read_rows(docs_path, sample_mask, heldout_mask)
     texts = [t or "" for _, t in sample]
+    distinct_bytes = sum(len(t.encode("utf-8")) for t in texts)
     if copies is not None:  # sample_weights: a source short of its share is repeated (the same str objects)
         texts = [t for t, n in zip(texts, copies.tolist()) for _ in range(n)]
     if len(texts) == 1 and len(texts[0].encode("utf-8")) > cfg.sample_bytes:
@@ -565,11 +568,16 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     train_seconds = time.perf_counter() - t_train
     del texts
     if tok.get_vocab_size() < cfg.vocab_size:  # else only report.json would show it
+        # Repeats (sample_weights) add no new pair: more sample_bytes would only repeat the text more.
+        repeated = sample_bytes > distinct_bytes
         log.warning("tokenizer.vocab_size is %d but the trained tokenizer has %d tokens: the BPE trainer ran out of "
-                    "pairs to merge in its sample (%s bytes; pairs seen fewer than tokenizer.min_frequency = %d "
-                    "times are not merged): give it more text (tokenizer.sample_bytes, or a larger corpus) or a "
-                    "smaller tokenizer.vocab_size", cfg.vocab_size, tok.get_vocab_size(), f"{sample_bytes:,}",
-                    cfg.min_frequency)
+                    "pairs to merge in its sample (%s bytes%s; pairs seen fewer than tokenizer.min_frequency = %d "
+                    "times are not merged): give it more text (%s) or a smaller tokenizer.vocab_size",
+                    cfg.vocab_size, tok.get_vocab_size(), f"{sample_bytes:,}",
+                    f", of which {distinct_bytes:,} are distinct text, repeated for sample_weights" if repeated else "",
+                    cfg.min_frequency,
+                    "a larger corpus: the sample already repeats what it has" if repeated
+                    else "tokenizer.sample_bytes, or a larger corpus")
     special_ids(tok)
     tok.encode_special_tokens = True
 

@@ -59,6 +59,35 @@ def test_incomplete_or_broken_folders_are_one_line_errors(tmp_path):
         DocTable(tmp_path / "bad.parquet", StageError)
 
 
+def _damage(path) -> None:
+    """Overwrite the middle of the first row group's text data, as bit rot or a
+    bad copy would: the file still opens (its footer is intact)."""
+    col = pq.ParquetFile(path).metadata.row_group(0).column(1)
+    data = bytearray(path.read_bytes())
+    middle = col.data_page_offset + col.total_compressed_size // 2
+    data[middle - 8:middle + 8] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_data_is_a_one_line_error_that_names_the_file(tmp_path):
+    """Parquet pages carry no checksum: the codec finds the damage as the rows
+    are read, in a stage's own process or a worker, and pyarrow's OSError would
+    be a traceback (a worker's task on Ray was one line, in-process it was not)."""
+    _folder(tmp_path / "docs", [0, 20, 50])
+    pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=9, compression="zstd")
+    shard = tmp_path / "docs" / "shard-00001.parquet"
+    for path in (shard, tmp_path / "one.parquet"):
+        _damage(path)
+    message = r"damaged Parquet data \(OSError: .*\); run the stage that wrote it again, which replaces a damaged shard"
+    for path, read in [(tmp_path / "one.parquet", lambda t: list(t.iter_batches(batch_size=64))),
+                       (tmp_path / "docs", lambda t: list(t.iter_batches(batch_size=64))),
+                       (tmp_path / "docs", lambda t: list(t.iter_batches(batch_size=8, start=21))),
+                       (tmp_path / "docs", lambda t: t.take([3, 21], "text"))]:
+        table = DocTable(path, StageError)
+        with pytest.raises(StageError, match=f"^{shard if path.is_dir() else path}: {message}$"):
+            read(table)
+
+
 def test_an_aborted_shard_leaves_no_file(tmp_path):
     sl = ShardLog(tmp_path, "fp")
     sl.open()

@@ -110,6 +110,32 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
 
 
+def test_a_null_text_is_a_missing_field_skip_that_says_it_is_null(tmp_path):
+    """A field that is there with a null value was a skip with no detail, unlike a field that is absent."""
+    (tmp_path / "a.jsonl").write_text('{"text": null}\n{"body": "x"}\n{"text": "kept"}\n')
+    pq.write_table(pa.table({"text": pa.array([None, "kept too"], pa.string())}), tmp_path / "b.parquet")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "a.jsonl")},
+                                                 {"path": str(tmp_path / "b.parquet")}])
+    assert [d["text"] for d in docs] == ["kept", "kept too"]
+    assert [(q["reason"], q["location"], q["detail"]) for q in quarantine] == [
+        ("missing_field", "line:1", "the value is null"), ("missing_field", "line:2", "no field 'text'"),
+        ("missing_field", "row:0", "the value is null")]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_text_is_a_binary_skip_that_says_what_it_is(tmp_path, encoding):
+    """Windows tools write UTF-16 with a byte-order mark: its NUL bytes make it a
+    binary skip, whose detail names the encoding and the conversion."""
+    (tmp_path / "notes.txt").write_bytes("hello from Notepad".encode(encoding))  # Python writes the BOM
+    (tmp_path / "ok.txt").write_text("hello world")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}])
+    assert [d["text"] for d in docs] == ["hello world"]
+    name = encoding.upper()
+    assert [(q["reason"], q["detail"]) for q in quarantine] == [
+        ("binary", f"NUL byte in the first 8 KiB: {name} text by its byte-order mark; convert it to UTF-8 "
+                   f"(iconv -f {name} -t UTF-8)")]
+
+
 @pytest.mark.parametrize("pattern", ["", "/*"], ids=["folder", "glob"])
 def test_entries_that_are_not_files_are_counted_skips_not_lost(tmp_path, pattern):
     """A dataset folder linked into data/raw, a link whose target is gone, a FIFO
@@ -136,6 +162,69 @@ def test_entries_that_are_not_files_are_counted_skips_not_lost(tmp_path, pattern
     assert all(q["reason"] == "not_a_file" for q in quarantine)
     assert report(tmp_path)["skipped"] == {"not_a_file": len(expected)}
     assert metrics["files"] == 2 + len(expected)
+
+
+@pytest.mark.parametrize("pattern", ["", "/*"], ids=["folder", "glob"])
+def test_a_loop_of_links_is_a_counted_skip_not_a_traceback(tmp_path, pattern):
+    """Links that point at each other cannot be resolved (Python raises on the
+    loop): each is a not_a_file skip that says so, and the rest is read."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "good.txt").write_text("hello world")
+    (d / "loop1").symlink_to("loop2")
+    (d / "loop2").symlink_to("loop1")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}{pattern}"}])
+    assert [x["text"] for x in docs] == ["hello world"]
+    assert {q["source"].rsplit("/", 1)[-1]: q["detail"] for q in quarantine} == {
+        "loop1": "a symbolic link to loop2, which leads back to itself (a loop of links)",
+        "loop2": "a symbolic link to loop1, which leads back to itself (a loop of links)"}
+    assert report(tmp_path)["skipped"] == {"not_a_file": 2}
+    assert metrics["files"] == 3
+
+
+@pytest.mark.parametrize("fmt", ["auto", "text"])
+@pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt"], ids=["folder", "recursive-glob", "glob"])
+def test_a_folder_that_cannot_be_listed_is_a_counted_skip_not_lost(tmp_path, monkeypatch, pattern, fmt):
+    """A sub-folder without read permission: os.walk and glob pass over it in
+    silence, so its files would be lost without a word. It is a not_a_file skip
+    that says why. (The refusal is simulated: the tests may run as root.)"""
+    d = tmp_path / "corpus"
+    (d / "open").mkdir(parents=True)
+    (d / "locked").mkdir()
+    (d / "open" / "a.txt").write_text("hello world")
+    (d / "locked" / "b.txt").write_text("never read")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if Path(path) == d / "locked":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}{pattern}", "format": fmt}])
+    assert [x["text"] for x in docs] == ["hello world"]
+    assert [(q["reason"], q["source"].rsplit("/", 1)[-1], q["detail"]) for q in quarantine] == [
+        ("not_a_file", "locked", "a folder that cannot be listed (Permission denied), so none of its files were read")]
+    assert metrics["skipped"] == 1
+
+
+def test_a_glob_does_not_count_folders_it_would_not_enter(tmp_path, monkeypatch):
+    """Only the folders a pattern leads into are checked: a locked folder that
+    the pattern's parts do not match is none of its business."""
+    d = tmp_path / "corpus"
+    (d / "web").mkdir(parents=True)
+    (d / "private").mkdir()
+    (d / "web" / "a.txt").write_text("hello world")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if Path(path) == d / "private":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}/web*/*.txt"}])
+    assert [x["text"] for x in docs] == ["hello world"] and quarantine == [] and metrics["skipped"] == 0
 
 
 def test_a_file_removed_after_it_was_listed_is_a_counted_skip(tmp_path, monkeypatch):
@@ -320,6 +409,35 @@ def test_record_formats(tmp_path):
     assert report(tmp_path)["skipped"] == {"missing_field": 1, "malformed_json": 1}
 
 
+def test_a_path_whose_name_holds_glob_characters_is_read_as_named(tmp_path):
+    """'notes[1].txt' as a pattern matches 'notes1.txt' only, so the file the
+    user named was 'matched no files'; a path that exists is read as it is,
+    and one that does not is still a pattern."""
+    (tmp_path / "notes[1].txt").write_text("literal brackets")
+    (tmp_path / "notes1.txt").write_text("matched by the pattern")
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "notes[1].txt")}])
+    assert [d["text"] for d in docs] == ["literal brackets"]
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "notes[0-9].txt")}])
+    assert [d["text"] for d in docs] == ["matched by the pattern"]
+
+
+def test_a_source_whose_files_are_all_left_out_says_by_what(tmp_path):
+    """A folder of dot-files, or an exclude that takes everything: the error says
+    what left the files out, not only that nothing matched."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / ".notes.txt").write_text("hidden")
+    (d / "a.txt").write_text("excluded")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(d), "exclude": ["*/a.txt"]}])
+    assert str(err.value) == (f"ingest.sources.0.path: {str(d)!r} matched no files (expanded to {str(d)!r}); of the "
+                              "2 it found, 1 hidden (ingest.include_hidden is false), 1 left out by exclude "
+                              "['*/a.txt']")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": f"{d}/*.md"}])
+    assert str(err.value).endswith("matched no files (expanded to " + repr(f"{d}/*.md") + ")")
+
+
 def test_hf_save_to_disk(tmp_path):
     import datasets
 
@@ -408,6 +526,51 @@ def test_files_the_cap_leaves_unread_are_counted_by_source_and_a_source_never_re
     metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=None)
     assert (report(tmp_path)["capped"], metrics["unread_files"], report(tmp_path)["unread_files_per_source"]) == \
         (False, 0, {})
+
+
+@pytest.mark.parametrize("source", [{"path": "big.jsonl"},
+                                    {"path": "book.txt", "split_by": "chunk", "chunk_bytes": 100}],
+                         ids=["jsonl", "chunks"])
+def test_a_cap_that_stops_part_way_through_a_file_says_so(tmp_path, caplog, source):
+    """One large JSONL file (or one chunked text) is the common corpus: a cap
+    inside it leaves no file unread, so "0 of 1 input files not read" alone
+    would hide that most of it was not read. The line and the report say so,
+    also when a rerun replays the shard's record."""
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "z" * 90}) + "\n"
+                                                for i in range(20)))
+    (tmp_path / "book.txt").write_text("".join(f"line {i} " + "z" * 90 + "\n" for i in range(20)))
+    sources = [{**source, "path": str(tmp_path / source["path"])}]
+    for attempt in ("run", "rerun"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pipeline.data.ingest"):
+            metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=250)
+        assert len(docs) == 3 and metrics["unread_files"] == 0 and metrics["shards_resumed"] == (attempt == "rerun")
+        assert report(tmp_path)["partly_read_file"] == {"path": sources[0]["path"], "source": sources[0]["path"],
+                                                        "items_read": 3}
+        assert (f"reached in {sources[0]['path']} (source {sources[0]['path']!r}) after its first 3 item(s), so the "
+                "rest of that file was not read: 0 of 1 input files not read;") in caplog.text
+    # a cap reached at a file's last item leaves nothing of it unread
+    whole, _, _ = run(tmp_path, sources=sources, max_bytes=None)
+    metrics, docs, _ = run(tmp_path, sources=sources, max_bytes=whole["bytes"])
+    assert len(docs) == 20 and report(tmp_path)["capped"] is True and "partly_read_file" not in report(tmp_path)
+
+
+def test_a_cap_at_a_file_s_last_item_opens_no_further_input(tmp_path, monkeypatch):
+    """Telling a file read in part from one read whole looks one item ahead in
+    that file only: the next input (a dataset named for load_dataset, an
+    object in a store) is never opened for it."""
+    from pipeline.data import ingest
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {i} " + "z" * 90}) + "\n"
+                                                        for i in range(3)))
+    opened = []
+    reader = ingest.READERS["jsonl"]
+    monkeypatch.setitem(ingest.READERS, "jsonl", lambda f, c: (opened.append(f.path.name), reader(f, c))[1])
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "*.jsonl")}], max_bytes=250,
+                           executor={"num_workers": 1})  # read here, where the reader is watched
+    assert len(docs) == 3 and metrics["unread_files"] == 1 and opened == ["a.jsonl"]
+    assert "partly_read_file" not in report(tmp_path)
 
 
 def test_stdlib_placeholder_and_exclude():
@@ -548,6 +711,16 @@ def test_hf_config_name_and_split(tmp_path, hf_cache):
     assert docs[0]["id"] != docs[1]["id"]  # row 0 of two configs: different documents
     with pytest.raises(IngestError, match=r"cannot load Hugging Face dataset: ValueError: .*'nope' not found"):
         run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
+
+
+def test_a_dataset_of_several_configs_read_without_hf_name_names_them(tmp_path, hf_cache):
+    """datasets says which configs there are only in lines after its first; the
+    one-line error names them and the key that picks one."""
+    repo = _dataset_repo(tmp_path / "repo")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(repo), "format": "hf"}])
+    assert str(err.value) == (f"{repo}: the dataset has configs ['small', 'big']; pick one with hf.name "
+                              "(a source per config to read several)")
 
 
 def test_hub_dataset_revision_is_passed_and_an_unpinned_one_warned(tmp_path, monkeypatch, caplog):

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from pipeline.data.mixture import MixtureError, Share, repeat_warnings, targets
+from pipeline.data.mixture import MixtureError, Share, empty_warnings, repeat_warnings, targets
 
 
 def test_weights_share_the_weighted_tokens_and_budgets_are_exact():
@@ -43,3 +43,10 @@ def test_too_many_repeats_is_a_warning_with_the_figures():
     assert lines == ["source 'code' has 100 train tokens but the mixture asks for 550: each document is "
                      "repeated 5.50 times on average, more than pack.max_repeats=4"]
     assert repeat_warnings({"web": 1000, "code": 100}, {"web": 550, "code": 550}, max_repeats=6) == []
+
+
+def test_a_source_that_gets_nothing_is_a_warning_with_the_figures():
+    lines = empty_warnings({"web": 990, "code": 10}, {"web": 985, "code": 0}, {"web": 5, "code": 40})
+    assert lines == ["source 'code': the mixture asks for 10 train tokens, fewer than its shortest document "
+                     "(40 tokens), so none of its documents is trained on; raise its weight or tokens"]
+    assert empty_warnings({"web": 990, "code": 50}, {"web": 985, "code": 40}, {"web": 5, "code": 40}) == []

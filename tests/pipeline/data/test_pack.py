@@ -462,6 +462,23 @@ def test_position_split_holds_out_the_end_of_each_file(tmp_path):
         plan_splits(pq.ParquetFile(write_chunked(tmp_path / "n.parquet", rows[11:])), 0, 0.1, val_by="position")
 
 
+def test_position_split_of_chunks_all_marked_in_ingest_says_so(tmp_path):
+    """A chunked text marked split: train (or val) in ingest is not held out by
+    position, and the error says that, not that no document is a chunk."""
+    import pyarrow as pa
+
+    text = "x" * 99 + "\n"
+    path = write_chunked(tmp_path / "d.parquet", [(f"a{k}", text, "a.txt", k) for k in range(10)]
+                         + [(f"p{i}", text, "plain.txt", None) for i in range(20)])
+    table = pq.read_table(path)
+    marks = pa.array(["train"] * 10 + [None] * 20, pa.string())
+    pq.write_table(table.append_column("split", marks), tmp_path / "m.parquet")
+    with pytest.raises(PackError, match=r"but every chunk \(10\) is marked split: train or val in ingest.sources, "
+                                        r"which goes before it; set split: auto on the chunked source, or "
+                                        r"pack.val_by: hash$"):
+        plan_splits(pq.ParquetFile(tmp_path / "m.parquet"), 0, 0.1, val_by="position")
+
+
 # --- the array operations, each against the rule it encodes, one document at a time ----------------
 
 

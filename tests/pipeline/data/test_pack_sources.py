@@ -183,6 +183,37 @@ def test_a_source_repeated_too_often_is_a_warning_with_the_figures(corpus, tmp_p
     assert line.startswith("source 'code' has ") and "more than pack.max_repeats=2" in line
 
 
+def test_a_source_the_mixture_takes_nothing_of_is_a_warning_with_the_figures(corpus, tmp_path, caplog):
+    """A weight so small that the source's target is below its shortest document:
+    none of it is trained on, which is said, not left to the metrics."""
+    path, tok, _ = corpus
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.pack"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "code": {"weight": 1e-6}}), path, tok,
+                 tmp_path / "out")
+    src = read_json(tmp_path / "out" / MANIFEST)["sources"]["code"]
+    assert src["train_tokens"] == 0 and src["target_tokens"] == 0 and src["dropped_docs"] == src["train_docs"]
+    [line] = [r.getMessage() for r in caplog.records if "none of its documents" in r.getMessage()]
+    assert line.startswith("source 'code': the mixture asks for 0 train tokens, fewer than its shortest document (")
+    assert line.endswith(" tokens), so none of its documents is trained on; raise its weight or tokens")
+
+
+def test_a_listed_source_the_hash_split_sends_wholly_to_val_is_one_line_that_says_so(corpus, tmp_path):
+    """A source of one document that the hash puts in val has no train tokens:
+    the mixture can neither weigh it nor leave it out (it is not marked split:
+    val), and the error said it was split: val, dropped by clean or never read."""
+    from pipeline.data.pack import split_hash, val_threshold
+
+    path, tok, rows = corpus
+    tiny = next(f"t{i}" for i in range(1000) if split_hash(CFG["seed"], f"t{i}") < val_threshold(CFG["val_fraction"]))
+    alone = write_sourced(tmp_path / "docs.parquet", [r for r in rows if r[2] == "web"]
+                          + [(tiny, rows[0][1], "tiny", None)])
+    with pytest.raises(MixtureError, match=r"^pack.mixture lists source\(s\) \['tiny'\], but none of their documents "
+                                           r"went to train: the split sent all of them to val \(tiny: 1 document\(s\); "
+                                           r"pack.val_fraction=0.2, pack.seed=3\); mark such a source split: train"):
+        run_pack(PackConfig(**CFG, mixture={"web": {"weight": 1}, "tiny": {"weight": 1}}), alone, tok,
+                 tmp_path / "out")
+
+
 def test_mixture_errors(corpus, tmp_path, monkeypatch):
     path, tok, rows = corpus
     calls = []

@@ -292,6 +292,34 @@ def test_a_source_short_of_its_share_is_repeated_up_to_it_and_names_must_match(c
         choose_sample(corpus, 10_000, 3_000, seed=0, weights={"big": 1})
 
 
+def test_a_small_vocabulary_from_a_sample_of_repeats_asks_for_a_larger_corpus(corpus, tmp_path, caplog):
+    """With sample_weights, a source short of its share is repeated up to it: the
+    sample's bytes are then mostly copies, and more tokenizer.sample_bytes would
+    only add copies, so the warning gives the distinct bytes and asks for text."""
+    names = ["small" if i % 20 == 0 else "big" for i in range(200)]
+    path, _ = named(corpus, tmp_path, names)
+    cfg = TokenizerConfig(vocab_size=8192, sample_bytes=60_000, eval_bytes=3_000, sample_weights={"big": 1, "small": 1})
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        m = train_tokenizer(cfg, path, tmp_path / "t.json")
+    [line] = [r.getMessage() for r in caplog.records if "trained tokenizer has" in r.getMessage()]
+    assert line.startswith(f"tokenizer.vocab_size is 8192 but the trained tokenizer has {m['vocab_size']} tokens: "
+                           f"the BPE trainer ran out of pairs to merge in its sample ({m['sample_bytes']:,} bytes, "
+                           "of which ")
+    assert line.endswith(" are distinct text, repeated for sample_weights; pairs seen fewer than "
+                         "tokenizer.min_frequency = 2 times are not merged): give it more text (a larger corpus: the "
+                         "sample already repeats what it has) or a smaller tokenizer.vocab_size")
+
+
+def test_sample_weights_near_the_largest_float_share_as_any_others(corpus, tmp_path):
+    """Their sum overflows to inf, and each share (weight over sum) would be 0 or
+    NaN, a traceback; they share as their ratios do, as pack's mixture weights do."""
+    names = ["small" if i % 4 == 0 else "big" for i in range(200)]
+    path, _ = named(corpus, tmp_path, names)
+    huge = choose_sample(path, 20_000, 3_000, seed=0, weights={"big": 1.5e308, "small": 1.5e308})
+    plain = choose_sample(path, 20_000, 3_000, seed=0, weights={"big": 1.0, "small": 1.0})
+    assert (huge[0] == plain[0]).all() and huge[2]["sample_bytes_per_source"] == plain[2]["sample_bytes_per_source"]
+
+
 def test_sample_weights_report_each_source_s_sample_and_bytes_per_token(corpus, tmp_path):
     names = ["small" if i % 20 == 0 else "big" for i in range(200)]
     path, _ = named(corpus, tmp_path, names)
@@ -307,7 +335,7 @@ def test_sample_weights_report_each_source_s_sample_and_bytes_per_token(corpus, 
 
 
 @pytest.mark.parametrize("key, value, msg", [
-    ("sample_weights", {"web": -1}, "weights are finite and >= 0"),
+    ("sample_weights", {"web": -1, "code": 1}, r"weights are finite and >= 0 \(got \{'web': -1\.0\}\)"),
     ("sample_weights", {"web": 0}, "at least one weight is above 0"),
     ("vocab_size", 100, "greater than or equal to 260"),
     ("sample_bytes", 10, "greater than or equal to 1000"),
