@@ -51,6 +51,7 @@ from prefect.context import get_run_context
 from flows.runtime import (
     DEFAULT_RETRIES,
     DEFAULT_RETRY_DELAY_S,
+    MAX_SECONDS,
     base_env,
     check_stage_args,
     dvc_bin,
@@ -136,12 +137,14 @@ def pipeline(
     return results
 
 
-def non_negative(kind: type) -> Callable[[str], Any]:
-    """An argparse ``type`` that reads a finite ``kind`` (int or float) >= 0."""
+def non_negative(kind: type, maximum: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type`` that reads a finite ``kind`` (int or float) >= 0, and
+    at most ``maximum`` when given."""
     def parse(text: str) -> Any:
-        value = non_negative_number(text, kind)
+        value = non_negative_number(text, kind, maximum)
         if value is None:
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+            bound = f" and at most {maximum:.0f}" if maximum is not None else ""
+            raise argparse.ArgumentTypeError(f"expected a number >= 0{bound}, got {text!r}")
         return value
     return parse
 
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="*", default=None, metavar="STAGE",
                         help="run only these stages and their upstream (default: all)")
     parser.add_argument("--retries", type=non_negative(int), default=DEFAULT_RETRIES, help="retries for data stages")
-    parser.add_argument("--retry-delay", type=non_negative(float), default=DEFAULT_RETRY_DELAY_S, metavar="S")
+    parser.add_argument("--retry-delay", type=non_negative(float, MAX_SECONDS), default=DEFAULT_RETRY_DELAY_S,
+                        metavar="S")
     parser.add_argument("--retry-stages", nargs="*", default=None, metavar="STAGE",
                         help="retry exactly these stages instead of the data stages")
     parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=S",

@@ -259,25 +259,36 @@ def project_lock(root: str | Path, emit: Callable[[str], None], who: str) -> Ite
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def non_negative_number(text: str, kind: type = float) -> Any:
-    """``text`` read as ``kind`` (int or float) when that is a finite number >= 0, else None."""
+# The longest wait Prefect can arm: a task's timeout is a timer (setitimer, or a
+# thread's Event.wait) and a retry's delay a datetime, and past this the timer
+# raises OverflowError as the task starts, which failed the flow with a traceback
+# instead of running the stage. About 292 years: "never" for any real run.
+MAX_SECONDS = float(int(threading.TIMEOUT_MAX))
+
+
+def non_negative_number(text: str, kind: type = float, maximum: float | None = None) -> Any:
+    """``text`` read as ``kind`` (int or float) when that is a finite number >= 0
+    (and at most ``maximum`` when given), else None."""
     try:
         value = kind(text)
     except ValueError:
         return None
-    return value if math.isfinite(value) and value >= 0 else None
+    ok = math.isfinite(value) and value >= 0 and (maximum is None or value <= maximum)
+    return value if ok else None
 
 
 def parse_timeouts(items: Sequence[str]) -> dict[str, float]:
     """``["pretrain=3600", "*=600"]`` -> ``{"pretrain": 3600.0, "*": 600.0}``; 0
     means no timeout, as in :func:`task_options`. Raises ValueError naming the
-    item unless it is ``STAGE=SECONDS`` with SECONDS a finite number >= 0."""
+    item unless it is ``STAGE=SECONDS`` with SECONDS a number from 0 to
+    ``MAX_SECONDS``."""
     out = {}
     for item in items:
         name, sep, value = item.rpartition("=")
-        seconds = non_negative_number(value)
+        seconds = non_negative_number(value, maximum=MAX_SECONDS)
         if not sep or not name or seconds is None:
-            raise ValueError(f"--timeout takes STAGE=SECONDS with SECONDS a number >= 0 (0: none), got {item!r}")
+            raise ValueError(f"--timeout takes STAGE=SECONDS with SECONDS a number from 0 (none) to "
+                             f"{MAX_SECONDS:.0f} (292 years), got {item!r}")
         out[name] = seconds
     return out
 

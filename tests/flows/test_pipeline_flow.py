@@ -188,7 +188,10 @@ def test_task_options_retry_data_stages_only_and_time_out_as_configured():
 
 def test_parse_timeouts_takes_finite_non_negative_seconds():
     assert runtime.parse_timeouts(["pretrain=3600", "*=0.5", "a=b=0"]) == {"pretrain": 3600.0, "*": 0.5, "a=b": 0.0}
-    for bad in ("prep=-5", "prep=nan", "prep=inf", "prep=x", "prep", "=5"):
+    longest = f"{runtime.MAX_SECONDS:.0f}"
+    assert runtime.parse_timeouts([f"pretrain={longest}"]) == {"pretrain": runtime.MAX_SECONDS}
+    # Past MAX_SECONDS Prefect's timer raised OverflowError as the task started.
+    for bad in ("prep=-5", "prep=nan", "prep=inf", "prep=x", "prep", "=5", "prep=1e12", f"prep={longest}1"):
         with pytest.raises(ValueError, match="STAGE=SECONDS"):
             runtime.parse_timeouts([bad])
 
@@ -216,6 +219,8 @@ def test_cli_refuses_bad_arguments_in_one_line_before_starting_prefect(tmp_path)
     for args, message in [(["--targets", "nope"], "--targets: unknown stage(s) nope"),
                           (["--timeout", "trian=1"], "--timeout: unknown stage(s) trian"),
                           (["--timeout", "a=inf"], "got 'a=inf'"),
+                          (["--timeout", "a=1e12"], "got 'a=1e12'"),
+                          (["--retry-delay", "1e12"], "argument --retry-delay: expected a number >= 0 and at most"),
                           (["--retries", "-1"], "argument --retries: expected a number >= 0"),
                           (["--root", str(tmp_path / "missing")], "no such directory")]:
         r = subprocess.run([sys.executable, "-m", "flows.pipeline", *args], cwd=root, env=env,
@@ -486,7 +491,9 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     }, {"flaky.py": FLAKY, "hang.py": HANG})
     env = flow_env(shared, "timeouts")
     t0 = time.monotonic()
-    r = run_flow(root, env, "--retries", "1", "--retry-delay", "0", "--timeout", "train=3")
+    # flaky: the longest timeout accepted is one that Prefect can arm
+    r = run_flow(root, env, "--retries", "1", "--retry-delay", "0", "--timeout", "train=3",
+                 "--timeout", f"flaky={runtime.MAX_SECONDS:.0f}")
     elapsed = time.monotonic() - t0
     assert r.returncode == 1, r.stdout[-4000:]
     assert (root / "attempts-flaky").read_text() == "2", "the data stage is retried once"
