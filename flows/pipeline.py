@@ -61,6 +61,7 @@ from flows.runtime import (
     parse_status,
     parse_timeouts,
     project_lock,
+    start_temporary_server,
     stream_command,
     summary_markdown,
     task_options,
@@ -129,11 +130,15 @@ def pipeline(
                     results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {}})
                     raise
         finally:
+            # The console and MLflow first: the artifact needs Prefect's API, which may be gone.
             markdown = summary_markdown(stages, results)
-            create_markdown_artifact(markdown=markdown, key="pipeline-summary",
-                                     description=f"DVC stages of {root_path}")
-            parent.record(stages, results)
             print(markdown, flush=True)
+            parent.record(stages, results)
+            try:
+                create_markdown_artifact(markdown=markdown, key="pipeline-summary",
+                                         description=f"DVC stages of {root_path}")
+            except Exception as err:
+                logger.warning("the pipeline-summary artifact was not saved: %s: %s", type(err).__name__, err)
     return results
 
 
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     exit_on_sigterm()
+    start_temporary_server()
     state = pipeline(root=args.root, targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
                      retry_stages=args.retry_stages, timeouts=timeouts or None, return_state=True)
     return 0 if state.is_completed() else 1

@@ -44,7 +44,14 @@ from zoneinfo import ZoneInfo
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline
-from flows.runtime import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages, check_stage_args, exit_on_sigterm
+from flows.runtime import (
+    DEFAULT_RETRIES,
+    DEFAULT_RETRY_DELAY_S,
+    changed_stages,
+    check_stage_args,
+    exit_on_sigterm,
+    start_temporary_server,
+)
 from pipeline.tracking.lineage import load_stages, select
 
 DEPLOYMENT = "retrain"
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         params["targets"] = args.targets
     if args.once:
         exit_on_sigterm()  # serve() has the runner's own handling
+        start_temporary_server()
         state = retrain(**params, return_state=True)
         return 0 if state.is_completed() else 1
     try:

@@ -2,7 +2,9 @@
 reconfigures the root logger on import), so that tests can reach it.
 
 * The process: :func:`exit_on_sigterm` (the temporary Prefect server goes down
-  with a killed ``python -m flows.pipeline``).
+  with a killed ``python -m flows.pipeline``) and :func:`start_temporary_server`
+  (it outlives a Ctrl-C to the terminal's process group, so the flow can finish
+  its clean-up).
 * Running a stage: :func:`stream_command` runs ``dvc repro --single-item`` in its
   own process group and streams its lines; :func:`stop_group` takes the group
   down; :func:`parse_status` reads what DVC did; :func:`changed_stages` asks
@@ -317,6 +319,32 @@ def check_stage_args(root: str | Path, targets: Sequence[str] | None = None,
             raise ValueError(f"{option}: unknown stage(s) {', '.join(unknown)}; {root / 'dvc.yaml'} has "
                              f"{', '.join(names) or 'no stages'}")
     return select(stages, targets)
+
+
+def start_temporary_server() -> None:
+    """Start Prefect's temporary local server now, unless ``PREFECT_API_URL``
+    names a real one, with SIGINT blocked in it (a blocked signal stays pending;
+    the server process never unblocks it).
+
+    A Ctrl-C at a terminal goes to the whole foreground process group: the flow,
+    and the server that Prefect would otherwise start later as a plain child. It
+    killed the server while the flow was stopping its stage; the flow's clean-up
+    then spent minutes retrying the dead API, and the summary was never printed.
+    Started here, the server is the one the flow uses (Prefect keeps one per
+    process) and Prefect still stops it at exit, with SIGTERM."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    # The mask is the calling thread's, and a child inherits it: this runs on
+    # the main thread before any flow, so no other thread starts the server.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        SubprocessASGIServer().start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def exit_on_sigterm() -> None:

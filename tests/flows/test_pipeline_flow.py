@@ -513,6 +513,44 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_path, shared):
+    """A terminal's Ctrl-C reaches the whole foreground process group, Prefect's
+    temporary server included. It used to kill the server while the flow stopped
+    the stage: the flow then hung for minutes on the dead API, and never printed
+    its summary or logged the stage statuses to MLflow."""
+    root = dvc_project(tmp_path / "proj", {
+        "train": {"cmd": "python hang.py", "deps": ["hang.py"], "outs": ["models/train.txt"]},
+    }, {"hang.py": HANG})
+    env = flow_env(shared, "ctrl-c")
+    # As a shell starts it in a terminal: a process group of its own, Ctrl-C not ignored.
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "training forever" in line:
+                break
+        else:
+            raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        out = "".join(seen) + proc.communicate(timeout=150)[0]  # it hung here for minutes
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert "**Failed: stage train**" in out and "| train | failed |" in out, out[-4000:]
+    assert "artifact was not saved" not in out, "the temporary server died with the Ctrl-C"
+    for pid in map(int, (root / "pids").read_text().split()):
+        assert not alive(pid), f"process {pid} of the interrupted stage is still running"
+    [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "ctrl-c") if run.info.run_name == "pipeline"]
+    assert parent.data.tags["pipeline.status.train"] == "failed"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
     root = project_copy(tmp_path / "proj", TINY)
