@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
@@ -61,12 +60,13 @@ from flows.runtime import (
     parse_status,
     parse_timeouts,
     project_lock,
+    resolve_root,
     start_temporary_server,
     stream_command,
     summary_markdown,
     task_options,
 )
-from pipeline.tracking.lineage import StageInfo, load_stages, read_metrics, select
+from pipeline.tracking.lineage import StageInfo, load_stages, project_root, read_metrics, select
 
 TAIL_LINES = 40  # lines of a failed stage's output repeated in its error
 
@@ -101,7 +101,7 @@ def pipeline(
     timeouts: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the DVC stages of the project at ``root`` (default: the current
-    directory) in DAG order; with ``targets``, only those and what they depend on.
+    directory; a folder inside a project means that project) in DAG order; with ``targets``, only those and what they depend on.
 
     ``retries`` apply to data stages, or to exactly ``retry_stages`` when given;
     ``timeouts`` maps stage names (``"*"`` for the rest) to seconds. Returns one
@@ -109,7 +109,7 @@ def pipeline(
     fails after its retries fails the flow; the summary then shows it as failed
     and the stages after it as not run, and the MLflow parent run ends FAILED."""
     logger = get_run_logger()
-    root_path = Path(root or os.getcwd()).resolve()
+    root_path = project_root(root or os.getcwd())
     stages = select(load_stages(root_path), targets)
     logger.info("stages in DAG order: %s", ", ".join(s.name for s in stages))
     ctx = get_run_context()
@@ -171,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # before the flow starts Prefect's temporary server
         timeouts = parse_timeouts(args.timeout)
-        check_stage_args(Path(args.root or os.getcwd()).resolve(), args.targets, timeouts, args.retry_stages)
+        root = resolve_root(args.root)
+        check_stage_args(root, args.targets, timeouts, args.retry_stages)
     except ValueError as err:
         parser.error(str(err))
     exit_on_sigterm()
     start_temporary_server()
-    state = pipeline(root=args.root, targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
+    state = pipeline(root=str(root), targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
                      retry_stages=args.retry_stages, timeouts=timeouts or None, return_state=True)
     return 0 if state.is_completed() else 1
 

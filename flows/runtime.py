@@ -9,8 +9,8 @@ reconfigures the root logger on import), so that tests can reach it.
   own process group and streams its lines; :func:`stop_group` takes the group
   down; :func:`parse_status` reads what DVC did; :func:`changed_stages` asks
   ``dvc status`` what is stale.
-* Prefect: :func:`parse_timeouts` and :func:`check_stage_args` (the flows'
-  command-line input, checked before a Prefect server starts),
+* Prefect: :func:`parse_timeouts`, :func:`resolve_root` and :func:`check_stage_args`
+  (the flows' command-line input, checked before a Prefect server starts),
   :func:`task_options` (retries and timeouts per stage) and
   :func:`summary_markdown` (the ``pipeline-summary`` artifact).
 * MLflow: :func:`parent_run` opens the ``pipeline`` parent run of one flow run.
@@ -50,7 +50,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from pipeline.config import load_yaml, metric_values
 from pipeline.tracking import tracker as tracking
-from pipeline.tracking.lineage import LineageError, StageInfo, dvc_stage_hashes, load_stages, read_metrics, select
+from pipeline.tracking.lineage import (
+    LineageError,
+    StageInfo,
+    dvc_stage_hashes,
+    load_stages,
+    project_root,
+    read_metrics,
+    select,
+)
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +301,22 @@ def parse_timeouts(items: Sequence[str]) -> dict[str, float]:
                              f"{MAX_SECONDS:.0f} (292 years), got {item!r}")
         out[name] = seconds
     return out
+
+
+def resolve_root(root: str | Path | None) -> Path:
+    """The project root of ``--root`` (default: the current directory), which may
+    be any folder inside the project. Raises ValueError with one line naming the
+    option when it is not a folder or not inside a DVC project. Before, a flow
+    started in a sub-folder ran ``dvc repro`` there (every stage failed, after
+    its retries, with "'dvc.yaml' does not exist") and left a ``.dvc`` folder,
+    ``mlflow.db`` and ``mlartifacts`` in it."""
+    path = Path(root if root is not None else os.getcwd())
+    if not path.is_dir():
+        raise ValueError(f"--root {path}: no such directory")
+    try:
+        return project_root(path)
+    except LineageError as err:
+        raise ValueError(f"--root: {err}") from None
 
 
 def check_stage_args(root: str | Path, targets: Sequence[str] | None = None,

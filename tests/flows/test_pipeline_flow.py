@@ -213,6 +213,33 @@ def test_check_stage_args_names_the_option_with_an_unknown_stage(tmp_path):
         runtime.check_stage_args(tmp_path)
 
 
+def test_root_is_the_project_that_the_folder_is_in(tmp_path):
+    root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
+    (root / "sub" / "deeper").mkdir(parents=True)
+    assert runtime.resolve_root(root) == root.resolve()
+    assert runtime.resolve_root(root / "sub" / "deeper") == root.resolve()
+    with pytest.raises(ValueError, match="^--root .*: no such directory"):
+        runtime.resolve_root(tmp_path / "missing")
+    with pytest.raises(ValueError, match="^--root: .* not a DVC project"):
+        runtime.resolve_root(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_flow_started_in_a_sub_folder_runs_the_project(tmp_path, shared):
+    """It ran `dvc repro` in the sub-folder, where every stage failed after its
+    retries ("'dvc.yaml' does not exist"), and left a .dvc folder there (which
+    DVC then takes for a project of its own)."""
+    root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
+    sub = root / "notes"
+    sub.mkdir()
+    r = run_flow(sub, flow_env(shared, "sub-folder"), "--retries", "0")
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert statuses(r.stdout) == {"a": "ran"} and (root / "a.txt").read_text() == "a\n"
+    assert sorted(p.name for p in sub.iterdir()) == [], "the flow wrote into the sub-folder"
+    assert (root / runtime.FLOW_LOCK).exists()
+
+
 def test_cli_refuses_bad_arguments_in_one_line_before_starting_prefect(tmp_path):
     root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
