@@ -732,6 +732,10 @@ class ReplayError(RuntimeError):
     already replayed to that server); the message is one line."""
 
 
+class AlreadyReplayed(ReplayError):
+    """The store was replayed to this tracking URI before; the CLI skips it."""
+
+
 def _offline_store(path: str | Path) -> Path:
     """The folder of the offline store at ``path`` (the folder or its mlflow.db).
     Raises ReplayError, creating nothing, when there is no store there."""
@@ -768,7 +772,7 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     if marker.is_file():
         done = json.loads(marker.read_text())
         if done.get("uri") == uri:
-            raise ReplayError(f"{path} was replayed into run {done.get('run_id')} at {uri} on {done.get('at')} "
+            raise AlreadyReplayed(f"{path} was replayed into run {done.get('run_id')} at {uri} on {done.get('at')} "
                               f"already; delete {marker} to replay it again")
 
     from mlflow import MlflowClient
@@ -838,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.dirs:
         try:
             print(f"{d} -> run {replay_offline(d)}", flush=True)
+        except AlreadyReplayed as err:  # `replay .tracking-offline/*/` again: the new stores only
+            print(f"skipped: {err}", flush=True)
         except Exception as err:  # ReplayError, or MLflow's: one line each, and the other stores still go
             failed += 1
             print(f"error: {err if isinstance(err, ReplayError) else _short(err)}", file=sys.stderr, flush=True)

@@ -520,8 +520,10 @@ def test_a_store_is_replayed_once_and_not_while_it_is_being_written(monkeypatch,
         replay_offline(t.offline_path)
     t.end()
     run_id = replay_offline(t.offline_path)
-    with pytest.raises(tracking.ReplayError, match=f"replayed into run {run_id} at .* already"):
+    with pytest.raises(tracking.AlreadyReplayed, match=f"replayed into run {run_id} at .* already"):
         replay_offline(t.offline_path)
+    # `replay .tracking-offline/*/` again replays only the new stores: the old are skipped, not errors.
+    assert tracking.main(["replay", str(t.offline_path)]) == 0
     client = MlflowClient(db[1])
     runs = client.search_runs([client.get_run(run_id).info.experiment_id])
     assert [r.info.run_id for r in runs] == [run_id], "a second replay made a second run"
