@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
@@ -51,6 +50,7 @@ from prefect.context import get_run_context
 from flows.runtime import (
     DEFAULT_RETRIES,
     DEFAULT_RETRY_DELAY_S,
+    MAX_SECONDS,
     base_env,
     check_stage_args,
     dvc_bin,
@@ -60,11 +60,13 @@ from flows.runtime import (
     parse_status,
     parse_timeouts,
     project_lock,
+    resolve_root,
+    start_temporary_server,
     stream_command,
     summary_markdown,
     task_options,
 )
-from pipeline.tracking.lineage import StageInfo, load_stages, read_metrics, select
+from pipeline.tracking.lineage import StageInfo, load_stages, project_root, read_metrics, select
 
 TAIL_LINES = 40  # lines of a failed stage's output repeated in its error
 
@@ -99,7 +101,7 @@ def pipeline(
     timeouts: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the DVC stages of the project at ``root`` (default: the current
-    directory) in DAG order; with ``targets``, only those and what they depend on.
+    directory; a folder inside a project means that project) in DAG order; with ``targets``, only those and what they depend on.
 
     ``retries`` apply to data stages, or to exactly ``retry_stages`` when given;
     ``timeouts`` maps stage names (``"*"`` for the rest) to seconds. Returns one
@@ -107,7 +109,7 @@ def pipeline(
     fails after its retries fails the flow; the summary then shows it as failed
     and the stages after it as not run, and the MLflow parent run ends FAILED."""
     logger = get_run_logger()
-    root_path = Path(root or os.getcwd()).resolve()
+    root_path = project_root(root or os.getcwd())
     stages = select(load_stages(root_path), targets)
     logger.info("stages in DAG order: %s", ", ".join(s.name for s in stages))
     ctx = get_run_context()
@@ -128,20 +130,26 @@ def pipeline(
                     results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {}})
                     raise
         finally:
+            # The console and MLflow first: the artifact needs Prefect's API, which may be gone.
             markdown = summary_markdown(stages, results)
-            create_markdown_artifact(markdown=markdown, key="pipeline-summary",
-                                     description=f"DVC stages of {root_path}")
-            parent.record(stages, results)
             print(markdown, flush=True)
+            parent.record(stages, results)
+            try:
+                create_markdown_artifact(markdown=markdown, key="pipeline-summary",
+                                         description=f"DVC stages of {root_path}")
+            except Exception as err:
+                logger.warning("the pipeline-summary artifact was not saved: %s: %s", type(err).__name__, err)
     return results
 
 
-def non_negative(kind: type) -> Callable[[str], Any]:
-    """An argparse ``type`` that reads a finite ``kind`` (int or float) >= 0."""
+def non_negative(kind: type, maximum: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type`` that reads a finite ``kind`` (int or float) >= 0, and
+    at most ``maximum`` when given."""
     def parse(text: str) -> Any:
-        value = non_negative_number(text, kind)
+        value = non_negative_number(text, kind, maximum)
         if value is None:
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+            bound = f" and at most {maximum:.0f}" if maximum is not None else ""
+            raise argparse.ArgumentTypeError(f"expected a number >= 0{bound}, got {text!r}")
         return value
     return parse
 
@@ -154,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="*", default=None, metavar="STAGE",
                         help="run only these stages and their upstream (default: all)")
     parser.add_argument("--retries", type=non_negative(int), default=DEFAULT_RETRIES, help="retries for data stages")
-    parser.add_argument("--retry-delay", type=non_negative(float), default=DEFAULT_RETRY_DELAY_S, metavar="S")
+    parser.add_argument("--retry-delay", type=non_negative(float, MAX_SECONDS), default=DEFAULT_RETRY_DELAY_S,
+                        metavar="S")
     parser.add_argument("--retry-stages", nargs="*", default=None, metavar="STAGE",
                         help="retry exactly these stages instead of the data stages")
     parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=S",
@@ -162,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # before the flow starts Prefect's temporary server
         timeouts = parse_timeouts(args.timeout)
-        check_stage_args(Path(args.root or os.getcwd()).resolve(), args.targets, timeouts, args.retry_stages)
+        root = resolve_root(args.root)
+        check_stage_args(root, args.targets, timeouts, args.retry_stages)
     except ValueError as err:
         parser.error(str(err))
     exit_on_sigterm()
-    state = pipeline(root=args.root, targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
+    start_temporary_server()
+    state = pipeline(root=str(root), targets=args.targets, retries=args.retries, retry_delay_s=args.retry_delay,
                      retry_stages=args.retry_stages, timeouts=timeouts or None, return_state=True)
     return 0 if state.is_completed() else 1
 

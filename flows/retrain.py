@@ -37,15 +37,22 @@ import argparse
 import os
 import sys
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
 from prefect import flow, get_run_logger
 
 from flows.pipeline import pipeline
-from flows.runtime import DEFAULT_RETRIES, DEFAULT_RETRY_DELAY_S, changed_stages, check_stage_args, exit_on_sigterm
-from pipeline.tracking.lineage import load_stages, select
+from flows.runtime import (
+    DEFAULT_RETRIES,
+    DEFAULT_RETRY_DELAY_S,
+    changed_stages,
+    check_stage_args,
+    exit_on_sigterm,
+    resolve_root,
+    start_temporary_server,
+)
+from pipeline.tracking.lineage import load_stages, project_root, select
 
 DEPLOYMENT = "retrain"
 DEFAULT_CRON = "0 3 * * *"
@@ -64,7 +71,7 @@ def retrain(
     with its inputs. Returns ``{"stale": {stage: reasons}, "stages": [...]}``,
     where ``stages`` is the pipeline flow's result, empty when nothing was stale."""
     logger = get_run_logger()
-    root_path = Path(root or os.getcwd()).resolve()
+    root_path = project_root(root or os.getcwd())
     names = [s.name for s in select(load_stages(root_path), targets)]
     stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
     if not stale:
@@ -152,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="run once now instead of serving the schedule")
     args = parser.parse_args(argv)
     # Pin the deployment to a directory now: a run starts wherever its runner does.
-    root = Path(args.root or ".").resolve()
     try:  # before any run or deployment exists: each would fail the same way
+        root = resolve_root(args.root)
         check_stage_args(root, args.targets)
         if not args.once:
             cron, timezone = resolve_schedule(args.cron, args.timezone)
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         params["targets"] = args.targets
     if args.once:
         exit_on_sigterm()  # serve() has the runner's own handling
+        start_temporary_server()
         state = retrain(**params, return_state=True)
         return 0 if state.is_completed() else 1
     try:

@@ -2,13 +2,15 @@
 reconfigures the root logger on import), so that tests can reach it.
 
 * The process: :func:`exit_on_sigterm` (the temporary Prefect server goes down
-  with a killed ``python -m flows.pipeline``).
+  with a killed ``python -m flows.pipeline``) and :func:`start_temporary_server`
+  (it outlives a Ctrl-C to the terminal's process group, so the flow can finish
+  its clean-up).
 * Running a stage: :func:`stream_command` runs ``dvc repro --single-item`` in its
   own process group and streams its lines; :func:`stop_group` takes the group
   down; :func:`parse_status` reads what DVC did; :func:`changed_stages` asks
   ``dvc status`` what is stale.
-* Prefect: :func:`parse_timeouts` and :func:`check_stage_args` (the flows'
-  command-line input, checked before a Prefect server starts),
+* Prefect: :func:`parse_timeouts`, :func:`resolve_root` and :func:`check_stage_args`
+  (the flows' command-line input, checked before a Prefect server starts),
   :func:`task_options` (retries and timeouts per stage) and
   :func:`summary_markdown` (the ``pipeline-summary`` artifact).
 * MLflow: :func:`parent_run` opens the ``pipeline`` parent run of one flow run.
@@ -48,7 +50,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from pipeline.config import load_yaml, metric_values
 from pipeline.tracking import tracker as tracking
-from pipeline.tracking.lineage import LineageError, StageInfo, dvc_stage_hashes, load_stages, read_metrics, select
+from pipeline.tracking.lineage import (
+    LineageError,
+    StageInfo,
+    dvc_stage_hashes,
+    load_stages,
+    project_root,
+    read_metrics,
+    select,
+)
 
 log = logging.getLogger(__name__)
 
@@ -259,27 +269,54 @@ def project_lock(root: str | Path, emit: Callable[[str], None], who: str) -> Ite
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def non_negative_number(text: str, kind: type = float) -> Any:
-    """``text`` read as ``kind`` (int or float) when that is a finite number >= 0, else None."""
+# The longest wait Prefect can arm: a task's timeout is a timer (setitimer, or a
+# thread's Event.wait) and a retry's delay a datetime, and past this the timer
+# raises OverflowError as the task starts, which failed the flow with a traceback
+# instead of running the stage. About 292 years: "never" for any real run.
+MAX_SECONDS = float(int(threading.TIMEOUT_MAX))
+
+
+def non_negative_number(text: str, kind: type = float, maximum: float | None = None) -> Any:
+    """``text`` read as ``kind`` (int or float) when that is a finite number >= 0
+    (and at most ``maximum`` when given), else None."""
     try:
         value = kind(text)
     except ValueError:
         return None
-    return value if math.isfinite(value) and value >= 0 else None
+    ok = math.isfinite(value) and value >= 0 and (maximum is None or value <= maximum)
+    return value if ok else None
 
 
 def parse_timeouts(items: Sequence[str]) -> dict[str, float]:
     """``["pretrain=3600", "*=600"]`` -> ``{"pretrain": 3600.0, "*": 600.0}``; 0
     means no timeout, as in :func:`task_options`. Raises ValueError naming the
-    item unless it is ``STAGE=SECONDS`` with SECONDS a finite number >= 0."""
+    item unless it is ``STAGE=SECONDS`` with SECONDS a number from 0 to
+    ``MAX_SECONDS``."""
     out = {}
     for item in items:
         name, sep, value = item.rpartition("=")
-        seconds = non_negative_number(value)
+        seconds = non_negative_number(value, maximum=MAX_SECONDS)
         if not sep or not name or seconds is None:
-            raise ValueError(f"--timeout takes STAGE=SECONDS with SECONDS a number >= 0 (0: none), got {item!r}")
+            raise ValueError(f"--timeout takes STAGE=SECONDS with SECONDS a number from 0 (none) to "
+                             f"{MAX_SECONDS:.0f} (292 years), got {item!r}")
         out[name] = seconds
     return out
+
+
+def resolve_root(root: str | Path | None) -> Path:
+    """The project root of ``--root`` (default: the current directory), which may
+    be any folder inside the project. Raises ValueError with one line naming the
+    option when it is not a folder or not inside a DVC project. Before, a flow
+    started in a sub-folder ran ``dvc repro`` there (every stage failed, after
+    its retries, with "'dvc.yaml' does not exist") and left a ``.dvc`` folder,
+    ``mlflow.db`` and ``mlartifacts`` in it."""
+    path = Path(root if root is not None else os.getcwd())
+    if not path.is_dir():
+        raise ValueError(f"--root {path}: no such directory")
+    try:
+        return project_root(path)
+    except LineageError as err:
+        raise ValueError(f"--root: {err}") from None
 
 
 def check_stage_args(root: str | Path, targets: Sequence[str] | None = None,
@@ -306,6 +343,32 @@ def check_stage_args(root: str | Path, targets: Sequence[str] | None = None,
             raise ValueError(f"{option}: unknown stage(s) {', '.join(unknown)}; {root / 'dvc.yaml'} has "
                              f"{', '.join(names) or 'no stages'}")
     return select(stages, targets)
+
+
+def start_temporary_server() -> None:
+    """Start Prefect's temporary local server now, unless ``PREFECT_API_URL``
+    names a real one, with SIGINT blocked in it (a blocked signal stays pending;
+    the server process never unblocks it).
+
+    A Ctrl-C at a terminal goes to the whole foreground process group: the flow,
+    and the server that Prefect would otherwise start later as a plain child. It
+    killed the server while the flow was stopping its stage; the flow's clean-up
+    then spent minutes retrying the dead API, and the summary was never printed.
+    Started here, the server is the one the flow uses (Prefect keeps one per
+    process) and Prefect still stops it at exit, with SIGTERM."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    # The mask is the calling thread's, and a child inherits it: this runs on
+    # the main thread before any flow, so no other thread starts the server.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        SubprocessASGIServer().start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def exit_on_sigterm() -> None:

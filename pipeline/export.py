@@ -132,7 +132,8 @@ class ExportConfig(StageConfig):
     model_name: str = Field("llm-pipeline", pattern=r"^[A-Za-z0-9][\w.\-]*$",
                             description="registered model name")
     primary_metric: str = Field("sft.chat.bits_per_byte", min_length=1,
-                                description="dotted evaluate metric that decides the champion alias")
+                                description="dotted key of metrics/evaluate.json that decides the champion alias; with "
+                                "register_model, export refuses a key that file lacks before any work")
     lower_is_better: bool = Field(True, description="direction of primary_metric")
     name: str | None = Field(None, description="model card title; null = 'llm-pipeline model'")
     license: str | None = Field(None, description="license id for the model card; null = none stated")

@@ -75,6 +75,23 @@ def should_promote(new: float | None, current: float | None, lower_is_better: bo
     return new < current if lower_is_better else new > current
 
 
+def check_primary_metric(metrics: Mapping[str, Any], primary_metric: str) -> None:
+    """Raise ValueError, in one line that names the closest metrics, unless
+    ``primary_metric`` is a dotted numeric leaf of ``metrics`` (NaN counts: that
+    is a result). The export stage calls this before any work: a name that is
+    not there would register every version as a candidate and none ever as the
+    champion, without an error."""
+    import difflib
+
+    names = sorted(metric_values(metrics))
+    if primary_metric in names:
+        return
+    close = difflib.get_close_matches(primary_metric, names, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ValueError(f"{primary_metric!r} is not a metric of the evaluation, so no export would ever be champion; "
+                     f"{hint}it has {len(names)}: {', '.join(names)}")
+
+
 def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping[str, Any],
                     run_id: str | None = None, primary_metric: str = DEFAULT_PRIMARY_METRIC,
                     lower_is_better: bool = True, tags: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -76,6 +76,20 @@ def _open(root: str | Path) -> Any:
         raise LineageError(f"{root} is not a DVC project: {err}") from None
 
 
+def project_root(path: str | Path = ".") -> Path:
+    """The root of the DVC project that ``path`` is in: ``path`` itself or the
+    nearest folder above it with a ``.dvc`` folder, as DVC finds it. The flows run
+    ``dvc repro`` and keep their lock and MLflow store there, so a flow started
+    in a sub-folder runs the project. Raises LineageError if there is none."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        return Path(Repo.find_root(str(Path(path).resolve())))
+    except DvcException as err:
+        raise LineageError(f"{path} is not a DVC project: {err}") from None
+
+
 def load_stages(root: str | Path = ".") -> list[StageInfo]:
     """Every command stage of the DVC project at ``root``, upstream first.
 

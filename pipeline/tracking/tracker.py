@@ -44,7 +44,7 @@ user and source tags from its context providers) or DVC's (``lineage.py``):
   store ``<root>/.tracking-offline/<stage>-<utc time>-<pid>/`` (``mlflow.db`` and
   ``mlartifacts/``; the run's tags, params and end status included). Nothing is
   raised. ``python -m pipeline.tracking.tracker replay DIR`` loads it into the real
-  server later, into the same run when that still exists.
+  server later, into the same run when that still exists, once (``replayed.json``).
 
 Importing this module is cheap: mlflow, DVC, pydantic and YAML are imported inside
 the functions that need them.
@@ -582,12 +582,16 @@ HOST_TAG, PID_TAG, PID_STARTED_TAG = "pipeline.host", "pipeline.pid", "pipeline.
 ENDED_BY_TAG = "pipeline.ended_by"
 
 
-def _process_tags() -> dict[str, str]:
+def _hostname() -> str:
     import socket
 
+    return socket.gethostname()
+
+
+def _process_tags() -> dict[str, str]:
     import psutil
 
-    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()),
+    return {HOST_TAG: _hostname(), PID_TAG: str(os.getpid()),
             PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
 
 
@@ -720,6 +724,33 @@ def offline_uri(path: str | Path) -> str:
     return f"sqlite:///{path / DB_FILE if path.is_dir() or not path.suffix else path}"
 
 
+REPLAYED_FILE = "replayed.json"  # in an offline store, once replay_offline loaded it: where to
+
+
+class ReplayError(RuntimeError):
+    """An offline store cannot be replayed (not a store, still being written,
+    already replayed to that server); the message is one line."""
+
+
+class AlreadyReplayed(ReplayError):
+    """The store was replayed to this tracking URI before; the CLI skips it."""
+
+
+def _offline_store(path: str | Path) -> Path:
+    """The folder of the offline store at ``path`` (the folder or its mlflow.db).
+    Raises ReplayError, creating nothing, when there is no store there."""
+    path = Path(path)
+    folder = path.parent if path.name == DB_FILE else path
+    if (folder / DB_FILE).is_file():
+        return folder
+    if not folder.is_dir():
+        raise ReplayError(f"{path}: no such folder")
+    inner = sorted(p.name for p in folder.iterdir() if (p / DB_FILE).is_file())
+    hint = (f"; it holds {len(inner)} store(s), e.g. {inner[0]}: replay them with `replay {path}/*/`" if inner else
+            f"; the stores are the folders under {OFFLINE_DIR}/")
+    raise ReplayError(f"{path} is not an offline store (no {DB_FILE} in it){hint}")
+
+
 def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     """Load the run of an offline store into MLflow (``uri``, default
     :func:`tracking_uri`) and return its run id there.
@@ -727,17 +758,43 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     The records go into the run the tracker had started on the server if it still
     exists (the server died mid-run), else into a new run named after the stage
     (under its parent, if that exists). The run ends with the status the tracker
-    gave it, or FAILED if the process died first. Raises MLflow's errors: this is
-    an offline tool, not a trainer."""
+    gave it, or FAILED if the process died first. The store then records where it
+    went (``replayed.json``), so that replaying it again to the same tracking URI
+    does not log its records twice.
+
+    Raises ReplayError (one line, nothing created or logged) when ``path`` is not
+    an offline store, when the process that writes it is still running, or when
+    it was replayed to ``uri`` already; else MLflow's errors: this is an offline
+    tool, not a trainer."""
+    folder = _offline_store(path)
+    uri = uri or tracking_uri()
+    marker = folder / REPLAYED_FILE
+    if marker.is_file():
+        done = json.loads(marker.read_text())
+        if done.get("uri") == uri:
+            raise AlreadyReplayed(f"{path} was replayed into run {done.get('run_id')} at {uri} on {done.get('at')} "
+                              f"already; delete {marker} to replay it again")
+
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.exceptions import MlflowException
     from mlflow.utils.file_utils import local_file_uri_to_path
 
-    src = MlflowClient(offline_uri(path))
+    src = MlflowClient(offline_uri(folder))
     (run,) = src.search_runs([e.experiment_id for e in src.search_experiments()])
-    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("pipeline.offline.")}
-    client = MlflowClient(uri or tracking_uri())
+    own = run.data.tags
+    if run.info.status == "RUNNING" and PID_TAG in own and PID_STARTED_TAG in own \
+            and own.get(HOST_TAG) == _hostname() and _process_alive(int(own[PID_TAG]), float(own[PID_STARTED_TAG])):
+        raise ReplayError(f"{path}: its run is still being logged by process {own[PID_TAG]}; "
+                          "replay it once that process has ended")
+    tags = {k: v for k, v in own.items() if not k.startswith("pipeline.offline.")}
+    if uri.startswith(("http://", "https://")):
+        for var, value in HTTP_DEFAULTS.items():  # seconds, not minutes, if the server is down
+            os.environ.setdefault(var, value)
+        reason = probe(uri)
+        if reason is not None:
+            raise ReplayError(reason)
+    client = MlflowClient(uri)
     run_id = run.data.tags.get("pipeline.offline.run_id")
     if run_id:
         try:
@@ -761,6 +818,8 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     if artifacts.is_dir() and any(artifacts.iterdir()):
         client.log_artifacts(run_id, str(artifacts))
     client.set_terminated(run_id, run.info.status if run.info.status in ("FINISHED", "FAILED", "KILLED") else "FAILED")
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    marker.write_text(json.dumps({"uri": uri, "run_id": run_id, "at": when}) + "\n")
     return run_id
 
 
@@ -779,9 +838,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "ui":
         cmd, env = server_command(args.port)
         os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    failed = 0
     for d in args.dirs:
-        print(f"{d} -> run {replay_offline(d)}")
-    return 0
+        try:
+            print(f"{d} -> run {replay_offline(d)}", flush=True)
+        except AlreadyReplayed as err:  # `replay .tracking-offline/*/` again: the new stores only
+            print(f"skipped: {err}", flush=True)
+        except Exception as err:  # ReplayError, or MLflow's: one line each, and the other stores still go
+            failed += 1
+            print(f"error: {err if isinstance(err, ReplayError) else _short(err)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -194,7 +194,9 @@ class TrainConfig(StageConfig):
     """Everything the training loop needs; pretrain adds ``model``, sft widens ``data``."""
 
     identity_by_init: ClassVar[frozenset[str]] = frozenset()  # plain keys the init_id stands for
-    seed: int = Field(1337, description="initial weights and the global sample order")
+    # NumPy's range: the trainer seeds np.random with it, which raised in every rank outside it.
+    seed: int = Field(1337, ge=0, le=2**32 - 1, description="initial weights and the global sample order "
+                      "(0 to 2^32 - 1)")
     data: DataSection = Field(default_factory=DataSection)
     batch: BatchSection = Field(default_factory=BatchSection)
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)

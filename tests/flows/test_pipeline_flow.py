@@ -188,7 +188,10 @@ def test_task_options_retry_data_stages_only_and_time_out_as_configured():
 
 def test_parse_timeouts_takes_finite_non_negative_seconds():
     assert runtime.parse_timeouts(["pretrain=3600", "*=0.5", "a=b=0"]) == {"pretrain": 3600.0, "*": 0.5, "a=b": 0.0}
-    for bad in ("prep=-5", "prep=nan", "prep=inf", "prep=x", "prep", "=5"):
+    longest = f"{runtime.MAX_SECONDS:.0f}"
+    assert runtime.parse_timeouts([f"pretrain={longest}"]) == {"pretrain": runtime.MAX_SECONDS}
+    # Past MAX_SECONDS Prefect's timer raised OverflowError as the task started.
+    for bad in ("prep=-5", "prep=nan", "prep=inf", "prep=x", "prep", "=5", "prep=1e12", f"prep={longest}1"):
         with pytest.raises(ValueError, match="STAGE=SECONDS"):
             runtime.parse_timeouts([bad])
 
@@ -210,12 +213,41 @@ def test_check_stage_args_names_the_option_with_an_unknown_stage(tmp_path):
         runtime.check_stage_args(tmp_path)
 
 
+def test_root_is_the_project_that_the_folder_is_in(tmp_path):
+    root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
+    (root / "sub" / "deeper").mkdir(parents=True)
+    assert runtime.resolve_root(root) == root.resolve()
+    assert runtime.resolve_root(root / "sub" / "deeper") == root.resolve()
+    with pytest.raises(ValueError, match="^--root .*: no such directory"):
+        runtime.resolve_root(tmp_path / "missing")
+    with pytest.raises(ValueError, match="^--root: .* not a DVC project"):
+        runtime.resolve_root(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_flow_started_in_a_sub_folder_runs_the_project(tmp_path, shared):
+    """It ran `dvc repro` in the sub-folder, where every stage failed after its
+    retries ("'dvc.yaml' does not exist"), and left a .dvc folder there (which
+    DVC then takes for a project of its own)."""
+    root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
+    sub = root / "notes"
+    sub.mkdir()
+    r = run_flow(sub, flow_env(shared, "sub-folder"), "--retries", "0")
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert statuses(r.stdout) == {"a": "ran"} and (root / "a.txt").read_text() == "a\n"
+    assert sorted(p.name for p in sub.iterdir()) == [], "the flow wrote into the sub-folder"
+    assert (root / runtime.FLOW_LOCK).exists()
+
+
 def test_cli_refuses_bad_arguments_in_one_line_before_starting_prefect(tmp_path):
     root = dvc_project(tmp_path / "proj", {"a": {"cmd": "echo a > a.txt", "outs": ["a.txt"]}})
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     for args, message in [(["--targets", "nope"], "--targets: unknown stage(s) nope"),
                           (["--timeout", "trian=1"], "--timeout: unknown stage(s) trian"),
                           (["--timeout", "a=inf"], "got 'a=inf'"),
+                          (["--timeout", "a=1e12"], "got 'a=1e12'"),
+                          (["--retry-delay", "1e12"], "argument --retry-delay: expected a number >= 0 and at most"),
                           (["--retries", "-1"], "argument --retries: expected a number >= 0"),
                           (["--root", str(tmp_path / "missing")], "no such directory")]:
         r = subprocess.run([sys.executable, "-m", "flows.pipeline", *args], cwd=root, env=env,
@@ -486,7 +518,9 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     }, {"flaky.py": FLAKY, "hang.py": HANG})
     env = flow_env(shared, "timeouts")
     t0 = time.monotonic()
-    r = run_flow(root, env, "--retries", "1", "--retry-delay", "0", "--timeout", "train=3")
+    # flaky: the longest timeout accepted is one that Prefect can arm
+    r = run_flow(root, env, "--retries", "1", "--retry-delay", "0", "--timeout", "train=3",
+                 "--timeout", f"flaky={runtime.MAX_SECONDS:.0f}")
     elapsed = time.monotonic() - t0
     assert r.returncode == 1, r.stdout[-4000:]
     assert (root / "attempts-flaky").read_text() == "2", "the data stage is retried once"
@@ -503,6 +537,44 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     assert parent.data.tags["pipeline.status.flaky"] == "ran"
     assert parent.data.tags["pipeline.status.train"] == "failed"
     assert parent.data.metrics["flaky.attempts"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_path, shared):
+    """A terminal's Ctrl-C reaches the whole foreground process group, Prefect's
+    temporary server included. It used to kill the server while the flow stopped
+    the stage: the flow then hung for minutes on the dead API, and never printed
+    its summary or logged the stage statuses to MLflow."""
+    root = dvc_project(tmp_path / "proj", {
+        "train": {"cmd": "python hang.py", "deps": ["hang.py"], "outs": ["models/train.txt"]},
+    }, {"hang.py": HANG})
+    env = flow_env(shared, "ctrl-c")
+    # As a shell starts it in a terminal: a process group of its own, Ctrl-C not ignored.
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "training forever" in line:
+                break
+        else:
+            raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        out = "".join(seen) + proc.communicate(timeout=150)[0]  # it hung here for minutes
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert "**Failed: stage train**" in out and "| train | failed |" in out, out[-4000:]
+    assert "artifact was not saved" not in out, "the temporary server died with the Ctrl-C"
+    for pid in map(int, (root / "pids").read_text().split()):
+        assert not alive(pid), f"process {pid} of the interrupted stage is still running"
+    [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "ctrl-c") if run.info.run_name == "pipeline"]
+    assert parent.data.tags["pipeline.status.train"] == "failed"
 
 
 @pytest.mark.slow

@@ -11,7 +11,14 @@ import pytest
 
 from pipeline.export import export_model
 from pipeline.files import sha256_file
-from pipeline.promote import CANDIDATE, CHAMPION, RegistryWarning, register_export, should_promote
+from pipeline.promote import (
+    CANDIDATE,
+    CHAMPION,
+    RegistryWarning,
+    check_primary_metric,
+    register_export,
+    should_promote,
+)
 from tests.helpers import save_checkpoint, tiny_config, tiny_model, train_tiny_tokenizer
 
 NAN = float("nan")
@@ -110,6 +117,18 @@ def test_nan_never_becomes_the_first_champion(mlflow_env, client, export_dir):
     assert (result["candidate"], result["champion"], result["promoted"]) == (1, None, False)
     assert aliases(client, "m-nan") == {CANDIDATE: 1}
     assert register(export_dir, "m-nan", 2.0)["champion"] == 2  # the first valid one is
+
+
+def test_a_primary_metric_the_evaluation_lacks_is_refused_naming_the_closest():
+    metrics = {"sft": {"chat": {"bits_per_byte": 1.3, "val_loss": math.nan}, "val_loss": 2.0}, "seconds": 4.0}
+    check_primary_metric(metrics, "sft.chat.bits_per_byte")
+    check_primary_metric(metrics, "sft.chat.val_loss")  # NaN is a result, not a typo
+    with pytest.raises(ValueError, match=r"^'sft.chat.bits_per_bite' is not a metric of the evaluation, .*; did you "
+                                         r"mean sft.chat.bits_per_byte\? it has 4: seconds, sft.chat.bits_per_byte, "
+                                         r"sft.chat.val_loss, sft.val_loss$"):
+        check_primary_metric(metrics, "sft.chat.bits_per_bite")
+    with pytest.raises(ValueError, match="^'sft' is not a metric"):  # a section, not a number
+        check_primary_metric(metrics, "sft")
 
 
 def test_higher_is_better_when_asked(mlflow_env, client, export_dir):

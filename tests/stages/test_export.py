@@ -56,3 +56,21 @@ def test_export_of_the_best_checkpoint_needs_evaluate_to_score_it(tmp_path, monk
     layout.EVALUATE_REPORT.unlink()  # metrics with no record of what they describe are not used
     with pytest.raises(ExportError, match=r"report.json not found; run `dvc repro evaluate` first"):
         export.main(cfg, None)
+
+
+def test_a_primary_metric_that_evaluate_did_not_write_is_refused_before_the_export(tmp_path, monkeypatch):
+    """A typo in export.primary_metric registered every export as candidate and
+    none as champion, silently: it is refused in one line before any work."""
+    monkeypatch.chdir(tmp_path)
+    write_json(layout.metrics_path("evaluate"), {"sft": {"chat": {"bits_per_byte": 1.2}, "val_loss": 2.0}})
+    write_json(layout.EVALUATE_REPORT, {})
+    cfg = parse_section(ExportConfig, {"primary_metric": "sft.chat.bpb"}, "export")
+    with pytest.raises(ExportError, match=r"^export.primary_metric: 'sft.chat.bpb' is not a metric of the evaluation, "
+                                          r".*it has 2: sft.chat.bits_per_byte, sft.val_loss \(in metrics/evaluate.json\)$"):
+        export.main(cfg, None)
+    assert not layout.EXPORT_DIR.exists()
+    # A name that is there passes the check (the next one wants evaluate's report),
+    # and so does any name when nothing is registered.
+    for ok in ({"primary_metric": "sft.val_loss"}, {"primary_metric": "sft.chat.bpb", "register_model": False}):
+        with pytest.raises(ExportError, match="records no sft model"):
+            export.main(parse_section(ExportConfig, ok, "export"), None)

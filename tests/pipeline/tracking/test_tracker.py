@@ -473,6 +473,64 @@ def test_failure_while_ending_the_run_is_kept_offline(client, monkeypatch):
     assert kept.info.status == "FINISHED"
 
 
+def offline_store(monkeypatch, steps: int = 3, end: bool = True) -> Tracker:
+    """A tracker that went offline at once (no server), with ``steps`` losses logged."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    with pytest.warns(TrackingOfflineWarning):
+        t = Tracker("pretrain", system_metrics=False).start()
+    for step in range(steps):
+        t.log_metrics({"loss": float(step)}, step=step)
+    if end:
+        t.end()
+    return t
+
+
+@pytest.mark.timeout(60)
+def test_replay_refuses_what_is_not_an_offline_store_and_creates_nothing(tmp_path, monkeypatch, db, capsys):
+    t = offline_store(monkeypatch)
+    stores = t.offline_path.parent  # .tracking-offline/, the folder a user may well pass
+    missing = tmp_path / "no-such-store"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    with pytest.raises(tracking.ReplayError, match="no such folder"):
+        replay_offline(missing)
+    with pytest.raises(tracking.ReplayError, match=r"not an offline store .* holds 1 store\(s\)"):
+        replay_offline(stores)
+    # Before, MLflow made an empty mlflow.db there (and the folder itself), then
+    # replay failed with "not enough values to unpack".
+    assert not missing.exists() and not (stores / "mlflow.db").exists()
+
+    # One line per bad store, exit code 1, and the good stores are still replayed.
+    assert tracking.main(["replay", str(stores), str(t.offline_path)]) == 1
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]  # MLflow logs its own lines too
+    assert len(errors) == 1 and errors[0].startswith(f"error: {stores} is not an offline store"), err
+    run_id = out.split()[-1]
+    from mlflow import MlflowClient
+
+    assert len(MlflowClient(db[1]).get_metric_history(run_id, "loss")) == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_store_is_replayed_once_and_not_while_it_is_being_written(monkeypatch, db):
+    from mlflow import MlflowClient
+
+    t = offline_store(monkeypatch, end=False)  # this process still logs into it
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    with pytest.raises(tracking.ReplayError, match=f"still being logged by process {os.getpid()}"):
+        replay_offline(t.offline_path)
+    t.end()
+    run_id = replay_offline(t.offline_path)
+    with pytest.raises(tracking.AlreadyReplayed, match=f"replayed into run {run_id} at .* already"):
+        replay_offline(t.offline_path)
+    # `replay .tracking-offline/*/` again replays only the new stores: the old are skipped, not errors.
+    assert tracking.main(["replay", str(t.offline_path)]) == 0
+    client = MlflowClient(db[1])
+    runs = client.search_runs([client.get_run(run_id).info.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id], "a second replay made a second run"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
 # --------------------------------------------------------------------------- DVC
 
 

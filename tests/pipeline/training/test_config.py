@@ -129,6 +129,17 @@ def test_valid_schedules():
     assert schedule(kind="wsd", max_steps=0).decay_length() == 1
 
 
+@pytest.mark.parametrize("schema, stage", [(PretrainConfig, "pretrain"), (SFTConfig, "sft")])
+def test_a_seed_numpy_cannot_take_is_refused_naming_the_key(schema, stage):
+    """The trainer seeds NumPy, which takes 0 to 2^32 - 1: outside that every rank
+    failed with a traceback after the launch, not in one line before it."""
+    for ok in (0, 2**32 - 1):
+        assert parse_section(schema, {"seed": ok}, stage).seed == ok
+    for bad, message in ((-1, "greater than or equal to 0"), (2**32, "less than or equal to 4294967295")):
+        with pytest.raises(ConfigError, match=rf"^params.yaml is invalid:\n  {stage}.seed: Input should be {message}"):
+            parse_section(schema, {"seed": bad}, stage)
+
+
 def test_seed_model_and_global_batch_are_identity():
     cfg = PretrainConfig()
     assert fingerprint(cfg.model_copy(update={"seed": 1})) != fingerprint(cfg)
