@@ -879,12 +879,12 @@ def _read_csv(f: InputFile, cfg: IngestConfig, source: Path | BinaryIO) -> Itera
     except UnicodeDecodeError as e:
         yield Skip("non_utf8", "file", detail=f"the header row is not UTF-8 (invalid byte at {e.start})")
         return
-    if field not in names:  # every row is skipped, and counted (as Parquet's are)
+    if names.count(field) != 1:  # every row is skipped, and counted (as Parquet's are)
         rows = 0
         with contextlib.suppress(pa.ArrowInvalid):  # a row the reader stops at ends the count
             for batch in reader:
                 rows += batch.num_rows
-        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {names})", n=max(rows, 1))
+        yield _no_single_column(field, names, max(rows, 1))
         return
     done = [0]
     try:
@@ -893,6 +893,17 @@ def _read_csv(f: InputFile, cfg: IngestConfig, source: Path | BinaryIO) -> Itera
         log.debug("%s: pyarrow's CSV reader stopped after %d rows (%s); reading the rest with Python's csv",
                   f.display, done[0], e)
         yield from _read_csv_rest(f, cfg, done[0])
+
+
+def _no_single_column(field: str, names: list[str], rows: int) -> Skip:
+    """The skip of every row of a CSV file whose header names the text column
+    not once: none, or several (which one holds the text is a guess; pyarrow's
+    reader and Python's would guess differently)."""
+    if field not in names:
+        return Skip("missing_field", "file", detail=f"no column {field!r} (columns: {names})", n=rows)
+    return Skip("ambiguous_field", "file", n=rows,
+                detail=f"the header names column {field!r} {names.count(field)} times (columns: {names}); "
+                       f"rename all but the one that holds the text")
 
 
 def _counted(batches: Iterable[pa.RecordBatch], done: list[int]) -> Iterator[pa.RecordBatch]:
@@ -927,9 +938,8 @@ def _read_csv_rest(f: InputFile, cfg: IngestConfig, skip: int) -> Iterator[Item]
             if any(_not_utf8(name) is not None for name in header):
                 yield Skip("non_utf8", "file", detail="the header row is not UTF-8")
                 return
-            if f.source.text_field not in header:
-                yield Skip("missing_field", "file", detail=f"no column {f.source.text_field!r} (columns: {header})",
-                           n=max(sum(1 for record in reader if record), 1))
+            if header.count(f.source.text_field) != 1:
+                yield _no_single_column(f.source.text_field, header, max(sum(1 for record in reader if record), 1))
                 return
             column, width = header.index(f.source.text_field), len(header)
             for record in reader:

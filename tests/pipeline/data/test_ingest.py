@@ -367,6 +367,20 @@ def test_a_csv_without_the_text_column_counts_its_rows(tmp_path):
     assert metrics["docs"] + metrics["skipped"] == 3 + 2 + 1
 
 
+def test_a_csv_that_names_its_text_column_twice_is_a_counted_skip_not_a_guess(tmp_path):
+    """pyarrow's reader took the second of two `text` columns and Python's csv (the
+    reader a large first row leads to) the first: which text a file gave depended
+    on its rows' sizes. Neither is kept; every row is counted, with the reason."""
+    (tmp_path / "a.csv").write_text("text,n,text\nfirst,1,second\nx,2,y\n")
+    (tmp_path / "b.csv").write_bytes(b"text,text\n" + b"w" * 2_000_000 + b",1\nv,2\n")  # Python's csv reads this
+    (tmp_path / "ok.txt").write_text("fine")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.csv", "b.csv", "ok.txt")])
+    assert [d["text"] for d in docs] == ["fine"]
+    assert report(tmp_path)["skipped"] == {"ambiguous_field": 4}
+    assert metrics["docs"] + metrics["skipped"] == 2 + 2 + 1
+    assert "names column 'text' 2 times" in quarantine[0]["detail"]
+
+
 @pytest.mark.parametrize("max_doc_bytes", [1_000_000, 4_000_000])
 def test_a_csv_row_larger_than_the_readers_block(tmp_path, max_doc_bytes):
     """A 3 MB value (the reader's block is 1 MiB): the file is read again with larger blocks, past the rows
