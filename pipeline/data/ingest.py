@@ -817,9 +817,8 @@ def read_parquet(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         yield Skip("unreadable", "file", detail=f"not a readable Parquet file: {e}")
         return
     field = f.source.text_field
-    if field not in pf.schema_arrow.names:
-        yield Skip("missing_field", "file", detail=f"no column {field!r} (columns: {pf.schema_arrow.names})",
-                   n=max(pf.metadata.num_rows, 1))
+    if pf.schema_arrow.names.count(field) != 1:
+        yield _no_single_column(field, pf.schema_arrow.names, max(pf.metadata.num_rows, 1))
         return
     # Row group by row group, so that a damaged one costs its own rows (counted), not the rest of the file.
     row = 0
@@ -896,9 +895,9 @@ def _read_csv(f: InputFile, cfg: IngestConfig, source: Path | BinaryIO) -> Itera
 
 
 def _no_single_column(field: str, names: list[str], rows: int) -> Skip:
-    """The skip of every row of a CSV file whose header names the text column
-    not once: none, or several (which one holds the text is a guess; pyarrow's
-    reader and Python's would guess differently)."""
+    """The skip of every row of a file whose columns (a CSV header, a Parquet
+    schema) name the text column not once: none, or several (which one holds the
+    text would be a guess; for CSV, pyarrow's reader and Python's guess differently)."""
     if field not in names:
         return Skip("missing_field", "file", detail=f"no column {field!r} (columns: {names})", n=rows)
     return Skip("ambiguous_field", "file", n=rows,

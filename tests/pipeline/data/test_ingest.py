@@ -381,6 +381,15 @@ def test_a_csv_that_names_its_text_column_twice_is_a_counted_skip_not_a_guess(tm
     assert "names column 'text' 2 times" in quarantine[0]["detail"]
 
 
+def test_a_parquet_file_with_two_text_columns_is_a_counted_skip_not_a_guess(tmp_path):
+    pq.write_table(pa.table([pa.array(["a", "b"]), pa.array(["c", "d"])], names=["text", "text"]),
+                   tmp_path / "dup.parquet")
+    (tmp_path / "ok.txt").write_text("fine")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("dup.parquet", "ok.txt")])
+    assert [d["text"] for d in docs] == ["fine"]  # it kept the second column's 'c' and 'd'
+    assert report(tmp_path)["skipped"] == {"ambiguous_field": 2}
+
+
 @pytest.mark.parametrize("max_doc_bytes", [1_000_000, 4_000_000])
 def test_a_csv_row_larger_than_the_readers_block(tmp_path, max_doc_bytes):
     """A 3 MB value (the reader's block is 1 MiB): the file is read again with larger blocks, past the rows
