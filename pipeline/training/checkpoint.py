@@ -76,6 +76,7 @@ files are the ones written, not that their writer was honest).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import json
@@ -652,10 +653,24 @@ _DCP_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("t
                 ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr`` as early Python 3.11 releases (Debian 12's 3.11.2 among them;
+    3.11.7 no longer does) pickle an enum member: ``getattr(cls, name)``, where
+    other Pythons pickle ``cls(value)``. DCP's .metadata holds one (its memory-format
+    enum). Only a member of an enum class the unpickler admitted is given; any
+    other attribute (a method of an admitted class) is refused."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
+                                 f"allowed in a checkpoint's {DCP_METADATA}: only an enum's member is")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch.distributed.checkpoint.metadata  # noqa: F401  (the module the names below come from)
 
+        if name == "getattr" and module in ("builtins", "__builtin__"):  # __builtin__: pickle protocols 0 to 2
+            return _enum_member
         allowed = (module in _DCP_MODULES and not name.startswith("__")) or (module, name) in _DCP_GLOBALS
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             allowed = True

@@ -1,3 +1,5 @@
+import enum
+import io
 import json
 import os
 import pickle
@@ -7,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import PosixPath
 
 import numpy as np
 import pytest
@@ -527,6 +530,59 @@ def test_a_metadata_index_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="global posix.system is not allowed"):
         ckpt.load_model_weights(c, Tiny())
     assert not marker.exists()
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as early Python 3.11 releases (3.11.2) do: ``getattr(cls, name)``."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def repickle_metadata(checkpoint, pickler=_EnumsByName, obj=None):
+    """Writes ``obj`` (default: the checkpoint's own Metadata) as its .metadata
+    with ``pickler``, and records the new file in meta.json (a vouched-for file)."""
+    path = checkpoint / ".metadata"
+    obj = ckpt.read_dcp_metadata(checkpoint) if obj is None else obj
+    buf = io.BytesIO()
+    pickler(buf).dump(obj)  # the default protocol, as DCP writes it
+    path.write_bytes(buf.getvalue())
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_sharded_checkpoint_written_by_python_3_11_2_loads(tmp_path):
+    """Debian 12's Python 3.11.2 pickles DCP's memory-format enum by name, through
+    builtins.getattr, which the unpickler refused: an FSDP run there could not
+    resume, evaluate or export its own checkpoints."""
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    expected = Tiny()
+    ckpt.load_model_weights(c, expected)
+    repickle_metadata(c)
+    assert b"getattr" in (c / ".metadata").read_bytes()
+    got = Tiny()
+    ckpt.load_model_weights(c, got)
+    assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), got.state_dict().values()))
+
+
+def test_getattr_in_a_metadata_index_gives_only_an_enum_member(tmp_path):
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+
+    class Marker:
+        pass
+
+    class MethodOfAnAdmittedClass(pickle.Pickler):
+        def reducer_override(self, obj):
+            return (getattr, (PosixPath, "write_text")) if isinstance(obj, Marker) else NotImplemented
+
+    repickle_metadata(c, MethodOfAnAdmittedClass, obj=[Marker()])
+    with pytest.raises(ckpt.CheckpointError, match=r"getattr\(PosixPath, 'write_text'\) is not allowed"):
+        ckpt.load_model_weights(c, Tiny())
 
 
 def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
