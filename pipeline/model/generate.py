@@ -25,6 +25,7 @@ returned ids, so a caller can tell a finished answer from a cut one), after
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -73,11 +74,11 @@ def sample_next(logits: torch.Tensor, temperature: float = DEFAULT_TEMPERATURE, 
     of most likely tokens whose probabilities sum to at least ``top_p`` (None or
     1: no cut; the most likely token always stays), and one token is drawn with
     ``generator``, so a seeded generator gives the same draw every time.
-    Raises ValueError for a negative temperature, negative top_k or top_p
-    outside (0, 1].
+    Raises ValueError for a temperature that is negative or not finite, a
+    negative top_k or top_p outside (0, 1].
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (got {temperature})")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan reached torch.multinomial as a traceback
+        raise ValueError(f"temperature must be a finite number >= 0 (got {temperature})")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (got {top_k})")
     if top_p is not None and not 0 < top_p <= 1:
@@ -109,6 +110,8 @@ def iter_generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: 
     """Yield new token ids one at a time; see :func:`generate` for the contract."""
     prompt_ids = [int(t) for t in prompt_ids]
     max_len = model.config.max_seq_len
+    if max_new_tokens < 0:  # would print nothing, as if the model had nothing to say
+        raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
     if not prompt_ids:
         raise ValueError("the prompt is empty; give at least one token")
     if len(prompt_ids) > max_len:
@@ -144,7 +147,8 @@ def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int =
     after emitting any of ``stop_ids`` (the stop id is the last element), after
     ``max_new_tokens``, or when prompt + output reach ``model.config.max_seq_len``.
     Runs under inference mode; put the model in eval mode first.
-    Raises ValueError for an empty prompt or one longer than max_seq_len.
+    Raises ValueError for an empty prompt, one longer than max_seq_len, or a
+    negative max_new_tokens.
     """
     return list(iter_generate(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids))

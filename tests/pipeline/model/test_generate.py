@@ -109,7 +109,9 @@ def test_sampling_follows_the_distribution():
 
 
 @pytest.mark.parametrize("kw, message", [({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"),
-                                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+                                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                                         ({"temperature": float("nan")}, "temperature"),
+                                         ({"temperature": float("inf")}, "temperature")])
 def test_invalid_sampling_arguments(kw, message):
     with pytest.raises(ValueError, match=message):
         sample_next(random_logits(), **{"temperature": 1.0, **kw})
@@ -364,3 +366,13 @@ def test_a_hugging_face_folder_without_a_template_or_chatml_tokens_refuses_chat_
     assert capsys.readouterr().err == (f"error: {folder} has no chat template (and no <|im_start|>/<|im_end|> "
                                        "tokens for ChatML); use --prompt\n")
     assert main(["--model", str(folder), "--prompt", "def", "--max-new-tokens", "3"]) == 0  # completion still works
+
+
+@pytest.mark.parametrize("args, message", [(["--max-new-tokens", "-3"], "max_new_tokens must be >= 0 (got -3)"),
+                                           (["--temperature", "nan"], "temperature must be a finite number")])
+def test_cli_a_negative_length_or_a_nan_temperature_is_one_line(capsys, tok_path, ckpt_dir, args, message):
+    """-3 printed an empty completion as if the model had nothing to say; nan was a multinomial traceback."""
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {message}") and captured.err.count("\n") == 1
+    assert captured.out == ""
