@@ -304,7 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.system is not None and args.prompt is not None:  # raw text has no system turn: it was dropped silently
+        parser.error("--system goes with --chat or --interactive; --prompt completes raw text, which has no system turn")
     try:
         model, tokenizer, config = load_for_inference(args.model, tokenizer_path=args.tokenizer, device=args.device)
         template, chat_stops, text_stops = prompting(args.model, tokenizer, args.tokenizer,

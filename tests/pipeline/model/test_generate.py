@@ -376,3 +376,11 @@ def test_cli_a_negative_length_or_a_nan_temperature_is_one_line(capsys, tok_path
     captured = capsys.readouterr()
     assert captured.err.startswith(f"error: {message}") and captured.err.count("\n") == 1
     assert captured.out == ""
+
+
+def test_cli_a_system_message_with_a_raw_prompt_is_refused(capsys, tok_path, ckpt_dir):
+    """--prompt has no system turn: the message was dropped without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", "--system", "be brief"])
+    assert exit_.value.code == 2
+    assert "error: --system goes with --chat or --interactive" in capsys.readouterr().err
