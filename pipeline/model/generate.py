@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.system is not None and args.prompt is not None:  # raw text has no system turn: it was dropped silently
         parser.error("--system goes with --chat or --interactive; --prompt completes raw text, which has no system turn")
+    if args.chat and not all(text.strip() for text in args.chat):  # a chat template has no empty turn
+        parser.error("--chat takes a message with some text; one was empty")
     try:
         model, tokenizer, config = load_for_inference(args.model, tokenizer_path=args.tokenizer, device=args.device)
         template, chat_stops, text_stops = prompting(args.model, tokenizer, args.tokenizer,

@@ -238,3 +238,12 @@ def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path, caplog, 
     assert metrics["m"]["sources"]["web"] != metrics["m"]["sources"]["code"]
     plain, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
     assert "sources" not in plain["m"]
+
+
+@pytest.mark.parametrize("chat", [[""], ["What is os?", "  "]])
+def test_an_empty_chat_sample_is_refused_before_any_work(chat):
+    """It stopped the stage after the scoring, at the first sample, as `empty_content: message 0 (user)`."""
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"evaluate\.samples\.chat: .*is empty; a chat sample needs some text"):
+        parse_section(EvaluateConfig, {"samples": {"chat": chat}}, "evaluate")

@@ -384,3 +384,11 @@ def test_cli_a_system_message_with_a_raw_prompt_is_refused(capsys, tok_path, ckp
         main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", "--system", "be brief"])
     assert exit_.value.code == 2
     assert "error: --system goes with --chat or --interactive" in capsys.readouterr().err
+
+
+def test_cli_an_empty_chat_message_is_refused_in_words(capsys, tok_path, ckpt_dir):
+    """It was `error: empty_content: message 0 (user)`."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--chat", "hi", "--chat", " "])
+    assert exit_.value.code == 2
+    assert "error: --chat takes a message with some text; one was empty" in capsys.readouterr().err
