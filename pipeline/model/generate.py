@@ -283,6 +283,15 @@ def _reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], args: argpa
     return tokenizer.decode(new, skip_special_tokens=False)
 
 
+def _seed(text: str) -> int:
+    """argparse type: a seed torch.Generator takes (beyond it torch said only
+    "Overflow when unpacking long long")."""
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2^64 - 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline.model.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=Path("models/export"),
@@ -298,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="0 = off")
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="0 to 2^64 - 1 (default: 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     return p
 

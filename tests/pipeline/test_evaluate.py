@@ -247,3 +247,12 @@ def test_an_empty_chat_sample_is_refused_before_any_work(chat):
 
     with pytest.raises(ConfigError, match=r"evaluate\.samples\.chat: .*is empty; a chat sample needs some text"):
         parse_section(EvaluateConfig, {"samples": {"chat": chat}}, "evaluate")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_sample_seed_out_of_range_is_refused_before_any_work(seed):
+    """2^64 stopped the stage with a traceback after the scoring (torch: Overflow when unpacking long long)."""
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"evaluate\.samples\.seed: "):
+        parse_section(EvaluateConfig, {"samples": {"seed": seed}}, "evaluate")

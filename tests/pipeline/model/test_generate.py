@@ -392,3 +392,12 @@ def test_cli_an_empty_chat_message_is_refused_in_words(capsys, tok_path, ckpt_di
         main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--chat", "hi", "--chat", " "])
     assert exit_.value.code == 2
     assert "error: --chat takes a message with some text; one was empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_cli_a_seed_torch_cannot_take_is_refused_naming_the_flag(capsys, tok_path, ckpt_dir, seed):
+    """2^64 printed torch's `error: Overflow when unpacking long long`."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", "--seed", seed])
+    assert exit_.value.code == 2
+    assert f"error: argument --seed: must be from 0 to 2^64 - 1, got {seed}" in capsys.readouterr().err
