@@ -86,7 +86,10 @@ def sample_next(logits: torch.Tensor, temperature: float = DEFAULT_TEMPERATURE, 
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    scaled = logits / temperature
+    if not torch.isfinite(scaled).all():  # a tiny temperature overflowed float32: inf - inf made nan probabilities
+        scaled = ((logits.double() - logits.amax(-1, keepdim=True)) / temperature).float()  # <= 0, the top at 0
+    logits = scaled
     if top_k:
         kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -67,6 +67,15 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(sample_next(logits, 0.0), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300])
+def test_a_tiny_temperature_is_argmax_not_nan(temperature):
+    """logits / 1e-40 overflowed float32 to inf, and softmax made nan of it: a multinomial traceback."""
+    logits = random_logits()
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_next(logits, temperature, top_k=50, top_p=0.95, generator=generator),
+                       logits.argmax(-1))
+
+
 @pytest.mark.parametrize("kw", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k=1", "tiny top_p"])
 def test_a_cut_to_one_token_is_greedy(kw):
     logits = random_logits()
