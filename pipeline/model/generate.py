@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=Path("models/export"),
                    help="exported folder, checkpoint folder or step-XXXXXXXX folder (default: models/export)")
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help=f"tokenizer.json for checkpoint folders (default: {layout.TOKENIZER_JSON})")
+                   help=f"tokenizer.json, or its folder, for checkpoint folders (default: {layout.TOKENIZER_JSON})")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="raw text to complete (\"\" samples a document from scratch)")
     mode.add_argument("--chat", action="append", help="a user message; repeat for a scripted conversation")
@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.system is not None and args.prompt is not None:  # raw text has no system turn: it was dropped silently
         parser.error("--system goes with --chat or --interactive; --prompt completes raw text, which has no system turn")
+    if args.tokenizer is not None and args.tokenizer.is_dir():  # data/tokenizer, as the tokenizer stage names it
+        args.tokenizer = args.tokenizer / "tokenizer.json"
     if args.chat and not all(text.strip() for text in args.chat):  # a chat template has no empty turn
         parser.error("--chat takes a message with some text; one was empty")
     try:

@@ -410,3 +410,12 @@ def test_cli_a_seed_torch_cannot_take_is_refused_naming_the_flag(capsys, tok_pat
         main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", "--seed", seed])
     assert exit_.value.code == 2
     assert f"error: argument --seed: must be from 0 to 2^64 - 1, got {seed}" in capsys.readouterr().err
+
+
+def test_cli_a_tokenizer_folder_stands_for_its_tokenizer_json(capsys, tok_path, ckpt_dir):
+    """--tokenizer data/tokenizer said `tokenizer not found: data/tokenizer; run the tokenizer stage first`."""
+    args = ["--model", str(ckpt_dir), "--prompt", "def", "--temperature", "0", "--max-new-tokens", "4"]
+    assert main([*args, "--tokenizer", str(tok_path)]) == 0
+    by_file = capsys.readouterr().out
+    assert main([*args, "--tokenizer", str(tok_path.parent)]) == 0
+    assert capsys.readouterr().out == by_file
