@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.system is not None and args.prompt is not None:  # raw text has no system turn: it was dropped silently
-        parser.error("--system goes with --chat or --interactive; --prompt completes raw text, which has no system turn")
+        parser.error("--system goes with --chat or --interactive; --prompt completes raw text, "
+                     "which has no system turn")
     if args.tokenizer is not None and args.tokenizer.is_dir():  # data/tokenizer, as the tokenizer stage names it
         args.tokenizer = args.tokenizer / "tokenizer.json"
     if args.chat and not all(text.strip() for text in args.chat):  # a chat template has no empty turn

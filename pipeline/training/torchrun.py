@@ -293,6 +293,9 @@ def _rendezvous_failed(e: BaseException) -> str:
     if isinstance(e, RendezvousTimeoutError):
         return (f"the rendezvous timed out ({what}): not every node joined in time; start the stage on every node "
                 "(launch.nnodes) and check that each reaches launch.rdzv_endpoint")
+    if "while trying to connect" in text:  # never reached it: no rank of this node has started
+        return (f"could not reach the rendezvous at launch.rdzv_endpoint ({what}): start the stage on node 0 first "
+                "(it hosts the rendezvous), and check that this node reaches that host and port (address, firewall)")
     # The agent that hosted the rendezvous (the c10d store) has stopped, as a node's
     # agent does when one of its ranks fails; or the endpoint cannot be reached.
     return (f"lost the rendezvous ({what}): another node's agent stopped, or the network failed; this node's ranks "

@@ -191,3 +191,17 @@ def test_a_rendezvous_host_that_does_not_resolve_stops_the_launch_in_one_line(tm
                                          r"the host 'node0.invalid'"):
         launch("stages.pretrain", cfg, tmp_path)
     assert not (tmp_path / lock_name()).exists()  # refused before the lock, and before torchrun
+
+
+def test_a_rendezvous_never_reached_is_not_called_lost():
+    """An endpoint this node cannot reach (node 0 not started yet, a wrong address or port) was reported as
+    `lost the rendezvous …: another node's agent stopped …; this node's ranks were stopped`, though none had started."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from pipeline.training.torchrun import _rendezvous_failed
+
+    err = RendezvousConnectionError("The client socket has timed out after 60000ms while trying to connect to "
+                                    "(192.0.2.1, 29555).")
+    assert _rendezvous_failed(err).startswith(
+        "could not reach the rendezvous at launch.rdzv_endpoint (RendezvousConnectionError: The client socket has "
+        "timed out after 60000ms while trying to connect to (192.0.2.1, 29555).): start the stage on node 0 first")
