@@ -31,7 +31,7 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipeline.config import ParamsModel, StageConfig
 from pipeline.data.shards import PackedRows
@@ -57,7 +57,17 @@ class SampleConfig(ParamsModel):
     temperature: float = Field(0.8, ge=0, description="0 = greedy")
     top_k: int | None = Field(50, ge=1, description="sample among the k most likely tokens; null = off")
     top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling mass; null = off")
-    seed: int = Field(0, description="sample i uses seed + i")
+    # torch.Generator takes up to 2^64 - 1; beyond, the stage stopped after the scoring.
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="sample i uses seed + i (0 to 2^32 - 1)")
+
+    @field_validator("chat")
+    @classmethod
+    def _no_empty_message(cls, v: list[str]) -> list[str]:
+        # A chat template has no empty turn: it failed after the scoring, at the first sample.
+        for i, text in enumerate(v):
+            if not text.strip():
+                raise ValueError(f"message {i} is empty; a chat sample needs some text")
+        return v
 
 
 class CheckpointChoice(ParamsModel):

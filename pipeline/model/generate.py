@@ -25,6 +25,7 @@ returned ids, so a caller can tell a finished answer from a cut one), after
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -73,11 +74,11 @@ def sample_next(logits: torch.Tensor, temperature: float = DEFAULT_TEMPERATURE, 
     of most likely tokens whose probabilities sum to at least ``top_p`` (None or
     1: no cut; the most likely token always stays), and one token is drawn with
     ``generator``, so a seeded generator gives the same draw every time.
-    Raises ValueError for a negative temperature, negative top_k or top_p
-    outside (0, 1].
+    Raises ValueError for a temperature that is negative or not finite, a
+    negative top_k or top_p outside (0, 1].
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (got {temperature})")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan reached torch.multinomial as a traceback
+        raise ValueError(f"temperature must be a finite number >= 0 (got {temperature})")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (got {top_k})")
     if top_p is not None and not 0 < top_p <= 1:
@@ -85,7 +86,10 @@ def sample_next(logits: torch.Tensor, temperature: float = DEFAULT_TEMPERATURE, 
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    scaled = logits / temperature
+    if not torch.isfinite(scaled).all():  # a tiny temperature overflowed float32: inf - inf made nan probabilities
+        scaled = ((logits.double() - logits.amax(-1, keepdim=True)) / temperature).float()  # <= 0, the top at 0
+    logits = scaled
     if top_k:
         kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -109,6 +113,8 @@ def iter_generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: 
     """Yield new token ids one at a time; see :func:`generate` for the contract."""
     prompt_ids = [int(t) for t in prompt_ids]
     max_len = model.config.max_seq_len
+    if max_new_tokens < 0:  # would print nothing, as if the model had nothing to say
+        raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
     if not prompt_ids:
         raise ValueError("the prompt is empty; give at least one token")
     if len(prompt_ids) > max_len:
@@ -144,7 +150,8 @@ def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int =
     after emitting any of ``stop_ids`` (the stop id is the last element), after
     ``max_new_tokens``, or when prompt + output reach ``model.config.max_seq_len``.
     Runs under inference mode; put the model in eval mode first.
-    Raises ValueError for an empty prompt or one longer than max_seq_len.
+    Raises ValueError for an empty prompt, one longer than max_seq_len, or a
+    negative max_new_tokens.
     """
     return list(iter_generate(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids))
@@ -279,12 +286,21 @@ def _reply(model: Transformer, tokenizer: Tokenizer, ids: list[int], args: argpa
     return tokenizer.decode(new, skip_special_tokens=False)
 
 
+def _seed(text: str) -> int:
+    """argparse type: a seed torch.Generator takes (beyond it torch said only
+    "Overflow when unpacking long long")."""
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2^64 - 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline.model.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=Path("models/export"),
                    help="exported folder, checkpoint folder or step-XXXXXXXX folder (default: models/export)")
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help=f"tokenizer.json for checkpoint folders (default: {layout.TOKENIZER_JSON})")
+                   help=f"tokenizer.json, or its folder, for checkpoint folders (default: {layout.TOKENIZER_JSON})")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="raw text to complete (\"\" samples a document from scratch)")
     mode.add_argument("--chat", action="append", help="a user message; repeat for a scripted conversation")
@@ -294,13 +310,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="0 = off")
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="0 to 2^64 - 1 (default: 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.system is not None and args.prompt is not None:  # raw text has no system turn: it was dropped silently
+        parser.error("--system goes with --chat or --interactive; --prompt completes raw text, "
+                     "which has no system turn")
+    if args.tokenizer is not None and args.tokenizer.is_dir():  # data/tokenizer, as the tokenizer stage names it
+        args.tokenizer = args.tokenizer / "tokenizer.json"
+    if args.chat and not all(text.strip() for text in args.chat):  # a chat template has no empty turn
+        parser.error("--chat takes a message with some text; one was empty")
     try:
         model, tokenizer, config = load_for_inference(args.model, tokenizer_path=args.tokenizer, device=args.device)
         template, chat_stops, text_stops = prompting(args.model, tokenizer, args.tokenizer,

@@ -36,7 +36,7 @@ import hashlib
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from pipeline.config import ParamsModel, StageConfig
 from pipeline.training.torchrun import LaunchConfig
@@ -78,6 +78,21 @@ class BatchSection(Section):
         16, description="rows per rank per forward pass; auto: the largest that fits the device, keeping the "
                               "global batch of 16 x grad_accum_steps x world size (grad_accum_steps is raised to match)")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step (no gradient sync until the last)")
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _auto_or_count(cls, v: Any) -> Any:
+        # One message, not one per member of the union ("...micro_batch_size.constrained-int: ...").
+        if v == "auto" or isinstance(v, bool):  # a boolean: the section's own check names it
+            return v
+        try:
+            _COUNT.validate_python(v)
+        except ValidationError:
+            raise ValueError("must be auto or a whole number of at least 1") from None
+        return v
+
+
+_COUNT = TypeAdapter(Annotated[int, Field(ge=1)])
 
 
 class OptimizerSection(Section):

@@ -179,13 +179,24 @@ def table(c: ModelConfig, name: str, micro_batch: int, seq_len: int, gpus: int, 
     return "\n".join(lines)
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number of at least 1 (0 GPUs divided by zero; negatives printed negative GiB)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pipeline.training.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=list(PRESETS), action="append", help="repeatable; default: every preset")
-    ap.add_argument("--vocab-size", type=int, default=50304)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--gpus", type=int, default=8, help="devices FSDP shards over")
+    ap.add_argument("--vocab-size", type=_positive, default=50304)
+    ap.add_argument("--seq-len", type=_positive, default=1024)
+    ap.add_argument("--micro-batch", type=_positive, default=8)
+    ap.add_argument("--gpus", type=_positive, default=8, help="devices FSDP shards over")
     ap.add_argument("--precision", choices=["bf16", "fp32"], action="append", help="default: both")
     args = ap.parse_args(argv)
     for name in args.preset or list(PRESETS):

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config import StageConfig
 from pipeline.errors import StageError, Stopped, raise_stopped
@@ -55,6 +55,37 @@ class LaunchConfig(StageConfig):
     timeout_s: float | None = Field(
         None, gt=0, description="seconds a rank's collective waits for the others (rank 0 writing a checkpoint alone, "
         "a first compile) before the run stops in one line; null = torch's default (NCCL 600, gloo 1800)")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_and_port(cls, v: str) -> str:
+        # torchrun would take "abc" as abc:29400 and a port out of range as a C++ error,
+        # each after a minute-long wait or a traceback, on every node.
+        host, sep, port = v.strip().rpartition(":")
+        if host.startswith("[") and host.endswith("]"):  # [IPv6]:port
+            host = host[1:-1]
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError("must be host:port with a port from 1 to 65535, e.g. node0.example:29500")
+        return v.strip()
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> "LaunchConfig":
+        if self.rdzv_backend == "static" and self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes}): "
+                             f"nodes are numbered 0 to {self.nnodes - 1}")
+        return self
+
+    def check_endpoint(self) -> None:
+        """Raise StageError if a multi-node launch's rendezvous host has no address
+        (a typo, a name this node cannot resolve), rather than let torchrun retry it."""
+        if self.nnodes == 1:
+            return
+        host = self.rdzv_endpoint.rpartition(":")[0].strip("[]")
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError as err:
+            raise StageError(f"launch.rdzv_endpoint {self.rdzv_endpoint!r}: this node cannot resolve the host "
+                             f"{host!r} ({err.strerror or err}); give node 0's name or address") from None
 
 
 class TrainerBusyError(StageError):
@@ -170,6 +201,7 @@ def launch(module: str, cfg: LaunchConfig, lock_folder: Path,
     SIGTERM (a Prefect timeout) reaches the agent once, which stops the ranks and
     returns 128 + the signal's number.
     """
+    cfg.check_endpoint()
     fd = acquire_exclusive(lock_folder)
     handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     # Until the agent takes the signals as it starts the ranks, a SIGTERM stops the
@@ -261,6 +293,9 @@ def _rendezvous_failed(e: BaseException) -> str:
     if isinstance(e, RendezvousTimeoutError):
         return (f"the rendezvous timed out ({what}): not every node joined in time; start the stage on every node "
                 "(launch.nnodes) and check that each reaches launch.rdzv_endpoint")
+    if "while trying to connect" in text:  # never reached it: no rank of this node has started
+        return (f"could not reach the rendezvous at launch.rdzv_endpoint ({what}): start the stage on node 0 first "
+                "(it hosts the rendezvous), and check that this node reaches that host and port (address, firewall)")
     # The agent that hosted the rendezvous (the c10d store) has stopped, as a node's
     # agent does when one of its ranks fails; or the endpoint cannot be reached.
     return (f"lost the rendezvous ({what}): another node's agent stopped, or the network failed; this node's ranks "

@@ -170,8 +170,18 @@ def check_batch(cfg: TrainConfig, train_dir: Path) -> None:
 def check_compute(cfg: TrainConfig) -> None:
     """Launcher side, before any rank starts: the device this machine gives a
     rank, and the attention backend on it in the resolved precision, as every
-    rank resolves them again (a DeviceError or AttentionBackendError, one line)."""
+    rank resolves them again (a DeviceError or AttentionBackendError, one line).
+    On CUDA every rank of a node needs a GPU of its own: more ranks than GPUs
+    would put two ranks on one GPU (local_rank modulo the GPUs), which NCCL
+    refuses only once the ranks have started."""
     device = distributed.pick_device(cfg.compute.device)
+    ranks = cfg.launch.nproc_per_node
+    if device.type == "cuda" and ranks > 1:
+        gpus = torch.cuda.device_count()
+        if ranks > gpus:
+            raise distributed.DeviceError(
+                f"launch.nproc_per_node is {ranks}, but this machine has {gpus} CUDA GPU(s): one rank per GPU; "
+                f"set launch.nproc_per_node to {gpus} or fewer")
     attention.resolve(cfg.compute.attention, device, resolve_precision(cfg.compute.precision, device))
 
 

@@ -238,3 +238,21 @@ def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path, caplog, 
     assert metrics["m"]["sources"]["web"] != metrics["m"]["sources"]["code"]
     plain, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
     assert "sources" not in plain["m"]
+
+
+@pytest.mark.parametrize("chat", [[""], ["What is os?", "  "]])
+def test_an_empty_chat_sample_is_refused_before_any_work(chat):
+    """It stopped the stage after the scoring, at the first sample, as `empty_content: message 0 (user)`."""
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"evaluate\.samples\.chat: .*is empty; a chat sample needs some text"):
+        parse_section(EvaluateConfig, {"samples": {"chat": chat}}, "evaluate")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_sample_seed_out_of_range_is_refused_before_any_work(seed):
+    """2^64 stopped the stage with a traceback after the scoring (torch: Overflow when unpacking long long)."""
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"evaluate\.samples\.seed: "):
+        parse_section(EvaluateConfig, {"samples": {"seed": seed}}, "evaluate")

@@ -67,6 +67,15 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(sample_next(logits, 0.0), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300])
+def test_a_tiny_temperature_is_argmax_not_nan(temperature):
+    """logits / 1e-40 overflowed float32 to inf, and softmax made nan of it: a multinomial traceback."""
+    logits = random_logits()
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_next(logits, temperature, top_k=50, top_p=0.95, generator=generator),
+                       logits.argmax(-1))
+
+
 @pytest.mark.parametrize("kw", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k=1", "tiny top_p"])
 def test_a_cut_to_one_token_is_greedy(kw):
     logits = random_logits()
@@ -109,7 +118,9 @@ def test_sampling_follows_the_distribution():
 
 
 @pytest.mark.parametrize("kw, message", [({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"),
-                                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+                                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                                         ({"temperature": float("nan")}, "temperature"),
+                                         ({"temperature": float("inf")}, "temperature")])
 def test_invalid_sampling_arguments(kw, message):
     with pytest.raises(ValueError, match=message):
         sample_next(random_logits(), **{"temperature": 1.0, **kw})
@@ -364,3 +375,47 @@ def test_a_hugging_face_folder_without_a_template_or_chatml_tokens_refuses_chat_
     assert capsys.readouterr().err == (f"error: {folder} has no chat template (and no <|im_start|>/<|im_end|> "
                                        "tokens for ChatML); use --prompt\n")
     assert main(["--model", str(folder), "--prompt", "def", "--max-new-tokens", "3"]) == 0  # completion still works
+
+
+@pytest.mark.parametrize("args, message", [(["--max-new-tokens", "-3"], "max_new_tokens must be >= 0 (got -3)"),
+                                           (["--temperature", "nan"], "temperature must be a finite number")])
+def test_cli_a_negative_length_or_a_nan_temperature_is_one_line(capsys, tok_path, ckpt_dir, args, message):
+    """-3 printed an empty completion as if the model had nothing to say; nan was a multinomial traceback."""
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {message}") and captured.err.count("\n") == 1
+    assert captured.out == ""
+
+
+def test_cli_a_system_message_with_a_raw_prompt_is_refused(capsys, tok_path, ckpt_dir):
+    """--prompt has no system turn: the message was dropped without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", "--system", "be brief"])
+    assert exit_.value.code == 2
+    assert "error: --system goes with --chat or --interactive" in capsys.readouterr().err
+
+
+def test_cli_an_empty_chat_message_is_refused_in_words(capsys, tok_path, ckpt_dir):
+    """It was `error: empty_content: message 0 (user)`."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--chat", "hi", "--chat", " "])
+    assert exit_.value.code == 2
+    assert "error: --chat takes a message with some text; one was empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_cli_a_seed_torch_cannot_take_is_refused_naming_the_flag(capsys, tok_path, ckpt_dir, seed):
+    """2^64 printed torch's `error: Overflow when unpacking long long`."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--prompt", "def", "--seed", seed])
+    assert exit_.value.code == 2
+    assert f"error: argument --seed: must be from 0 to 2^64 - 1, got {seed}" in capsys.readouterr().err
+
+
+def test_cli_a_tokenizer_folder_stands_for_its_tokenizer_json(capsys, tok_path, ckpt_dir):
+    """--tokenizer data/tokenizer said `tokenizer not found: data/tokenizer; run the tokenizer stage first`."""
+    args = ["--model", str(ckpt_dir), "--prompt", "def", "--temperature", "0", "--max-new-tokens", "4"]
+    assert main([*args, "--tokenizer", str(tok_path)]) == 0
+    by_file = capsys.readouterr().out
+    assert main([*args, "--tokenizer", str(tok_path.parent)]) == 0
+    assert capsys.readouterr().out == by_file

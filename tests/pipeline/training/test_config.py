@@ -175,3 +175,13 @@ def test_flat_keys_of_the_old_layout_are_refused_with_their_dotted_name():
         parse_section(PretrainConfig, {"lr": 1e-3}, "pretrain")
     with pytest.raises(ConfigError, match=r"sft\.optimizer\.lrr: unknown key"):
         parse_section(SFTConfig, {"optimizer": {"lrr": 1e-3}}, "sft")
+
+
+@pytest.mark.parametrize("value", [0, -3, "big"])
+def test_a_bad_micro_batch_size_is_one_message_naming_the_key(value):
+    """It was one line per member of the union, each under a made-up key
+    (pretrain.batch.micro_batch_size.constrained-int, ...literal['auto'])."""
+    with pytest.raises(ConfigError) as err:
+        parse_section(PretrainConfig, {"batch": {"micro_batch_size": value}}, "pretrain")
+    assert str(err.value).splitlines()[1:] == [
+        f"  pretrain.batch.micro_batch_size: Value error, must be auto or a whole number of at least 1 (got {value!r})"]

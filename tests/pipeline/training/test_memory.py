@@ -163,3 +163,14 @@ def test_auto_micro_batch_resumes_with_the_checkpoints_split(tmp_path, monkeypat
     assert t.step == 4 and t.cfg.batch.micro_batch_size == 4
     assert "the checkpoint's 16 rows per forward do not fit now; continuing with 4" in caplog.text
     t.close()
+
+
+@pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--seq-len", "0"), ("--micro-batch", "-1"),
+                                        ("--vocab-size", "0"), ("--gpus", "two")])
+def test_a_count_below_one_is_refused_in_one_line(flag, value, capsys):
+    """--gpus 0 divided by zero (a traceback); negatives printed negative GiB."""
+    with pytest.raises(SystemExit) as exit_:
+        memory.main(["--preset", "tiny", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}:" in err and "Traceback" not in err

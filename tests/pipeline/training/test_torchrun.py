@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.errors import StageError
 from pipeline.training.torchrun import LaunchConfig, TrainerBusyError, acquire_exclusive, launch, lock_name, run_agent
 from tests.conftest import ROOT
 
@@ -165,3 +166,42 @@ def test_a_busy_folder_names_the_processes_that_hold_it_to_stop(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("endpoint", ["abc", "abc:", ":29500", "node0:port", "node0:0", "node0:70000"])
+def test_an_endpoint_without_host_and_port_is_refused_naming_the_key(endpoint):
+    """torchrun would take "abc" as abc:29400 and retry it for minutes, then print a C++ traceback."""
+    from pipeline.config import ConfigError, parse_section
+
+    with pytest.raises(ConfigError, match=r"pretrain\.launch\.rdzv_endpoint: .*must be host:port"):
+        parse_section(LaunchConfig, {"nnodes": 2, "rdzv_endpoint": endpoint}, "pretrain.launch")
+    assert LaunchConfig(rdzv_endpoint="[::1]:29500").rdzv_endpoint == "[::1]:29500"
+
+
+def test_a_static_node_rank_outside_nnodes_is_refused():
+    from pipeline.config import ConfigError, parse_section
+
+    with pytest.raises(ConfigError, match=r"node_rank \(2\) must be below nnodes \(2\)"):
+        parse_section(LaunchConfig, {"nnodes": 2, "node_rank": 2, "rdzv_backend": "static"}, "pretrain.launch")
+
+
+def test_a_rendezvous_host_that_does_not_resolve_stops_the_launch_in_one_line(tmp_path):
+    cfg = LaunchConfig(nnodes=2, rdzv_endpoint="node0.invalid:29500")  # .invalid never resolves (RFC 6761)
+    with pytest.raises(StageError, match=r"launch.rdzv_endpoint 'node0.invalid:29500': this node cannot resolve "
+                                         r"the host 'node0.invalid'"):
+        launch("stages.pretrain", cfg, tmp_path)
+    assert not (tmp_path / lock_name()).exists()  # refused before the lock, and before torchrun
+
+
+def test_a_rendezvous_never_reached_is_not_called_lost():
+    """An endpoint this node cannot reach (node 0 not started yet, a wrong address or port) was reported as
+    `lost the rendezvous …: another node's agent stopped …; this node's ranks were stopped`, though none had started."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from pipeline.training.torchrun import _rendezvous_failed
+
+    err = RendezvousConnectionError("The client socket has timed out after 60000ms while trying to connect to "
+                                    "(192.0.2.1, 29555).")
+    assert _rendezvous_failed(err).startswith(
+        "could not reach the rendezvous at launch.rdzv_endpoint (RendezvousConnectionError: The client socket has "
+        "timed out after 60000ms while trying to connect to (192.0.2.1, 29555).): start the stage on node 0 first")

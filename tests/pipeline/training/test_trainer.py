@@ -668,3 +668,18 @@ def test_ranks_other_than_the_launch_params_say_are_warned_about(tmp_path, caplo
     with caplog.at_level("WARNING", logger="pipeline.training"):
         run(tmp_path, max_steps=4)
     assert "rank(s) run, but" not in caplog.text
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_more_ranks_per_node_than_gpus_is_refused_before_any_rank_starts(monkeypatch, device):
+    """Ranks beyond the GPUs shared a GPU (local_rank % device_count), which NCCL refuses
+    only after every rank has started; here the launcher says so in one line."""
+    from pipeline.training.distributed import DeviceError
+    from pipeline.training.trainer import check_compute
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    c = parse_section(PretrainConfig, {"compute": {"device": device}, "launch": {"nproc_per_node": 4}}, "pretrain")
+    with pytest.raises(DeviceError, match=r"launch.nproc_per_node is 4, but this machine has 2 CUDA GPU\(s\): one "
+                                          r"rank per GPU; set launch.nproc_per_node to 2 or fewer"):
+        check_compute(c)
