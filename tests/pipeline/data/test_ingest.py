@@ -182,6 +182,19 @@ def test_a_loop_of_links_is_a_counted_skip_not_a_traceback(tmp_path, pattern):
     assert metrics["files"] == 3
 
 
+def refuse_listing(monkeypatch, folder: Path) -> None:
+    """``os.scandir`` (which os.walk and glob use) refuses ``folder`` as a folder
+    without read permission does; simulated, since the tests may run as root."""
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if Path(path) == folder:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+
+
 @pytest.mark.parametrize("fmt", ["auto", "text"])
 @pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt"], ids=["folder", "recursive-glob", "glob"])
 def test_a_folder_that_cannot_be_listed_is_a_counted_skip_not_lost(tmp_path, monkeypatch, pattern, fmt):
@@ -193,14 +206,7 @@ def test_a_folder_that_cannot_be_listed_is_a_counted_skip_not_lost(tmp_path, mon
     (d / "locked").mkdir()
     (d / "open" / "a.txt").write_text("hello world")
     (d / "locked" / "b.txt").write_text("never read")
-    scandir = os.scandir
-
-    def refusing(path="."):
-        if Path(path) == d / "locked":
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return scandir(path)
-
-    monkeypatch.setattr(os, "scandir", refusing)
+    refuse_listing(monkeypatch, d / "locked")
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}{pattern}", "format": fmt}])
     assert [x["text"] for x in docs] == ["hello world"]
     assert [(q["reason"], q["source"].rsplit("/", 1)[-1], q["detail"]) for q in quarantine] == [
@@ -215,14 +221,7 @@ def test_a_glob_does_not_count_folders_it_would_not_enter(tmp_path, monkeypatch)
     (d / "web").mkdir(parents=True)
     (d / "private").mkdir()
     (d / "web" / "a.txt").write_text("hello world")
-    scandir = os.scandir
-
-    def refusing(path="."):
-        if Path(path) == d / "private":
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return scandir(path)
-
-    monkeypatch.setattr(os, "scandir", refusing)
+    refuse_listing(monkeypatch, d / "private")
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": f"{d}/web*/*.txt"}])
     assert [x["text"] for x in docs] == ["hello world"] and quarantine == [] and metrics["skipped"] == 0
 
