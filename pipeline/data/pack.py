@@ -1082,13 +1082,13 @@ class Mixture:
             wanted = targets(available, self.cfg.mixture)
             for line in repeat_warnings(available, wanted, self.cfg.max_repeats):
                 log.warning("%s", line)
+            rows_of = {n: codes == self.sources.code[n] for n in wanted}  # each source's rows, as a mask
             copies = np.zeros(len(lens), np.int64)
             for name, target in wanted.items():
-                mine = codes == self.sources.code[name]
+                mine = rows_of[name]
                 copies[mine] = multiplicities(order[mine], lens[mine], target)
-            realised = {n: int((lens * copies)[codes == self.sources.code[n]].sum()) for n in wanted}
-            shortest = {n: int(np.min(lens[codes == self.sources.code[n]], initial=np.iinfo(np.int64).max))
-                        for n in wanted}
+            realised = {n: int((lens * copies)[mine].sum()) for n, mine in rows_of.items()}
+            shortest = {n: int(np.min(lens[mine], initial=np.iinfo(np.int64).max)) for n, mine in rows_of.items()}
             for line in empty_warnings(wanted, realised, shortest):
                 log.warning("%s", line)
             bar = stack.enter_context(progress(total=int((lens * copies).sum()), unit="tok", unit_scale=True,
@@ -1109,9 +1109,9 @@ class Mixture:
         total, total_wanted = sum(realised.values()) or 1, sum(wanted.values()) or 1
         return {n: {"available_tokens": available[n], "target_tokens": wanted[n], "tokens": realised[n],
                     "requested_share": round(wanted[n] / total_wanted, 6), "share": round(realised[n] / total, 6),
-                    "docs": int((codes == self.sources.code[n]).sum()),
-                    "copies": int(copies[codes == self.sources.code[n]].sum()),
-                    "dropped_docs": int(((copies == 0) & (codes == self.sources.code[n])).sum())}
+                    "docs": int(rows_of[n].sum()),
+                    "copies": int(copies[rows_of[n]].sum()),
+                    "dropped_docs": int(((copies == 0) & rows_of[n]).sum())}
                 for n in wanted}
 
     def check_some_in_train(self, available: Mapping[str, int]) -> None:
