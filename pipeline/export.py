@@ -95,6 +95,8 @@ def export_dtype(requested: str, meta: Mapping[str, Any]) -> str:
     original = meta.get("hf_config") or {}
     named = original.get("torch_dtype") or original.get("dtype")
     return named if named in DTYPES else DTYPE
+
+
 REPORT = "report.json"  # beside the Hugging Face files, written after registration
 METRICS = ("params", "vocab_size", "step")
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
