@@ -6,6 +6,7 @@ and pipeline/ has no import cycles."""
 
 import ast
 import importlib.util
+import re
 import subprocess
 import tomllib
 from importlib import metadata
@@ -53,8 +54,6 @@ def test_shipped_params_validate(stage):
 
 def readme_params_excerpts() -> list[dict]:
     """The README's ``params.yaml`` excerpts (yaml blocks whose keys are stage names)."""
-    import re
-
     blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     return [d for d in map(yaml.safe_load, blocks) if isinstance(d, dict) and set(d) <= set(SCHEMAS)]
 
@@ -137,6 +136,83 @@ def test_readme_params_reference_is_current():
 
     readme = (ROOT / "README.md").read_text()
     assert reference(ROOT / "params.yaml") in readme, "run `python -m pipeline.reference --write`"
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation (backticks,
+    colons, apostrophes, dots) dropped, each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def markdown_anchors(text: str) -> set[str]:
+    """The anchors of a Markdown text's headings (a repeated heading's get -1,
+    -2, ... as on GitHub); lines inside fenced code blocks are not headings."""
+    anchors, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            slug = github_slug(m.group(1))
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def dead_anchor_links(text: str) -> list[str]:
+    """The ``(#anchor)`` links of a Markdown text that no heading of it resolves."""
+    anchors = markdown_anchors(text)
+    return [a for a in re.findall(r"\]\(#([^)\s]+)\)", text) if a not in anchors]
+
+
+def test_dead_anchor_links_finds_one():
+    text = "# Top\n## Data stages on Ray: `python -m bench.ray_data`\n```\n# not a heading\n```\n## Top\n"
+    links = "[a](#data-stages-on-ray-python--m-benchray_data) [b](#top-1) [c](#not-a-heading) [d](#top-2)"
+    assert dead_anchor_links(text + links) == ["not-a-heading", "top-2"]
+
+
+def test_readme_anchor_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert "](#" in readme
+    assert dead_anchor_links(readme) == [], "README links to headings it does not have"
+
+
+def layout_tree_files(text: str) -> set[str]:
+    """The files the README's "Project layout" tree names, as paths: a name
+    ending in ``/`` opens a folder for the deeper-indented lines below it, and
+    ``.py`` names lead a line (several may), or stand in parentheses on a
+    folder's own line (``tracking/  MLflow runs (tracker.py)``)."""
+    block = text.split("## Project layout", 1)[1].split("```", 2)[1]
+    folders: list[tuple[int, str]] = []
+    files = set()
+    for line in filter(str.strip, block.splitlines()[1:]):
+        indent = len(line) - len(line.lstrip(" "))
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        parent = folders[-1][1] if folders else ""
+        words = line.split()
+        for i, word in enumerate(words):
+            if not re.fullmatch(r"[\w.-]+(\.py|/)", word):
+                break
+            if word.endswith("/"):
+                folders.append((indent, parent + word))
+                files |= {parent + word + f for f in re.findall(r"\((\w+\.py)\)", " ".join(words[i + 1:]))}
+            else:
+                files.add(parent + word)
+    return files
+
+
+def test_layout_tree_files_reads_a_tree():
+    tree = ("## Project layout\n\n```\npipeline/  the library\n  a.py b.py   two\n  data/  data (c.py)\n"
+            "    d.py  one\n  e.py  back up\nstages/  glue\n```\n")
+    assert layout_tree_files(tree) == {"pipeline/a.py", "pipeline/b.py", "pipeline/data/c.py",
+                                       "pipeline/data/d.py", "pipeline/e.py"}
+
+
+def test_readme_layout_names_every_pipeline_module():
+    listed = {f for f in layout_tree_files((ROOT / "README.md").read_text()) if f.startswith("pipeline/")}
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pipeline").rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(modules - listed) == [], "modules the README's Project layout leaves out"
+    assert sorted(listed - modules) == [], "files the README's Project layout names that do not exist"
 
 
 # --------------------------------------------------------------------------- import graph
