@@ -1,7 +1,7 @@
 """Training throughput: the pretrain stage against a minimal PyTorch loop.
 
     python -m bench.train                      # CPU defaults: mini preset, seq 256, batch 16 (~15 min)
-    python -m bench.train --preset small --device cuda --precision bf16 --compile
+    python -m bench.train --preset small --device cuda --precisions bf16 --compile
 
 Both sides train the same model on the same packed rows with the same batch:
 
