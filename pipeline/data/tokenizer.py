@@ -684,10 +684,13 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
         return got
 
     eos_text, bos_text, pad_text = named("eos_token"), named("bos_token"), named("pad_token")
+    special = sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     if eot_token is not None:
         eot_text = eot_token
     else:
-        eot_text = next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), eos_text)
+        # a special one first; one that is not special is still found, for check_eot_is_special to name
+        eot_text = (next((t for t in EOT_CANDIDATES if tok.token_to_id(t) in special), None) or eos_text
+                    or next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), None))
     if eot_text is None:
         raise TokenizerError(f"{folder}: no end-of-text token found (looked for {', '.join(EOT_CANDIDATES)} and "
                              "tokenizer_config.json's eos_token); name one with tokenizer.eot_token")
@@ -701,7 +704,6 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
         gen_eos = read_json(gen_file).get("eos_token_id")
         eos.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
     eos.append(eot_id)
-    special = sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     pad_id = id_of(pad_text, "pad_token")
     texts = {"eot": eot_text, "pad": pad_text or eot_text}
     texts.update({k: v for k, v in (("bos", bos_text), ("eos", eos_text)) if v})
@@ -709,6 +711,26 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
                     eos_ids=tuple(dict.fromkeys(eos)), chat_template=read_chat_template(folder, tok_config),
                     source=str(folder), hf_files=tuple(f for f in HF_TOKENIZER_FILES if (folder / f).is_file()),
                     special_ids=tuple(special), texts=texts)
+
+
+def check_eot_is_special(folder: Path, tok: Tokenizer, specials: Specials, named: bool) -> None:
+    """Raise TokenizerError, one line, when the end-of-text token of ``specials``
+    is not one of the tokenizer's special added tokens. Only those are kept out of
+    text (``encode_special_tokens``): any other token, a learned one or a plain
+    added one, is also what some document encodes to, and pack's separator, where
+    evaluate and generation stop, would come out of the documents' own text.
+    ``named``: the user gave it as ``tokenizer.eot_token``."""
+    if specials.eot_id in specials.special_ids:
+        return
+    added = tok.get_added_tokens_decoder()
+    names = [repr(added[i].content) for i in specials.special_ids]
+    listed = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+    raise TokenizerError(
+        f"{folder}: {'tokenizer.eot_token' if named else 'the end-of-text token'} {specials.texts['eot']!r} "
+        f"(id {specials.eot_id}) is an ordinary token, which text encodes to: pack's document separator would also "
+        "come out of the documents' own text; name one of the tokenizer's special tokens with tokenizer.eot_token"
+        + (f" (its special tokens: {listed})" if names else " (it has none: mark its end-of-text token special, "
+           "\"special\": true in the added_tokens of its tokenizer.json)"))
 
 
 def missing_chatml_tokens(tok: Tokenizer) -> list[str]:
@@ -758,6 +780,7 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
                     ", ".join(f"tokenizer.{k}" for k in ignored))
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
+    check_eot_is_special(folder, tok, specials, cfg.eot_token is not None)
     if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
         log.warning("tokenizer.source %s is outside %s/, so DVC does not see changes to it: a replaced model there "
                     "does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS)
