@@ -1307,11 +1307,21 @@ def too_short(out_dir: Path, streams: str, row_len: int) -> PackError | None:
                  if int(splits[s]["tokens"]) < row_len]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return next((PackError(f"the {s} split has {tokens} tokens from {docs} document(s), fewer than one row of "
-                           f"{row_len}; lower pack.seq_len, raise pack.val_fraction, or add data (the count of the "
-                           f"output in {out_dir}, packed from the same documents, tokenizer and split, which is "
-                           "left as it was)")
-                 for s, tokens, docs in short), None)
+    if not short:
+        return None
+    return PackError(f"{short_splits(short, row_len)} (the count of the output in {out_dir}, packed from the same "
+                     "documents, tokenizer and split, which is left as it was)")
+
+
+def short_splits(short: list[tuple[str, int, int]], row_len: int) -> str:
+    """The message for splits (``(name, tokens, documents)``) too short to fill one
+    row, with the fix that helps them: a larger val_fraction grows val at train's
+    cost, so it is offered only for val alone, and the other way for train."""
+    said = " and ".join(f"the {s} split has {tokens} tokens from {docs} document(s)" for s, tokens, docs in short)
+    shift = {("val",): "raise pack.val_fraction, ", ("train",): "lower pack.val_fraction, "}.get(
+        tuple(s for s, _, _ in short), "")
+    return f"{said}, fewer than one row of {row_len}{' each' if len(short) > 1 else ''}; lower pack.seq_len, " \
+           f"{shift}or add data"
 
 
 def shard_entry(split: str, k: int, record: dict[str, Any]) -> dict[str, Any]:
@@ -1466,12 +1476,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         train_docs = state["mixture"].docs if mixture is not None else splits["train"]["docs"]
         if docs != plan.docs or docs != train_docs + splits["val"]["docs"]:
             raise AssertionError(f"{docs} documents read but {train_docs} + {splits['val']['docs']} packed")
-        for s, info in splits.items():
-            if info["rows"] == 0:
-                raise PackError(
-                    f"the {s} split has {info['tokens']} tokens from {info['docs']} document(s), fewer than one "
-                    f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
-                )
+        short = [(s, info["tokens"], info["docs"]) for s, info in splits.items() if info["rows"] == 0]
+        if short:
+            raise PackError(short_splits(short, row_len))
         val_sources, source_splits = sources.finish_val()
     except StageError:
         if "writers" in state:  # a plan error leaves an earlier run's output as it was

@@ -292,6 +292,28 @@ def test_errors(docs, tmp_path):
     assert not list(out.rglob("*.arrow")) and not (out / MANIFEST).exists()
 
 
+def test_a_split_too_short_for_a_row_is_told_the_fix_that_helps_it(docs, tmp_path):
+    """A larger val_fraction grows val at train's cost: it is the advice for a
+    short val split only. A short train split was told to raise it too."""
+    _, tok, _ = docs
+    ids = [f"d{i}" for i in range(30)]
+    plan = plan_splits(pq.ParquetFile(write_items(tmp_path / "v.parquet", [(i, "x") for i in ids])), 0, 0.2)
+    assert 0 < sum(plan.split_of(i) == "val" for i in ids) < 30
+    short_train = write_items(tmp_path / "t.parquet",
+                              [(i, "long text " * 50 if plan.split_of(i) == "val" else "x") for i in ids])
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=64, val_fraction=0.2, num_workers=1), short_train, tok, tmp_path / "a")
+    message = str(err.value)
+    assert message.startswith("the train split has ") and "fewer than one row of 65; " in message
+    assert "raise pack.val_fraction" not in message and "lower pack.val_fraction" in message
+    both = write_items(tmp_path / "s.parquet", [(i, "hi there") for i in ids])
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=4096, val_fraction=0.2, num_workers=1), both, tok, tmp_path / "b")
+    assert re.fullmatch(r"the train split has \d+ tokens from \d+ document\(s\) and the val split has \d+ tokens "
+                        r"from \d+ document\(s\), fewer than one row of 4097 each; lower pack\.seq_len, or add data",
+                        str(err.value))
+
+
 def test_a_seq_len_the_kept_output_shows_too_long_is_refused_before_anything_is_read_or_removed(docs, tmp_path,
                                                                                                  monkeypatch):
     """Only seq_len changed: the finished output's manifest already counts each
