@@ -424,7 +424,9 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
                             "source for training (split: auto or train)")
     elif lo is None or hi is None or lo[2] == hi[2]:
         raise PackError(f"{where}: {n} document(s) with one distinct id; train and val need at least two "
-                        "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes)")
+                        "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes; a chunk "
+                        "ends only at a line end, so a text with no line break stays one chunk: break it into "
+                        "lines, or add documents)")
     if n_val == 0:
         forced[lo[2]] = "val"  # type: ignore[index]
     elif n_val == n:

@@ -484,6 +484,16 @@ def test_position_split_holds_out_the_end_of_each_file(tmp_path):
         plan_splits(pq.ParquetFile(write_chunked(tmp_path / "n.parquet", rows[11:])), 0, 0.1, val_by="position")
 
 
+@pytest.mark.parametrize("val_by", ["hash", "position"])
+def test_one_chunk_says_that_chunks_end_only_at_line_ends(tmp_path, val_by):
+    """One text with no line break is one chunk however low chunk_bytes is: the
+    error's advice to lower chunk_bytes says so, or the user lowers it in vain."""
+    path = write_chunked(tmp_path / "d.parquet", [("a0", "no line break at all " * 40, "a.txt", 0)])
+    with pytest.raises(PackError, match=r"lower chunk_bytes; a chunk ends only at a line end, so a text with no "
+                                        r"line break stays one chunk"):
+        plan_splits(pq.ParquetFile(path), 0, 0.1, val_by=val_by)
+
+
 def test_position_split_of_chunks_all_marked_in_ingest_says_so(tmp_path):
     """A chunked text marked split: train (or val) in ingest is not held out by
     position, and the error says that, not that no document is a chunk."""
