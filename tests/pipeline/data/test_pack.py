@@ -484,6 +484,34 @@ def test_position_split_holds_out_the_end_of_each_file(tmp_path):
         plan_splits(pq.ParquetFile(write_chunked(tmp_path / "n.parquet", rows[11:])), 0, 0.1, val_by="position")
 
 
+def test_position_split_of_files_of_one_chunk_each_is_not_one_distinct_id(tmp_path, caplog):
+    """Many short files cut with split_by: chunk are one chunk each, which
+    val_by: position keeps in train, all with the same score. The tie made the
+    smallest and the largest score the same document, read as 'one distinct id':
+    pack refused 30 documents. Now the tiny-corpus rule moves one to val, and a
+    warning says why val is so small and what to do."""
+    text = "x" * 99 + "\n"
+    rows = [(f"f{k}", text, f"f{k}.txt", 0) for k in range(30)]
+    path = write_chunked(tmp_path / "d.parquet", rows)
+    with caplog.at_level("WARNING", logger="pipeline.data.pack"):
+        plan = plan_splits(pq.ParquetFile(path), 0, 0.1, val_by="position")
+    assert plan.forced == {"f0": "val"}
+    assert [r[0] for r in rows if plan.split_of(r[0], r[2], r[3]) == "val"] == ["f0"]
+    assert plan.val_mask(0, 30).tolist() == [True] + [False] * 29
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("pack.val_by: position: 30 of 30 chunked file(s) are one chunk each, which stays in "
+                           "train") and "pack.val_by: hash" in line and "chunk_bytes" in line
+    # one chunked file of several chunks among them: its tail is val, the one-chunk files are still told of
+    caplog.clear()
+    more = write_chunked(tmp_path / "m.parquet", rows + [(f"a{k}", text, "a.txt", k) for k in range(10)])
+    with caplog.at_level("WARNING", logger="pipeline.data.pack"):
+        plan = plan_splits(pq.ParquetFile(more), 0, 0.1, val_by="position")
+    assert plan.forced == {} and "30 of 31 chunked file(s) are one chunk each" in caplog.text
+    with pytest.raises(PackError, match="one distinct id"):  # a real single id is still refused
+        plan_splits(pq.ParquetFile(write_chunked(tmp_path / "s.parquet", [("a0", text, "a.txt", 0)] * 3)), 0, 0.1,
+                    val_by="position")
+
+
 @pytest.mark.parametrize("val_by", ["hash", "position"])
 def test_one_chunk_says_that_chunks_end_only_at_line_ends(tmp_path, val_by):
     """One text with no line break is one chunk however low chunk_bytes is: the
