@@ -646,15 +646,39 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+DAMAGED_HINT = "the model folder is damaged or incomplete (an interrupted download?): fetch the file again"
+
+
+def read_folder_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of a Hugging Face folder (``tokenizer_config.json``,
+    ``generation_config.json``, ...), or {} when there is none. One that does not
+    parse, or holds something other than an object, is a one-line
+    TokenizerError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        data = read_json(path)
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") from e
+    except ValueError as e:  # json.JSONDecodeError
+        raise TokenizerError(f"{path}: not valid JSON ({e}); {DAMAGED_HINT}") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}; {DAMAGED_HINT}")
+    return data
+
+
 def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     """The folder's default chat template, where transformers looks for it:
     ``chat_template.jinja``, then ``chat_template.json``, then ``tokenizer_config.json``
-    (a string, or a list of named templates of which "default" is used)."""
+    (a string, or a list of named templates of which "default" is used).
+    A file that does not decode or parse is a one-line TokenizerError."""
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template: Any = None
-    if (folder / "chat_template.json").is_file():
-        template = read_json(folder / "chat_template.json").get("chat_template")
+        try:
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{folder / 'chat_template.jinja'}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") \
+                from e
+    template: Any = read_folder_json(folder / "chat_template.json").get("chat_template")
     if template is None:
         template = tok_config.get("chat_template")
     if isinstance(template, list):
@@ -666,11 +690,11 @@ def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
 def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None) -> Specials:
     """The roles of a Hugging Face tokenizer's tokens, from ``tokenizer_config.json``
     (or ``special_tokens_map.json``), ``generation_config.json`` and the vocabulary.
-    Raises TokenizerError, one line, when no end-of-text token can be found or a
-    named token is not in the vocabulary."""
+    Raises TokenizerError, one line, when no end-of-text token can be found, a
+    named token is not in the vocabulary, or one of those files does not parse."""
     folder = Path(folder)
-    tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    tok_map = read_json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").is_file() else {}
+    tok_config = read_folder_json(folder / "tokenizer_config.json")
+    tok_map = read_folder_json(folder / "special_tokens_map.json")
 
     def named(role: str) -> str | None:
         return _token_text(tok_config.get(role)) or _token_text(tok_map.get(role))
@@ -699,10 +723,9 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     eos_id = id_of(eos_text, "eos_token")
     if eos_id is not None:
         eos.append(eos_id)
-    gen_file = folder / "generation_config.json"
-    if gen_file.is_file():
-        gen_eos = read_json(gen_file).get("eos_token_id")
-        eos.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+    gen_eos = read_folder_json(folder / "generation_config.json").get("eos_token_id")
+    eos.extend(i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+               if isinstance(i, int) and not isinstance(i, bool))  # an id, not a token's text or a flag
     eos.append(eot_id)
     pad_id = id_of(pad_text, "pad_token")
     texts = {"eot": eot_text, "pad": pad_text or eot_text}

@@ -1,5 +1,6 @@
 import json
 import random
+import re
 import shutil
 
 import numpy as np
@@ -465,6 +466,34 @@ def test_an_eot_token_that_text_encodes_to_is_refused(family_folders, corpus, tm
     with pytest.raises(TokenizerError, match=r"the end-of-text token '<\|endoftext\|>' \(id 0\) is an ordinary "
                                              r"token.*\(it has none: mark its end-of-text token special"):
         adopt(tmp_path / "plain", tmp_path / "out", corpus)
+
+
+@pytest.mark.parametrize("name, data, said", [
+    ("tokenizer_config.json", b'{"eos_token": "<|end', "not valid JSON"),  # a download cut short
+    ("generation_config.json", b"{oops", "not valid JSON"),
+    ("generation_config.json", b"[128001]", "expected a JSON object, got list"),
+    ("special_tokens_map.json", b"", "not valid JSON"),
+    ("chat_template.jinja", b"{{ bos_token }}\xff", "not UTF-8"),
+])
+def test_a_damaged_file_of_the_adopted_folder_is_one_line(family_folders, corpus, tmp_path, name, data, said):
+    """A model folder from an interrupted download or a hand edit: the file is
+    named in one line (it was a JSONDecodeError, AttributeError or
+    UnicodeDecodeError traceback), and nothing is written."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    (folder / name).write_bytes(data)
+    with pytest.raises(TokenizerError, match=rf"{re.escape(str(folder / name))}: {said}"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
+
+
+def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, corpus, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    (folder / "generation_config.json").write_text('{"eos_token_id": ["<|eot_id|>", true, 128009]}')
+    adopt(folder, tmp_path / "out", corpus)
+    specials = load_specials(tmp_path / "out")  # it read back as "unreadable; rerun the tokenizer stage"
+    assert all(type(i) is int for i in specials.eos_ids) and 128009 in specials.eos_ids
 
 
 def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
