@@ -636,6 +636,8 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     """``split_by: chunk``: cut a text file into chunks of about ``chunk_bytes``,
     streaming, so a file of any size is read (none is skipped for its size).
 
+    A line ends at ``\n``, ``\r\n`` or a lone ``\r`` (old Mac OS text), which
+    stays in its line, so the chunks join back into the file's bytes.
     A chunk takes whole lines while it stays within ``chunk_bytes``; the next
     non-blank line that would overflow it starts the next chunk. Blank lines
     never start a chunk: they stay at the end of the one before (up to
@@ -654,7 +656,13 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         if (skip := _not_text(head)) is not None:
             yield skip
             return
-        fh = rewound(head, opened)
+        # Latin-1 maps each byte to one character and back, so the text layer only finds the
+        # line ends (newline="": all three kinds, returned as they are) and the bytes stay bytes.
+        text_fh = io.TextIOWrapper(rewound(head, opened), encoding="latin-1", newline="")
+
+        def readline(limit: int) -> bytes:
+            return text_fh.readline(limit).encode("latin-1")
+
         lines: list[bytes] = []
         size = start = pos = index = 0
 
@@ -664,13 +672,17 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
             lines, size, start, index = [], 0, pos, index + 1
             return item
 
-        while line := fh.readline(max_line + 1):
+        carry: bytes | None = None  # a line read past the end of a skipped one
+        while line := readline(max_line + 1) if carry is None else carry:
+            carry = None
             if len(line) > max_line:
                 if lines:
                     yield cut()
                 n, head = len(line), line
-                while not line.endswith(b"\n") and (line := fh.readline(1 << 20)):
+                while not line.endswith((b"\n", b"\r")) and (line := readline(1 << 20)):
                     n += len(line)
+                if line.endswith(b"\r") and (carry := readline(max_line + 1)) == b"\n":
+                    n, carry = n + 1, None  # the piece ended between the \r and the \n of its CRLF
                 yield Skip("too_large", f"byte:{pos}", detail=f"a line of {n} bytes > max_doc_bytes={max_line}",
                            text=head[:4000].decode("utf-8", "replace"))
                 pos += n

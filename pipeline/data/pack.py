@@ -344,11 +344,16 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
     trainable: dict[str, None] = {}
     marked = {"train": 0, "val": 0}
     marked_chunks = 0  # chunks that ingest marked split: train or val, which position leaves where they are
+    first_id: str | None = None
+    distinct = False  # two different ids seen: scores can tie (position), so lo and hi may be one document
     for batch in pf.iter_batches(batch_size=65_536, columns=columns + extra):
         col = batch.column(0)
         if col.null_count:
             raise PackError(f"{where}: {col.null_count} document(s) have a null id")
         ids = col.to_pylist()
+        if not distinct and ids:
+            first_id = ids[0] if first_id is None else first_id
+            distinct = any(i != first_id for i in ids)
         rows = np.arange(n, n + len(ids))
         hashed = np.ones(len(ids), bool)  # scored by hash; chunks under position are scored below
         mark_val = mark_train = None
@@ -422,13 +427,23 @@ def plan_splits(pf: pq.ParquetFile, seed: int, val_fraction: float, where: str =
         if n_val == n and hi is None:
             raise PackError(f"{where}: every document is marked split: val, so train would be empty; add a "
                             "source for training (split: auto or train)")
-    elif lo is None or hi is None or lo[2] == hi[2]:
+    elif lo is None or hi is None or not distinct:
         raise PackError(f"{where}: {n} document(s) with one distinct id; train and val need at least two "
-                        "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes)")
+                        "documents (for one text cut with ingest split_by: chunk, lower chunk_bytes; a chunk "
+                        "ends only at a line end, so a text with no line break stays one chunk: break it into "
+                        "lines, or add documents)")
     if n_val == 0:
         forced[lo[2]] = "val"  # type: ignore[index]
     elif n_val == n:
         forced[hi[2]] = "train"  # type: ignore[index]
+    single = sum(len({c[0] for c in chunks_of}) == 1 for chunks_of in files.values())
+    if single:  # their text is in train whatever val_fraction says: many short files leave val nearly empty
+        log.warning("pack.val_by: position: %s of %s chunked file(s) are one chunk each, which stays in train (a "
+                    "chunk goes to val when its middle byte lies in the last val_fraction of its file)%s; to hold "
+                    "out part of such files, lower ingest chunk_bytes below their size, or use pack.val_by: hash",
+                    f"{single:,}", f"{len(files):,}",
+                    "; val holds only the document the tiny-corpus rule moved there"
+                    if lo is not None and forced.get(lo[2]) == "val" and single == len(files) else "")
     for doc_id, split in forced.items():  # every unmarked row with that id, as split_of decides by id
         row0 = 0
         for batch in pf.iter_batches(batch_size=65_536, columns=["id", *extra[:1]]):
@@ -1307,11 +1322,21 @@ def too_short(out_dir: Path, streams: str, row_len: int) -> PackError | None:
                  if int(splits[s]["tokens"]) < row_len]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return next((PackError(f"the {s} split has {tokens} tokens from {docs} document(s), fewer than one row of "
-                           f"{row_len}; lower pack.seq_len, raise pack.val_fraction, or add data (the count of the "
-                           f"output in {out_dir}, packed from the same documents, tokenizer and split, which is "
-                           "left as it was)")
-                 for s, tokens, docs in short), None)
+    if not short:
+        return None
+    return PackError(f"{short_splits(short, row_len)} (the count of the output in {out_dir}, packed from the same "
+                     "documents, tokenizer and split, which is left as it was)")
+
+
+def short_splits(short: list[tuple[str, int, int]], row_len: int) -> str:
+    """The message for splits (``(name, tokens, documents)``) too short to fill one
+    row, with the fix that helps them: a larger val_fraction grows val at train's
+    cost, so it is offered only for val alone, and the other way for train."""
+    said = " and ".join(f"the {s} split has {tokens} tokens from {docs} document(s)" for s, tokens, docs in short)
+    shift = {("val",): "raise pack.val_fraction, ", ("train",): "lower pack.val_fraction, "}.get(
+        tuple(s for s, _, _ in short), "")
+    return f"{said}, fewer than one row of {row_len}{' each' if len(short) > 1 else ''}; lower pack.seq_len, " \
+           f"{shift}or add data"
 
 
 def shard_entry(split: str, k: int, record: dict[str, Any]) -> dict[str, Any]:
@@ -1466,12 +1491,9 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         train_docs = state["mixture"].docs if mixture is not None else splits["train"]["docs"]
         if docs != plan.docs or docs != train_docs + splits["val"]["docs"]:
             raise AssertionError(f"{docs} documents read but {train_docs} + {splits['val']['docs']} packed")
-        for s, info in splits.items():
-            if info["rows"] == 0:
-                raise PackError(
-                    f"the {s} split has {info['tokens']} tokens from {info['docs']} document(s), fewer than one "
-                    f"row of {row_len}; lower pack.seq_len, raise pack.val_fraction, or add data"
-                )
+        short = [(s, info["tokens"], info["docs"]) for s, info in splits.items() if info["rows"] == 0]
+        if short:
+            raise PackError(short_splits(short, row_len))
         val_sources, source_splits = sources.finish_val()
     except StageError:
         if "writers" in state:  # a plan error leaves an earlier run's output as it was

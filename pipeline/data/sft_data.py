@@ -3,7 +3,8 @@
 Input: ``SFTDataConfig.sources``, each ``{path, format}``. ``path`` is a file, a
 directory (its ``*.json``, ``*.jsonl`` and ``*.ndjson`` files, recursively, dot-files
 left out) or a glob; ``.jsonl``/``.ndjson`` files hold one record per line, ``.json``
-files an array of records (or one record). ``path`` may instead name a built-in
+files an array of records (or one record; a ``.json`` file of one record a line is
+read as JSON Lines, as ingest reads it). ``path`` may instead name a built-in
 dataset, ``builtin:<name>`` (:data:`BUILTIN_DATASETS`; ``stdlib-docstrings`` is
 :mod:`pipeline.data.stdlib_qa`). ``format`` is one of
 :data:`pipeline.data.chat.FORMAT_NAMES`; ``auto`` detects it per record.
@@ -268,6 +269,11 @@ def _read_json(path: Path) -> Iterator[Raw]:
         yield Raw("file", reason="non_utf8", detail=f"invalid UTF-8 at byte {e.start}")
         return
     except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
+            # a value and more after it: one record a line (JSON Lines under a .json name, as many chat
+            # sets ship), read as ingest reads such a file
+            yield from _read_jsonl(path)
+            return
         yield Raw("file", reason="malformed_json", detail=str(e))
         return
     if isinstance(data, list):

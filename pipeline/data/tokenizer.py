@@ -646,15 +646,39 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+DAMAGED_HINT = "the model folder is damaged or incomplete (an interrupted download?): fetch the file again"
+
+
+def read_folder_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of a Hugging Face folder (``tokenizer_config.json``,
+    ``generation_config.json``, ...), or {} when there is none. One that does not
+    parse, or holds something other than an object, is a one-line
+    TokenizerError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        data = read_json(path)
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") from e
+    except ValueError as e:  # json.JSONDecodeError
+        raise TokenizerError(f"{path}: not valid JSON ({e}); {DAMAGED_HINT}") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}; {DAMAGED_HINT}")
+    return data
+
+
 def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     """The folder's default chat template, where transformers looks for it:
     ``chat_template.jinja``, then ``chat_template.json``, then ``tokenizer_config.json``
-    (a string, or a list of named templates of which "default" is used)."""
+    (a string, or a list of named templates of which "default" is used).
+    A file that does not decode or parse is a one-line TokenizerError."""
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template: Any = None
-    if (folder / "chat_template.json").is_file():
-        template = read_json(folder / "chat_template.json").get("chat_template")
+        try:
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{folder / 'chat_template.jinja'}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") \
+                from e
+    template: Any = read_folder_json(folder / "chat_template.json").get("chat_template")
     if template is None:
         template = tok_config.get("chat_template")
     if isinstance(template, list):
@@ -666,11 +690,11 @@ def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
 def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None) -> Specials:
     """The roles of a Hugging Face tokenizer's tokens, from ``tokenizer_config.json``
     (or ``special_tokens_map.json``), ``generation_config.json`` and the vocabulary.
-    Raises TokenizerError, one line, when no end-of-text token can be found or a
-    named token is not in the vocabulary."""
+    Raises TokenizerError, one line, when no end-of-text token can be found, a
+    named token is not in the vocabulary, or one of those files does not parse."""
     folder = Path(folder)
-    tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    tok_map = read_json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").is_file() else {}
+    tok_config = read_folder_json(folder / "tokenizer_config.json")
+    tok_map = read_folder_json(folder / "special_tokens_map.json")
 
     def named(role: str) -> str | None:
         return _token_text(tok_config.get(role)) or _token_text(tok_map.get(role))
@@ -684,10 +708,13 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
         return got
 
     eos_text, bos_text, pad_text = named("eos_token"), named("bos_token"), named("pad_token")
+    special = sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     if eot_token is not None:
         eot_text = eot_token
     else:
-        eot_text = next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), eos_text)
+        # a special one first; one that is not special is still found, for check_eot_is_special to name
+        eot_text = (next((t for t in EOT_CANDIDATES if tok.token_to_id(t) in special), None) or eos_text
+                    or next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), None))
     if eot_text is None:
         raise TokenizerError(f"{folder}: no end-of-text token found (looked for {', '.join(EOT_CANDIDATES)} and "
                              "tokenizer_config.json's eos_token); name one with tokenizer.eot_token")
@@ -696,12 +723,10 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     eos_id = id_of(eos_text, "eos_token")
     if eos_id is not None:
         eos.append(eos_id)
-    gen_file = folder / "generation_config.json"
-    if gen_file.is_file():
-        gen_eos = read_json(gen_file).get("eos_token_id")
-        eos.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else [])
+    gen_eos = read_folder_json(folder / "generation_config.json").get("eos_token_id")
+    eos.extend(i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+               if isinstance(i, int) and not isinstance(i, bool))  # an id, not a token's text or a flag
     eos.append(eot_id)
-    special = sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
     pad_id = id_of(pad_text, "pad_token")
     texts = {"eot": eot_text, "pad": pad_text or eot_text}
     texts.update({k: v for k, v in (("bos", bos_text), ("eos", eos_text)) if v})
@@ -709,6 +734,26 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
                     eos_ids=tuple(dict.fromkeys(eos)), chat_template=read_chat_template(folder, tok_config),
                     source=str(folder), hf_files=tuple(f for f in HF_TOKENIZER_FILES if (folder / f).is_file()),
                     special_ids=tuple(special), texts=texts)
+
+
+def check_eot_is_special(folder: Path, tok: Tokenizer, specials: Specials, named: bool) -> None:
+    """Raise TokenizerError, one line, when the end-of-text token of ``specials``
+    is not one of the tokenizer's special added tokens. Only those are kept out of
+    text (``encode_special_tokens``): any other token, a learned one or a plain
+    added one, is also what some document encodes to, and pack's separator, where
+    evaluate and generation stop, would come out of the documents' own text.
+    ``named``: the user gave it as ``tokenizer.eot_token``."""
+    if specials.eot_id in specials.special_ids:
+        return
+    added = tok.get_added_tokens_decoder()
+    names = [repr(added[i].content) for i in specials.special_ids]
+    listed = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+    raise TokenizerError(
+        f"{folder}: {'tokenizer.eot_token' if named else 'the end-of-text token'} {specials.texts['eot']!r} "
+        f"(id {specials.eot_id}) is an ordinary token, which text encodes to: pack's document separator would also "
+        "come out of the documents' own text; name one of the tokenizer's special tokens with tokenizer.eot_token"
+        + (f" (its special tokens: {listed})" if names else " (it has none: mark its end-of-text token special, "
+           "\"special\": true in the added_tokens of its tokenizer.json)"))
 
 
 def missing_chatml_tokens(tok: Tokenizer) -> list[str]:
@@ -758,6 +803,7 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
                     ", ".join(f"tokenizer.{k}" for k in ignored))
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
+    check_eot_is_special(folder, tok, specials, cfg.eot_token is not None)
     if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
         log.warning("tokenizer.source %s is outside %s/, so DVC does not see changes to it: a replaced model there "
                     "does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS)

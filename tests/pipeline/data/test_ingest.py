@@ -675,6 +675,38 @@ def test_a_whitespace_chunk_is_a_counted_skip(tmp_path):
     assert report(tmp_path)["skipped"] == {"empty_text": 1}
 
 
+@pytest.mark.parametrize("newline", ["\r", "\r\n"])
+def test_chunks_cut_at_old_mac_and_windows_line_ends(tmp_path, newline):
+    """A text whose lines end in a lone CR (classic Mac OS, some exports) is cut
+    at them like any other: before, it read as one line, so it became one chunk
+    however small chunk_bytes was, or a too_large skip of the whole file."""
+    f = tmp_path / "mac.txt"
+    lines = [" ".join(f"word{i}x{j}" for j in range(1 + i % 7)) for i in range(300)]
+    data = newline.join(lines).encode() + newline.encode() * 2 + b"the end"
+    f.write_bytes(data)  # ~10 kB, no "\n" at all with a lone CR
+    metrics, docs, _ = run(tmp_path, sources=[chunk_source(f)], max_doc_bytes=5000)
+    assert metrics["skipped"] == 0 and len(docs) > 50
+    assert "".join(d["text"] for d in docs).encode() == data  # every byte, the line ends as they were
+    for d in docs[:-1]:
+        assert d["text"].endswith(newline) and len(d["text"].encode()) <= 100
+    assert not any(d["text"].startswith("\n") for d in docs)  # a CRLF is never cut in two
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2])
+def test_a_too_large_crlf_line_is_skipped_with_its_line_end(tmp_path, extra):
+    """A line over max_doc_bytes is read in pieces; where a piece ends between the
+    \\r and the \\n of its CRLF, the \\n is still the skipped line's, not a blank
+    line at the head of the next chunk."""
+    f = tmp_path / "crlf.txt"
+    long = b"z" * (500 + extra)  # the line with its CRLF: 501 to 504 bytes, max_doc_bytes 500
+    f.write_bytes(b"first\r\n" + long + b"\r\n" + b"next\r\n")
+    metrics, docs, quarantine = run(tmp_path, sources=[chunk_source(f)], max_doc_bytes=500)
+    assert [(d["chunk"], d["text"], d["offset"]) for d in docs] == [
+        (0, "first\r\n", 0), (2, "next\r\n", 7 + len(long) + 2)]
+    assert [(q["reason"], q["location"]) for q in quarantine] == [("too_large", "byte:7")]
+    assert f"a line of {len(long) + 2} bytes" in quarantine[0]["detail"]
+
+
 @pytest.mark.parametrize("source, extra, msg", [
     ({"split_by": "file", "chunk_bytes": 10}, {}, r"sources\.0\.chunk_bytes: .*only to split_by: chunk"),
     ({"split_by": "chunk", "format": "jsonl"}, {}, r"sources\.0\.split_by: .*record format"),

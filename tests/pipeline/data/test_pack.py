@@ -292,6 +292,28 @@ def test_errors(docs, tmp_path):
     assert not list(out.rglob("*.arrow")) and not (out / MANIFEST).exists()
 
 
+def test_a_split_too_short_for_a_row_is_told_the_fix_that_helps_it(docs, tmp_path):
+    """A larger val_fraction grows val at train's cost: it is the advice for a
+    short val split only. A short train split was told to raise it too."""
+    _, tok, _ = docs
+    ids = [f"d{i}" for i in range(30)]
+    plan = plan_splits(pq.ParquetFile(write_items(tmp_path / "v.parquet", [(i, "x") for i in ids])), 0, 0.2)
+    assert 0 < sum(plan.split_of(i) == "val" for i in ids) < 30
+    short_train = write_items(tmp_path / "t.parquet",
+                              [(i, "long text " * 50 if plan.split_of(i) == "val" else "x") for i in ids])
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=64, val_fraction=0.2, num_workers=1), short_train, tok, tmp_path / "a")
+    message = str(err.value)
+    assert message.startswith("the train split has ") and "fewer than one row of 65; " in message
+    assert "raise pack.val_fraction" not in message and "lower pack.val_fraction" in message
+    both = write_items(tmp_path / "s.parquet", [(i, "hi there") for i in ids])
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=4096, val_fraction=0.2, num_workers=1), both, tok, tmp_path / "b")
+    assert re.fullmatch(r"the train split has \d+ tokens from \d+ document\(s\) and the val split has \d+ tokens "
+                        r"from \d+ document\(s\), fewer than one row of 4097 each; lower pack\.seq_len, or add data",
+                        str(err.value))
+
+
 def test_a_seq_len_the_kept_output_shows_too_long_is_refused_before_anything_is_read_or_removed(docs, tmp_path,
                                                                                                  monkeypatch):
     """Only seq_len changed: the finished output's manifest already counts each
@@ -460,6 +482,44 @@ def test_position_split_holds_out_the_end_of_each_file(tmp_path):
         plan_splits(pq.ParquetFile(plain), 0, 0.1, val_by="position")
     with pytest.raises(PackError, match="no document is a chunk"):
         plan_splits(pq.ParquetFile(write_chunked(tmp_path / "n.parquet", rows[11:])), 0, 0.1, val_by="position")
+
+
+def test_position_split_of_files_of_one_chunk_each_is_not_one_distinct_id(tmp_path, caplog):
+    """Many short files cut with split_by: chunk are one chunk each, which
+    val_by: position keeps in train, all with the same score. The tie made the
+    smallest and the largest score the same document, read as 'one distinct id':
+    pack refused 30 documents. Now the tiny-corpus rule moves one to val, and a
+    warning says why val is so small and what to do."""
+    text = "x" * 99 + "\n"
+    rows = [(f"f{k}", text, f"f{k}.txt", 0) for k in range(30)]
+    path = write_chunked(tmp_path / "d.parquet", rows)
+    with caplog.at_level("WARNING", logger="pipeline.data.pack"):
+        plan = plan_splits(pq.ParquetFile(path), 0, 0.1, val_by="position")
+    assert plan.forced == {"f0": "val"}
+    assert [r[0] for r in rows if plan.split_of(r[0], r[2], r[3]) == "val"] == ["f0"]
+    assert plan.val_mask(0, 30).tolist() == [True] + [False] * 29
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("pack.val_by: position: 30 of 30 chunked file(s) are one chunk each, which stays in "
+                           "train") and "pack.val_by: hash" in line and "chunk_bytes" in line
+    # one chunked file of several chunks among them: its tail is val, the one-chunk files are still told of
+    caplog.clear()
+    more = write_chunked(tmp_path / "m.parquet", rows + [(f"a{k}", text, "a.txt", k) for k in range(10)])
+    with caplog.at_level("WARNING", logger="pipeline.data.pack"):
+        plan = plan_splits(pq.ParquetFile(more), 0, 0.1, val_by="position")
+    assert plan.forced == {} and "30 of 31 chunked file(s) are one chunk each" in caplog.text
+    with pytest.raises(PackError, match="one distinct id"):  # a real single id is still refused
+        plan_splits(pq.ParquetFile(write_chunked(tmp_path / "s.parquet", [("a0", text, "a.txt", 0)] * 3)), 0, 0.1,
+                    val_by="position")
+
+
+@pytest.mark.parametrize("val_by", ["hash", "position"])
+def test_one_chunk_says_that_chunks_end_only_at_line_ends(tmp_path, val_by):
+    """One text with no line break is one chunk however low chunk_bytes is: the
+    error's advice to lower chunk_bytes says so, or the user lowers it in vain."""
+    path = write_chunked(tmp_path / "d.parquet", [("a0", "no line break at all " * 40, "a.txt", 0)])
+    with pytest.raises(PackError, match=r"lower chunk_bytes; a chunk ends only at a line end, so a text with no "
+                                        r"line break stays one chunk"):
+        plan_splits(pq.ParquetFile(path), 0, 0.1, val_by=val_by)
 
 
 def test_position_split_of_chunks_all_marked_in_ingest_says_so(tmp_path):

@@ -205,6 +205,23 @@ def test_a_byte_order_mark_and_crlf_lines_cost_no_record(tmp_path, tok_path):
     assert m["skipped"] == {} and m["train"]["examples"] + m["val"]["examples"] == 13
 
 
+def test_a_json_file_of_one_record_a_line_is_read_as_json_lines(tmp_path, tok_path):
+    """Many chat sets ship JSON Lines under a .json name. ingest reads such a file
+    as JSON Lines; SFT read it as one malformed record ("Extra data"), so a whole
+    file of conversations counted as a single skip."""
+    write_jsonl(tmp_path / "chat.json", [messages_rec(i) for i in range(12)] + [{"messages": "not a list"}])
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "chat.json"))])
+    assert m["examples_in"] == 13 and m["skipped"] == {"bad_type": 1}
+    assert m["train"]["examples"] + m["val"]["examples"] == 12
+    (q,) = [json.loads(line) for line in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    assert q["location"] == "line:13"
+    # read as JSON Lines, a bad line costs that line alone, as in a .jsonl file
+    (tmp_path / "bad.json").write_text(json.dumps(messages_rec(0)) + "\n{oops\n")
+    _, m = build(tmp_path, tok_path, "bad", sources=[SFTSource(path=str(tmp_path / "chat.json")),
+                                                   SFTSource(path=str(tmp_path / "bad.json"))])
+    assert m["skipped"] == {"bad_type": 1, "duplicate": 1, "malformed_json": 1}
+
+
 def test_the_build_says_why_records_were_skipped(tmp_path, tok_path, caplog):
     """One line of skip counts by reason and where their samples are, as the data
     stages log it; the metrics alone did not say it."""

@@ -1,12 +1,13 @@
 import json
 import random
+import re
 import shutil
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import normalizers, trainers
+from tokenizers import Tokenizer, normalizers, trainers
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.tokenizer import (
@@ -440,6 +441,59 @@ def test_adopting_warns_about_ignored_training_keys_and_takes_an_eot_override(fa
     assert load_specials(tmp_path).eot_id == tok.token_to_id("<|im_end|>")
     with pytest.raises(TokenizerError, match=r"tokenizer\.eot_token\) '<\|nope\|>' is not in the tokenizer"):
         adopt(family_folders["qwen2"], tmp_path, corpus, eot_token="<|nope|>")
+
+
+def test_an_eot_token_that_text_encodes_to_is_refused(family_folders, corpus, tmp_path):
+    """pack puts the end-of-text id between documents, and evaluate and generation
+    stop at it: an ordinary token (here Ġthe, " the") would also come out of the
+    documents' own text, so every " the" would read as an end of text."""
+    folder = family_folders["qwen2"]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tok.token_to_id("Ġthe") is not None
+    with pytest.raises(TokenizerError, match=r"tokenizer\.eot_token 'Ġthe' \(id \d+\) is an ordinary token, which "
+                                             r"text encodes to.*special tokens: .*'<\|endoftext\|>'"):
+        adopt(folder, tmp_path / "out", corpus, eot_token="Ġthe")
+    assert not (tmp_path / "out" / "tokenizer.json").exists()  # refused before anything is written
+    # an added token that is not special is matched in text too: detected, it is named, not taken
+    from tokenizers import AddedToken, models, pre_tokenizers
+
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    plain.add_tokens([AddedToken("<|endoftext|>", special=False)])
+    (tmp_path / "plain").mkdir()
+    plain.save(str(tmp_path / "plain" / "tokenizer.json"))
+    assert plain.encode("a <|endoftext|>").ids[-1] == plain.token_to_id("<|endoftext|>")
+    with pytest.raises(TokenizerError, match=r"the end-of-text token '<\|endoftext\|>' \(id 0\) is an ordinary "
+                                             r"token.*\(it has none: mark its end-of-text token special"):
+        adopt(tmp_path / "plain", tmp_path / "out", corpus)
+
+
+@pytest.mark.parametrize("name, data, said", [
+    ("tokenizer_config.json", b'{"eos_token": "<|end', "not valid JSON"),  # a download cut short
+    ("generation_config.json", b"{oops", "not valid JSON"),
+    ("generation_config.json", b"[128001]", "expected a JSON object, got list"),
+    ("special_tokens_map.json", b"", "not valid JSON"),
+    ("chat_template.jinja", b"{{ bos_token }}\xff", "not UTF-8"),
+])
+def test_a_damaged_file_of_the_adopted_folder_is_one_line(family_folders, corpus, tmp_path, name, data, said):
+    """A model folder from an interrupted download or a hand edit: the file is
+    named in one line (it was a JSONDecodeError, AttributeError or
+    UnicodeDecodeError traceback), and nothing is written."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    (folder / name).write_bytes(data)
+    with pytest.raises(TokenizerError, match=rf"{re.escape(str(folder / name))}: {said}"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
+
+
+def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, corpus, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    (folder / "generation_config.json").write_text('{"eos_token_id": ["<|eot_id|>", true, 128009]}')
+    adopt(folder, tmp_path / "out", corpus)
+    specials = load_specials(tmp_path / "out")  # it read back as "unreadable; rerun the tokenizer stage"
+    assert all(type(i) is int for i in specials.eos_ids) and 128009 in specials.eos_ids
 
 
 def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
