@@ -117,8 +117,9 @@ TRAINING_KEYS = ("vocab_size", "min_frequency", "sample_bytes", "sample_weights"
 class TokenizerConfig(StageConfig):
     source: str = Field(SOURCE_TRAIN, description="train (a byte-level BPE on the clean docs) or the path of a "
                         "local Hugging Face model folder whose tokenizer is adopted (then vocab_size, min_frequency, sample_bytes and sample_weights are ignored)")
-    eot_token: str | None = Field(None, description="adopted tokenizers: the token pack puts between documents "
-                                  "(null: the tokenizer's own end-of-text token, detected)")
+    eot_token: str | None = Field(None, description="adopted tokenizers: the token pack puts between documents, "
+                                  "one of the tokenizer's special tokens (null: the tokenizer's own end-of-text "
+                                  "token, detected)")
     vocab_size: int = Field(8192, ge=BYTE_ALPHABET + len(SPECIAL_TOKENS), le=262_144,
                             description="target vocabulary size, specials and the 256 byte tokens included")
     min_frequency: int = Field(2, ge=1, description="a pair seen fewer times is never merged")
