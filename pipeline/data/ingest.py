@@ -40,6 +40,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import sys
@@ -505,14 +506,27 @@ class Skip:
 Item = Union[Doc, Skip]
 
 
+LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def line_ends(fh: BinaryIO) -> io.TextIOWrapper:
+    """``fh`` as lines that end at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (old Mac OS
+    text), each end kept in its line. Latin-1 maps each byte to one character and
+    back, so the text layer only finds the line ends and a line's bytes are
+    ``line.encode("latin-1")``, whatever the file's encoding."""
+    return io.TextIOWrapper(fh, encoding="latin-1", newline="")
+
+
 def split_text(text: str, split_by: str, base: str = "") -> Iterator[tuple[str, str]]:
-    """Split one text into (location, piece). Blank lines separate paragraphs and
-    are not records themselves; in line mode, blank lines are skipped likewise."""
+    """Split one text into (location, piece). A line ends at ``\\n``, ``\\r\\n`` or a
+    lone ``\\r``, which no piece keeps (a paragraph's lines are joined with ``\\n``).
+    Blank lines separate paragraphs and are not records themselves; in line
+    mode, blank lines are skipped likewise."""
     prefix = f"{base}#" if base else ""
     if split_by == "file":
         yield (base or "file"), text
         return
-    lines = text.split("\n")
+    lines = LINE_END.split(text)
     if split_by == "line":
         for n, line in enumerate(lines, 1):
             if line.strip():
@@ -605,7 +619,8 @@ def _lines_of(fh: BinaryIO, f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     para: list[str] = []
     para_start = 0
     para_bytes = 0
-    for n, raw in enumerate(fh, 1):
+    for n, latin in enumerate(line_ends(fh), 1):
+        raw = latin.encode("latin-1")
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as e:
@@ -656,9 +671,7 @@ def read_chunks(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         if (skip := _not_text(head)) is not None:
             yield skip
             return
-        # Latin-1 maps each byte to one character and back, so the text layer only finds the
-        # line ends (newline="": all three kinds, returned as they are) and the bytes stay bytes.
-        text_fh = io.TextIOWrapper(rewound(head, opened), encoding="latin-1", newline="")
+        text_fh = line_ends(rewound(head, opened))
 
         def readline(limit: int) -> bytes:
             return text_fh.readline(limit).encode("latin-1")

@@ -66,6 +66,37 @@ def test_text_split_modes(tmp_path):
     assert [(d["text"], d["location"]) for d in docs] == [("one", "line:1"), ("two", "line:2"), ("three", "line:5")]
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_lines_and_paragraphs_end_at_every_kind_of_line_end(tmp_path, newline):
+    """Text files and record values split by line or paragraph the same way
+    whether their lines end in LF, CRLF or a lone CR (old Mac OS text): before,
+    a lone-CR file was one line (one document, or a too_large skip of the whole
+    file), and a CRLF record value's lines kept their CR."""
+    text = newline.join(["one", "two", "", "", "three", ""])
+    f = tmp_path / "a.txt"
+    f.write_bytes(text.encode())
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "paragraph"}])
+    assert [(d["text"], d["location"]) for d in docs] == [("one\ntwo", "para:1"), ("three", "para:5")]
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}])
+    assert [(d["text"], d["location"]) for d in docs] == [("one", "line:1"), ("two", "line:2"), ("three", "line:5")]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": text}) + "\n")
+    _, docs, _ = run(tmp_path, sources=[{"path": str(rows), "split_by": "line"}])
+    assert [d["text"] for d in docs] == ["one", "two", "three"]
+    _, docs, _ = run(tmp_path, sources=[{"path": str(rows), "split_by": "paragraph"}])
+    assert [d["text"] for d in docs] == ["one\ntwo", "three"]
+
+
+def test_a_crlf_split_across_reads_is_one_line_end(tmp_path):
+    """A CRLF whose CR ends one buffer of the reader and whose LF begins the next
+    is still one line end, not a line and a blank line."""
+    f = tmp_path / "a.txt"
+    first = "x" * 8191  # with its CR, exactly 8 KiB: the text layer's buffer
+    f.write_bytes(f"{first}\r\nsecond\r\n".encode())
+    _, docs, _ = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}])
+    assert [(d["text"], d["location"]) for d in docs] == [(first, "line:1"), ("second", "line:2")]
+
+
 def test_split_text_record_prefix():
     assert list(split_text("a\n\nb", "paragraph", "row:3")) == [("row:3#para:1", "a"), ("row:3#para:3", "b")]
 
