@@ -32,6 +32,7 @@ is called from outside (pipeline/training/parallelize.py).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -108,7 +109,12 @@ class Flex:
 
 
 class Varlen:
-    """Flash attention over the documents of the flattened batch."""
+    """Flash attention over the documents of the flattened batch.
+
+    ``varlen_attn``'s keywords changed between torch releases: 2.10 takes
+    ``is_causal``, later ones ``window_size=(-1, 0)``, and ``enable_gqa`` came
+    later still. The call is built from the signature of the torch installed;
+    without native GQA the key/value heads are copied."""
 
     name = "varlen"
 
@@ -116,6 +122,9 @@ class Varlen:
         from torch.nn.attention.varlen import varlen_attn
 
         self._kernel = varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+        self._causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        self._native_gqa = "enable_gqa" in params
 
     def document_mask(self, segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(cu_seqlens (n_docs + 1,) int32 over the flattened B*T positions, longest document)."""
@@ -132,8 +141,14 @@ class Varlen:
             return sdpa(q, k, v, mask)
         cu, longest = mask
         B, H, T, hd = q.shape
+        n_rep = H // k.size(1)
+        options = dict(self._causal)
+        if self._native_gqa:
+            options["enable_gqa"] = n_rep > 1
+        elif n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, n_head, T, hd)
         packed = [t.transpose(1, 2).reshape(B * T, t.size(1), hd) for t in (q, k, v)]  # (B*T, heads, hd)
-        y = self._kernel(*packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=H != k.size(1))
+        y = self._kernel(*packed, cu, cu, longest, longest, **options)
         return y.view(B, T, H, hd).transpose(1, 2)  # (B, n_head, T, hd)
 
 

@@ -94,6 +94,48 @@ def test_varlen_sequence_lengths_cover_every_document_of_every_row():
     assert cu.tolist() == [0, 2, 5, 6, 12] and cu.dtype == torch.int32 and longest == 6
 
 
+def _flash_by_document(query, key, value, cu, causal, gqa):
+    """What varlen_attn computes, on the CPU: causal SDPA over each document of the flattened batch."""
+    assert causal and cu.dtype == torch.int32 and (gqa or key.size(1) == query.size(1))
+    out = torch.empty_like(query)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))  # (heads, length, hd)
+        out[s:e] = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                  enable_gqa=gqa)[0].transpose(0, 1)
+    return out
+
+
+def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
+                scale=None):
+    return _flash_by_document(query, key, value, cu_seq_q, is_causal, False)
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):
+    return _flash_by_document(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), False)
+
+
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    return _flash_by_document(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), enable_gqa)
+
+
+@pytest.mark.parametrize("kernel", [varlen_2_10, varlen_2_11, varlen_2_13])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_varlen_packs_the_documents_for_the_varlen_attn_of_each_torch_release(monkeypatch, kernel, heads):
+    """The flash kernel is CUDA-only; a CPU stand-in with each release's keywords
+    (2.10: is_causal; 2.11: window_size; 2.13: window_size and enable_gqa) checks
+    the call and the packing of every document of every row against the reference."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", kernel)
+    q, k, v = qkv(n_head=heads[0], n_kv_head=heads[1])
+    seg = segments("many")
+    backend = Varlen()
+    y = backend.attend(q, k, v, backend.document_mask(seg))
+    torch.testing.assert_close(y, reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
+
+
 def test_resolve_picks_sdpa_on_cpu_and_refuses_what_cannot_run():
     cpu = torch.device("cpu")
     assert resolve("auto", cpu, "bf16").name == "sdpa"
