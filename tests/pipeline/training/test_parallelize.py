@@ -49,7 +49,8 @@ def test_the_launcher_refuses_fsdp_in_the_fp16_a_rank_would_resolve(monkeypatch)
     check_parallelism(ComputeSection(parallelism="ddp", precision="fp16", device="cpu"))  # ddp scales fp16
     check_parallelism(ComputeSection(parallelism="fsdp", precision="fp32", device="cpu"))
     check_parallelism(ComputeSection(parallelism="fsdp", precision="auto", device="cpu"))  # bf16 or fp32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4: no bf16
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr("pipeline.training.parallelize.pick_device", lambda requested: torch.device("cuda", 0))
     with pytest.raises(ParallelismError, match="not fp16"):
         check_parallelism(ComputeSection(parallelism="fsdp", precision="auto"))
