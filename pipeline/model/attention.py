@@ -155,12 +155,14 @@ class Varlen:
 def resolve(name: str, device: torch.device, precision: str = "fp32", training: bool = True) -> Any:
     """The backend ``name`` stands for on ``device``; raises AttentionBackendError
     (one line) where it cannot run. ``auto``: sdpa on CPU; on CUDA varlen in
-    bf16/fp16 (flash kernels need half precision), else flex."""
+    bf16/fp16 on a GPU that runs flash attention (half precision, Ampere or
+    newer), else flex."""
     if name not in NAMES:
         raise AttentionBackendError(f"attention {name!r} is not a backend; choose one of: {', '.join(NAMES)}")
     cuda = device.type == "cuda"
     if name == "auto":
-        name = "sdpa" if not cuda else ("varlen" if precision in ("bf16", "fp16") and _has_varlen() else "flex")
+        flash = cuda and precision in ("bf16", "fp16") and _has_varlen() and _flash_capable(device)
+        name = "sdpa" if not cuda else ("varlen" if flash else "flex")
     if name == "sdpa":
         return SDPA()
     if name == "flex":
@@ -177,7 +179,17 @@ def resolve(name: str, device: torch.device, precision: str = "fp32", training: 
     if not _has_varlen():
         raise AttentionBackendError(f"attention varlen: torch {torch.__version__} has no "
                                     "torch.nn.attention.varlen.varlen_attn; use flex")
+    if not _flash_capable(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise AttentionBackendError(f"attention varlen needs flash attention, which runs on GPUs of compute "
+                                    f"capability 8.0 (Ampere) or newer; {device} is {major}.{minor}; use flex")
     return Varlen()
+
+
+def _flash_capable(device: torch.device) -> bool:
+    """Whether flash attention (varlen_attn's kernel) runs on the CUDA ``device``:
+    sm80 or newer; ROCm builds bring their own."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _has_varlen() -> bool:

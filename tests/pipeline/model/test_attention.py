@@ -147,6 +147,24 @@ def test_resolve_picks_sdpa_on_cpu_and_refuses_what_cannot_run():
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("capability, auto", [((9, 0), "varlen"), ((8, 0), "varlen"), ((7, 5), "flex")])
+def test_auto_picks_varlen_only_on_a_gpu_that_runs_flash_attention(monkeypatch, capability, auto):
+    """Flash attention needs compute capability 8.0: a T4 (7.5) in fp16 trains with flex,
+    and varlen asked for there is refused in one line, not at the first forward."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: SDPA())  # no CUDA kernels to compile here
+    monkeypatch.setattr(attention, "Varlen", lambda: Varlen.__new__(Varlen))
+    dev = torch.device("cuda", 0)
+    got = resolve("auto", dev, "fp16")
+    assert got.name == ("sdpa" if auto == "flex" else auto)  # the Flex stand-in is an SDPA
+    if auto == "flex":
+        with pytest.raises(AttentionBackendError, match=r"compute capability 8.0 .* cuda:0 is 7.5; use flex$"):
+            resolve("varlen", dev, "fp16")
+    else:
+        assert resolve("varlen", dev, "bf16").name == "varlen"
+
+
 def test_trainer_config_carries_the_backend_outside_the_identity():
     from pipeline.training.config import ComputeSection, TrainConfig, identity_sections
 
