@@ -72,7 +72,7 @@ from pipeline.training.init import InitError
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
 from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
-from pipeline.training.parallelize import check_fsdp, parallelize
+from pipeline.training.parallelize import check_fsdp, parallelize, reset_after_failed_pass
 from pipeline.training.precision import DTYPES, autocast, resolve_precision
 from pipeline.training.sampler import GlobalOrder, check_global_batch, eval_rows
 from pipeline.training.torchrun import hold_shared
@@ -401,6 +401,10 @@ class Trainer:
             with autocast(self.d.device, self.precision):
                 logits = model(idx, segment_ids=seg)
             token_loss_sum(logits, idx).backward()
+        except BaseException:
+            if self.sharded:  # a pass that ran out of memory leaves FSDP's parameters gathered and its hooks pending
+                reset_after_failed_pass(model)
+            raise
         finally:
             model.zero_grad(set_to_none=True)
 

@@ -18,6 +18,7 @@ from pipeline.training.parallelize import (
     is_sharded,
     mixed_precision,
     parallelize,
+    reset_after_failed_pass,
 )
 
 CUDA = Dist(0, 0, 8, torch.device("cuda", 0), "nccl")
@@ -89,3 +90,11 @@ def test_fsdp_on_cuda_in_bf16_trains_with_fp32_master_weights(tmp_path):
     model = Transformer(ckpt_model(last))
     ckpt.load_model_weights(last, model)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_torch_that_cannot_reset_fsdp_after_a_failed_pass_stops_in_one_line():
+    """FSDPModule.reset_iter_state is what recovers a sharded model from a pass that
+    ran out of memory; an older torch has none, and must not train on in that state."""
+    with pytest.raises(ParallelismError, match="set batch.micro_batch_size to a number$") as err:
+        reset_after_failed_pass(torch.nn.Linear(2, 2))
+    assert "\n" not in str(err.value)

@@ -736,3 +736,36 @@ def test_the_probes_reserve_is_what_adamw_allocates_at_its_first_step():
     allocated = sum(t.numel() * t.element_size() for state in opt.state.values() for k, t in state.items()
                     if k != "step")
     assert memory.optimizer_state_bytes(model) == allocated
+
+
+def test_fsdp_stays_sharded_after_a_probe_runs_out_of_memory_mid_backward(tmp_path, monkeypatch):
+    """A CUDA out-of-memory error inside a probe's backward pass leaves FSDP2's
+    parameters gathered and its hooks pending: unless reset, the model trains
+    on full, unsynchronised parameters from then on. Forced on the CPU (one
+    rank), with the error raised from inside the backward pass above 2 rows."""
+    from torch.distributed.tensor import DTensor
+
+    from pipeline.training import memory
+    from pipeline.training.trainer import Trainer
+
+    monkeypatch.setattr(memory, "probes", lambda device: True)
+    real_step, after = Trainer._probe_step, []
+
+    def oom_in_backward(grad):
+        raise torch.cuda.OutOfMemoryError("out of memory (simulated)")
+
+    def fail_in_backward(module, args, out):
+        out.register_hook(oom_in_backward)
+
+    def probe_step(self, micro):
+        hook = self.model.output.register_forward_hook(fail_in_backward if micro > 2 else lambda *a: None)
+        try:
+            real_step(self, micro)
+        finally:
+            hook.remove()
+            after.append(all(isinstance(p, DTensor) for p in self.model.parameters()))
+
+    monkeypatch.setattr(Trainer, "_probe_step", probe_step)
+    m = run(tmp_path, micro_batch_size="auto", parallelism="fsdp", max_steps=2, warmup_steps=1, eval_rows=2)
+    assert after == [True] * 4  # 16, 8 and 4 rows failed, then 2 fit
+    assert ckpt.is_sharded(ckpt.latest(tmp_path / "models")) and math.isfinite(m["final_loss"])
