@@ -92,6 +92,7 @@ class Flex:
         from torch.nn.attention import flex_attention as fa
 
         self._fa = fa
+        self._compile = compile
         self._kernel: Callable[..., torch.Tensor] = torch.compile(fa.flex_attention) if compile else fa.flex_attention
 
     def document_mask(self, segment_ids: torch.Tensor) -> Any:
@@ -100,7 +101,10 @@ class Flex:
         def causal_same_doc(b, h, q_idx, kv_idx):  # evaluated per block by the kernel, never as a T x T tensor
             return (q_idx >= kv_idx) & (segment_ids[b, q_idx] == segment_ids[b, kv_idx])
 
-        return self._fa.create_block_mask(causal_same_doc, B, None, T, T, device=segment_ids.device)
+        # compiled, the mask is built block by block; eager, create_block_mask evaluates
+        # causal_same_doc on all B x T x T positions at once (gigabytes at T = 4096)
+        return self._fa.create_block_mask(causal_same_doc, B, None, T, T, device=segment_ids.device,
+                                          _compile=self._compile)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
         if not isinstance(mask, self._fa.BlockMask):
