@@ -365,3 +365,25 @@ def test_dvc_hashes_the_data_stages_data_not_their_resume_bookkeeping(tmp_path):
                          capture_output=True, text=True)
     ignored = set(out.stdout.split())
     assert ignored == {p.relative_to(tmp_path).as_posix() for p in written - data}, out.stderr
+
+
+# torch APIs the training code calls unconditionally, and the release that brought each:
+# an older torch that pyproject.toml admits fails at the first forward or at sharding.
+TORCH_APIS = {
+    "torch.nn.functional.scaled_dot_product_attention(enable_gqa=...)": "2.5",  # every forward (attention.sdpa)
+    "torch.nn.attention.flex_attention": "2.5",
+    "torch.distributed.tensor.DTensor": "2.5",
+    "torch.distributed.fsdp.fully_shard, MixedPrecisionPolicy, FSDPModule": "2.6",
+    "torch.nn.utils.get_total_norm, clip_grads_with_norm_": "2.6",  # FSDP's gradient clipping
+}
+
+
+def test_the_torch_floor_has_every_torch_api_the_training_code_calls():
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_req = next(Requirement(s) for s in project["dependencies"] if Requirement(s).name == "torch")
+    for api, release in TORCH_APIS.items():
+        older = Version(f"{Version(release).major}.{Version(release).minor - 1}.99")
+        assert not torch_req.specifier.contains(older, prereleases=True), \
+            f"pyproject.toml admits torch {older}, which lacks {api} (torch {release})"

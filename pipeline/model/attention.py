@@ -32,6 +32,7 @@ is called from outside (pipeline/training/parallelize.py).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -91,6 +92,7 @@ class Flex:
         from torch.nn.attention import flex_attention as fa
 
         self._fa = fa
+        self._compile = compile
         self._kernel: Callable[..., torch.Tensor] = torch.compile(fa.flex_attention) if compile else fa.flex_attention
 
     def document_mask(self, segment_ids: torch.Tensor) -> Any:
@@ -99,7 +101,10 @@ class Flex:
         def causal_same_doc(b, h, q_idx, kv_idx):  # evaluated per block by the kernel, never as a T x T tensor
             return (q_idx >= kv_idx) & (segment_ids[b, q_idx] == segment_ids[b, kv_idx])
 
-        return self._fa.create_block_mask(causal_same_doc, B, None, T, T, device=segment_ids.device)
+        # compiled, the mask is built block by block; eager, create_block_mask evaluates
+        # causal_same_doc on all B x T x T positions at once (gigabytes at T = 4096)
+        return self._fa.create_block_mask(causal_same_doc, B, None, T, T, device=segment_ids.device,
+                                          _compile=self._compile)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
         if not isinstance(mask, self._fa.BlockMask):
@@ -108,7 +113,12 @@ class Flex:
 
 
 class Varlen:
-    """Flash attention over the documents of the flattened batch."""
+    """Flash attention over the documents of the flattened batch.
+
+    ``varlen_attn``'s keywords changed between torch releases: 2.10 takes
+    ``is_causal``, later ones ``window_size=(-1, 0)``, and ``enable_gqa`` came
+    later still. The call is built from the signature of the torch installed;
+    without native GQA the key/value heads are copied."""
 
     name = "varlen"
 
@@ -116,6 +126,9 @@ class Varlen:
         from torch.nn.attention.varlen import varlen_attn
 
         self._kernel = varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+        self._causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        self._native_gqa = "enable_gqa" in params
 
     def document_mask(self, segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(cu_seqlens (n_docs + 1,) int32 over the flattened B*T positions, longest document)."""
@@ -132,20 +145,28 @@ class Varlen:
             return sdpa(q, k, v, mask)
         cu, longest = mask
         B, H, T, hd = q.shape
+        n_rep = H // k.size(1)
+        options = dict(self._causal)
+        if self._native_gqa:
+            options["enable_gqa"] = n_rep > 1
+        elif n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, n_head, T, hd)
         packed = [t.transpose(1, 2).reshape(B * T, t.size(1), hd) for t in (q, k, v)]  # (B*T, heads, hd)
-        y = self._kernel(*packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=H != k.size(1))
+        y = self._kernel(*packed, cu, cu, longest, longest, **options)
         return y.view(B, T, H, hd).transpose(1, 2)  # (B, n_head, T, hd)
 
 
 def resolve(name: str, device: torch.device, precision: str = "fp32", training: bool = True) -> Any:
     """The backend ``name`` stands for on ``device``; raises AttentionBackendError
     (one line) where it cannot run. ``auto``: sdpa on CPU; on CUDA varlen in
-    bf16/fp16 (flash kernels need half precision), else flex."""
+    bf16/fp16 on a GPU that runs flash attention (half precision, Ampere or
+    newer), else flex."""
     if name not in NAMES:
         raise AttentionBackendError(f"attention {name!r} is not a backend; choose one of: {', '.join(NAMES)}")
     cuda = device.type == "cuda"
     if name == "auto":
-        name = "sdpa" if not cuda else ("varlen" if precision in ("bf16", "fp16") and _has_varlen() else "flex")
+        flash = cuda and precision in ("bf16", "fp16") and _has_varlen() and _flash_capable(device)
+        name = "sdpa" if not cuda else ("varlen" if flash else "flex")
     if name == "sdpa":
         return SDPA()
     if name == "flex":
@@ -162,7 +183,17 @@ def resolve(name: str, device: torch.device, precision: str = "fp32", training: 
     if not _has_varlen():
         raise AttentionBackendError(f"attention varlen: torch {torch.__version__} has no "
                                     "torch.nn.attention.varlen.varlen_attn; use flex")
+    if not _flash_capable(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise AttentionBackendError(f"attention varlen needs flash attention, which runs on GPUs of compute "
+                                    f"capability 8.0 (Ampere) or newer; {device} is {major}.{minor}; use flex")
     return Varlen()
+
+
+def _flash_capable(device: torch.device) -> bool:
+    """Whether flash attention (varlen_attn's kernel) runs on the CUDA ``device``:
+    sm80 or newer; ROCm builds bring their own."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _has_varlen() -> bool:

@@ -137,6 +137,27 @@ def choose_micro_batch(c: ModelConfig, seq_len: int, grad_accum: int, *, precisi
                       f"more than {budget / GIB:.2f} GiB available per rank; use a smaller model or seq_len")
 
 
+def probes(device) -> bool:
+    """Whether ``micro_batch_size: auto`` probes real passes on ``device`` (CUDA,
+    which reports running out of memory) rather than trusting :func:`estimate`."""
+    return device.type == "cuda"
+
+
+def optimizer_state_bytes(model) -> int:
+    """Bytes of AdamW's two moments for ``model``'s parameters on this rank (its
+    shards under FSDP), each the size and dtype of its parameter. torch makes
+    them at the first optimizer step, after any probe of the micro-batch."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # DTensor: this rank's shard
+    return 2 * sum(p.numel() * p.element_size() for p in local)
+
+
+def hold(nbytes: int, device):
+    """A placeholder of ``nbytes`` on ``device``, so that a probe runs with that much less memory."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def probe_micro_batch(step: Callable[[int], None], rows: int, *, start: int | None = None,
                       agree: Callable[[int], int] = lambda m: m) -> int:
     """CUDA: the largest divisor of ``rows`` for which ``step(m)`` (a forward and

@@ -217,7 +217,9 @@ class MetricsLogger:
             self.tokens_per_s = self._window_steps * self.tokens_per_step / dt
             self.mfu = self.tokens_per_s * self.flops_per_token / self.peak_flops_total
             self._window_t, self._window_steps = time.perf_counter(), 0
-            peak_mem = float(distributed.all_reduce_max(torch.tensor(peak_memory_mb(self.d.device)), self.d))
+            # on the rank's device: NCCL reduces CUDA tensors only
+            peak = torch.tensor(peak_memory_mb(self.d.device), device=self.d.device)
+            peak_mem = float(distributed.all_reduce_max(peak, self.d))
             row = {"step": step, **metrics, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                    "peak_mem_mb": peak_mem, "elapsed_s": time.perf_counter() - self._t_start}
             if self.d.is_main:

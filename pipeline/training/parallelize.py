@@ -116,6 +116,22 @@ def shard(model: Transformer, cfg: ComputeSection, d: Dist, precision: str) -> t
     return model
 
 
+def reset_after_failed_pass(model: torch.nn.Module) -> None:
+    """Make a model sharded by :func:`shard` fit to train again after a forward or
+    backward pass that raised (a CUDA out-of-memory error while probing the
+    micro-batch). FSDP2 leaves such a pass half done: parameters gathered, hooks
+    pending; its next passes then run on full, unsynchronised parameters, so the
+    ranks drift apart without a word. ``FSDPModule.reset_iter_state`` (newer
+    torch) reshards and clears that state; without it, raise ParallelismError
+    (one line) rather than train so."""
+    reset = getattr(model, "reset_iter_state", None)
+    if reset is None:
+        raise ParallelismError(f"batch.micro_batch_size auto: torch {torch.__version__} cannot recover a model "
+                               "sharded by FSDP from running out of memory in a probe (FSDPModule.reset_iter_state "
+                               "came later); set batch.micro_batch_size to a number")
+    reset()
+
+
 def is_sharded(module: torch.nn.Module) -> bool:
     """True for a model sharded by :func:`shard` (its parameters are DTensors)."""
     from torch.distributed.fsdp import FSDPModule

@@ -72,7 +72,7 @@ from pipeline.training.init import InitError
 from pipeline.training.loss import scored_tokens, token_loss_sum
 from pipeline.training.metrics import MetricsLogger
 from pipeline.training.optimizer import build_optimizer, build_scheduler, load_moments, set_schedule_lr
-from pipeline.training.parallelize import check_fsdp, parallelize
+from pipeline.training.parallelize import check_fsdp, parallelize, reset_after_failed_pass
 from pipeline.training.precision import DTYPES, autocast, resolve_precision
 from pipeline.training.sampler import GlobalOrder, check_global_batch, eval_rows
 from pipeline.training.torchrun import hold_shared
@@ -251,14 +251,15 @@ class Trainer:
         if self.seq_len > model_cfg.max_seq_len:
             raise StageError(f"packed rows have seq_len {self.seq_len} > model max_seq_len {model_cfg.max_seq_len}")
         self.model = Transformer(model_cfg).to(d.device)
-        # FSDP on CUDA probes the micro-batch on the sharded model, once it is sharded (below)
-        probe_sharded = self.sharded and d.device.type == "cuda" and cfg.batch.micro_batch_size == "auto"
-        if not probe_sharded:
+        # micro_batch_size auto on CUDA probes the model as it trains: once parallelize() has applied
+        # activation checkpointing, DDP's gradient buckets or FSDP's shards (below)
+        probe = memory.probes(d.device) and cfg.batch.micro_batch_size == "auto"
+        if not probe:
             self.cfg = cfg = self._resolve_micro_batch(cfg)
         if not self.sharded:  # FSDP: built over the shards, once the model is sharded (below)
             self._build_optimizer()
         self.scaler = torch.amp.GradScaler(d.device.type, enabled=self.precision == "fp16")
-        if not probe_sharded:
+        if not probe:
             self._build_order()
         self.step, self.loss_spikes, self._loss_ema = 0, 0, None
         self.resumed: ckpt.Checkpoint | None = None
@@ -287,10 +288,11 @@ class Trainer:
                                                     branch=functools.partial(wsd_branch, cfg.schedule))
         distributed.barrier(d)
         last = self.checkpoints.resume_point()
-        if last is not None and not self.sharded:
+        resume_late = self.sharded or probe  # it needs the shards (FSDP) or the data order of the probed micro-batch
+        if last is not None and not resume_late:
             self._resume(last)
         elif last is not None:
-            pass  # FSDP: resumed once the model is sharded
+            pass  # resumed below, once the model is sharded or the micro-batch probed
         elif init_from is not None:
             if d.is_main:
                 log.info("initialised weights%s from %s (step %d)", " and AdamW moments" if init_optimizer else "",
@@ -300,15 +302,15 @@ class Trainer:
             if d.is_main:
                 log.info("initialised weights from %s", init_id)
         self.fwd_model = parallelize(self.model, cfg.compute, d, self.precision)
+        if probe:
+            self.cfg = cfg = self._resolve_micro_batch(cfg)
+            self._build_order()
         if self.sharded:
-            if probe_sharded:
-                self.cfg = cfg = self._resolve_micro_batch(cfg)
-                self._build_order()
             self._build_optimizer()
-            if last is not None:
-                self._resume(last)
-            elif moments_from is not None:
-                self._load_moments_sharded(moments_from)
+        if last is not None and resume_late:
+            self._resume(last)
+        elif moments_from is not None:  # FSDP only
+            self._load_moments_sharded(moments_from)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32
@@ -342,7 +344,7 @@ class Trainer:
         if cfg.batch.micro_batch_size != "auto":
             return cfg
         d, rows = self.d, requested_rows_per_rank(cfg.batch)
-        if d.device.type == "cuda":
+        if memory.probes(d.device):
             micro = memory.probe_micro_batch(self._probe_step, rows,
                                              agree=lambda m: int(distributed.all_reduce_min(torch.tensor(m, device=d.device), d)))
         else:
@@ -385,15 +387,24 @@ class Trainer:
                      saved, chosen)
 
     def _probe_step(self, micro: int) -> None:
-        """CUDA only: one forward and backward pass over ``micro`` rows of zeros, gradients dropped."""
+        """CUDA only: one forward and backward pass over ``micro`` rows of zeros,
+        gradients dropped, on the model as parallelize() left it (activation
+        checkpointing, DDP's buckets, FSDP's shards), while holding the memory
+        AdamW's moments take from the first step on (unless already loaded)."""
         model = self.model
-        attention.use_backend(model, attention.resolve(self.cfg.compute.attention, self.d.device, self.precision))
+        optimizer = getattr(self, "optimizer", None)  # FSDP: built after the probe
+        moments = 0 if optimizer is not None and optimizer.state else memory.optimizer_state_bytes(model)
         idx = torch.zeros(micro, self.seq_len, dtype=torch.long, device=self.d.device)
         seg = idx if self.cfg.data.doc_mask else None
+        held = memory.hold(moments, self.d.device)  # noqa: F841  (alive until the pass is over)
         try:
             with autocast(self.d.device, self.precision):
                 logits = model(idx, segment_ids=seg)
             token_loss_sum(logits, idx).backward()
+        except BaseException:
+            if self.sharded:  # a pass that ran out of memory leaves FSDP's parameters gathered and its hooks pending
+                reset_after_failed_pass(model)
+            raise
         finally:
             model.zero_grad(set_to_none=True)
 

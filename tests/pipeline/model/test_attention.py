@@ -58,6 +58,21 @@ def test_flex_block_mask_skips_blocks_across_documents():
     assert dense[0, 0].tolist() == [[1, 0], [0, 1]]
 
 
+def test_compiled_flex_builds_its_block_mask_compiled_too():
+    """Eager, create_block_mask evaluates the mask on every (row, query, key) at
+    once: 735 MB of transient memory at 4 rows of 4096 on a CPU, per forward. The
+    compiled backend (CUDA's) builds it compiled, with the same blocks."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    seg = segments("many")
+    compiled = Flex(compile=True).document_mask(seg)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(compiled.to_dense(), Flex().document_mask(seg).to_dense())
+    torch._dynamo.reset()
+
+
 def test_whole_model_with_flex_matches_sdpa_on_cpu():
     torch.manual_seed(0)
     model = Transformer(build_config("tiny", 97, max_seq_len=T)).eval()
@@ -94,6 +109,48 @@ def test_varlen_sequence_lengths_cover_every_document_of_every_row():
     assert cu.tolist() == [0, 2, 5, 6, 12] and cu.dtype == torch.int32 and longest == 6
 
 
+def _flash_by_document(query, key, value, cu, causal, gqa):
+    """What varlen_attn computes, on the CPU: causal SDPA over each document of the flattened batch."""
+    assert causal and cu.dtype == torch.int32 and (gqa or key.size(1) == query.size(1))
+    out = torch.empty_like(query)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))  # (heads, length, hd)
+        out[s:e] = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                  enable_gqa=gqa)[0].transpose(0, 1)
+    return out
+
+
+def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
+                scale=None):
+    return _flash_by_document(query, key, value, cu_seq_q, is_causal, False)
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):
+    return _flash_by_document(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), False)
+
+
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    return _flash_by_document(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), enable_gqa)
+
+
+@pytest.mark.parametrize("kernel", [varlen_2_10, varlen_2_11, varlen_2_13])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_varlen_packs_the_documents_for_the_varlen_attn_of_each_torch_release(monkeypatch, kernel, heads):
+    """The flash kernel is CUDA-only; a CPU stand-in with each release's keywords
+    (2.10: is_causal; 2.11: window_size; 2.13: window_size and enable_gqa) checks
+    the call and the packing of every document of every row against the reference."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", kernel)
+    q, k, v = qkv(n_head=heads[0], n_kv_head=heads[1])
+    seg = segments("many")
+    backend = Varlen()
+    y = backend.attend(q, k, v, backend.document_mask(seg))
+    torch.testing.assert_close(y, reference(q, k, v, seg), rtol=1e-5, atol=1e-5)
+
+
 def test_resolve_picks_sdpa_on_cpu_and_refuses_what_cannot_run():
     cpu = torch.device("cpu")
     assert resolve("auto", cpu, "bf16").name == "sdpa"
@@ -103,6 +160,24 @@ def test_resolve_picks_sdpa_on_cpu_and_refuses_what_cannot_run():
         with pytest.raises(AttentionBackendError, match=words) as err:
             resolve(name, cpu, "bf16")
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("capability, auto", [((9, 0), "varlen"), ((8, 0), "varlen"), ((7, 5), "flex")])
+def test_auto_picks_varlen_only_on_a_gpu_that_runs_flash_attention(monkeypatch, capability, auto):
+    """Flash attention needs compute capability 8.0: a T4 (7.5) in fp16 trains with flex,
+    and varlen asked for there is refused in one line, not at the first forward."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: SDPA())  # no CUDA kernels to compile here
+    monkeypatch.setattr(attention, "Varlen", lambda: Varlen.__new__(Varlen))
+    dev = torch.device("cuda", 0)
+    got = resolve("auto", dev, "fp16")
+    assert got.name == ("sdpa" if auto == "flex" else auto)  # the Flex stand-in is an SDPA
+    if auto == "flex":
+        with pytest.raises(AttentionBackendError, match=r"compute capability 8.0 .* cuda:0 is 7.5; use flex$"):
+            resolve("varlen", dev, "fp16")
+    else:
+        assert resolve("varlen", dev, "bf16").name == "varlen"
 
 
 def test_trainer_config_carries_the_backend_outside_the_identity():

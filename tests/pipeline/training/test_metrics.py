@@ -67,3 +67,27 @@ def test_damaged_rows_of_the_curve_are_left_out_with_a_warning(tmp_path, caplog)
     assert [line.split(",")[:2] for line in (tmp_path / "plots.csv").read_text().splitlines()] == [
         ["step", "loss"], ["1", "5.0"], ["2", "4.0"], ["5", "3.0"]]
     assert "2 damaged row(s) left out of the curve (steps 3, 4)" in caplog.text
+
+
+def test_peak_memory_is_reduced_over_ranks_on_the_ranks_device(tmp_path, monkeypatch):
+    """NCCL reduces CUDA tensors only ("No backend type associated with device type
+    cpu"): the peak-memory all-reduce of every report step must be on the rank's
+    device. "meta" stands in for the GPU here."""
+    from pipeline.training import distributed
+
+    d = Dist(1, 1, 2, torch.device("meta"), "nccl")
+    seen = []
+
+    def nccl_max(t, group):
+        seen.append(t.device)
+        if t.device != group.device:
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        return torch.tensor(123.0)
+
+    monkeypatch.setattr(distributed, "all_reduce_max", nccl_max)
+    logger = MetricsLogger("pretrain", LoggingSection(peak_flops=1e9, every=1, track=False), d,
+                           tmp_path / "curve.csv", tmp_path / "history.csv", precision_dtype=torch.bfloat16,
+                           nnodes=1, tokens_per_step=64, flops_per_token=1.0, max_steps=2)
+    with logger.start(0):
+        logger.log(1, {"loss": 5.0, "lr": 1e-3})
+    assert seen == [torch.device("meta")]

@@ -18,6 +18,7 @@ from pipeline.training.parallelize import (
     is_sharded,
     mixed_precision,
     parallelize,
+    reset_after_failed_pass,
 )
 
 CUDA = Dist(0, 0, 8, torch.device("cuda", 0), "nccl")
@@ -49,7 +50,8 @@ def test_the_launcher_refuses_fsdp_in_the_fp16_a_rank_would_resolve(monkeypatch)
     check_parallelism(ComputeSection(parallelism="ddp", precision="fp16", device="cpu"))  # ddp scales fp16
     check_parallelism(ComputeSection(parallelism="fsdp", precision="fp32", device="cpu"))
     check_parallelism(ComputeSection(parallelism="fsdp", precision="auto", device="cpu"))  # bf16 or fp32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4: no bf16
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr("pipeline.training.parallelize.pick_device", lambda requested: torch.device("cuda", 0))
     with pytest.raises(ParallelismError, match="not fp16"):
         check_parallelism(ComputeSection(parallelism="fsdp", precision="auto"))
@@ -88,3 +90,11 @@ def test_fsdp_on_cuda_in_bf16_trains_with_fp32_master_weights(tmp_path):
     model = Transformer(ckpt_model(last))
     ckpt.load_model_weights(last, model)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_torch_that_cannot_reset_fsdp_after_a_failed_pass_stops_in_one_line():
+    """FSDPModule.reset_iter_state is what recovers a sharded model from a pass that
+    ran out of memory; an older torch has none, and must not train on in that state."""
+    with pytest.raises(ParallelismError, match="set batch.micro_batch_size to a number$") as err:
+        reset_after_failed_pass(torch.nn.Linear(2, 2))
+    assert "\n" not in str(err.value)

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -26,10 +28,29 @@ def test_auto_on_a_cpu_whose_torch_cannot_say_is_fp32(monkeypatch):
     assert resolve_precision("auto", CPU) == "fp32"
 
 
-@pytest.mark.parametrize("bf16, expected", [(True, "bf16"), (False, "fp16")])
-def test_auto_on_a_gpu_is_bf16_or_else_fp16(monkeypatch, bf16, expected):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+def fake_gpu(monkeypatch, major: int, minor: int, hip: str | None = None) -> None:
+    """torch.cuda as a machine with one GPU of compute capability major.minor sees it
+    (a T4 is 7.5, an A100 8.0), where bf16 tensors can be made (emulated before 8.0)."""
+    props = types.SimpleNamespace(major=major, minor=minor, name=f"sm{major}{minor}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+    monkeypatch.setattr(torch.version, "hip", hip)
+
+
+@pytest.mark.parametrize("capability, expected", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp16"),
+                                                  ((7, 0), "fp16")])
+def test_auto_on_a_gpu_is_bf16_from_ampere_on_and_fp16_before(monkeypatch, capability, expected):
+    """A V100 (7.0) or T4 (7.5) emulates bf16, which torch.cuda.is_bf16_supported()
+    counts as support: auto must still pick fp16 there."""
+    fake_gpu(monkeypatch, *capability)
     assert resolve_precision("auto", CUDA) == expected
+
+
+def test_auto_on_a_rocm_gpu_is_bf16(monkeypatch):
+    fake_gpu(monkeypatch, 9, 0, hip="6.2")
+    assert resolve_precision("auto", CUDA) == "bf16"
 
 
 def test_autocast_runs_matmuls_in_the_precision_and_fp32_is_left_alone():

@@ -683,3 +683,89 @@ def test_more_ranks_per_node_than_gpus_is_refused_before_any_rank_starts(monkeyp
     with pytest.raises(DeviceError, match=r"launch.nproc_per_node is 4, but this machine has 2 CUDA GPU\(s\): one "
                                           r"rank per GPU; set launch.nproc_per_node to 2 or fewer"):
         check_compute(c)
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_micro_batch_auto_probes_the_model_as_it_trains_with_room_for_adamw(tmp_path, monkeypatch, parallelism):
+    """On CUDA, ``micro_batch_size: auto`` tries forward and backward passes: on the
+    model with activation checkpointing applied (it is what lets a larger
+    micro-batch fit), and while holding the bytes AdamW's moments take from the
+    first step on, which a pass alone never allocates (a micro-batch that fits
+    only without them runs out of memory at the first optimizer step). The CUDA
+    probe is forced on the CPU here, and runs out of "memory" above 2 rows."""
+    import functools
+
+    from pipeline.training import memory
+    from pipeline.training.trainer import Trainer
+
+    monkeypatch.setattr(memory, "probes", lambda device: True)
+    held, passes = [], []
+    real_hold, real_step = memory.hold, Trainer._probe_step
+    monkeypatch.setattr(memory, "hold", lambda nbytes, device: held.append(nbytes) or real_hold(nbytes, device))
+
+    def probe_step(self, micro):
+        passes.append((micro, all(isinstance(b.forward, functools.partial) for b in self.model.layers)))
+        if micro > 2:
+            raise torch.cuda.OutOfMemoryError("out of memory (simulated)")
+        real_step(self, micro)
+
+    monkeypatch.setattr(Trainer, "_probe_step", probe_step)
+    run(tmp_path, micro_batch_size="auto", activation_checkpointing=True, parallelism=parallelism, max_steps=2,
+        warmup_steps=1, eval_rows=2)
+    model = Transformer(ckpt_model(ckpt.latest(tmp_path / "models")))
+    assert passes and all(checkpointed for _, checkpointed in passes)
+    assert passes[-1][0] == 2 and held == [memory.optimizer_state_bytes(model)]
+    assert held[0] == 2 * 4 * sum(p.numel() for p in model.parameters())  # one rank: no shards
+    # the checkpoint is loaded after the probe, which the data order waits for
+    again = run(tmp_path, micro_batch_size="auto", activation_checkpointing=True, parallelism=parallelism,
+                max_steps=3, warmup_steps=1, eval_rows=2)
+    assert again["resumed_from_step"] == 2 and again["steps"] == 3
+
+
+def test_the_probes_reserve_is_what_adamw_allocates_at_its_first_step():
+    from pipeline.training import memory
+    from pipeline.training.config import OptimizerSection
+    from pipeline.training.optimizer import build_optimizer
+    from pipeline.model.transformer import build_config
+
+    model = Transformer(build_config("tiny", 97))
+    opt = build_optimizer(model, OptimizerSection(), torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    allocated = sum(t.numel() * t.element_size() for state in opt.state.values() for k, t in state.items()
+                    if k != "step")
+    assert memory.optimizer_state_bytes(model) == allocated
+
+
+def test_fsdp_stays_sharded_after_a_probe_runs_out_of_memory_mid_backward(tmp_path, monkeypatch):
+    """A CUDA out-of-memory error inside a probe's backward pass leaves FSDP2's
+    parameters gathered and its hooks pending: unless reset, the model trains
+    on full, unsynchronised parameters from then on. Forced on the CPU (one
+    rank), with the error raised from inside the backward pass above 2 rows."""
+    from torch.distributed.tensor import DTensor
+
+    from pipeline.training import memory
+    from pipeline.training.trainer import Trainer
+
+    monkeypatch.setattr(memory, "probes", lambda device: True)
+    real_step, after = Trainer._probe_step, []
+
+    def oom_in_backward(grad):
+        raise torch.cuda.OutOfMemoryError("out of memory (simulated)")
+
+    def fail_in_backward(module, args, out):
+        out.register_hook(oom_in_backward)
+
+    def probe_step(self, micro):
+        hook = self.model.output.register_forward_hook(fail_in_backward if micro > 2 else lambda *a: None)
+        try:
+            real_step(self, micro)
+        finally:
+            hook.remove()
+            after.append(all(isinstance(p, DTensor) for p in self.model.parameters()))
+
+    monkeypatch.setattr(Trainer, "_probe_step", probe_step)
+    m = run(tmp_path, micro_batch_size="auto", parallelism="fsdp", max_steps=2, warmup_steps=1, eval_rows=2)
+    assert after == [True] * 4  # 16, 8 and 4 rows failed, then 2 fit
+    assert ckpt.is_sharded(ckpt.latest(tmp_path / "models")) and math.isfinite(m["final_loss"])
