@@ -165,13 +165,15 @@ class ComputeSection(Section):
     identity = False
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="auto: bf16 where the device supports it (CPU included), else fp32; fp16 uses a GradScaler")
+        "auto", description="auto: bf16 where the device runs it natively (Ampere+ GPUs, ROCm, CPUs with oneDNN "
+                        "bf16), fp16 on older GPUs, else fp32; fp16 uses a GradScaler")
     compile: bool = Field(False, description="torch.compile the model")
     activation_checkpointing: bool = Field(False, description="recompute each block in backward to save memory")
     attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
         "auto", description="attention kernel (all compute the same function): auto = sdpa on CPU, varlen on CUDA in "
-                            "bf16/fp16 else flex; sdpa = dense document mask; flex = FlexAttention block mask "
-                            "(CUDA for training); varlen = flash attention over document lengths (CUDA, bf16/fp16)")
+                            "bf16/fp16 on Ampere+ GPUs else flex; sdpa = dense document mask; flex = FlexAttention block mask "
+                            "(CUDA for training); varlen = flash attention over document lengths (CUDA, "
+                            "Ampere+, bf16/fp16)")
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp = full weights, gradients and AdamW state on every rank, one checkpoint file each; "
                            "fsdp = FSDP2 shards them over the ranks (each block, then the root), sharded DCP "
