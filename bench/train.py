@@ -99,15 +99,18 @@ def _plain_loop(args, packed: Path, steps: int, warmup: int) -> float:
     fwd = torch.compile(model) if args.compile else model
     rng = np.random.default_rng(0)
     precision = args.precision
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # as the stage does in fp16
 
     def step() -> None:
         b = rows.batch(rng.choice(len(rows), args.batch, replace=False), device)
         with autocast(device, precision):
             logits = fwd(b["input_ids"], segment_ids=b["segment_ids"])
         loss = token_loss_sum(logits, b["targets"]) / b["targets"].numel()
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
 
     for _ in range(warmup):
