@@ -430,7 +430,8 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
     and the tensor names each holds.
 
     Reads only the headers (and the index, for sharded weights). Raises
-    UnsupportedModelError for a folder without safetensors weights, a shard the
+    UnsupportedModelError for a folder without safetensors weights, an index
+    whose ``weight_map`` is not {tensor: shard file in the folder}, a shard the
     index names that is missing, or an index entry its shard does not hold.
     """
     folder = Path(folder)
@@ -441,6 +442,7 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
             weight_map = json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise UnsupportedModelError(f"{folder / WEIGHTS_INDEX}: not a safetensors index ({err!r})") from None
+        _check_weight_map(folder, weight_map)
         files = {}
         for name, file in weight_map.items():
             files.setdefault(folder / file, []).append(name)
@@ -463,6 +465,23 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
                                         f"which {WEIGHTS_INDEX} places there")
         out[str(path.relative_to(folder))] = listed if listed is not None else held
     return out
+
+
+def _check_weight_map(folder: Path, weight_map: Any) -> None:
+    """An index's ``weight_map`` is {tensor name: file name of a shard in ``folder``}; a
+    shard elsewhere would be read but neither hashed into the run identity nor seen by DVC."""
+    where = folder / WEIGHTS_INDEX
+    if not isinstance(weight_map, dict):
+        raise UnsupportedModelError(f"{where}: weight_map is {json.dumps(weight_map)[:60]}, not an object "
+                                    "{tensor name: shard file}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise UnsupportedModelError(f"{where}: weight_map names {json.dumps(file)[:60]} as the file of {name}, "
+                                        "not a file name")
+        path = Path(file)
+        if path.is_absolute() or ".." in path.parts:
+            raise UnsupportedModelError(f"{where}: weight_map places {name} in {file}, outside {folder}; "
+                                        "shards must lie in the model folder")
 
 
 def one_line(err: Exception) -> str:

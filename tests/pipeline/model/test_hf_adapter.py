@@ -211,6 +211,21 @@ def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
         load_hf_model(bare)
 
 
+@pytest.mark.parametrize("weight_map, message", [
+    ("model.safetensors", r"weight_map is \"model.safetensors\", not an object"),
+    ({"model.norm.weight": 3}, r"weight_map names 3 as the file of model.norm.weight, not a file name"),
+    ({"model.norm.weight": "../elsewhere/model.safetensors"}, r"places model.norm.weight in \.\./elsewhere.*outside"),
+], ids=["not-a-map", "not-a-name", "outside"])
+def test_an_index_whose_weight_map_is_not_shards_in_the_folder_is_one_line(folders, tmp_path, weight_map, message):
+    import shutil
+
+    folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(UnsupportedModelError, match=message) as err:
+        hf_adapter.weight_files(folder)
+    assert "\n" not in str(err.value) and "model.safetensors.index.json" in str(err.value)
+
+
 # --------------------------------------------------------------------------- config.json
 
 
