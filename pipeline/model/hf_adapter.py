@@ -498,7 +498,8 @@ def load_hf_model(folder: str | Path) -> tuple[ModelConfig, Transformer]:
     and no second copy of the weights, so peak host memory stays near the fp32
     weights plus the pages of the file mapping. Raises UnsupportedModelError
     (one line) for an unsupported config, before any weight is read, and for
-    missing, unexpected or misshapen tensors or an unsupported dtype.
+    missing, unexpected or misshapen tensors, an unsupported dtype, or NaN or
+    infinite values (damaged bytes behind an intact header).
     """
     folder = Path(folder)
     config = _config_of(folder)
@@ -591,13 +592,27 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
     files = weight_files(folder)
     plan = _weight_plan(model, folder, files)
     targets = dict(model.named_parameters())
+    non_finite = []
     with torch.no_grad():
         for file, pairs in plan.items():
             with safe_open(str(folder / file), framework="pt") as f:
                 for key, ours in pairs:
                     targets[ours].copy_(f.get_tensor(key))  # one tensor at a time, cast to the model's dtype
+                    if not _all_finite(targets[ours]):
+                        non_finite.append(key)
+    if non_finite:  # safetensors has no checksum: damaged bytes behind an intact header read as numbers
+        raise UnsupportedModelError(f"{folder}: NaN or infinite values in {', '.join(non_finite[:5])}"
+                                    f"{f' and {len(non_finite) - 5} more' if len(non_finite) > 5 else ''}: "
+                                    "the weights are damaged; fetch the model again")
     if model.config.tie_embeddings:
         _check_stored_head(model, folder, files)
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """True when no value is NaN or infinite; checked in chunks, so that a large
+    embedding needs no boolean copy of its own size."""
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 def _check_stored_head(model: Transformer, folder: Path, files: Mapping[str, list[str]]) -> None:

@@ -194,6 +194,21 @@ def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change
     assert check_weights(folders("qwen2"), config_from_hf(json.loads((folders("qwen2") / "config.json").read_text())))
 
 
+def test_weights_damaged_behind_an_intact_header_are_refused_not_loaded(folders, tmp_path):
+    def damage(t):  # what bytes overwritten inside the data look like: NaN, inf, for a few values
+        t["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
+        t["model.norm.weight"][0] = float("inf")
+
+    folder = rewrite_weights(folders("qwen2", dtype=torch.bfloat16), tmp_path / "m", damage)
+    with pytest.raises(UnsupportedModelError, match=r"NaN or infinite values in .*(up_proj|norm).*(up_proj|norm)"
+                       r".*fetch the model again") as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
+    config, model = load_hf_model(folders("qwen2", dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedModelError, match="NaN or infinite"):
+        load_hf_weights(model, folder)
+
+
 def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     import shutil
 
