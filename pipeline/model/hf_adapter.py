@@ -374,9 +374,13 @@ def _rope(hf: Mapping[str, Any], get) -> tuple[float, dict[str, Any] | None, lis
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if any(isinstance(v, dict) for v in rope.values()):
         return 0.0, None, [f"per-layer-type rope_parameters ({', '.join(rope)}) (supported: one RoPE for all layers)"]
-    theta = rope.get("rope_theta") or get("rope_theta")
+    theta = rope["rope_theta"] if rope.get("rope_theta") is not None else get("rope_theta")  # 0 is a value
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     problems = []
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        problems.append(f"rope_theta is {json.dumps(theta)[:60]}, not a number")
+    elif not theta > 0:  # transformers would divide by 0 ** (i / head_dim): infinite frequencies
+        problems.append(f"rope_theta {theta} (supported: a positive number)")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         problems.append(f"partial_rotary_factor {partial} (supported: 1.0, RoPE on the whole head)")

@@ -387,6 +387,11 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "quantized": ("qwen2", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config (gptq)"),
     "odd-head-dim": ("qwen3", {"head_dim": 15}, "head_dim = 15 must be even"),
     "no-vocab": ("llama", {"vocab_size": None}, "config.json lacks vocab_size"),
+    # a rope_theta of 0 inside rope_parameters was read as absent and replaced by the default
+    "zero-rope-theta": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+                        "rope_theta 0 (supported: a positive number)"),
+    "string-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+                          'rope_theta is "1e4", not a number'),
     # values of the wrong JSON type
     "string-rope-scaling": ("llama", {"rope_scaling": "linear"}, 'rope_scaling is "linear", not an object'),
     "string-window": ("mistral", {"sliding_window": "4096"}, 'sliding_window is "4096", not an integer'),
