@@ -270,13 +270,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         log.warning("%s: sliding_window %d < max_position_embeddings %d: max_seq_len capped at %d, where full "
                     "attention computes exactly what the window does", family.architecture, window, max_seq_len, window)
         max_seq_len = window
+    kv_heads = get("num_key_value_heads")
     try:
         return ModelConfig(
             vocab_size=hf["vocab_size"],
             n_layer=hf["num_hidden_layers"],
             n_head=hf["num_attention_heads"],
             d_model=hf["hidden_size"],
-            n_kv_head=get("num_key_value_heads") or hf["num_attention_heads"],
+            n_kv_head=hf["num_attention_heads"] if kv_heads is None else kv_heads,  # null: one per head; 0 is refused
             ffn_hidden=hf["intermediate_size"],
             max_seq_len=max_seq_len,
             rope_theta=float(rope_theta),
@@ -389,8 +390,8 @@ def _rope(hf: Mapping[str, Any], get) -> tuple[float, dict[str, Any] | None, lis
     if rope_type != "llama3":
         return theta, None, problems
     scaling = {"rope_type": "llama3", **{k: rope.get(k) for k in LLAMA3_ROPE_KEYS}}
-    scaling["original_max_position_embeddings"] = (scaling["original_max_position_embeddings"]
-                                                   or get("max_position_embeddings"))
+    if scaling["original_max_position_embeddings"] is None:  # a 0 stays, for ModelConfig to refuse
+        scaling["original_max_position_embeddings"] = get("max_position_embeddings")
     missing = [k for k in LLAMA3_ROPE_KEYS if scaling[k] is None]
     if missing:
         problems.append(f"llama3 RoPE scaling lacks {', '.join(missing)}")

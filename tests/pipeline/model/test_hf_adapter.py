@@ -390,6 +390,12 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     # a rope_theta of 0 inside rope_parameters was read as absent and replaced by the default
     "zero-rope-theta": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
                         "rope_theta 0 (supported: a positive number)"),
+    # likewise a 0 for the key/value heads (read as one per head) or llama3's original context (read as
+    # max_position_embeddings): transformers cannot compute either
+    "zero-kv-heads": ("llama", {"num_key_value_heads": 0}, "n_kv_head must be a positive integer (got 0)"),
+    "zero-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
+                                                          "original_max_position_embeddings": 0}},
+                            "rope_scaling.original_max_position_embeddings must be a positive number (got 0)"),
     "string-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
                           'rope_theta is "1e4", not a number'),
     # values of the wrong JSON type
