@@ -355,6 +355,9 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
         problems.append("mlp_bias true: MLP biases are not supported")
     if get("attention_dropout"):
         problems.append(f"attention_dropout {get('attention_dropout')} (supported: 0)")
+    window = get("sliding_window") if family.sliding_window_everywhere else None
+    if window is not None and window < 1:  # else "max_seq_len capped at 0", then an error naming max_seq_len
+        problems.append(f"sliding_window {window} (supported: a positive integer, or null for none)")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window true: sliding-window attention is not supported for "
                         f"{family.architecture} (supported: full attention)")

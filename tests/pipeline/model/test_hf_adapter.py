@@ -396,6 +396,7 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "zero-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
                                                           "original_max_position_embeddings": 0}},
                             "rope_scaling.original_max_position_embeddings must be a positive number (got 0)"),
+    "zero-window": ("mistral", {"sliding_window": 0}, "sliding_window 0 (supported: a positive integer, or null"),
     "string-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
                           'rope_theta is "1e4", not a number'),
     # values of the wrong JSON type
