@@ -98,6 +98,12 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
     if not path.exists():
         raise InitError(f"init_from {path} does not exist; give a local Hugging Face model folder (under "
                         f"{BASE_DIR}/) or a checkpoint folder of ours")
+    if path.is_file():  # e.g. the path of model.safetensors, or of a checkpoint's meta.json
+        holder = path.parent
+        hint = (f"; name the folder that holds it, {holder}" if hf_adapter.is_hf_model_folder(holder)
+                or (holder / "meta.json").is_file() else "")
+        raise InitError(f"init_from {path} is a file; init_from names a folder: a Hugging Face model folder "
+                        f"(config.json and model.safetensors) or a checkpoint folder of ours{hint}")
     if hf_adapter.is_hf_model_folder(path):
         return _from_hf(path, warn_outside_base)
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():

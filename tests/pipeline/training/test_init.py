@@ -56,19 +56,26 @@ def test_weights_that_do_not_fit_the_config_are_refused_from_their_headers(tmp_p
     assert message.count(str(folder)) == 1
 
 
-@pytest.mark.parametrize("make", ["empty", "file", "weights_only"])
+@pytest.mark.parametrize("make", ["empty", "weights_only"])
 def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
     path = tmp_path / "thing"
-    if make == "file":
-        path.write_text("hello")
-    else:
-        path.mkdir()
+    path.mkdir()
     if make == "weights_only":  # no config.json
         save_tiny_hf_model("llama", tmp_path / "hf")
         shutil.copy(tmp_path / "hf" / "model.safetensors", path / "model.safetensors")
     message = refused(path)
     assert f"init_from {path} is neither a Hugging Face model folder" in message
     assert "model.safetensors" in message and "checkpoint of ours (meta.json)" in message
+
+
+def test_a_file_is_one_line_naming_the_folder_that_holds_it(tmp_path):
+    folder = save_tiny_hf_model("llama", tmp_path / "hf")
+    message = refused(folder / "model.safetensors")
+    assert f"init_from {folder / 'model.safetensors'} is a file; init_from names a folder" in message
+    assert message.endswith(f"name the folder that holds it, {folder}")
+    (tmp_path / "notes.txt").write_text("hello")  # a file in no model folder: no folder to suggest
+    message = refused(tmp_path / "notes.txt")
+    assert "is a file; init_from names a folder" in message and "holds it" not in message
 
 
 @pytest.mark.parametrize("bin_weights", [False, True])
