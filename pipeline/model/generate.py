@@ -181,6 +181,9 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
     """
     path = Path(path)
     device = pick_device(device) if isinstance(device, str) else device
+    broken = hf_adapter.broken_links(path)
+    if broken:
+        raise FileNotFoundError(f"{path}: {broken}")
     if hf_adapter.is_hf_model_folder(path):
         config, model = hf_adapter.load_hf_model(path)
         if tokenizer_path:

@@ -98,6 +98,9 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
     if not path.exists():
         raise InitError(f"init_from {path} does not exist; give a local Hugging Face model folder (under "
                         f"{BASE_DIR}/) or a checkpoint folder of ours")
+    broken = hf_adapter.broken_links(path)
+    if broken:
+        raise InitError(f"init_from {path}: {broken}")
     if path.is_file():  # e.g. the path of model.safetensors, or of a checkpoint's meta.json
         holder = path.parent
         hint = (f"; name the folder that holds it, {holder}" if hf_adapter.is_hf_model_folder(holder)

@@ -204,6 +204,13 @@ def test_a_folder_without_a_model_is_an_error(tmp_path):
         load_for_inference(tmp_path)
 
 
+def test_a_folder_whose_model_files_are_links_to_nothing_says_so(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").symlink_to("../../blobs/abc")  # a Hugging Face cache snapshot copied with cp -r
+    with pytest.raises(FileNotFoundError, match=r"model.safetensors is a link to nothing .*cp -rL"):
+        load_for_inference(tmp_path)
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -78,6 +78,23 @@ def test_a_file_is_one_line_naming_the_folder_that_holds_it(tmp_path):
     assert "is a file; init_from names a folder" in message and "holds it" not in message
 
 
+def test_a_copied_cache_snapshot_whose_links_point_nowhere_says_so(tmp_path):
+    """The Hugging Face cache keeps a snapshot's files as relative links into blobs/;
+    `cp -r` of the snapshot copies the links, which then point nowhere."""
+    blobs, copy = tmp_path / "blobs", tmp_path / "copy"
+    save_tiny_hf_model("llama", blobs)
+    copy.mkdir()
+    shutil.copy(blobs / "config.json", copy / "config.json")
+    (copy / "model.safetensors").symlink_to("../../blobs/model.safetensors")  # relative to a cache that is not there
+    message = refused(copy)
+    assert message.startswith(f"init_from {copy}: model.safetensors is a link to nothing (model.safetensors -> "
+                              "../../blobs/model.safetensors)")
+    assert "cp -rL" in message
+    (copy / "model.safetensors").unlink()
+    (copy / "model.safetensors").symlink_to(blobs / "model.safetensors")  # a link that resolves is fine
+    assert resolve_init(str(copy), warn_outside_base=False).kind == "hf"
+
+
 @pytest.mark.parametrize("bin_weights", [False, True])
 def test_a_hugging_face_folder_without_safetensors_weights_says_what_it_lacks(tmp_path, bin_weights):
     path = tmp_path / "thing"
