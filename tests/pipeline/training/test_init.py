@@ -177,6 +177,18 @@ def test_a_folder_outside_models_base_warns_that_dvc_does_not_track_it(tmp_path,
     assert caplog.text == ""
 
 
+def test_a_link_under_models_base_warns_naming_where_it_leads(tmp_path, caplog, monkeypatch):
+    """DVC hashes no file of a linked folder (its dep on models/base/ lists 0 files), so a model
+    linked there is as untracked as one elsewhere: the warning says it is a link, and to what."""
+    folder = save_tiny_hf_model("llama", tmp_path / "elsewhere" / "llama")
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    (tmp_path / "models" / "base" / "llama").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        resolve_init("models/base/llama")
+    assert f"init_from models/base/llama is outside models/base/ (through a link: it is {folder})" in caplog.text
+
+
 @pytest.fixture
 def run_folder(tmp_path):
     """A run folder of ours with checkpoints at steps 4 and 8 (different weights),
