@@ -298,8 +298,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 
 def _family(hf: Mapping[str, Any]) -> Family:
     architectures = hf.get("architectures") or []
-    if not isinstance(architectures, list):
-        raise UnsupportedModelError(f"config.json's architectures is {json.dumps(architectures)[:60]}, not a list "
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise UnsupportedModelError(f"config.json's architectures is {json.dumps(architectures)[:60]}, not a list of names "
                                     f"such as [\"LlamaForCausalLM\"]; supported: {SUPPORTED}")
     model_type = hf.get("model_type")
     if not architectures and model_type in BY_MODEL_TYPE:
@@ -317,9 +317,11 @@ def _family(hf: Mapping[str, Any]) -> Family:
 # The type transformers gives each key it reads (bool is not an int here, as in JSON).
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")
-_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
-_MAPPINGS = ("rope_scaling", "rope_parameters")
+_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "attention_dropout", "partial_rotary_factor")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
+_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config")
+_STRINGS = ("hidden_act",)
+_STRING_LISTS = ("layer_types",)
 
 
 # Keys whose explicit null transformers reads as a value, not as "the default": no sliding window, as many
@@ -333,7 +335,10 @@ def _type_problems(get) -> list[str]:
     for keys, ok, kind in ((_INTS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
                            (_NUMBERS, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
                            (_BOOLS, lambda v: isinstance(v, bool), "true or false"),
-                           (_MAPPINGS, lambda v: isinstance(v, Mapping), "an object")):
+                           (_MAPPINGS, lambda v: isinstance(v, Mapping), "an object"),
+                           (_STRINGS, lambda v: isinstance(v, str), "a string"),
+                           (_STRING_LISTS, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                            "a list of strings")):
         for key in keys:
             value = get(key)
             if value is not None and not ok(value):

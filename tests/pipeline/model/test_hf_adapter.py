@@ -407,6 +407,15 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "float-heads": ("qwen3", {"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not an integer"),
     "string-architectures": ("llama", {"architectures": "LlamaForCausalLM"},
                              'architectures is "LlamaForCausalLM", not a list'),
+    # these ended in a TypeError or AttributeError traceback, or named a string "false" as true
+    "null-architecture": ("llama", {"architectures": [None]}, "architectures is [null], not a list"),
+    "string-quantization": ("qwen2", {"quantization_config": "gptq"}, 'quantization_config is "gptq", not an object'),
+    "number-layer-types": ("qwen2", {"layer_types": [1, 2]}, "layer_types is [1, 2], not a list of strings"),
+    "string-layer-types": ("qwen3", {"layer_types": "full_attention"},
+                           'layer_types is "full_attention", not a list of strings'),
+    "string-mlp-bias": ("llama", {"mlp_bias": "false"}, 'mlp_bias is "false", not true or false'),
+    "string-dropout": ("mistral", {"attention_dropout": "0"}, 'attention_dropout is "0", not a number'),
+    "list-activation": ("llama", {"hidden_act": ["silu"]}, 'hidden_act is ["silu"], not a string'),
 }
 
 
