@@ -122,8 +122,22 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
         raise InitError(f"init_from: {err}") from None
     if found is None:
         raise InitError(f"init_from {path} is neither a Hugging Face model folder (config.json and "
-                        "model.safetensors or model.safetensors.index.json) nor a checkpoint of ours (meta.json)")
+                        "model.safetensors or model.safetensors.index.json) nor a checkpoint of ours (meta.json)"
+                        f"{_inside_hint(path)}")
     return _from_checkpoint(found)
+
+
+def _inside_hint(path: Path) -> str:
+    """'; it holds ...' naming the model or run folders one level down (models/base/, a
+    run's previous/), which is what a user who names their parent meant; else ''."""
+    if not path.is_dir():
+        return ""
+    inside = sorted(p for p in path.iterdir() if p.is_dir() and (
+        hf_adapter.is_hf_model_folder(p) or ckpt.step_folders(p) or ckpt.STEP_RE.match(p.name)))
+    if not inside:
+        return ""
+    names = ", ".join(str(p) for p in inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+    return f"; it holds {names}: name one of them"
 
 
 def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:

@@ -68,6 +68,16 @@ def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
     assert "model.safetensors" in message and "checkpoint of ours (meta.json)" in message
 
 
+def test_the_parent_of_models_or_runs_names_them(run_folder, tmp_path):
+    message = refused(run_folder / "previous")  # README: models/pretrain/previous/<run-id>/step-N
+    assert message.endswith(f"; it holds {run_folder / PREVIOUS}: name one of them")
+    base = tmp_path / "base"
+    for name in ("a", "b"):
+        save_tiny_hf_model("llama", base / name)
+    (base / "notes").mkdir()
+    assert refused(base).endswith(f"; it holds {base / 'a'}, {base / 'b'}: name one of them")
+
+
 def test_a_file_is_one_line_naming_the_folder_that_holds_it(tmp_path):
     folder = save_tiny_hf_model("llama", tmp_path / "hf")
     message = refused(folder / "model.safetensors")
