@@ -92,7 +92,9 @@ def _folder_id(folder: Path, names: list[str]) -> str:
 def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> InitSource | None:
     """The starting point named by ``init_from`` (None for random initialisation).
     Raises InitError (one line) for a path that is neither kind, a damaged
-    checkpoint, or a Hugging Face model we do not implement."""
+    checkpoint, or a Hugging Face model we do not implement. ``warn_outside_base``:
+    log the launcher's warnings (a model folder DVC does not see, a run folder
+    whose run has not finished); the ranks resolve again without them."""
     if init_from is None:
         return None
     path = Path(init_from).expanduser()
@@ -124,6 +126,11 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
         raise InitError(f"init_from {path} is neither a Hugging Face model folder (config.json and "
                         "model.safetensors or model.safetensors.index.json) nor a checkpoint of ours (meta.json)"
                         f"{_inside_hint(path)}")
+    if warn_outside_base and not ckpt.is_checkpoint(path):
+        why = ckpt.unfinished(found)  # a run folder names its result, which a killed run has not reached
+        if why:
+            log.warning("init_from %s: %s; starting from that checkpoint anyway (name its step folder to do so "
+                        "without this warning)", path, why)
     return _from_checkpoint(found)
 
 

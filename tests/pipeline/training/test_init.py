@@ -68,6 +68,22 @@ def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
     assert "model.safetensors" in message and "checkpoint of ours (meta.json)" in message
 
 
+def test_a_run_folder_whose_run_has_not_finished_warns_and_its_step_folder_does_not(tmp_path, caplog):
+    run_folder = tmp_path / "models" / "sft"
+    meta = {"stage": "sft", "final": False, "schedule": {"max_steps": 20}}  # killed at step 8 of 20
+    save_checkpoint(run_folder, tiny_model(tiny_config(64)), step=8, meta=meta)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        found = resolve_init(str(run_folder))
+    assert found.path.name == "step-00000008"
+    assert (f"init_from {run_folder}: {found.path} is not sft's final checkpoint (step 8 of 20); sft was "
+            "interrupted") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        resolve_init(str(run_folder / "step-00000008"))
+        resolve_init(str(run_folder), warn_outside_base=False)  # a rank: the launcher has warned
+    assert caplog.text == ""
+
+
 def test_the_parent_of_models_or_runs_names_them(run_folder, tmp_path):
     message = refused(run_folder / "previous")  # README: models/pretrain/previous/<run-id>/step-N
     assert message.endswith(f"; it holds {run_folder / PREVIOUS}: name one of them")
