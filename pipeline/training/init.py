@@ -112,6 +112,10 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
                         f"(config.json and model.safetensors) or a checkpoint folder of ours{hint}")
     if hf_adapter.is_hf_model_folder(path):
         return _from_hf(path, warn_outside_base)
+    if (path / "adapter_config.json").is_file():
+        raise InitError(f"init_from {path} is a PEFT (LoRA) adapter (adapter_config.json), not a whole model: merge "
+                        "it into its base model first (peft's merge_and_unload(), then save_pretrained with "
+                        "safe_serialization) and name that folder")
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         try:  # a Hugging Face folder without safetensors weights: say what is there instead
             hf_adapter.weight_files(path)

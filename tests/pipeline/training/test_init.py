@@ -94,6 +94,16 @@ def test_the_parent_of_models_or_runs_names_them(run_folder, tmp_path):
     assert refused(base).endswith(f"; it holds {base / 'a'}, {base / 'b'}: name one of them")
 
 
+def test_a_lora_adapter_folder_is_named_as_one(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "Qwen/x"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    message = refused(adapter)
+    assert message.startswith(f"init_from {adapter} is a PEFT (LoRA) adapter (adapter_config.json), not a whole model")
+    assert "merge_and_unload" in message
+
+
 def test_a_file_is_one_line_naming_the_folder_that_holds_it(tmp_path):
     folder = save_tiny_hf_model("llama", tmp_path / "hf")
     message = refused(folder / "model.safetensors")
