@@ -609,14 +609,24 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
                     bad.append(f"{key} has shape {shape}, the config says {list(targets[ours].shape)}")
                 plan.setdefault(file, []).append((key, ours))
     missing = sorted(set(targets) - {ours for pairs in plan.values() for _, ours in pairs})
-    problems = [f"unexpected tensor(s) {', '.join(sorted(unexpected))}"] if unexpected else []
-    problems += bad
+    problems = [f"unexpected tensor(s) {_some(sorted(unexpected))}"] if unexpected else []
+    problems += bad[:5] + ([f"{len(bad) - 5} more of another shape or dtype"] if len(bad) > 5 else [])
     if missing:
-        problems.append(f"missing tensor(s) {', '.join(_rename(m, TO_HF) or m for m in missing)}")
+        problems.append(f"missing tensor(s) {_some([_rename(m, TO_HF) or m for m in missing])}")
+    if unexpected and missing and all(_rename("model." + k, FROM_HF) in targets for k in unexpected):
+        problems.append("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
+                        "*ForCausalLM wrapper")
     if problems:
         raise UnsupportedModelError(f"{folder}: weights do not fit {FAMILIES[config.family].architecture} "
                                     f"of this config: {'; '.join(problems)}")
     return plan
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """The first ``shown`` names and how many more: a model of many layers lists
+    hundreds, which would make the one line unreadable."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _copy_weights(model: Transformer, folder: Path) -> None:

@@ -209,6 +209,23 @@ def test_weights_damaged_behind_an_intact_header_are_refused_not_loaded(folders,
         load_hf_weights(model, folder)
 
 
+def test_a_backbone_saved_without_its_wrapper_is_named_in_a_short_line(folders, tmp_path):
+    """A LlamaModel's state dict under a LlamaForCausalLM config: every name lacks 'model.'. The line
+    names a few of each kind and says what the names lack, rather than listing every tensor twice."""
+    def strip(t):
+        for key in list(t):
+            t[key.removeprefix("model.")] = t.pop(key)
+
+    folder = rewrite_weights(folders("llama"), tmp_path / "m", strip)
+    with pytest.raises(UnsupportedModelError) as err:
+        load_hf_model(folder)
+    message = str(err.value)
+    assert "unexpected tensor(s) embed_tokens.weight, layers.0.input_layernorm.weight" in message
+    assert message.count(" and 12 more") == 2  # 20 tensors of each kind, 8 shown
+    assert message.endswith("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
+                            "*ForCausalLM wrapper")
+
+
 def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     import shutil
 
