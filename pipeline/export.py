@@ -100,6 +100,7 @@ def export_dtype(requested: str, meta: Mapping[str, Any]) -> str:
 REPORT = "report.json"  # beside the Hugging Face files, written after registration
 METRICS = ("params", "vocab_size", "step")
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
+OWN_TOKEN_IDS = {"bos_token_id": EOT_ID, "eos_token_id": list(STOP_IDS), "pad_token_id": PAD_ID}  # our tokenizer's
 CARD_KEYS = {
     "name": "title of the model card",
     "description": "a paragraph under the title",
@@ -197,6 +198,10 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     if not specials.own and not meta.get("hf_config"):  # trained from scratch with an adopted tokenizer
         token_ids = {"bos_token_id": specials.bos_id, "pad_token_id": specials.pad_id,
                      "eos_token_id": list(manifest.get("stop_ids") or specials.eos_ids)}
+    elif specials.own and meta.get("hf_config"):
+        # a published model trained on with our tokenizer (its folder had none to adopt): the original's
+        # ids name other tokens of the tokenizer shipped, so config.json declares ours
+        token_ids = dict(OWN_TOKEN_IDS)
     dtype = export_dtype(dtype, meta)
     with atomic_dir(out_dir) as tmp:
         write_model_files(tmp, model, meta, token_ids=token_ids, dtype=dtype)
@@ -265,7 +270,7 @@ def write_model_files(folder: Path, model: Transformer, meta: Mapping[str, Any],
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     original = meta.get("hf_config")
     if token_ids is None:
-        token_ids = {} if original else {"bos_token_id": EOT_ID, "eos_token_id": list(STOP_IDS), "pad_token_id": PAD_ID}
+        token_ids = {} if original else dict(OWN_TOKEN_IDS)
     _write_json(folder / "config.json", hf_adapter.hf_config(config, dtype=dtype, original=original, **token_ids))
 
 

@@ -181,6 +181,9 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
     """
     path = Path(path)
     device = pick_device(device) if isinstance(device, str) else device
+    broken = hf_adapter.broken_links(path)
+    if broken:
+        raise FileNotFoundError(f"{path}: {broken}")
     if hf_adapter.is_hf_model_folder(path):
         config, model = hf_adapter.load_hf_model(path)
         if tokenizer_path:
@@ -200,8 +203,10 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
         tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
         tokenizer = load_tokenizer(tok_path)
         check_tokenizer(tok_path, meta.get("tokenizer_sha256"))
-    if tokenizer.get_vocab_size() > config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {config.vocab_size}")
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)  # ids may leave gaps: not the count
+    if top >= config.vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {top} ({tokenizer.get_vocab_size()} tokens), the model embeds "
+                         f"only {config.vocab_size}")
     return model.to(device).eval(), tokenizer, config
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -270,13 +271,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         log.warning("%s: sliding_window %d < max_position_embeddings %d: max_seq_len capped at %d, where full "
                     "attention computes exactly what the window does", family.architecture, window, max_seq_len, window)
         max_seq_len = window
+    kv_heads = get("num_key_value_heads")
     try:
         return ModelConfig(
             vocab_size=hf["vocab_size"],
             n_layer=hf["num_hidden_layers"],
             n_head=hf["num_attention_heads"],
             d_model=hf["hidden_size"],
-            n_kv_head=get("num_key_value_heads") or hf["num_attention_heads"],
+            n_kv_head=hf["num_attention_heads"] if kv_heads is None else kv_heads,  # null: one per head; 0 is refused
             ffn_hidden=hf["intermediate_size"],
             max_seq_len=max_seq_len,
             rope_theta=float(rope_theta),
@@ -296,8 +298,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 
 def _family(hf: Mapping[str, Any]) -> Family:
     architectures = hf.get("architectures") or []
-    if not isinstance(architectures, list):
-        raise UnsupportedModelError(f"config.json's architectures is {json.dumps(architectures)[:60]}, not a list "
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise UnsupportedModelError(f"config.json's architectures is {json.dumps(architectures)[:60]}, not a list of names "
                                     f"such as [\"LlamaForCausalLM\"]; supported: {SUPPORTED}")
     model_type = hf.get("model_type")
     if not architectures and model_type in BY_MODEL_TYPE:
@@ -315,9 +317,11 @@ def _family(hf: Mapping[str, Any]) -> Family:
 # The type transformers gives each key it reads (bool is not an int here, as in JSON).
 _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")
-_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
-_MAPPINGS = ("rope_scaling", "rope_parameters")
+_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "attention_dropout", "partial_rotary_factor")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
+_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config")
+_STRINGS = ("hidden_act",)
+_STRING_LISTS = ("layer_types",)
 
 
 # Keys whose explicit null transformers reads as a value, not as "the default": no sliding window, as many
@@ -331,7 +335,10 @@ def _type_problems(get) -> list[str]:
     for keys, ok, kind in ((_INTS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
                            (_NUMBERS, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
                            (_BOOLS, lambda v: isinstance(v, bool), "true or false"),
-                           (_MAPPINGS, lambda v: isinstance(v, Mapping), "an object")):
+                           (_MAPPINGS, lambda v: isinstance(v, Mapping), "an object"),
+                           (_STRINGS, lambda v: isinstance(v, str), "a string"),
+                           (_STRING_LISTS, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                            "a list of strings")):
         for key in keys:
             value = get(key)
             if value is not None and not ok(value):
@@ -354,6 +361,9 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
         problems.append("mlp_bias true: MLP biases are not supported")
     if get("attention_dropout"):
         problems.append(f"attention_dropout {get('attention_dropout')} (supported: 0)")
+    window = get("sliding_window") if family.sliding_window_everywhere else None
+    if window is not None and window < 1:  # else "max_seq_len capped at 0", then an error naming max_seq_len
+        problems.append(f"sliding_window {window} (supported: a positive integer, or null for none)")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window true: sliding-window attention is not supported for "
                         f"{family.architecture} (supported: full attention)")
@@ -374,9 +384,13 @@ def _rope(hf: Mapping[str, Any], get) -> tuple[float, dict[str, Any] | None, lis
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if any(isinstance(v, dict) for v in rope.values()):
         return 0.0, None, [f"per-layer-type rope_parameters ({', '.join(rope)}) (supported: one RoPE for all layers)"]
-    theta = rope.get("rope_theta") or get("rope_theta")
+    theta = rope["rope_theta"] if rope.get("rope_theta") is not None else get("rope_theta")  # 0 is a value
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     problems = []
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        problems.append(f"rope_theta is {json.dumps(theta)[:60]}, not a number")
+    elif not theta > 0:  # transformers would divide by 0 ** (i / head_dim): infinite frequencies
+        problems.append(f"rope_theta {theta} (supported: a positive number)")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         problems.append(f"partial_rotary_factor {partial} (supported: 1.0, RoPE on the whole head)")
@@ -385,8 +399,8 @@ def _rope(hf: Mapping[str, Any], get) -> tuple[float, dict[str, Any] | None, lis
     if rope_type != "llama3":
         return theta, None, problems
     scaling = {"rope_type": "llama3", **{k: rope.get(k) for k in LLAMA3_ROPE_KEYS}}
-    scaling["original_max_position_embeddings"] = (scaling["original_max_position_embeddings"]
-                                                   or get("max_position_embeddings"))
+    if scaling["original_max_position_embeddings"] is None:  # a 0 stays, for ModelConfig to refuse
+        scaling["original_max_position_embeddings"] = get("max_position_embeddings")
     missing = [k for k in LLAMA3_ROPE_KEYS if scaling[k] is None]
     if missing:
         problems.append(f"llama3 RoPE scaling lacks {', '.join(missing)}")
@@ -419,6 +433,25 @@ def _read_object(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def broken_links(folder: str | Path) -> str | None:
+    """A one-line description of the entries of ``folder`` that are symbolic links
+    to nothing, None when there are none (or ``folder`` is not a folder).
+
+    The typical cause: a snapshot folder of the Hugging Face cache copied with
+    ``cp -r``, whose files are relative links into the cache's ``blobs/``; in the
+    copy they point nowhere, and the folder would read as having no weights."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    broken = sorted(p for p in folder.iterdir() if p.is_symlink() and not p.exists())
+    if not broken:
+        return None
+    first = broken[0]
+    return (f"{', '.join(p.name for p in broken)} {'is a link' if len(broken) == 1 else 'are links'} to nothing "
+            f"({first.name} -> {os.readlink(first)}): a copy of a Hugging Face cache snapshot keeps its relative "
+            "links; copy it with `cp -rL` (following links) or download it with --local-dir")
+
+
 def is_hf_model_folder(path: str | Path) -> bool:
     """True for a folder with config.json and safetensors weights (one file or an index of shards)."""
     path = Path(path)
@@ -430,7 +463,8 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
     and the tensor names each holds.
 
     Reads only the headers (and the index, for sharded weights). Raises
-    UnsupportedModelError for a folder without safetensors weights, a shard the
+    UnsupportedModelError for a folder without safetensors weights, an index
+    whose ``weight_map`` is not {tensor: shard file in the folder}, a shard the
     index names that is missing, or an index entry its shard does not hold.
     """
     folder = Path(folder)
@@ -441,6 +475,7 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
             weight_map = json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise UnsupportedModelError(f"{folder / WEIGHTS_INDEX}: not a safetensors index ({err!r})") from None
+        _check_weight_map(folder, weight_map)
         files = {}
         for name, file in weight_map.items():
             files.setdefault(folder / file, []).append(name)
@@ -465,6 +500,23 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
     return out
 
 
+def _check_weight_map(folder: Path, weight_map: Any) -> None:
+    """An index's ``weight_map`` is {tensor name: file name of a shard in ``folder``}; a
+    shard elsewhere would be read but neither hashed into the run identity nor seen by DVC."""
+    where = folder / WEIGHTS_INDEX
+    if not isinstance(weight_map, dict):
+        raise UnsupportedModelError(f"{where}: weight_map is {json.dumps(weight_map)[:60]}, not an object "
+                                    "{tensor name: shard file}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise UnsupportedModelError(f"{where}: weight_map names {json.dumps(file)[:60]} as the file of {name}, "
+                                        "not a file name")
+        path = Path(file)
+        if path.is_absolute() or ".." in path.parts:
+            raise UnsupportedModelError(f"{where}: weight_map places {name} in {file}, outside {folder}; "
+                                        "shards must lie in the model folder")
+
+
 def one_line(err: Exception) -> str:
     return " ".join(str(err).split())[:300]
 
@@ -479,7 +531,8 @@ def load_hf_model(folder: str | Path) -> tuple[ModelConfig, Transformer]:
     and no second copy of the weights, so peak host memory stays near the fp32
     weights plus the pages of the file mapping. Raises UnsupportedModelError
     (one line) for an unsupported config, before any weight is read, and for
-    missing, unexpected or misshapen tensors or an unsupported dtype.
+    missing, unexpected or misshapen tensors, an unsupported dtype, or NaN or
+    infinite values (damaged bytes behind an intact header).
     """
     folder = Path(folder)
     config = _config_of(folder)
@@ -556,14 +609,24 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
                     bad.append(f"{key} has shape {shape}, the config says {list(targets[ours].shape)}")
                 plan.setdefault(file, []).append((key, ours))
     missing = sorted(set(targets) - {ours for pairs in plan.values() for _, ours in pairs})
-    problems = [f"unexpected tensor(s) {', '.join(sorted(unexpected))}"] if unexpected else []
-    problems += bad
+    problems = [f"unexpected tensor(s) {_some(sorted(unexpected))}"] if unexpected else []
+    problems += bad[:5] + ([f"{len(bad) - 5} more of another shape or dtype"] if len(bad) > 5 else [])
     if missing:
-        problems.append(f"missing tensor(s) {', '.join(_rename(m, TO_HF) or m for m in missing)}")
+        problems.append(f"missing tensor(s) {_some([_rename(m, TO_HF) or m for m in missing])}")
+    if unexpected and missing and all(_rename("model." + k, FROM_HF) in targets for k in unexpected):
+        problems.append("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
+                        "*ForCausalLM wrapper")
     if problems:
         raise UnsupportedModelError(f"{folder}: weights do not fit {FAMILIES[config.family].architecture} "
                                     f"of this config: {'; '.join(problems)}")
     return plan
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """The first ``shown`` names and how many more: a model of many layers lists
+    hundreds, which would make the one line unreadable."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _copy_weights(model: Transformer, folder: Path) -> None:
@@ -572,13 +635,27 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
     files = weight_files(folder)
     plan = _weight_plan(model, folder, files)
     targets = dict(model.named_parameters())
+    non_finite = []
     with torch.no_grad():
         for file, pairs in plan.items():
             with safe_open(str(folder / file), framework="pt") as f:
                 for key, ours in pairs:
                     targets[ours].copy_(f.get_tensor(key))  # one tensor at a time, cast to the model's dtype
+                    if not _all_finite(targets[ours]):
+                        non_finite.append(key)
+    if non_finite:  # safetensors has no checksum: damaged bytes behind an intact header read as numbers
+        raise UnsupportedModelError(f"{folder}: NaN or infinite values in {', '.join(non_finite[:5])}"
+                                    f"{f' and {len(non_finite) - 5} more' if len(non_finite) > 5 else ''}: "
+                                    "the weights are damaged; fetch the model again")
     if model.config.tie_embeddings:
         _check_stored_head(model, folder, files)
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """True when no value is NaN or infinite; checked in chunks, so that a large
+    embedding needs no boolean copy of its own size."""
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 def _check_stored_head(model: Transformer, folder: Path, files: Mapping[str, list[str]]) -> None:

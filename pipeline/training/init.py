@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from safetensors import SafetensorError
+from tokenizers import Tokenizer
 
 from pipeline import layout
 from pipeline.errors import StageError
@@ -91,15 +92,30 @@ def _folder_id(folder: Path, names: list[str]) -> str:
 def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> InitSource | None:
     """The starting point named by ``init_from`` (None for random initialisation).
     Raises InitError (one line) for a path that is neither kind, a damaged
-    checkpoint, or a Hugging Face model we do not implement."""
+    checkpoint, or a Hugging Face model we do not implement. ``warn_outside_base``:
+    log the launcher's warnings (a model folder DVC does not see, a run folder
+    whose run has not finished); the ranks resolve again without them."""
     if init_from is None:
         return None
     path = Path(init_from).expanduser()
     if not path.exists():
         raise InitError(f"init_from {path} does not exist; give a local Hugging Face model folder (under "
                         f"{BASE_DIR}/) or a checkpoint folder of ours")
+    broken = hf_adapter.broken_links(path)
+    if broken:
+        raise InitError(f"init_from {path}: {broken}")
+    if path.is_file():  # e.g. the path of model.safetensors, or of a checkpoint's meta.json
+        holder = path.parent
+        hint = (f"; name the folder that holds it, {holder}" if hf_adapter.is_hf_model_folder(holder)
+                or (holder / "meta.json").is_file() else "")
+        raise InitError(f"init_from {path} is a file; init_from names a folder: a Hugging Face model folder "
+                        f"(config.json and model.safetensors) or a checkpoint folder of ours{hint}")
     if hf_adapter.is_hf_model_folder(path):
         return _from_hf(path, warn_outside_base)
+    if (path / "adapter_config.json").is_file():
+        raise InitError(f"init_from {path} is a PEFT (LoRA) adapter (adapter_config.json), not a whole model: merge "
+                        "it into its base model first (peft's merge_and_unload(), then save_pretrained with "
+                        "safe_serialization) and name that folder")
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         try:  # a Hugging Face folder without safetensors weights: say what is there instead
             hf_adapter.weight_files(path)
@@ -112,8 +128,27 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
         raise InitError(f"init_from: {err}") from None
     if found is None:
         raise InitError(f"init_from {path} is neither a Hugging Face model folder (config.json and "
-                        "model.safetensors or model.safetensors.index.json) nor a checkpoint of ours (meta.json)")
+                        "model.safetensors or model.safetensors.index.json) nor a checkpoint of ours (meta.json)"
+                        f"{_inside_hint(path)}")
+    if warn_outside_base and not ckpt.is_checkpoint(path):
+        why = ckpt.unfinished(found)  # a run folder names its result, which a killed run has not reached
+        if why:
+            log.warning("init_from %s: %s; starting from that checkpoint anyway (name its step folder to do so "
+                        "without this warning)", path, why)
     return _from_checkpoint(found)
+
+
+def _inside_hint(path: Path) -> str:
+    """'; it holds ...' naming the model or run folders one level down (models/base/, a
+    run's previous/), which is what a user who names their parent meant; else ''."""
+    if not path.is_dir():
+        return ""
+    inside = sorted(p for p in path.iterdir() if p.is_dir() and (
+        hf_adapter.is_hf_model_folder(p) or ckpt.step_folders(p) or ckpt.STEP_RE.match(p.name)))
+    if not inside:
+        return ""
+    names = ", ".join(str(p) for p in inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+    return f"; it holds {names}: name one of them"
 
 
 def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
@@ -131,8 +166,11 @@ def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
     except SafetensorError as err:
         raise InitError(f"init_from {folder}: damaged safetensors weights ({err})") from None
     if warn_outside_base and not layout.in_base_models(folder):
-        log.warning("init_from %s is outside %s/, so DVC does not see changes to it: a replaced model there "
-                    "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR)
+        # a link under models/base/ counts as outside: DVC does not follow a linked folder (it hashes no file)
+        named_inside = Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(BASE_DIR))
+        link = f" (through a link: it is {folder.resolve()})" if named_inside else ""
+        log.warning("init_from %s is outside %s/%s, so DVC does not see changes to it: a replaced model there "
+                    "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR, link)
     tok = folder / "tokenizer.json"
     meta: dict[str, Any] = {"init_from": str(folder), "hf_config": config}
     try:
@@ -155,6 +193,14 @@ def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
                       meta={"init_from": str(found.path), **carried}, checkpoint=found)
 
 
+def _largest_id(tokenizer_json: Path) -> int:
+    try:
+        vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
+    except Exception as err:  # the Rust side raises a bare Exception with the parse error
+        raise InitError(f"{tokenizer_json}: not a readable tokenizer ({err})".replace("\n", " ")) from None
+    return max(vocab.values(), default=-1)
+
+
 def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
     """The packed data's tokenizer and the initial model belong together: the same
     tokenizer.json when the model's is known, and every token id inside the
@@ -170,6 +216,13 @@ def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
     if vocab > init.model.vocab_size:
         raise InitError(f"the tokenizer has {vocab} tokens but {init.path} embeds only {init.model.vocab_size}; "
                         "they do not belong together")
+    if init.kind == "hf" and init.tokenizer_sha256 is not None and init.tokenizer_sha256 == data_sha:
+        # the data's tokenizer is the folder's: its ids, not its count (which a gap in the ids makes
+        # smaller than the largest id + 1), must fit the table
+        top = _largest_id(init.path / "tokenizer.json")
+        if top >= init.model.vocab_size:
+            raise InitError(f"the tokenizer of {init.path} has ids up to {top} (its {vocab} tokens leave gaps), but "
+                            f"the model embeds only {init.model.vocab_size}; they do not belong together")
     if init.tokenizer_sha256 is None:
         log.warning("%s ships no tokenizer.json, so the pairing with data/tokenizer cannot be checked beyond the "
                     "vocabulary size (%d <= %d)", init.path, vocab, init.model.vocab_size)

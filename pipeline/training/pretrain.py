@@ -86,6 +86,13 @@ class PretrainConfig(TrainConfig):
     # as a path: moving a model folder is not a new run, replacing its weights is.
     identity_by_init: ClassVar[frozenset[str]] = frozenset({"init_from", "init_optimizer"})
 
+    @field_validator("init_from")
+    @classmethod
+    def _a_path_or_null(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():  # Path("") is the project root, which would be looked for a model
+            raise ValueError("is empty; null starts from a random init, or name a model or checkpoint folder")
+        return v
+
 
 def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = False
          ) -> tuple[ModelConfig, str, dict[str, Any], InitSource | None]:

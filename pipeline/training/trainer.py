@@ -311,6 +311,9 @@ class Trainer:
             self._resume(last)
         elif moments_from is not None:  # FSDP only
             self._load_moments_sharded(moments_from)
+        if init_optimizer and last is None and not self.optimizer.state and d.is_main:
+            log.warning("init_optimizer: %s holds no AdamW moments (its run took no optimizer step, as max_steps 0 "
+                        "does), so they start at zero, as in a run without init_optimizer", init_from.path)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32

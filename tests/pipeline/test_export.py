@@ -429,12 +429,30 @@ def test_import_export_round_trip_gives_the_original_model_in_transformers(round
         assert torch.equal(generated, theirs.generate(prompt, do_sample=False, max_new_tokens=6, eos_token_id=None))
 
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def test_exported_config_is_the_original_in_float32(round_trip):
     original, export, _ = round_trip
     before = json.loads((original / "config.json").read_text())
     after = json.loads((export / "config.json").read_text())
     assert after["dtype"] == after["torch_dtype"] == "float32"
-    assert {k: v for k, v in after.items() if k != "torch_dtype"} == before
+    assert {k: v for k, v in after.items() if k not in ("torch_dtype", *TOKEN_IDS)} == {
+        k: v for k, v in before.items() if k not in TOKEN_IDS}
+
+
+def test_a_published_model_trained_with_our_tokenizer_declares_our_token_ids(round_trip, tok):
+    """The original folder had no tokenizer.json, so the run used ours (pretrain only warns): the
+    original's ids (bos 1, eos 2, pad 0) would name <|pad|>, <|im_start|> and <|endoftext|> in the
+    tokenizer shipped. config.json declares the ids the shipped tokenizer and generation_config.json use."""
+    original, export, _ = round_trip
+    assert json.loads((original / "config.json").read_text())["eos_token_id"] == 2
+    config = json.loads((export / "config.json").read_text())
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert config["eos_token_id"] == [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    assert config["bos_token_id"] == generation["bos_token_id"] == tok.token_to_id("<|endoftext|>")
+    assert config["pad_token_id"] == generation["pad_token_id"] == tok.token_to_id("<|pad|>")
+    assert set(config["eos_token_id"]) <= set(generation["eos_token_id"])
 
 
 def test_export_of_an_import_loads_back_as_the_same_model(round_trip):

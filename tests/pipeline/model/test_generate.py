@@ -204,6 +204,28 @@ def test_a_folder_without_a_model_is_an_error(tmp_path):
         load_for_inference(tmp_path)
 
 
+def test_a_folder_whose_model_files_are_links_to_nothing_says_so(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").symlink_to("../../blobs/abc")  # a Hugging Face cache snapshot copied with cp -r
+    with pytest.raises(FileNotFoundError, match=r"model.safetensors is a link to nothing .*cp -rL"):
+        load_for_inference(tmp_path)
+
+
+def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_counts_fewer_tokens(tmp_path):
+    import json
+
+    from tests.hf_models import save_tiny_hf_folder
+
+    folder = save_tiny_hf_folder("llama", tmp_path / "m", vocab_size=640)
+    load_for_inference(folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 700  # a gap: still 523 tokens, but an id the model has no row for
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"the tokenizer has ids up to 700 \(523 tokens\), the model embeds only 640"):
+        load_for_inference(folder)
+
+
 # --------------------------------------------------------------------------- CLI
 
 

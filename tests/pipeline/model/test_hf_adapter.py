@@ -194,6 +194,38 @@ def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change
     assert check_weights(folders("qwen2"), config_from_hf(json.loads((folders("qwen2") / "config.json").read_text())))
 
 
+def test_weights_damaged_behind_an_intact_header_are_refused_not_loaded(folders, tmp_path):
+    def damage(t):  # what bytes overwritten inside the data look like: NaN, inf, for a few values
+        t["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
+        t["model.norm.weight"][0] = float("inf")
+
+    folder = rewrite_weights(folders("qwen2", dtype=torch.bfloat16), tmp_path / "m", damage)
+    with pytest.raises(UnsupportedModelError, match=r"NaN or infinite values in .*(up_proj|norm).*(up_proj|norm)"
+                       r".*fetch the model again") as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
+    config, model = load_hf_model(folders("qwen2", dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedModelError, match="NaN or infinite"):
+        load_hf_weights(model, folder)
+
+
+def test_a_backbone_saved_without_its_wrapper_is_named_in_a_short_line(folders, tmp_path):
+    """A LlamaModel's state dict under a LlamaForCausalLM config: every name lacks 'model.'. The line
+    names a few of each kind and says what the names lack, rather than listing every tensor twice."""
+    def strip(t):
+        for key in list(t):
+            t[key.removeprefix("model.")] = t.pop(key)
+
+    folder = rewrite_weights(folders("llama"), tmp_path / "m", strip)
+    with pytest.raises(UnsupportedModelError) as err:
+        load_hf_model(folder)
+    message = str(err.value)
+    assert "unexpected tensor(s) embed_tokens.weight, layers.0.input_layernorm.weight" in message
+    assert message.count(" and 12 more") == 2  # 20 tensors of each kind, 8 shown
+    assert message.endswith("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
+                            "*ForCausalLM wrapper")
+
+
 def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     import shutil
 
@@ -209,6 +241,21 @@ def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     assert not is_hf_model_folder(bare)
     with pytest.raises(UnsupportedModelError, match="no model.safetensors.*found pytorch_model.bin"):
         load_hf_model(bare)
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ("model.safetensors", r"weight_map is \"model.safetensors\", not an object"),
+    ({"model.norm.weight": 3}, r"weight_map names 3 as the file of model.norm.weight, not a file name"),
+    ({"model.norm.weight": "../elsewhere/model.safetensors"}, r"places model.norm.weight in \.\./elsewhere.*outside"),
+], ids=["not-a-map", "not-a-name", "outside"])
+def test_an_index_whose_weight_map_is_not_shards_in_the_folder_is_one_line(folders, tmp_path, weight_map, message):
+    import shutil
+
+    folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(UnsupportedModelError, match=message) as err:
+        hf_adapter.weight_files(folder)
+    assert "\n" not in str(err.value) and "model.safetensors.index.json" in str(err.value)
 
 
 # --------------------------------------------------------------------------- config.json
@@ -357,6 +404,18 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "quantized": ("qwen2", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config (gptq)"),
     "odd-head-dim": ("qwen3", {"head_dim": 15}, "head_dim = 15 must be even"),
     "no-vocab": ("llama", {"vocab_size": None}, "config.json lacks vocab_size"),
+    # a rope_theta of 0 inside rope_parameters was read as absent and replaced by the default
+    "zero-rope-theta": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+                        "rope_theta 0 (supported: a positive number)"),
+    # likewise a 0 for the key/value heads (read as one per head) or llama3's original context (read as
+    # max_position_embeddings): transformers cannot compute either
+    "zero-kv-heads": ("llama", {"num_key_value_heads": 0}, "n_kv_head must be a positive integer (got 0)"),
+    "zero-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
+                                                          "original_max_position_embeddings": 0}},
+                            "rope_scaling.original_max_position_embeddings must be a positive number (got 0)"),
+    "zero-window": ("mistral", {"sliding_window": 0}, "sliding_window 0 (supported: a positive integer, or null"),
+    "string-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+                          'rope_theta is "1e4", not a number'),
     # values of the wrong JSON type
     "string-rope-scaling": ("llama", {"rope_scaling": "linear"}, 'rope_scaling is "linear", not an object'),
     "string-window": ("mistral", {"sliding_window": "4096"}, 'sliding_window is "4096", not an integer'),
@@ -365,6 +424,15 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "float-heads": ("qwen3", {"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not an integer"),
     "string-architectures": ("llama", {"architectures": "LlamaForCausalLM"},
                              'architectures is "LlamaForCausalLM", not a list'),
+    # these ended in a TypeError or AttributeError traceback, or named a string "false" as true
+    "null-architecture": ("llama", {"architectures": [None]}, "architectures is [null], not a list"),
+    "string-quantization": ("qwen2", {"quantization_config": "gptq"}, 'quantization_config is "gptq", not an object'),
+    "number-layer-types": ("qwen2", {"layer_types": [1, 2]}, "layer_types is [1, 2], not a list of strings"),
+    "string-layer-types": ("qwen3", {"layer_types": "full_attention"},
+                           'layer_types is "full_attention", not a list of strings'),
+    "string-mlp-bias": ("llama", {"mlp_bias": "false"}, 'mlp_bias is "false", not true or false'),
+    "string-dropout": ("mistral", {"attention_dropout": "0"}, 'attention_dropout is "0", not a number'),
+    "list-activation": ("llama", {"hidden_act": ["silu"]}, 'hidden_act is ["silu"], not a string'),
 }
 
 

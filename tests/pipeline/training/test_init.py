@@ -56,19 +56,79 @@ def test_weights_that_do_not_fit_the_config_are_refused_from_their_headers(tmp_p
     assert message.count(str(folder)) == 1
 
 
-@pytest.mark.parametrize("make", ["empty", "file", "weights_only"])
+@pytest.mark.parametrize("make", ["empty", "weights_only"])
 def test_a_folder_that_is_neither_kind_is_one_line(tmp_path, make):
     path = tmp_path / "thing"
-    if make == "file":
-        path.write_text("hello")
-    else:
-        path.mkdir()
+    path.mkdir()
     if make == "weights_only":  # no config.json
         save_tiny_hf_model("llama", tmp_path / "hf")
         shutil.copy(tmp_path / "hf" / "model.safetensors", path / "model.safetensors")
     message = refused(path)
     assert f"init_from {path} is neither a Hugging Face model folder" in message
     assert "model.safetensors" in message and "checkpoint of ours (meta.json)" in message
+
+
+def test_a_run_folder_whose_run_has_not_finished_warns_and_its_step_folder_does_not(tmp_path, caplog):
+    run_folder = tmp_path / "models" / "sft"
+    meta = {"stage": "sft", "final": False, "schedule": {"max_steps": 20}}  # killed at step 8 of 20
+    save_checkpoint(run_folder, tiny_model(tiny_config(64)), step=8, meta=meta)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        found = resolve_init(str(run_folder))
+    assert found.path.name == "step-00000008"
+    assert (f"init_from {run_folder}: {found.path} is not sft's final checkpoint (step 8 of 20); sft was "
+            "interrupted") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        resolve_init(str(run_folder / "step-00000008"))
+        resolve_init(str(run_folder), warn_outside_base=False)  # a rank: the launcher has warned
+    assert caplog.text == ""
+
+
+def test_the_parent_of_models_or_runs_names_them(run_folder, tmp_path):
+    message = refused(run_folder / "previous")  # README: models/pretrain/previous/<run-id>/step-N
+    assert message.endswith(f"; it holds {run_folder / PREVIOUS}: name one of them")
+    base = tmp_path / "base"
+    for name in ("a", "b"):
+        save_tiny_hf_model("llama", base / name)
+    (base / "notes").mkdir()
+    assert refused(base).endswith(f"; it holds {base / 'a'}, {base / 'b'}: name one of them")
+
+
+def test_a_lora_adapter_folder_is_named_as_one(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "Qwen/x"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    message = refused(adapter)
+    assert message.startswith(f"init_from {adapter} is a PEFT (LoRA) adapter (adapter_config.json), not a whole model")
+    assert "merge_and_unload" in message
+
+
+def test_a_file_is_one_line_naming_the_folder_that_holds_it(tmp_path):
+    folder = save_tiny_hf_model("llama", tmp_path / "hf")
+    message = refused(folder / "model.safetensors")
+    assert f"init_from {folder / 'model.safetensors'} is a file; init_from names a folder" in message
+    assert message.endswith(f"name the folder that holds it, {folder}")
+    (tmp_path / "notes.txt").write_text("hello")  # a file in no model folder: no folder to suggest
+    message = refused(tmp_path / "notes.txt")
+    assert "is a file; init_from names a folder" in message and "holds it" not in message
+
+
+def test_a_copied_cache_snapshot_whose_links_point_nowhere_says_so(tmp_path):
+    """The Hugging Face cache keeps a snapshot's files as relative links into blobs/;
+    `cp -r` of the snapshot copies the links, which then point nowhere."""
+    blobs, copy = tmp_path / "blobs", tmp_path / "copy"
+    save_tiny_hf_model("llama", blobs)
+    copy.mkdir()
+    shutil.copy(blobs / "config.json", copy / "config.json")
+    (copy / "model.safetensors").symlink_to("../../blobs/model.safetensors")  # relative to a cache that is not there
+    message = refused(copy)
+    assert message.startswith(f"init_from {copy}: model.safetensors is a link to nothing (model.safetensors -> "
+                              "../../blobs/model.safetensors)")
+    assert "cp -rL" in message
+    (copy / "model.safetensors").unlink()
+    (copy / "model.safetensors").symlink_to(blobs / "model.safetensors")  # a link that resolves is fine
+    assert resolve_init(str(copy), warn_outside_base=False).kind == "hf"
 
 
 @pytest.mark.parametrize("bin_weights", [False, True])
@@ -151,6 +211,18 @@ def test_a_folder_outside_models_base_warns_that_dvc_does_not_track_it(tmp_path,
     with caplog.at_level("WARNING", logger="pipeline.training"):
         resolve_init(str(folder), warn_outside_base=False)
     assert caplog.text == ""
+
+
+def test_a_link_under_models_base_warns_naming_where_it_leads(tmp_path, caplog, monkeypatch):
+    """DVC hashes no file of a linked folder (its dep on models/base/ lists 0 files), so a model
+    linked there is as untracked as one elsewhere: the warning says it is a link, and to what."""
+    folder = save_tiny_hf_model("llama", tmp_path / "elsewhere" / "llama")
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    (tmp_path / "models" / "base" / "llama").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        resolve_init("models/base/llama")
+    assert f"init_from models/base/llama is outside models/base/ (through a link: it is {folder})" in caplog.text
 
 
 @pytest.fixture
@@ -298,6 +370,22 @@ def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused(tmp_path
     with pytest.raises(InitError) as err:
         check_tokenizer(init, manifest(385, "a" * 64))
     assert f"the tokenizer has 385 tokens but {folder} embeds only 384" in one_line(err)
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path):
+    """tokenizers counts tokens, not ids: a vocabulary with a gap has fewer tokens than its largest id + 1,
+    and an id past the embedding would stop the first training step (an index error, or a CUDA assert)."""
+    folder = save_tiny_hf_folder("llama", tmp_path / "m", vocab_size=640)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 700  # one id moved past the table; the count stays
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    init = resolve_init(str(folder), warn_outside_base=False)
+    count = len(vocab) + len(tok["added_tokens"])
+    with pytest.raises(InitError) as err:
+        check_tokenizer(init, manifest(count, sha256_file(folder / "tokenizer.json")))
+    assert f"the tokenizer of {folder} has ids up to 700 (its {count} tokens leave gaps), but the model embeds " \
+           "only 640" in one_line(err)
 
 
 def test_a_model_folder_without_tokenizer_json_only_warns(tmp_path, caplog):

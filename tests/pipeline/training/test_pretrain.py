@@ -112,6 +112,14 @@ def test_init_optimizer_needs_a_checkpoint_of_ours(hf, tmp_path):
     assert "init_optimizer needs init_from" in message
 
 
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_an_empty_init_from_is_refused_naming_the_key_not_read_as_the_project_root(blank):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"pretrain.init_from: .*is empty; null starts from a random init"):
+        cfg(init_from=blank)
+
+
 def test_pack_seq_len_above_the_models_context_is_one_line(tmp_path):
     folder = save_tiny_hf_folder("llama", tmp_path / "llama", max_position_embeddings=32)
     for seq_len in (31, 32):  # up to the model's context: fine
