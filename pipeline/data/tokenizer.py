@@ -68,7 +68,7 @@ from pipeline.config import StageConfig
 from pipeline.data.docs import DocTable
 from pipeline.data.shares import check_names, multiplicities, summable
 from pipeline.errors import StageError
-from pipeline.files import atomic_dir, atomic_write, read_json, sha256_file, write_json
+from pipeline.files import atomic_dir, atomic_write, broken_links, read_json, sha256_file, write_json
 from pipeline.progress import enabled as progress_enabled
 
 log = logging.getLogger("pipeline.data.tokenizer")
@@ -773,6 +773,8 @@ def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer.source {folder} is not a folder; give 'train' or a local Hugging Face "
                              "model folder")
+    if broken := broken_links(folder):
+        raise TokenizerError(f"tokenizer.source {folder}: {broken}")
     file = folder / "tokenizer.json"
     if not file.is_file():
         hint = (" (it has only a SentencePiece tokenizer.model: convert it once with transformers, "

@@ -45,7 +45,7 @@ from pipeline.data.chat_template import (
 )
 from pipeline.data.tokenizer import EOT_ID, IM_END_ID, load_specials, load_tokenizer, open_hf_tokenizer
 from pipeline.errors import StageError
-from pipeline.files import read_json, sha256_file
+from pipeline.files import broken_links, read_json, sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import KVCache, ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
@@ -181,7 +181,7 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
     """
     path = Path(path)
     device = pick_device(device) if isinstance(device, str) else device
-    broken = hf_adapter.broken_links(path)
+    broken = broken_links(path)
     if broken:
         raise FileNotFoundError(f"{path}: {broken}")
     if hf_adapter.is_hf_model_folder(path):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -431,25 +430,6 @@ def _read_object(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UnsupportedModelError(f"{path}: not a JSON object")
     return data
-
-
-def broken_links(folder: str | Path) -> str | None:
-    """A one-line description of the entries of ``folder`` that are symbolic links
-    to nothing, None when there are none (or ``folder`` is not a folder).
-
-    The typical cause: a snapshot folder of the Hugging Face cache copied with
-    ``cp -r``, whose files are relative links into the cache's ``blobs/``; in the
-    copy they point nowhere, and the folder would read as having no weights."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    broken = sorted(p for p in folder.iterdir() if p.is_symlink() and not p.exists())
-    if not broken:
-        return None
-    first = broken[0]
-    return (f"{', '.join(p.name for p in broken)} {'is a link' if len(broken) == 1 else 'are links'} to nothing "
-            f"({first.name} -> {os.readlink(first)}): a copy of a Hugging Face cache snapshot keeps its relative "
-            "links; copy it with `cp -rL` (following links) or download it with --local-dir")
 
 
 def is_hf_model_folder(path: str | Path) -> bool:

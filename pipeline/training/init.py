@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 
 from pipeline import layout
 from pipeline.errors import StageError
-from pipeline.files import sha256_file
+from pipeline.files import broken_links, sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
@@ -101,7 +101,7 @@ def resolve_init(init_from: str | None, *, warn_outside_base: bool = True) -> In
     if not path.exists():
         raise InitError(f"init_from {path} does not exist; give a local Hugging Face model folder (under "
                         f"{BASE_DIR}/) or a checkpoint folder of ours")
-    broken = hf_adapter.broken_links(path)
+    broken = broken_links(path)
     if broken:
         raise InitError(f"init_from {path}: {broken}")
     if path.is_file():  # e.g. the path of model.safetensors, or of a checkpoint's meta.json

@@ -487,6 +487,20 @@ def test_a_damaged_file_of_the_adopted_folder_is_one_line(family_folders, corpus
     assert not (tmp_path / "out").exists()
 
 
+def test_a_copied_cache_snapshot_whose_tokenizer_is_a_link_to_nothing_says_so(family_folders, corpus, tmp_path):
+    """`cp -r` of a Hugging Face cache snapshot copies its relative links into
+    blobs/, which then point nowhere: the tokenizer stage, the first to read the
+    folder, says so (it said "has no tokenizer.json")."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to("../../blobs/0a1b2c")
+    with pytest.raises(TokenizerError, match=r"tokenizer.json is a link to nothing \(tokenizer.json -> "
+                                             r"\.\./\.\./blobs/0a1b2c\).*cp -rL"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
+
+
 def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, corpus, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(family_folders["llama3"], folder)
