@@ -153,6 +153,7 @@ from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, r
 from pipeline.data.tokenizer import (
     EOT_ID,
     SPECIALS_FILE,
+    id_space,
     load_tokenizer,
     open_docs,
     open_tokenizer,
@@ -1508,7 +1509,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     per_source = source_figures(sources, mixture)
     if len(sources.names) > 1 or mixture is not None or plan.marked:  # one source, unmarked: as before
         fields.update({"marked": plan.marked, "sources": per_source, "val_sources": val_sources})
-    write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
+    write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=id_space(tok),
                    special_ids=specials, tokenizer_path=tokenizer_path, labels=False,
                    splits={**splits, **{d: source_splits[d] for d in val_sources.values()}}, fields=fields)
     if "mixture" in state:

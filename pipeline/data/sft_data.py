@@ -111,7 +111,7 @@ from pipeline.data.chat_template import (
 from pipeline.data.compressed import COMPRESSIONS, format_suffix, open_input, until_damaged
 from pipeline.data.remote import RemotePath
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
-from pipeline.data.tokenizer import load_specials, open_tokenizer
+from pipeline.data.tokenizer import id_space, load_specials, open_tokenizer
 from pipeline.errors import StageError
 from pipeline.files import read_json, refuse_url, sha256_file, write_json
 from pipeline.progress import progress
@@ -516,7 +516,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
         clear_outputs(out_dir)
         raise
     uses_builtin = any(s.path.startswith(BUILTIN_PREFIX) for s in cfg.sources)
-    write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
+    write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=id_space(tok),
                    special_ids=special_ids, tokenizer_path=tokenizer_path, labels=True, splits=written, fields={
                        "chat_template": template.text,
                        "chat_template_name": template.name,

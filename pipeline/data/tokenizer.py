@@ -766,6 +766,13 @@ def missing_chatml_tokens(tok: Tokenizer) -> list[str]:
     return [t for t in (IM_START, IM_END) if t not in specials]
 
 
+def id_space(tok: Tokenizer) -> int:
+    """The rows an embedding table needs for ``tok``'s ids: its largest id + 1.
+    ``get_vocab_size`` counts tokens, which a gap in the ids (an edited or merged
+    vocabulary) makes fewer; for contiguous ids the two are the same."""
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of a Hugging Face folder; a one-line TokenizerError
     when the folder or the file is missing or unreadable."""

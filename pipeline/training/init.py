@@ -214,8 +214,8 @@ def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
                         f"{init.path} was trained with (sha256 {init.tokenizer_sha256[:12]}); {fix}, then "
                         "`dvc repro`")
     if vocab > init.model.vocab_size:
-        raise InitError(f"the tokenizer has {vocab} tokens but {init.path} embeds only {init.model.vocab_size}; "
-                        "they do not belong together")
+        raise InitError(f"the tokenizer's ids need {vocab} embedding rows but {init.path} embeds only "
+                        f"{init.model.vocab_size}; they do not belong together")
     if init.kind == "hf" and init.tokenizer_sha256 is not None and init.tokenizer_sha256 == data_sha:
         # the data's tokenizer is the folder's: its ids, not its count (which a gap in the ids makes
         # smaller than the largest id + 1), must fit the table

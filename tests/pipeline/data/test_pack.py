@@ -166,6 +166,22 @@ def test_output_does_not_depend_on_workers_or_batching(docs, packed, tmp_path):
         assert (tmp_path / entry["path"]).read_bytes() == (out / entry["path"]).read_bytes()
 
 
+def test_manifest_vocab_size_covers_the_largest_id_of_a_tokenizer_with_gaps(docs, tmp_path):
+    """A model built from the manifest (pretrain from scratch) sizes its embedding
+    table by vocab_size: it must hold the largest id, which a gap in the ids puts
+    past the count of tokens (the count left the top id outside the table)."""
+    path, tok, _ = docs
+    data = json.loads(tok.read_text())
+    vocab = data["model"]["vocab"]
+    count = len(set(vocab.values()) | {t["id"] for t in data["added_tokens"]})
+    vocab[max(vocab, key=vocab.get)] = 400  # the top learned token moves past a gap; the count stays
+    gapped = tmp_path / "tokenizer.json"
+    gapped.write_text(json.dumps(data))
+    assert load_tokenizer(gapped).get_vocab_size() == count < 401
+    run_pack(CFG, path, gapped, tmp_path / "out")
+    assert read_json(tmp_path / "out" / MANIFEST)["vocab_size"] == 401
+
+
 def test_manifest_and_accounting(docs, packed):
     _, tok, items = docs
     out, metrics = packed

@@ -369,7 +369,7 @@ def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused(tmp_path
         check_tokenizer(init, manifest(384, "a" * 64))  # fills the table exactly: fine
     with pytest.raises(InitError) as err:
         check_tokenizer(init, manifest(385, "a" * 64))
-    assert f"the tokenizer has 385 tokens but {folder} embeds only 384" in one_line(err)
+    assert f"the tokenizer's ids need 385 embedding rows but {folder} embeds only 384" in one_line(err)
 
 
 def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path):
