@@ -103,8 +103,8 @@ from tokenizers import Tokenizer
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, encode_chat as chatml_encode_chat
 from pipeline.data.chat import encode_prompt as chatml_encode_prompt
 from pipeline.data.chat import validate_messages
-from pipeline.data.tokenizer import (HF_DIR, IM_END, OWN_TOKEN_VARIABLES, Specials, hf_specials, load_specials,
-                                     missing_chatml_tokens, tokenizer_dir)
+from pipeline.data.tokenizer import (HF_DIR, IM_END, IM_START, OWN_TOKEN_VARIABLES, Specials, hf_specials,
+                                     load_specials, missing_chatml_tokens, tokenizer_dir)
 from pipeline.errors import StageError
 from pipeline.files import read_json
 
@@ -322,8 +322,11 @@ class _Layout:
 
 
 def _fail(template: ChatTemplate, why: str) -> ChatTemplateError:
+    chatml = IM_START in template.specials and IM_END in template.specials  # else chatml is refused in turn
+    fix = ("set sft.data.chat_template to chatml or a .jinja file" if chatml else
+           "set sft.data.chat_template to a .jinja file: this tokenizer has no ChatML tokens, so chatml would not do")
     return ChatTemplateError(f"chat template {template.name}: {why}, so what the assistant wrote cannot be located "
-                             "(set sft.data.chat_template to chatml or a .jinja file)")
+                             f"({fix})")
 
 
 def _split(text: str) -> list[str | int]:

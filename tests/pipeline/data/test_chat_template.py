@@ -236,6 +236,24 @@ def test_template_whose_spans_cannot_be_located_fails_in_one_line(own, tmp_path,
             "prompt_not_prefix": "generation prompt"}[kind] in msg
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_a_template_that_cannot_be_located_offers_chatml_only_where_the_tokenizer_has_its_tokens(family, tmp_path):
+    """Llama 3's and Mistral's tokenizers have no ChatML tokens, so chatml would be
+    refused next: the message offers only a .jinja file there."""
+    fam = Family(family, tmp_path)
+    path = tmp_path / "drops.jinja"
+    path.write_text(BROKEN["drops_assistant"])
+    with pytest.raises(ChatTemplateError) as e:
+        check_template(fam.tok, load_chat_template(str(path), fam.dir, fam.tok))
+    msg = str(e.value)
+    assert "appears 0 times" in msg
+    if family == "llama3":
+        assert "(set sft.data.chat_template to a .jinja file: this tokenizer has no ChatML tokens, so chatml would " \
+               "not do)" in msg
+    else:
+        assert "(set sft.data.chat_template to chatml or a .jinja file)" in msg
+
+
 def test_the_same_template_unbroken_passes(own, tmp_path):
     d, tok = own
     path = tmp_path / "qwen2.jinja"
