@@ -6,6 +6,7 @@ checks that the two agree.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 DATA = Path("data")
@@ -51,6 +52,14 @@ def in_base_models(path: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+def through_link(path: Path) -> str:
+    """For a model folder that :func:`in_base_models` finds outside models/base/
+    although its name lies inside: " (through a link: it is <target>)", as DVC
+    does not follow a linked folder (it hashes no file in it); else ""."""
+    named_inside = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(BASE_MODELS))
+    return f" (through a link: it is {Path(path).resolve()})" if named_inside else ""
 
 
 def metrics_path(stage: str) -> Path:

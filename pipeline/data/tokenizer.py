@@ -815,8 +815,9 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     specials = hf_specials(folder, tok, cfg.eot_token)
     check_eot_is_special(folder, tok, specials, cfg.eot_token is not None)
     if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
-        log.warning("tokenizer.source %s is outside %s/, so DVC does not see changes to it: a replaced model there "
-                    "does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS)
+        log.warning("tokenizer.source %s is outside %s/%s, so DVC does not see changes to it: a replaced model "
+                    "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,
+                    layout.through_link(folder))
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out_dir / HF_DIR) as tmp:

@@ -166,11 +166,9 @@ def _from_hf(folder: Path, warn_outside_base: bool) -> InitSource:
     except SafetensorError as err:
         raise InitError(f"init_from {folder}: damaged safetensors weights ({err})") from None
     if warn_outside_base and not layout.in_base_models(folder):
-        # a link under models/base/ counts as outside: DVC does not follow a linked folder (it hashes no file)
-        named_inside = Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(BASE_DIR))
-        link = f" (through a link: it is {folder.resolve()})" if named_inside else ""
         log.warning("init_from %s is outside %s/%s, so DVC does not see changes to it: a replaced model there "
-                    "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR, link)
+                    "does not rerun pretrain by itself (the run identity still changes)", folder, BASE_DIR,
+                    layout.through_link(folder))
     tok = folder / "tokenizer.json"
     meta: dict[str, Any] = {"init_from": str(folder), "hf_config": config}
     try:

@@ -574,6 +574,12 @@ def test_adopting_from_outside_models_base_is_warned_about(family_folders, corpu
     with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
         adopt("models/base/qwen2", tmp_path / "inside", corpus)
     assert "outside" not in caplog.text
+    # a link under models/base/ is as unseen as a folder elsewhere: DVC hashes no file of a linked folder
+    (tmp_path / "models" / "base" / "linked").symlink_to(family_folders["qwen2"])
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt("models/base/linked", tmp_path / "linked", corpus)
+    assert f"tokenizer.source models/base/linked is outside models/base/ (through a link: it is " \
+           f"{family_folders['qwen2'].resolve()}), so DVC does not see changes to it" in caplog.text
 
 
 def test_adopting_a_tokenizer_without_a_template_or_chatml_tokens_warns_that_sft_needs_one(
