@@ -520,8 +520,10 @@ class Trainer:
         loss_total = torch.zeros((), device=d.device)
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
-            if self.sharded:  # FSDP's no_sync: gradients reduce-scatter after the last micro-batch only
-                self.fwd_model.set_requires_gradient_sync(last)
+            # DDP all-reduces after the last micro-batch only. FSDP reduce-scatters after every one, as
+            # torchtitan does: skipping it would hold the whole model's unsharded gradients from the first
+            # micro-batch to the last, which the sharding exists to avoid (and memory.estimate counts only
+            # this rank's shard of them).
             ddp = isinstance(self.fwd_model, DDP)
             with contextlib.nullcontext() if last or not ddp else self.fwd_model.no_sync():
                 loss_sum = self._loss_sum(batch)

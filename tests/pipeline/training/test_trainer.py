@@ -573,6 +573,28 @@ def test_fsdp_on_one_rank_trains_like_ddp_and_writes_sharded_checkpoints(tmp_pat
         assert torch.equal(mb.state_dict()[k], v), k
 
 
+def test_fsdp_keeps_gradients_sharded_between_micro_batches(tmp_path, monkeypatch):
+    """Under FSDP each micro-batch's gradients are reduce-scattered into this
+    rank's shards as its backward ends, so the second micro-batch starts with
+    sharded gradients in place; skipping the reduction until the last one (no_sync)
+    keeps the whole model's unsharded gradients instead, none in the shards."""
+    from pipeline.training.trainer import Trainer
+
+    seen = []
+    loss_sum = Trainer._loss_sum
+
+    def spy(self, batch):
+        grads = [p.grad for p in self.model.parameters()]
+        seen.append((sum(g is not None for g in grads), len(grads),
+                     all(type(g).__name__ == "DTensor" for g in grads if g is not None)))
+        return loss_sum(self, batch)
+
+    monkeypatch.setattr(Trainer, "_loss_sum", spy)
+    fit(trainer(tmp_path, "fsdp", cfg(max_steps=3, grad_accum_steps=3, micro_batch_size=2, parallelism="fsdp")))
+    n = seen[0][1]
+    assert seen[:3] == [(0, n, True), (n, n, True), (n, n, True)]
+
+
 @pytest.mark.parametrize("first, then", [("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp")])
 def test_a_run_resumes_bit_for_bit_across_parallelism(tmp_path, first, then):
     """parallelism is not part of the run identity: a run checkpointed under one
