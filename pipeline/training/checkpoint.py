@@ -153,8 +153,8 @@ def rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's own GPU (torch.cuda.set_device), not every GPU it can see
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -163,8 +163,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, list):  # written by every rank for every GPU it saw: this rank's is its device's
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        cuda = cuda[index] if 0 <= index < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def _as_tuple(x: Any) -> Any:

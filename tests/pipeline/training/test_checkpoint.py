@@ -84,6 +84,48 @@ def test_rng_state_roundtrip():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
 
 
+class FakeGPUs:
+    """torch.cuda's RNG calls on a machine of ``n`` GPUs, of which this rank's is ``current``."""
+
+    def __init__(self, n: int, current: int):
+        self.states = [torch.tensor([i], dtype=torch.uint8) for i in range(n)]
+        self.current = current
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self.current].clone())
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [t.clone() for t in self.states])
+
+        def set_state(state, device="cuda"):
+            self.states[self.current] = state.clone()
+
+        def set_all(states):
+            for i, state in enumerate(states):
+                self.states[i] = state.clone()  # IndexError past this machine's GPUs, as torch's invalid ordinal
+
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+        return self
+
+
+def test_a_rank_saves_and_restores_only_its_own_gpu_s_rng(monkeypatch):
+    """Each rank's checkpoint RNG holds its own GPU's generator, and restores only
+    that one: it held every GPU's, so 8 ranks each wrote 8 states, and a resume
+    where a rank sees fewer GPUs (one visible device per rank) failed."""
+    gpus = FakeGPUs(8, current=3).install(monkeypatch)
+    state = ckpt.rng_state()
+    assert torch.equal(state["cuda"], torch.tensor([3], dtype=torch.uint8))
+    one = FakeGPUs(1, current=0).install(monkeypatch)  # the same rank resumed where it sees only its GPU
+    ckpt.set_rng_state(state)
+    assert one.states == [torch.tensor([3], dtype=torch.uint8)]
+    # a checkpoint of the earlier layout (every GPU's state): the rank takes its own device's
+    old = {**state, "cuda": [torch.tensor([10 + i], dtype=torch.uint8) for i in range(8)]}
+    ckpt.set_rng_state(old)
+    assert one.states == [torch.tensor([10], dtype=torch.uint8)]
+    assert gpus.states[3] == torch.tensor([3], dtype=torch.uint8)
+
+
 def test_trainer_state_needs_no_pickle(tmp_path):
     c = make(tmp_path, 1)
     # weights_only=True refuses arbitrary objects; our files must load under it
