@@ -203,6 +203,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         # ids name other tokens of the tokenizer shipped, so config.json declares ours
         token_ids = dict(OWN_TOKEN_IDS)
     dtype = export_dtype(dtype, meta)
+    check_fits(model, dtype)
     with atomic_dir(out_dir) as tmp:
         write_model_files(tmp, model, meta, token_ids=token_ids, dtype=dtype)
         if specials.own:
@@ -234,6 +235,22 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                             for f in sorted(tmp.iterdir())}
     return summary
+
+
+def check_fits(model: Transformer, dtype: str) -> None:
+    """Raise ExportError, one line, when a weight of ``model`` lies outside the
+    finite range of ``dtype`` (float16's largest is 65504; bfloat16 has float32's
+    range): the cast would write it as infinite, and the model would compute NaN."""
+    if dtype == "float32":  # the weights' own dtype
+        return
+    largest = torch.finfo(DTYPES[dtype]).max
+    over = [name for name, p in model.named_parameters()
+            if max(p.detach().max().item(), -p.detach().min().item()) > largest]  # no full-size copy of |p|
+    if over:
+        more = f" and {len(over) - 5} more" if len(over) > 5 else ""
+        raise ExportError(f"export.dtype {dtype}: {', '.join(over[:5])}{more} hold weights beyond {dtype}'s largest "
+                          f"value ({largest:g}), which the cast would make infinite; set export.dtype: bfloat16 or "
+                          "float32")
 
 
 def check_evaluated(checkpoint: ckpt.Checkpoint, which: str, evaluated: Mapping[str, Any]) -> None:

@@ -496,6 +496,26 @@ def test_a_bf16_base_exports_in_bf16_by_default_and_in_the_dtype_asked_for(tmp_p
         tmp_path / "export-auto" / "README.md").read_text()
 
 
+def test_a_weight_beyond_float16_s_range_is_refused_for_float16_not_for_bfloat16(tmp_path, tok_path):
+    """float16's largest value is 65504: a weight past it would be written as
+    infinite (and the model compute NaN); bfloat16 keeps float32's range."""
+    original = save_tiny_hf_model("qwen2", tmp_path / "original")
+    _, model = load_hf_model(original)
+    with torch.no_grad():
+        model.layers[0].feed_forward.w1.weight[0, 0] = 70000.0
+    save_checkpoint(tmp_path / "sft", model, meta={"hf_config": json.loads((original / "config.json").read_text())})
+    with pytest.raises(ExportError) as err:
+        export_model(tmp_path / "sft", tok_path, tmp_path / "f16", card_info={}, dtype="float16")
+    assert str(err.value).startswith("export.dtype float16: layers.0.feed_forward.w1.weight hold weights beyond float16's "
+                                     "largest value (65504)")
+    assert not (tmp_path / "f16").exists()
+    export_model(tmp_path / "sft", tok_path, tmp_path / "bf16", card_info={}, dtype="bfloat16")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert all(torch.isfinite(f.get_tensor(k)).all() for k in f.keys())
+
+
 def test_a_model_trained_from_scratch_writes_todays_llama_config(export_dir):
     config = json.loads((export_dir / "config.json").read_text())
     assert list(config) == [
