@@ -1311,8 +1311,8 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path, quarantine_path: str | Pa
     totals.ledger.write(quarantine_path)
     if totals.docs == 0:
         raise IngestError(
-            f"ingest produced no documents from {len(files)} file(s); skipped: {totals.ledger.as_dict()} "
-            f"(see {quarantine_path})"
+            f"ingest produced no documents from {len(files)} file(s); skipped: {totals.ledger.as_dict()}"
+            f"{_examples(totals.ledger)} (see {quarantine_path})"
         )
     _say_skips(cfg, totals, unread, quarantine_path, report_path)
     if report_path is not None:
@@ -1353,6 +1353,19 @@ def _unread_files(cfg: IngestConfig, files: list[InputFile], end: Position, rest
                         "file(s); raise ingest.max_bytes, or set it to null", name, f"{cfg.max_bytes:,}",
                         f"{n:,}")
     return unread
+
+
+def _examples(ledger: Ledger, reasons: int = 3) -> str:
+    """"; e.g. <reason>: <where> (<detail>)" for the first quarantined record of
+    each of the most frequent ``reasons``: the error that no document was kept
+    says why in its one line, not only in the quarantine file."""
+    first: dict[str, dict] = {}
+    for sample in ledger.samples:
+        first.setdefault(sample["reason"], sample)
+    said = [f"{r}: {' '.join(filter(None, (first[r]['source'], first[r]['location'])))}"
+            + (f" ({first[r]['detail']})" if first[r].get("detail") else "")
+            for r, _ in ledger.counts.most_common() if r in first][:reasons]
+    return f"; e.g. {'; '.join(said)}" if said else ""
 
 
 def _say_skips(cfg: IngestConfig, totals: _Totals, unread: dict[str, int], quarantine_path: str | Path,

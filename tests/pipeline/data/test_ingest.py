@@ -333,6 +333,21 @@ def test_a_json_object_is_its_own_record_or_holds_its_one_list_of_records(tmp_pa
     assert [(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine] == [("two.json", "missing_field")]
 
 
+def test_no_documents_says_why_in_its_one_line(tmp_path):
+    """When nothing is kept the error gives an example per reason, most frequent
+    first, with its file, place and detail: the cause of a 20 MB line with no
+    line break was only in the quarantine file."""
+    (tmp_path / "a.txt").write_text("x" * 300)
+    (tmp_path / "b.txt").write_text("y" * 300)
+    (tmp_path / "c.txt").write_bytes(b"\xff\xfe bad")
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_doc_bytes=100)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"; e.g. too_large: {tmp_path / 'a.txt'} file (300 bytes > max_doc_bytes=100); non_utf8: " \
+           f"{tmp_path / 'c.txt'} file (invalid UTF-8 at byte 0) (see " in message
+
+
 def test_json_lines_in_a_file_named_json(tmp_path):
     """format: auto reads a .json file of one object per line as JSON Lines; format: json says how to read it."""
     (tmp_path / "lines.json").write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
