@@ -21,12 +21,16 @@ and validates one record, raising :class:`ChatFormatError` whose ``reason`` is a
 short fixed code (see :data:`REASONS`), suitable as a skip reason in a ledger.
 
 - ``messages``: ``{"messages": [{"role", "content"}, ...]}``
-- ``sharegpt``: ``{"conversations": [{"from", "value"}, ...]}``, ``from`` mapped by
-  :data:`SHAREGPT_ROLES`
-- ``alpaca``: ``{"instruction", "input"?, "output"}``: user = instruction, plus
-  ``"\\n\\n" + input`` when input is a non-empty string; assistant = output
+- ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system"?}``, ``from``
+  mapped by :data:`SHAREGPT_ROLES`
+- ``alpaca``: ``{"instruction", "input"?, "output", "system"?, "history"?}``: user =
+  instruction, plus ``"\\n\\n" + input`` when input is a non-empty string;
+  assistant = output; ``history``, ``[[instruction, output], ...]``, gives the
+  turns before it
 
-Other keys of a record or a message are ignored.
+A record's ``system`` string (as LLaMA-Factory's ShareGPT and Alpaca datasets
+carry it) is the system message; an empty one means none. Other keys of a
+record or a message are ignored.
 
 ChatML
 ------
@@ -166,14 +170,28 @@ SHAREGPT_ROLES: dict[str, Role] = {
 }
 
 
+def _system(record: Mapping[str, Any]) -> list[Message]:
+    """The system message of a record's ``system`` key (ShareGPT and Alpaca
+    datasets in LLaMA-Factory's layout); none when it is absent, null or blank."""
+    system = record.get("system")
+    if system is None:
+        return []
+    if not isinstance(system, str):
+        raise ChatFormatError("bad_type", f"'system': expected str, got {type(system).__name__}")
+    return [{"role": "system", "content": system}] if system.strip() else []
+
+
 def _from_sharegpt(record: Mapping[str, Any]) -> list[Message]:
-    out: list[Message] = []
+    out: list[Message] = _system(record)
     for i, turn in enumerate(_field(record, "conversations", list)):
         if not isinstance(turn, Mapping):
             raise ChatFormatError("bad_type", f"conversations[{i}]: expected an object, got {type(turn).__name__}")
         who = _field(turn, "from", str, f"conversations[{i}].")
         if who not in SHAREGPT_ROLES:
             raise ChatFormatError("unknown_role", f"conversations[{i}]: from {who!r}; known: {', '.join(SHAREGPT_ROLES)}")
+        if out and SHAREGPT_ROLES[who] == "system" and i == 0:
+            raise ChatFormatError("role_order", "a 'system' key and a system turn first in conversations: two "
+                                                "system prompts")
         out.append({"role": SHAREGPT_ROLES[who], "content": _field(turn, "value", str, f"conversations[{i}].")})
     return out
 
@@ -189,7 +207,17 @@ def _from_alpaca(record: Mapping[str, Any]) -> list[Message]:
     if not instruction.strip():
         raise ChatFormatError("empty_content", "'instruction'")
     user = instruction + ("\n\n" + extra if extra and extra.strip() else "")
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    earlier: list[Message] = []
+    history = record.get("history")
+    if history is not None:
+        if not isinstance(history, list):
+            raise ChatFormatError("bad_type", f"'history': expected a list of [instruction, output], got "
+                                              f"{type(history).__name__}")
+        for i, pair in enumerate(history):
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+                raise ChatFormatError("bad_type", f"history[{i}]: expected [instruction, output], two strings")
+            earlier += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return [*_system(record), *earlier, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,26 @@ def test_formats_convert():
             {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
 
 
+def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them():
+    """ShareGPT and Alpaca records in LLaMA-Factory's layout carry the system
+    prompt in a "system" key, and Alpaca the earlier turns in "history": they
+    were ignored in silence, so the model trained without them."""
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    assert to_messages({"system": "Be brief.", "conversations": turns}, "sharegpt") == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"}]
+    assert to_messages({"system": "", "conversations": turns}, "sharegpt") == to_messages(
+        {"conversations": turns}, "sharegpt")  # an empty system column is no system prompt
+    assert to_messages({"instruction": "And 2+2?", "output": "4", "system": "Be brief.",
+                        "history": [["1+1?", "2"], ["2+1?", "3"]]}, "alpaca") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+1?"}, {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "And 2+2?"}, {"role": "assistant", "content": "4"}]
+    assert to_messages({"instruction": "q", "output": "a", "history": []}, "alpaca") == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
 @pytest.mark.parametrize("record, fmt", [
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "messages"),
     ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "sharegpt"),
@@ -115,6 +135,14 @@ MALFORMED = [
     ({"messages": [U, S, A]}, "messages", "role_order"),
     ({"messages": [S, S, U, A]}, "messages", "role_order"),
     ({"conversations": [{"from": "gpt", "value": "a"}]}, "sharegpt", "role_order"),
+    ({"system": "s", "conversations": [{"from": "system", "value": "t"}, {"from": "human", "value": "q"},
+                                       {"from": "gpt", "value": "a"}]}, "sharegpt", "role_order"),
+    ({"system": 3, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "sharegpt",
+     "bad_type"),
+    ({"instruction": "q", "output": "a", "system": ["s"]}, "alpaca", "bad_type"),
+    ({"instruction": "q", "output": "a", "history": "earlier"}, "alpaca", "bad_type"),
+    ({"instruction": "q", "output": "a", "history": [["only one"]]}, "alpaca", "bad_type"),
+    ({"instruction": "q", "output": "a", "history": [["q0", ""]]}, "alpaca", "empty_content"),
 ]
 
 
