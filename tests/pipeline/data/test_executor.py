@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,16 @@ def init(tag: str) -> None:
 def tagged(x: int, delay: float = 0.0) -> tuple[str, int, int]:
     time.sleep(delay)
     return _STATE.get("tag", "none"), x * x, os.getpid()
+
+
+def met(x: int, folder: str, workers: int) -> int:
+    """Wait (up to 60 s) until ``workers`` different processes have run a task of
+    this kind: however slow a worker is to start, each of them gets one."""
+    Path(folder, str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < workers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid()
 
 
 def timed(x: int, delay: float) -> tuple[float, float]:
@@ -155,16 +166,17 @@ def test_workers_die_with_the_stage(tmp_path):
     script = (
         "import os, sys, time\n"
         "from pipeline.data.executor import ExecutorConfig, open_executor\n"
-        "from tests.pipeline.data.test_executor import tagged\n"
+        "from tests.pipeline.data.test_executor import met\n"
         "if __name__ == '__main__':\n"
         "    with open_executor(ExecutorConfig(num_workers=2)) as ex:\n"
-        "        pids = {p for _, _, p in ex.map(tagged, [(x, 0.3) for x in range(4)])}\n"
+        "        pids = set(ex.map(met, [(x, sys.argv[1], 2) for x in range(4)]))\n"
         "        print(' '.join(map(str, pids)), flush=True)\n"
         "        time.sleep(60)\n"
     )
     (tmp_path / "stage.py").write_text(script)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "stage.py")], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    (tmp_path / "met").mkdir()
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "stage.py"), str(tmp_path / "met")],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2 and all(_alive(p) for p in pids)
     proc.send_signal(signal.SIGKILL)
