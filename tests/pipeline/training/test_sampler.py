@@ -47,3 +47,17 @@ def test_eval_rows_partition():
     parts = [eval_rows(11, None, 3, r) for r in range(3)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(11))
     assert eval_rows(11, 4, 1, 0).tolist() == [0, 1, 2, 3]
+
+
+def test_a_split_of_whole_global_batches_is_used_to_its_last_row():
+    # a split of exactly one global batch is enough to train on
+    exact = GlobalOrder(8, seed=0, micro_batch=4, grad_accum=1, world_size=2, rank=0)
+    assert len(np.concatenate(exact.next_step())) == 4
+    # 12 rows in global batches of 3: four steps per epoch, every row once, then the next epoch
+    o = GlobalOrder(12, seed=5, micro_batch=3, grad_accum=1, world_size=1, rank=0)
+    epoch = collect(o, 4)
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(12))
+    assert o.state_dict() == {"epoch": 0, "consumed": 12, "seed": 5}
+    collect(o, 1)
+    assert o.state_dict() == {"epoch": 1, "consumed": 3, "seed": 5}
+
