@@ -70,3 +70,15 @@ def test_the_seed_chooses_the_order():
     assert first_steps(1)[:10] != first_steps(2)[:10]  # epoch 0
     assert first_steps(1)[10:] != first_steps(2)[10:]  # epoch 1
 
+
+def test_micro_batch_i_of_rank_r_is_block_i_times_world_plus_r_of_the_step():
+    """The module's contract, against the order one rank with one micro-batch of
+    the whole global batch sees (the same permutation of the same rows)."""
+    m, accum, world = 2, 3, 2
+    whole = collect(GlobalOrder(40, seed=4, micro_batch=m * accum * world, grad_accum=1, world_size=1, rank=0), 5)
+    for r in range(world):
+        split = GlobalOrder(40, seed=4, micro_batch=m, grad_accum=accum, world_size=world, rank=r)
+        for rows in whole:
+            micro = split.next_step()
+            assert [b.tolist() for b in micro] == [rows[(i * world + r) * m:(i * world + r + 1) * m].tolist()
+                                                   for i in range(accum)]
