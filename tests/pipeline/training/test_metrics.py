@@ -67,3 +67,46 @@ def test_damaged_rows_of_the_curve_are_left_out_with_a_warning(tmp_path, caplog)
     assert [line.split(",")[:2] for line in (tmp_path / "plots.csv").read_text().splitlines()] == [
         ["step", "loss"], ["1", "5.0"], ["2", "4.0"], ["5", "3.0"]]
     assert "2 damaged row(s) left out of the curve (steps 3, 4)" in caplog.text
+
+
+class Clock:
+    """A perf_counter that moves only when the test moves it."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def logger_on(tmp_path, device="cpu", world_size=1, nnodes=1, every=10):
+    return MetricsLogger("pretrain", LoggingSection(every=every, peak_flops=1e9, track=False),
+                         Dist(0, 0, world_size, torch.device(device), None), tmp_path / "curve.csv",
+                         tmp_path / "history.csv", precision_dtype=torch.float32, nnodes=nnodes,
+                         tokens_per_step=64, flops_per_token=1000.0, max_steps=4)
+
+
+def test_throughput_and_mfu_count_the_steps_of_each_report_window_less_paused_time(tmp_path, monkeypatch):
+    from pipeline.training import metrics
+
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)
+    logger = logger_on(tmp_path, nnodes=2, every=2)
+    with logger.start(0):
+        clock.now = 101.0
+        logger.log(1, {"loss": 3.0, "lr": 0.1})
+        clock.now = 104.0
+        logger.log(2, {"loss": 2.0, "lr": 0.1})  # 2 steps × 64 tokens in 4 s
+        first = (logger.tokens_per_s, logger.mfu)
+        with logger.paused():
+            clock.now = 110.0  # 6 s of evaluation or checkpointing: not training time
+        clock.now = 111.0
+        logger.log(3, {"loss": 1.5, "lr": 0.1})
+        clock.now = 112.0
+        logger.log(4, {"loss": 1.0, "lr": 0.1})  # 2 steps × 64 tokens in 8 s less 6 paused
+    # MFU: tokens/s × FLOPs per token over the peak of 2 CPU nodes × 1e9
+    assert first == (32.0, pytest.approx(32.0 * 1000.0 / 2e9))
+    assert (logger.tokens_per_s, logger.mfu) == (64.0, pytest.approx(64.0 * 1000.0 / 2e9))
+    rows = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
+    assert [(r[0], r[1], r[4]) for r in rows] == [("2", "2.0", "32.0"), ("4", "1.0", "64.0")]
+
