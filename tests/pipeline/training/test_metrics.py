@@ -110,3 +110,9 @@ def test_throughput_and_mfu_count_the_steps_of_each_report_window_less_paused_ti
     rows = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
     assert [(r[0], r[1], r[4]) for r in rows] == [("2", "2.0", "32.0"), ("4", "1.0", "64.0")]
 
+
+@pytest.mark.parametrize("device, world_size, nnodes, peak", [("cpu", 4, 1, 1e9), ("cpu", 4, 2, 2e9), ("cuda", 4, 1, 4e9)])
+def test_the_peak_is_per_gpu_or_per_cpu_node(tmp_path, device, world_size, nnodes, peak):
+    """CPU ranks of one node share its processor; each GPU rank has its own device."""
+    assert logger_on(tmp_path, device, world_size, nnodes).peak_flops_total == peak
+
