@@ -116,3 +116,22 @@ def test_the_peak_is_per_gpu_or_per_cpu_node(tmp_path, device, world_size, nnode
     """CPU ranks of one node share its processor; each GPU rank has its own device."""
     assert logger_on(tmp_path, device, world_size, nnodes).peak_flops_total == peak
 
+
+def test_the_measured_peak_is_two_flops_per_multiply_add(monkeypatch):
+    """With every F.linear taking 1 s, the peak is the FLOPs of one (m×k)·(k×n) matmul, 2mkn, per second."""
+    from types import SimpleNamespace
+
+    from pipeline.training import metrics
+
+    clock, shapes = Clock(), []
+
+    def linear(x, w):
+        shapes.append((*x.shape, w.shape[0]))
+        clock.now += 1.0
+
+    monkeypatch.setattr(metrics, "time", clock)
+    monkeypatch.setattr(metrics, "F", SimpleNamespace(linear=linear))
+    peak = metrics.measure_peak_flops(torch.device("cpu"), torch.float32, seconds=3.5)
+    (m, k, n), = set(shapes)
+    assert len(shapes) == 2 + 4 and peak == 2 * m * k * n
+
