@@ -135,3 +135,15 @@ def test_the_measured_peak_is_two_flops_per_multiply_add(monkeypatch):
     (m, k, n), = set(shapes)
     assert len(shapes) == 2 + 4 and peak == 2 * m * k * n
 
+
+def test_a_resumed_curve_gives_its_last_loss_and_last_measured_speed(tmp_path):
+    from pipeline.training.metrics import CsvLog
+
+    history = tmp_path / "models" / "curve.csv"
+    history.parent.mkdir()
+    history.write_text("step,loss,lr,grad_norm,tokens_per_s,mfu\n1,5.0,0.1,1.0,100,0.01\n2,4.0,0.1,1.0,200,0.02\n"
+                       "3,3.0,0.1,1.0,,\n4,2.0,0.1,1.0,400,0.04\n")
+    log = CsvLog(tmp_path / "plots.csv", resume_step=3, history=history)
+    log.close()
+    assert log.last_loss == 3.0 and log.last_speed == (200.0, 0.02)
+
