@@ -256,3 +256,19 @@ def test_a_sample_seed_out_of_range_is_refused_before_any_work(seed):
 
     with pytest.raises(ConfigError, match=r"evaluate\.samples\.seed: "):
         parse_section(EvaluateConfig, {"samples": {"seed": seed}}, "evaluate")
+
+
+def test_the_dummy_prefix_comes_off_only_for_document_starts_that_are_scored(tmp_path):
+    """SFT val with a dummy-prefix tokenizer: a document start whose label is
+    -100 (a prompt token) is not scored, so its prefix byte is not in the bytes."""
+    docs = [[5, 6, 0], [7, 8, 0], [9, 10, 11, 0], [12, 13, 0], [14, 15, 0]]  # 0 ends a document
+    labels = [[t if t not in (7, 14) else -100 for t in d] for d in docs]
+    write_split(tmp_path / "val", [np.array(d, np.int32) for d in docs], seq_len=7,
+                labels=[np.array(x, np.int32) for x in labels])
+    # rows (inputs | targets): 5 6 0 7 8 0 9 | 6 0 - 8 0 9 10  and  11 0 12 13 0 14 15 | 0 12 13 0 - 15 0
+    m = score(tiny_model(tiny_config(16)), PackedRows(tmp_path / "val"), np.arange(16), batch_size=1,
+              max_rows=None, doc_mask=True, device=torch.device("cpu"), precision="fp32", eot_id=0, prefix_bytes=1)
+    # scored targets 6 0 8 0 9 10 and 0 12 13 0 15 0: 73 bytes, less one for each of 9 and 12 (after a 0)
+    assert (m["tokens"], m["bytes"]) == (12, 73 - 2)
+    assert m["bits_per_byte"] == pytest.approx(m["val_loss"] * 12 / math.log(2) / 71, rel=1e-9)
+
