@@ -272,3 +272,18 @@ def test_the_dummy_prefix_comes_off_only_for_document_starts_that_are_scored(tmp
     assert (m["tokens"], m["bytes"]) == (12, 73 - 2)
     assert m["bits_per_byte"] == pytest.approx(m["val_loss"] * 12 / math.log(2) / 71, rel=1e-9)
 
+
+def test_the_top_level_scores_are_the_first_splits_and_the_report_has_every_split(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    text = write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)
+    sft = write_split(tmp_path / "sft", synthetic_docs(20, vocab, seed=6), seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    metrics, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val", "sft": tmp_path / "sft"},
+                                 tok_path, tmp_path / "report.json")
+    m = metrics["m"]
+    assert {k: m[k] for k in ("val_loss", "perplexity", "bits_per_byte")} == m["text"] != m["sft"]
+    report = read_json(tmp_path / "report.json")["m"]
+    assert (report["text"]["tokens"], report["sft"]["tokens"]) == (text["rows"] * 16, sft["rows"] * 16)
