@@ -33,3 +33,16 @@ def test_a_restored_ledger_keeps_its_per_reason_bound():
     restored.record("short", "late")
     assert restored.counts["short"] == 4
     assert [s["source"] for s in restored.samples] == ["f0", "f1"]
+
+
+def test_counts_are_exact_and_reported_by_reason_name():
+    from pipeline.data.accounting import counts_text
+
+    ledger = Ledger(per_reason=1)
+    ledger.record("too_large", "a.jsonl", n=1500)
+    ledger.record("binary", "b.bin")
+    ledger.record("too_large", "c.jsonl", n=2)
+    assert ledger.total == 1503
+    assert list(ledger.as_dict().items()) == [("binary", 1), ("too_large", 1502)]
+    assert counts_text({"too_large": 1502, "binary": 1}) == "binary 1, too_large 1,502"
+
