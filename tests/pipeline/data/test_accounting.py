@@ -46,3 +46,12 @@ def test_counts_are_exact_and_reported_by_reason_name():
     assert list(ledger.as_dict().items()) == [("binary", 1), ("too_large", 1502)]
     assert counts_text({"too_large": 1502, "binary": 1}) == "binary 1, too_large 1,502"
 
+
+def test_a_quarantined_record_keeps_its_detail_and_at_most_max_chars_of_its_text():
+    ledger = Ledger(max_chars=4)
+    ledger.record("short", "s", "line 3", text="abcd", detail="4 chars")
+    ledger.record("long", "s", "line 9", text="abcdefg")
+    assert ledger.samples == [
+        {"reason": "short", "source": "s", "location": "line 3", "detail": "4 chars", "text": "abcd"},
+        {"reason": "long", "source": "s", "location": "line 9", "text": "abcd", "text_chars": 7}]
+
