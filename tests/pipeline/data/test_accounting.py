@@ -55,3 +55,12 @@ def test_a_quarantined_record_keeps_its_detail_and_at_most_max_chars_of_its_text
         {"reason": "short", "source": "s", "location": "line 3", "detail": "4 chars", "text": "abcd"},
         {"reason": "long", "source": "s", "location": "line 9", "text": "abcd", "text_chars": 7}]
 
+
+def test_a_lone_surrogate_is_written_as_its_escape(tmp_path):
+    ledger = Ledger()
+    ledger.record("non_utf8", "s", text="a\udc80b")
+    ledger.record("short", "s", text="héllo")
+    ledger.write(tmp_path / "q.jsonl")
+    lines = (tmp_path / "q.jsonl").read_text(encoding="utf-8").splitlines()
+    assert '"a\\udc80b"' in lines[0] and '"héllo"' in lines[1]  # other text stays readable
+    assert [json.loads(line)["text"] for line in lines] == ["a\udc80b", "héllo"]
