@@ -56,3 +56,7 @@ def test_weighted_targets_are_rounded_to_the_nearest_token():
     # 11 tokens at 1:2 are 3.67 and 7.33: 4 and 7, not 3 and 7
     assert targets({"web": 5, "code": 6}, {"web": Share(weight=1), "code": Share(weight=2)}) == {"web": 4, "code": 7}
 
+
+def test_exactly_max_repeats_passes_is_no_warning():
+    assert repeat_warnings({"code": 100}, {"code": 400}, max_repeats=4) == []
+    assert len(repeat_warnings({"code": 100}, {"code": 401}, max_repeats=4)) == 1
