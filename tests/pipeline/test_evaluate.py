@@ -287,3 +287,28 @@ def test_the_top_level_scores_are_the_first_splits_and_the_report_has_every_spli
     assert {k: m[k] for k in ("val_loss", "perplexity", "bits_per_byte")} == m["text"] != m["sft"]
     report = read_json(tmp_path / "report.json")["m"]
     assert (report["text"]["tokens"], report["sft"]["tokens"]) == (text["rows"] * 16, sft["rows"] * 16)
+
+
+def test_evaluate_models_scores_max_rows_with_the_configured_doc_mask(tmp_path, tok_path):
+    """evaluate.max_rows and evaluate.doc_mask reach the scoring: the first 3
+    rows, each read as one sequence (no per-document attention)."""
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)
+    model = tiny_model(tiny_config(vocab))
+    save_checkpoint(tmp_path / "m", model)
+    ids = torch.from_numpy(PackedRows(tmp_path / "val").input_ids(np.arange(3)).astype(np.int64))
+    expected = {}
+    for doc_mask in (False, True):
+        cfg = parse_section(EvaluateConfig, {"batch_size": 2, "max_rows": 3, "doc_mask": doc_mask}, "evaluate")
+        metrics, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path,
+                                     tmp_path / "report.json")
+        assert read_json(tmp_path / "report.json")["m"]["text"]["tokens"] == 3 * 16
+        expected[doc_mask] = metrics["m"]["val_loss"]
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+    nll = F.cross_entropy(logits.double().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+    assert expected[False] == pytest.approx(nll / 48, rel=1e-5)
+    assert expected[True] != pytest.approx(expected[False], rel=1e-3)  # the rows do hold several documents
+
