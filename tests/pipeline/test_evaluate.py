@@ -312,3 +312,20 @@ def test_evaluate_models_scores_max_rows_with_the_configured_doc_mask(tmp_path, 
     assert expected[False] == pytest.approx(nll / 48, rel=1e-5)
     assert expected[True] != pytest.approx(expected[False], rel=1e-3)  # the rows do hold several documents
 
+
+def test_the_best_checkpoint_is_scored_when_asked_for(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab), seed=1), step=2)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab), seed=2), step=4)
+    (tmp_path / "m" / "best.json").write_text('{"step": 2, "path": "step-00000002", "val_loss": 1.0, '
+                                              '"fingerprint": "ffffffffffffffff"}')
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    runs = {"m": tmp_path / "m"}
+    best, _ = evaluate_models(cfg, runs, {"text": tmp_path / "val"}, tok_path, tmp_path / "best.json", which={"m": "best"})
+    last, _ = evaluate_models(cfg, runs, {"text": tmp_path / "val"}, tok_path, tmp_path / "last.json")
+    assert (read_json(tmp_path / "best.json")["m"]["checkpoint_step"], read_json(tmp_path / "last.json")["m"]["checkpoint_step"]) == (2, 4)
+    assert read_json(tmp_path / "best.json")["m"]["which"] == "best"
+    assert best["m"]["val_loss"] != last["m"]["val_loss"]
