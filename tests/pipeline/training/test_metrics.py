@@ -109,6 +109,8 @@ def test_throughput_and_mfu_count_the_steps_of_each_report_window_less_paused_ti
     assert (logger.tokens_per_s, logger.mfu) == (64.0, pytest.approx(64.0 * 1000.0 / 2e9))
     rows = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
     assert [(r[0], r[1], r[4]) for r in rows] == [("2", "2.0", "32.0"), ("4", "1.0", "64.0")]
+    assert [r[-1] for r in rows] == ["4.0", "12.0"]  # elapsed_s: since the start, paused time included
+    assert logger.last_logged_loss == 1.0  # the summary's final_loss
 
 
 @pytest.mark.parametrize("device, world_size, nnodes, peak", [("cpu", 4, 1, 1e9), ("cpu", 4, 2, 2e9), ("cuda", 4, 1, 4e9)])
