@@ -324,8 +324,10 @@ def test_the_best_checkpoint_is_scored_when_asked_for(tmp_path, tok_path):
                                               '"fingerprint": "ffffffffffffffff"}')
     cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
     runs = {"m": tmp_path / "m"}
-    best, _ = evaluate_models(cfg, runs, {"text": tmp_path / "val"}, tok_path, tmp_path / "best.json", which={"m": "best"})
-    last, _ = evaluate_models(cfg, runs, {"text": tmp_path / "val"}, tok_path, tmp_path / "last.json")
-    assert (read_json(tmp_path / "best.json")["m"]["checkpoint_step"], read_json(tmp_path / "last.json")["m"]["checkpoint_step"]) == (2, 4)
-    assert read_json(tmp_path / "best.json")["m"]["which"] == "best"
+    split = {"text": tmp_path / "val"}
+    best, _ = evaluate_models(cfg, runs, split, tok_path, tmp_path / "best.json", which={"m": "best"})
+    last, _ = evaluate_models(cfg, runs, split, tok_path, tmp_path / "last.json")
+    reports = {name: read_json(tmp_path / f"{name}.json")["m"] for name in ("best", "last")}
+    assert (reports["best"]["checkpoint_step"], reports["last"]["checkpoint_step"]) == (2, 4)
+    assert (reports["best"]["which"], reports["last"]["which"]) == ("best", "last")
     assert best["m"]["val_loss"] != last["m"]["val_loss"]

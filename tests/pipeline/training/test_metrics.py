@@ -113,7 +113,8 @@ def test_throughput_and_mfu_count_the_steps_of_each_report_window_less_paused_ti
     assert logger.last_logged_loss == 1.0  # the summary's final_loss
 
 
-@pytest.mark.parametrize("device, world_size, nnodes, peak", [("cpu", 4, 1, 1e9), ("cpu", 4, 2, 2e9), ("cuda", 4, 1, 4e9)])
+@pytest.mark.parametrize("device, world_size, nnodes, peak",
+                         [("cpu", 4, 1, 1e9), ("cpu", 4, 2, 2e9), ("cuda", 4, 1, 4e9)])
 def test_the_peak_is_per_gpu_or_per_cpu_node(tmp_path, device, world_size, nnodes, peak):
     """CPU ranks of one node share its processor; each GPU rank has its own device."""
     assert logger_on(tmp_path, device, world_size, nnodes).peak_flops_total == peak

@@ -127,8 +127,9 @@ def test_build_optimizer_takes_its_settings_from_the_config_and_decays_linear_we
     cfg = OptimizerSection(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.25)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     decay, no_decay = opt.param_groups
-    assert (decay["lr"], decay["betas"], decay["eps"], decay["weight_decay"]) == (0.01, (0.8, 0.99), 1e-6, 0.25)
-    assert (no_decay["lr"], no_decay["betas"], no_decay["eps"], no_decay["weight_decay"]) == (0.01, (0.8, 0.99), 1e-6, 0.0)
+    settings = ("lr", "betas", "eps", "weight_decay")
+    assert [decay[k] for k in settings] == [0.01, (0.8, 0.99), 1e-6, 0.25]
+    assert [no_decay[k] for k in settings] == [0.01, (0.8, 0.99), 1e-6, 0.0]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

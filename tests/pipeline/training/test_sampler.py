@@ -64,7 +64,8 @@ def test_a_split_of_whole_global_batches_is_used_to_its_last_row():
 
 def test_the_seed_chooses_the_order():
     def first_steps(seed):
-        return [x.tolist() for x in collect(GlobalOrder(50, seed=seed, micro_batch=5, grad_accum=1, world_size=1, rank=0), 12)]
+        order = GlobalOrder(50, seed=seed, micro_batch=5, grad_accum=1, world_size=1, rank=0)
+        return [x.tolist() for x in collect(order, 12)]
 
     assert first_steps(1) == first_steps(1)
     assert first_steps(1)[:10] != first_steps(2)[:10]  # epoch 0
