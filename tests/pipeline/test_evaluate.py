@@ -331,3 +331,24 @@ def test_the_best_checkpoint_is_scored_when_asked_for(tmp_path, tok_path):
     assert (reports["best"]["checkpoint_step"], reports["last"]["checkpoint_step"]) == (2, 4)
     assert (reports["best"]["which"], reports["last"]["which"]) == ("best", "last")
     assert best["m"]["val_loss"] != last["m"]["val_loss"]
+
+
+def test_sample_i_is_generated_with_the_seed_it_records(tmp_path, tok_path):
+    """``samples.seed``: sample i uses seed + i, so a recorded sample can be
+    generated again from its record."""
+    from pipeline.data.tokenizer import load_specials, load_tokenizer
+    from pipeline.model.generate import generate
+
+    tok = load_tokenizer(tok_path)
+    specials = load_specials(tok_path)
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    cfg = parse_section(EvaluateConfig, {"samples": {"prompts": ["def f(x):", "def f(x):"], "chat": [], "seed": 7,
+                                                     "max_new_tokens": 12}}, "evaluate").samples
+    samples = record_samples(cfg, {"m": model}, tok_path)
+    assert [s["seed"] for s in samples] == [7, 8]
+    stops = [specials.eot_id, *specials.eos_ids]
+    for s in samples:
+        new = generate(model, tok.encode(s["prompt"], add_special_tokens=False).ids, max_new_tokens=12,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=s["seed"], stop_ids=stops)
+        assert s["completion"] == tok.decode([t for t in new if t not in stops], skip_special_tokens=False)
+    assert samples[0]["completion"] != samples[1]["completion"]  # the same prompt, another seed
