@@ -83,3 +83,11 @@ def test_micro_batch_i_of_rank_r_is_block_i_times_world_plus_r_of_the_step():
             micro = split.next_step()
             assert [b.tolist() for b in micro] == [rows[(i * world + r) * m:(i * world + r + 1) * m].tolist()
                                                    for i in range(accum)]
+
+
+def test_rank_0_has_the_most_eval_rows():
+    """A sharded evaluation pads every rank to rank 0's forward count (the
+    trainer's evaluate), so no rank may have more val rows than rank 0."""
+    for n_rows, max_rows, world in ((11, None, 3), (10, 7, 4), (5, None, 8), (64, 33, 2)):
+        sizes = [len(eval_rows(n_rows, max_rows, world, r)) for r in range(world)]
+        assert sizes[0] == max(sizes) and sum(sizes) == min(n_rows, max_rows or n_rows), (n_rows, max_rows, world)
