@@ -256,3 +256,99 @@ def test_a_sample_seed_out_of_range_is_refused_before_any_work(seed):
 
     with pytest.raises(ConfigError, match=r"evaluate\.samples\.seed: "):
         parse_section(EvaluateConfig, {"samples": {"seed": seed}}, "evaluate")
+
+
+def test_the_dummy_prefix_comes_off_only_for_document_starts_that_are_scored(tmp_path):
+    """SFT val with a dummy-prefix tokenizer: a document start whose label is
+    -100 (a prompt token) is not scored, so its prefix byte is not in the bytes."""
+    docs = [[5, 6, 0], [7, 8, 0], [9, 10, 11, 0], [12, 13, 0], [14, 15, 0]]  # 0 ends a document
+    labels = [[t if t not in (7, 14) else -100 for t in d] for d in docs]
+    write_split(tmp_path / "val", [np.array(d, np.int32) for d in docs], seq_len=7,
+                labels=[np.array(x, np.int32) for x in labels])
+    # rows (inputs | targets): 5 6 0 7 8 0 9 | 6 0 - 8 0 9 10  and  11 0 12 13 0 14 15 | 0 12 13 0 - 15 0
+    m = score(tiny_model(tiny_config(16)), PackedRows(tmp_path / "val"), np.arange(16), batch_size=1,
+              max_rows=None, doc_mask=True, device=torch.device("cpu"), precision="fp32", eot_id=0, prefix_bytes=1)
+    # scored targets 6 0 8 0 9 10 and 0 12 13 0 15 0: 73 bytes, less one for each of 9 and 12 (after a 0)
+    assert (m["tokens"], m["bytes"]) == (12, 73 - 2)
+    assert m["bits_per_byte"] == pytest.approx(m["val_loss"] * 12 / math.log(2) / 71, rel=1e-9)
+
+
+def test_the_top_level_scores_are_the_first_splits_and_the_report_has_every_split(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    text = write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)
+    sft = write_split(tmp_path / "sft", synthetic_docs(20, vocab, seed=6), seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    metrics, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val", "sft": tmp_path / "sft"},
+                                 tok_path, tmp_path / "report.json")
+    m = metrics["m"]
+    assert {k: m[k] for k in ("val_loss", "perplexity", "bits_per_byte")} == m["text"] != m["sft"]
+    report = read_json(tmp_path / "report.json")["m"]
+    assert (report["text"]["tokens"], report["sft"]["tokens"]) == (text["rows"] * 16, sft["rows"] * 16)
+
+
+def test_evaluate_models_scores_max_rows_with_the_configured_doc_mask(tmp_path, tok_path):
+    """evaluate.max_rows and evaluate.doc_mask reach the scoring: the first 3
+    rows, each read as one sequence (no per-document attention)."""
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(40, vocab, seed=3), seq_len=16)
+    model = tiny_model(tiny_config(vocab))
+    save_checkpoint(tmp_path / "m", model)
+    ids = torch.from_numpy(PackedRows(tmp_path / "val").input_ids(np.arange(3)).astype(np.int64))
+    expected = {}
+    for doc_mask in (False, True):
+        cfg = parse_section(EvaluateConfig, {"batch_size": 2, "max_rows": 3, "doc_mask": doc_mask}, "evaluate")
+        metrics, _ = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path,
+                                     tmp_path / "report.json")
+        assert read_json(tmp_path / "report.json")["m"]["text"]["tokens"] == 3 * 16
+        expected[doc_mask] = metrics["m"]["val_loss"]
+    with torch.no_grad():
+        logits = model(ids[:, :-1])
+    nll = F.cross_entropy(logits.double().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+    assert expected[False] == pytest.approx(nll / 48, rel=1e-5)
+    assert expected[True] != pytest.approx(expected[False], rel=1e-3)  # the rows do hold several documents
+
+
+def test_the_best_checkpoint_is_scored_when_asked_for(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab), seed=1), step=2)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab), seed=2), step=4)
+    (tmp_path / "m" / "best.json").write_text('{"step": 2, "path": "step-00000002", "val_loss": 1.0, '
+                                              '"fingerprint": "ffffffffffffffff"}')
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    runs = {"m": tmp_path / "m"}
+    split = {"text": tmp_path / "val"}
+    best, _ = evaluate_models(cfg, runs, split, tok_path, tmp_path / "best.json", which={"m": "best"})
+    last, _ = evaluate_models(cfg, runs, split, tok_path, tmp_path / "last.json")
+    reports = {name: read_json(tmp_path / f"{name}.json")["m"] for name in ("best", "last")}
+    assert (reports["best"]["checkpoint_step"], reports["last"]["checkpoint_step"]) == (2, 4)
+    assert (reports["best"]["which"], reports["last"]["which"]) == ("best", "last")
+    assert best["m"]["val_loss"] != last["m"]["val_loss"]
+
+
+def test_sample_i_is_generated_with_the_seed_it_records(tmp_path, tok_path):
+    """``samples.seed``: sample i uses seed + i, so a recorded sample can be
+    generated again from its record."""
+    from pipeline.data.tokenizer import load_specials, load_tokenizer
+    from pipeline.model.generate import generate
+
+    tok = load_tokenizer(tok_path)
+    specials = load_specials(tok_path)
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    cfg = parse_section(EvaluateConfig, {"samples": {"prompts": ["def f(x):", "def f(x):"], "chat": [], "seed": 7,
+                                                     "max_new_tokens": 12}}, "evaluate").samples
+    samples = record_samples(cfg, {"m": model}, tok_path)
+    assert [s["seed"] for s in samples] == [7, 8]
+    stops = [specials.eot_id, *specials.eos_ids]
+    for s in samples:
+        new = generate(model, tok.encode(s["prompt"], add_special_tokens=False).ids, max_new_tokens=12,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=s["seed"], stop_ids=stops)
+        assert s["completion"] == tok.decode([t for t in new if t not in stops], skip_special_tokens=False)
+    assert samples[0]["completion"] != samples[1]["completion"]  # the same prompt, another seed

@@ -33,3 +33,34 @@ def test_a_restored_ledger_keeps_its_per_reason_bound():
     restored.record("short", "late")
     assert restored.counts["short"] == 4
     assert [s["source"] for s in restored.samples] == ["f0", "f1"]
+
+
+def test_counts_are_exact_and_reported_by_reason_name():
+    from pipeline.data.accounting import counts_text
+
+    ledger = Ledger(per_reason=1)
+    ledger.record("too_large", "a.jsonl", n=1500)
+    ledger.record("binary", "b.bin")
+    ledger.record("too_large", "c.jsonl", n=2)
+    assert ledger.total == 1503
+    assert list(ledger.as_dict().items()) == [("binary", 1), ("too_large", 1502)]
+    assert counts_text({"too_large": 1502, "binary": 1}) == "binary 1, too_large 1,502"
+
+
+def test_a_quarantined_record_keeps_its_detail_and_at_most_max_chars_of_its_text():
+    ledger = Ledger(max_chars=4)
+    ledger.record("short", "s", "line 3", text="abcd", detail="4 chars")
+    ledger.record("long", "s", "line 9", text="abcdefg")
+    assert ledger.samples == [
+        {"reason": "short", "source": "s", "location": "line 3", "detail": "4 chars", "text": "abcd"},
+        {"reason": "long", "source": "s", "location": "line 9", "text": "abcd", "text_chars": 7}]
+
+
+def test_a_lone_surrogate_is_written_as_its_escape(tmp_path):
+    ledger = Ledger()
+    ledger.record("non_utf8", "s", text="a\udc80b")
+    ledger.record("short", "s", text="héllo")
+    ledger.write(tmp_path / "q.jsonl")
+    lines = (tmp_path / "q.jsonl").read_text(encoding="utf-8").splitlines()
+    assert '"a\\udc80b"' in lines[0] and '"héllo"' in lines[1]  # other text stays readable
+    assert [json.loads(line)["text"] for line in lines] == ["a\udc80b", "héllo"]

@@ -50,3 +50,13 @@ def test_a_source_that_gets_nothing_is_a_warning_with_the_figures():
     assert lines == ["source 'code': the mixture asks for 10 train tokens, fewer than its shortest document "
                      "(40 tokens), so none of its documents is trained on; raise its weight or tokens"]
     assert empty_warnings({"web": 990, "code": 50}, {"web": 985, "code": 40}, {"web": 5, "code": 40}) == []
+
+
+def test_weighted_targets_are_rounded_to_the_nearest_token():
+    # 11 tokens at 1:2 are 3.67 and 7.33: 4 and 7, not 3 and 7
+    assert targets({"web": 5, "code": 6}, {"web": Share(weight=1), "code": Share(weight=2)}) == {"web": 4, "code": 7}
+
+
+def test_exactly_max_repeats_passes_is_no_warning():
+    assert repeat_warnings({"code": 100}, {"code": 400}, max_repeats=4) == []
+    assert len(repeat_warnings({"code": 100}, {"code": 401}, max_repeats=4)) == 1

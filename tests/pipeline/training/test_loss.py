@@ -1,5 +1,8 @@
 """pipeline/training/loss.py: the one token loss, summed over unmasked targets in fp32."""
 
+import math
+
+import pytest
 import torch
 
 from pipeline.model.transformer import Transformer, build_config
@@ -39,3 +42,13 @@ def test_loss_is_fp32_when_the_model_runs_in_bf16():
     logits = m(tokens(2, 8))
     assert logits.dtype == torch.bfloat16
     assert token_loss_sum(logits, tokens(2, 8, seed=2)).dtype == torch.float32
+
+
+def test_token_id_0_is_a_target_like_any_other():
+    """Only IGNORE_INDEX is left out: id 0 is a real token (ours: a special one)."""
+    targets = torch.tensor([[0, 5, IGNORE_INDEX], [IGNORE_INDEX, 0, 0]])
+    assert int(scored_tokens(targets)) == 4
+    logits = torch.zeros(2, 3, 8)
+    logits[..., 0] = math.log(7.0)  # p(0) = 7/14 = 1/2, p(5) = 1/14
+    expected = 3 * math.log(2) + math.log(14)
+    assert float(token_loss_sum(logits, targets)) == pytest.approx(expected, rel=1e-6)

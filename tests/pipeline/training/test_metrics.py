@@ -91,3 +91,86 @@ def test_peak_memory_is_reduced_over_ranks_on_the_ranks_device(tmp_path, monkeyp
     with logger.start(0):
         logger.log(1, {"loss": 5.0, "lr": 1e-3})
     assert seen == [torch.device("meta")]
+
+
+class Clock:
+    """A perf_counter that moves only when the test moves it."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def logger_on(tmp_path, device="cpu", world_size=1, nnodes=1, every=10):
+    return MetricsLogger("pretrain", LoggingSection(every=every, peak_flops=1e9, track=False),
+                         Dist(0, 0, world_size, torch.device(device), None), tmp_path / "curve.csv",
+                         tmp_path / "history.csv", precision_dtype=torch.float32, nnodes=nnodes,
+                         tokens_per_step=64, flops_per_token=1000.0, max_steps=4)
+
+
+def test_throughput_and_mfu_count_the_steps_of_each_report_window_less_paused_time(tmp_path, monkeypatch):
+    from pipeline.training import metrics
+
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)
+    logger = logger_on(tmp_path, nnodes=2, every=2)
+    with logger.start(0):
+        clock.now = 101.0
+        logger.log(1, {"loss": 3.0, "lr": 0.1})
+        clock.now = 104.0
+        logger.log(2, {"loss": 2.0, "lr": 0.1})  # 2 steps × 64 tokens in 4 s
+        first = (logger.tokens_per_s, logger.mfu)
+        with logger.paused():
+            clock.now = 110.0  # 6 s of evaluation or checkpointing: not training time
+        clock.now = 111.0
+        logger.log(3, {"loss": 1.5, "lr": 0.1})
+        clock.now = 112.0
+        logger.log(4, {"loss": 1.0, "lr": 0.1})  # 2 steps × 64 tokens in 8 s less 6 paused
+    # MFU: tokens/s × FLOPs per token over the peak of 2 CPU nodes × 1e9
+    assert first == (32.0, pytest.approx(32.0 * 1000.0 / 2e9))
+    assert (logger.tokens_per_s, logger.mfu) == (64.0, pytest.approx(64.0 * 1000.0 / 2e9))
+    rows = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
+    assert [(r[0], r[1], r[4]) for r in rows] == [("2", "2.0", "32.0"), ("4", "1.0", "64.0")]
+    assert [r[-1] for r in rows] == ["4.0", "12.0"]  # elapsed_s: since the start, paused time included
+    assert logger.last_logged_loss == 1.0  # the summary's final_loss
+
+
+@pytest.mark.parametrize("device, world_size, nnodes, peak",
+                         [("cpu", 4, 1, 1e9), ("cpu", 4, 2, 2e9), ("cuda", 4, 1, 4e9)])
+def test_the_peak_is_per_gpu_or_per_cpu_node(tmp_path, device, world_size, nnodes, peak):
+    """CPU ranks of one node share its processor; each GPU rank has its own device."""
+    assert logger_on(tmp_path, device, world_size, nnodes).peak_flops_total == peak
+
+
+def test_the_measured_peak_is_two_flops_per_multiply_add(monkeypatch):
+    """With every F.linear taking 1 s, the peak is the FLOPs of one (m×k)·(k×n) matmul, 2mkn, per second."""
+    from types import SimpleNamespace
+
+    from pipeline.training import metrics
+
+    clock, shapes = Clock(), []
+
+    def linear(x, w):
+        shapes.append((*x.shape, w.shape[0]))
+        clock.now += 1.0
+
+    monkeypatch.setattr(metrics, "time", clock)
+    monkeypatch.setattr(metrics, "F", SimpleNamespace(linear=linear))
+    peak = metrics.measure_peak_flops(torch.device("cpu"), torch.float32, seconds=3.5)
+    (m, k, n), = set(shapes)
+    assert len(shapes) == 2 + 4 and peak == 2 * m * k * n
+
+
+def test_a_resumed_curve_gives_its_last_loss_and_last_measured_speed(tmp_path):
+    from pipeline.training.metrics import CsvLog
+
+    history = tmp_path / "models" / "curve.csv"
+    history.parent.mkdir()
+    history.write_text("step,loss,lr,grad_norm,tokens_per_s,mfu\n1,5.0,0.1,1.0,100,0.01\n2,4.0,0.1,1.0,200,0.02\n"
+                       "3,3.0,0.1,1.0,,\n4,2.0,0.1,1.0,400,0.04\n")
+    log = CsvLog(tmp_path / "plots.csv", resume_step=3, history=history)
+    log.close()
+    assert log.last_loss == 3.0 and log.last_speed == (200.0, 0.02)
+

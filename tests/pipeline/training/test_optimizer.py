@@ -116,3 +116,25 @@ def test_load_moments_keeps_this_runs_hyperparameters():
     for p in model.parameters():
         assert torch.equal(opt.state[p]["exp_avg"], donor.state[p]["exp_avg"])
         assert torch.equal(opt.state[p]["exp_avg_sq"], donor.state[p]["exp_avg_sq"])
+
+
+def test_build_optimizer_takes_its_settings_from_the_config_and_decays_linear_weights_only():
+    """lr, betas, eps and weight_decay come from ``optimizer:``; one AdamW step
+    with zero gradients (no Adam update) shrinks a linear weight by exactly
+    lr × weight_decay and leaves biases and embeddings as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 3))
+    cfg = OptimizerSection(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.25)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    settings = ("lr", "betas", "eps", "weight_decay")
+    assert [decay[k] for k in settings] == [0.01, (0.8, 0.99), 1e-6, 0.25]
+    assert [no_decay[k] for k in settings] == [0.01, (0.8, 0.99), 1e-6, 0.0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = dict(model.named_parameters())
+    torch.testing.assert_close(after["1.weight"].detach(), before["1.weight"] * (1 - 0.01 * 0.25), rtol=0, atol=1e-7)
+    assert torch.equal(after["1.bias"].detach(), before["1.bias"])
+    assert torch.equal(after["0.weight"].detach(), before["0.weight"])
