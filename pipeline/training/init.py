@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from safetensors import SafetensorError
-from tokenizers import Tokenizer
 
 from pipeline import layout
 from pipeline.errors import StageError
@@ -191,14 +190,6 @@ def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
                       meta={"init_from": str(found.path), **carried}, checkpoint=found)
 
 
-def _largest_id(tokenizer_json: Path) -> int:
-    try:
-        vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
-    except Exception as err:  # the Rust side raises a bare Exception with the parse error
-        raise InitError(f"{tokenizer_json}: not a readable tokenizer ({err})".replace("\n", " ")) from None
-    return max(vocab.values(), default=-1)
-
-
 def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
     """The packed data's tokenizer and the initial model belong together: the same
     tokenizer.json when the model's is known, and every token id inside the
@@ -214,13 +205,6 @@ def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
     if vocab > init.model.vocab_size:
         raise InitError(f"the tokenizer's ids need {vocab} embedding rows but {init.path} embeds only "
                         f"{init.model.vocab_size}; they do not belong together")
-    if init.kind == "hf" and init.tokenizer_sha256 is not None and init.tokenizer_sha256 == data_sha:
-        # the data's tokenizer is the folder's: its ids, not its count (which a gap in the ids makes
-        # smaller than the largest id + 1), must fit the table
-        top = _largest_id(init.path / "tokenizer.json")
-        if top >= init.model.vocab_size:
-            raise InitError(f"the tokenizer of {init.path} has ids up to {top} (its {vocab} tokens leave gaps), but "
-                            f"the model embeds only {init.model.vocab_size}; they do not belong together")
     if init.tokenizer_sha256 is None:
         log.warning("%s ships no tokenizer.json, so the pairing with data/tokenizer cannot be checked beyond the "
                     "vocabulary size (%d <= %d)", init.path, vocab, init.model.vocab_size)

@@ -381,11 +381,15 @@ def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path)
     vocab[max(vocab, key=vocab.get)] = 700  # one id moved past the table; the count stays
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     init = resolve_init(str(folder), warn_outside_base=False)
-    count = len(vocab) + len(tok["added_tokens"])
+    from tokenizers import Tokenizer
+
+    from pipeline.data.tokenizer import id_space
+
+    rows = id_space(Tokenizer.from_file(str(folder / "tokenizer.json")))  # what pack writes as vocab_size
+    assert rows == 701 and Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() <= 640
     with pytest.raises(InitError) as err:
-        check_tokenizer(init, manifest(count, sha256_file(folder / "tokenizer.json")))
-    assert f"the tokenizer of {folder} has ids up to 700 (its {count} tokens leave gaps), but the model embeds " \
-           "only 640" in one_line(err)
+        check_tokenizer(init, manifest(rows, sha256_file(folder / "tokenizer.json")))
+    assert f"the tokenizer's ids need 701 embedding rows but {folder} embeds only 640" in one_line(err)
 
 
 def test_a_model_folder_without_tokenizer_json_only_warns(tmp_path, caplog):
