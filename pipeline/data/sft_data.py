@@ -3,8 +3,9 @@
 Input: ``SFTDataConfig.sources``, each ``{path, format}``. ``path`` is a file, a
 directory (its ``*.json``, ``*.jsonl`` and ``*.ndjson`` files, recursively, dot-files
 left out) or a glob; ``.jsonl``/``.ndjson`` files hold one record per line, ``.json``
-files an array of records (or one record; a ``.json`` file of one record a line is
-read as JSON Lines, as ingest reads it). ``path`` may instead name a built-in
+files an array of records (or one record, or an object wrapping one array of
+records, ``{"data": [...]}``; a ``.json`` file of one record a line is read as
+JSON Lines, as ingest reads it). ``path`` may instead name a built-in
 dataset, ``builtin:<name>`` (:data:`BUILTIN_DATASETS`; ``stdlib-docstrings`` is
 :mod:`pipeline.data.stdlib_qa`). ``format`` is one of
 :data:`pipeline.data.chat.FORMAT_NAMES`; ``auto`` detects it per record.
@@ -276,6 +277,10 @@ def _read_json(path: Path) -> Iterator[Raw]:
             return
         yield Raw("file", reason="malformed_json", detail=str(e))
         return
+    if isinstance(data, dict) and not any(f.key in data for f in chat.FORMATS.values()):
+        # not a record but a wrapper, {"data": [...], "version": ...}: its one list of objects, as ingest reads it
+        lists = [v for v in data.values() if isinstance(v, list) and any(isinstance(x, dict) for x in v)]
+        data = lists[0] if len(lists) == 1 else data
     if isinstance(data, list):
         for i, rec in enumerate(data):
             yield Raw(f"item:{i}", rec)

@@ -205,6 +205,21 @@ def test_a_byte_order_mark_and_crlf_lines_cost_no_record(tmp_path, tok_path):
     assert m["skipped"] == {} and m["train"]["examples"] + m["val"]["examples"] == 13
 
 
+def test_a_json_object_wrapping_the_records_is_read_as_they_are(tmp_path, tok_path):
+    """{"data": [...], "version": ...}: ingest unwraps its one list of objects;
+    SFT counted the whole file as one unknown_format skip. A record of a known
+    format is still one record, though its messages are a list of objects."""
+    records = [messages_rec(i) for i in range(12)]
+    (tmp_path / "wrapped.json").write_text(json.dumps({"version": "1.0", "data": records}))
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "wrapped.json"))])
+    assert m["examples_in"] == 12 and m["skipped"] == {}
+    assert m["train"]["examples"] + m["val"]["examples"] == 12
+    from pipeline.data.sft_data import _read_json
+
+    (tmp_path / "one.json").write_text(json.dumps(records[0]))
+    assert [(r.location, r.record) for r in _read_json(tmp_path / "one.json")] == [("file", records[0])]
+
+
 def test_a_json_file_of_one_record_a_line_is_read_as_json_lines(tmp_path, tok_path):
     """Many chat sets ship JSON Lines under a .json name. ingest reads such a file
     as JSON Lines; SFT read it as one malformed record ("Extra data"), so a whole
