@@ -134,3 +134,13 @@ def test_keep_below_removes_the_later_shards_and_their_records(tmp_path, caplog)
     assert caplog.text.count("after the point resumed") == 1  # one line for the five files
     assert "removed 5 file(s), after the point resumed: shard-00002.parquet, shard-00002.json, ... shard-00007.parquet" \
         in caplog.text
+
+
+def test_code_digest_moves_with_the_source_text_not_only_the_file_name(tmp_path):
+    """An edit to a module's code makes its old shards stale, though the file name stays."""
+    src = tmp_path / "mod.py"
+    src.write_text("x = 1\n")
+    module = type("M", (), {"__file__": str(src)})
+    before = resume.code_digest(module)
+    src.write_text("x = 2\n")
+    assert resume.code_digest(module) != before
