@@ -144,3 +144,13 @@ def test_code_digest_moves_with_the_source_text_not_only_the_file_name(tmp_path)
     before = resume.code_digest(module)
     src.write_text("x = 2\n")
     assert resume.code_digest(module) != before
+
+
+def test_files_digest_moves_with_the_size_when_the_mtime_is_kept(tmp_path):
+    f = tmp_path / "raw.txt"
+    f.write_text("abc")
+    os.utime(f, ns=(5, 5))
+    before = resume.files_digest([f])
+    f.write_text("abcdef")  # appended in place, and the mtime put back (as a copy with `cp -p` does)
+    os.utime(f, ns=(5, 5))
+    assert resume.files_digest([f]) != before
