@@ -154,3 +154,7 @@ def test_files_digest_moves_with_the_size_when_the_mtime_is_kept(tmp_path):
     f.write_text("abcdef")  # appended in place, and the mtime put back (as a copy with `cp -p` does)
     os.utime(f, ns=(5, 5))
     assert resume.files_digest([f]) != before
+
+
+def test_digest_json_does_not_depend_on_key_order():
+    assert resume.digest_json({"a": 1, "b": {"c": 2, "d": 3}}) == resume.digest_json({"b": {"d": 3, "c": 2}, "a": 1})
