@@ -158,3 +158,13 @@ def test_files_digest_moves_with_the_size_when_the_mtime_is_kept(tmp_path):
 
 def test_digest_json_does_not_depend_on_key_order():
     assert resume.digest_json({"a": 1, "b": {"c": 2, "d": 3}}) == resume.digest_json({"b": {"d": 3, "c": 2}, "a": 1})
+
+
+def test_input_digest_of_a_folder_is_its_manifest_and_of_a_file_its_bytes(tmp_path):
+    import hashlib
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / MANIFEST).write_bytes(b'{"shards": []}')
+    (tmp_path / "docs.parquet").write_bytes(b"rows")
+    assert resume.input_digest(tmp_path / "out") == hashlib.sha256(b'{"shards": []}').hexdigest()
+    assert resume.input_digest(tmp_path / "docs.parquet") == hashlib.sha256(b"rows").hexdigest()
