@@ -168,3 +168,20 @@ def test_input_digest_of_a_folder_is_its_manifest_and_of_a_file_its_bytes(tmp_pa
     (tmp_path / "docs.parquet").write_bytes(b"rows")
     assert resume.input_digest(tmp_path / "out") == hashlib.sha256(b'{"shards": []}').hexdigest()
     assert resume.input_digest(tmp_path / "docs.parquet") == hashlib.sha256(b"rows").hexdigest()
+
+
+def test_finish_refuses_a_missing_last_shard_and_removes_the_shard_just_past_the_end(tmp_path):
+    _three(tmp_path)
+    (tmp_path / "shard-00002.txt").write_text("damaged")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [0, 1]
+    with pytest.raises(RuntimeError, match=r"shard\(s\) \[2\] are not committed"):
+        sl.finish(3, {})
+    whole = tmp_path / "whole"
+    _three(whole)
+    sl = ShardLog(whole, "a", ext=".txt")
+    sl.open()
+    manifest = sl.finish(2, {})
+    assert [s["path"] for s in manifest["shards"]] == ["shard-00000.txt", "shard-00001.txt"]
+    assert sorted(p.name for p in whole.iterdir()) == [
+        "manifest.json", "shard-00000.json", "shard-00000.txt", "shard-00001.json", "shard-00001.txt"]
