@@ -227,3 +227,18 @@ def test_a_writer_with_a_shard_log_writes_the_same_shards_and_commits_each(tmp_p
         assert len(PackedRows(tmp_path / d / "train")) == 6
     clear_outputs(tmp_path / "b")
     assert not list((tmp_path / "b" / "train").iterdir())
+
+
+def test_verify_catches_a_shard_of_the_right_shape_with_other_tokens(tmp_path, tok_path):
+    """Same rows, same row length, other bytes: only the digest tells, and only when asked to check it."""
+    rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 3)
+    manifest = (tmp_path / MANIFEST).read_bytes()
+    other = rows.copy()
+    other[0, 1] = 7
+    write_format(tmp_path / "other", tok_path, other, [[0]] * 3)
+    (tmp_path / "train" / "shard-00000.arrow").write_bytes((tmp_path / "other/train/shard-00000.arrow").read_bytes())
+    assert (tmp_path / MANIFEST).read_bytes() == manifest
+    assert verify(tmp_path, sha256=False)["splits"]["train"]["rows"] == 3
+    with pytest.raises(DataError, match=r"train/shard-00000.arrow: sha256 does not match the manifest$"):
+        verify(tmp_path)
