@@ -258,3 +258,16 @@ def test_writing_a_mixture_has_its_own_progress_bar_in_tokens(corpus, tmp_path, 
                        tmp_path / "out")
     [bar] = [b for b in bars if b.desc == "pack mixture"]
     assert bar.n == bar.total == sum(s["train_tokens"] for s in metrics["sources"].values()) > 0
+
+
+def test_the_tiny_corpus_rule_moves_the_unmarked_rows_of_an_id_and_leaves_its_marked_rows(tmp_path):
+    """Seed 0, val_fraction 0.01: "a" and "b" both hash into train, "b" the lower (h = 7900857904463132815 <
+    15000076009323008316), so "b" is moved to val; seed 4, 0.5: both hash into val, "a" the higher
+    (2496144048330497281 > 316770774436082721), so "a" is moved to train. A row of that id marked in ingest
+    stays where it is marked."""
+    for seed, f, moved, mark, want in ((0, 0.01, "b", "train", [False, True, False]),
+                                       (4, 0.5, "a", "val", [False, True, True])):
+        rows = [("a", "x", "web", None), ("b", "y", "web", None), (moved, "z", "web", mark)]
+        plan = plan_splits(pq.ParquetFile(write_sourced(tmp_path / f"{seed}.parquet", rows)), seed, f)
+        assert plan.forced == {moved: "val" if mark == "train" else "train"}
+        assert plan.val_mask(0, 3).tolist() == want, seed
