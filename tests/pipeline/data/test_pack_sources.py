@@ -271,3 +271,25 @@ def test_the_tiny_corpus_rule_moves_the_unmarked_rows_of_an_id_and_leaves_its_ma
         plan = plan_splits(pq.ParquetFile(write_sourced(tmp_path / f"{seed}.parquet", rows)), seed, f)
         assert plan.forced == {moved: "val" if mark == "train" else "train"}
         assert plan.val_mask(0, 3).tolist() == want, seed
+
+
+def test_per_source_figures_are_each_sources_documents_and_tokens_per_split(corpus, packed):
+    """Documents and document tokens (EOTs not counted) per source and split, and the share of the train
+    tokens, against a count one document at a time."""
+    path, tok, rows = corpus
+    out, metrics = packed
+    val = plan_splits(pq.ParquetFile(path), CFG["seed"], CFG["val_fraction"]).val_mask(0, len(rows))
+    t = load_tokenizer(tok)
+    want = {name: {"train_docs": 0, "train_tokens": 0, "val_docs": 0, "val_tokens": 0}
+            for name in ("web", "code", "bench")}
+    for (_, text, name, _), v in zip(rows, val):
+        split = "val" if v else "train"
+        want[name][f"{split}_docs"] += 1
+        want[name][f"{split}_tokens"] += len(t.encode(text).ids)
+    train_total = sum(w["train_tokens"] for w in want.values())
+    for w in want.values():
+        w["share"] = round(w["train_tokens"] / train_total, 6)
+    assert read_json(out / MANIFEST)["sources"] == want
+    assert want["bench"]["val_tokens"] > 0 and 0 < want["code"]["share"] < want["web"]["share"]
+    assert metrics["sources"] == {n: {k: w[k] for k in ("train_tokens", "val_tokens", "share")}
+                                  for n, w in want.items()}
