@@ -293,3 +293,18 @@ def test_per_source_figures_are_each_sources_documents_and_tokens_per_split(corp
     assert want["bench"]["val_tokens"] > 0 and 0 < want["code"]["share"] < want["web"]["share"]
     assert metrics["sources"] == {n: {k: w[k] for k in ("train_tokens", "val_tokens", "share")}
                                   for n, w in want.items()}
+
+
+def test_a_source_whose_val_fills_no_row_gets_no_val_split_of_its_own(corpus, tmp_path, caplog):
+    path, tok, rows = corpus
+    web = [r for r in rows if r[2] == "web"]
+    small = write_sourced(tmp_path / "d.parquet", web + [("t0", "x", "tiny", "val")])
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.pack"):
+        run_pack(PackConfig(**CFG), small, tok, tmp_path / "out")
+    manifest = verify(tmp_path / "out")
+    assert manifest["val_sources"] == {"web": "val-source-00"}
+    assert "val-source-01" not in manifest["splits"] and val_sources(tmp_path / "out") == {
+        "web": tmp_path / "out" / "val-source-00"}
+    n = len(load_tokenizer(tok).encode("x").ids) + 1
+    assert f"source 'tiny': its 1 val document(s) give {n} tokens, less than one row; it gets no score of its own" \
+        in caplog.text
