@@ -308,3 +308,13 @@ def test_a_source_whose_val_fills_no_row_gets_no_val_split_of_its_own(corpus, tm
     n = len(load_tokenizer(tok).encode("x").ids) + 1
     assert f"source 'tiny': its 1 val document(s) give {n} tokens, less than one row; it gets no score of its own" \
         in caplog.text
+
+
+def test_one_source_with_marked_documents_lists_the_marks_and_the_source(corpus, tmp_path):
+    path, tok, rows = corpus
+    web = [r for r in rows if r[2] == "web"][:60]
+    web[:3] = [r[:3] + ("val",) for r in web[:3]]
+    run_pack(PackConfig(**CFG), write_sourced(tmp_path / "d.parquet", web), tok, tmp_path / "out")
+    manifest = read_json(tmp_path / "out" / MANIFEST)
+    assert manifest["marked"] == {"val": 3} and list(manifest["sources"]) == ["web"]
+    assert manifest["sources"]["web"]["share"] == 1.0 and manifest["val_sources"] == {}
