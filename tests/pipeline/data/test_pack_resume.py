@@ -339,3 +339,21 @@ def test_sigkill_on_the_process_group_with_two_local_workers_then_rerun(corpus, 
 def test_sigkill_on_the_process_group_under_ray_then_rerun(corpus, tmp_path):
     pytest.importorskip("ray")
     kill_and_resume(corpus, tmp_path, {"kind": "ray", "num_workers": 2})
+
+
+def test_the_fingerprint_moves_with_the_documents_the_tokenizer_and_its_roles(tmp_path):
+    """Shards packed with another tokenizer (or other special-token roles: another EOT id) are stale."""
+    docs, tok_dir = tmp_path / "docs.parquet", tmp_path / "tok"
+    tok_dir.mkdir()
+    tok = tok_dir / "tokenizer.json"
+    docs.write_bytes(b"docs")
+    tok.write_text('{"model": 1}')
+    cfg = PackConfig(**CFG)
+    keys = [(pack.pack_fingerprint(cfg, docs, tok), pack.streams_key(cfg, docs, tok))]
+    for change in (lambda: tok.write_text('{"model": 2}'),
+                   lambda: (tok_dir / "specials.json").write_text('{"eot_id": 0}'),
+                   lambda: (tok_dir / "specials.json").write_text('{"eot_id": 1}'),
+                   lambda: docs.write_bytes(b"other docs")):
+        change()
+        keys.append((pack.pack_fingerprint(cfg, docs, tok), pack.streams_key(cfg, docs, tok)))
+    assert len({fp for fp, _ in keys}) == len({s for _, s in keys}) == 5
