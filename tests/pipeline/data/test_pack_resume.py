@@ -357,3 +357,19 @@ def test_the_fingerprint_moves_with_the_documents_the_tokenizer_and_its_roles(tm
         change()
         keys.append((pack.pack_fingerprint(cfg, docs, tok), pack.streams_key(cfg, docs, tok)))
     assert len({fp for fp, _ in keys}) == len({s for _, s in keys}) == 5
+
+
+def test_a_finished_output_whose_manifest_was_rewritten_is_not_taken_as_finished(corpus, tmp_path):
+    """A manifest edited into other valid JSON still lists the shards as they are (verify passes), but it
+    is not the one the run wrote: the rerun writes it again."""
+    import json
+
+    path, tok, ref, metrics = corpus
+    out = tmp_path / "out"
+    run_pack(PackConfig(**CFG), path, tok, out)
+    manifest = read_json(out / MANIFEST)
+    manifest["docs"] += 1
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    verify(out)
+    again = run_pack(PackConfig(**CFG), path, tok, out)
+    assert files(out) == files(ref) and same_metrics(again, metrics) and again["workers"] > 0
