@@ -470,3 +470,14 @@ def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path):
         (d / "state.u8").write_bytes(b"\0")
     both(tmp_path, PLANTED)
     assert not stale.exists() and (live / "state.u8").exists()  # a running process's folder is left alone
+
+
+def test_exact_duplicates_need_the_whole_128_bit_digest_equal(tmp_path):
+    """Digests equal in their first 64 bits only are different documents: among some 2**32 documents two
+    share a 64-bit prefix by chance, and each such pair would drop a distinct document."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=8, bands=2, partition_docs=100)
+    writer = dedup.SignatureWriter(work, exact=True, near=False)
+    digests = np.array([[7, 1], [7, 2], [7, 1]], "<u8")
+    writer.add(np.zeros(3, np.uint8), digests, None)
+    writer.close()
+    assert dedup.exact_partition(work, 0, writer.size(work.exact_path(0))).tolist() == [2]
