@@ -481,3 +481,14 @@ def test_exact_duplicates_need_the_whole_128_bit_digest_equal(tmp_path):
     writer.add(np.zeros(3, np.uint8), digests, None)
     writer.close()
     assert dedup.exact_partition(work, 0, writer.size(work.exact_path(0))).tolist() == [2]
+
+
+def test_a_match_at_exactly_the_threshold_is_a_near_duplicate(tmp_path):
+    """96 of 128 equal slots is an estimated Jaccard of exactly 0.75: at the threshold, so dropped."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=128, bands=16, partition_docs=100)
+    work.root.mkdir()
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    np.save(work.root / "pairs.npy", np.array([(1, 0, 96), (2, 0, 95)], dtype=dedup.PAIR))
+    res = dedup.resolve(work, [str(work.root / "pairs.npy")], 0.75, ids_wanted=10)
+    assert work.state().tolist() == [dedup.CANDIDATE, dedup.NEAR, dedup.CANDIDATE]
+    assert res["detail"] == {1: (0.75, 0)} and res["candidates_below_threshold"] == 1
