@@ -560,3 +560,12 @@ def test_a_row_group_too_large_for_a_task_is_read_by_the_stage_in_runs(tmp_path,
     assert len(sent) > BIG_GROUP and all(m for _, _, m in sent)
     assert [b for _, b, _ in sent[:-1]] == [a for a, _, _ in sent[1:]] and sent[-1][1] == len(READ_TEXTS)
     assert parquet_and_quarantine(tmp_path / "out") == parquet_and_quarantine(want / "out")
+
+
+def test_a_text_shorter_than_the_shingle_size_is_one_shingle():
+    """So that short documents can still be near duplicates of each other; an empty one has none."""
+    from pipeline.data.clean import shingles
+
+    assert shingles("a  b\nc", 5) == ["a b c"]
+    assert shingles("a b c", 2) == ["a b", "b c"]
+    assert shingles(" \n", 5) == []
