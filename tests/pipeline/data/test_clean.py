@@ -569,3 +569,11 @@ def test_a_text_shorter_than_the_shingle_size_is_one_shingle():
     assert shingles("a  b\nc", 5) == ["a b c"]
     assert shingles("a b c", 2) == ["a b", "b c"]
     assert shingles(" \n", 5) == []
+
+
+def test_filters_judge_the_normalised_text(tmp_path):
+    """"ab" and five control characters: 7 characters as read, 2 once normalised, so too short for 4."""
+    metrics, docs, quarantine = run(tmp_path, ["ab\x00\x01\x02\x03\x04", code(1)],
+                                     filters={"too_short": {"min_chars": 4}})
+    assert [d["id"] for d in docs] == ["id001"]
+    assert [(q["reason"], q["detail"]) for q in quarantine] == [("too_short", "id id000: chars 2 < 4")]
