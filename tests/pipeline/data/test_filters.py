@@ -142,3 +142,16 @@ def test_bad_filter_params_are_rejected():
         FiltersSection.model_validate({"gopher_stop_words": {"words": ["The", "of the", "and"]}})
     with pytest.raises(ValueError, match="at least 1 item"):
         FiltersSection.model_validate({"gopher_stop_words": {"words": []}})
+
+
+# (filter, params, text exactly at the limit, which the filter keeps: each rule drops only beyond it)
+AT_LIMIT = [
+    ("too_short", {"min_chars": 4}, "abcd"),
+    ("too_short", {"min_chars": 1}, "x"),
+    ("gopher_bullet_lines", {}, "- one\n" * 9 + "plain line"),  # 9 of 10 lines: 0.9, not above it
+]
+
+
+@pytest.mark.parametrize("name,params,text", AT_LIMIT, ids=[c[0] for c in AT_LIMIT])
+def test_a_document_exactly_at_a_limit_is_kept(name, params, text):
+    assert not fires(name, text, **params)
