@@ -155,3 +155,9 @@ AT_LIMIT = [
 @pytest.mark.parametrize("name,params,text", AT_LIMIT, ids=[c[0] for c in AT_LIMIT])
 def test_a_document_exactly_at_a_limit_is_kept(name, params, text):
     assert not fires(name, text, **params)
+
+
+def test_the_unicode_ellipsis_counts_as_a_symbol():
+    # three words, three '\u2026': a ratio of 1.0 against the limit 0.25
+    assert first_failure("wait\u2026 what\u2026 now\u2026", only("gopher_symbol_ratio")) == (
+        "gopher_symbol_ratio", "symbol_word_ratio 1.000 > 0.25")
