@@ -161,3 +161,12 @@ def test_the_unicode_ellipsis_counts_as_a_symbol():
     # three words, three '\u2026': a ratio of 1.0 against the limit 0.25
     assert first_failure("wait\u2026 what\u2026 now\u2026", only("gopher_symbol_ratio")) == (
         "gopher_symbol_ratio", "symbol_word_ratio 1.000 > 0.25")
+
+
+def test_dup_lines_counts_the_characters_of_the_repeats_only():
+    """One 47-character line twice among ten lines: 1 of 10 lines repeats (under 0.4), but the repeat holds
+    47 of the 143 characters, 0.329, above 0.3."""
+    long = "result = compute_everything(alpha, beta, gamma)"
+    text = "\n".join([long, "a = 1", "b = 2", long, "c = 3", "d = 4", "e = 5", "f = 6", "g = 7", "h = 8"])
+    assert (len(long), len(text)) == (47, 143)
+    assert first_failure(text, only("gopher_dup_lines")) == ("gopher_dup_lines", "dup_line_char_frac 0.329 > 0.3")
