@@ -170,3 +170,8 @@ def test_dup_lines_counts_the_characters_of_the_repeats_only():
     text = "\n".join([long, "a = 1", "b = 2", long, "c = 3", "d = 4", "e = 5", "f = 6", "g = 7", "h = 8"])
     assert (len(long), len(text)) == (47, 143)
     assert first_failure(text, only("gopher_dup_lines")) == ("gopher_dup_lines", "dup_line_char_frac 0.329 > 0.3")
+
+
+def test_top_ngrams_never_fires_when_no_ngram_repeats():
+    # "one two" is 6 of the 11 word characters, above 0.20, but it occurs once
+    assert not fires("gopher_top_ngrams", "one two three")
