@@ -175,3 +175,12 @@ def test_dup_lines_counts_the_characters_of_the_repeats_only():
 def test_top_ngrams_never_fires_when_no_ngram_repeats():
     # "one two" is 6 of the 11 word characters, above 0.20, but it occurs once
     assert not fires("gopher_top_ngrams", "one two three")
+
+
+def test_dup_ngrams_goes_on_to_a_larger_n_whose_lower_limit_the_same_fraction_breaks():
+    """60 distinct 4-character words, the first 20 repeated at the end: the repeat is 20 of 80 words, 0.25
+    of the characters for every n up to 20. Under the limits for n = 5, 6 and 7 (0.30, 0.28, 0.26), above
+    the one for n = 8 (0.24)."""
+    ws = [f"w{i:03d}" for i in range(60)]
+    assert first_failure(" ".join(ws + ws[:20]), only("gopher_dup_ngrams")) == (
+        "gopher_dup_ngrams", "dup_8gram_char_frac 0.250 > 0.24")
