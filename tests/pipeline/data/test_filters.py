@@ -184,3 +184,7 @@ def test_dup_ngrams_goes_on_to_a_larger_n_whose_lower_limit_the_same_fraction_br
     ws = [f"w{i:03d}" for i in range(60)]
     assert first_failure(" ".join(ws + ws[:20]), only("gopher_dup_ngrams")) == (
         "gopher_dup_ngrams", "dup_8gram_char_frac 0.250 > 0.24")
+
+
+def test_stop_words_are_matched_whatever_their_case():
+    assert not fires("gopher_stop_words", "THE CAT AND A DOG")
