@@ -188,3 +188,12 @@ def test_dup_ngrams_goes_on_to_a_larger_n_whose_lower_limit_the_same_fraction_br
 
 def test_stop_words_are_matched_whatever_their_case():
     assert not fires("gopher_stop_words", "THE CAT AND A DOG")
+
+
+def test_line_rules_count_non_blank_lines_only():
+    """Blank lines between paragraphs are neither repeated lines nor lines that dilute a fraction."""
+    assert Text("a\n\n  \nb   \n").lines == ["a", "b"]
+    assert not fires("gopher_dup_lines", "\n\n".join(f"x{i} = {i}" for i in range(10)))
+    # one line of nine non-blank mentions javascript: 0.111, above 0.1, whatever the blank lines after it
+    text = "Enable JavaScript\n" + "line\n" * 8 + "\n\n"
+    assert first_failure(text, only("c4_javascript")) == ("c4_javascript", "javascript_line_frac 0.111 > 0.1")
