@@ -612,3 +612,8 @@ def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_match
     assert near.check("d", _Sig([1, 2, 3, 4, 5, 60, 7, 99])) == "jaccard~0.750 with kept id a"
     assert near.check("e", _Sig([1, 2, 3, 4, 50, 60, 70, 80])) == "jaccard~0.875 with kept id c"
     assert (near.candidates_checked, near.candidates_rejected) == (1 + 1 + 2 + 2, 0 + 1 + 0 + 1)
+
+
+def test_lone_carriage_returns_are_line_ends_too():
+    """A file saved with old Mac line ends has no "\\r\\n" at all: each "\\r" still ends a line."""
+    assert normalise("x = 1\ry = 2\r", NormaliseConfig()) == "x = 1\ny = 2\n"
