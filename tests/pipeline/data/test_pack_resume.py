@@ -373,3 +373,18 @@ def test_a_finished_output_whose_manifest_was_rewritten_is_not_taken_as_finished
     verify(out)
     again = run_pack(PackConfig(**CFG), path, tok, out)
     assert files(out) == files(ref) and same_metrics(again, metrics) and again["workers"] > 0
+
+
+@pytest.mark.parametrize("module", ["pack", "mixture", "shares", "shards", "docs", "tokenizer"])
+def test_the_fingerprint_moves_with_the_code_of_each_module_that_makes_the_rows(tmp_path, monkeypatch, module):
+    docs, tok = tmp_path / "docs.parquet", tmp_path / "tokenizer.json"
+    docs.write_bytes(b"docs")
+    tok.write_text("{}")
+    cfg = PackConfig(**CFG)
+    before = pack.pack_fingerprint(cfg, docs, tok)
+    mod = pack if module == "pack" else getattr(pack, f"{module}_module")
+    edited = tmp_path / os.path.basename(mod.__file__)
+    with open(mod.__file__) as f:
+        edited.write_text(f.read() + "\n# edited\n")
+    monkeypatch.setattr(mod, "__file__", str(edited))
+    assert pack.pack_fingerprint(cfg, docs, tok) != before
