@@ -855,3 +855,10 @@ def test_position_split_scores_a_files_chunks_in_chunk_order_not_row_order(tmp_p
     plan = plan_splits(pq.ParquetFile(write_chunked(tmp_path / "d.parquet", rows)), 0, 0.1, val_by="position")
     assert plan.first_val_chunk == {"a.txt": 9}
     assert plan.val_mask(0, 10).tolist() == [True] + [False] * 9
+
+
+def test_a_files_first_chunk_is_not_a_continuing_one():
+    """Chunk 0 starts its file's text: encoded as any text, with the BOS or dummy prefix a tokenizer adds;
+    a later chunk (even after a gap) continues it; a plain document is no chunk."""
+    keys = Keys.of(pa.array(["a.txt", "a.txt", "p.txt", "a.txt", "b.txt"]), pa.array([0, 1, None, 3, 0], pa.int64()))
+    assert keys.continuing().tolist() == [False, True, False, True, False]
