@@ -242,3 +242,10 @@ def test_verify_catches_a_shard_of_the_right_shape_with_other_tokens(tmp_path, t
     assert verify(tmp_path, sha256=False)["splits"]["train"]["rows"] == 3
     with pytest.raises(DataError, match=r"train/shard-00000.arrow: sha256 does not match the manifest$"):
         verify(tmp_path)
+
+
+def test_a_negative_row_index_is_refused_not_read_from_the_end(tmp_path):
+    data = PackedRows(write_split(tmp_path / "s", [np.arange(i * 5, i * 5 + 5) for i in range(4)], [[0]] * 4))
+    for rows in ([-1], [0, -4]):
+        with pytest.raises(IndexError, match="out of range for 4 rows"):
+            data.input_ids(np.array(rows))
