@@ -249,3 +249,13 @@ def test_a_negative_row_index_is_refused_not_read_from_the_end(tmp_path):
     for rows in ([-1], [0, -4]):
         with pytest.raises(IndexError, match="out of range for 4 rows"):
             data.input_ids(np.array(rows))
+
+
+def test_a_split_whose_shards_disagree_on_labels_is_refused(tmp_path):
+    write_split(tmp_path / "a", [np.arange(5)], [[0]], labels=[np.arange(5)], shards=1)
+    table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(5), pa.int32()), 5),
+                      "doc_starts": pa.array([[0]], pa.list_(pa.int32()))})
+    with pa.ipc.new_file(str(tmp_path / "a" / "shard-00001.arrow"), table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(DataError, match="some shards have a labels column and some do not"):
+        PackedRows(tmp_path / "a")
