@@ -259,3 +259,11 @@ def test_a_split_whose_shards_disagree_on_labels_is_refused(tmp_path):
         w.write_table(table)
     with pytest.raises(DataError, match="some shards have a labels column and some do not"):
         PackedRows(tmp_path / "a")
+
+
+def test_writer_rejects_labels_that_do_not_match_the_rows(tmp_path):
+    writer = ShardWriter(tmp_path, "train", row_schema("test/1", 4, labels=True))
+    ids = np.zeros((2, 4), np.int32)
+    for labels in (np.zeros((2, 3), np.int32), np.zeros((2, 4), np.int64)):
+        with pytest.raises(ValueError, match="labels must match input_ids"):
+            writer.write(ids, np.array([0, 1, 2]), np.array([0, 0], np.int32), labels)
