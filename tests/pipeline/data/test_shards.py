@@ -267,3 +267,10 @@ def test_writer_rejects_labels_that_do_not_match_the_rows(tmp_path):
     for labels in (np.zeros((2, 3), np.int32), np.zeros((2, 4), np.int64)):
         with pytest.raises(ValueError, match="labels must match input_ids"):
             writer.write(ids, np.array([0, 1, 2]), np.array([0, 0], np.int32), labels)
+
+
+def test_the_manifest_names_the_eot_and_pad_ids_and_the_ignore_index_with_labels(tmp_path, tok_path):
+    rows = np.arange(2 * 4, dtype=np.int32).reshape(2, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 2, labels=rows.copy())
+    m = read_manifest(tmp_path)
+    assert (m["eot_id"], m["pad_id"], m["special_ids"], m["ignore_index"]) == (0, 1, {"eot": 0, "pad": 1}, -100)
