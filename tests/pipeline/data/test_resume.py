@@ -185,3 +185,11 @@ def test_finish_refuses_a_missing_last_shard_and_removes_the_shard_just_past_the
     assert [s["path"] for s in manifest["shards"]] == ["shard-00000.txt", "shard-00001.txt"]
     assert sorted(p.name for p in whole.iterdir()) == [
         "manifest.json", "shard-00000.json", "shard-00000.txt", "shard-00001.json", "shard-00001.txt"]
+
+
+def test_a_record_that_is_json_but_not_an_object_is_not_trusted(tmp_path):
+    _three(tmp_path)
+    (tmp_path / "shard-00001.json").write_text("[1, 2]")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [0, 2]
+    assert not (tmp_path / "shard-00001.txt").exists()
