@@ -492,3 +492,12 @@ def test_a_match_at_exactly_the_threshold_is_a_near_duplicate(tmp_path):
     res = dedup.resolve(work, [str(work.root / "pairs.npy")], 0.75, ids_wanted=10)
     assert work.state().tolist() == [dedup.CANDIDATE, dedup.NEAR, dedup.CANDIDATE]
     assert res["detail"] == {1: (0.75, 0)} and res["candidates_below_threshold"] == 1
+
+
+def test_documents_with_no_shingles_are_not_counted_in_the_near_index(tmp_path):
+    """With too_short off, empty documents pass the filters but have no words, so no MinHash: kept, and
+    not in the near-dedup index, by either method. The first is kept, the second an exact duplicate."""
+    memory, sharded = both(tmp_path, PLANTED[:5] + ["", ""], filters={"too_short": {"enabled": False}})
+    assert sharded == memory
+    assert memory[0]["docs"] == 4  # 0, 1, 4 and the first empty one
+    assert memory[1]["near_dedup"]["kept_in_index"] == 3  # 0, 1 and 4: 2 is a near duplicate of 0, 3 a copy of 1
