@@ -318,3 +318,17 @@ def test_one_source_with_marked_documents_lists_the_marks_and_the_source(corpus,
     manifest = read_json(tmp_path / "out" / MANIFEST)
     assert manifest["marked"] == {"val": 3} and list(manifest["sources"]) == ["web"]
     assert manifest["sources"]["web"]["share"] == 1.0 and manifest["val_sources"] == {}
+
+
+def test_the_seed_chooses_which_documents_a_mixture_copies_and_drops(corpus, tmp_path):
+    """Every document marked in ingest: the split does not depend on the seed, so only the mixture's own
+    order (which web documents are dropped, which code documents copied once more) can tell two seeds apart."""
+    path, tok, rows = corpus
+    marked = write_sourced(tmp_path / "d.parquet", [r[:3] + (r[3] or "train",) for r in rows])
+    mix = {"web": {"weight": 0.5}, "code": {"weight": 0.5}}
+    for seed in (3, 4):
+        run_pack(PackConfig(**{**CFG, "seed": seed}, mixture=mix), marked, tok, tmp_path / str(seed))
+    a, b = (read_json(tmp_path / str(seed) / MANIFEST) for seed in (3, 4))
+    assert a["splits"]["val"] == b["splits"]["val"] and a["marked"] == {"train": 210, "val": 20}
+    digests = [[s["sha256"] for s in m["splits"]["train"]["shards"]] for m in (a, b)]
+    assert digests[0] != digests[1]
