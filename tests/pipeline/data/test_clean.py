@@ -560,3 +560,60 @@ def test_a_row_group_too_large_for_a_task_is_read_by_the_stage_in_runs(tmp_path,
     assert len(sent) > BIG_GROUP and all(m for _, _, m in sent)
     assert [b for _, b, _ in sent[:-1]] == [a for a, _, _ in sent[1:]] and sent[-1][1] == len(READ_TEXTS)
     assert parquet_and_quarantine(tmp_path / "out") == parquet_and_quarantine(want / "out")
+
+
+def test_a_text_shorter_than_the_shingle_size_is_one_shingle():
+    """So that short documents can still be near duplicates of each other; an empty one has none."""
+    from pipeline.data.clean import shingles
+
+    assert shingles("a  b\nc", 5) == ["a b c"]
+    assert shingles("a b c", 2) == ["a b", "b c"]
+    assert shingles(" \n", 5) == []
+
+
+def test_filters_judge_the_normalised_text(tmp_path):
+    """"ab" and five control characters: 7 characters as read, 2 once normalised, so too short for 4."""
+    metrics, docs, quarantine = run(tmp_path, ["ab\x00\x01\x02\x03\x04", code(1)],
+                                     filters={"too_short": {"min_chars": 4}})
+    assert [d["id"] for d in docs] == ["id001"]
+    assert [(q["reason"], q["detail"]) for q in quarantine] == [("too_short", "id id000: chars 2 < 4")]
+
+
+class _AllKept:
+    """An LSH stand-in whose every query returns every kept key: NearDedup's own rule decides."""
+
+    def __init__(self):
+        self.keys = []
+
+    def insert(self, key, minhash):
+        self.keys.append(key)
+
+    def query(self, minhash):
+        return list(reversed(self.keys))
+
+
+class _Sig:
+    def __init__(self, slots):
+        self.slots = slots
+
+    def digest(self):
+        return self.slots
+
+
+def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_matches():
+    from pipeline.data.clean import NearDedup, NearDedupConfig
+
+    near = NearDedup(NearDedupConfig(num_perm=8, bands=2, threshold=0.75))
+    near.lsh = _AllKept()
+    assert near.check("a", _Sig([1, 2, 3, 4, 5, 6, 7, 8])) is None
+    assert near.check("b", _Sig([1, 2, 3, 4, 5, 6, 70, 80])) == "jaccard~0.750 with kept id a"  # 6 of 8
+    assert near.check("c", _Sig([1, 2, 3, 4, 5, 60, 70, 80])) is None  # 5 of 8 with a, below 0.75
+    # d equals a and c in 6 slots each: a, the earlier kept, is named, though the index lists c first
+    assert near.check("d", _Sig([1, 2, 3, 4, 5, 60, 7, 99])) == "jaccard~0.750 with kept id a"
+    assert near.check("e", _Sig([1, 2, 3, 4, 50, 60, 70, 80])) == "jaccard~0.875 with kept id c"
+    assert (near.candidates_checked, near.candidates_rejected) == (1 + 1 + 2 + 2, 0 + 1 + 0 + 1)
+
+
+def test_lone_carriage_returns_are_line_ends_too():
+    """A file saved with old Mac line ends has no "\\r\\n" at all: each "\\r" still ends a line."""
+    assert normalise("x = 1\ry = 2\r", NormaliseConfig()) == "x = 1\ny = 2\n"

@@ -247,3 +247,19 @@ def test_tasks_cut_by_text_size_resume_to_the_same_bytes(tmp_path, inp, monkeypa
         assert files(d / "out") == files(tmp_path / "fresh" / "out")
         after = stamps(d / "out" / "docs")
         assert {n: after[n] for n in before} == before
+
+
+@pytest.mark.parametrize("module", ["clean", "filters", "dedup", "docs"])
+def test_an_edit_to_the_code_that_decides_makes_the_old_shards_stale(tmp_path, inp, monkeypatch, caplog, module):
+    """A filter rule or a dedup step changed keeps no shard it would have decided otherwise."""
+    d = tmp_path / "edited"
+    run(d, inp)
+    mod = {"clean": clean, "filters": clean.filters_module, "dedup": clean.dedup, "docs": clean.docs_module}[module]
+    edited = tmp_path / os.path.basename(mod.__file__)
+    with open(mod.__file__) as f:
+        edited.write_text(f.read() + "\n# edited\n")
+    monkeypatch.setattr(mod, "__file__", str(edited))
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.resume"):
+        metrics = run(d, inp)
+    assert metrics["shards_resumed"] == 0
+    assert any("made under another fingerprint" in r.getMessage() for r in caplog.records)

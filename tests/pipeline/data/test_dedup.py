@@ -470,3 +470,34 @@ def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path):
         (d / "state.u8").write_bytes(b"\0")
     both(tmp_path, PLANTED)
     assert not stale.exists() and (live / "state.u8").exists()  # a running process's folder is left alone
+
+
+def test_exact_duplicates_need_the_whole_128_bit_digest_equal(tmp_path):
+    """Digests equal in their first 64 bits only are different documents: among some 2**32 documents two
+    share a 64-bit prefix by chance, and each such pair would drop a distinct document."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=8, bands=2, partition_docs=100)
+    writer = dedup.SignatureWriter(work, exact=True, near=False)
+    digests = np.array([[7, 1], [7, 2], [7, 1]], "<u8")
+    writer.add(np.zeros(3, np.uint8), digests, None)
+    writer.close()
+    assert dedup.exact_partition(work, 0, writer.size(work.exact_path(0))).tolist() == [2]
+
+
+def test_a_match_at_exactly_the_threshold_is_a_near_duplicate(tmp_path):
+    """96 of 128 equal slots is an estimated Jaccard of exactly 0.75: at the threshold, so dropped."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=128, bands=16, partition_docs=100)
+    work.root.mkdir()
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    np.save(work.root / "pairs.npy", np.array([(1, 0, 96), (2, 0, 95)], dtype=dedup.PAIR))
+    res = dedup.resolve(work, [str(work.root / "pairs.npy")], 0.75, ids_wanted=10)
+    assert work.state().tolist() == [dedup.CANDIDATE, dedup.NEAR, dedup.CANDIDATE]
+    assert res["detail"] == {1: (0.75, 0)} and res["candidates_below_threshold"] == 1
+
+
+def test_documents_with_no_shingles_are_not_counted_in_the_near_index(tmp_path):
+    """With too_short off, empty documents pass the filters but have no words, so no MinHash: kept, and
+    not in the near-dedup index, by either method. The first is kept, the second an exact duplicate."""
+    memory, sharded = both(tmp_path, PLANTED[:5] + ["", ""], filters={"too_short": {"enabled": False}})
+    assert sharded == memory
+    assert memory[0]["docs"] == 4  # 0, 1, 4 and the first empty one
+    assert memory[1]["near_dedup"]["kept_in_index"] == 3  # 0, 1 and 4: 2 is a near duplicate of 0, 3 a copy of 1

@@ -142,3 +142,58 @@ def test_bad_filter_params_are_rejected():
         FiltersSection.model_validate({"gopher_stop_words": {"words": ["The", "of the", "and"]}})
     with pytest.raises(ValueError, match="at least 1 item"):
         FiltersSection.model_validate({"gopher_stop_words": {"words": []}})
+
+
+# (filter, params, text exactly at the limit, which the filter keeps: each rule drops only beyond it)
+AT_LIMIT = [
+    ("too_short", {"min_chars": 4}, "abcd"),
+    ("too_short", {"min_chars": 1}, "x"),
+    ("gopher_bullet_lines", {}, "- one\n" * 9 + "plain line"),  # 9 of 10 lines: 0.9, not above it
+]
+
+
+@pytest.mark.parametrize("name,params,text", AT_LIMIT, ids=[c[0] for c in AT_LIMIT])
+def test_a_document_exactly_at_a_limit_is_kept(name, params, text):
+    assert not fires(name, text, **params)
+
+
+def test_the_unicode_ellipsis_counts_as_a_symbol():
+    # three words, three '\u2026': a ratio of 1.0 against the limit 0.25
+    assert first_failure("wait\u2026 what\u2026 now\u2026", only("gopher_symbol_ratio")) == (
+        "gopher_symbol_ratio", "symbol_word_ratio 1.000 > 0.25")
+
+
+def test_dup_lines_counts_the_characters_of_the_repeats_only():
+    """One 47-character line twice among ten lines: 1 of 10 lines repeats (under 0.4), but the repeat holds
+    47 of the 143 characters, 0.329, above 0.3."""
+    long = "result = compute_everything(alpha, beta, gamma)"
+    text = "\n".join([long, "a = 1", "b = 2", long, "c = 3", "d = 4", "e = 5", "f = 6", "g = 7", "h = 8"])
+    assert (len(long), len(text)) == (47, 143)
+    assert first_failure(text, only("gopher_dup_lines")) == ("gopher_dup_lines", "dup_line_char_frac 0.329 > 0.3")
+
+
+def test_top_ngrams_never_fires_when_no_ngram_repeats():
+    # "one two" is 6 of the 11 word characters, above 0.20, but it occurs once
+    assert not fires("gopher_top_ngrams", "one two three")
+
+
+def test_dup_ngrams_goes_on_to_a_larger_n_whose_lower_limit_the_same_fraction_breaks():
+    """60 distinct 4-character words, the first 20 repeated at the end: the repeat is 20 of 80 words, 0.25
+    of the characters for every n up to 20. Under the limits for n = 5, 6 and 7 (0.30, 0.28, 0.26), above
+    the one for n = 8 (0.24)."""
+    ws = [f"w{i:03d}" for i in range(60)]
+    assert first_failure(" ".join(ws + ws[:20]), only("gopher_dup_ngrams")) == (
+        "gopher_dup_ngrams", "dup_8gram_char_frac 0.250 > 0.24")
+
+
+def test_stop_words_are_matched_whatever_their_case():
+    assert not fires("gopher_stop_words", "THE CAT AND A DOG")
+
+
+def test_line_rules_count_non_blank_lines_only():
+    """Blank lines between paragraphs are neither repeated lines nor lines that dilute a fraction."""
+    assert Text("a\n\n  \nb   \n").lines == ["a", "b"]
+    assert not fires("gopher_dup_lines", "\n\n".join(f"x{i} = {i}" for i in range(10)))
+    # one line of nine non-blank mentions javascript: 0.111, above 0.1, whatever the blank lines after it
+    text = "Enable JavaScript\n" + "line\n" * 8 + "\n\n"
+    assert first_failure(text, only("c4_javascript")) == ("c4_javascript", "javascript_line_frac 0.111 > 0.1")

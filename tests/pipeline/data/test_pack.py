@@ -844,3 +844,21 @@ def test_adversarial_corpus_packs_as_the_reference_for_any_worker_count(docs, tm
             assert begins - row_begins == {p for p in starts[name] if p < len(flat)} - row_begins
         assert m["splits"]["train"]["empty_docs"] + m["splits"]["val"]["empty_docs"] == sum(not r[1] for r in rows)
         assert m["splits"]["train"]["joined"] + m["splits"]["val"]["joined"] > 5
+
+
+def test_position_split_scores_a_files_chunks_in_chunk_order_not_row_order(tmp_path):
+    """a.txt's chunk 9 lies in the first row: it is still the file's last 100 bytes of 1000, the only chunk
+    whose middle byte (950) lies in the last 10%; chunk 8's middle (850) does not."""
+    text = "x" * 99 + "\n"
+    rows = [("a9", text, "a.txt", 9)] + [(f"a{k}", text, "a.txt", k) for k in range(9)]
+    rows += [(f"p{i}", text, "plain.txt", None) for i in range(20)]
+    plan = plan_splits(pq.ParquetFile(write_chunked(tmp_path / "d.parquet", rows)), 0, 0.1, val_by="position")
+    assert plan.first_val_chunk == {"a.txt": 9}
+    assert plan.val_mask(0, 10).tolist() == [True] + [False] * 9
+
+
+def test_a_files_first_chunk_is_not_a_continuing_one():
+    """Chunk 0 starts its file's text: encoded as any text, with the BOS or dummy prefix a tokenizer adds;
+    a later chunk (even after a gap) continues it; a plain document is no chunk."""
+    keys = Keys.of(pa.array(["a.txt", "a.txt", "p.txt", "a.txt", "b.txt"]), pa.array([0, 1, None, 3, 0], pa.int64()))
+    assert keys.continuing().tolist() == [False, True, False, True, False]

@@ -339,3 +339,52 @@ def test_sigkill_on_the_process_group_with_two_local_workers_then_rerun(corpus, 
 def test_sigkill_on_the_process_group_under_ray_then_rerun(corpus, tmp_path):
     pytest.importorskip("ray")
     kill_and_resume(corpus, tmp_path, {"kind": "ray", "num_workers": 2})
+
+
+def test_the_fingerprint_moves_with_the_documents_the_tokenizer_and_its_roles(tmp_path):
+    """Shards packed with another tokenizer (or other special-token roles: another EOT id) are stale."""
+    docs, tok_dir = tmp_path / "docs.parquet", tmp_path / "tok"
+    tok_dir.mkdir()
+    tok = tok_dir / "tokenizer.json"
+    docs.write_bytes(b"docs")
+    tok.write_text('{"model": 1}')
+    cfg = PackConfig(**CFG)
+    keys = [(pack.pack_fingerprint(cfg, docs, tok), pack.streams_key(cfg, docs, tok))]
+    for change in (lambda: tok.write_text('{"model": 2}'),
+                   lambda: (tok_dir / "specials.json").write_text('{"eot_id": 0}'),
+                   lambda: (tok_dir / "specials.json").write_text('{"eot_id": 1}'),
+                   lambda: docs.write_bytes(b"other docs")):
+        change()
+        keys.append((pack.pack_fingerprint(cfg, docs, tok), pack.streams_key(cfg, docs, tok)))
+    assert len({fp for fp, _ in keys}) == len({s for _, s in keys}) == 5
+
+
+def test_a_finished_output_whose_manifest_was_rewritten_is_not_taken_as_finished(corpus, tmp_path):
+    """A manifest edited into other valid JSON still lists the shards as they are (verify passes), but it
+    is not the one the run wrote: the rerun writes it again."""
+    import json
+
+    path, tok, ref, metrics = corpus
+    out = tmp_path / "out"
+    run_pack(PackConfig(**CFG), path, tok, out)
+    manifest = read_json(out / MANIFEST)
+    manifest["docs"] += 1
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    verify(out)
+    again = run_pack(PackConfig(**CFG), path, tok, out)
+    assert files(out) == files(ref) and same_metrics(again, metrics) and again["workers"] > 0
+
+
+@pytest.mark.parametrize("module", ["pack", "mixture", "shares", "shards", "docs", "tokenizer"])
+def test_the_fingerprint_moves_with_the_code_of_each_module_that_makes_the_rows(tmp_path, monkeypatch, module):
+    docs, tok = tmp_path / "docs.parquet", tmp_path / "tokenizer.json"
+    docs.write_bytes(b"docs")
+    tok.write_text("{}")
+    cfg = PackConfig(**CFG)
+    before = pack.pack_fingerprint(cfg, docs, tok)
+    mod = pack if module == "pack" else getattr(pack, f"{module}_module")
+    edited = tmp_path / os.path.basename(mod.__file__)
+    with open(mod.__file__) as f:
+        edited.write_text(f.read() + "\n# edited\n")
+    monkeypatch.setattr(mod, "__file__", str(edited))
+    assert pack.pack_fingerprint(cfg, docs, tok) != before

@@ -258,3 +258,77 @@ def test_writing_a_mixture_has_its_own_progress_bar_in_tokens(corpus, tmp_path, 
                        tmp_path / "out")
     [bar] = [b for b in bars if b.desc == "pack mixture"]
     assert bar.n == bar.total == sum(s["train_tokens"] for s in metrics["sources"].values()) > 0
+
+
+def test_the_tiny_corpus_rule_moves_the_unmarked_rows_of_an_id_and_leaves_its_marked_rows(tmp_path):
+    """Seed 0, val_fraction 0.01: "a" and "b" both hash into train, "b" the lower (h = 7900857904463132815 <
+    15000076009323008316), so "b" is moved to val; seed 4, 0.5: both hash into val, "a" the higher
+    (2496144048330497281 > 316770774436082721), so "a" is moved to train. A row of that id marked in ingest
+    stays where it is marked."""
+    for seed, f, moved, mark, want in ((0, 0.01, "b", "train", [False, True, False]),
+                                       (4, 0.5, "a", "val", [False, True, True])):
+        rows = [("a", "x", "web", None), ("b", "y", "web", None), (moved, "z", "web", mark)]
+        plan = plan_splits(pq.ParquetFile(write_sourced(tmp_path / f"{seed}.parquet", rows)), seed, f)
+        assert plan.forced == {moved: "val" if mark == "train" else "train"}
+        assert plan.val_mask(0, 3).tolist() == want, seed
+
+
+def test_per_source_figures_are_each_sources_documents_and_tokens_per_split(corpus, packed):
+    """Documents and document tokens (EOTs not counted) per source and split, and the share of the train
+    tokens, against a count one document at a time."""
+    path, tok, rows = corpus
+    out, metrics = packed
+    val = plan_splits(pq.ParquetFile(path), CFG["seed"], CFG["val_fraction"]).val_mask(0, len(rows))
+    t = load_tokenizer(tok)
+    want = {name: {"train_docs": 0, "train_tokens": 0, "val_docs": 0, "val_tokens": 0}
+            for name in ("web", "code", "bench")}
+    for (_, text, name, _), v in zip(rows, val):
+        split = "val" if v else "train"
+        want[name][f"{split}_docs"] += 1
+        want[name][f"{split}_tokens"] += len(t.encode(text).ids)
+    train_total = sum(w["train_tokens"] for w in want.values())
+    for w in want.values():
+        w["share"] = round(w["train_tokens"] / train_total, 6)
+    assert read_json(out / MANIFEST)["sources"] == want
+    assert want["bench"]["val_tokens"] > 0 and 0 < want["code"]["share"] < want["web"]["share"]
+    assert metrics["sources"] == {n: {k: w[k] for k in ("train_tokens", "val_tokens", "share")}
+                                  for n, w in want.items()}
+
+
+def test_a_source_whose_val_fills_no_row_gets_no_val_split_of_its_own(corpus, tmp_path, caplog):
+    path, tok, rows = corpus
+    web = [r for r in rows if r[2] == "web"]
+    small = write_sourced(tmp_path / "d.parquet", web + [("t0", "x", "tiny", "val")])
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.pack"):
+        run_pack(PackConfig(**CFG), small, tok, tmp_path / "out")
+    manifest = verify(tmp_path / "out")
+    assert manifest["val_sources"] == {"web": "val-source-00"}
+    assert "val-source-01" not in manifest["splits"] and val_sources(tmp_path / "out") == {
+        "web": tmp_path / "out" / "val-source-00"}
+    n = len(load_tokenizer(tok).encode("x").ids) + 1
+    assert f"source 'tiny': its 1 val document(s) give {n} tokens, less than one row; it gets no score of its own" \
+        in caplog.text
+
+
+def test_one_source_with_marked_documents_lists_the_marks_and_the_source(corpus, tmp_path):
+    path, tok, rows = corpus
+    web = [r for r in rows if r[2] == "web"][:60]
+    web[:3] = [r[:3] + ("val",) for r in web[:3]]
+    run_pack(PackConfig(**CFG), write_sourced(tmp_path / "d.parquet", web), tok, tmp_path / "out")
+    manifest = read_json(tmp_path / "out" / MANIFEST)
+    assert manifest["marked"] == {"val": 3} and list(manifest["sources"]) == ["web"]
+    assert manifest["sources"]["web"]["share"] == 1.0 and manifest["val_sources"] == {}
+
+
+def test_the_seed_chooses_which_documents_a_mixture_copies_and_drops(corpus, tmp_path):
+    """Every document marked in ingest: the split does not depend on the seed, so only the mixture's own
+    order (which web documents are dropped, which code documents copied once more) can tell two seeds apart."""
+    path, tok, rows = corpus
+    marked = write_sourced(tmp_path / "d.parquet", [r[:3] + (r[3] or "train",) for r in rows])
+    mix = {"web": {"weight": 0.5}, "code": {"weight": 0.5}}
+    for seed in (3, 4):
+        run_pack(PackConfig(**{**CFG, "seed": seed}, mixture=mix), marked, tok, tmp_path / str(seed))
+    a, b = (read_json(tmp_path / str(seed) / MANIFEST) for seed in (3, 4))
+    assert a["splits"]["val"] == b["splits"]["val"] and a["marked"] == {"train": 210, "val": 20}
+    digests = [[s["sha256"] for s in m["splits"]["train"]["shards"]] for m in (a, b)]
+    assert digests[0] != digests[1]

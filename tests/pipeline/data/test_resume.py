@@ -134,3 +134,62 @@ def test_keep_below_removes_the_later_shards_and_their_records(tmp_path, caplog)
     assert caplog.text.count("after the point resumed") == 1  # one line for the five files
     assert "removed 5 file(s), after the point resumed: shard-00002.parquet, shard-00002.json, ... shard-00007.parquet" \
         in caplog.text
+
+
+def test_code_digest_moves_with_the_source_text_not_only_the_file_name(tmp_path):
+    """An edit to a module's code makes its old shards stale, though the file name stays."""
+    src = tmp_path / "mod.py"
+    src.write_text("x = 1\n")
+    module = type("M", (), {"__file__": str(src)})
+    before = resume.code_digest(module)
+    src.write_text("x = 2\n")
+    assert resume.code_digest(module) != before
+
+
+def test_files_digest_moves_with_the_size_when_the_mtime_is_kept(tmp_path):
+    f = tmp_path / "raw.txt"
+    f.write_text("abc")
+    os.utime(f, ns=(5, 5))
+    before = resume.files_digest([f])
+    f.write_text("abcdef")  # appended in place, and the mtime put back (as a copy with `cp -p` does)
+    os.utime(f, ns=(5, 5))
+    assert resume.files_digest([f]) != before
+
+
+def test_digest_json_does_not_depend_on_key_order():
+    assert resume.digest_json({"a": 1, "b": {"c": 2, "d": 3}}) == resume.digest_json({"b": {"d": 3, "c": 2}, "a": 1})
+
+
+def test_input_digest_of_a_folder_is_its_manifest_and_of_a_file_its_bytes(tmp_path):
+    import hashlib
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / MANIFEST).write_bytes(b'{"shards": []}')
+    (tmp_path / "docs.parquet").write_bytes(b"rows")
+    assert resume.input_digest(tmp_path / "out") == hashlib.sha256(b'{"shards": []}').hexdigest()
+    assert resume.input_digest(tmp_path / "docs.parquet") == hashlib.sha256(b"rows").hexdigest()
+
+
+def test_finish_refuses_a_missing_last_shard_and_removes_the_shard_just_past_the_end(tmp_path):
+    _three(tmp_path)
+    (tmp_path / "shard-00002.txt").write_text("damaged")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [0, 1]
+    with pytest.raises(RuntimeError, match=r"shard\(s\) \[2\] are not committed"):
+        sl.finish(3, {})
+    whole = tmp_path / "whole"
+    _three(whole)
+    sl = ShardLog(whole, "a", ext=".txt")
+    sl.open()
+    manifest = sl.finish(2, {})
+    assert [s["path"] for s in manifest["shards"]] == ["shard-00000.txt", "shard-00001.txt"]
+    assert sorted(p.name for p in whole.iterdir()) == [
+        "manifest.json", "shard-00000.json", "shard-00000.txt", "shard-00001.json", "shard-00001.txt"]
+
+
+def test_a_record_that_is_json_but_not_an_object_is_not_trusted(tmp_path):
+    _three(tmp_path)
+    (tmp_path / "shard-00001.json").write_text("[1, 2]")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [0, 2]
+    assert not (tmp_path / "shard-00001.txt").exists()

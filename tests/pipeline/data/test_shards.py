@@ -227,3 +227,50 @@ def test_a_writer_with_a_shard_log_writes_the_same_shards_and_commits_each(tmp_p
         assert len(PackedRows(tmp_path / d / "train")) == 6
     clear_outputs(tmp_path / "b")
     assert not list((tmp_path / "b" / "train").iterdir())
+
+
+def test_verify_catches_a_shard_of_the_right_shape_with_other_tokens(tmp_path, tok_path):
+    """Same rows, same row length, other bytes: only the digest tells, and only when asked to check it."""
+    rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 3)
+    manifest = (tmp_path / MANIFEST).read_bytes()
+    other = rows.copy()
+    other[0, 1] = 7
+    write_format(tmp_path / "other", tok_path, other, [[0]] * 3)
+    (tmp_path / "train" / "shard-00000.arrow").write_bytes((tmp_path / "other/train/shard-00000.arrow").read_bytes())
+    assert (tmp_path / MANIFEST).read_bytes() == manifest
+    assert verify(tmp_path, sha256=False)["splits"]["train"]["rows"] == 3
+    with pytest.raises(DataError, match=r"train/shard-00000.arrow: sha256 does not match the manifest$"):
+        verify(tmp_path)
+
+
+def test_a_negative_row_index_is_refused_not_read_from_the_end(tmp_path):
+    data = PackedRows(write_split(tmp_path / "s", [np.arange(i * 5, i * 5 + 5) for i in range(4)], [[0]] * 4))
+    for rows in ([-1], [0, -4]):
+        with pytest.raises(IndexError, match="out of range for 4 rows"):
+            data.input_ids(np.array(rows))
+
+
+def test_a_split_whose_shards_disagree_on_labels_is_refused(tmp_path):
+    write_split(tmp_path / "a", [np.arange(5)], [[0]], labels=[np.arange(5)], shards=1)
+    table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(5), pa.int32()), 5),
+                      "doc_starts": pa.array([[0]], pa.list_(pa.int32()))})
+    with pa.ipc.new_file(str(tmp_path / "a" / "shard-00001.arrow"), table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(DataError, match="some shards have a labels column and some do not"):
+        PackedRows(tmp_path / "a")
+
+
+def test_writer_rejects_labels_that_do_not_match_the_rows(tmp_path):
+    writer = ShardWriter(tmp_path, "train", row_schema("test/1", 4, labels=True))
+    ids = np.zeros((2, 4), np.int32)
+    for labels in (np.zeros((2, 3), np.int32), np.zeros((2, 4), np.int64)):
+        with pytest.raises(ValueError, match="labels must match input_ids"):
+            writer.write(ids, np.array([0, 1, 2]), np.array([0, 0], np.int32), labels)
+
+
+def test_the_manifest_names_the_eot_and_pad_ids_and_the_ignore_index_with_labels(tmp_path, tok_path):
+    rows = np.arange(2 * 4, dtype=np.int32).reshape(2, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 2, labels=rows.copy())
+    m = read_manifest(tmp_path)
+    assert (m["eot_id"], m["pad_id"], m["special_ids"], m["ignore_index"]) == (0, 1, {"eot": 0, "pad": 1}, -100)
