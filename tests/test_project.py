@@ -138,6 +138,14 @@ def test_readme_params_reference_is_current():
     assert reference(ROOT / "params.yaml") in readme, "run `python -m pipeline.reference --write`"
 
 
+def test_a_hanging_test_fails_instead_of_holding_the_suite():
+    """pytest-timeout (a dev dependency) is set for every test, so a loop that never
+    ends fails that test and the suite goes on."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(d.startswith("pytest-timeout") for d in project["project"]["optional-dependencies"]["dev"])
+    assert 0 < project["tool"]["pytest"]["ini_options"]["timeout"] <= 900
+
+
 def github_slug(heading: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation (backticks,
     colons, apostrophes, dots) dropped, each space a hyphen."""
