@@ -263,6 +263,20 @@ def test_a_truncated_file_is_named_with_its_size(tmp_path):
     assert m.resume_point().step == 1
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "trainer.pt"])
+def test_a_file_meta_json_records_no_sha256_for_is_damage_not_trusted(tmp_path, name):
+    """Every file a load reads must be hashed: a meta.json that leaves one out
+    (trainer.pt holds the data position and RNG states) cannot vouch for it."""
+    c = make(tmp_path, 1)
+    meta = json.loads((c.path / "meta.json").read_text())
+    del meta["files"][name]
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(c)
+    assert str(err.value) == (f"{c.path / 'meta.json'}: records no size and sha256 for {name} "
+                              "(checkpoint step-00000001 is damaged)")
+
+
 def test_a_step_folder_without_meta_is_damaged_not_absent(tmp_path, caplog):
     m = manager(tmp_path)
     run_saves(m, [1, 2])
