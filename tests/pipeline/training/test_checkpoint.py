@@ -588,6 +588,31 @@ def test_a_metadata_index_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def _stack_global(module, name, arg):
+    """A protocol-4 pickle calling ``module.name(arg)``, where ``name`` may be a
+    dotted path (STACK_GLOBAL resolves one attribute after another); no Pickler
+    writes that for a function, an attacker does."""
+    def text(x):
+        return b"\x8c" + bytes([len(x.encode())]) + x.encode()  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+@pytest.mark.parametrize("name", ["os.system", "torch.os.system"])
+def test_a_metadata_index_that_reaches_a_module_dcp_imports_is_refused(tmp_path, name):
+    """DCP's metadata module imports os and torch: a dotted name through them
+    must not pass for one of its classes."""
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    marker = tmp_path / "ran"
+    (c / ".metadata").write_bytes(_stack_global("torch.distributed.checkpoint.metadata", name, f"touch {marker}"))
+    meta = json.loads((c / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": (c / ".metadata").stat().st_size, "sha256": sha256_file(c / ".metadata")}
+    (c / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=f"global torch.distributed.checkpoint.metadata.{name} is not allowed"):
+        ckpt.load_model_weights(c, Tiny())
+    assert not marker.exists()
+
+
 class _EnumsByName(pickle.Pickler):
     """Pickles enum members as early Python 3.11 releases (3.11.2) do: ``getattr(cls, name)``."""
 
