@@ -277,6 +277,23 @@ def test_a_file_meta_json_records_no_sha256_for_is_damage_not_trusted(tmp_path, 
                               "(checkpoint step-00000001 is damaged)")
 
 
+@pytest.mark.parametrize("name", ["../step-00000002/model.safetensors", "sub/trainer.pt"])
+def test_a_meta_json_that_records_a_path_outside_the_folder_is_damage(tmp_path, name):
+    """meta.json may vouch only for the checkpoint's own files, never for one
+    elsewhere (here another checkpoint's, whose size and sha256 it states rightly)."""
+    c, other = make(tmp_path, 1, keep=3), make(tmp_path, 2, keep=3)
+    (c.path / "sub").mkdir()
+    (c.path / "sub" / "trainer.pt").write_bytes((other.path / "trainer.pt").read_bytes())
+    meta = json.loads((c.path / "meta.json").read_text())
+    f = c.path / name
+    meta["files"][name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(c)
+    assert str(err.value) == (f"{c.path / 'meta.json'}: records the file name {name!r}, which is not a file of a "
+                              "checkpoint (checkpoint step-00000001 is damaged)")
+
+
 def test_a_step_folder_without_meta_is_damaged_not_absent(tmp_path, caplog):
     m = manager(tmp_path)
     run_saves(m, [1, 2])
