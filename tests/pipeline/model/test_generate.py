@@ -103,6 +103,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     assert draws(logits, top_p=top_p) == kept
 
 
+@pytest.mark.parametrize("top_p, kept", [(0.5, {0}), (0.75, {0, 1}), (0.875, {0, 1, 2})])
+def test_top_p_leaves_out_a_token_once_those_above_it_reach_p_exactly(top_p, kept):
+    # probabilities 0.5, 0.25, 0.125, 0.125, exact in float32: the mass above each is 0, 0.5, 0.75, 0.875
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    assert draws(logits, top_p=top_p) == kept
+
+
 def test_top_k_then_top_p_within_the_k():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     # top_k=2 renormalises to 4/7, 3/7; top_p 0.5 then keeps only the first
