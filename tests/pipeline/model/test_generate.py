@@ -218,7 +218,8 @@ def test_a_folder_whose_model_files_are_links_to_nothing_says_so(tmp_path):
         load_for_inference(tmp_path)
 
 
-def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_counts_fewer_tokens(tmp_path):
+@pytest.mark.parametrize("top", [700, 640])  # 640: one past the last row
+def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_counts_fewer_tokens(tmp_path, top):
     import json
 
     from tests.hf_models import save_tiny_hf_folder
@@ -227,9 +228,9 @@ def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_count
     load_for_inference(folder)
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
-    vocab[max(vocab, key=vocab.get)] = 700  # a gap: still 523 tokens, but an id the model has no row for
+    vocab[max(vocab, key=vocab.get)] = top  # a gap: still 523 tokens, but an id the model has no row for
     (folder / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match=r"the tokenizer has ids up to 700 \(523 tokens\), the model embeds only 640"):
+    with pytest.raises(ValueError, match=rf"the tokenizer has ids up to {top} \(523 tokens\), the model embeds only 640"):
         load_for_inference(folder)
 
 
