@@ -265,6 +265,16 @@ def test_a_checkpoint_of_ours_by_run_folder_step_folder_or_previous_run(run_fold
         assert init.tokenizer_sha256 is None and "hf_config" not in init.meta
 
 
+def test_two_checkpoints_of_one_run_are_two_starting_points(run_folder):
+    """Steps 4 and 8 share the run's fingerprint; their weights differ, and so
+    must the init ids (else a lengthened upstream run would not start a new run
+    downstream, which would resume on the old weights' checkpoints)."""
+    a, b = (resolve_init(str(run_folder / f"step-0000000{s}")) for s in (4, 8))
+    assert a.checkpoint.meta["fingerprint"] == b.checkpoint.meta["fingerprint"]
+    assert sha256_file(a.path / "model.safetensors") != sha256_file(b.path / "model.safetensors")
+    assert a.init_id != b.init_id
+
+
 @pytest.mark.parametrize("damage", ["weights", "meta", "optimizer_missing"])
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(run_folder, damage):
     step = run_folder / "step-00000008"
