@@ -382,19 +382,20 @@ def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused(tmp_path
     assert f"the tokenizer's ids need 385 embedding rows but {folder} embeds only 384" in one_line(err)
 
 
-def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path):
+@pytest.mark.parametrize("top", [700, 640])  # 640: one past the last row
+def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path, top):
     """tokenizers counts tokens, not ids: a vocabulary with a gap has fewer tokens than its largest id + 1,
     and an id past the embedding would stop the first training step (an index error, or a CUDA assert)."""
     folder = save_tiny_hf_folder("llama", tmp_path / "m", vocab_size=640)
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
-    vocab[max(vocab, key=vocab.get)] = 700  # one id moved past the table; the count stays
+    vocab[max(vocab, key=vocab.get)] = top  # one id moved past the table; the count stays
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     init = resolve_init(str(folder), warn_outside_base=False)
     count = len(vocab) + len(tok["added_tokens"])
     with pytest.raises(InitError) as err:
         check_tokenizer(init, manifest(count, sha256_file(folder / "tokenizer.json")))
-    assert f"the tokenizer of {folder} has ids up to 700 (its {count} tokens leave gaps), but the model embeds " \
+    assert f"the tokenizer of {folder} has ids up to {top} (its {count} tokens leave gaps), but the model embeds " \
            "only 640" in one_line(err)
 
 
