@@ -277,6 +277,17 @@ def test_cli_chat_answers_each_turn_with_the_history(capsys, model, tok, tok_pat
     assert capsys.readouterr().out == f"{first}\n{second}\n"
 
 
+def test_a_chat_too_long_drops_its_oldest_exchange_whole_and_keeps_one_that_fits_exactly(tok):
+    from pipeline.model import generate as gen
+
+    system, u1, a1, u2 = ({"role": r, "content": c} for r, c in (
+        ("system", "Be brief."), ("user", "hello"), ("assistant", "hi there"), ("user", "and then?")))
+    full = encode_prompt(tok, [system, u1, a1, u2])
+    assert gen._encode_chat_prompt(tok, [system, u1, a1, u2], len(full) + 5, room=5) == full  # fits to the token
+    # one token short: the oldest user/assistant pair goes, never half of it (roles must alternate)
+    assert gen._encode_chat_prompt(tok, [system, u1, a1, u2], len(full) + 4, room=5) == encode_prompt(tok, [system, u2])
+
+
 def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok, tok_path, ckpt_dir):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\nnever read\n"))
     rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--interactive", "--temperature", "0",
