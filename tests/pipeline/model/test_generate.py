@@ -288,6 +288,18 @@ def test_a_chat_too_long_drops_its_oldest_exchange_whole_and_keeps_one_that_fits
     assert gen._encode_chat_prompt(tok, [system, u1, a1, u2], len(full) + 4, room=5) == encode_prompt(tok, [system, u2])
 
 
+def test_the_reply_leaves_out_the_stop_id_it_ended_on(monkeypatch, tok):
+    import argparse
+
+    from pipeline.data.tokenizer import IM_END_ID
+    from pipeline.model import generate as gen
+
+    words = tok.encode("sure, here it is").ids
+    monkeypatch.setattr(gen, "generate", lambda *a, **kw: [*words, IM_END_ID])
+    args = argparse.Namespace(max_new_tokens=20, temperature=0.0, top_k=None, top_p=None, seed=0)
+    assert gen._reply(None, tok, [1], args, CHAT_STOP_IDS) == tok.decode(words, skip_special_tokens=False)
+
+
 def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok, tok_path, ckpt_dir):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\nnever read\n"))
     rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--interactive", "--temperature", "0",
