@@ -641,6 +641,32 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_carries_its_ids(
     assert "ChatML" not in card and "The tokenizer's own chat template" in card
 
 
+def adopted_qwen2_tokenizer(tmp_path):
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
+    from tests.hf_models import save_tiny_hf_folder
+
+    hf = save_tiny_hf_folder("qwen2", tmp_path / "base" / "qwen2")
+    tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
+    adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
+    return tok_json, load_specials(tok_json)
+
+
+def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_s_data_says(tmp_path):
+    """sft's stop ids (its template's end of turn) are the eos ids of config.json, not only the tokenizer's."""
+    from tokenizers import Tokenizer
+
+    tok_json, specials = adopted_qwen2_tokenizer(tmp_path)
+    stops = [7, *specials.eos_ids]  # 7: an end-of-turn id the tokenizer's own roles do not name
+    assert 7 not in specials.eos_ids
+    (tmp_path / "manifest.json").write_text(json.dumps({"stop_ids": stops}))
+    model = tiny_model(tiny_config(Tokenizer.from_file(str(tok_json)).get_vocab_size()))
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": sha256_file(tok_json)})
+    export_model(tmp_path / "sft", tok_json, tmp_path / "export", card_info={}, sft_manifest=tmp_path / "manifest.json")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert config["eos_token_id"] == stops == generation["eos_token_id"]
+
+
 def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_path, caplog):
     """The Hugging Face model's generation_config.json is read anew at export time,
     through the checkpoint's init_from chain (sft -> pretrain -> the model folder):
