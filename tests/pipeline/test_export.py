@@ -667,6 +667,19 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_
     assert config["eos_token_id"] == stops == generation["eos_token_id"]
 
 
+@pytest.mark.parametrize("recorded_eos, expected", [(5, [5, 7]), ([5, 6], [5, 6, 7]), ([7, 5], [7, 5])])
+def test_the_original_generation_config_gets_sft_s_stop_ids_after_its_own(tmp_path, recorded_eos, expected):
+    from pipeline.export import write_adopted_tokenizer_files
+
+    tok_json, _ = adopted_qwen2_tokenizer(tmp_path)
+    meta = {"hf_config": {"architectures": ["Qwen2ForCausalLM"]},  # no init_from: the recorded copy is used
+            "hf_generation_config": {"bos_token_id": 1, "eos_token_id": recorded_eos, "top_k": 20}}
+    (tmp_path / "out").mkdir()
+    write_adopted_tokenizer_files(tmp_path / "out", tok_json, meta, {"stop_ids": [7]})
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": expected, "top_k": 20}
+
+
 def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_path, caplog):
     """The Hugging Face model's generation_config.json is read anew at export time,
     through the checkpoint's init_from chain (sft -> pretrain -> the model folder):
