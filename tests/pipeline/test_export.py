@@ -680,6 +680,14 @@ def test_the_original_generation_config_gets_sft_s_stop_ids_after_its_own(tmp_pa
     assert generation == {"bos_token_id": 1, "eos_token_id": expected, "top_k": 20}
 
 
+def test_our_tokenizer_s_generation_config_adds_sft_s_stop_ids_to_ours(tmp_path, tok_path, tok):
+    from pipeline.export import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, tok_path, tiny_config(tok.get_vocab_size()), {"stop_ids": [IM_END_ID, 9]})
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [*CHAT_STOP_IDS, 9]
+
+
 def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_path, caplog):
     """The Hugging Face model's generation_config.json is read anew at export time,
     through the checkpoint's init_from chain (sft -> pretrain -> the model folder):
