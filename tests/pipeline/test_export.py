@@ -688,6 +688,13 @@ def test_our_tokenizer_s_generation_config_adds_sft_s_stop_ids_to_ours(tmp_path,
     assert generation["eos_token_id"] == [*CHAT_STOP_IDS, 9]
 
 
+def test_the_tokenizer_s_model_max_length_is_the_model_s_context(tmp_path, tok_path, tok):
+    from pipeline.export import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, tok_path, tiny_config(tok.get_vocab_size(), max_seq_len=96))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).model_max_length == 96
+
+
 def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_path, caplog):
     """The Hugging Face model's generation_config.json is read anew at export time,
     through the checkpoint's init_from chain (sft -> pretrain -> the model folder):
