@@ -98,6 +98,20 @@ def test_changed_params_start_fresh_instead_of_resuming(tmp_path):
     assert m["resumed_from_step"] == 8
 
 
+def test_the_run_identity_holds_the_global_batch_of_all_ranks():
+    """2 ranks x 4 rows and 1 rank x 8 rows are one run; 1 and 2 ranks of 4 rows are two
+    (the same per-rank params train on other global batches)."""
+    from pipeline.training.trainer import run_fingerprint, run_record
+    from tests.helpers import tiny_config
+
+    model = tiny_config(64)
+    four, eight = cfg(micro_batch_size=4), cfg(micro_batch_size=8)
+    assert four.batch.grad_accum_steps == eight.batch.grad_accum_steps == 1
+    assert run_record(four, model, 2, "data", None)["global_batch"] == 8
+    assert run_fingerprint(four, model, 2, "data", None) == run_fingerprint(eight, model, 1, "data", None)
+    assert run_fingerprint(four, model, 1, "data", None) != run_fingerprint(four, model, 2, "data", None)
+
+
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     original = Transformer.forward
     calls = {"n": 0}
