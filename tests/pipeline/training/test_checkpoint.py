@@ -416,6 +416,22 @@ def test_an_interrupted_move_is_completed_into_the_same_folder(tmp_path):
     assert moved.path == tmp_path / "previous" / "old" and moved.steps == (1, 2)
 
 
+@pytest.mark.parametrize("case", ["taken back", "beyond max_steps", "without its curve"])
+def test_a_run_kept_in_previous_is_taken_back_only_when_it_can_go_on(tmp_path, case):
+    """Params changed and then changed back: the earlier run comes back from previous/, unless its newest
+    checkpoint lies beyond this run's max_steps (a run is not shortened past steps it trained) or it was
+    moved aside without its curve (the plots would then be another run's)."""
+    (tmp_path / "curve.csv").write_text("step,loss\n1,2.0\n")
+    run_saves(manager(tmp_path, fingerprint="run"), [4, 5])
+    [moved] = manager(tmp_path, fingerprint="other").prepare()
+    if case == "without its curve":
+        (moved.path / "curve.csv").unlink()
+    manager(tmp_path, fingerprint="run").prepare(max_steps=4 if case == "beyond max_steps" else 5)
+    back = [c.step for c in ckpt.step_folders(tmp_path)]
+    assert back == ([4, 5] if case == "taken back" else [])
+    assert moved.path.is_dir() == (case != "taken back")
+
+
 def test_lowering_max_steps_below_the_newest_checkpoint_moves_the_run_aside(tmp_path, caplog):
     m = manager(tmp_path, fingerprint="run")
     run_saves(m, [4, 8])
