@@ -72,6 +72,25 @@ def test_resume_in_process_matches_uninterrupted(tmp_path):
     assert full["val_loss"] == resumed["val_loss"]
 
 
+def test_a_resumed_run_carries_on_its_loss_spike_count_and_running_mean(tmp_path):
+    """A spike is a loss above spike_factor x the running mean of the losses before it: after a resume both
+    the count and the mean go on as in the uninterrupted run (lr 0.1 makes the loss jump; factor 1.0001: a
+    loss above the mean counts)."""
+    spikes = {"lr": 0.1, "logging.spike_factor": 1.0001}
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    full = run(tmp_path / "a", max_steps=12, **spikes)
+    run(tmp_path / "b", max_steps=12, **spikes)
+    for c in ckpt.complete_checkpoints(tmp_path / "b" / "models"):
+        if c.step > 8:
+            ckpt.discard([c])
+    [at_8] = ckpt.complete_checkpoints(tmp_path / "b" / "models")
+    assert ckpt.load_state(at_8, "trainer.pt")["loss_spikes"] > 0  # some before the interruption
+    resumed = run(tmp_path / "b", max_steps=12, **spikes)
+    assert resumed["resumed_from_step"] == 8 and resumed["loss_spikes"] == full["loss_spikes"]
+    a, b = (ckpt.load_state(ckpt.latest(tmp_path / name / "models"), "trainer.pt") for name in ("a", "b"))
+    assert b["loss_ema"] == a["loss_ema"] and b["loss_spikes"] == a["loss_spikes"]
+
+
 def test_identical_runs_write_identical_checkpoint_files(tmp_path):
     """Whatever the process drew from Python's and NumPy's global generators
     before, the checkpoint files of a run (their RNG states included) are the
