@@ -91,6 +91,19 @@ def test_a_resumed_run_carries_on_its_loss_spike_count_and_running_mean(tmp_path
     assert b["loss_ema"] == a["loss_ema"] and b["loss_spikes"] == a["loss_spikes"]
 
 
+def test_the_loss_spike_mean_is_a_running_mean_with_weight_0_05_on_each_new_loss(tmp_path):
+    """Recomputed by hand from the logged losses: the mean starts at the first loss, then
+    mean = 0.95 mean + 0.05 loss; a loss above spike_factor x the mean before it is a spike."""
+    m = run(tmp_path, max_steps=8, lr=0.1, **{"logging.spike_factor": 1.0001})
+    losses = [float(r["loss"]) for r in read_csv(tmp_path / "plots.csv")]
+    mean, spikes = losses[0], 0
+    for loss in losses[1:]:
+        spikes += loss > 1.0001 * mean
+        mean = 0.95 * mean + 0.05 * loss
+    state = ckpt.load_state(ckpt.latest(tmp_path / "models"), "trainer.pt")
+    assert state["loss_ema"] == mean and m["loss_spikes"] == state["loss_spikes"] == spikes > 0
+
+
 def test_identical_runs_write_identical_checkpoint_files(tmp_path):
     """Whatever the process drew from Python's and NumPy's global generators
     before, the checkpoint files of a run (their RNG states included) are the
