@@ -104,6 +104,11 @@ def test_the_loss_spike_mean_is_a_running_mean_with_weight_0_05_on_each_new_loss
     assert state["loss_ema"] == mean and m["loss_spikes"] == state["loss_spikes"] == spikes > 0
 
 
+def test_val_loss_is_measured_every_eval_every_steps_and_at_the_end(tmp_path):
+    run(tmp_path, max_steps=14, eval_every=6)
+    assert [int(r["step"]) for r in read_csv(tmp_path / "plots.csv") if r["val_loss"]] == [6, 12, 14]
+
+
 def test_identical_runs_write_identical_checkpoint_files(tmp_path):
     """Whatever the process drew from Python's and NumPy's global generators
     before, the checkpoint files of a run (their RNG states included) are the
