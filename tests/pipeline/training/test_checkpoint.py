@@ -432,6 +432,18 @@ def test_a_run_kept_in_previous_is_taken_back_only_when_it_can_go_on(tmp_path, c
     assert moved.path.is_dir() == (case != "taken back")
 
 
+def test_turning_keep_best_off_drops_the_best_record(tmp_path):
+    """With checkpoint.keep_best off nothing records or protects a best checkpoint any more: a best.json
+    left in place would name a checkpoint the run no longer keeps as its best (export's checkpoint: best)."""
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=2, is_main=True, keep_best=True)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    m.save(1, model, opt, {"step": 1}, {}, val_loss=2.0)
+    assert ckpt.read_best(tmp_path)["step"] == 1
+    ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=2, is_main=True, keep_best=False).prepare()
+    assert ckpt.read_best(tmp_path) is None
+
+
 def test_lowering_max_steps_below_the_newest_checkpoint_moves_the_run_aside(tmp_path, caplog):
     m = manager(tmp_path, fingerprint="run")
     run_saves(m, [4, 8])
