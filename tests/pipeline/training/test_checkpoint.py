@@ -444,6 +444,19 @@ def test_turning_keep_best_off_drops_the_best_record(tmp_path):
     assert ckpt.read_best(tmp_path) is None
 
 
+def test_a_branch_kept_in_previous_is_never_taken_back_as_the_run(tmp_path):
+    """A branch (a wsd run's decayed checkpoints, set aside when the run was lengthened) shares the run's
+    fingerprint, but the run does not go on from it."""
+    (tmp_path / "curve.csv").write_text("step,loss\n1,2.0\n")
+    m = manager(tmp_path, fingerprint="run")
+    run_saves(m, [4, 8])
+    [branch] = m.prepare(branch=lambda step, meta: (4, "lengthened"))
+    assert branch.steps == (8,) and (branch.path / "curve.csv").is_file()
+    ckpt.discard(ckpt.step_folders(tmp_path))  # the run's own checkpoint is gone
+    manager(tmp_path, fingerprint="run").prepare()
+    assert ckpt.step_folders(tmp_path) == [] and branch.path.is_dir()
+
+
 def test_lowering_max_steps_below_the_newest_checkpoint_moves_the_run_aside(tmp_path, caplog):
     m = manager(tmp_path, fingerprint="run")
     run_saves(m, [4, 8])
