@@ -669,13 +669,24 @@ def _enum_member(cls: Any, name: Any) -> Any:
                                  f"allowed in a checkpoint's {DCP_METADATA}: only an enum's member is")
 
 
+def _defined_class(module: str, name: str) -> bool:
+    """Whether ``module.name`` is a class ``module`` defines itself. Not a name it
+    imports (DCP's metadata module imports ``os`` and ``torch``), nor a dotted
+    path through one, which protocol 4 resolves attribute by attribute
+    (``os.system``)."""
+    if "." in name or name.startswith("__"):
+        return False
+    obj = getattr(sys.modules.get(module), name, None)
+    return isinstance(obj, type) and obj.__module__ == module
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch.distributed.checkpoint.metadata  # noqa: F401  (the module the names below come from)
 
         if name == "getattr" and module in ("builtins", "__builtin__"):  # __builtin__: pickle protocols 0 to 2
             return _enum_member
-        allowed = (module in _DCP_MODULES and not name.startswith("__")) or (module, name) in _DCP_GLOBALS
+        allowed = (module in _DCP_MODULES and _defined_class(module, name)) or (module, name) in _DCP_GLOBALS
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             allowed = True
         if not allowed:

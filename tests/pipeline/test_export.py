@@ -641,6 +641,60 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_carries_its_ids(
     assert "ChatML" not in card and "The tokenizer's own chat template" in card
 
 
+def adopted_qwen2_tokenizer(tmp_path):
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
+    from tests.hf_models import save_tiny_hf_folder
+
+    hf = save_tiny_hf_folder("qwen2", tmp_path / "base" / "qwen2")
+    tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
+    adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
+    return tok_json, load_specials(tok_json)
+
+
+def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_s_data_says(tmp_path):
+    """sft's stop ids (its template's end of turn) are the eos ids of config.json, not only the tokenizer's."""
+    from tokenizers import Tokenizer
+
+    tok_json, specials = adopted_qwen2_tokenizer(tmp_path)
+    stops = [7, *specials.eos_ids]  # 7: an end-of-turn id the tokenizer's own roles do not name
+    assert 7 not in specials.eos_ids
+    (tmp_path / "manifest.json").write_text(json.dumps({"stop_ids": stops}))
+    model = tiny_model(tiny_config(Tokenizer.from_file(str(tok_json)).get_vocab_size()))
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": sha256_file(tok_json)})
+    export_model(tmp_path / "sft", tok_json, tmp_path / "export", card_info={}, sft_manifest=tmp_path / "manifest.json")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert config["eos_token_id"] == stops == generation["eos_token_id"]
+
+
+@pytest.mark.parametrize("recorded_eos, expected", [(5, [5, 7]), ([5, 6], [5, 6, 7]), ([7, 5], [7, 5])])
+def test_the_original_generation_config_gets_sft_s_stop_ids_after_its_own(tmp_path, recorded_eos, expected):
+    from pipeline.export import write_adopted_tokenizer_files
+
+    tok_json, _ = adopted_qwen2_tokenizer(tmp_path)
+    meta = {"hf_config": {"architectures": ["Qwen2ForCausalLM"]},  # no init_from: the recorded copy is used
+            "hf_generation_config": {"bos_token_id": 1, "eos_token_id": recorded_eos, "top_k": 20}}
+    (tmp_path / "out").mkdir()
+    write_adopted_tokenizer_files(tmp_path / "out", tok_json, meta, {"stop_ids": [7]})
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": expected, "top_k": 20}
+
+
+def test_our_tokenizer_s_generation_config_adds_sft_s_stop_ids_to_ours(tmp_path, tok_path, tok):
+    from pipeline.export import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, tok_path, tiny_config(tok.get_vocab_size()), {"stop_ids": [IM_END_ID, 9]})
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [*CHAT_STOP_IDS, 9]
+
+
+def test_the_tokenizer_s_model_max_length_is_the_model_s_context(tmp_path, tok_path, tok):
+    from pipeline.export import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, tok_path, tiny_config(tok.get_vocab_size(), max_seq_len=96))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).model_max_length == 96
+
+
 def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_path, caplog):
     """The Hugging Face model's generation_config.json is read anew at export time,
     through the checkpoint's init_from chain (sft -> pretrain -> the model folder):

@@ -103,6 +103,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     assert draws(logits, top_p=top_p) == kept
 
 
+@pytest.mark.parametrize("top_p, kept", [(0.5, {0}), (0.75, {0, 1}), (0.875, {0, 1, 2})])
+def test_top_p_leaves_out_a_token_once_those_above_it_reach_p_exactly(top_p, kept):
+    # probabilities 0.5, 0.25, 0.125, 0.125, exact in float32: the mass above each is 0, 0.5, 0.75, 0.875
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    assert draws(logits, top_p=top_p) == kept
+
+
 def test_top_k_then_top_p_within_the_k():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     # top_k=2 renormalises to 4/7, 3/7; top_p 0.5 then keeps only the first
@@ -211,7 +218,8 @@ def test_a_folder_whose_model_files_are_links_to_nothing_says_so(tmp_path):
         load_for_inference(tmp_path)
 
 
-def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_counts_fewer_tokens(tmp_path):
+@pytest.mark.parametrize("top", [700, 640])  # 640: one past the last row
+def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_counts_fewer_tokens(tmp_path, top):
     import json
 
     from tests.hf_models import save_tiny_hf_folder
@@ -220,9 +228,9 @@ def test_a_tokenizer_with_an_id_past_the_embedding_is_refused_even_when_it_count
     load_for_inference(folder)
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
-    vocab[max(vocab, key=vocab.get)] = 700  # a gap: still 523 tokens, but an id the model has no row for
+    vocab[max(vocab, key=vocab.get)] = top  # a gap: still 523 tokens, but an id the model has no row for
     (folder / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match=r"the tokenizer has ids up to 700 \(523 tokens\), the model embeds only 640"):
+    with pytest.raises(ValueError, match=rf"the tokenizer has ids up to {top} \(523 tokens\), the model embeds only 640"):
         load_for_inference(folder)
 
 
@@ -267,6 +275,29 @@ def test_cli_chat_answers_each_turn_with_the_history(capsys, model, tok, tok_pat
     assert rc == 0
     assert first.strip()  # else the history above would differ from the CLI's
     assert capsys.readouterr().out == f"{first}\n{second}\n"
+
+
+def test_a_chat_too_long_drops_its_oldest_exchange_whole_and_keeps_one_that_fits_exactly(tok):
+    from pipeline.model import generate as gen
+
+    system, u1, a1, u2 = ({"role": r, "content": c} for r, c in (
+        ("system", "Be brief."), ("user", "hello"), ("assistant", "hi there"), ("user", "and then?")))
+    full = encode_prompt(tok, [system, u1, a1, u2])
+    assert gen._encode_chat_prompt(tok, [system, u1, a1, u2], len(full) + 5, room=5) == full  # fits to the token
+    # one token short: the oldest user/assistant pair goes, never half of it (roles must alternate)
+    assert gen._encode_chat_prompt(tok, [system, u1, a1, u2], len(full) + 4, room=5) == encode_prompt(tok, [system, u2])
+
+
+def test_the_reply_leaves_out_the_stop_id_it_ended_on(monkeypatch, tok):
+    import argparse
+
+    from pipeline.data.tokenizer import IM_END_ID
+    from pipeline.model import generate as gen
+
+    words = tok.encode("sure, here it is").ids
+    monkeypatch.setattr(gen, "generate", lambda *a, **kw: [*words, IM_END_ID])
+    args = argparse.Namespace(max_new_tokens=20, temperature=0.0, top_k=None, top_p=None, seed=0)
+    assert gen._reply(None, tok, [1], args, CHAT_STOP_IDS) == tok.decode(words, skip_special_tokens=False)
 
 
 def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok, tok_path, ckpt_dir):

@@ -343,6 +343,26 @@ def test_keys_left_out_take_transformers_defaults():
         theirs.tie_word_embeddings, theirs.rope_parameters["rope_theta"])
 
 
+def test_a_mistral_config_without_sliding_window_has_transformers_default_window(caplog):
+    hf = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 100, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "max_position_embeddings": 8192}
+    theirs = transformers.MistralConfig(**json.loads(json.dumps(hf)))
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
+        assert config_from_hf(hf).max_seq_len == theirs.sliding_window == 4096
+    assert "capped" in caplog.text
+
+
+def test_llama3_rope_scaling_without_its_original_length_takes_max_position_embeddings_as_transformers_does():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "max_position_embeddings": 16384, "rope_scaling": scaling}
+    ours = config_from_hf(hf)
+    theirs = transformers.LlamaConfig(**json.loads(json.dumps(hf)))  # a copy: it fills rope_scaling in place
+    assert ours.rope_scaling["original_max_position_embeddings"] == \
+        theirs.rope_parameters["original_max_position_embeddings"] == 16384
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_an_explicit_null_means_what_it_means_to_transformers(family, caplog):
     """A config.json key set to null is not the key left out: Mistral v0.2's "sliding_window": null is full

@@ -263,6 +263,37 @@ def test_a_truncated_file_is_named_with_its_size(tmp_path):
     assert m.resume_point().step == 1
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "trainer.pt"])
+def test_a_file_meta_json_records_no_sha256_for_is_damage_not_trusted(tmp_path, name):
+    """Every file a load reads must be hashed: a meta.json that leaves one out
+    (trainer.pt holds the data position and RNG states) cannot vouch for it."""
+    c = make(tmp_path, 1)
+    meta = json.loads((c.path / "meta.json").read_text())
+    del meta["files"][name]
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(c)
+    assert str(err.value) == (f"{c.path / 'meta.json'}: records no size and sha256 for {name} "
+                              "(checkpoint step-00000001 is damaged)")
+
+
+@pytest.mark.parametrize("name", ["../step-00000002/model.safetensors", "sub/trainer.pt"])
+def test_a_meta_json_that_records_a_path_outside_the_folder_is_damage(tmp_path, name):
+    """meta.json may vouch only for the checkpoint's own files, never for one
+    elsewhere (here another checkpoint's, whose size and sha256 it states rightly)."""
+    c, other = make(tmp_path, 1, keep=3), make(tmp_path, 2, keep=3)
+    (c.path / "sub").mkdir()
+    (c.path / "sub" / "trainer.pt").write_bytes((other.path / "trainer.pt").read_bytes())
+    meta = json.loads((c.path / "meta.json").read_text())
+    f = c.path / name
+    meta["files"][name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    (c.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(c)
+    assert str(err.value) == (f"{c.path / 'meta.json'}: records the file name {name!r}, which is not a file of a "
+                              "checkpoint (checkpoint step-00000001 is damaged)")
+
+
 def test_a_step_folder_without_meta_is_damaged_not_absent(tmp_path, caplog):
     m = manager(tmp_path)
     run_saves(m, [1, 2])
@@ -383,6 +414,47 @@ def test_an_interrupted_move_is_completed_into_the_same_folder(tmp_path):
     (tmp_path / "step-00000001").rename(tmp_path / "previous" / "old" / "step-00000001")
     [moved] = manager(tmp_path, fingerprint="new").prepare()
     assert moved.path == tmp_path / "previous" / "old" and moved.steps == (1, 2)
+
+
+@pytest.mark.parametrize("case", ["taken back", "beyond max_steps", "without its curve"])
+def test_a_run_kept_in_previous_is_taken_back_only_when_it_can_go_on(tmp_path, case):
+    """Params changed and then changed back: the earlier run comes back from previous/, unless its newest
+    checkpoint lies beyond this run's max_steps (a run is not shortened past steps it trained) or it was
+    moved aside without its curve (the plots would then be another run's)."""
+    (tmp_path / "curve.csv").write_text("step,loss\n1,2.0\n")
+    run_saves(manager(tmp_path, fingerprint="run"), [4, 5])
+    [moved] = manager(tmp_path, fingerprint="other").prepare()
+    if case == "without its curve":
+        (moved.path / "curve.csv").unlink()
+    manager(tmp_path, fingerprint="run").prepare(max_steps=4 if case == "beyond max_steps" else 5)
+    back = [c.step for c in ckpt.step_folders(tmp_path)]
+    assert back == ([4, 5] if case == "taken back" else [])
+    assert moved.path.is_dir() == (case != "taken back")
+
+
+def test_turning_keep_best_off_drops_the_best_record(tmp_path):
+    """With checkpoint.keep_best off nothing records or protects a best checkpoint any more: a best.json
+    left in place would name a checkpoint the run no longer keeps as its best (export's checkpoint: best)."""
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=2, is_main=True, keep_best=True)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    m.save(1, model, opt, {"step": 1}, {}, val_loss=2.0)
+    assert ckpt.read_best(tmp_path)["step"] == 1
+    ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=2, is_main=True, keep_best=False).prepare()
+    assert ckpt.read_best(tmp_path) is None
+
+
+def test_a_branch_kept_in_previous_is_never_taken_back_as_the_run(tmp_path):
+    """A branch (a wsd run's decayed checkpoints, set aside when the run was lengthened) shares the run's
+    fingerprint, but the run does not go on from it."""
+    (tmp_path / "curve.csv").write_text("step,loss\n1,2.0\n")
+    m = manager(tmp_path, fingerprint="run")
+    run_saves(m, [4, 8])
+    [branch] = m.prepare(branch=lambda step, meta: (4, "lengthened"))
+    assert branch.steps == (8,) and (branch.path / "curve.csv").is_file()
+    ckpt.discard(ckpt.step_folders(tmp_path))  # the run's own checkpoint is gone
+    manager(tmp_path, fingerprint="run").prepare()
+    assert ckpt.step_folders(tmp_path) == [] and branch.path.is_dir()
 
 
 def test_lowering_max_steps_below_the_newest_checkpoint_moves_the_run_aside(tmp_path, caplog):
@@ -570,6 +642,31 @@ def test_a_metadata_index_that_would_run_code_is_refused(tmp_path):
     meta["files"][".metadata"] = {"bytes": (c / ".metadata").stat().st_size, "sha256": sha256_file(c / ".metadata")}
     (c / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="global posix.system is not allowed"):
+        ckpt.load_model_weights(c, Tiny())
+    assert not marker.exists()
+
+
+def _stack_global(module, name, arg):
+    """A protocol-4 pickle calling ``module.name(arg)``, where ``name`` may be a
+    dotted path (STACK_GLOBAL resolves one attribute after another); no Pickler
+    writes that for a function, an attacker does."""
+    def text(x):
+        return b"\x8c" + bytes([len(x.encode())]) + x.encode()  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+@pytest.mark.parametrize("name", ["os.system", "torch.os.system", "torch"])  # torch: a module, not a class of DCP's
+def test_a_metadata_index_that_reaches_a_module_dcp_imports_is_refused(tmp_path, name):
+    """DCP's metadata module imports os and torch: a dotted name through them
+    must not pass for one of its classes."""
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    marker = tmp_path / "ran"
+    (c / ".metadata").write_bytes(_stack_global("torch.distributed.checkpoint.metadata", name, f"touch {marker}"))
+    meta = json.loads((c / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": (c / ".metadata").stat().st_size, "sha256": sha256_file(c / ".metadata")}
+    (c / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=f"global torch.distributed.checkpoint.metadata.{name} is not allowed"):
         ckpt.load_model_weights(c, Tiny())
     assert not marker.exists()
 

@@ -265,6 +265,16 @@ def test_a_checkpoint_of_ours_by_run_folder_step_folder_or_previous_run(run_fold
         assert init.tokenizer_sha256 is None and "hf_config" not in init.meta
 
 
+def test_two_checkpoints_of_one_run_are_two_starting_points(run_folder):
+    """Steps 4 and 8 share the run's fingerprint; their weights differ, and so
+    must the init ids (else a lengthened upstream run would not start a new run
+    downstream, which would resume on the old weights' checkpoints)."""
+    a, b = (resolve_init(str(run_folder / f"step-0000000{s}")) for s in (4, 8))
+    assert a.checkpoint.meta["fingerprint"] == b.checkpoint.meta["fingerprint"]
+    assert sha256_file(a.path / "model.safetensors") != sha256_file(b.path / "model.safetensors")
+    assert a.init_id != b.init_id
+
+
 @pytest.mark.parametrize("damage", ["weights", "meta", "optimizer_missing"])
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(run_folder, damage):
     step = run_folder / "step-00000008"
@@ -372,13 +382,14 @@ def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused(tmp_path
     assert f"the tokenizer's ids need 385 embedding rows but {folder} embeds only 384" in one_line(err)
 
 
-def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path):
+@pytest.mark.parametrize("top", [700, 640])  # 640: one past the last row
+def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path, top):
     """tokenizers counts tokens, not ids: a vocabulary with a gap has fewer tokens than its largest id + 1,
     and an id past the embedding would stop the first training step (an index error, or a CUDA assert)."""
     folder = save_tiny_hf_folder("llama", tmp_path / "m", vocab_size=640)
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
-    vocab[max(vocab, key=vocab.get)] = 700  # one id moved past the table; the count stays
+    vocab[max(vocab, key=vocab.get)] = top  # one id moved past the table; the count stays
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     init = resolve_init(str(folder), warn_outside_base=False)
     from tokenizers import Tokenizer
@@ -386,10 +397,10 @@ def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(tmp_path)
     from pipeline.data.tokenizer import id_space
 
     rows = id_space(Tokenizer.from_file(str(folder / "tokenizer.json")))  # what pack writes as vocab_size
-    assert rows == 701 and Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() <= 640
+    assert rows == top + 1 and Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() <= 640
     with pytest.raises(InitError) as err:
         check_tokenizer(init, manifest(rows, sha256_file(folder / "tokenizer.json")))
-    assert f"the tokenizer's ids need 701 embedding rows but {folder} embeds only 640" in one_line(err)
+    assert f"the tokenizer's ids need {top + 1} embedding rows but {folder} embeds only 640" in one_line(err)
 
 
 def test_a_model_folder_without_tokenizer_json_only_warns(tmp_path, caplog):

@@ -72,6 +72,43 @@ def test_resume_in_process_matches_uninterrupted(tmp_path):
     assert full["val_loss"] == resumed["val_loss"]
 
 
+def test_a_resumed_run_carries_on_its_loss_spike_count_and_running_mean(tmp_path):
+    """A spike is a loss above spike_factor x the running mean of the losses before it: after a resume both
+    the count and the mean go on as in the uninterrupted run (lr 0.1 makes the loss jump; factor 1.0001: a
+    loss above the mean counts)."""
+    spikes = {"lr": 0.1, "logging.spike_factor": 1.0001}
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    full = run(tmp_path / "a", max_steps=12, **spikes)
+    run(tmp_path / "b", max_steps=12, **spikes)
+    for c in ckpt.complete_checkpoints(tmp_path / "b" / "models"):
+        if c.step > 8:
+            ckpt.discard([c])
+    [at_8] = ckpt.complete_checkpoints(tmp_path / "b" / "models")
+    assert ckpt.load_state(at_8, "trainer.pt")["loss_spikes"] > 0  # some before the interruption
+    resumed = run(tmp_path / "b", max_steps=12, **spikes)
+    assert resumed["resumed_from_step"] == 8 and resumed["loss_spikes"] == full["loss_spikes"]
+    a, b = (ckpt.load_state(ckpt.latest(tmp_path / name / "models"), "trainer.pt") for name in ("a", "b"))
+    assert b["loss_ema"] == a["loss_ema"] and b["loss_spikes"] == a["loss_spikes"]
+
+
+def test_the_loss_spike_mean_is_a_running_mean_with_weight_0_05_on_each_new_loss(tmp_path):
+    """Recomputed by hand from the logged losses: the mean starts at the first loss, then
+    mean = 0.95 mean + 0.05 loss; a loss above spike_factor x the mean before it is a spike."""
+    m = run(tmp_path, max_steps=8, lr=0.1, **{"logging.spike_factor": 1.0001})
+    losses = [float(r["loss"]) for r in read_csv(tmp_path / "plots.csv")]
+    mean, spikes = losses[0], 0
+    for loss in losses[1:]:
+        spikes += loss > 1.0001 * mean
+        mean = 0.95 * mean + 0.05 * loss
+    state = ckpt.load_state(ckpt.latest(tmp_path / "models"), "trainer.pt")
+    assert state["loss_ema"] == mean and m["loss_spikes"] == state["loss_spikes"] == spikes > 0
+
+
+def test_val_loss_is_measured_every_eval_every_steps_and_at_the_end(tmp_path):
+    run(tmp_path, max_steps=14, eval_every=6)
+    assert [int(r["step"]) for r in read_csv(tmp_path / "plots.csv") if r["val_loss"]] == [6, 12, 14]
+
+
 def test_identical_runs_write_identical_checkpoint_files(tmp_path):
     """Whatever the process drew from Python's and NumPy's global generators
     before, the checkpoint files of a run (their RNG states included) are the
@@ -96,6 +133,20 @@ def test_changed_params_start_fresh_instead_of_resuming(tmp_path):
     assert m["resumed_from_step"] == 0
     m = run(tmp_path, max_steps=8, lr=5e-3, log_every=2)  # a reporting-only change resumes
     assert m["resumed_from_step"] == 8
+
+
+def test_the_run_identity_holds_the_global_batch_of_all_ranks():
+    """2 ranks x 4 rows and 1 rank x 8 rows are one run; 1 and 2 ranks of 4 rows are two
+    (the same per-rank params train on other global batches)."""
+    from pipeline.training.trainer import run_fingerprint, run_record
+    from tests.helpers import tiny_config
+
+    model = tiny_config(64)
+    four, eight = cfg(micro_batch_size=4), cfg(micro_batch_size=8)
+    assert four.batch.grad_accum_steps == eight.batch.grad_accum_steps == 1
+    assert run_record(four, model, 2, "data", None)["global_batch"] == 8
+    assert run_fingerprint(four, model, 2, "data", None) == run_fingerprint(eight, model, 1, "data", None)
+    assert run_fingerprint(four, model, 1, "data", None) != run_fingerprint(four, model, 2, "data", None)
 
 
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatch):
