@@ -457,6 +457,26 @@ def test_a_branch_kept_in_previous_is_never_taken_back_as_the_run(tmp_path):
     assert ckpt.step_folders(tmp_path) == [] and branch.path.is_dir()
 
 
+@pytest.mark.parametrize("best_step", [4, 8])
+def test_a_branch_takes_best_json_only_when_its_best_checkpoint_goes_with_it(tmp_path, best_step):
+    """A wsd run lengthened before its decay sets its decayed checkpoints aside as a branch. best.json
+    goes with them when it names one of them; when it names a checkpoint the run keeps, it stays, so
+    the run goes on with its best record (export's checkpoint: best) and keep-last-K still spares it."""
+    (tmp_path / "curve.csv").write_text("step,loss\n1,2.0\n")
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=2, is_main=True, keep_best=True)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (4, 8):
+        m.save(step, model, opt, {"step": step}, {}, val_loss=1.0 if step == best_step else 2.0)
+    assert ckpt.read_best(tmp_path)["step"] == best_step
+    [branch] = m.prepare(branch=lambda step, meta: (4, "lengthened"))
+    assert branch.steps == (8,)
+    if best_step == 4:
+        assert ckpt.read_best(tmp_path)["step"] == 4 and not (branch.path / "best.json").exists()
+    else:
+        assert ckpt.read_best(tmp_path) is None and json.loads((branch.path / "best.json").read_text())["step"] == 8
+
+
 def test_lowering_max_steps_below_the_newest_checkpoint_moves_the_run_aside(tmp_path, caplog):
     m = manager(tmp_path, fingerprint="run")
     run_saves(m, [4, 8])
