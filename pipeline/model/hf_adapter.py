@@ -624,9 +624,8 @@ def _copy_weights(model: Transformer, folder: Path) -> None:
                     if not _all_finite(targets[ours]):
                         non_finite.append(key)
     if non_finite:  # safetensors has no checksum: damaged bytes behind an intact header read as numbers
-        raise UnsupportedModelError(f"{folder}: NaN or infinite values in {', '.join(non_finite[:5])}"
-                                    f"{f' and {len(non_finite) - 5} more' if len(non_finite) > 5 else ''}: "
-                                    "the weights are damaged; fetch the model again")
+        raise UnsupportedModelError(f"{folder}: NaN or infinite values in {_some(non_finite, 5)}: the weights are "
+                                    "damaged; fetch the model again")
     if model.config.tie_embeddings:
         _check_stored_head(model, folder, files)
 
