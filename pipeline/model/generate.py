@@ -43,7 +43,7 @@ from pipeline.data.chat_template import (
     template_of_hf_folder,
     template_of_sft_data,
 )
-from pipeline.data.tokenizer import EOT_ID, IM_END_ID, load_specials, load_tokenizer, open_hf_tokenizer
+from pipeline.data.tokenizer import EOT_ID, IM_END_ID, id_space, load_specials, load_tokenizer, open_hf_tokenizer
 from pipeline.errors import StageError
 from pipeline.files import broken_links, read_json, sha256_file
 from pipeline.model import hf_adapter
@@ -203,10 +203,10 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
         tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
         tokenizer = load_tokenizer(tok_path)
         check_tokenizer(tok_path, meta.get("tokenizer_sha256"))
-    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)  # ids may leave gaps: not the count
-    if top >= config.vocab_size:
-        raise ValueError(f"the tokenizer has ids up to {top} ({tokenizer.get_vocab_size()} tokens), the model embeds "
-                         f"only {config.vocab_size}")
+    rows = id_space(tokenizer)  # ids may leave gaps: not the count of tokens
+    if rows > config.vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {rows - 1} ({tokenizer.get_vocab_size()} tokens), the model "
+                         f"embeds only {config.vocab_size}")
     return model.to(device).eval(), tokenizer, config
 
 
