@@ -106,8 +106,10 @@ def test_two_ranks_give_the_same_update_as_one_rank_with_the_same_global_batch(t
     l2, l1 = losses(two), losses(one)
     assert [s for s, _ in l2] == ["1", "2", "3"]
     assert [float(x) for _, x in l2] == pytest.approx([float(x) for _, x in l1], rel=1e-5)
-    # FSDP on 2 ranks, 2 micro-batches each (gradients reduce-scattered after the second only) against DDP with
-    # the same split: only the reduction differs (another split alone moves AdamW's weights by ~1e-5 in 3 steps)
+    # FSDP on 2 ranks, 2 micro-batches each, against DDP with the same split. FSDP reduce-scatters each
+    # micro-batch's gradients, DDP all-reduces their sum once: the same sum taken in another order, which
+    # moves AdamW's weights by a few 1e-6 in 3 steps (3.2e-6 at most, measured), as another split does
+    # (~1e-5, above); one step's update is far larger (checked below)
     split = dict(nproc_per_node=2, micro_batch_size=2, grad_accum_steps=2, max_steps=3)
     ddp, fsdp = project(tmp_path / "ddp", **split), project(tmp_path / "fsdp", parallelism="fsdp", **split)
     for p in (ddp, fsdp):
@@ -115,15 +117,15 @@ def test_two_ranks_give_the_same_update_as_one_rank_with_the_same_global_batch(t
         assert r.returncode == 0, r.stderr[-3000:]
     wd, wf = weights(ddp), weights(fsdp)
     for k in wd:
-        torch.testing.assert_close(wf[k], wd[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(wf[k], wd[k], rtol=1e-5, atol=1e-5, msg=k)
     assert [float(x) for _, x in losses(fsdp)] == pytest.approx([float(x) for _, x in l1], rel=1e-5)
-    # and the comparison can fail: one step's update is far outside its tolerance
+    # and the comparisons can fail: one step's update is far outside either tolerance
     before, last = ckpt.complete_checkpoints(one / "models" / "pretrain")
     assert (before.step, last.step) == (2, 3)
     step2 = load_file(str(before.path / "model.safetensors"))
     with pytest.raises(AssertionError):
         torch.testing.assert_close(step2["layers.0.attention.wq.weight"], w1["layers.0.attention.wq.weight"],
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=1e-5, atol=1e-5)
 
 
 def interrupted(p, tmp_path, act, **extra_env):
