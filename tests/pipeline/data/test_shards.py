@@ -181,12 +181,18 @@ def test_writer_rejects_bad_input(tmp_path, ids, offsets, values, labels, msg):
     assert not (tmp_path / "train").exists() or not list((tmp_path / "train").iterdir())
 
 
+def add_unlabelled_shard(path, row_len):
+    """A shard of one row of ``row_len`` tokens, no labels, written by hand beside a split's own."""
+    table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(row_len), pa.int32()),
+                                                                     row_len),
+                      "doc_starts": pa.array([[0]], pa.list_(pa.int32()))})
+    with pa.ipc.new_file(str(path), table.schema) as w:
+        w.write_table(table)
+
+
 def test_reader_rejects_bad_shards(tmp_path):
     write_split(tmp_path / "a", [np.arange(5), np.arange(5)], [[0], [0]], shards=2)
-    table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(6), pa.int32()), 6),
-                      "doc_starts": pa.array([[0]], pa.list_(pa.int32()))})
-    with pa.ipc.new_file(str(tmp_path / "a" / "shard-00002.arrow"), table.schema) as w:
-        w.write_table(table)
+    add_unlabelled_shard(tmp_path / "a" / "shard-00002.arrow", row_len=6)
     with pytest.raises(DataError, match="different row lengths"):
         PackedRows(tmp_path / "a")
     wide = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(5), pa.int64()), 5)
@@ -253,10 +259,7 @@ def test_a_negative_row_index_is_refused_not_read_from_the_end(tmp_path):
 
 def test_a_split_whose_shards_disagree_on_labels_is_refused(tmp_path):
     write_split(tmp_path / "a", [np.arange(5)], [[0]], labels=[np.arange(5)], shards=1)
-    table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(5), pa.int32()), 5),
-                      "doc_starts": pa.array([[0]], pa.list_(pa.int32()))})
-    with pa.ipc.new_file(str(tmp_path / "a" / "shard-00001.arrow"), table.schema) as w:
-        w.write_table(table)
+    add_unlabelled_shard(tmp_path / "a" / "shard-00001.arrow", row_len=5)
     with pytest.raises(DataError, match="some shards have a labels column and some do not"):
         PackedRows(tmp_path / "a")
 
