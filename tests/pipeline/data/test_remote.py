@@ -264,9 +264,15 @@ def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_p
     ("a/[!x]*.txt", "a/y.txt", True),
     ("a/**", "a/b/c", True),
     ("a.b/*.txt", "aXb/x.txt", False),
+    ("a/f[0-9].txt", "a/f5.txt", True),  # a range, as fnmatch reads it (it read as the three characters 0, - and 9)
+    ("a/f[0-9].txt", "a/f-.txt", False),
+    ("a/f[!0-9].txt", "a/f5.txt", False),
+    ("a/f[!0-9].txt", "a/f-.txt", True),
+    ("a/[!]x", "a/[!]x", True),  # no closing bracket: the characters themselves (it was a re.error)
+    ("a/**", "a", False),
 ])
 def test_a_glob_over_keys_reads_as_python_s_recursive_glob(pattern, path, matches):
-    assert bool(remote._glob_regex(pattern).match(path)) is matches
+    assert remote._glob_matches(pattern.split("/"), path.split("/")) is matches
 
 
 class Requests:
@@ -286,7 +292,8 @@ class Requests:
 
 
 GLOBS = ["*/train.jsonl", "**/train.jsonl", "*/*.txt", "?/t*.jsonl", "[ab]/*", "a/**", "*/deep/**/*.txt", "*",
-         "**", "*/sub/*.jsonl", "c/*/train.jsonl", "*/nothing/*", "*/deep/*/f?.txt"]
+         "**", "*/sub/*.jsonl", "c/*/train.jsonl", "*/nothing/*", "*/deep/*/f?.txt", "*/deep/[p-z]/f[1-3].txt",
+         "a/deep/*/f[!0-2].txt"]
 
 
 @pytest.fixture(scope="module")
