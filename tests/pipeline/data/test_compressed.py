@@ -2,12 +2,16 @@
 from, and a damaged one read up to its damage, which one skip reports. How
 ingest reads compressed files of every format is tested in test_ingest.py."""
 
+import gzip
+import lzma
 import random
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from pipeline.data.compressed import format_suffix, open_input, rewound, until_damaged
+from pipeline.data.compressed import (DECOMPRESSED_PIECE, compression_of, format_suffix, open_input, rewound,
+                                      until_damaged)
 from tests.pipeline.data.test_ingest import compress
 
 CODECS = ["gzip", "zstd", "bz2", "xz"]  # lz4's frames carry no checksum here: corrupt data reads as other data
@@ -86,3 +90,35 @@ def test_rewound_reads_the_whole_stream_again(tmp_path, name):
     with open_input(tmp_path / name) as f:
         head = f.read(8192)
         assert rewound(head, f).read() == data
+
+
+def test_zstd_is_read_under_either_suffix():
+    assert compression_of(Path("a.jsonl.zst")) == compression_of(Path("a.jsonl.zstd")) == "zstd"
+    assert format_suffix(Path("a.jsonl.zstd")) == ".jsonl"
+
+
+def test_rewound_gives_a_head_larger_than_one_read(tmp_path):
+    """A head of more than DECOMPRESSED_PIECE bytes goes out a read's worth at a time."""
+    data = lines(20_000)
+    (tmp_path / "a.txt").write_bytes(data)
+    with open_input(compress(tmp_path / "a.txt", "gzip")) as f:
+        head = f.read(DECOMPRESSED_PIECE + 100)
+        again = rewound(head, f)
+        assert again.read(10) == data[:10] and again.read() == data[10:]
+
+
+@pytest.mark.parametrize("codec", ["gzip", "xz", None])
+def test_closing_a_remote_file_closes_its_stream(monkeypatch, codec):
+    """The store's stream under a codec is closed with it (lzma does not close
+    a stream it was given)."""
+    from pipeline.data import compressed
+    from pipeline.data.remote import RemotePath
+
+    data = b"some text\n"
+    packed = {"gzip": lambda: gzip.compress(data), "xz": lambda: lzma.compress(data), None: lambda: data}[codec]()
+    streams = []
+    monkeypatch.setattr(compressed, "open_stream", lambda path: streams.append(pa.BufferReader(packed)) or streams[-1])
+    suffix = {"gzip": ".gz", "xz": ".xz", None: ""}[codec]
+    with open_input(RemotePath(f"s3://bucket/a.txt{suffix}")) as f:
+        assert f.read() == data
+    assert [s.closed for s in streams] == [True]
