@@ -347,3 +347,25 @@ def test_a_worker_opens_the_table_only_as_the_stage_saw_it(tmp_path):
         open_as_seen(tmp_path / "docs", seen + [seen[0]], opener)
     with pytest.raises(NotAsSeen, match=r"StageError: documents not found"):
         open_as_seen(tmp_path / "nothing", seen, opener)
+
+
+@pytest.mark.parametrize("start, want", [(4, [[1], [0], [0, 1, 2]]), (7, [[0], [0, 1, 2]]), (8, [[0, 1, 2]])])
+def test_reading_from_a_row_group_s_or_a_shard_s_end_reads_none_of_it(tmp_path, monkeypatch, start, want):
+    """A start at the end of a row group (row 4) or of a shard (rows 7 and 8:
+    shards of 7, 1 and 22 rows) reads none of what lies before it."""
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])  # row groups of 4 rows at most, per shard
+    asked = []
+    real = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                        lambda self, **kw: asked.append(kw["row_groups"]) or real(self, **kw))
+    table = DocTable(tmp_path / "docs", StageError)
+    got = pa.Table.from_batches(list(table.iter_batches(batch_size=3, start=start, stop=17)))
+    assert got.equals(_table(start, 17)) and asked == want
+
+
+def test_a_task_ends_at_the_unit_that_brings_it_to_task_bytes():
+    from pipeline.data.docs import unit_tasks
+
+    bounds = np.array([0, 10, 20, 30, 40])
+    assert unit_tasks(bounds, np.array([500, 500, 500, 500]), 500) == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert unit_tasks(bounds, np.array([300, 200, 100, 100]), 500) == [(0, 20), (20, 40)]

@@ -329,8 +329,9 @@ def test_a_glob_lists_only_as_deep_as_it_reaches_and_matches_what_glob_matches_o
     if pattern == "*/train.jsonl":  # the top level listed, then one name asked of each folder
         assert requests.asked[0] == (f"{BUCKET}/walk", False)
         assert sorted(requests.asked[1:]) == sorted(f"{BUCKET}/walk/{d}/train.jsonl" for d in (".h", "a", "b", "c"))
-    if pattern == "c/*/train.jsonl":  # a name before the first wildcard is not listed, only extended
-        assert requests.asked[0] == (f"{BUCKET}/walk/c", False)
+    if pattern == "*/sub/*.jsonl":  # a name after a wildcard is not listed, only appended to each folder
+        assert requests.asked[0] == (f"{BUCKET}/walk", False)
+        assert sorted(requests.asked[1:]) == sorted((f"{BUCKET}/walk/{d}/sub", False) for d in (".h", "a", "b", "c"))
 
 
 def test_hidden_names_and_folders_read_as_on_disk(s3, tmp_path):
