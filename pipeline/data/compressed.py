@@ -28,7 +28,14 @@ DECOMPRESSED_PIECE = 1 << 16
 
 
 class DamagedStream(Exception):
-    """A compressed input whose data is cut short or corrupt (its codec's error)."""
+    """A compressed input whose data is cut short or corrupt (its codec's error).
+    ``cut_short``: the data ends early, and what came before is intact; corrupt
+    data a codec finds only where it checks it (gzip at a member's end, by its
+    CRC), so what it gave before may be damaged already."""
+
+    def __init__(self, message: str, cut_short: bool):
+        super().__init__(message)
+        self.cut_short = cut_short
 
 
 def compression_of(path: Path | RemotePath) -> str | None:
@@ -65,7 +72,9 @@ class _Decompressed(io.RawIOBase):
         try:
             return self._stream.readinto(buffer)
         except (OSError, EOFError, lzma.LZMAError) as e:
-            raise DamagedStream(f"{type(e).__name__}: {e}") from None
+            # pyarrow's codecs say "Truncated compressed stream", lzma raises EOFError
+            cut_short = isinstance(e, EOFError) or "Truncated" in str(e)
+            raise DamagedStream(f"{type(e).__name__}: {e}", cut_short) from None
 
     def close(self) -> None:
         if not self.closed:
@@ -121,7 +130,8 @@ def until_damaged(items: Iterable[T], path: Path | RemotePath, skip: Callable[[s
     """``items``, read from the file at ``path``, as they come; where its
     compressed data turns out damaged (or a remote file's reading fails), one
     last ``skip(why)`` for the rest of the file, which is not read (what came
-    before the damage stays)."""
+    before the damage stays; where the data is corrupt rather than cut short,
+    ``why`` says that it may be damaged too)."""
     read = 0
     try:
         for item in items:
@@ -130,4 +140,6 @@ def until_damaged(items: Iterable[T], path: Path | RemotePath, skip: Callable[[s
     except DamagedStream as e:
         codec = compression_of(path)
         what = f"its {codec} data is damaged or cut short" if codec else "reading it failed"
-        yield skip(f"{what} after {read} {unit}(s); the rest of the file was not read: {e}")
+        doubt = ("" if e.cut_short or not codec else f", and the {unit}(s) read before may be damaged too ({codec} "
+                 "finds corrupt data only where it checks it, gzip at the end of a member)")
+        yield skip(f"{what} after {read} {unit}(s); the rest of the file was not read{doubt}: {e}")

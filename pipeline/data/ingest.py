@@ -353,7 +353,10 @@ def _walk(folder: Path, datasets: bool) -> list[Path]:
 def _unlisted_folders(pattern: str, root: Path, include_hidden: bool) -> list[Path]:
     """The folders below ``root`` that ``glob.glob(pattern)`` would have looked
     into but could not list (a permission): glob passes over them in silence,
-    and their files would be lost without a word."""
+    and their files would be lost without a word. A ``root`` that is no folder
+    (a typo in the pattern's folder) holds none: the pattern matches nothing."""
+    if not root.is_dir():
+        return []
     parts = Path(pattern).relative_to(root).parts
     into = parts if parts[-1] == "**" else parts[:-1]  # the parts a folder on the way must match
 

@@ -17,6 +17,7 @@ has no ``__fspath__``, so that nothing opens it as a local file by mistake.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -166,31 +167,19 @@ def open_file(path: RemotePath) -> Any:
     return fs.open_input_file(key)
 
 
-def _glob_regex(pattern: str) -> re.Pattern:
-    """A glob over a path's parts, as ``glob.glob(recursive=True)`` reads it:
-    ``*`` and ``?`` stay within a part, ``**`` as a whole part spans any parts."""
-    out, parts = [], pattern.split("/")
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if part == "**":
-            out.append(".*" if last else "(?:[^/]+/)*")
-            continue
-        j, piece = 0, []
-        while j < len(part):
-            c = part[j]
-            if c == "*":
-                piece.append("[^/]*")
-            elif c == "?":
-                piece.append("[^/]")
-            elif c == "[" and (end := part.find("]", j + 2)) != -1:
-                body = part[j + 1:end]
-                piece.append("[" + ("^" + re.escape(body[1:]) if body[0] == "!" else re.escape(body)) + "]")
-                j = end
-            else:
-                piece.append(re.escape(c))
-            j += 1
-        out.append("".join(piece) + ("" if last else "/"))
-    return re.compile("".join(out) + r"\Z")
+def _glob_matches(pattern: list[str], parts: list[str]) -> bool:
+    """Whether a key's ``parts`` match a glob's ``pattern`` parts as
+    ``glob.glob(recursive=True)`` matches a path's: each part by
+    :func:`fnmatch.fnmatchcase` (``*``, ``?`` and ``[a-z]`` stay within a part),
+    and ``**`` as a whole part any number of parts (at least one where it ends
+    the pattern: a file below the folder)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        if len(pattern) == 1:
+            return bool(parts)
+        return _glob_matches(pattern[1:], parts) or (bool(parts) and _glob_matches(pattern, parts[1:]))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_matches(pattern[1:], parts[1:])
 
 
 def listed(uri: str, where: str, error: type[Exception]) -> tuple[RemotePath, list[RemotePath]]:
@@ -217,9 +206,9 @@ def list_files(uri: str) -> tuple[RemotePath, list[RemotePath]] | None:
         base = RemotePath(f"{root}/{prefix}".rstrip("/"))
         fs, base_path = filesystem(base.uri)
         parts = key[len(prefix):].lstrip("/").split("/")
-        matches = _glob_regex(key).match
         found = [_found(root, i) for i in _glob_candidates(fs, base_path, parts)]
-        return base, sorted((f for f in found if matches(_split(f.uri)[1])), key=str)
+        return base, sorted((f for f in found if _glob_matches(key.split("/"), _split(f.uri)[1].split("/"))),
+                            key=str)
     fs, path = filesystem(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
@@ -244,8 +233,8 @@ def _glob_candidates(fs: Any, base: str, parts: list[str]) -> list[Any]:
 
     def named(folders: list[str], part: str, kind: Any) -> list[Any]:
         """What each of ``folders`` holds of type ``kind`` whose name matches ``part``."""
-        name = _glob_regex(part).match
-        return [f for listed in pool.map(listing, folders) for f in listed if f.type == kind and name(f.base_name)]
+        return [f for listed in pool.map(listing, folders) for f in listed
+                if f.type == kind and fnmatch.fnmatchcase(f.base_name, part)]
 
     deep = parts.index("**") if "**" in parts else len(parts) - 1  # the last part, or the first **
     folders = [base]

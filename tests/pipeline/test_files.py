@@ -109,3 +109,70 @@ def test_disk_full_finds_enospc_among_the_causes_and_names_the_file(monkeypatch)
         "no space left on the device; free some space and run the stage again",)
     assert disk_full(OSError(errno.EACCES, "Permission denied", "data/x.jsonl")) is None
     assert disk_full(ValueError("a bug")) is None
+
+
+def test_atomic_dir_over_a_link_to_a_folder_replaces_the_link_and_leaves_its_target(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "kept.txt").write_text("kept")
+    (tmp_path / "out").symlink_to(tmp_path / "target")
+    with atomic_dir(tmp_path / "out") as d:
+        (d / "new.txt").write_text("new")
+    assert not (tmp_path / "out").is_symlink() and [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"]
+    assert (tmp_path / "target" / "kept.txt").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "target"]
+
+
+def test_an_upper_case_scheme_of_a_readable_store_is_read():
+    assert files.refuse_url("S3://bucket/x.jsonl", readable=("s3",)) == "S3://bucket/x.jsonl"
+    with pytest.raises(ValueError, match=r"a URL \(HTTPS://\)"):
+        files.refuse_url("HTTPS://example.org/x.jsonl", readable=("s3",))
+
+
+def test_a_refusal_is_one_line_only_where_the_os_names_the_path():
+    assert str(files.expected_failure(PermissionError(errno.EACCES, "Permission denied", "/data/x"))) == (
+        "permission denied: /data/x (EACCES)")
+    assert files.expected_failure(PermissionError(errno.EACCES, "Permission denied")) is None
+
+
+def test_a_full_disk_is_found_where_it_was_being_handled_too():
+    """An ENOSPC that another error was raised while handling (a writer's
+    cleanup failing after the write did) is still a full disk."""
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/data/shard")
+        except OSError:
+            raise RuntimeError("the writer's cleanup failed")
+    except RuntimeError as e:
+        err = e
+    assert str(disk_full(err)).startswith("no space left on the device writing /data/shard")
+    assert files.out_of_space(DiskFullError("already said"))
+
+
+def test_write_json_writes_numpy_scalars_and_paths_as_plain_values(tmp_path):
+    import numpy as np
+    from pathlib import Path
+
+    files.write_json(tmp_path / "m.json", {"loss": np.float32(1.5), "n": np.int64(3), "dir": Path("data/x")})
+    assert files.read_json(tmp_path / "m.json") == {"loss": 1.5, "n": 3, "dir": "data/x"}
+
+
+def test_source_digest_changes_when_a_file_is_renamed(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    monkeypatch.setitem(sys.modules, "pipeline", SimpleNamespace(__file__=str(tmp_path / "pkg" / "__init__.py")))
+    before = files.source_digest()
+    (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "b.py")
+    assert files.source_digest() != before
+
+
+def test_broken_links_names_only_the_links_to_nothing(tmp_path):
+    (tmp_path / "real.bin").write_bytes(b"x")
+    (tmp_path / "good.bin").symlink_to(tmp_path / "real.bin")
+    (tmp_path / "gone.bin").symlink_to(tmp_path / "missing.bin")
+    said = files.broken_links(tmp_path)
+    assert said.startswith(f"gone.bin is a link to nothing (gone.bin -> {tmp_path}/missing.bin)"), said
+    assert files.broken_links(tmp_path / "real.bin") is None

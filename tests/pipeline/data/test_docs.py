@@ -285,3 +285,87 @@ def test_string_array_refuses_a_lone_surrogate_as_pa_array_does():
         string_array(["a", "\udc80"])
     with pytest.raises(UnicodeEncodeError):
         pa.array(["a", "\udc80"], pa.string())
+
+
+def test_a_manifest_without_shards_or_with_shards_of_two_schemas_is_a_one_line_error(tmp_path):
+    import json
+
+    _folder(tmp_path / "docs", [0, 10, 20])
+    manifest = tmp_path / "docs" / "manifest.json"
+    listed = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**listed, "shards": []}))
+    with pytest.raises(StageError, match="the manifest lists no shards"):
+        DocTable(tmp_path / "docs", StageError)
+    manifest.write_text(json.dumps(listed))
+    pq.write_table(pa.table({"id": ["a"], "body": ["b"]}), tmp_path / "docs" / "shard-00001.parquet")
+    with pytest.raises(StageError, match=r"shard-00001.parquet: schema differs from shard-00000.parquet's"):
+        DocTable(tmp_path / "docs", StageError)
+
+
+def test_a_parquet_file_the_os_refuses_is_a_one_line_error(tmp_path, monkeypatch):
+    """A permission (simulated: the tests may run as root) is one line, as a file that is not Parquet is."""
+    from pipeline.data import docs
+
+    pq.write_table(_table(0, 5), tmp_path / "one.parquet")
+
+    def refused(path, **kw):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(docs.pq, "ParquetFile", refused)
+    with pytest.raises(StageError, match=r"one.parquet: not a readable Parquet file: .*Permission denied"):
+        DocTable(tmp_path / "one.parquet", StageError)
+
+
+@pytest.mark.parametrize("stop", [0, 5, 9, 23, 50])
+def test_reading_one_file_to_a_stop_gives_the_rows_before_it(tmp_path, stop):
+    pq.write_table(_table(0, 50), tmp_path / "one.parquet", row_group_size=9)
+    got = list(DocTable(tmp_path / "one.parquet", StageError).iter_batches(batch_size=6, stop=stop))
+    assert pa.Table.from_batches(got, schema=SCHEMA).equals(_table(0, stop))
+
+
+def test_a_null_text_is_zero_bytes_whatever_its_offsets_span():
+    """Arrow lets a null slot span bytes of the data buffer (a compute kernel's
+    output may): its length is still 0."""
+    offsets = np.array([0, 2, 5, 6], np.int32)
+    texts = pa.Array.from_buffers(pa.string(), 3, [pa.py_buffer(np.packbits([1, 0, 1], bitorder="little").tobytes()),
+                                                   pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"abcdef")],
+                                  null_count=1)
+    assert texts.to_pylist() == ["ab", None, "f"]
+    np.testing.assert_array_equal(text_lengths(texts), [2, 0, 1])
+
+
+def test_a_worker_opens_the_table_only_as_the_stage_saw_it(tmp_path):
+    from pipeline.data.docs import NotAsSeen, identity, open_as_seen
+
+    _folder(tmp_path / "docs", [0, 10, 20])
+    opener = lambda path: DocTable(path, StageError)
+    seen = identity(opener(tmp_path / "docs"))
+    assert open_as_seen(tmp_path / "docs", seen, opener).num_rows == 20
+    with pytest.raises(NotAsSeen, match=r"shard-00001.parquet is \d+ bytes, modified at \d+ ns here, not as the stage"):
+        open_as_seen(tmp_path / "docs", [seen[0], [seen[1][0], seen[1][1] + 1, seen[1][2]]], opener)
+    with pytest.raises(NotAsSeen, match=r"2 file\(s\) here, 3 for the stage"):
+        open_as_seen(tmp_path / "docs", seen + [seen[0]], opener)
+    with pytest.raises(NotAsSeen, match=r"StageError: documents not found"):
+        open_as_seen(tmp_path / "nothing", seen, opener)
+
+
+@pytest.mark.parametrize("start, want", [(4, [[1], [0], [0, 1, 2]]), (7, [[0], [0, 1, 2]]), (8, [[0, 1, 2]])])
+def test_reading_from_a_row_group_s_or_a_shard_s_end_reads_none_of_it(tmp_path, monkeypatch, start, want):
+    """A start at the end of a row group (row 4) or of a shard (rows 7 and 8:
+    shards of 7, 1 and 22 rows) reads none of what lies before it."""
+    _folder(tmp_path / "docs", [0, 7, 8, 30, 50])  # row groups of 4 rows at most, per shard
+    asked = []
+    real = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                        lambda self, **kw: asked.append(kw["row_groups"]) or real(self, **kw))
+    table = DocTable(tmp_path / "docs", StageError)
+    got = pa.Table.from_batches(list(table.iter_batches(batch_size=3, start=start, stop=17)))
+    assert got.equals(_table(start, 17)) and asked == want
+
+
+def test_a_task_ends_at_the_unit_that_brings_it_to_task_bytes():
+    from pipeline.data.docs import unit_tasks
+
+    bounds = np.array([0, 10, 20, 30, 40])
+    assert unit_tasks(bounds, np.array([500, 500, 500, 500]), 500) == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert unit_tasks(bounds, np.array([300, 200, 100, 100]), 500) == [(0, 20), (20, 40)]

@@ -257,6 +257,20 @@ def test_a_glob_does_not_count_folders_it_would_not_enter(tmp_path, monkeypatch)
     assert [x["text"] for x in docs] == ["hello world"] and quarantine == [] and metrics["skipped"] == 0
 
 
+@pytest.mark.parametrize("folder", ["typo", "a.txt"], ids=["missing", "a-file"])
+def test_a_glob_under_a_folder_that_is_not_there_matches_no_files(tmp_path, folder):
+    """A glob whose folder before the wildcard is missing (a typo) or a file
+    fails with "matched no files", alone or beside another source: before, the
+    folder was listed as one that could not be listed, a not_a_file skip ("no
+    longer exists") of a source that then gave no documents, and a file there
+    was read as the glob's one match."""
+    (tmp_path / "a.txt").write_text("a document")
+    bad = f"{tmp_path}/{folder}/*.jsonl"
+    for sources in ([{"path": bad}], [{"path": str(tmp_path / "a.txt"), "name": "good"}, {"path": bad}]):
+        with pytest.raises(IngestError, match=rf"ingest\.sources\.{len(sources) - 1}\.path: .* matched no files"):
+            resolve_sources(cfg(sources=sources))
+
+
 def test_a_file_removed_after_it_was_listed_is_a_counted_skip(tmp_path, monkeypatch):
     from pipeline.data import ingest
 

@@ -264,9 +264,16 @@ def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_p
     ("a/[!x]*.txt", "a/y.txt", True),
     ("a/**", "a/b/c", True),
     ("a.b/*.txt", "aXb/x.txt", False),
+    ("a/f[0-9].txt", "a/f5.txt", True),  # a range, as fnmatch reads it (it read as the three characters 0, - and 9)
+    ("a/f[0-9].txt", "a/f-.txt", False),
+    ("a/f[!0-9].txt", "a/f5.txt", False),
+    ("a/f[!0-9].txt", "a/f-.txt", True),
+    ("a/[!]x", "a/[!]x", True),  # no closing bracket: the characters themselves (it was a re.error)
+    ("a/**", "a", False),
+    ("a/*", "a/b/c", False),  # a key deeper than the pattern
 ])
 def test_a_glob_over_keys_reads_as_python_s_recursive_glob(pattern, path, matches):
-    assert bool(remote._glob_regex(pattern).match(path)) is matches
+    assert remote._glob_matches(pattern.split("/"), path.split("/")) is matches
 
 
 class Requests:
@@ -286,7 +293,8 @@ class Requests:
 
 
 GLOBS = ["*/train.jsonl", "**/train.jsonl", "*/*.txt", "?/t*.jsonl", "[ab]/*", "a/**", "*/deep/**/*.txt", "*",
-         "**", "*/sub/*.jsonl", "c/*/train.jsonl", "*/nothing/*", "*/deep/*/f?.txt"]
+         "**", "*/sub/*.jsonl", "c/*/train.jsonl", "*/nothing/*", "*/deep/*/f?.txt", "*/deep/[p-z]/f[1-3].txt",
+         "a/deep/*/f[!0-2].txt"]
 
 
 @pytest.fixture(scope="module")
@@ -321,3 +329,62 @@ def test_a_glob_lists_only_as_deep_as_it_reaches_and_matches_what_glob_matches_o
     if pattern == "*/train.jsonl":  # the top level listed, then one name asked of each folder
         assert requests.asked[0] == (f"{BUCKET}/walk", False)
         assert sorted(requests.asked[1:]) == sorted(f"{BUCKET}/walk/{d}/train.jsonl" for d in (".h", "a", "b", "c"))
+    if pattern == "*/sub/*.jsonl":  # a name after a wildcard is not listed, only appended to each folder
+        assert requests.asked[0] == (f"{BUCKET}/walk", False)
+        assert sorted(requests.asked[1:]) == sorted((f"{BUCKET}/walk/{d}/sub", False) for d in (".h", "a", "b", "c"))
+
+
+def test_hidden_names_and_folders_read_as_on_disk(s3, tmp_path):
+    """A folder of the user's whose name starts with a dot is named, never a
+    hidden part (a glob in it, the folder, a file in it), a dot-name below it
+    is left out, a sub-folder is walked, and a hidden file named alone matches
+    nothing, on disk and in a store alike. An upper-case scheme reads as the
+    lower-case one."""
+    tree = tmp_path / "tree"
+    (tree / ".corpus" / "sub").mkdir(parents=True)
+    for name in (".corpus/a.jsonl", ".corpus/sub/b.jsonl", ".corpus/.hidden.jsonl"):
+        (tree / name).write_text('{"text": "x"}\n')
+    upload(s3, tree, "dot")
+    url = f"s3://{BUCKET}/dot"
+    files = lambda path: resolve_sources(cfg(sources=[{"path": path}]))
+    for pattern in (".corpus/*.jsonl", ".corpus", ".corpus/", ".corpus/**/*.jsonl", ".corpus/a.jsonl"):
+        on_disk = [f.path.relative_to(tree).as_posix() for f in files(f"{tree}/{pattern}")]
+        assert [f.path.uri.removeprefix(f"{url}/") for f in files(f"{url}/{pattern}")] == on_disk and on_disk, pattern
+    assert [f.path.uri for f in files(f"S3://{BUCKET}/dot/.corpus/a.jsonl")] == [f"{url}/.corpus/a.jsonl"]
+    for base in (str(tree), url):
+        with pytest.raises(IngestError, match=r"matched no files .*of the 1 it found, 1 hidden"):
+            files(f"{base}/.corpus/.hidden.jsonl")
+
+
+def test_a_remote_path_that_no_listing_gave_asks_the_store(s3):
+    import stat
+
+    with s3.open_output_stream(f"{BUCKET}/api/x.txt") as out:
+        out.write(b"abc")
+    f, folder, gone = (remote.RemotePath(f"s3://{BUCKET}/{key}") for key in ("api/x.txt", "api", "api/none"))
+    assert f.is_file() and not f.is_dir() and f.exists() and f.stat().st_size == 3 and stat.S_ISREG(f.stat().st_mode)
+    assert folder.is_dir() and not folder.is_file() and stat.S_ISDIR(folder.stat().st_mode)
+    assert not gone.exists() and not gone.is_file() and not gone.is_dir()
+    with pytest.raises(FileNotFoundError):
+        gone.stat()
+
+
+def test_a_listed_time_is_the_whole_second_a_head_request_gives():
+    """S3 lists an object's time to the millisecond and HEAD gives it to the
+    second: a worker's check compares the two, so both are whole seconds."""
+    info = pafs.FileInfo(f"{BUCKET}/x.txt", pafs.FileType.File, mtime_ns=1_700_000_000_123_456_789, size=3)
+    listed = remote._found(f"s3://{BUCKET}", info)
+    assert listed.uri == f"s3://{BUCKET}/x.txt"
+    assert (listed.stat().st_size, listed.stat().st_mtime_ns) == (3, 1_700_000_000_000_000_000)
+
+
+def test_a_store_that_cannot_be_listed_is_one_line(monkeypatch):
+    """No network or no credentials, after pyarrow's own retries: the OSError
+    it raises (its messages run over lines) is one line naming the source."""
+    def down(uri):
+        raise OSError("When listing objects in bucket 'b': AWS Error NETWORK_CONNECTION\nretries spent")
+
+    monkeypatch.setattr(remote, "list_files", down)
+    with pytest.raises(IngestError, match=r"^ingest\.sources\.0\.path: cannot list 's3://b/x/\*\.txt': When listing "
+                                          r"objects in bucket 'b': AWS Error NETWORK_CONNECTION retries spent$"):
+        resolve_sources(cfg(sources=[{"path": "s3://b/x/*.txt"}]))
