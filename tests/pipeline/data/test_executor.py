@@ -228,6 +228,20 @@ def test_executor_config_errors_name_the_dotted_key(data, key, message):
     assert key in str(err.value) and message in str(err.value)
 
 
+@pytest.mark.parametrize("data, workers", [
+    ({"num_workers": 3}, 3), ({"num_workers": 3, "executor": {"num_workers": 3}}, 3),
+    ({"executor": {"num_workers": 3}}, 3), ({"num_workers": 0}, 0),
+])
+def test_the_older_num_workers_key_is_read_as_executor_num_workers(data, workers):
+    assert parse_section(CleanConfig, data, "clean").executor.num_workers == workers
+
+
+@pytest.mark.parametrize("legacy", [0, 2])
+def test_an_older_num_workers_that_disagrees_with_executor_num_workers_is_one_line(legacy):
+    with pytest.raises(ConfigError, match=f"num_workers={legacy} and executor.num_workers=3 disagree"):
+        parse_section(CleanConfig, {"num_workers": legacy, "executor": {"num_workers": 3}}, "clean")
+
+
 def test_importing_the_data_stages_does_not_import_ray():
     code = ("import sys, stages.clean, stages.tokenizer, pipeline.data.clean, pipeline.data.tokenizer, "
             "pipeline.data.executor, pipeline.data.dedup\n"
