@@ -108,6 +108,21 @@ def test_tasks_are_read_lazily_within_the_window(workers):
         assert [sq for _, sq, _ in it] == [x * x for x in range(1, 20)]
 
 
+def test_the_window_is_twice_the_workers_by_default():
+    pulled = []
+
+    def tasks():
+        for x in range(20):
+            pulled.append(x)
+            yield (x,)
+
+    with open_executor(local(2)) as ex:
+        it = ex.map(tagged, tasks())
+        next(it)
+        assert len(pulled) == 4  # submitted in the caller's thread: 4 taken before the first result is awaited
+        assert [sq for _, sq, _ in it] == [x * x for x in range(1, 20)]
+
+
 def test_max_workers_caps_the_pool_and_one_worker_runs_in_process():
     with open_executor(local(4), max_workers=1) as ex:
         assert isinstance(ex, InProcess)
@@ -141,6 +156,16 @@ def test_any_other_worker_exception_is_one_line_naming_the_task_and_place():
     assert "\n" not in msg
     assert msg.startswith("stage: task 2 failed in a worker: ValueError: a bug")
     assert "test_executor.py:" in msg and "in fails" in msg
+
+
+def fails_without_a_message(x: int) -> int:
+    raise RuntimeError()
+
+
+def test_an_exception_without_a_message_is_named_alone():
+    with open_executor(local(2)) as ex, pytest.raises(ExecutorError) as err:
+        list(ex.map(fails_without_a_message, [(0,)]))
+    assert str(err.value).startswith("stage: task 0 failed in a worker: RuntimeError (at test_executor.py:")
 
 
 def writes_on_a_full_disk(x: int) -> int:
