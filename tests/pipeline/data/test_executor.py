@@ -123,6 +123,25 @@ def test_the_window_is_twice_the_workers_by_default():
         assert [sq for _, sq, _ in it] == [x * x for x in range(1, 20)]
 
 
+def marked(x: int, folder: str) -> int:
+    time.sleep(0.5 if x else 0.0)  # task 0 ends first, while the others run or wait
+    Path(folder, str(x)).touch()
+    return x
+
+
+def test_tasks_not_yet_started_are_cancelled_when_the_caller_stops_reading(tmp_path):
+    """A stage that stops early (ingest's max_bytes) leaves no queued task to run: a
+    later map's task waits behind none of them."""
+    with open_executor(local(2)) as ex:
+        it = ex.map(marked, [(x, str(tmp_path)) for x in range(12)], window=12)
+        next(it)
+        it.close()
+        assert list(ex.map(marked, [(99, str(tmp_path))])) == [99]
+        ran = len(os.listdir(tmp_path)) - 1
+    # the first, two running and the pool's three in its call queue (6), not all 12; 2 to spare
+    assert ran <= 8
+
+
 def test_max_workers_caps_the_pool_and_one_worker_runs_in_process():
     with open_executor(local(4), max_workers=1) as ex:
         assert isinstance(ex, InProcess)
