@@ -147,6 +147,14 @@ def test_max_workers_caps_the_pool_and_one_worker_runs_in_process():
         assert isinstance(ex, InProcess)
 
 
+def test_zero_workers_means_one_per_available_core(monkeypatch):
+    monkeypatch.setattr("pipeline.data.executor.available_cores", lambda: 3)
+    with open_executor(local(0)) as ex:
+        assert isinstance(ex, LocalPool) and ex.workers == 3
+    with open_executor(local(0), max_workers=2) as ex:
+        assert ex.workers == 2
+
+
 class Bar:
     def __init__(self):
         self.n = 0
