@@ -15,7 +15,8 @@ import pytest
 
 from pipeline.config import ConfigError, parse_section
 from pipeline.data.clean import CleanConfig
-from pipeline.data.executor import ExecutorConfig, ExecutorError, InProcess, LocalPool, on_loopback, open_executor
+from pipeline.data.executor import (ExecutorConfig, ExecutorError, InProcess, LocalPool, _check_reachable, on_loopback,
+                                    open_executor)
 from pipeline.errors import StageError
 from pipeline.files import DiskFullError
 from tests.conftest import ROOT
@@ -258,6 +259,13 @@ def test_an_address_that_answers_nothing_is_one_line():
         with pytest.raises(ExecutorError, match=rf"^clean: no Ray cluster answers at {address} \(Connection"):
             with open_executor(ExecutorConfig(kind="ray", address=address), desc="clean"):
                 pass
+
+
+@pytest.mark.parametrize("address", ["auto", "head.example", "head.example:port", "[::1]"])
+def test_an_address_without_a_port_number_is_left_to_ray(address, monkeypatch):
+    """Only a host:port is tried first (ray.init retries for minutes); other forms Ray resolves or refuses itself."""
+    monkeypatch.setattr("socket.create_connection", lambda *a, **k: pytest.fail(f"tried to connect for {address}"))
+    assert _check_reachable("stage", address) is None
 
 
 def test_ray_missing_is_a_clear_error(monkeypatch):
