@@ -97,6 +97,45 @@ def test_a_crlf_split_across_reads_is_one_line_end(tmp_path):
     assert [(d["text"], d["location"]) for d in docs] == [(first, "line:1"), ("second", "line:2")]
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_lines_and_paragraphs_are_measured_by_their_own_text(tmp_path, newline):
+    """A line or paragraph of max_doc_bytes of text is a document, one byte more a
+    too_large skip that says its size: line ends are not the document's (a
+    paragraph's lines are joined with one \\n, whatever ended them in the file).
+    Before, a line's end counted, and each CRLF twice, so a document that fit was skipped."""
+    f = tmp_path / "a.txt"
+    f.write_bytes(newline.join(["0123456789", "", "01234", "5678", "", "01234", "56789", "", "abcdefghijk", ""]).encode())
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}], max_doc_bytes=10)
+    assert [d["text"] for d in docs] == ["0123456789", "01234", "5678", "01234", "56789"]
+    assert [(q["location"], q["detail"]) for q in quarantine] == [("line:9", "11 bytes > max_doc_bytes=10")]
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(f), "split_by": "paragraph"}], max_doc_bytes=10)
+    assert [d["text"] for d in docs] == ["0123456789", "01234\n5678"]
+    assert [(q["location"], q["detail"]) for q in quarantine] == [("para:6", "11 bytes > max_doc_bytes=10"),
+                                                                  ("para:9", "11 bytes > max_doc_bytes=10")]
+
+
+def test_a_paragraph_that_runs_on_is_not_held_whole(tmp_path):
+    """A text file read by paragraph that has no blank line (a log) is one
+    too_large paragraph: it is streamed, and its sample holds its beginning."""
+    import tracemalloc
+
+    from pipeline.data import ingest
+
+    f = tmp_path / "log.txt"
+    f.write_bytes(b"".join(b"%07d " % i + b"x" * 92 + b"\n" for i in range(40_000)))  # 4 MB, one paragraph
+    c = cfg(sources=[{"path": str(f), "split_by": "paragraph"}], max_doc_bytes=1000)
+    tracemalloc.start()
+    try:
+        items = list(ingest.read_items(resolve_sources(c)[0], c))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(type(i).__name__, i.location, i.detail) for i in items] == \
+        [("Skip", "para:1", f"{40_000 * 101 - 1} bytes > max_doc_bytes=1000")]  # 100 a line, and the \\n joins
+    assert items[0].text.startswith("0000000 xxx") and len(items[0].text) < 1200
+    assert peak < 1_000_000  # the whole paragraph would be 4 MB of text alone
+
+
 def test_split_text_record_prefix():
     assert list(split_text("a\n\nb", "paragraph", "row:3")) == [("row:3#para:1", "a"), ("row:3#para:3", "b")]
 
