@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data import executor as executor_module
 from pipeline.data.clean import CleanConfig
 from pipeline.data.executor import (ExecutorConfig, ExecutorError, InProcess, LocalPool, _check_reachable, on_loopback,
                                     open_executor)
@@ -336,6 +338,62 @@ def test_address_auto_with_no_instance_running_is_one_line_naming_the_param(monk
         _resolve_auto("clean")
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")  # Ray's order: the variable first
     assert _resolve_auto("clean") == "127.0.0.1:6390"
+
+
+def test_ray_variables_are_set_where_the_user_set_none_and_only_for_the_block(monkeypatch):
+    monkeypatch.setenv("PIPELINE_TEST_A", "the user's")
+    monkeypatch.delenv("PIPELINE_TEST_B", raising=False)
+    monkeypatch.delenv("PIPELINE_TEST_C", raising=False)
+    with executor_module._environ({"PIPELINE_TEST_A": "ours", "PIPELINE_TEST_B": "ours", "PIPELINE_TEST_C": ""}):
+        assert os.environ["PIPELINE_TEST_A"] == "the user's" and os.environ["PIPELINE_TEST_B"] == "ours"
+        assert "PIPELINE_TEST_C" not in os.environ  # an empty value: nothing to set
+    assert os.environ["PIPELINE_TEST_A"] == "the user's" and "PIPELINE_TEST_B" not in os.environ
+
+
+def test_loopback_only_for_the_block_unless_the_user_set_the_variable(monkeypatch):
+    """Ray's constant is set where Ray is imported already (here a stand-in), and restored."""
+    constants = types.SimpleNamespace(ENABLE_RAY_CLUSTER=True)
+    monkeypatch.setitem(sys.modules, "ray._private.ray_constants", constants)
+    name = executor_module.RAY_CLUSTER_ENV
+    monkeypatch.delenv(name, raising=False)
+    with executor_module.loopback_only():
+        assert os.environ[name] == "0" and constants.ENABLE_RAY_CLUSTER is False
+    assert name not in os.environ and constants.ENABLE_RAY_CLUSTER is True
+    monkeypatch.setenv(name, "1")
+    with executor_module.loopback_only():
+        assert os.environ[name] == "1" and constants.ENABLE_RAY_CLUSTER is True
+
+
+def test_a_ray_worker_with_other_code_or_libraries_refuses_in_one_line():
+    here = executor_module.code_identity()
+    executor_module.check_same_code("clean", dict(here))  # the same: no error
+    with pytest.raises(ExecutorError) as err:
+        executor_module.check_same_code("clean", {**here, "numpy": "0.0.1"})
+    msg = str(err.value)
+    assert msg.startswith("clean: the Ray worker on ") and f"(numpy {here['numpy']} there, 0.0.1 here;" in msg
+    assert "pipeline source" not in msg and "\n" not in msg
+
+
+def test_private_instance_processes_import_this_checkout_first(monkeypatch):
+    folder = str(executor_module._package_root().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/elsewhere", folder, ""]))
+    monkeypatch.setattr(executor_module.site, "getsitepackages", lambda: ["/venv/site-packages"])
+    assert executor_module._this_code_first() == {"PYTHONPATH": os.pathsep.join([folder, "/elsewhere"])}
+    monkeypatch.setattr(executor_module.site, "getsitepackages", lambda: [folder])  # the installed package
+    assert executor_module._this_code_first() == {}
+
+
+@pytest.mark.parametrize("num_workers, workers", [(0, 2), (1, 1), (8, 2)])
+def test_joining_a_cluster_runs_at_most_its_cpus_at_once(monkeypatch, num_workers, workers):
+    """A stand-in for a connected Ray with 2 CPUs: executor.num_workers is capped by them (0: all)."""
+    fake = types.SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 2.0},
+                                 put=lambda x: x, remote=lambda **kw: (lambda fn: fn), shutdown=lambda: None)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    ex = executor_module.RayExecutor("stage", ExecutorConfig(kind="ray", num_workers=num_workers), None, None, ())
+    try:
+        assert (ex.workers, ex.cpus) == (workers, 2)
+    finally:
+        ex.close()
 
 
 class _MallInfo2(ctypes.Structure):
