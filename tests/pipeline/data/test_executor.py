@@ -216,6 +216,19 @@ def test_a_dying_worker_is_a_clear_error():
         list(ex.map(dies, [(x,) for x in range(4)]))
 
 
+def sigint_blocked(_: int) -> bool:
+    return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_ctrl_c_stops_the_stage_through_its_main_process_alone():
+    """Workers start with SIGINT blocked (the terminal sends it to the whole
+    process group), so they print no KeyboardInterrupt tracebacks; the caller's
+    own mask is as it was."""
+    with open_executor(local(2)) as ex:
+        assert list(ex.map(sigint_blocked, [(x,) for x in range(4)])) == [True] * 4
+    assert not sigint_blocked(0)
+
+
 def test_workers_die_with_the_stage(tmp_path):
     # A stage killed by SIGKILL leaves no worker behind.
     script = (
@@ -419,6 +432,21 @@ def mapped_after_free(_: int = 0) -> bool:
     return mapped
 
 
+def kept_at_heap_top_after_free(_: int = 0) -> bool:
+    """Whether 12 MiB freed at the top of the heap (1 MiB blocks, below the mmap
+    threshold) are kept there for the next blocks rather than handed back at
+    once: a worker's trim threshold of 16 MiB keeps them, glibc's default
+    (128 KiB while the mmap threshold is fixed or not yet raised) trims them."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = _MallInfo2
+    blocks = [libc.malloc(1 << 20) for _ in range(12)]
+    for block in reversed(blocks):
+        libc.free(block)
+    return libc.mallinfo2().keepcost >= 8 << 20
+
+
 def test_workers_hand_freed_buffers_back_to_the_system():
     """Every process that runs tasks calls return_freed_memory, so that a
     worker's memory is that of its task, not of all the tasks it ran (a pack
@@ -430,6 +458,11 @@ def test_workers_hand_freed_buffers_back_to_the_system():
     out = subprocess.run([sys.executable, "-c", "from tests.pipeline.data.test_executor import mapped_after_free as m; "
                           "print(m())"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr[-2000:]  # glibc's default, in a process that runs no task
+    out = subprocess.run([sys.executable, "-c", "from tests.pipeline.data.test_executor import "
+                          "kept_at_heap_top_after_free as k; print(k())"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
     with open_executor(ExecutorConfig(kind="local", num_workers=2)) as ex:
         assert isinstance(ex, LocalPool)
         assert list(ex.map(mapped_after_free, [(i,) for i in range(2)])) == [True, True]
+        assert list(ex.map(kept_at_heap_top_after_free, [(i,) for i in range(2)])) == [True, True]
