@@ -230,8 +230,16 @@ def test_errors(tmp_path, trained):
                                                              show_progress=False))
     swapped = tmp_path / "swapped.json"
     tok.save(str(swapped))
-    with pytest.raises(TokenizerError, match="special token"):
+    with pytest.raises(TokenizerError, match=r"special token '<\|endoftext\|>' has id 1, expected 0; retrain"):
         load_tokenizer(swapped)
+
+
+@pytest.mark.parametrize("specials", ['{"eot_id": 5, "pad_id": 5, "eos_ids": 5}', '[5]', '{"eot_id": null}',
+                                      '{"pad_id": 1, "eos_ids": [1]}', '{"eot_id": "x"'])
+def test_a_damaged_specials_file_is_one_line(tmp_path, specials):
+    (tmp_path / "specials.json").write_text(specials)
+    with pytest.raises(TokenizerError, match=r"specials.json: unreadable \(\w+Error: .*\); rerun the tokenizer stage"):
+        load_specials(tmp_path / "tokenizer.json")
 
 
 def named(corpus, tmp_path, names):
