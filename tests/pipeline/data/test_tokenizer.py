@@ -7,9 +7,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, normalizers, trainers
+from tokenizers import Tokenizer, normalizers, pre_tokenizers, trainers
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.tokenizer import (
     EOT,
     EOT_ID,
@@ -156,6 +157,19 @@ def test_sample_respects_bound_is_spread_and_disjoint(corpus):
     assert stats["corpus_bytes"] == sizes.sum()
 
 
+@pytest.mark.parametrize("pre_taken, budget, taken", [
+    ([], 7, [0, 2]),  # 3 does not fit after 5; 2 fills the budget exactly
+    ([1], 8, [0, 1, 2]),  # a document taken already (held out) is passed over and spends nothing
+    ([], 4, [1]),  # a document larger than the budget is passed over, so one huge one cannot crowd the rest out
+])
+def test_the_sample_takes_whole_documents_in_rank_order_while_they_fit(pre_taken, budget, taken):
+    sizes = np.array([5, 3, 2, 9])
+    mask = np.zeros(len(sizes), bool)
+    mask[pre_taken] = True
+    tokenizer_module._greedy(np.arange(len(sizes)), sizes, budget, mask)
+    assert np.flatnonzero(mask).tolist() == taken
+
+
 def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
     docs = list(zip(*pq.read_table(corpus, columns=["id", "text"]).to_pydict().values()))
     shuffled = tmp_path / "shuffled.parquet"
@@ -168,6 +182,15 @@ def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
 
     assert chosen(corpus, 0) == chosen(shuffled, 0)
     assert chosen(corpus, 0) != chosen(corpus, 1)
+
+
+def test_the_held_out_documents_are_the_last_in_rank_order_and_at_most_a_tenth(tmp_path):
+    path = tmp_path / "even.parquet"
+    write_docs(path, [(f"d{i:03d}", f"{i:03d}" + "x" * 96 + "\n") for i in range(100)])  # 100 bytes each
+    sample, heldout, _ = choose_sample(path, 2_000, 1_500, seed=3)  # 1,500 asked, a tenth of 10,000 given
+    by_rank = sorted(range(100), key=lambda i: tokenizer_module._rank(3, f"d{i:03d}"))
+    assert set(np.flatnonzero(heldout)) == set(by_rank[-10:])
+    assert set(np.flatnonzero(sample)) == set(by_rank[:20])
 
 
 def test_documents_marked_for_validation_are_never_trained_on(corpus, tmp_path):
@@ -196,6 +219,23 @@ def test_huge_single_document_is_clipped_to_the_bound(tmp_path):
     m = train_tokenizer(cfg, docs, tmp_path / "t.json", tmp_path / "report.json")
     assert 0 < m["sample_bytes"] <= 2_000
     assert read_json(tmp_path / "report.json")["sample_docs"] == 1
+
+
+def dummy_prefixed(kind: str) -> Tokenizer:
+    tok = build_tokenizer()
+    if kind == "byte-level prefix space":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    elif kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    elif kind in ("\u2581", " "):
+        tok.pre_tokenizer, tok.normalizer = None, normalizers.Prepend(kind)
+    return tok
+
+
+@pytest.mark.parametrize("kind, prefixed", [("ours", False), ("byte-level prefix space", True), ("metaspace", True),
+                                            ("\u2581", True), (" ", True)])
+def test_a_dummy_prefix_is_measured_from_what_the_tokenizer_makes_of_a_text(kind, prefixed):
+    assert tokenizer_module.adds_dummy_prefix(dummy_prefixed(kind)) is prefixed
 
 
 def test_roundtrip_check_catches_a_lossy_tokenizer():
