@@ -193,6 +193,35 @@ def test_the_held_out_documents_are_the_last_in_rank_order_and_at_most_a_tenth(t
     assert set(np.flatnonzero(sample)) == set(by_rank[:20])
 
 
+def test_when_no_document_fits_the_first_one_not_held_out_is_trained_on(tmp_path):
+    """Every document is larger than sample_bytes: the first in rank order is
+    taken (train_tokenizer clips it), but not one held out, which the held-out
+    greedy can reach from the far end by passing over the large ones."""
+    by_rank = sorted((f"d{i}" for i in range(10)), key=lambda i: tokenizer_module._rank(0, i))
+    path = tmp_path / "large.parquet"
+    write_docs(path, [(i, "x" * (100 if i == by_rank[0] else 2_000)) for i in sorted(by_rank)])
+    ids = sorted(by_rank)
+    sample, heldout, _ = choose_sample(path, 50, 10**6, seed=0)
+    assert [ids[i] for i in np.flatnonzero(heldout)] == [by_rank[0]]
+    assert [ids[i] for i in np.flatnonzero(sample)] == [by_rank[1]]
+
+
+def test_the_one_document_to_train_on_is_not_also_held_out(tmp_path):
+    """A corpus almost all split: val: its one other document is what training
+    gets, so it leaves the held-out set (which must not overlap the sample)."""
+    path = tmp_path / "mostly_val.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["v" * 10_000, "t" * 100], "split": ["val", None]}), path)
+    sample, heldout, _ = choose_sample(path, 1_000, 10**6, seed=0)
+    assert sample.tolist() == [False, True] and not heldout.any()
+
+
+def test_a_corpus_of_empty_texts_has_no_text_to_train_on(tmp_path):
+    path = tmp_path / "blank.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["", None]}), path)
+    with pytest.raises(TokenizerError, match=r"no text to train on \(2 documents, 0 bytes\)"):
+        choose_sample(path, 1_000, 1_000, seed=0)
+
+
 def test_documents_marked_for_validation_are_never_trained_on(corpus, tmp_path):
     table = pq.read_table(corpus)
     marks = ["val" if i % 3 == 0 else None for i in range(table.num_rows)]
