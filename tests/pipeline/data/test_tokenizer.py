@@ -250,6 +250,13 @@ def test_huge_single_document_is_clipped_to_the_bound(tmp_path):
     assert read_json(tmp_path / "report.json")["sample_docs"] == 1
 
 
+def test_a_huge_single_document_is_clipped_in_utf8_bytes_at_a_character(tmp_path):
+    docs = tmp_path / "docs.parquet"
+    write_docs(docs, [("big", "xx" + "日本語 " * 300)])  # 3,002 bytes: too many, in 1,202 characters
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=2_000, eval_bytes=1_000)
+    assert train_tokenizer(cfg, docs, tmp_path / "t.json")["sample_bytes"] == 1_998  # 2,000 cuts a character
+
+
 def dummy_prefixed(kind: str) -> Tokenizer:
     tok = build_tokenizer()
     if kind == "byte-level prefix space":
@@ -368,6 +375,17 @@ def test_a_source_short_of_its_share_is_repeated_up_to_it_and_names_must_match(c
         choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1, "small": 1, "web": 1})
     with pytest.raises(TokenizerError, match="needs the documents' source names"):
         choose_sample(corpus, 10_000, 3_000, seed=0, weights={"big": 1})
+
+
+def test_sample_weights_need_no_entry_for_a_source_of_validation_documents(corpus, tmp_path):
+    names = ["bench" if i % 10 == 0 else "web" if i % 2 else "code" for i in range(200)]
+    path, _ = named(corpus, tmp_path, names)
+    marked = tmp_path / "marked.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.append_column("split", pa.array(["val" if n == "bench" else None for n in names])), marked)
+    sample, _, stats = choose_sample(marked, 10_000, 3_000, seed=0, weights={"web": 1, "code": 1})
+    assert sorted(stats["sample_bytes_per_source"]) == ["code", "web"]
+    assert not any(sample[i] for i, n in enumerate(names) if n == "bench")
 
 
 def test_a_small_vocabulary_from_a_sample_of_repeats_asks_for_a_larger_corpus(corpus, tmp_path, caplog):
