@@ -274,6 +274,22 @@ def test_a_dummy_prefix_is_measured_from_what_the_tokenizer_makes_of_a_text(kind
     assert tokenizer_module.adds_dummy_prefix(dummy_prefixed(kind)) is prefixed
 
 
+def test_roundtrip_check_catches_text_that_encodes_to_a_special_id(trained):
+    tok = load_tokenizer(trained[0], parse_special=True)  # as a loader that parses specials would
+    with pytest.raises(TokenizerError, match="^round-trip check: doc A encodes to a special token id$"):
+        check_roundtrip(tok, [("doc A", f"a {EOT} b")])
+
+
+def test_a_corpus_too_small_to_hold_any_out_is_measured_on_a_tenth_of_the_sample(tmp_path):
+    docs = tmp_path / "docs.parquet"
+    write_docs(docs, [(f"d{i:02d}", f"document {i} " + "word " * 300) for i in range(20)])  # > eval_bytes each
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=100_000, eval_bytes=1_000)
+    train_tokenizer(cfg, docs, tmp_path / "t.json", tmp_path / "report.json")
+    report = read_json(tmp_path / "report.json")
+    assert (report["heldout_docs"], report["sample_docs"], report["bytes_per_token_on"]) == (0, 20, "sample")
+    assert report["roundtrip_docs"] == 2 + len(ROUNDTRIP_PROBES)
+
+
 def test_roundtrip_check_catches_a_lossy_tokenizer():
     tok = build_tokenizer()
     tok.normalizer = normalizers.Lowercase()
@@ -603,6 +619,29 @@ def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, cor
     adopt(folder, tmp_path / "out", corpus)
     specials = load_specials(tmp_path / "out")  # it read back as "unreadable; rerun the tokenizer stage"
     assert all(type(i) is int for i in specials.eos_ids) and 128009 in specials.eos_ids
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    eot, stop, _ = ADOPTED["llama3"]
+    assert specials.eos_ids == (tok.token_to_id(stop), 128009, tok.token_to_id(eot))  # true is no id 1
+
+
+def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_none(family_folders, corpus, tmp_path):
+    """An empty token is no token; a role tokenizer_config.json does not name is
+    looked for in special_tokens_map.json (as a string or an AddedToken); without
+    a pad token, padding uses the end-of-text token."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    config = read_json(folder / "tokenizer_config.json")
+    config.pop("eos_token")
+    config["bos_token"] = ""
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok_map = {"eos_token": {"content": "<|eot_id|>"}, "bos_token": ""}
+    (folder / "special_tokens_map.json").write_text(json.dumps(tok_map))
+    adopt(folder, tmp_path / "out", corpus)
+    specials = load_specials(tmp_path / "out")
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert specials.eos_ids[0] == tok.token_to_id("<|eot_id|>") and specials.bos_id is None
+    assert specials.pad_id == specials.eot_id == tok.token_to_id("<|end_of_text|>")
+    assert specials.texts["pad"] == "<|end_of_text|>"
 
 
 def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
