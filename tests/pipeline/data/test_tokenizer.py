@@ -519,7 +519,7 @@ def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(famil
     assert specials.eos_ids[0] == tok.token_to_id(stop) and specials.eot_id in specials.eos_ids
     assert specials.bos_id == (tok.token_to_id(bos) if bos else None)
     assert specials.chat_template == (folder / "chat_template.jinja").read_text()
-    assert set(specials.ids()) >= {"eot", "pad"}
+    assert set(specials.ids()) >= {"eot", "pad"} and len(set(specials.eos_ids)) == len(specials.eos_ids)
     assert metrics["vocab_size"] == tok.get_vocab_size() and metrics["bytes_per_token"] > 1.0
     # text never encodes to a special id, even when it spells one
     assert specials.eot_id not in tok.encode(f"a {eot} b", add_special_tokens=False).ids
@@ -642,6 +642,30 @@ def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_n
     assert specials.eos_ids[0] == tok.token_to_id("<|eot_id|>") and specials.bos_id is None
     assert specials.pad_id == specials.eot_id == tok.token_to_id("<|end_of_text|>")
     assert specials.texts["pad"] == "<|end_of_text|>"
+
+
+@pytest.mark.parametrize("files, config, template", [
+    ({"chat_template.jinja": "J", "chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "J"),
+    ({"chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "C"),
+    ({}, {"chat_template": "T"}, "T"),
+    ({}, {"chat_template": [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "D"}]}, "D"),
+    ({}, {"chat_template": [{"name": "tool_use", "template": "U"}]}, None),
+    ({}, {"chat_template": "  \n"}, None),
+    ({}, {}, None),
+])
+def test_the_chat_template_is_read_where_transformers_looks_for_it(tmp_path, files, config, template):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert tokenizer_module.read_chat_template(tmp_path, config) == template
+
+
+@pytest.mark.parametrize("specials, missing", [([IM_START, IM_END], []), ([IM_START], [IM_END]),
+                                               ([IM_END], [IM_START]), ([], [IM_START, IM_END])])
+def test_missing_chatml_tokens(specials, missing):
+    tok = build_tokenizer()
+    tok.add_special_tokens(specials)
+    tok.add_tokens([t for t in (IM_START, IM_END) if t not in specials])  # present, but not special
+    assert tokenizer_module.missing_chatml_tokens(tok) == missing
 
 
 def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
