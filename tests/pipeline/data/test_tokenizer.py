@@ -668,6 +668,22 @@ def test_missing_chatml_tokens(specials, missing):
     assert tokenizer_module.missing_chatml_tokens(tok) == missing
 
 
+def test_adopting_measures_the_held_out_documents_alone_their_specials_as_text(family_folders, tmp_path):
+    docs = tmp_path / "docs.parquet"
+    eot, stop, _ = ADOPTED["llama3"]  # a byte-level BPE that round-trips every probe
+    rows = [(f"d{i:03d}", f"document {i} says {eot} and {stop} in its text\n" * 5) for i in range(100)]
+    write_docs(docs, rows)
+    folder = family_folders["llama3"]
+    metrics = adopt(folder, tmp_path / "out", docs)
+    assert metrics["roundtrip_failures"] == 0  # a special token's text in a document is text
+    _, heldout, _ = choose_sample(docs, 0, TokenizerConfig().eval_bytes, TokenizerConfig().seed)
+    texts = [text for (_, text), held in zip(rows, heldout) if held]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    tokens = sum(len(tok.encode(t, add_special_tokens=False).ids) for t in texts)
+    assert texts and metrics["bytes_per_token"] == round(sum(len(t.encode()) for t in texts) / tokens, 4)
+
+
 def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
     adopt(family_folders["llama3"], tmp_path, corpus)
     assert (tmp_path / "hf").is_dir()
