@@ -802,6 +802,10 @@ def test_chunk_config_errors(source, extra, msg):
         cfg(sources=[{"path": "x.txt", **source}], **extra)
 
 
+def test_chunk_bytes_may_equal_max_doc_bytes():
+    assert cfg(sources=[{"path": "x.txt", "split_by": "chunk", "chunk_bytes": 1000}], max_doc_bytes=1000)
+
+
 def test_chunk_refuses_a_record_file(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: split_by: chunk cuts plain text.*jsonl"):
