@@ -266,7 +266,8 @@ def refuse_listing(monkeypatch, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["auto", "text"])
-@pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt"], ids=["folder", "recursive-glob", "glob"])
+@pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt", "/**"],
+                         ids=["folder", "recursive-glob", "glob", "recursive-glob-of-all"])
 def test_a_folder_that_cannot_be_listed_is_a_counted_skip_not_lost(tmp_path, monkeypatch, pattern, fmt):
     """A sub-folder without read permission: os.walk and glob pass over it in
     silence, so its files would be lost without a word. It is a not_a_file skip
@@ -693,6 +694,27 @@ def test_hidden_files_skipped_unless_asked(tmp_path):
     assert [f.path.name for f in resolve_sources(cfg(sources=[{"path": str(tmp_path)}]))] == ["shown.txt"]
     got = resolve_sources(cfg(sources=[{"path": str(tmp_path)}], include_hidden=True))
     assert sorted(f.path.name for f in got) == [".secret", "shown.txt"]
+
+
+@pytest.mark.parametrize("pattern", ["", "/**/*"])
+def test_files_under_a_hidden_folder_are_hidden(tmp_path, pattern):
+    (tmp_path / "src" / ".git").mkdir(parents=True)
+    (tmp_path / "src" / ".git" / "config").write_text("hidden")
+    (tmp_path / "src" / "shown.txt").write_text("shown")
+    source = {"path": f"{tmp_path / 'src'}{pattern}"}
+    assert [f.path.name for f in resolve_sources(cfg(sources=[source]))] == ["shown.txt"]
+    got = resolve_sources(cfg(sources=[source], include_hidden=True))
+    assert sorted(f.path.name for f in got) == ["config", "shown.txt"]
+
+
+def test_a_glob_inside_a_dataset_folder_reads_the_files_it_names(tmp_path):
+    """The folder a pattern starts in is the user's choice, never a part of the
+    dataset to read whole: its own files are read one by one."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "state.json").write_text("{}")  # what marks a save_to_disk folder
+    (ds / "notes.txt").write_text("about the dataset")
+    assert [f.path.name for f in resolve_sources(cfg(sources=[{"path": f"{ds}/*.txt"}]))] == ["notes.txt"]
 
 
 # --- split_by: chunk ---------------------------------------------------------------------------
