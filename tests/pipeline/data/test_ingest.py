@@ -140,6 +140,14 @@ def test_split_text_record_prefix():
     assert list(split_text("a\n\nb", "paragraph", "row:3")) == [("row:3#para:1", "a"), ("row:3#para:3", "b")]
 
 
+def test_a_record_splits_at_blank_lines_which_are_no_documents_and_a_paragraph_is_named_by_its_first_line():
+    text = "a\n  \t\nb\nc\n\n\nd"
+    assert list(split_text(text, "line", "row:3")) == [("row:3#line:1", "a"), ("row:3#line:3", "b"),
+                                                       ("row:3#line:4", "c"), ("row:3#line:7", "d")]
+    assert list(split_text(text, "paragraph")) == [("para:1", "a"), ("para:3", "b\nc"), ("para:7", "d")]
+    assert list(split_text(text, "file")) == [("file", text)]
+
+
 def test_every_bad_input_is_a_counted_skip(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
