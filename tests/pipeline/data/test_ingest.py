@@ -188,6 +188,20 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
 
 
+def test_a_document_of_max_doc_bytes_is_kept_one_byte_more_is_too_large_and_whitespace_is_empty(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "fits.txt").write_text("x" * 20)
+    (d / "over.txt").write_text("y" * 21)
+    (d / "blank.txt").write_text(" \n\t\n")
+    pq.write_table(pa.table({"text": ["z" * 20, "w" * 21, " \n "]}), d / "rows.parquet")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(d)}], max_doc_bytes=20)
+    assert sorted(doc["text"] for doc in docs) == ["x" * 20, "z" * 20]
+    assert sorted((q["reason"], q["source"].rsplit("/", 1)[-1], q["location"]) for q in quarantine) == [
+        ("empty_text", "blank.txt", "file"), ("empty_text", "rows.parquet", "row:2"),
+        ("too_large", "over.txt", "file"), ("too_large", "rows.parquet", "row:1")]
+
+
 def test_a_null_text_is_a_missing_field_skip_that_says_it_is_null(tmp_path):
     """A field that is there with a null value was a skip with no detail, unlike a field that is absent."""
     (tmp_path / "a.jsonl").write_text('{"text": null}\n{"body": "x"}\n{"text": "kept"}\n')
