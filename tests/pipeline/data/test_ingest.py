@@ -364,6 +364,7 @@ def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
     texts_out = [d["text"] for d in docs]
     assert texts_out[:100_000] == [f"row {i} fine" for i in range(100_000)]
     assert texts_out[100_000:120_001] == ["fine"] + [f"row {i} fine" for i in range(100_000, 120_000)]
+    assert docs[100_000]["location"] == "row:100001"  # the rows after a skipped one keep their numbers
     assert texts_out[120_001:] == texts[:100] + texts[200:] + ["before", "after"]
     assert report(tmp_path)["skipped"] == {"non_utf8": 2, "unreadable": 100, "malformed_json": 2}
     assert metrics["docs"] + metrics["skipped"] == 120_002 + 300 + 4 + 1  # every record accounted for
@@ -371,6 +372,33 @@ def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
     assert where == {("big.csv", "row:100000"): "non_utf8", ("p.parquet", "row:100"): "unreadable",
                      ("r.jsonl", "line:2"): "non_utf8", ("r.jsonl", "line:3"): "malformed_json",
                      ("deep.json", "file"): "malformed_json"}
+
+
+def test_a_damaged_page_costs_the_rest_of_its_row_group_and_the_rows_before_it_are_kept(tmp_path):
+    """One row group of many pages: the batches read before the damaged one are
+    documents, and the skip counts exactly the rows not read, from where they start."""
+    texts = [f"parquet document {i:04d}" for i in range(3000)]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": texts}), path, compression="none", use_dictionary=False, row_group_size=3000,
+                   data_page_size=1024)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"parquet document 2500")
+    data[at - 4:at] = b"\xff\xff\xff\x7f"
+    path.write_bytes(bytes(data))
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(path)}])
+    kept = len(docs)
+    assert 0 < kept <= 2500 and [d["text"] for d in docs] == texts[:kept]
+    assert metrics["docs"] + metrics["skipped"] == 3000
+    assert [(q["reason"], q["location"]) for q in quarantine] == [("unreadable", f"row:{kept}")]
+    assert report(tmp_path)["skipped"] == {"unreadable": 3000 - kept}
+
+
+def test_blank_lines_of_json_lines_are_no_records(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('\n{"text": "a"}\n\n  \n{"text": "b"}\n\n')
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(path)}])
+    assert [(d["text"], d["location"]) for d in docs] == [("a", "line:2"), ("b", "line:5")]
+    assert metrics["skipped"] == 0
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
@@ -386,13 +414,17 @@ def test_a_json_object_is_its_own_record_or_holds_its_one_list_of_records(tmp_pa
     (tmp_path / "dump.json").write_text(json.dumps({"version": "1.0", "tags": ["news"],
                                                     "data": [{"text": "d1"}, {"text": "d2"}, {"text": "d3"}]}))
     (tmp_path / "two.json").write_text(json.dumps({"a": [{"text": "x"}], "b": [{"text": "y"}]}))
+    (tmp_path / "strings.json").write_text(json.dumps({"version": 2, "data": ["s1", "s2"]}))  # a list, of no objects
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)}
-                                                       for n in ("paper.json", "dump.json", "two.json")])
+                                                       for n in ("paper.json", "dump.json", "two.json", "strings.json")])
     assert [d["text"] for d in docs] == ["The body.", "d1", "d2", "d3"]
     assert [d["location"] for d in docs] == ["item:0", "item:0", "item:1", "item:2"]
-    # two lists of records: which one is meant is not guessed; the file is one counted skip
-    assert report(tmp_path)["skipped"] == {"missing_field": 1}
-    assert [(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine] == [("two.json", "missing_field")]
+    # two lists of records: which one is meant is not guessed; the file is one counted skip;
+    # the one list of strings holds the records, each a counted skip of its own
+    assert report(tmp_path)["skipped"] == {"missing_field": 1, "malformed_json": 2}
+    assert [(q["source"].rsplit("/", 1)[-1], q["reason"], q["location"]) for q in quarantine] == [
+        ("two.json", "missing_field", "item:0"), ("strings.json", "malformed_json", "item:0"),
+        ("strings.json", "malformed_json", "item:1")]
 
 
 def test_no_documents_says_why_in_its_one_line(tmp_path):
