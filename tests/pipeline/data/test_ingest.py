@@ -488,8 +488,10 @@ def test_a_file_name_that_is_not_utf8_keeps_its_documents(tmp_path):
     assert metrics["skipped"] == 0
 
 
-def test_a_csv_header_that_is_not_utf8_is_a_counted_skip(tmp_path):
-    (tmp_path / "h.csv").write_bytes(b"text,caf\xe9\nhello,1\n")
+@pytest.mark.parametrize("rows", [b"hello,1\n", b"hello,1\nbad,row,3\n"], ids=["pyarrow", "python-csv"])
+def test_a_csv_header_that_is_not_utf8_is_a_counted_skip(tmp_path, rows):
+    """Read by pyarrow, or by Python's csv where pyarrow stops in the first block (a malformed row)."""
+    (tmp_path / "h.csv").write_bytes(b"text,caf\xe9\n" + rows)
     (tmp_path / "ok.txt").write_text("fine")
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("h.csv", "ok.txt")])
     assert [d["text"] for d in docs] == ["fine"]
@@ -634,6 +636,25 @@ def test_ids_are_stable_and_unique(tmp_path):
     assert [x["id"] for x in d1] == [x["id"] for x in d2]
     assert len({x["id"] for x in d1}) == 3
     assert d1[0]["id"] == doc_id(d1[0]["source"], d1[0]["location"])
+
+
+def test_ids_do_not_change_between_versions():
+    """Pack's split and clean's dedup key on ids: a changed id function would move
+    documents between train and val in every existing corpus."""
+    assert doc_id("{stdlib}/json/__init__.py", "file") == "e1a58af623a4fdae"
+    assert doc_id("data/raw/r.jsonl", "line:1#para:3") == "bab321eed8da0e3e"
+    # the source and the location are kept apart: the same characters split differently are another id
+    assert doc_id("r.jsonl", "line:1#line:2") != doc_id("r.jsonlline:1#", "line:2")
+
+
+def test_a_csv_that_pyarrow_stops_in_after_its_first_block_gives_each_row_once(tmp_path):
+    rows = [f"row {i} fine,x" for i in range(100_000)]  # 1.6 MB: past pyarrow's first 1 MiB block
+    (tmp_path / "big.csv").write_text("text,other\n" + "\n".join(rows[:90_000]) + "\nbad,row,3\n"
+                                      + "\n".join(rows[90_000:]) + "\n")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "big.csv")}])
+    assert [d["text"] for d in docs] == [f"row {i} fine" for i in range(100_000)]
+    assert [d["location"] for d in docs[89_999:90_001]] == ["row:89999", "row:90000"]
+    assert [(q["reason"], q["location"]) for q in quarantine] == [("malformed_csv", "line:90002")]
 
 
 def test_duplicate_paths_are_counted_once(tmp_path):
