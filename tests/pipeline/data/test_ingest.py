@@ -1159,6 +1159,36 @@ def test_a_worker_reads_a_file_only_if_it_is_the_one_the_stage_saw(tmp_path):
     assert ingest._read_whole(f, seen).endswith(" (FileNotFoundError)")
 
 
+def test_workers_read_the_files_of_at_most_worker_file_bytes_and_the_stage_streams_the_rest(tmp_path, monkeypatch):
+    """A compressed file counts 4 times its size; the items are the same wherever a file is read."""
+    from pipeline.data import ingest
+    from pipeline.data.executor import InProcess
+
+    (tmp_path / "fits.txt").write_text("x" * 99 + "\n")  # 100 bytes
+    (tmp_path / "over.txt").write_text("y" * 100 + "\n")
+    (tmp_path / "packed.txt").write_text("".join(chr(33 + i * 37 % 90) for i in range(60)))
+    compress(tmp_path / "packed.txt", "gzip")  # 26 bytes or more, so more than 100 counted
+    (tmp_path / "packed.txt").unlink()
+    c = cfg(sources=[{"path": str(tmp_path / "*.txt*")}], worker_file_bytes=100)
+    files = resolve_sources(c)
+    handed: dict[str, bool] = {}
+    read_whole = ingest._read_whole
+
+    def recorded(f, seen):
+        handed[f.path.name] = seen is not None
+        return read_whole(f, seen)
+
+    monkeypatch.setattr(ingest, "_read_whole", recorded)
+
+    class TwoWorkersHere(InProcess):
+        workers = 2
+
+    ex = TwoWorkersHere("ingest", ingest._init_reader, (c,))
+    items = [item.text for _, _, item, _ in ingest.iter_items(files, c, ex)]
+    assert handed == {"fits.txt": True, "over.txt": False, "packed.txt.gz": False}
+    assert items == [item.text for _, _, item, _ in ingest.iter_items(files, c)]
+
+
 def test_a_split_asked_of_a_dataset_without_splits_is_an_error(tmp_path):
     import datasets
 
