@@ -442,6 +442,16 @@ def test_no_documents_says_why_in_its_one_line(tmp_path):
            f"{tmp_path / 'c.txt'} file (invalid UTF-8 at byte 0) (see " in message
 
 
+def test_no_documents_gives_examples_of_the_three_most_frequent_reasons(tmp_path):
+    for name, data in [("a1.txt", b"x" * 300), ("a2.txt", b"x" * 300), ("a3.txt", b"x" * 300), ("b1.txt", b"\xff"),
+                       ("b2.txt", b"\xff"), ("c.txt", b" \n"), ("d.txt", b"")]:
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_doc_bytes=100)
+    examples = str(err.value).split("; e.g. ", 1)[1]
+    assert [part.split(":")[0] for part in examples.split("; ")] == ["too_large", "non_utf8", "empty_text"]
+
+
 def test_json_lines_in_a_file_named_json(tmp_path):
     """format: auto reads a .json file of one object per line as JSON Lines; format: json says how to read it."""
     (tmp_path / "lines.json").write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
@@ -506,6 +516,18 @@ def test_a_csv_without_the_text_column_counts_its_rows(tmp_path):
     metrics, _, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.csv", "b.csv", "ok.txt")])
     assert report(tmp_path)["skipped"] == {"missing_field": 5}
     assert metrics["docs"] + metrics["skipped"] == 3 + 2 + 1
+
+
+def test_a_csv_read_by_python_s_csv_passes_over_blank_lines_and_counts_a_malformed_row(tmp_path):
+    """A row of three columns in the first block: pyarrow's reader stops at once, Python's csv reads it all."""
+    (tmp_path / "a.csv").write_text("text,n\nhello,1\n\nbad,row,3\n\nworld,2\n")
+    (tmp_path / "b.csv").write_text("body,n\nx,1\n\ny,2,3\n\n")  # no text column: its 2 records, not the blanks
+    pq.write_table(pa.table({"body": pa.array([], pa.string())}), tmp_path / "c.parquet")  # no column, no rows
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.csv", "b.csv", "c.parquet")])
+    assert [(d["text"], d["location"]) for d in docs] == [("hello", "row:0"), ("world", "row:1")]
+    assert report(tmp_path)["skipped_per_source"] == {
+        str(tmp_path / "a.csv"): {"malformed_csv": 1}, str(tmp_path / "b.csv"): {"missing_field": 2},
+        str(tmp_path / "c.parquet"): {"missing_field": 1}}  # an empty file without the column still says so
 
 
 def test_a_csv_that_names_its_text_column_twice_is_a_counted_skip_not_a_guess(tmp_path):
