@@ -1209,6 +1209,9 @@ def test_workers_read_the_files_of_at_most_worker_file_bytes_and_the_stage_strea
     items = [item.text for _, _, item, _ in ingest.iter_items(files, c, ex)]
     assert handed == {"fits.txt": True, "over.txt": False, "packed.txt.gz": False}
     assert items == [item.text for _, _, item, _ in ingest.iter_items(files, c)]
+    handed.clear()  # one worker: every file is streamed here, none read whole
+    assert [item.text for _, _, item, _ in ingest.iter_items(files, c, InProcess("ingest", None, ()))] == items
+    assert handed == {}
 
 
 def test_a_split_asked_of_a_dataset_without_splits_is_an_error(tmp_path):
