@@ -618,10 +618,14 @@ def read_text(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
 
 
 def _lines_of(fh: BinaryIO, f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
-    """The documents of a text file read by line or by paragraph."""
+    """The documents of a text file read by line or by paragraph. A document is
+    measured against max_doc_bytes by its own text: a line without its end, a
+    paragraph's lines joined with ``\n``. A paragraph is held only while it
+    fits: one that runs on (a long log file with no blank line) is a too_large
+    skip whose sample holds its beginning, not a whole file held in memory."""
     para: list[str] = []
     para_start = 0
-    para_bytes = 0
+    para_bytes = -1  # the paragraph's text bytes so far; -1: none begun (each line adds a \n before it)
     for n, latin in enumerate(line_ends(fh), 1):
         raw = latin.encode("latin-1")
         try:
@@ -629,24 +633,27 @@ def _lines_of(fh: BinaryIO, f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
         except UnicodeDecodeError as e:
             yield Skip("non_utf8", f"line:{n}", detail=f"invalid UTF-8 at byte {e.start} of the line")
             continue
+        size = len(raw.rstrip(b"\r\n"))
         if f.source.split_by == "line":
             if not line.strip():
                 continue
-            if len(raw) > cfg.max_doc_bytes:
-                yield Skip("too_large", f"line:{n}", detail=f"{len(raw)} bytes > max_doc_bytes={cfg.max_doc_bytes}", text=line)
+            if size > cfg.max_doc_bytes:
+                yield Skip("too_large", f"line:{n}", detail=f"{size} bytes > max_doc_bytes={cfg.max_doc_bytes}",
+                           text=line)
             else:
                 yield Doc(f"line:{n}", line)
             continue
         if line.strip():
-            if not para:
+            if para_bytes < 0:
                 para_start = n
-            para.append(line)
-            para_bytes += len(raw)
+            if para_bytes <= cfg.max_doc_bytes:  # past it the paragraph is too_large, and its rest is not kept
+                para.append(line)
+            para_bytes += 1 + size
             continue
-        if para:
+        if para_bytes >= 0:
             yield from _emit_para(para, para_start, para_bytes, cfg)
-            para, para_bytes = [], 0
-    if para:
+            para, para_bytes = [], -1
+    if para_bytes >= 0:
         yield from _emit_para(para, para_start, para_bytes, cfg)
 
 
@@ -726,6 +733,7 @@ def _chunk(data: bytes, index: int, offset: int) -> Item:
 
 
 def _emit_para(lines: list[str], start: int, nbytes: int, cfg: IngestConfig) -> Iterator[Item]:
+    """A paragraph of ``nbytes`` of text; of a too_large one, ``lines`` hold its beginning only."""
     text = "\n".join(lines)
     if nbytes > cfg.max_doc_bytes:
         yield Skip("too_large", f"para:{start}", detail=f"{nbytes} bytes > max_doc_bytes={cfg.max_doc_bytes}", text=text)

@@ -9,13 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data import executor as executor_module
 from pipeline.data.clean import CleanConfig
-from pipeline.data.executor import ExecutorConfig, ExecutorError, InProcess, LocalPool, on_loopback, open_executor
+from pipeline.data.executor import (ExecutorConfig, ExecutorError, InProcess, LocalPool, _check_reachable, on_loopback,
+                                    open_executor)
 from pipeline.errors import StageError
 from pipeline.files import DiskFullError
 from tests.conftest import ROOT
@@ -108,9 +111,51 @@ def test_tasks_are_read_lazily_within_the_window(workers):
         assert [sq for _, sq, _ in it] == [x * x for x in range(1, 20)]
 
 
+def test_the_window_is_twice_the_workers_by_default():
+    pulled = []
+
+    def tasks():
+        for x in range(20):
+            pulled.append(x)
+            yield (x,)
+
+    with open_executor(local(2)) as ex:
+        it = ex.map(tagged, tasks())
+        next(it)
+        assert len(pulled) == 4  # submitted in the caller's thread: 4 taken before the first result is awaited
+        assert [sq for _, sq, _ in it] == [x * x for x in range(1, 20)]
+
+
+def marked(x: int, folder: str) -> int:
+    time.sleep(0.5 if x else 0.0)  # task 0 ends first, while the others run or wait
+    Path(folder, str(x)).touch()
+    return x
+
+
+def test_tasks_not_yet_started_are_cancelled_when_the_caller_stops_reading(tmp_path):
+    """A stage that stops early (ingest's max_bytes) leaves no queued task to run: a
+    later map's task waits behind none of them."""
+    with open_executor(local(2)) as ex:
+        it = ex.map(marked, [(x, str(tmp_path)) for x in range(12)], window=12)
+        next(it)
+        it.close()
+        assert list(ex.map(marked, [(99, str(tmp_path))])) == [99]
+        ran = len(os.listdir(tmp_path)) - 1
+    # the first, two running and the pool's three in its call queue (6), not all 12; 2 to spare
+    assert ran <= 8
+
+
 def test_max_workers_caps_the_pool_and_one_worker_runs_in_process():
     with open_executor(local(4), max_workers=1) as ex:
         assert isinstance(ex, InProcess)
+
+
+def test_zero_workers_means_one_per_available_core(monkeypatch):
+    monkeypatch.setattr("pipeline.data.executor.available_cores", lambda: 3)
+    with open_executor(local(0)) as ex:
+        assert isinstance(ex, LocalPool) and ex.workers == 3
+    with open_executor(local(0), max_workers=2) as ex:
+        assert ex.workers == 2
 
 
 class Bar:
@@ -143,6 +188,16 @@ def test_any_other_worker_exception_is_one_line_naming_the_task_and_place():
     assert "test_executor.py:" in msg and "in fails" in msg
 
 
+def fails_without_a_message(x: int) -> int:
+    raise RuntimeError()
+
+
+def test_an_exception_without_a_message_is_named_alone():
+    with open_executor(local(2)) as ex, pytest.raises(ExecutorError) as err:
+        list(ex.map(fails_without_a_message, [(0,)]))
+    assert str(err.value).startswith("stage: task 0 failed in a worker: RuntimeError (at test_executor.py:")
+
+
 def writes_on_a_full_disk(x: int) -> int:
     if x == 1:
         raise OSError(errno.ENOSPC, "No space left on device", "data/clean/quarantine.jsonl")
@@ -159,6 +214,19 @@ def test_a_worker_write_the_disk_cannot_hold_is_a_disk_full_error_naming_the_fil
 def test_a_dying_worker_is_a_clear_error():
     with open_executor(local(2), desc="clean") as ex, pytest.raises(ExecutorError, match="^clean: a worker process died"):
         list(ex.map(dies, [(x,) for x in range(4)]))
+
+
+def sigint_blocked(_: int) -> bool:
+    return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_ctrl_c_stops_the_stage_through_its_main_process_alone():
+    """Workers start with SIGINT blocked (the terminal sends it to the whole
+    process group), so they print no KeyboardInterrupt tracebacks; the caller's
+    own mask is as it was."""
+    with open_executor(local(2)) as ex:
+        assert list(ex.map(sigint_blocked, [(x,) for x in range(4)])) == [True] * 4
+    assert not sigint_blocked(0)
 
 
 def test_workers_die_with_the_stage(tmp_path):
@@ -208,6 +276,13 @@ def test_an_address_that_answers_nothing_is_one_line():
                 pass
 
 
+@pytest.mark.parametrize("address", ["auto", "head.example", "head.example:port", "[::1]"])
+def test_an_address_without_a_port_number_is_left_to_ray(address, monkeypatch):
+    """Only a host:port is tried first (ray.init retries for minutes); other forms Ray resolves or refuses itself."""
+    monkeypatch.setattr("socket.create_connection", lambda *a, **k: pytest.fail(f"tried to connect for {address}"))
+    assert _check_reachable("stage", address) is None
+
+
 def test_ray_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     with pytest.raises(ExecutorError, match=r"pip install '\.\[ray\]'"):
@@ -226,6 +301,20 @@ def test_executor_config_errors_name_the_dotted_key(data, key, message):
     with pytest.raises(ConfigError) as err:
         parse_section(CleanConfig, data, "clean")
     assert key in str(err.value) and message in str(err.value)
+
+
+@pytest.mark.parametrize("data, workers", [
+    ({"num_workers": 3}, 3), ({"num_workers": 3, "executor": {"num_workers": 3}}, 3),
+    ({"executor": {"num_workers": 3}}, 3), ({"num_workers": 0}, 0),
+])
+def test_the_older_num_workers_key_is_read_as_executor_num_workers(data, workers):
+    assert parse_section(CleanConfig, data, "clean").executor.num_workers == workers
+
+
+@pytest.mark.parametrize("legacy", [0, 2])
+def test_an_older_num_workers_that_disagrees_with_executor_num_workers_is_one_line(legacy):
+    with pytest.raises(ConfigError, match=f"num_workers={legacy} and executor.num_workers=3 disagree"):
+        parse_section(CleanConfig, {"num_workers": legacy, "executor": {"num_workers": 3}}, "clean")
 
 
 def test_importing_the_data_stages_does_not_import_ray():
@@ -264,6 +353,62 @@ def test_address_auto_with_no_instance_running_is_one_line_naming_the_param(monk
     assert _resolve_auto("clean") == "127.0.0.1:6390"
 
 
+def test_ray_variables_are_set_where_the_user_set_none_and_only_for_the_block(monkeypatch):
+    monkeypatch.setenv("PIPELINE_TEST_A", "the user's")
+    monkeypatch.delenv("PIPELINE_TEST_B", raising=False)
+    monkeypatch.delenv("PIPELINE_TEST_C", raising=False)
+    with executor_module._environ({"PIPELINE_TEST_A": "ours", "PIPELINE_TEST_B": "ours", "PIPELINE_TEST_C": ""}):
+        assert os.environ["PIPELINE_TEST_A"] == "the user's" and os.environ["PIPELINE_TEST_B"] == "ours"
+        assert "PIPELINE_TEST_C" not in os.environ  # an empty value: nothing to set
+    assert os.environ["PIPELINE_TEST_A"] == "the user's" and "PIPELINE_TEST_B" not in os.environ
+
+
+def test_loopback_only_for_the_block_unless_the_user_set_the_variable(monkeypatch):
+    """Ray's constant is set where Ray is imported already (here a stand-in), and restored."""
+    constants = types.SimpleNamespace(ENABLE_RAY_CLUSTER=True)
+    monkeypatch.setitem(sys.modules, "ray._private.ray_constants", constants)
+    name = executor_module.RAY_CLUSTER_ENV
+    monkeypatch.delenv(name, raising=False)
+    with executor_module.loopback_only():
+        assert os.environ[name] == "0" and constants.ENABLE_RAY_CLUSTER is False
+    assert name not in os.environ and constants.ENABLE_RAY_CLUSTER is True
+    monkeypatch.setenv(name, "1")
+    with executor_module.loopback_only():
+        assert os.environ[name] == "1" and constants.ENABLE_RAY_CLUSTER is True
+
+
+def test_a_ray_worker_with_other_code_or_libraries_refuses_in_one_line():
+    here = executor_module.code_identity()
+    executor_module.check_same_code("clean", dict(here))  # the same: no error
+    with pytest.raises(ExecutorError) as err:
+        executor_module.check_same_code("clean", {**here, "numpy": "0.0.1"})
+    msg = str(err.value)
+    assert msg.startswith("clean: the Ray worker on ") and f"(numpy {here['numpy']} there, 0.0.1 here;" in msg
+    assert "pipeline source" not in msg and "\n" not in msg
+
+
+def test_private_instance_processes_import_this_checkout_first(monkeypatch):
+    folder = str(executor_module._package_root().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/elsewhere", folder, ""]))
+    monkeypatch.setattr(executor_module.site, "getsitepackages", lambda: ["/venv/site-packages"])
+    assert executor_module._this_code_first() == {"PYTHONPATH": os.pathsep.join([folder, "/elsewhere"])}
+    monkeypatch.setattr(executor_module.site, "getsitepackages", lambda: [folder])  # the installed package
+    assert executor_module._this_code_first() == {}
+
+
+@pytest.mark.parametrize("num_workers, workers", [(0, 2), (1, 1), (8, 2)])
+def test_joining_a_cluster_runs_at_most_its_cpus_at_once(monkeypatch, num_workers, workers):
+    """A stand-in for a connected Ray with 2 CPUs: executor.num_workers is capped by them (0: all)."""
+    fake = types.SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 2.0},
+                                 put=lambda x: x, remote=lambda **kw: (lambda fn: fn), shutdown=lambda: None)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    ex = executor_module.RayExecutor("stage", ExecutorConfig(kind="ray", num_workers=num_workers), None, None, ())
+    try:
+        assert (ex.workers, ex.cpus) == (workers, 2)
+    finally:
+        ex.close()
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -287,6 +432,21 @@ def mapped_after_free(_: int = 0) -> bool:
     return mapped
 
 
+def kept_at_heap_top_after_free(_: int = 0) -> bool:
+    """Whether 12 MiB freed at the top of the heap (1 MiB blocks, below the mmap
+    threshold) are kept there for the next blocks rather than handed back at
+    once: a worker's trim threshold of 16 MiB keeps them, glibc's default
+    (128 KiB while the mmap threshold is fixed or not yet raised) trims them."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = _MallInfo2
+    blocks = [libc.malloc(1 << 20) for _ in range(12)]
+    for block in reversed(blocks):
+        libc.free(block)
+    return libc.mallinfo2().keepcost >= 8 << 20
+
+
 def test_workers_hand_freed_buffers_back_to_the_system():
     """Every process that runs tasks calls return_freed_memory, so that a
     worker's memory is that of its task, not of all the tasks it ran (a pack
@@ -298,6 +458,11 @@ def test_workers_hand_freed_buffers_back_to_the_system():
     out = subprocess.run([sys.executable, "-c", "from tests.pipeline.data.test_executor import mapped_after_free as m; "
                           "print(m())"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr[-2000:]  # glibc's default, in a process that runs no task
+    out = subprocess.run([sys.executable, "-c", "from tests.pipeline.data.test_executor import "
+                          "kept_at_heap_top_after_free as k; print(k())"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
     with open_executor(ExecutorConfig(kind="local", num_workers=2)) as ex:
         assert isinstance(ex, LocalPool)
         assert list(ex.map(mapped_after_free, [(i,) for i in range(2)])) == [True, True]
+        assert list(ex.map(kept_at_heap_top_after_free, [(i,) for i in range(2)])) == [True, True]

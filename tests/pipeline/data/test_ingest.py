@@ -97,8 +97,55 @@ def test_a_crlf_split_across_reads_is_one_line_end(tmp_path):
     assert [(d["text"], d["location"]) for d in docs] == [(first, "line:1"), ("second", "line:2")]
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_lines_and_paragraphs_are_measured_by_their_own_text(tmp_path, newline):
+    """A line or paragraph of max_doc_bytes of text is a document, one byte more a
+    too_large skip that says its size: line ends are not the document's (a
+    paragraph's lines are joined with one \\n, whatever ended them in the file).
+    Before, a line's end counted, and each CRLF twice, so a document that fit was skipped."""
+    f = tmp_path / "a.txt"
+    f.write_bytes(newline.join(["0123456789", "", "01234", "5678", "", "01234", "56789", "", "abcdefghijk", ""]).encode())
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(f), "split_by": "line"}], max_doc_bytes=10)
+    assert [d["text"] for d in docs] == ["0123456789", "01234", "5678", "01234", "56789"]
+    assert [(q["location"], q["detail"]) for q in quarantine] == [("line:9", "11 bytes > max_doc_bytes=10")]
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(f), "split_by": "paragraph"}], max_doc_bytes=10)
+    assert [d["text"] for d in docs] == ["0123456789", "01234\n5678"]
+    assert [(q["location"], q["detail"]) for q in quarantine] == [("para:6", "11 bytes > max_doc_bytes=10"),
+                                                                  ("para:9", "11 bytes > max_doc_bytes=10")]
+
+
+def test_a_paragraph_that_runs_on_is_not_held_whole(tmp_path):
+    """A text file read by paragraph that has no blank line (a log) is one
+    too_large paragraph: it is streamed, and its sample holds its beginning."""
+    import tracemalloc
+
+    from pipeline.data import ingest
+
+    f = tmp_path / "log.txt"
+    f.write_bytes(b"".join(b"%07d " % i + b"x" * 92 + b"\n" for i in range(40_000)))  # 4 MB, one paragraph
+    c = cfg(sources=[{"path": str(f), "split_by": "paragraph"}], max_doc_bytes=1000)
+    tracemalloc.start()
+    try:
+        items = list(ingest.read_items(resolve_sources(c)[0], c))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(type(i).__name__, i.location, i.detail) for i in items] == \
+        [("Skip", "para:1", f"{40_000 * 101 - 1} bytes > max_doc_bytes=1000")]  # 100 a line, and the \\n joins
+    assert items[0].text.startswith("0000000 xxx") and len(items[0].text) < 1200
+    assert peak < 1_000_000  # the whole paragraph would be 4 MB of text alone
+
+
 def test_split_text_record_prefix():
     assert list(split_text("a\n\nb", "paragraph", "row:3")) == [("row:3#para:1", "a"), ("row:3#para:3", "b")]
+
+
+def test_a_record_splits_at_blank_lines_which_are_no_documents_and_a_paragraph_is_named_by_its_first_line():
+    text = "a\n  \t\nb\nc\n\n\nd"
+    assert list(split_text(text, "line", "row:3")) == [("row:3#line:1", "a"), ("row:3#line:3", "b"),
+                                                       ("row:3#line:4", "c"), ("row:3#line:7", "d")]
+    assert list(split_text(text, "paragraph")) == [("para:1", "a"), ("para:3", "b\nc"), ("para:7", "d")]
+    assert list(split_text(text, "file")) == [("file", text)]
 
 
 def test_every_bad_input_is_a_counted_skip(tmp_path):
@@ -139,6 +186,20 @@ def test_every_bad_input_is_a_counted_skip(tmp_path):
     reasons = {(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine}
     assert ("latin1.txt", "non_utf8") in reasons and ("huge.txt", "too_large") in reasons
     assert all(len(q.get("text", "")) <= 2000 for q in quarantine)  # quarantine stays small
+
+
+def test_a_document_of_max_doc_bytes_is_kept_one_byte_more_is_too_large_and_whitespace_is_empty(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "fits.txt").write_text("x" * 20)
+    (d / "over.txt").write_text("y" * 21)
+    (d / "blank.txt").write_text(" \n\t\n")
+    pq.write_table(pa.table({"text": ["z" * 20, "w" * 21, " \n "]}), d / "rows.parquet")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(d)}], max_doc_bytes=20)
+    assert sorted(doc["text"] for doc in docs) == ["x" * 20, "z" * 20]
+    assert sorted((q["reason"], q["source"].rsplit("/", 1)[-1], q["location"]) for q in quarantine) == [
+        ("empty_text", "blank.txt", "file"), ("empty_text", "rows.parquet", "row:2"),
+        ("too_large", "over.txt", "file"), ("too_large", "rows.parquet", "row:1")]
 
 
 def test_a_null_text_is_a_missing_field_skip_that_says_it_is_null(tmp_path):
@@ -227,7 +288,8 @@ def refuse_listing(monkeypatch, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["auto", "text"])
-@pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt"], ids=["folder", "recursive-glob", "glob"])
+@pytest.mark.parametrize("pattern", ["", "/**/*.txt", "/*/*.txt", "/**"],
+                         ids=["folder", "recursive-glob", "glob", "recursive-glob-of-all"])
 def test_a_folder_that_cannot_be_listed_is_a_counted_skip_not_lost(tmp_path, monkeypatch, pattern, fmt):
     """A sub-folder without read permission: os.walk and glob pass over it in
     silence, so its files would be lost without a word. It is a not_a_file skip
@@ -316,6 +378,7 @@ def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
     texts_out = [d["text"] for d in docs]
     assert texts_out[:100_000] == [f"row {i} fine" for i in range(100_000)]
     assert texts_out[100_000:120_001] == ["fine"] + [f"row {i} fine" for i in range(100_000, 120_000)]
+    assert docs[100_000]["location"] == "row:100001"  # the rows after a skipped one keep their numbers
     assert texts_out[120_001:] == texts[:100] + texts[200:] + ["before", "after"]
     assert report(tmp_path)["skipped"] == {"non_utf8": 2, "unreadable": 100, "malformed_json": 2}
     assert metrics["docs"] + metrics["skipped"] == 120_002 + 300 + 4 + 1  # every record accounted for
@@ -323,6 +386,33 @@ def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
     assert where == {("big.csv", "row:100000"): "non_utf8", ("p.parquet", "row:100"): "unreadable",
                      ("r.jsonl", "line:2"): "non_utf8", ("r.jsonl", "line:3"): "malformed_json",
                      ("deep.json", "file"): "malformed_json"}
+
+
+def test_a_damaged_page_costs_the_rest_of_its_row_group_and_the_rows_before_it_are_kept(tmp_path):
+    """One row group of many pages: the batches read before the damaged one are
+    documents, and the skip counts exactly the rows not read, from where they start."""
+    texts = [f"parquet document {i:04d}" for i in range(3000)]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": texts}), path, compression="none", use_dictionary=False, row_group_size=3000,
+                   data_page_size=1024)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"parquet document 2500")
+    data[at - 4:at] = b"\xff\xff\xff\x7f"
+    path.write_bytes(bytes(data))
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(path)}])
+    kept = len(docs)
+    assert 0 < kept <= 2500 and [d["text"] for d in docs] == texts[:kept]
+    assert metrics["docs"] + metrics["skipped"] == 3000
+    assert [(q["reason"], q["location"]) for q in quarantine] == [("unreadable", f"row:{kept}")]
+    assert report(tmp_path)["skipped"] == {"unreadable": 3000 - kept}
+
+
+def test_blank_lines_of_json_lines_are_no_records(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('\n{"text": "a"}\n\n  \n{"text": "b"}\n\n')
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(path)}])
+    assert [(d["text"], d["location"]) for d in docs] == [("a", "line:2"), ("b", "line:5")]
+    assert metrics["skipped"] == 0
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
@@ -338,13 +428,17 @@ def test_a_json_object_is_its_own_record_or_holds_its_one_list_of_records(tmp_pa
     (tmp_path / "dump.json").write_text(json.dumps({"version": "1.0", "tags": ["news"],
                                                     "data": [{"text": "d1"}, {"text": "d2"}, {"text": "d3"}]}))
     (tmp_path / "two.json").write_text(json.dumps({"a": [{"text": "x"}], "b": [{"text": "y"}]}))
+    (tmp_path / "strings.json").write_text(json.dumps({"version": 2, "data": ["s1", "s2"]}))  # a list, of no objects
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)}
-                                                       for n in ("paper.json", "dump.json", "two.json")])
+                                                       for n in ("paper.json", "dump.json", "two.json", "strings.json")])
     assert [d["text"] for d in docs] == ["The body.", "d1", "d2", "d3"]
     assert [d["location"] for d in docs] == ["item:0", "item:0", "item:1", "item:2"]
-    # two lists of records: which one is meant is not guessed; the file is one counted skip
-    assert report(tmp_path)["skipped"] == {"missing_field": 1}
-    assert [(q["source"].rsplit("/", 1)[-1], q["reason"]) for q in quarantine] == [("two.json", "missing_field")]
+    # two lists of records: which one is meant is not guessed; the file is one counted skip;
+    # the one list of strings holds the records, each a counted skip of its own
+    assert report(tmp_path)["skipped"] == {"missing_field": 1, "malformed_json": 2}
+    assert [(q["source"].rsplit("/", 1)[-1], q["reason"], q["location"]) for q in quarantine] == [
+        ("two.json", "missing_field", "item:0"), ("strings.json", "malformed_json", "item:0"),
+        ("strings.json", "malformed_json", "item:1")]
 
 
 def test_no_documents_says_why_in_its_one_line(tmp_path):
@@ -360,6 +454,16 @@ def test_no_documents_says_why_in_its_one_line(tmp_path):
     assert "\n" not in message
     assert f"; e.g. too_large: {tmp_path / 'a.txt'} file (300 bytes > max_doc_bytes=100); non_utf8: " \
            f"{tmp_path / 'c.txt'} file (invalid UTF-8 at byte 0) (see " in message
+
+
+def test_no_documents_gives_examples_of_the_three_most_frequent_reasons(tmp_path):
+    for name, data in [("a1.txt", b"x" * 300), ("a2.txt", b"x" * 300), ("a3.txt", b"x" * 300), ("b1.txt", b"\xff"),
+                       ("b2.txt", b"\xff"), ("c.txt", b" \n"), ("d.txt", b"")]:
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(IngestError) as err:
+        run(tmp_path, sources=[{"path": str(tmp_path / "*.txt")}], max_doc_bytes=100)
+    examples = str(err.value).split("; e.g. ", 1)[1]
+    assert [part.split(":")[0] for part in examples.split("; ")] == ["too_large", "non_utf8", "empty_text"]
 
 
 def test_json_lines_in_a_file_named_json(tmp_path):
@@ -408,8 +512,10 @@ def test_a_file_name_that_is_not_utf8_keeps_its_documents(tmp_path):
     assert metrics["skipped"] == 0
 
 
-def test_a_csv_header_that_is_not_utf8_is_a_counted_skip(tmp_path):
-    (tmp_path / "h.csv").write_bytes(b"text,caf\xe9\nhello,1\n")
+@pytest.mark.parametrize("rows", [b"hello,1\n", b"hello,1\nbad,row,3\n"], ids=["pyarrow", "python-csv"])
+def test_a_csv_header_that_is_not_utf8_is_a_counted_skip(tmp_path, rows):
+    """Read by pyarrow, or by Python's csv where pyarrow stops in the first block (a malformed row)."""
+    (tmp_path / "h.csv").write_bytes(b"text,caf\xe9\n" + rows)
     (tmp_path / "ok.txt").write_text("fine")
     metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("h.csv", "ok.txt")])
     assert [d["text"] for d in docs] == ["fine"]
@@ -424,6 +530,18 @@ def test_a_csv_without_the_text_column_counts_its_rows(tmp_path):
     metrics, _, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.csv", "b.csv", "ok.txt")])
     assert report(tmp_path)["skipped"] == {"missing_field": 5}
     assert metrics["docs"] + metrics["skipped"] == 3 + 2 + 1
+
+
+def test_a_csv_read_by_python_s_csv_passes_over_blank_lines_and_counts_a_malformed_row(tmp_path):
+    """A row of three columns in the first block: pyarrow's reader stops at once, Python's csv reads it all."""
+    (tmp_path / "a.csv").write_text("text,n\nhello,1\n\nbad,row,3\n\nworld,2\n")
+    (tmp_path / "b.csv").write_text("body,n\nx,1\n\ny,2,3\n\n")  # no text column: its 2 records, not the blanks
+    pq.write_table(pa.table({"body": pa.array([], pa.string())}), tmp_path / "c.parquet")  # no column, no rows
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("a.csv", "b.csv", "c.parquet")])
+    assert [(d["text"], d["location"]) for d in docs] == [("hello", "row:0"), ("world", "row:1")]
+    assert report(tmp_path)["skipped_per_source"] == {
+        str(tmp_path / "a.csv"): {"malformed_csv": 1}, str(tmp_path / "b.csv"): {"missing_field": 2},
+        str(tmp_path / "c.parquet"): {"missing_field": 1}}  # an empty file without the column still says so
 
 
 def test_a_csv_that_names_its_text_column_twice_is_a_counted_skip_not_a_guess(tmp_path):
@@ -556,6 +674,25 @@ def test_ids_are_stable_and_unique(tmp_path):
     assert d1[0]["id"] == doc_id(d1[0]["source"], d1[0]["location"])
 
 
+def test_ids_do_not_change_between_versions():
+    """Pack's split and clean's dedup key on ids: a changed id function would move
+    documents between train and val in every existing corpus."""
+    assert doc_id("{stdlib}/json/__init__.py", "file") == "e1a58af623a4fdae"
+    assert doc_id("data/raw/r.jsonl", "line:1#para:3") == "bab321eed8da0e3e"
+    # the source and the location are kept apart: the same characters split differently are another id
+    assert doc_id("r.jsonl", "line:1#line:2") != doc_id("r.jsonlline:1#", "line:2")
+
+
+def test_a_csv_that_pyarrow_stops_in_after_its_first_block_gives_each_row_once(tmp_path):
+    rows = [f"row {i} fine,x" for i in range(100_000)]  # 1.6 MB: past pyarrow's first 1 MiB block
+    (tmp_path / "big.csv").write_text("text,other\n" + "\n".join(rows[:90_000]) + "\nbad,row,3\n"
+                                      + "\n".join(rows[90_000:]) + "\n")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "big.csv")}])
+    assert [d["text"] for d in docs] == [f"row {i} fine" for i in range(100_000)]
+    assert [d["location"] for d in docs[89_999:90_001]] == ["row:89999", "row:90000"]
+    assert [(q["reason"], q["location"]) for q in quarantine] == [("malformed_csv", "line:90002")]
+
+
 def test_duplicate_paths_are_counted_once(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("text")
@@ -670,6 +807,27 @@ def test_hidden_files_skipped_unless_asked(tmp_path):
     assert sorted(f.path.name for f in got) == [".secret", "shown.txt"]
 
 
+@pytest.mark.parametrize("pattern", ["", "/**/*"])
+def test_files_under_a_hidden_folder_are_hidden(tmp_path, pattern):
+    (tmp_path / "src" / ".git").mkdir(parents=True)
+    (tmp_path / "src" / ".git" / "config").write_text("hidden")
+    (tmp_path / "src" / "shown.txt").write_text("shown")
+    source = {"path": f"{tmp_path / 'src'}{pattern}"}
+    assert [f.path.name for f in resolve_sources(cfg(sources=[source]))] == ["shown.txt"]
+    got = resolve_sources(cfg(sources=[source], include_hidden=True))
+    assert sorted(f.path.name for f in got) == ["config", "shown.txt"]
+
+
+def test_a_glob_inside_a_dataset_folder_reads_the_files_it_names(tmp_path):
+    """The folder a pattern starts in is the user's choice, never a part of the
+    dataset to read whole: its own files are read one by one."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "state.json").write_text("{}")  # what marks a save_to_disk folder
+    (ds / "notes.txt").write_text("about the dataset")
+    assert [f.path.name for f in resolve_sources(cfg(sources=[{"path": f"{ds}/*.txt"}]))] == ["notes.txt"]
+
+
 # --- split_by: chunk ---------------------------------------------------------------------------
 
 
@@ -775,6 +933,10 @@ def test_a_too_large_crlf_line_is_skipped_with_its_line_end(tmp_path, extra):
 def test_chunk_config_errors(source, extra, msg):
     with pytest.raises(ConfigError, match=msg):
         cfg(sources=[{"path": "x.txt", **source}], **extra)
+
+
+def test_chunk_bytes_may_equal_max_doc_bytes():
+    assert cfg(sources=[{"path": "x.txt", "split_by": "chunk", "chunk_bytes": 1000}], max_doc_bytes=1000)
 
 
 def test_chunk_refuses_a_record_file(tmp_path):
@@ -1033,6 +1195,39 @@ def test_a_worker_reads_a_file_only_if_it_is_the_one_the_stage_saw(tmp_path):
     assert ingest._read_whole(f, seen).endswith(" (FileNotFoundError)")
 
 
+def test_workers_read_the_files_of_at_most_worker_file_bytes_and_the_stage_streams_the_rest(tmp_path, monkeypatch):
+    """A compressed file counts 4 times its size; the items are the same wherever a file is read."""
+    from pipeline.data import ingest
+    from pipeline.data.executor import InProcess
+
+    (tmp_path / "fits.txt").write_text("x" * 99 + "\n")  # 100 bytes
+    (tmp_path / "over.txt").write_text("y" * 100 + "\n")
+    (tmp_path / "packed.txt").write_text("".join(chr(33 + i * 37 % 90) for i in range(60)))
+    compress(tmp_path / "packed.txt", "gzip")  # 26 bytes or more, so more than 100 counted
+    (tmp_path / "packed.txt").unlink()
+    c = cfg(sources=[{"path": str(tmp_path / "*.txt*")}], worker_file_bytes=100)
+    files = resolve_sources(c)
+    handed: dict[str, bool] = {}
+    read_whole = ingest._read_whole
+
+    def recorded(f, seen):
+        handed[f.path.name] = seen is not None
+        return read_whole(f, seen)
+
+    monkeypatch.setattr(ingest, "_read_whole", recorded)
+
+    class TwoWorkersHere(InProcess):
+        workers = 2
+
+    ex = TwoWorkersHere("ingest", ingest._init_reader, (c,))
+    items = [item.text for _, _, item, _ in ingest.iter_items(files, c, ex)]
+    assert handed == {"fits.txt": True, "over.txt": False, "packed.txt.gz": False}
+    assert items == [item.text for _, _, item, _ in ingest.iter_items(files, c)]
+    handed.clear()  # one worker: every file is streamed here, none read whole
+    assert [item.text for _, _, item, _ in ingest.iter_items(files, c, InProcess("ingest", None, ()))] == items
+    assert handed == {}
+
+
 def test_a_split_asked_of_a_dataset_without_splits_is_an_error(tmp_path):
     import datasets
 
@@ -1115,6 +1310,10 @@ def test_the_progress_bar_counts_input_bytes_and_ends_full(tmp_path, monkeypatch
     # a compressed file counts as the text it is taken to hold: 4 times its size
     assert bar.total == on_disk + folder + len("plain text\n") + 4 * gz.stat().st_size
     assert bar.most == bar.n == bar.total
+    bars.clear()  # max_bytes caps the total, which the files the cap leaves unread do not pass
+    run(tmp_path, sources=sources, max_bytes=5_000)
+    [bar] = bars
+    assert bar.total == 5_000 and bar.most == bar.n == bar.total
 
 
 def plain_corpus(d):

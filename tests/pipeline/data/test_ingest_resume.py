@@ -12,10 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.data.ingest import run_ingest
+from pipeline.data.docs import DocTable
+from pipeline.data.ingest import IngestError, inputs_digest, resolve_sources, run_ingest
 from pipeline.data.resume import MANIFEST, ShardLog
 from tests.pipeline.data.test_ingest import cfg, folder_bytes, read_docs
 
@@ -144,6 +146,27 @@ def test_other_params_or_input_make_the_shards_stale(tmp_path, caplog, change):
     fresh = run(tmp_path / "fresh", sources, **kw)
     assert everything(tmp_path / "out") == everything(tmp_path / "fresh") and metrics == fresh
     assert read_docs(tmp_path / "out" / "docs").num_rows == fresh["docs"]
+
+
+def test_a_change_inside_a_saved_dataset_folder_changes_the_inputs(tmp_path):
+    """A save_to_disk folder is read whole, so each of its files is part of what a rerun compares."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "state.json").write_text("{}")
+    (ds / "data-00000-of-00001.arrow").write_bytes(b"rows")
+    files = resolve_sources(cfg(sources=[{"path": str(ds)}]))
+    assert [f.format for f in files] == ["hf"]
+    before = inputs_digest(files)
+    (ds / "data-00000-of-00001.arrow").write_bytes(b"other rows")
+    assert inputs_digest(files) != before
+
+
+def test_a_shard_ends_before_the_document_that_finds_it_holding_shard_bytes(tmp_path):
+    (tmp_path / "p.txt").write_text("".join(f"paragraph{i}\n\n" for i in range(6)))  # 10 bytes each
+    metrics = run_ingest(cfg(sources=[{"path": str(tmp_path / "p.txt"), "split_by": "paragraph"}], shard_bytes=20),
+                         tmp_path / "docs", tmp_path / "q.jsonl")
+    assert (metrics["docs"], metrics["shards"]) == (6, 3)
+    assert [t.num_rows for t in map(pq.read_table, DocTable(tmp_path / "docs", IngestError).files)] == [2, 2, 2]
 
 
 def test_a_damaged_shard_and_an_uncommitted_one_are_redone_alone(reference, tmp_path, caplog):

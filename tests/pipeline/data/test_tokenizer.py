@@ -7,9 +7,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, normalizers, trainers
+from tokenizers import Tokenizer, normalizers, pre_tokenizers, trainers
 
 from pipeline.config import ConfigError, parse_section
+from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.tokenizer import (
     EOT,
     EOT_ID,
@@ -156,6 +157,19 @@ def test_sample_respects_bound_is_spread_and_disjoint(corpus):
     assert stats["corpus_bytes"] == sizes.sum()
 
 
+@pytest.mark.parametrize("pre_taken, budget, taken", [
+    ([], 7, [0, 2]),  # 3 does not fit after 5; 2 fills the budget exactly
+    ([1], 8, [0, 1, 2]),  # a document taken already (held out) is passed over and spends nothing
+    ([], 4, [1]),  # a document larger than the budget is passed over, so one huge one cannot crowd the rest out
+])
+def test_the_sample_takes_whole_documents_in_rank_order_while_they_fit(pre_taken, budget, taken):
+    sizes = np.array([5, 3, 2, 9])
+    mask = np.zeros(len(sizes), bool)
+    mask[pre_taken] = True
+    tokenizer_module._greedy(np.arange(len(sizes)), sizes, budget, mask)
+    assert np.flatnonzero(mask).tolist() == taken
+
+
 def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
     docs = list(zip(*pq.read_table(corpus, columns=["id", "text"]).to_pydict().values()))
     shuffled = tmp_path / "shuffled.parquet"
@@ -168,6 +182,44 @@ def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
 
     assert chosen(corpus, 0) == chosen(shuffled, 0)
     assert chosen(corpus, 0) != chosen(corpus, 1)
+
+
+def test_the_held_out_documents_are_the_last_in_rank_order_and_at_most_a_tenth(tmp_path):
+    path = tmp_path / "even.parquet"
+    write_docs(path, [(f"d{i:03d}", f"{i:03d}" + "x" * 96 + "\n") for i in range(100)])  # 100 bytes each
+    sample, heldout, _ = choose_sample(path, 2_000, 1_500, seed=3)  # 1,500 asked, a tenth of 10,000 given
+    by_rank = sorted(range(100), key=lambda i: tokenizer_module._rank(3, f"d{i:03d}"))
+    assert set(np.flatnonzero(heldout)) == set(by_rank[-10:])
+    assert set(np.flatnonzero(sample)) == set(by_rank[:20])
+
+
+def test_when_no_document_fits_the_first_one_not_held_out_is_trained_on(tmp_path):
+    """Every document is larger than sample_bytes: the first in rank order is
+    taken (train_tokenizer clips it), but not one held out, which the held-out
+    greedy can reach from the far end by passing over the large ones."""
+    by_rank = sorted((f"d{i}" for i in range(10)), key=lambda i: tokenizer_module._rank(0, i))
+    path = tmp_path / "large.parquet"
+    write_docs(path, [(i, "x" * (100 if i == by_rank[0] else 2_000)) for i in sorted(by_rank)])
+    ids = sorted(by_rank)
+    sample, heldout, _ = choose_sample(path, 50, 10**6, seed=0)
+    assert [ids[i] for i in np.flatnonzero(heldout)] == [by_rank[0]]
+    assert [ids[i] for i in np.flatnonzero(sample)] == [by_rank[1]]
+
+
+def test_the_one_document_to_train_on_is_not_also_held_out(tmp_path):
+    """A corpus almost all split: val: its one other document is what training
+    gets, so it leaves the held-out set (which must not overlap the sample)."""
+    path = tmp_path / "mostly_val.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["v" * 10_000, "t" * 100], "split": ["val", None]}), path)
+    sample, heldout, _ = choose_sample(path, 1_000, 10**6, seed=0)
+    assert sample.tolist() == [False, True] and not heldout.any()
+
+
+def test_a_corpus_of_empty_texts_has_no_text_to_train_on(tmp_path):
+    path = tmp_path / "blank.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["", None]}), path)
+    with pytest.raises(TokenizerError, match=r"no text to train on \(2 documents, 0 bytes\)"):
+        choose_sample(path, 1_000, 1_000, seed=0)
 
 
 def test_documents_marked_for_validation_are_never_trained_on(corpus, tmp_path):
@@ -196,6 +248,46 @@ def test_huge_single_document_is_clipped_to_the_bound(tmp_path):
     m = train_tokenizer(cfg, docs, tmp_path / "t.json", tmp_path / "report.json")
     assert 0 < m["sample_bytes"] <= 2_000
     assert read_json(tmp_path / "report.json")["sample_docs"] == 1
+
+
+def test_a_huge_single_document_is_clipped_in_utf8_bytes_at_a_character(tmp_path):
+    docs = tmp_path / "docs.parquet"
+    write_docs(docs, [("big", "xx" + "日本語 " * 300)])  # 3,002 bytes: too many, in 1,202 characters
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=2_000, eval_bytes=1_000)
+    assert train_tokenizer(cfg, docs, tmp_path / "t.json")["sample_bytes"] == 1_998  # 2,000 cuts a character
+
+
+def dummy_prefixed(kind: str) -> Tokenizer:
+    tok = build_tokenizer()
+    if kind == "byte-level prefix space":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    elif kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    elif kind in ("\u2581", " "):
+        tok.pre_tokenizer, tok.normalizer = None, normalizers.Prepend(kind)
+    return tok
+
+
+@pytest.mark.parametrize("kind, prefixed", [("ours", False), ("byte-level prefix space", True), ("metaspace", True),
+                                            ("\u2581", True), (" ", True)])
+def test_a_dummy_prefix_is_measured_from_what_the_tokenizer_makes_of_a_text(kind, prefixed):
+    assert tokenizer_module.adds_dummy_prefix(dummy_prefixed(kind)) is prefixed
+
+
+def test_roundtrip_check_catches_text_that_encodes_to_a_special_id(trained):
+    tok = load_tokenizer(trained[0], parse_special=True)  # as a loader that parses specials would
+    with pytest.raises(TokenizerError, match="^round-trip check: doc A encodes to a special token id$"):
+        check_roundtrip(tok, [("doc A", f"a {EOT} b")])
+
+
+def test_a_corpus_too_small_to_hold_any_out_is_measured_on_a_tenth_of_the_sample(tmp_path):
+    docs = tmp_path / "docs.parquet"
+    write_docs(docs, [(f"d{i:02d}", f"document {i} " + "word " * 300) for i in range(20)])  # > eval_bytes each
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=100_000, eval_bytes=1_000)
+    train_tokenizer(cfg, docs, tmp_path / "t.json", tmp_path / "report.json")
+    report = read_json(tmp_path / "report.json")
+    assert (report["heldout_docs"], report["sample_docs"], report["bytes_per_token_on"]) == (0, 20, "sample")
+    assert report["roundtrip_docs"] == 2 + len(ROUNDTRIP_PROBES)
 
 
 def test_roundtrip_check_catches_a_lossy_tokenizer():
@@ -230,8 +322,16 @@ def test_errors(tmp_path, trained):
                                                              show_progress=False))
     swapped = tmp_path / "swapped.json"
     tok.save(str(swapped))
-    with pytest.raises(TokenizerError, match="special token"):
+    with pytest.raises(TokenizerError, match=r"special token '<\|endoftext\|>' has id 1, expected 0; retrain"):
         load_tokenizer(swapped)
+
+
+@pytest.mark.parametrize("specials", ['{"eot_id": 5, "pad_id": 5, "eos_ids": 5}', '[5]', '{"eot_id": null}',
+                                      '{"pad_id": 1, "eos_ids": [1]}', '{"eot_id": "x"'])
+def test_a_damaged_specials_file_is_one_line(tmp_path, specials):
+    (tmp_path / "specials.json").write_text(specials)
+    with pytest.raises(TokenizerError, match=r"specials.json: unreadable \(\w+Error: .*\); rerun the tokenizer stage"):
+        load_specials(tmp_path / "tokenizer.json")
 
 
 def named(corpus, tmp_path, names):
@@ -291,6 +391,17 @@ def test_a_source_short_of_its_share_is_repeated_up_to_it_and_names_must_match(c
         choose_sample(path, 10_000, 3_000, seed=0, weights={"big": 1, "small": 1, "web": 1})
     with pytest.raises(TokenizerError, match="needs the documents' source names"):
         choose_sample(corpus, 10_000, 3_000, seed=0, weights={"big": 1})
+
+
+def test_sample_weights_need_no_entry_for_a_source_of_validation_documents(corpus, tmp_path):
+    names = ["bench" if i % 10 == 0 else "web" if i % 2 else "code" for i in range(200)]
+    path, _ = named(corpus, tmp_path, names)
+    marked = tmp_path / "marked.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.append_column("split", pa.array(["val" if n == "bench" else None for n in names])), marked)
+    sample, _, stats = choose_sample(marked, 10_000, 3_000, seed=0, weights={"web": 1, "code": 1})
+    assert sorted(stats["sample_bytes_per_source"]) == ["code", "web"]
+    assert not any(sample[i] for i, n in enumerate(names) if n == "bench")
 
 
 def test_a_small_vocabulary_from_a_sample_of_repeats_asks_for_a_larger_corpus(corpus, tmp_path, caplog):
@@ -408,7 +519,7 @@ def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(famil
     assert specials.eos_ids[0] == tok.token_to_id(stop) and specials.eot_id in specials.eos_ids
     assert specials.bos_id == (tok.token_to_id(bos) if bos else None)
     assert specials.chat_template == (folder / "chat_template.jinja").read_text()
-    assert set(specials.ids()) >= {"eot", "pad"}
+    assert set(specials.ids()) >= {"eot", "pad"} and len(set(specials.eos_ids)) == len(specials.eos_ids)
     assert metrics["vocab_size"] == tok.get_vocab_size() and metrics["bytes_per_token"] > 1.0
     # text never encodes to a special id, even when it spells one
     assert specials.eot_id not in tok.encode(f"a {eot} b", add_special_tokens=False).ids
@@ -508,6 +619,69 @@ def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, cor
     adopt(folder, tmp_path / "out", corpus)
     specials = load_specials(tmp_path / "out")  # it read back as "unreadable; rerun the tokenizer stage"
     assert all(type(i) is int for i in specials.eos_ids) and 128009 in specials.eos_ids
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    eot, stop, _ = ADOPTED["llama3"]
+    assert specials.eos_ids == (tok.token_to_id(stop), 128009, tok.token_to_id(eot))  # true is no id 1
+
+
+def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_none(family_folders, corpus, tmp_path):
+    """An empty token is no token; a role tokenizer_config.json does not name is
+    looked for in special_tokens_map.json (as a string or an AddedToken); without
+    a pad token, padding uses the end-of-text token."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    config = read_json(folder / "tokenizer_config.json")
+    config.pop("eos_token")
+    config["bos_token"] = ""
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok_map = {"eos_token": {"content": "<|eot_id|>"}, "bos_token": ""}
+    (folder / "special_tokens_map.json").write_text(json.dumps(tok_map))
+    adopt(folder, tmp_path / "out", corpus)
+    specials = load_specials(tmp_path / "out")
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert specials.eos_ids[0] == tok.token_to_id("<|eot_id|>") and specials.bos_id is None
+    assert specials.pad_id == specials.eot_id == tok.token_to_id("<|end_of_text|>")
+    assert specials.texts["pad"] == "<|end_of_text|>"
+
+
+@pytest.mark.parametrize("files, config, template", [
+    ({"chat_template.jinja": "J", "chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "J"),
+    ({"chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "C"),
+    ({}, {"chat_template": "T"}, "T"),
+    ({}, {"chat_template": [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "D"}]}, "D"),
+    ({}, {"chat_template": [{"name": "tool_use", "template": "U"}]}, None),
+    ({}, {"chat_template": "  \n"}, None),
+    ({}, {}, None),
+])
+def test_the_chat_template_is_read_where_transformers_looks_for_it(tmp_path, files, config, template):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert tokenizer_module.read_chat_template(tmp_path, config) == template
+
+
+@pytest.mark.parametrize("specials, missing", [([IM_START, IM_END], []), ([IM_START], [IM_END]),
+                                               ([IM_END], [IM_START]), ([], [IM_START, IM_END])])
+def test_missing_chatml_tokens(specials, missing):
+    tok = build_tokenizer()
+    tok.add_special_tokens(specials)
+    tok.add_tokens([t for t in (IM_START, IM_END) if t not in specials])  # present, but not special
+    assert tokenizer_module.missing_chatml_tokens(tok) == missing
+
+
+def test_adopting_measures_the_held_out_documents_alone_their_specials_as_text(family_folders, tmp_path):
+    docs = tmp_path / "docs.parquet"
+    eot, stop, _ = ADOPTED["llama3"]  # a byte-level BPE that round-trips every probe
+    rows = [(f"d{i:03d}", f"document {i} says {eot} and {stop} in its text\n" * 5) for i in range(100)]
+    write_docs(docs, rows)
+    folder = family_folders["llama3"]
+    metrics = adopt(folder, tmp_path / "out", docs)
+    assert metrics["roundtrip_failures"] == 0  # a special token's text in a document is text
+    _, heldout, _ = choose_sample(docs, 0, TokenizerConfig().eval_bytes, TokenizerConfig().seed)
+    texts = [text for (_, text), held in zip(rows, heldout) if held]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    tokens = sum(len(tok.encode(t, add_special_tokens=False).ids) for t in texts)
+    assert texts and metrics["bytes_per_token"] == round(sum(len(t.encode()) for t in texts) / tokens, 4)
 
 
 def test_training_again_replaces_an_adopted_tokenizer(family_folders, corpus, tmp_path):
