@@ -741,6 +741,11 @@ def _emit_para(lines: list[str], start: int, nbytes: int, cfg: IngestConfig) -> 
         yield Doc(f"para:{start}", text)
 
 
+# The most JSON's escapes grow a text's UTF-8 bytes: "\u0001" is 6 bytes for 1. A JSON line longer than
+# this many times max_doc_bytes is skipped unparsed; a shorter one is parsed and its text measured.
+JSON_ESCAPE_GROWTH = 6
+
+
 def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     field, split_by = f.source.text_field, f.source.split_by
     with open_input(f.path) as fh:
@@ -753,8 +758,10 @@ def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
                 raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark some editors write
             if not raw.strip():
                 continue  # blank lines separate nothing and carry nothing
-            if len(raw) > cfg.max_doc_bytes:
-                yield Skip("too_large", loc, detail=f"{len(raw)} bytes > max_doc_bytes={cfg.max_doc_bytes}")
+            if len(raw) > JSON_ESCAPE_GROWTH * cfg.max_doc_bytes:
+                # not parsed, so that a runaway line costs no parse; a shorter one's text is measured below
+                yield Skip("too_large", loc, detail=f"a JSON line of {len(raw)} bytes > {JSON_ESCAPE_GROWTH} x "
+                           f"max_doc_bytes={cfg.max_doc_bytes} is not parsed")
                 continue
             try:
                 line = raw.decode("utf-8")

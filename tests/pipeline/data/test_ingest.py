@@ -1418,3 +1418,26 @@ def test_compressed_files_that_are_empty_binary_or_too_large_are_counted_as_plai
     assert report(tmp_path)["skipped"] == {"empty_file": 3, "binary": 1, "too_large": 1}
     [big] = [q for q in quarantine if q["reason"] == "too_large"]
     assert big["detail"] == "more than 4000 bytes once decompressed > max_doc_bytes=4000"
+
+
+def test_a_json_line_is_measured_by_its_text_not_its_escapes_and_only_a_runaway_line_goes_unparsed(tmp_path):
+    """JSON Lines were skipped as too_large by the raw line's length: an ensure_ascii text of 20 UTF-8 bytes
+    (six CJK characters, 36 bytes escaped) or a record whose lines fit was lost at max_doc_bytes 20. The text is
+    what is measured; a line over 6 x max_doc_bytes (what JSON's escapes can make of one byte) is not parsed."""
+    cjk = "漢字テキスト"[:6]  # 18 UTF-8 bytes, 36 escaped
+    lines = [json.dumps({"text": cjk + "ab"}),                         # 20 bytes of text, 40 of JSON: kept
+             json.dumps({"text": cjk + "abc"}),                        # 21 bytes of text: too_large by its text
+             json.dumps({"text": "short", "meta": "m" * 60}),          # 87 bytes of JSON, 5 of text: kept
+             json.dumps({"text": "x", "meta": "m" * 120})]             # over 6 x 20 bytes: not parsed
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "a.jsonl")}], max_doc_bytes=20)
+    assert [d["text"] for d in docs] == [cjk + "ab", "short"]
+    assert [(q["location"], q["detail"]) for q in quarantine] == [
+        ("line:2", "21 bytes > max_doc_bytes=20"),
+        ("line:4", f"a JSON line of {len(lines[3]) + 1} bytes > 6 x max_doc_bytes=20 is not parsed")]
+
+    # by line, a record longer than max_doc_bytes whose lines fit gives its lines
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "line one\nline two\nline three"}) + "\n")
+    _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "a.jsonl"), "split_by": "line"}],
+                              max_doc_bytes=12)
+    assert [d["text"] for d in docs] == ["line one", "line two", "line three"] and quarantine == []
