@@ -2,10 +2,13 @@ import re
 from typing import Any, Literal
 
 import pytest
+from pydantic import Field
 
 from pipeline.config import (
     ConfigError,
     ParamsModel,
+    StageConfig,
+    changed_keys,
     flatten,
     load_params,
     load_yaml,
@@ -106,6 +109,17 @@ def test_empty_section_gives_defaults(tmp_path):
     cfg = load_params("ingest", write(tmp_path, "ingest:\n"))
     assert cfg == IngestConfig()
     assert cfg.sources[0].path == "{stdlib}/**/*.py"
+    assert load_params("ingest", write(tmp_path, "# nothing set yet\n")) == IngestConfig()  # an empty file
+
+
+def test_a_model_level_error_names_its_section_without_repeating_the_section(tmp_path):
+    """A section's own check (here the schedule's) has the whole section as its
+    input: the message names the key and does not append the section's dict."""
+    p = write(tmp_path, "pretrain:\n  schedule: {max_steps: 10, warmup_steps: 10}\n")
+    with pytest.raises(ConfigError) as e:
+        load_params("pretrain", p)
+    assert str(e.value).splitlines()[1:] == [
+        "  pretrain.schedule: Value error, warmup_steps (10) must be below max_steps (10)"]
 
 
 def test_configs_are_frozen():
@@ -120,6 +134,14 @@ def test_flatten_uses_dotted_names():
     assert flat["ingest.max_bytes"] == 10
     assert flat["ingest.sources.0.path"] == "x"
     assert flat["ingest.sources.0.split_by"] == "file"
+    # an empty list is a value (an empty list of sections must not vanish), as is a list of plain values
+    assert flatten({"a": [], "b": [1, 2], "c": {}}) == {"a": [], "b": [1, 2]}
+
+
+def test_changed_keys_count_a_key_added_or_removed_even_when_its_value_is_null():
+    old, new = {"a": 1, "b": {"c": None}}, {"a": 1, "b": {"d": None}}
+    assert changed_keys(old, new) == ["b.c", "b.d"]
+    assert changed_keys(old, old) == []
 
 
 def test_metric_values_are_the_numeric_leaves_under_dotted_names():
@@ -214,3 +236,13 @@ def test_a_tuple_position_typed_str_takes_no_number_check():
 def test_a_field_that_admits_a_boolean_takes_one():
     cfg = parse_section(_Shapes, {"ratio": True, "loose": True}, "x")
     assert cfg.ratio is True and cfg.loose is True
+
+
+def test_a_stage_schema_checks_its_own_defaults():
+    """A default outside its field's bounds is a programming error, caught at the first use."""
+
+    class Broken(StageConfig):
+        every: int = Field(0, ge=1)
+
+    with pytest.raises(ConfigError, match=r"^params.yaml is invalid:\n  broken.every: Input should be greater"):
+        parse_section(Broken, {}, "broken")
