@@ -159,6 +159,7 @@ BOOL_HINT = r"a number is expected, not the boolean {} \(YAML reads yes/no/on/of
     ("pretrain", "optimizer: {lr: on}", "pretrain.optimizer.lr", True),
     ("pretrain", "schedule: {max_steps: true}", "pretrain.schedule.max_steps", True),
     ("pretrain", "batch: {micro_batch_size: true}", "pretrain.batch.micro_batch_size", True),  # int | 'auto'
+    ("pretrain", "batch: {micro_batch_size: no}", "pretrain.batch.micro_batch_size", False),  # not "at least 1"
     ("sft", "optimizer: {lr: off}", "sft.optimizer.lr", False),
     ("tokenizer", "sample_weights: {a: 1.0, b: no}", "tokenizer.sample_weights.b", False),  # inside a dict
     ("pack", "mixture: {a: {weight: yes}}", "pack.mixture.a.weight", True),  # float | None, in a nested model
