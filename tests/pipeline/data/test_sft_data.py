@@ -417,11 +417,30 @@ def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, thr
     ({"sources": [{"path": "builtin:stdlib-docstrings", "format": "alpaca"}]}, "sft.sources.0"),
     ({"sources": []}, "sft.sources"),
     ({"packing": True}, "sft.packing"),
+    ({"seq_len": 7}, "sft.seq_len"),
+    ({"seq_len": 1_048_577}, "sft.seq_len"),
+    ({"val_fraction": 0}, "sft.val_fraction"),
+    ({"val_fraction": 0.51}, "sft.val_fraction"),
+    ({"max_examples": 0}, "sft.max_examples"),
+    ({"quarantine_per_reason": -1}, "sft.quarantine_per_reason"),
+    ({"shard_rows": 0}, "sft.shard_rows"),
+    ({"sources": [{"path": ""}]}, "sft.sources.0.path"),
+    ({"chat_template": ""}, "sft.chat_template"),
+    ({"template_date": "26/07/2024"}, "sft.template_date"),
+    ({"seed": -1}, "sft.seed"),
 ])
 def test_config_errors_name_the_key(data, key):
     with pytest.raises(ConfigError) as err:
         parse_section(SFTDataConfig, data, "sft")
-    assert f"  {key}: " in str(err.value)
+    assert f"  {key}: " in str(err.value) and len(str(err.value).splitlines()) == 2
+
+
+def test_config_edges_that_are_valid():
+    edges = {"seq_len": 8, "val_fraction": 0.5, "max_examples": 1, "quarantine_per_reason": 0, "shard_rows": 1,
+             "seed": 0}
+    cfg = parse_section(SFTDataConfig, edges, "sft")
+    assert {k: getattr(cfg, k) for k in edges} == edges
+    assert parse_section(SFTDataConfig, {"seq_len": 1_048_576}, "sft").seq_len == 1_048_576
 
 
 def test_a_url_source_is_refused_with_how_to_read_it():
