@@ -517,6 +517,16 @@ def test_config_errors_name_the_key(data, key):
     assert f"  {key}: " in str(err.value) and len(str(err.value).splitlines()) == 2
 
 
+@pytest.mark.parametrize("value", [0, 86400, 20240726])
+def test_a_template_date_given_as_a_number_is_refused_not_read_as_unix_time(value):
+    """0 was taken as 1970-01-01 (and 86400 as the day after) in silence."""
+    with pytest.raises(ConfigError) as err:
+        parse_section(SFTDataConfig, {"template_date": value}, "sft.data")
+    assert str(err.value).splitlines()[1:] == [
+        "  sft.data.template_date: Value error, a date is expected as YYYY-MM-DD (quoted: DVC rejects YAML dates), "
+        f"not a number (got {value})"]
+
+
 def test_config_edges_that_are_valid():
     edges = {"seq_len": 8, "val_fraction": 0.5, "max_examples": 1, "quarantine_per_reason": 0, "shard_rows": 1,
              "seed": 0}
