@@ -13,6 +13,7 @@ from pipeline.data.chat import (
     encode_prompt,
     render_chat,
     to_messages,
+    validate_messages,
 )
 from pipeline.data.tokenizer import IM_END, IM_END_ID, IM_START, IM_START_ID, SPECIAL_TOKENS, build_tokenizer
 
@@ -152,6 +153,12 @@ def test_malformed_records_give_their_reason(record, fmt, reason):
         to_messages(record, fmt)
     assert err.value.reason == reason
     assert str(err.value).startswith(reason)
+
+
+def test_a_string_for_the_messages_is_named_as_such():
+    """A prompt given as one string (not a list of messages) is bad_type saying so, not "message 0"."""
+    with pytest.raises(ChatFormatError, match=r"^bad_type: messages: expected a list, got str$"):
+        validate_messages("What is 2 + 2?", complete=False)
 
 
 def test_every_reason_is_exercised():

@@ -497,6 +497,7 @@ def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, thr
     ({"sources": [{"path": "x.jsonl", "fmt": "auto"}]}, "sft.sources.0.fmt"),
     ({"sources": [{"path": "builtin:nope"}]}, "sft.sources.0.path"),
     ({"sources": [{"path": "builtin:stdlib-docstrings", "format": "alpaca"}]}, "sft.sources.0"),
+    ({"sources": [{"path": "builtin:stdlib-docstrings", "format": "sharegpt"}]}, "sft.sources.0"),
     ({"sources": []}, "sft.sources"),
     ({"packing": True}, "sft.packing"),
     ({"seq_len": 7}, "sft.seq_len"),

@@ -5,7 +5,14 @@ import pytest
 from pydantic import BaseModel
 
 from pipeline.config import ConfigError, load_params, parse_section
-from pipeline.training.config import Section, TrainConfig, identity_sections, run_identity
+from pipeline.training.config import (
+    BatchSection,
+    Section,
+    TrainConfig,
+    identity_sections,
+    requested_rows_per_rank,
+    run_identity,
+)
 from pipeline.training.pretrain import PretrainConfig
 from pipeline.training.sft import SFTConfig
 from tests.conftest import ROOT
@@ -235,3 +242,8 @@ def test_max_steps_zero_is_a_pass_through_for_pretrain_only():
     with pytest.raises(ConfigError, match=r"^params.yaml is invalid:\n  sft.schedule.max_steps: Input should be "
                                           r"greater than or equal to 1"):
         parse_section(SFTConfig, {"schedule": {"max_steps": 0, "warmup_steps": 0}}, "sft")
+
+
+def test_requested_rows_per_rank_is_micro_batch_times_accumulation_with_auto_as_16():
+    assert requested_rows_per_rank(BatchSection(micro_batch_size=4, grad_accum_steps=3)) == 12
+    assert requested_rows_per_rank(BatchSection(micro_batch_size="auto", grad_accum_steps=3)) == 48
