@@ -9,6 +9,7 @@ from pipeline.training.config import (
     BatchSection,
     Section,
     TrainConfig,
+    fingerprint_of,
     identity_sections,
     requested_rows_per_rank,
     run_identity,
@@ -247,3 +248,10 @@ def test_max_steps_zero_is_a_pass_through_for_pretrain_only():
 def test_requested_rows_per_rank_is_micro_batch_times_accumulation_with_auto_as_16():
     assert requested_rows_per_rank(BatchSection(micro_batch_size=4, grad_accum_steps=3)) == 12
     assert requested_rows_per_rank(BatchSection(micro_batch_size="auto", grad_accum_steps=3)) == 48
+
+
+def test_the_fingerprint_does_not_depend_on_key_order():
+    """A model record read back from a checkpoint's JSON may list its keys in another order than the
+    ModelConfig it was made from: the same run all the same."""
+    assert fingerprint_of({"model": {"d_model": 64, "n_layers": 2}, "seed": 1}) == \
+        fingerprint_of({"seed": 1, "model": {"n_layers": 2, "d_model": 64}})
