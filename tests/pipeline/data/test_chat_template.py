@@ -336,3 +336,19 @@ def test_tokenizer_that_does_not_round_trip_the_template_fails(own):
     template = ChatTemplate("chatml (jinja)", CHAT_TEMPLATE_JINJA, {}, load_chat_template("auto", d, tok).specials)
     with pytest.raises(ChatTemplateError, match="does not give back the text of chat template chatml"):
         check_template(lossy, template)
+
+
+def test_a_special_token_wins_over_another_that_is_its_prefix():
+    template = ChatTemplate("t", "x", specials={"<s>": 1, "<s>x": 2, "</s>": 3})
+    assert [m.group() for m in template.special_re.finditer("a<s>x b<s> </s>")] == ["<s>x", "<s>", "</s>"]
+
+
+def test_a_prompt_layout_does_not_stand_in_for_a_training_layout(fam):
+    """encode_prompt caches the layout of a conversation shape without assistant spans when content holds a
+    special-token string; encode_conversation of the same shape must still find the spans (with the prompt's
+    layout it labelled nothing, in silence)."""
+    template = load_chat_template("auto", fam.dir, fam.tok)
+    msgs = [{"role": "user", "content": EVIL}, {"role": "assistant", "content": EVIL}]
+    encode_prompt(fam.tok, msgs, template, add_generation_prompt=False)
+    ids, labels = encode_conversation(fam.tok, msgs, template)
+    assert_trained(labelled_runs(fam.tok, ids, labels)[0], trained_text(fam, msgs))
