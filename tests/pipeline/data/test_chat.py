@@ -113,6 +113,7 @@ MALFORMED = [
     ({"text": "hello"}, "auto", "unknown_format"),
     ({"messages": [U, A], "instruction": "q"}, "auto", "ambiguous_format"),
     ({"messages": [{"role": "user"}, A]}, "messages", "missing_key"),
+    ({"messages": [{"role": "user", "content": None}, A]}, "messages", "missing_key"),  # null: absent, as JSON means
     ({"instruction": "q"}, "alpaca", "missing_key"),
     ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]}, "sharegpt", "missing_key"),
     ({"messages": "q"}, "messages", "bad_type"),

@@ -352,3 +352,15 @@ def test_a_prompt_layout_does_not_stand_in_for_a_training_layout(fam):
     encode_prompt(fam.tok, msgs, template, add_generation_prompt=False)
     ids, labels = encode_conversation(fam.tok, msgs, template)
     assert_trained(labelled_runs(fam.tok, ids, labels)[0], trained_text(fam, msgs))
+
+
+def test_a_jinja_template_on_our_own_tokenizer_gets_the_token_texts_its_export_declares(own, tmp_path):
+    from pipeline.data.tokenizer import OWN_TOKEN_VARIABLES
+
+    folder, tok = own
+    jinja = tmp_path / "vars.jinja"
+    jinja.write_text("{{ bos_token }}|{{ eos_token }}|{{ pad_token }}")
+    template = load_chat_template(str(jinja), folder, tok)
+    assert template.variables == OWN_TOKEN_VARIABLES
+    assert render(template, [{"role": "user", "content": "q"}]) == "|".join(
+        OWN_TOKEN_VARIABLES[k] for k in ("bos_token", "eos_token", "pad_token"))
