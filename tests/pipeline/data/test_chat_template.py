@@ -364,3 +364,16 @@ def test_a_jinja_template_on_our_own_tokenizer_gets_the_token_texts_its_export_d
     assert template.variables == OWN_TOKEN_VARIABLES
     assert render(template, [{"role": "user", "content": "q"}]) == "|".join(
         OWN_TOKEN_VARIABLES[k] for k in ("bos_token", "eos_token", "pad_token"))
+
+
+def test_token_texts_of_a_tokenizer_config_as_transformers_passes_them(tmp_path):
+    """A token is a string or an AddedToken dict; an empty or null one is not passed."""
+    import json
+
+    from pipeline.data.chat_template import _config_variables
+
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"bos_token": {"content": "<s>", "special": True, "lstrip": False},
+                                  "eos_token": "</s>", "pad_token": "", "unk_token": None, "sep_token": 5}))
+    assert _config_variables(config) == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert _config_variables(tmp_path / "missing.json") == {}
