@@ -377,3 +377,16 @@ def test_token_texts_of_a_tokenizer_config_as_transformers_passes_them(tmp_path)
                                   "eos_token": "</s>", "pad_token": "", "unk_token": None, "sep_token": 5}))
     assert _config_variables(config) == {"bos_token": "<s>", "eos_token": "</s>"}
     assert _config_variables(tmp_path / "missing.json") == {}
+
+
+def test_a_template_that_adds_text_for_some_content_skips_those_conversations(own, tmp_path):
+    """A template that branches on content renders text its layout does not have: the spans are not known."""
+    d, tok = own
+    path = tmp_path / "tail.jinja"
+    path.write_text(CHAT_TEMPLATE_JINJA + "{% if 'secret' in messages[-1]['content'] %}tail{% endif %}")
+    template = load_chat_template(str(path), d, tok)
+    check_template(tok, template)
+    with pytest.raises(TemplateSkip) as e:
+        encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a secret"}],
+                            template)
+    assert e.value.reason == "template_rewrites_content" and "text past its template" in e.value.detail
