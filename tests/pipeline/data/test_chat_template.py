@@ -287,6 +287,10 @@ def test_choice_errors_are_one_line(fam, own, tmp_path):
     if fam.name in ("llama3", "mistral"):  # no ChatML tokens in these vocabularies
         with pytest.raises(ChatTemplateError, match=r"^sft.data.chat_template: chatml means ChatML.*<\|im_start\|>"):
             load_chat_template("chatml", fam.dir, fam.tok)
+        with pytest.raises(ChatTemplateError) as e:  # it has a template of its own, which chatml sets aside
+            load_chat_template("chatml", fam.dir, fam.tok)
+        assert str(e.value).endswith("has no special token <|im_start|> or <|im_end|>; give the path of a .jinja "
+                                     "template")
     else:  # Qwen has them: ChatML through the general path, without Qwen's default system prompt
         chatml = load_chat_template("chatml", fam.dir, fam.tok)
         ids, labels = encode_conversation(fam.tok, CONVERSATIONS[0], chatml)
@@ -390,3 +394,17 @@ def test_a_template_that_adds_text_for_some_content_skips_those_conversations(ow
         encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a secret"}],
                             template)
     assert e.value.reason == "template_rewrites_content" and "text past its template" in e.value.detail
+
+
+def test_a_trimmed_content_is_told_from_the_template_text_that_follows_it(own, tmp_path):
+    """The template trims the content and writes "\\n" after it: the content's own trailing "\\n" must not
+    be taken for the template's (which made the rest of the render look rewritten)."""
+    d, tok = own
+    path = tmp_path / "trim.jinja"
+    path.write_text("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content|trim + '\\n<|im_end|>\\n' }}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    template = load_chat_template(str(path), d, tok)
+    check_template(tok, template)
+    ids, labels = encode_conversation(tok, [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": "It is 4.\n"}], template)
+    assert labelled_runs(tok, ids, labels)[0] == ["It is 4.\n<|im_end|>"]
