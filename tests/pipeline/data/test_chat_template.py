@@ -408,3 +408,14 @@ def test_a_trimmed_content_is_told_from_the_template_text_that_follows_it(own, t
     ids, labels = encode_conversation(tok, [{"role": "user", "content": "q"},
                                             {"role": "assistant", "content": "It is 4.\n"}], template)
     assert labelled_runs(tok, ids, labels)[0] == ["It is 4.\n<|im_end|>"]
+
+
+def test_the_template_the_sft_data_was_rendered_with_is_found_again(fam, own):
+    from pipeline.data.chat_template import template_of_sft_data
+
+    d, tok = own
+    old = template_of_sft_data({}, d / "tokenizer.json", tok)  # a manifest from before templates were recorded
+    assert (old.name, old.source, old.date) == ("chatml", None, dt.date(2024, 7, 26))
+    manifest = {"chat_template_name": "chatml", "chat_template": CHAT_TEMPLATE_JINJA, "template_date": "2025-01-02"}
+    adopted = template_of_sft_data(manifest, fam.dir, fam.tok)  # ChatML on an adopted tokenizer: the general path
+    assert (adopted.name, adopted.source, adopted.date) == ("chatml", CHAT_TEMPLATE_JINJA, dt.date(2025, 1, 2))
