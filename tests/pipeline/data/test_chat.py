@@ -78,8 +78,9 @@ def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them()
     assert to_messages({"system": "Be brief.", "conversations": turns}, "sharegpt") == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"}]
-    assert to_messages({"system": "", "conversations": turns}, "sharegpt") == to_messages(
-        {"conversations": turns}, "sharegpt")  # an empty system column is no system prompt
+    for blank in ("", " \n"):  # an empty or blank system column is no system prompt
+        assert to_messages({"system": blank, "conversations": turns}, "sharegpt") == to_messages(
+            {"conversations": turns}, "sharegpt")
     assert to_messages({"instruction": "And 2+2?", "output": "4", "system": "Be brief.",
                         "history": [["1+1?", "2"], ["2+1?", "3"]]}, "alpaca") == [
         {"role": "system", "content": "Be brief."},
