@@ -419,3 +419,28 @@ def test_the_template_the_sft_data_was_rendered_with_is_found_again(fam, own):
     manifest = {"chat_template_name": "chatml", "chat_template": CHAT_TEMPLATE_JINJA, "template_date": "2025-01-02"}
     adopted = template_of_sft_data(manifest, fam.dir, fam.tok)  # ChatML on an adopted tokenizer: the general path
     assert (adopted.name, adopted.source, adopted.date) == ("chatml", CHAT_TEMPLATE_JINJA, dt.date(2025, 1, 2))
+
+
+def test_a_model_folder_without_a_template_is_chatml_only_where_it_has_chatml_tokens(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer
+
+    from pipeline.data.chat_template import template_of_hf_folder
+
+    for family, want in (("qwen2", "chatml"), ("llama3", None)):
+        folder = save_family_tokenizer(family, tmp_path / family)
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        template, _ = template_of_hf_folder(folder, Tokenizer.from_file(str(folder / "tokenizer.json")))
+        assert (template and template.name) == want, family
+
+
+def test_a_template_that_writes_a_placeholder_look_alike_fails_in_one_line(own, tmp_path):
+    d, tok = own
+    path = tmp_path / "lookalike.jinja"
+    path.write_text("Sentinel99Zq" + CHAT_TEMPLATE_JINJA)
+    with pytest.raises(ChatTemplateError, match="renders text that looks like a content placeholder"):
+        check_template(tok, load_chat_template(str(path), d, tok))
