@@ -444,3 +444,13 @@ def test_a_template_that_writes_a_placeholder_look_alike_fails_in_one_line(own, 
     path.write_text("Sentinel99Zq" + CHAT_TEMPLATE_JINJA)
     with pytest.raises(ChatTemplateError, match="renders text that looks like a content placeholder"):
         check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_template_that_refuses_every_conversation_fails_in_one_line(own, tmp_path):
+    """Only a refused system prompt is taken as a template without a system role."""
+    d, tok = own
+    path = tmp_path / "refuses.jinja"
+    path.write_text("{{ raise_exception('not today') }}")
+    with pytest.raises(ChatTemplateError, match="not today"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+

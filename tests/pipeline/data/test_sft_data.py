@@ -215,7 +215,7 @@ def test_a_json_object_wrapping_the_records_is_read_as_they_are(tmp_path, tok_pa
     SFT counted the whole file as one unknown_format skip. A record of a known
     format is still one record, though its messages are a list of objects."""
     records = [messages_rec(i) for i in range(12)]
-    (tmp_path / "wrapped.json").write_text(json.dumps({"version": "1.0", "data": records}))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"version": "1.0", "tags": ["chat", "en"], "data": records}))
     _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "wrapped.json"))])
     assert m["examples_in"] == 12 and m["skipped"] == {}
     assert m["train"]["examples"] + m["val"]["examples"] == 12
