@@ -454,3 +454,15 @@ def test_a_template_that_refuses_every_conversation_fails_in_one_line(own, tmp_p
     with pytest.raises(ChatTemplateError, match="not today"):
         check_template(tok, load_chat_template(str(path), d, tok))
 
+
+
+def test_a_template_that_puts_other_content_inside_the_assistant_turn_fails_in_one_line(own, tmp_path):
+    """Here the first message is repeated after each assistant header: it is not what the assistant wrote."""
+    d, tok = own
+    path = tmp_path / "echo.jinja"
+    path.write_text("{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + "
+                    "messages[0].content + '\\n' + m.content + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m.role + "
+                    "'\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    with pytest.raises(ChatTemplateError, match="other content lies between the generation prompt and assistant"):
+        check_template(tok, load_chat_template(str(path), d, tok))
