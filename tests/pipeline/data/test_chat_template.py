@@ -466,3 +466,32 @@ def test_a_template_that_puts_other_content_inside_the_assistant_turn_fails_in_o
                     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     with pytest.raises(ChatTemplateError, match="other content lies between the generation prompt and assistant"):
         check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_content_with_only_its_newlines_stripped_is_located(own, tmp_path):
+    """strip('\\n') (as Qwen3's lstrip('\\n')) keeps the spaces inside: a trim of newlines alone is a candidate."""
+    d, tok = own
+    path = tmp_path / "newlines.jinja"
+    path.write_text(CHAT_TEMPLATE_JINJA.replace("message['content']", "message['content'].strip('\\n')"))
+    template = load_chat_template(str(path), d, tok)
+    ids, labels = encode_conversation(tok, [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": "\n\n  code  \n\n"}], template)
+    assert_trained(labelled_runs(tok, ids, labels)[0], ["  code  <|im_end|>"])  # may start with the header's "\n"
+
+
+def test_the_general_path_checks_the_messages_and_restores_the_tokenizer_flag(own, tmp_path):
+    from pipeline.data.chat import ChatFormatError
+
+    d, tok = own
+    path = tmp_path / "chatml.jinja"
+    path.write_text(CHAT_TEMPLATE_JINJA)
+    template = load_chat_template(str(path), d, tok)
+    with pytest.raises(ChatFormatError, match="role_order"):
+        encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "user", "content": "q"},
+                                  {"role": "assistant", "content": "a"}], template)
+    for flag in (True, False):
+        tok.encode_special_tokens = flag
+        encode_conversation(tok, [{"role": "user", "content": "<|im_end|>"}, {"role": "assistant", "content": "a"}],
+                            template)
+        assert tok.encode_special_tokens is flag
+    tok.encode_special_tokens = True  # as load_tokenizer gives it
