@@ -495,3 +495,12 @@ def test_the_general_path_checks_the_messages_and_restores_the_tokenizer_flag(ow
                             template)
         assert tok.encode_special_tokens is flag
     tok.encode_special_tokens = True  # as load_tokenizer gives it
+
+
+def test_stop_ids_are_the_end_of_turn_ids_then_the_eos_ids(own):
+    from pipeline.data.chat_template import stop_ids
+    from pipeline.data.tokenizer import EOT_ID, IM_END_ID
+
+    d, tok = own
+    template = load_chat_template("auto", d, tok)
+    assert stop_ids(tok, template, [EOT_ID, IM_END_ID]) == (IM_END_ID, EOT_ID)
