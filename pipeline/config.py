@@ -198,13 +198,18 @@ class _StrictLoader(yaml.SafeLoader):
 
 def load_yaml(path: str | Path) -> Any:
     """The parsed contents of the YAML file ``path`` (None for an empty file).
-    Raises ConfigError for a missing file or invalid YAML, naming the file and,
-    for invalid YAML, the line and column."""
+    Raises ConfigError for a missing or unreadable file (a directory, text that
+    is not UTF-8) or invalid YAML, naming the file and, for invalid YAML, the
+    line and column."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text: invalid byte at position {err.start}") from None
+    except OSError as err:  # a directory, no permission
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
     except yaml.YAMLError as err:

@@ -181,6 +181,14 @@ class SFTDataConfig(ParamsModel):
     template_date: dt.date = Field(DEFAULT_DATE, description="the date chat templates read as today (strftime_now), "
                                    "YYYY-MM-DD, pinned so that the data is reproducible")
 
+    @field_validator("template_date", mode="before")
+    @classmethod
+    def _date_not_number(cls, v: Any) -> Any:
+        # pydantic reads a number as Unix time: 0 would be 1970-01-01, in silence.
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            raise ValueError("a date is expected as YYYY-MM-DD (quoted: DVC rejects YAML dates), not a number")
+        return v
+
 
 class SFTDataError(StageError):
     """SFT data cannot be built: a missing source or tokenizer, or an empty split."""

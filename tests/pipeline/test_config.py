@@ -1,8 +1,21 @@
 import re
+from typing import Any, Literal
 
 import pytest
+from pydantic import Field
 
-from pipeline.config import ConfigError, flatten, load_params, load_yaml, metric_values, parse_section, read_params
+from pipeline.config import (
+    ConfigError,
+    ParamsModel,
+    StageConfig,
+    changed_keys,
+    flatten,
+    load_params,
+    load_yaml,
+    metric_values,
+    parse_section,
+    read_params,
+)
 from pipeline.data.ingest import IngestConfig
 
 
@@ -65,6 +78,17 @@ def test_load_yaml_reads_a_file_and_names_where_it_is_invalid(tmp_path):
         load_yaml(tmp_path / "missing.yaml")
 
 
+def test_a_params_path_that_is_a_directory_or_not_utf8_is_a_one_line_error(tmp_path):
+    """Both raised a bare IsADirectoryError / UnicodeDecodeError traceback."""
+    (tmp_path / "params_dir").mkdir()
+    with pytest.raises(ConfigError, match=r"^\S*params_dir: cannot read: Is a directory$"):
+        load_params("sft", tmp_path / "params_dir")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("sft:\n  seed: 1  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^\S*latin1\.yaml is not UTF-8 text: invalid byte at position 21$"):
+        load_params("sft", latin1)
+
+
 def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
     """YAML parsers keep the second of two equal keys; a `source:` added at the
     top of a section that sets it again further down would do nothing."""
@@ -85,6 +109,17 @@ def test_empty_section_gives_defaults(tmp_path):
     cfg = load_params("ingest", write(tmp_path, "ingest:\n"))
     assert cfg == IngestConfig()
     assert cfg.sources[0].path == "{stdlib}/**/*.py"
+    assert load_params("ingest", write(tmp_path, "# nothing set yet\n")) == IngestConfig()  # an empty file
+
+
+def test_a_model_level_error_names_its_section_without_repeating_the_section(tmp_path):
+    """A section's own check (here the schedule's) has the whole section as its
+    input: the message names the key and does not append the section's dict."""
+    p = write(tmp_path, "pretrain:\n  schedule: {max_steps: 10, warmup_steps: 10}\n")
+    with pytest.raises(ConfigError) as e:
+        load_params("pretrain", p)
+    assert str(e.value).splitlines()[1:] == [
+        "  pretrain.schedule: Value error, warmup_steps (10) must be below max_steps (10)"]
 
 
 def test_configs_are_frozen():
@@ -99,6 +134,14 @@ def test_flatten_uses_dotted_names():
     assert flat["ingest.max_bytes"] == 10
     assert flat["ingest.sources.0.path"] == "x"
     assert flat["ingest.sources.0.split_by"] == "file"
+    # an empty list is a value (an empty list of sections must not vanish), as is a list of plain values
+    assert flatten({"a": [], "b": [1, 2], "c": {}}) == {"a": [], "b": [1, 2]}
+
+
+def test_changed_keys_count_a_key_added_or_removed_even_when_its_value_is_null():
+    old, new = {"a": 1, "b": {"c": None}}, {"a": 1, "b": {"d": None}}
+    assert changed_keys(old, new) == ["b.c", "b.d"]
+    assert changed_keys(old, old) == []
 
 
 def test_metric_values_are_the_numeric_leaves_under_dotted_names():
@@ -116,9 +159,12 @@ BOOL_HINT = r"a number is expected, not the boolean {} \(YAML reads yes/no/on/of
     ("pretrain", "optimizer: {lr: on}", "pretrain.optimizer.lr", True),
     ("pretrain", "schedule: {max_steps: true}", "pretrain.schedule.max_steps", True),
     ("pretrain", "batch: {micro_batch_size: true}", "pretrain.batch.micro_batch_size", True),  # int | 'auto'
+    ("pretrain", "batch: {micro_batch_size: no}", "pretrain.batch.micro_batch_size", False),  # not "at least 1"
     ("sft", "optimizer: {lr: off}", "sft.optimizer.lr", False),
     ("tokenizer", "sample_weights: {a: 1.0, b: no}", "tokenizer.sample_weights.b", False),  # inside a dict
     ("pack", "mixture: {a: {weight: yes}}", "pack.mixture.a.weight", True),  # float | None, in a nested model
+    ("clean", "filters: {gopher_top_ngrams: {max_char_frac: {true: 0.2}}}",  # a dict key: dict[int, float]
+     "clean.filters.gopher_top_ngrams.max_char_frac.True", True),
 ])
 def test_a_boolean_is_not_a_number(tmp_path, stage, yaml_value, key, flag):
     """pydantic reads True as 1, so `lr: yes` would have trained at lr=1.0."""
@@ -161,3 +207,43 @@ def test_boolean_fields_still_take_yaml_booleans(tmp_path):
     assert load_params("ingest", write(tmp_path, "ingest: {include_hidden: yes}\n")).include_hidden is True
     assert load_params("clean", write(tmp_path, "clean:\n  filters: {too_short: {enabled: off}}\n")
                        ).filters.too_short.enabled is False
+
+
+class _Shapes(ParamsModel):
+    """Field shapes no stage schema has yet, for the boolean check's walk."""
+
+    ratio: float | bool = 0.5  # admits a boolean: one is taken as it is
+    loose: int | Any = 0  # admits anything, a boolean too
+    size: Literal[1, 2] = 2  # pydantic reads True as 1 here too
+    widths: list[int] = []
+    pair: tuple[str, int] = ("a", 1)  # each position its own type
+
+
+@pytest.mark.parametrize("data, key", [({"widths": [1, True]}, "x.widths.1"), ({"pair": ["yes", True]}, "x.pair.1"),
+                                       ({"size": True}, "x.size")])
+def test_a_boolean_inside_a_list_or_tuple_or_for_a_numeric_literal_is_not_a_number(data, key):
+    with pytest.raises(ConfigError) as e:
+        parse_section(_Shapes, data, "x")
+    assert str(e.value).splitlines()[1] == f"  {key}: a number is expected, not the boolean True (YAML reads " \
+        "yes/no/on/off/true/false as booleans)"
+
+
+def test_a_tuple_position_typed_str_takes_no_number_check():
+    with pytest.raises(ConfigError) as e:
+        parse_section(_Shapes, {"pair": [True, 2]}, "x")
+    assert str(e.value).splitlines()[1] == "  x.pair.0: Input should be a valid string (got True)"
+
+
+def test_a_field_that_admits_a_boolean_takes_one():
+    cfg = parse_section(_Shapes, {"ratio": True, "loose": True}, "x")
+    assert cfg.ratio is True and cfg.loose is True
+
+
+def test_a_stage_schema_checks_its_own_defaults():
+    """A default outside its field's bounds is a programming error, caught at the first use."""
+
+    class Broken(StageConfig):
+        every: int = Field(0, ge=1)
+
+    with pytest.raises(ConfigError, match=r"^params.yaml is invalid:\n  broken.every: Input should be greater"):
+        parse_section(Broken, {}, "broken")

@@ -13,6 +13,7 @@ from pipeline.data.chat import (
     encode_prompt,
     render_chat,
     to_messages,
+    validate_messages,
 )
 from pipeline.data.tokenizer import IM_END, IM_END_ID, IM_START, IM_START_ID, SPECIAL_TOKENS, build_tokenizer
 
@@ -77,8 +78,9 @@ def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them()
     assert to_messages({"system": "Be brief.", "conversations": turns}, "sharegpt") == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"}]
-    assert to_messages({"system": "", "conversations": turns}, "sharegpt") == to_messages(
-        {"conversations": turns}, "sharegpt")  # an empty system column is no system prompt
+    for blank in ("", " \n"):  # an empty or blank system column is no system prompt
+        assert to_messages({"system": blank, "conversations": turns}, "sharegpt") == to_messages(
+            {"conversations": turns}, "sharegpt")
     assert to_messages({"instruction": "And 2+2?", "output": "4", "system": "Be brief.",
                         "history": [["1+1?", "2"], ["2+1?", "3"]]}, "alpaca") == [
         {"role": "system", "content": "Be brief."},
@@ -112,6 +114,7 @@ MALFORMED = [
     ({"text": "hello"}, "auto", "unknown_format"),
     ({"messages": [U, A], "instruction": "q"}, "auto", "ambiguous_format"),
     ({"messages": [{"role": "user"}, A]}, "messages", "missing_key"),
+    ({"messages": [{"role": "user", "content": None}, A]}, "messages", "missing_key"),  # null: absent, as JSON means
     ({"instruction": "q"}, "alpaca", "missing_key"),
     ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]}, "sharegpt", "missing_key"),
     ({"messages": "q"}, "messages", "bad_type"),
@@ -152,6 +155,12 @@ def test_malformed_records_give_their_reason(record, fmt, reason):
         to_messages(record, fmt)
     assert err.value.reason == reason
     assert str(err.value).startswith(reason)
+
+
+def test_a_string_for_the_messages_is_named_as_such():
+    """A prompt given as one string (not a list of messages) is bad_type saying so, not "message 0"."""
+    with pytest.raises(ChatFormatError, match=r"^bad_type: messages: expected a list, got str$"):
+        validate_messages("What is 2 + 2?", complete=False)
 
 
 def test_every_reason_is_exercised():

@@ -287,6 +287,10 @@ def test_choice_errors_are_one_line(fam, own, tmp_path):
     if fam.name in ("llama3", "mistral"):  # no ChatML tokens in these vocabularies
         with pytest.raises(ChatTemplateError, match=r"^sft.data.chat_template: chatml means ChatML.*<\|im_start\|>"):
             load_chat_template("chatml", fam.dir, fam.tok)
+        with pytest.raises(ChatTemplateError) as e:  # it has a template of its own, which chatml sets aside
+            load_chat_template("chatml", fam.dir, fam.tok)
+        assert str(e.value).endswith("has no special token <|im_start|> or <|im_end|>; give the path of a .jinja "
+                                     "template")
     else:  # Qwen has them: ChatML through the general path, without Qwen's default system prompt
         chatml = load_chat_template("chatml", fam.dir, fam.tok)
         ids, labels = encode_conversation(fam.tok, CONVERSATIONS[0], chatml)
@@ -336,3 +340,167 @@ def test_tokenizer_that_does_not_round_trip_the_template_fails(own):
     template = ChatTemplate("chatml (jinja)", CHAT_TEMPLATE_JINJA, {}, load_chat_template("auto", d, tok).specials)
     with pytest.raises(ChatTemplateError, match="does not give back the text of chat template chatml"):
         check_template(lossy, template)
+
+
+def test_a_special_token_wins_over_another_that_is_its_prefix():
+    template = ChatTemplate("t", "x", specials={"<s>": 1, "<s>x": 2, "</s>": 3})
+    assert [m.group() for m in template.special_re.finditer("a<s>x b<s> </s>")] == ["<s>x", "<s>", "</s>"]
+
+
+def test_a_prompt_layout_does_not_stand_in_for_a_training_layout(fam):
+    """encode_prompt caches the layout of a conversation shape without assistant spans when content holds a
+    special-token string; encode_conversation of the same shape must still find the spans (with the prompt's
+    layout it labelled nothing, in silence)."""
+    template = load_chat_template("auto", fam.dir, fam.tok)
+    msgs = [{"role": "user", "content": EVIL}, {"role": "assistant", "content": EVIL}]
+    encode_prompt(fam.tok, msgs, template, add_generation_prompt=False)
+    ids, labels = encode_conversation(fam.tok, msgs, template)
+    assert_trained(labelled_runs(fam.tok, ids, labels)[0], trained_text(fam, msgs))
+
+
+def test_a_jinja_template_on_our_own_tokenizer_gets_the_token_texts_its_export_declares(own, tmp_path):
+    from pipeline.data.tokenizer import OWN_TOKEN_VARIABLES
+
+    folder, tok = own
+    jinja = tmp_path / "vars.jinja"
+    jinja.write_text("{{ bos_token }}|{{ eos_token }}|{{ pad_token }}")
+    template = load_chat_template(str(jinja), folder, tok)
+    assert template.variables == OWN_TOKEN_VARIABLES
+    assert render(template, [{"role": "user", "content": "q"}]) == "|".join(
+        OWN_TOKEN_VARIABLES[k] for k in ("bos_token", "eos_token", "pad_token"))
+
+
+def test_token_texts_of_a_tokenizer_config_as_transformers_passes_them(tmp_path):
+    """A token is a string or an AddedToken dict; an empty or null one is not passed."""
+    import json
+
+    from pipeline.data.chat_template import _config_variables
+
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"bos_token": {"content": "<s>", "special": True, "lstrip": False},
+                                  "eos_token": "</s>", "pad_token": "", "unk_token": None, "sep_token": 5}))
+    assert _config_variables(config) == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert _config_variables(tmp_path / "missing.json") == {}
+
+
+def test_a_template_that_adds_text_for_some_content_skips_those_conversations(own, tmp_path):
+    """A template that branches on content renders text its layout does not have: the spans are not known."""
+    d, tok = own
+    path = tmp_path / "tail.jinja"
+    path.write_text(CHAT_TEMPLATE_JINJA + "{% if 'secret' in messages[-1]['content'] %}tail{% endif %}")
+    template = load_chat_template(str(path), d, tok)
+    check_template(tok, template)
+    with pytest.raises(TemplateSkip) as e:
+        encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a secret"}],
+                            template)
+    assert e.value.reason == "template_rewrites_content" and "text past its template" in e.value.detail
+
+
+def test_a_trimmed_content_is_told_from_the_template_text_that_follows_it(own, tmp_path):
+    """The template trims the content and writes "\\n" after it: the content's own trailing "\\n" must not
+    be taken for the template's (which made the rest of the render look rewritten)."""
+    d, tok = own
+    path = tmp_path / "trim.jinja"
+    path.write_text("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content|trim + '\\n<|im_end|>\\n' }}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    template = load_chat_template(str(path), d, tok)
+    check_template(tok, template)
+    ids, labels = encode_conversation(tok, [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": "It is 4.\n"}], template)
+    assert labelled_runs(tok, ids, labels)[0] == ["It is 4.\n<|im_end|>"]
+
+
+def test_the_template_the_sft_data_was_rendered_with_is_found_again(fam, own):
+    from pipeline.data.chat_template import template_of_sft_data
+
+    d, tok = own
+    old = template_of_sft_data({}, d / "tokenizer.json", tok)  # a manifest from before templates were recorded
+    assert (old.name, old.source, old.date) == ("chatml", None, dt.date(2024, 7, 26))
+    manifest = {"chat_template_name": "chatml", "chat_template": CHAT_TEMPLATE_JINJA, "template_date": "2025-01-02"}
+    adopted = template_of_sft_data(manifest, fam.dir, fam.tok)  # ChatML on an adopted tokenizer: the general path
+    assert (adopted.name, adopted.source, adopted.date) == ("chatml", CHAT_TEMPLATE_JINJA, dt.date(2025, 1, 2))
+
+
+def test_a_model_folder_without_a_template_is_chatml_only_where_it_has_chatml_tokens(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer
+
+    from pipeline.data.chat_template import template_of_hf_folder
+
+    for family, want in (("qwen2", "chatml"), ("llama3", None)):
+        folder = save_family_tokenizer(family, tmp_path / family)
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        template, _ = template_of_hf_folder(folder, Tokenizer.from_file(str(folder / "tokenizer.json")))
+        assert (template and template.name) == want, family
+
+
+def test_a_template_that_writes_a_placeholder_look_alike_fails_in_one_line(own, tmp_path):
+    d, tok = own
+    path = tmp_path / "lookalike.jinja"
+    path.write_text("Sentinel99Zq" + CHAT_TEMPLATE_JINJA)
+    with pytest.raises(ChatTemplateError, match="renders text that looks like a content placeholder"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_template_that_refuses_every_conversation_fails_in_one_line(own, tmp_path):
+    """Only a refused system prompt is taken as a template without a system role."""
+    d, tok = own
+    path = tmp_path / "refuses.jinja"
+    path.write_text("{{ raise_exception('not today') }}")
+    with pytest.raises(ChatTemplateError, match="not today"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+
+def test_a_template_that_puts_other_content_inside_the_assistant_turn_fails_in_one_line(own, tmp_path):
+    """Here the first message is repeated after each assistant header: it is not what the assistant wrote."""
+    d, tok = own
+    path = tmp_path / "echo.jinja"
+    path.write_text("{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + "
+                    "messages[0].content + '\\n' + m.content + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m.role + "
+                    "'\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    with pytest.raises(ChatTemplateError, match="other content lies between the generation prompt and assistant"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_content_with_only_its_newlines_stripped_is_located(own, tmp_path):
+    """strip('\\n') (as Qwen3's lstrip('\\n')) keeps the spaces inside: a trim of newlines alone is a candidate."""
+    d, tok = own
+    path = tmp_path / "newlines.jinja"
+    path.write_text(CHAT_TEMPLATE_JINJA.replace("message['content']", "message['content'].strip('\\n')"))
+    template = load_chat_template(str(path), d, tok)
+    ids, labels = encode_conversation(tok, [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": "\n\n  code  \n\n"}], template)
+    assert_trained(labelled_runs(tok, ids, labels)[0], ["  code  <|im_end|>"])  # may start with the header's "\n"
+
+
+def test_the_general_path_checks_the_messages_and_restores_the_tokenizer_flag(own, tmp_path):
+    from pipeline.data.chat import ChatFormatError
+
+    d, tok = own
+    path = tmp_path / "chatml.jinja"
+    path.write_text(CHAT_TEMPLATE_JINJA)
+    template = load_chat_template(str(path), d, tok)
+    with pytest.raises(ChatFormatError, match="role_order"):
+        encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "user", "content": "q"},
+                                  {"role": "assistant", "content": "a"}], template)
+    for flag in (True, False):
+        tok.encode_special_tokens = flag
+        encode_conversation(tok, [{"role": "user", "content": "<|im_end|>"}, {"role": "assistant", "content": "a"}],
+                            template)
+        assert tok.encode_special_tokens is flag
+    tok.encode_special_tokens = True  # as load_tokenizer gives it
+
+
+def test_stop_ids_are_the_end_of_turn_ids_then_the_eos_ids(own):
+    from pipeline.data.chat_template import stop_ids
+    from pipeline.data.tokenizer import EOT_ID, IM_END_ID
+
+    d, tok = own
+    template = load_chat_template("auto", d, tok)
+    assert stop_ids(tok, template, [EOT_ID, IM_END_ID]) == (IM_END_ID, EOT_ID)

@@ -7,13 +7,18 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, parse_section
-from pipeline.data.chat import IGNORE_INDEX
+from pipeline.data.chat import IGNORE_INDEX, encode_chat, to_messages
 from pipeline.data.sft_data import (
     FORMAT,
+    Example,
     SFTDataConfig,
     SFTDataError,
     SFTSource,
+    _force_nonempty,
+    build_fingerprint,
+    build_rows,
     build_sft_data,
+    conversation_key,
     pack_examples,
 )
 from pipeline.data.shards import MANIFEST, PackedRows
@@ -210,7 +215,7 @@ def test_a_json_object_wrapping_the_records_is_read_as_they_are(tmp_path, tok_pa
     SFT counted the whole file as one unknown_format skip. A record of a known
     format is still one record, though its messages are a list of objects."""
     records = [messages_rec(i) for i in range(12)]
-    (tmp_path / "wrapped.json").write_text(json.dumps({"version": "1.0", "data": records}))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"version": "1.0", "tags": ["chat", "en"], "data": records}))
     _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "wrapped.json"))])
     assert m["examples_in"] == 12 and m["skipped"] == {}
     assert m["train"]["examples"] + m["val"]["examples"] == 12
@@ -276,6 +281,83 @@ def test_overlong_drop_vs_truncate(tmp_path, tok_path, tok):
     assert len(partial) == 1 and not partial[0].endswith(IM_END) and long_answer.startswith(partial[0])
     for m in (drop, cut):
         assert m["examples_in"] == 8 == m["train"]["examples"] + m["val"]["examples"] + sum(m["skipped"].values())
+
+
+def test_an_example_of_exactly_row_len_tokens_fits_and_a_cut_one_fills_the_row(tmp_path, tok_path, tok):
+    """row_len = seq_len + 1 tokens fit; one more is too long, and truncate cuts it to exactly row_len."""
+    long = {"messages": [{"role": "user", "content": "Count."},
+                         {"role": "assistant", "content": " ".join(f"n{i}" for i in range(30))}]}
+    n = len(encode_chat(tok, to_messages(long))[0])
+    write_jsonl(tmp_path / "d.jsonl", [long] + [messages_rec(i) for i in range(6)])
+    src = [SFTSource(path=str(tmp_path / "d.jsonl"))]
+    _, fits = build(tmp_path, tok_path, "fits", sources=src, seq_len=n - 1)
+    assert fits["skipped"] == {} and fits["truncated"] == 0
+    _, over = build(tmp_path, tok_path, "over", sources=src, seq_len=n - 2)
+    assert over["skipped"] == {"too_long": 1}
+    cut_dir, cut = build(tmp_path, tok_path, "cut", sources=src, seq_len=n - 2, overlong="truncate")
+    assert cut["skipped"] == {} and cut["truncated"] == 1
+    assert cut["train"]["tokens"] + cut["val"]["tokens"] == fits["train"]["tokens"] + fits["val"]["tokens"] - 1
+    # the cut example lost its last token ("\n" after <|im_end|>, unlabelled) and nothing else
+    assert cut["train"]["label_tokens"] + cut["val"]["label_tokens"] == \
+        fits["train"]["label_tokens"] + fits["val"]["label_tokens"]
+    for m in (fits, cut):
+        for split in ("train", "val"):
+            assert m[split]["pad_tokens"] == m[split]["rows"] * (n if m is fits else n - 1) - m[split]["tokens"]
+
+
+def _example(n: int, h: int = 0) -> Example:
+    ids = np.arange(1, n + 1, dtype=np.int32)
+    return Example(ids, np.where(ids > 1, ids, IGNORE_INDEX).astype(np.int32), h)
+
+
+def test_a_full_row_has_no_padding_segment():
+    ids, labels, starts = build_rows([_example(6), _example(4), _example(3)], 10, pack=True, pad_id=0, seed=0)
+    # 6 + 4 fill a row exactly: two segments; 3 + padding: two segments, the padding's starting at 3
+    assert sorted(starts) == [[0, 3], [0, 6]] and (ids != 0).sum() == 13
+
+
+def test_rows_are_put_in_a_seeded_random_order():
+    examples = [_example(5 + i % 7) for i in range(40)]
+    a = build_rows(examples, 16, pack=False, pad_id=0, seed=1)[0]
+    assert (a == build_rows(examples, 16, pack=False, pad_id=0, seed=1)[0]).all()
+    lengths = (a != 0).sum(axis=1)
+    assert list(lengths) != [5 + i % 7 for i in range(40)]  # not the order read
+    assert (a != build_rows(examples, 16, pack=False, pad_id=0, seed=2)[0]).any()
+
+
+def test_a_split_that_would_be_empty_takes_one_example_from_the_other():
+    splits = {"train": [_example(3, h) for h in (5, 2, 9)], "val": []}
+    assert _force_nonempty(splits) == 1
+    assert [e.h for e in splits["val"]] == [2] and [e.h for e in splits["train"]] == [5, 9]  # the lowest hash
+    splits = {"train": [], "val": [_example(3, h) for h in (5, 2, 9)]}
+    assert _force_nonempty(splits) == 1
+    assert [e.h for e in splits["train"]] == [9] and [e.h for e in splits["val"]] == [5, 2]  # the highest hash
+    one = {"train": [_example(3)], "val": []}
+    assert _force_nonempty(one) == 0 and len(one["train"]) == 1  # one example cannot fill two splits
+    assert _force_nonempty({"train": [_example(3)], "val": [_example(4)]}) == 0
+
+
+def test_the_conversation_key_holds_roles_and_contents():
+    a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    b = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
+    assert conversation_key(a) == conversation_key([dict(m) for m in a]) != conversation_key(b)
+
+
+def test_the_val_share_follows_val_fraction(tmp_path, tok_path):
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(400)])
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))], val_fraction=0.25,
+                 seq_len=512)
+    assert 0.18 < m["val"]["examples"] / 400 < 0.32
+
+
+def test_the_build_fingerprint_follows_a_jinja_template_file(tmp_path, tok_path):
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(0)])
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{{ messages }}")
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "d.jsonl"))], chat_template=str(jinja))
+    before = build_fingerprint(cfg, tok_path)
+    jinja.write_text("{{ messages }} edited")
+    assert build_fingerprint(cfg, tok_path) != before
 
 
 def check_rows(ids, labels, starts, row_len):
@@ -415,13 +497,43 @@ def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, thr
     ({"sources": [{"path": "x.jsonl", "fmt": "auto"}]}, "sft.sources.0.fmt"),
     ({"sources": [{"path": "builtin:nope"}]}, "sft.sources.0.path"),
     ({"sources": [{"path": "builtin:stdlib-docstrings", "format": "alpaca"}]}, "sft.sources.0"),
+    ({"sources": [{"path": "builtin:stdlib-docstrings", "format": "sharegpt"}]}, "sft.sources.0"),
     ({"sources": []}, "sft.sources"),
     ({"packing": True}, "sft.packing"),
+    ({"seq_len": 7}, "sft.seq_len"),
+    ({"seq_len": 1_048_577}, "sft.seq_len"),
+    ({"val_fraction": 0}, "sft.val_fraction"),
+    ({"val_fraction": 0.51}, "sft.val_fraction"),
+    ({"max_examples": 0}, "sft.max_examples"),
+    ({"quarantine_per_reason": -1}, "sft.quarantine_per_reason"),
+    ({"shard_rows": 0}, "sft.shard_rows"),
+    ({"sources": [{"path": ""}]}, "sft.sources.0.path"),
+    ({"chat_template": ""}, "sft.chat_template"),
+    ({"template_date": "26/07/2024"}, "sft.template_date"),
+    ({"seed": -1}, "sft.seed"),
 ])
 def test_config_errors_name_the_key(data, key):
     with pytest.raises(ConfigError) as err:
         parse_section(SFTDataConfig, data, "sft")
-    assert f"  {key}: " in str(err.value)
+    assert f"  {key}: " in str(err.value) and len(str(err.value).splitlines()) == 2
+
+
+@pytest.mark.parametrize("value", [0, 86400, 20240726])
+def test_a_template_date_given_as_a_number_is_refused_not_read_as_unix_time(value):
+    """0 was taken as 1970-01-01 (and 86400 as the day after) in silence."""
+    with pytest.raises(ConfigError) as err:
+        parse_section(SFTDataConfig, {"template_date": value}, "sft.data")
+    assert str(err.value).splitlines()[1:] == [
+        "  sft.data.template_date: Value error, a date is expected as YYYY-MM-DD (quoted: DVC rejects YAML dates), "
+        f"not a number (got {value})"]
+
+
+def test_config_edges_that_are_valid():
+    edges = {"seq_len": 8, "val_fraction": 0.5, "max_examples": 1, "quarantine_per_reason": 0, "shard_rows": 1,
+             "seed": 0}
+    cfg = parse_section(SFTDataConfig, edges, "sft")
+    assert {k: getattr(cfg, k) for k in edges} == edges
+    assert parse_section(SFTDataConfig, {"seq_len": 1_048_576}, "sft").seq_len == 1_048_576
 
 
 def test_a_url_source_is_refused_with_how_to_read_it():

@@ -5,7 +5,15 @@ import pytest
 from pydantic import BaseModel
 
 from pipeline.config import ConfigError, load_params, parse_section
-from pipeline.training.config import Section, TrainConfig, identity_sections, run_identity
+from pipeline.training.config import (
+    BatchSection,
+    Section,
+    TrainConfig,
+    fingerprint_of,
+    identity_sections,
+    requested_rows_per_rank,
+    run_identity,
+)
 from pipeline.training.pretrain import PretrainConfig
 from pipeline.training.sft import SFTConfig
 from tests.conftest import ROOT
@@ -185,3 +193,65 @@ def test_a_bad_micro_batch_size_is_one_message_naming_the_key(value):
         parse_section(PretrainConfig, {"batch": {"micro_batch_size": value}}, "pretrain")
     assert str(err.value).splitlines()[1:] == [
         f"  pretrain.batch.micro_batch_size: Value error, must be auto or a whole number of at least 1 (got {value!r})"]
+
+
+# (section, key, values at the edge that are valid, values just past it that are not)
+BOUNDS = [
+    ("optimizer", "lr", [1e-9], [0.0]),
+    ("optimizer", "weight_decay", [0.0], [-0.01]),
+    ("optimizer", "beta1", [0.0, 0.999], [1.0, -0.01]),
+    ("optimizer", "beta2", [0.0, 0.999], [1.0, -0.01]),
+    ("optimizer", "eps", [1e-12], [0.0]),
+    ("optimizer", "grad_clip", [0.0], [-0.01]),  # 0 = off
+    ("batch", "grad_accum_steps", [1], [0]),
+    ("schedule", "warmup_steps", [0, 9], [-1]),  # below max_steps (10 here)
+    ("schedule", "min_lr", [0.0, 1e-3], [-1e-9]),  # up to optimizer.lr (1e-3 here)
+    ("schedule", "decay_fraction", [1.0], [0.0, 1.01]),
+    ("schedule", "decay_steps", [1, 10], [0]),
+    ("eval", "every", [1], [0]),
+    ("eval", "rows", [1, None], [0]),
+    ("checkpoint", "every", [1], [0]),
+    ("checkpoint", "keep", [1], [0]),
+    ("checkpoint", "keep_previous", [0, None], [-1]),
+    ("logging", "every", [1], [0]),
+    ("logging", "spike_factor", [1.01], [1.0]),
+    ("logging", "peak_flops", [1.0, None], [0.0]),
+]
+
+
+@pytest.mark.parametrize("schema, stage", [(PretrainConfig, "pretrain"), (SFTConfig, "sft")])
+@pytest.mark.parametrize("section, key, good, bad", BOUNDS)
+def test_each_bound_holds_at_its_edge(schema, stage, section, key, good, bad):
+    """Valid up to the documented edge, one line naming the key just past it."""
+    base = {"optimizer": {"lr": 1e-3}, "schedule": {"max_steps": 10, "warmup_steps": 0, "min_lr": 0.0}}
+
+    def params(value):
+        return {**base, section: {**base.get(section, {}), key: value}}
+
+    for value in good:
+        assert getattr(getattr(parse_section(schema, params(value), stage), section), key) == value
+    for value in bad:
+        with pytest.raises(ConfigError) as err:
+            parse_section(schema, params(value), stage)
+        lines = str(err.value).splitlines()
+        assert len(lines) == 2 and lines[1].startswith(f"  {stage}.{section}.{key}: "), (value, str(err.value))
+
+
+def test_max_steps_zero_is_a_pass_through_for_pretrain_only():
+    assert parse_section(PretrainConfig, {"schedule": {"max_steps": 0, "warmup_steps": 0}}, "pretrain"
+                         ).schedule.max_steps == 0
+    with pytest.raises(ConfigError, match=r"^params.yaml is invalid:\n  sft.schedule.max_steps: Input should be "
+                                          r"greater than or equal to 1"):
+        parse_section(SFTConfig, {"schedule": {"max_steps": 0, "warmup_steps": 0}}, "sft")
+
+
+def test_requested_rows_per_rank_is_micro_batch_times_accumulation_with_auto_as_16():
+    assert requested_rows_per_rank(BatchSection(micro_batch_size=4, grad_accum_steps=3)) == 12
+    assert requested_rows_per_rank(BatchSection(micro_batch_size="auto", grad_accum_steps=3)) == 48
+
+
+def test_the_fingerprint_does_not_depend_on_key_order():
+    """A model record read back from a checkpoint's JSON may list its keys in another order than the
+    ModelConfig it was made from: the same run all the same."""
+    assert fingerprint_of({"model": {"d_model": 64, "n_layers": 2}, "seed": 1}) == \
+        fingerprint_of({"seed": 1, "model": {"n_layers": 2, "d_model": 64}})

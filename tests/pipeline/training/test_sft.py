@@ -157,12 +157,13 @@ def test_sft_metrics_keep_the_data_build_numbers_and_leave_the_tables_to_the_rep
 
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tokenizer().to_str())
-    lines = [messages_rec(i) for i in range(12)] + [{"messages": "not a list"}, {"nothing": 1}]
+    lines = [messages_rec(i) for i in range(12)] + [{"messages": "not a list"}, {"nothing": 1}, {"nothing": 2}]
     write_jsonl(tmp_path / "chat.jsonl", lines)
     cfg = SFTDataConfig(sources=[{"path": str(tmp_path / "chat.jsonl")}], seq_len=64, val_fraction=0.25)
     build = build_sft_data(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
     m = data_metrics(build)
-    assert m["examples_in"] == 12 + 2 and m["skipped"] == 2 and m["examples"] == 12
+    assert m["examples_in"] == 12 + 3 and m["skipped"] == 3 and m["examples"] == 12  # 3 records, 2 reasons
+    assert m["label_tokens"] == build["train"]["label_tokens"] + build["val"]["label_tokens"]
     assert m["examples"] + m["skipped"] == m["examples_in"]  # every record is accounted for
     assert m["train_rows"] == build["train"]["rows"] > 0 and m["val_rows"] == build["val"]["rows"] > 0
     assert all(isinstance(v, (int, float)) for v in m.values())
@@ -183,3 +184,24 @@ def test_sft_starts_from_a_sharded_pretrain_checkpoint(tmp_path, pretrained):
         curves[name] = open(tmp_path / f"{name}.csv").read().splitlines()[1:]
         curves[name] = [row.split(",")[1] for row in curves[name]]
     assert curves["sharded"] == curves["file"] == curves["sharded-fsdp"]
+
+
+def test_plan_checks_the_tokenizer_and_carries_the_data_identity_and_hf_config(tmp_path, monkeypatch):
+    """The data must come from the pretrained model's tokenizer (a checkpoint that does not record one is
+    taken on trust); the data identity covers both splits; the Hugging Face config travels on to export."""
+    from types import SimpleNamespace
+
+    from pipeline.training import sft
+
+    data = sft_data(tmp_path / "sft")  # its manifest: tokenizer_sha256 "synthetic"
+    init = SimpleNamespace(meta={}, path=tmp_path / "step_6", step=6)
+    monkeypatch.setattr(sft, "starting_model", lambda cfg, pretrain_dir: (init, SimpleNamespace(vocab_size=64)))
+    init.meta = {"tokenizer_sha256": "another", "hf_config": {"a": 1}}
+    with pytest.raises(SFTError, match="tokenized with a different tokenizer"):
+        sft.plan(sft_cfg(), data, tmp_path)
+    init.meta = {"hf_config": {"a": 1}, "hf_generation_config": {"b": 2}}  # no tokenizer recorded
+    _, _, data_id, meta = sft.plan(sft_cfg(), data, tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert data_id.split(",") == [s["sha256"] for split in ("train", "val") for s in manifest["splits"][split]["shards"]]
+    assert meta == {"tokenizer_sha256": "synthetic", "init_from": str(init.path), "vocab_size": 64,
+                    "hf_config": {"a": 1}, "hf_generation_config": {"b": 2}}
