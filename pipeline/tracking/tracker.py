@@ -530,14 +530,11 @@ class Tracker:
             client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in self._params.items()])
             self._client, self._run, self.offline_path = client, run.info.run_id, path
         except Exception as err:
-            reason += f"; and the offline store {path} failed ({_short(err)}), so records are dropped"
-        warnings.warn(
-            f"MLflow tracking is offline for stage {self.stage!r}: {reason}. "
-            f"Training continues; records go to {self.offline_path} "
-            f"(load them later with `python -m pipeline.tracking.tracker replay DIR`).",
-            TrackingOfflineWarning,
-            stacklevel=3,
-        )
+            reason += f"; and the offline store {path} failed ({_short(err)})"
+        where = (f"records go to {self.offline_path} (load them later with `python -m pipeline.tracking.tracker "
+                 "replay DIR`)" if self.offline_path is not None else "its records are dropped")
+        warnings.warn(f"MLflow tracking is offline for stage {self.stage!r}: {reason}. Training continues; {where}.",
+                      TrackingOfflineWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------- dvc exp run

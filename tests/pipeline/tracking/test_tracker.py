@@ -402,6 +402,25 @@ def test_unreachable_server_goes_offline_quickly_with_one_warning(tmp_path, monk
     assert {a.path for a in MlflowClient(db[1]).list_artifacts(run_id)} >= {"summary.json", Path(__file__).name}
 
 
+@pytest.mark.timeout(60)
+def test_an_offline_store_that_cannot_be_made_says_the_records_are_dropped(tmp_path, monkeypatch):
+    """With the server unreachable and no offline store possible (the project
+    root is not writable), the one warning used to say "records go to None"."""
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path / "file" / "project"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pack") as t:
+            t.log_params({"seq_len": 64})
+            t.log_metrics({"loss": 1.0}, step=1)
+    [warning] = offline_warnings(caught)
+    message = str(warning.message)
+    assert t.offline and t.offline_path is None
+    assert "the offline store" in message and message.endswith("Training continues; its records are dropped."), message
+    assert "None" not in message and "replay" not in message, message
+
+
 def test_failing_flush_mid_run_switches_to_offline(client, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
