@@ -241,6 +241,18 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if not raw else raw not in ("0", "false", "no", "off")
 
 
+def _quoted(value: str) -> str:
+    """``value`` as a string literal of an MLflow search filter, which has no
+    escapes: in single quotes, or in double quotes when it holds a single quote
+    (``dvc exp run -n "bob's-lr"`` is a valid name). Raises ValueError when it
+    holds both."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"{value!r} holds both kinds of quote, which an MLflow search filter cannot match")
+
+
 def _short(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}".splitlines()[0]
     return text if len(text) <= 300 else text[:299] + "…"
@@ -557,7 +569,7 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
 
     found = client.search_runs(
         [experiment_id],
-        filter_string=f"tags.`dvc.exp_name` = '{exp_name}' and tags.`pipeline.parent` = 'true'",
+        filter_string=f"tags.`dvc.exp_name` = {_quoted(exp_name)} and tags.`pipeline.parent` = 'true'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
@@ -617,7 +629,8 @@ def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str
     host = socket.gethostname()
     try:
         runs = client.search_runs([experiment_id], filter_string=(
-            f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = '{stage}' and tags.`{HOST_TAG}` = '{host}'"),
+            f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = {_quoted(stage)} and "
+            f"tags.`{HOST_TAG}` = {_quoted(host)}"),
             max_results=1000)
         ended = []
         for run in runs:

@@ -295,6 +295,24 @@ def test_a_failed_stage_fails_its_dvc_experiments_parent_run(client, tmp_path, m
     assert parents() == [(first, "FAILED"), (t.parent_run_id, "FINISHED")]
 
 
+def test_an_experiment_name_with_a_quote_finds_its_parent_run(client, tmp_path, monkeypatch):
+    # `dvc exp run -n "bob's-lr"` is a valid git ref; its name in the parent run's
+    # search filter broke the filter, and every stage of it logged offline.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_EXP_NAME", "bob's-lr")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("ingest", system_metrics=False) as t:
+            pass
+        with Tracker("clean", system_metrics=False) as t2:
+            pass
+    assert not offline_warnings(caught) and not t.offline and not t2.offline
+    assert t.parent_run_id is not None and t2.parent_run_id == t.parent_run_id
+    assert client.get_run(t.parent_run_id).data.tags["dvc.exp_name"] == "bob's-lr"
+    with pytest.raises(ValueError, match="both kinds of quote"):
+        tracking._quoted("it's \"x\"")
+
+
 def test_child_run_gets_parent_from_env(client, monkeypatch):
     parent_exp = client.create_experiment("parent-flow")
     parent = client.create_run(parent_exp, run_name="flow").info.run_id
