@@ -227,7 +227,9 @@ def git_tags(cwd: str | Path = ".") -> dict[str, str]:
     return tags
 
 
-def _key(name: Any) -> str:
+def mlflow_key(name: Any) -> str:
+    """``name`` as a key MLflow accepts for a param, metric or tag: characters it
+    refuses (``[``, ``*``, ``{`` of a source's default name) become ``_``."""
     return (_BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_")[:_MAX_KEY_LENGTH]
 
 
@@ -362,7 +364,7 @@ class Tracker:
             tags[LAUNCH_TAG] = os.environ[LAUNCH_ENV]
         tags.update(_process_tags())
         tags.update(self._extra_tags)
-        return {_key(k): _text(v) for k, v in resolve_tags(tags).items()}
+        return {mlflow_key(k): _text(v) for k, v in resolve_tags(tags).items()}
 
     def _create_run(self) -> None:
         from mlflow import MlflowClient
@@ -428,7 +430,7 @@ class Tracker:
         from pipeline.config import flatten
 
         for key, value in flatten(params, prefix).items():
-            key, text = _key(key), _text(value)
+            key, text = mlflow_key(key), _text(value)
             old = self._params.get(key)
             if old is not None and old != text:
                 warnings.warn(f"param {key!r} already logged as {old!r}; ignoring {text!r}", TrackingWarning, stacklevel=2)
@@ -441,7 +443,7 @@ class Tracker:
         if not self.active:
             return
         for key, value in tags.items():
-            self._tags[_key(key)] = self._pending_tags[_key(key)] = _text(value)
+            self._tags[mlflow_key(key)] = self._pending_tags[mlflow_key(key)] = _text(value)
         self.flush()
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -454,7 +456,7 @@ class Tracker:
         for name, value in metrics.items():
             key = self._keys.get(name)
             if key is None:
-                key = self._keys[name] = _key(name)
+                key = self._keys[name] = mlflow_key(name)
             rows.append((key, float(value), now, step))
         self._pending_metrics.extend(rows)
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:
@@ -581,7 +583,7 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     run_id = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags).info.run_id
     if Path("params.yaml").exists():
         flat = flatten(load_yaml("params.yaml") or {})
-        client.log_batch(run_id, params=[Param(_key(k), _text(v)) for k, v in flat.items()])
+        client.log_batch(run_id, params=[Param(mlflow_key(k), _text(v)) for k, v in flat.items()])
     client.set_terminated(run_id, "FINISHED")
     return run_id
 
@@ -719,8 +721,8 @@ def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) 
         client = MlflowClient(uri)
         parent = experiment_parent(client, ensure_experiment(uri=uri, client=client), exp_name)
         now = int(time.time() * 1000)
-        client.log_batch(parent, metrics=[Metric(_key(k), v, now, 0) for k, v in metrics.items()],
-                         tags=[RunTag(_key(k), v) for k, v in tags.items()])
+        client.log_batch(parent, metrics=[Metric(mlflow_key(k), v, now, 0) for k, v in metrics.items()],
+                         tags=[RunTag(mlflow_key(k), v) for k, v in tags.items()])
     except Exception as err:  # the stage already succeeded; lineage must not fail it
         log.warning("experiment %s: parent run not updated: %s", exp_name, err)
 
