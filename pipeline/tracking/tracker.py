@@ -793,7 +793,10 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     from mlflow.utils.file_utils import local_file_uri_to_path
 
     src = MlflowClient(offline_uri(folder))
-    (run,) = src.search_runs([e.experiment_id for e in src.search_experiments()])
+    runs = src.search_runs([e.experiment_id for e in src.search_experiments()])
+    if len(runs) != 1:  # the tracker could not start its run there (a full disk): nothing was logged into it
+        raise ReplayError(f"{path}: the store holds {len(runs)} runs, not one; nothing to replay")
+    run = runs[0]
     own = run.data.tags
     if run.info.status == "RUNNING" and PID_TAG in own and PID_STARTED_TAG in own \
             and own.get(HOST_TAG) == _hostname() and _process_alive(int(own[PID_TAG]), float(own[PID_STARTED_TAG])):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -535,6 +536,16 @@ def test_replay_refuses_what_is_not_an_offline_store_and_creates_nothing(tmp_pat
     # Before, MLflow made an empty mlflow.db there (and the folder itself), then
     # replay failed with "not enough values to unpack".
     assert not missing.exists() and not (stores / "mlflow.db").exists()
+    # A store whose run the tracker could not start (a full disk) holds none: it
+    # failed with "ValueError: not enough values to unpack".
+    from mlflow import MlflowClient
+
+    empty = stores / "pretrain-empty"
+    empty.mkdir()
+    MlflowClient(offline_uri(empty)).search_experiments()
+    with pytest.raises(tracking.ReplayError, match=r"the store holds 0 runs, not one; nothing to replay$"):
+        replay_offline(empty)
+    shutil.rmtree(empty)
 
     # One line per bad store, exit code 1, and the good stores are still replayed.
     assert tracking.main(["replay", str(stores), str(t.offline_path)]) == 1
