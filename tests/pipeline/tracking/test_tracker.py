@@ -206,6 +206,9 @@ def test_conflicting_param_is_skipped_not_fatal(client):
         t.log_params({"lr": 0.1})
         with pytest.warns(tracking.TrackingWarning, match="lr"):
             t.log_params({"lr": 0.2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            t.log_params({"lr": 0.1})  # what is logged already: no warning
     assert client.get_run(t.run_id).data.params["lr"] == "0.1"
     assert client.get_run(t.run_id).info.status == "FINISHED"
 
@@ -220,6 +223,10 @@ def test_metrics_are_buffered_and_sent_in_few_batches(client, batch_calls):
     history = client.get_metric_history(t.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(600))
     assert {m.step: m.value for m in history}[9] == pytest.approx(1.0)
+
+    with Tracker("pretrain", system_metrics=False, flush_every_n=2, flush_every_s=3600) as t:
+        t.log_metrics({"loss": 1.0, "lr": 1e-3}, step=0)  # exactly flush_every_n records
+        assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == [0]
 
     # A time limit flushes too, so the UI follows a slow run.
     with Tracker("pretrain", system_metrics=False, flush_every_n=10**6, flush_every_s=0.0) as t:
@@ -360,6 +367,61 @@ def test_exception_in_block_ends_run_failed(client):
     run = client.get_run(t.run_id)
     assert run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == [0]  # flushed first
+
+
+def test_ctrl_c_ends_the_run_killed_and_an_ended_run_keeps_its_status(client):
+    with pytest.raises(KeyboardInterrupt), Tracker("pack", system_metrics=False) as t:
+        raise KeyboardInterrupt
+    assert client.get_run(t.run_id).info.status == "KILLED"
+    with Tracker("pack", system_metrics=False) as t:  # as run_stage ends a failed stage's run before it exits
+        assert t.start().run_id == t.run_id  # start is idempotent: one run
+        t.end("FAILED")
+    assert client.get_run(t.run_id).info.status == "FAILED"
+    assert len(client.search_runs([t.experiment_id])) == 2
+
+
+def test_a_failing_stage_does_not_end_its_flow_s_parent_run(client, monkeypatch):
+    exp = tracking.ensure_experiment(uri=client.tracking_uri, client=client)
+    parent = client.create_run(exp, run_name="pipeline").info.run_id
+    monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", parent)
+    with pytest.raises(RuntimeError), Tracker("pack", system_metrics=False):
+        raise RuntimeError("boom")
+    assert client.get_run(parent).info.status == "RUNNING", "the flow ends its own parent run"
+
+
+def test_a_deleted_experiment_is_restored(client):
+    exp = tracking.ensure_experiment(uri=client.tracking_uri, client=client)
+    client.delete_experiment(exp)
+    with Tracker("pack", system_metrics=False) as t:
+        pass
+    assert t.experiment_id == exp and client.get_experiment(exp).lifecycle_stage == "active"
+
+
+def test_a_server_that_answers_health_with_an_error_is_reachable():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert tracking.probe(f"http://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "is unreachable" in tracking.probe(f"http://127.0.0.1:{closed_port()}")
+
+
+def test_keys_lose_what_mlflow_refuses():
+    assert tracking.mlflow_key("/data/raw/*.txt/") == "data/raw/_.txt"
+    assert tracking.mlflow_key("sft.sources.{stdlib}.val_loss") == "sft.sources._stdlib_.val_loss"
+    assert tracking.mlflow_key("//") == "_"
 
 
 def test_system_metrics_switch(client, monkeypatch):
@@ -583,6 +645,23 @@ def test_a_store_is_replayed_once_and_not_while_it_is_being_written(monkeypatch,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_store_of_a_process_that_died_replays_failed_to_each_server_once(tmp_path, monkeypatch, db):
+    from mlflow import MlflowClient
+
+    t = offline_store(monkeypatch, end=False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    local, kept = offline_run(t)
+    local.set_tag(kept.info.run_id, tracking.PID_TAG, str(dead.pid))  # the process that logged it is gone
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    run = MlflowClient(db[1]).get_run(replay_offline(t.offline_path))
+    assert run.info.status == "FAILED"
+    assert not [k for k in run.data.tags if k.startswith("pipeline.offline.")]
+    other = f"sqlite:///{tmp_path / 'other.db'}"  # another server is not "replayed already"
+    assert MlflowClient(other).get_run(replay_offline(t.offline_path, uri=other)).info.status == "FAILED"
+
+
 def test_stage_fingerprint_matches_dvc_lock_and_run_cache(tmp_path):
     proj = tmp_path / "proj"
     (proj / "raw" / "sub").mkdir(parents=True)
