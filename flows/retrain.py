@@ -41,6 +41,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from prefect import flow, get_run_logger
+from prefect.context import get_run_context
 
 from flows.pipeline import pipeline
 from flows.runtime import (
@@ -49,6 +50,7 @@ from flows.runtime import (
     changed_stages,
     check_stage_args,
     exit_on_sigterm,
+    project_lock,
     resolve_root,
     start_temporary_server,
 )
@@ -73,13 +75,16 @@ def retrain(
     logger = get_run_logger()
     root_path = project_root(root or os.getcwd())
     names = [s.name for s in select(load_stages(root_path), targets)]
-    stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
-    if not stale:
-        logger.info("DVC reports every stage up to date (%s); nothing to retrain", ", ".join(names))
-        return {"stale": {}, "stages": []}
-    logger.info("DVC reports stale: %s; running the pipeline", ", ".join(stale))
-    results = pipeline(root=str(root_path), targets=targets, retries=retries,
-                       retry_delay_s=retry_delay_s, timeouts=timeouts)
+    # Asked under the flow lock: while another flow run's stage runs, `dvc status`
+    # fails on DVC's lock of that stage's outputs ("... is busy").
+    with project_lock(root_path, logger.info, f"retrain run {get_run_context().flow_run.name!r}"):
+        stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
+        if not stale:
+            logger.info("DVC reports every stage up to date (%s); nothing to retrain", ", ".join(names))
+            return {"stale": {}, "stages": []}
+        logger.info("DVC reports stale: %s; running the pipeline", ", ".join(stale))
+        results = pipeline(root=str(root_path), targets=targets, retries=retries,
+                           retry_delay_s=retry_delay_s, timeouts=timeouts)
     return {"stale": stale, "stages": results}
 
 

@@ -231,6 +231,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 FLOW_LOCK = Path(".dvc") / "tmp" / "pipeline-flow.lock"
+_held = threading.local()  # .paths: the flow locks this thread holds (a subflow's is its parent flow's)
 
 
 @contextmanager
@@ -242,10 +243,16 @@ def project_lock(root: str | Path, emit: Callable[[str], None], who: str) -> Ite
     Without it a second run's stages failed on DVC's repository lock. A run that
     finds the lock held says whose it is (``who`` of the holder, its pid and
     start) through ``emit`` and waits; Ctrl-C or SIGTERM ends the wait. The
-    kernel drops the lock of a process that dies, so none is left stale."""
+    kernel drops the lock of a process that dies, so none is left stale. A
+    nested call in the same thread (the ``pipeline`` subflow of ``retrain``)
+    holds it already and goes straight in."""
     import fcntl
 
-    path = Path(root) / FLOW_LOCK
+    path = (Path(root) / FLOW_LOCK).resolve()
+    held: set[Path] = _held.__dict__.setdefault("paths", set())
+    if path in held:
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         try:
@@ -261,9 +268,11 @@ def project_lock(root: str | Path, emit: Callable[[str], None], who: str) -> Ite
         f.truncate()
         f.write(f"{who} (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')})\n")
         f.flush()
+        held.add(path)
         try:
             yield
         finally:
+            held.discard(path)
             f.seek(0)
             f.truncate()
             fcntl.flock(f, fcntl.LOCK_UN)

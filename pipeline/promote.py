@@ -17,7 +17,9 @@ What one call does
        cannot be used: MLflow 3 expects a "logged model" there, and
        ``mlflow.pytorch.log_model`` would export a torch.export program with a
        fixed sequence length; the Hugging Face folder is the model.)
-    3. Stores the evaluation metrics as version tags ``metric.<dotted name>``, with
+    3. Stores the evaluation metrics as version tags ``metric.<dotted name>`` (a
+       character MLflow refuses in a name, as in a source's default name
+       ``data/raw/*.txt``, becomes ``_``), with
        ``primary_metric`` and ``lower_is_better``, so later comparisons read the
        registry alone and do not depend on runs that may be deleted.
     4. Points alias ``candidate`` at the new version, always.
@@ -48,6 +50,7 @@ from pipeline.tracking.tracker import (
     MAX_TAG_VAL_LENGTH,
     ensure_experiment,
     git_tags,
+    mlflow_key,
     probe,
     tracking_uri,
 )
@@ -132,9 +135,9 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
         done["source"] = source
 
         _ensure_registered_model(client, model_name)
-        version_tags = {f"{METRIC_TAG}{k}": repr(v) for k, v in flat.items()}
+        version_tags = {mlflow_key(f"{METRIC_TAG}{k}"): repr(v) for k, v in flat.items()}
         version_tags.update({"primary_metric": primary_metric, "lower_is_better": str(lower_is_better).lower()})
-        version_tags.update({str(k): str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
+        version_tags.update({mlflow_key(k): str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
         mv = client.create_model_version(model_name, source=source, run_id=run_id, tags=version_tags,
                                          description=f"export of {export_dir}; {primary_metric}="
                                                      f"{flat.get(primary_metric)}")
@@ -201,7 +204,7 @@ def _champion(client: Any, name: str, primary_metric: str) -> tuple[int | None, 
         if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None, None
         raise
-    raw = (mv.tags or {}).get(f"{METRIC_TAG}{primary_metric}")
+    raw = (mv.tags or {}).get(mlflow_key(f"{METRIC_TAG}{primary_metric}"))
     try:
         value = float(raw) if raw is not None else None
     except ValueError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -132,9 +133,12 @@ def _address(stage: Any) -> str:
 
 
 def _rel(stage: Any, path: Any) -> str:
-    # DVC paths are relative to the stage's dvc.yaml; ours to the project root.
+    # DVC paths are relative to the stage's dvc.yaml; ours to the project root, normalised
+    # (sub/../models/a is models/a: is_data_stage and the flows compare these as text).
     wdir = Path(stage.path_in_repo).parent
-    return (wdir / str(path)).as_posix() if str(wdir) not in ("", ".") else Path(str(path)).as_posix()
+    if str(wdir) in ("", "."):
+        return Path(str(path)).as_posix()
+    return posixpath.normpath((wdir / str(path)).as_posix())
 
 
 def select(stages: Sequence[StageInfo], targets: Sequence[str] | None) -> list[StageInfo]:

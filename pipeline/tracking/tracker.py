@@ -227,7 +227,9 @@ def git_tags(cwd: str | Path = ".") -> dict[str, str]:
     return tags
 
 
-def _key(name: Any) -> str:
+def mlflow_key(name: Any) -> str:
+    """``name`` as a key MLflow accepts for a param, metric or tag: characters it
+    refuses (``[``, ``*``, ``{`` of a source's default name) become ``_``."""
     return (_BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_")[:_MAX_KEY_LENGTH]
 
 
@@ -239,6 +241,18 @@ def _text(value: Any) -> str:
 def _env_flag(name: str, default: bool) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     return default if not raw else raw not in ("0", "false", "no", "off")
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a string literal of an MLflow search filter, which has no
+    escapes: in single quotes, or in double quotes when it holds a single quote
+    (``dvc exp run -n "bob's-lr"`` is a valid name). Raises ValueError when it
+    holds both."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"{value!r} holds both kinds of quote, which an MLflow search filter cannot match")
 
 
 def _short(err: BaseException) -> str:
@@ -350,7 +364,7 @@ class Tracker:
             tags[LAUNCH_TAG] = os.environ[LAUNCH_ENV]
         tags.update(_process_tags())
         tags.update(self._extra_tags)
-        return {_key(k): _text(v) for k, v in resolve_tags(tags).items()}
+        return {mlflow_key(k): _text(v) for k, v in resolve_tags(tags).items()}
 
     def _create_run(self) -> None:
         from mlflow import MlflowClient
@@ -416,7 +430,7 @@ class Tracker:
         from pipeline.config import flatten
 
         for key, value in flatten(params, prefix).items():
-            key, text = _key(key), _text(value)
+            key, text = mlflow_key(key), _text(value)
             old = self._params.get(key)
             if old is not None and old != text:
                 warnings.warn(f"param {key!r} already logged as {old!r}; ignoring {text!r}", TrackingWarning, stacklevel=2)
@@ -429,7 +443,7 @@ class Tracker:
         if not self.active:
             return
         for key, value in tags.items():
-            self._tags[_key(key)] = self._pending_tags[_key(key)] = _text(value)
+            self._tags[mlflow_key(key)] = self._pending_tags[mlflow_key(key)] = _text(value)
         self.flush()
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -442,7 +456,7 @@ class Tracker:
         for name, value in metrics.items():
             key = self._keys.get(name)
             if key is None:
-                key = self._keys[name] = _key(name)
+                key = self._keys[name] = mlflow_key(name)
             rows.append((key, float(value), now, step))
         self._pending_metrics.extend(rows)
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:
@@ -530,14 +544,11 @@ class Tracker:
             client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in self._params.items()])
             self._client, self._run, self.offline_path = client, run.info.run_id, path
         except Exception as err:
-            reason += f"; and the offline store {path} failed ({_short(err)}), so records are dropped"
-        warnings.warn(
-            f"MLflow tracking is offline for stage {self.stage!r}: {reason}. "
-            f"Training continues; records go to {self.offline_path} "
-            f"(load them later with `python -m pipeline.tracking.tracker replay DIR`).",
-            TrackingOfflineWarning,
-            stacklevel=3,
-        )
+            reason += f"; and the offline store {path} failed ({_short(err)})"
+        where = (f"records go to {self.offline_path} (load them later with `python -m pipeline.tracking.tracker "
+                 "replay DIR`)" if self.offline_path is not None else "its records are dropped")
+        warnings.warn(f"MLflow tracking is offline for stage {self.stage!r}: {reason}. Training continues; {where}.",
+                      TrackingOfflineWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------- dvc exp run
@@ -560,7 +571,7 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
 
     found = client.search_runs(
         [experiment_id],
-        filter_string=f"tags.`dvc.exp_name` = '{exp_name}' and tags.`pipeline.parent` = 'true'",
+        filter_string=f"tags.`dvc.exp_name` = {_quoted(exp_name)} and tags.`pipeline.parent` = 'true'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
@@ -572,7 +583,7 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     run_id = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags).info.run_id
     if Path("params.yaml").exists():
         flat = flatten(load_yaml("params.yaml") or {})
-        client.log_batch(run_id, params=[Param(_key(k), _text(v)) for k, v in flat.items()])
+        client.log_batch(run_id, params=[Param(mlflow_key(k), _text(v)) for k, v in flat.items()])
     client.set_terminated(run_id, "FINISHED")
     return run_id
 
@@ -620,7 +631,8 @@ def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str
     host = socket.gethostname()
     try:
         runs = client.search_runs([experiment_id], filter_string=(
-            f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = '{stage}' and tags.`{HOST_TAG}` = '{host}'"),
+            f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = {_quoted(stage)} and "
+            f"tags.`{HOST_TAG}` = {_quoted(host)}"),
             max_results=1000)
         ended = []
         for run in runs:
@@ -709,8 +721,8 @@ def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) 
         client = MlflowClient(uri)
         parent = experiment_parent(client, ensure_experiment(uri=uri, client=client), exp_name)
         now = int(time.time() * 1000)
-        client.log_batch(parent, metrics=[Metric(_key(k), v, now, 0) for k, v in metrics.items()],
-                         tags=[RunTag(_key(k), v) for k, v in tags.items()])
+        client.log_batch(parent, metrics=[Metric(mlflow_key(k), v, now, 0) for k, v in metrics.items()],
+                         tags=[RunTag(mlflow_key(k), v) for k, v in tags.items()])
     except Exception as err:  # the stage already succeeded; lineage must not fail it
         log.warning("experiment %s: parent run not updated: %s", exp_name, err)
 
@@ -781,7 +793,10 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     from mlflow.utils.file_utils import local_file_uri_to_path
 
     src = MlflowClient(offline_uri(folder))
-    (run,) = src.search_runs([e.experiment_id for e in src.search_experiments()])
+    runs = src.search_runs([e.experiment_id for e in src.search_experiments()])
+    if len(runs) != 1:  # the tracker could not start its run there (a full disk): nothing was logged into it
+        raise ReplayError(f"{path}: the store holds {len(runs)} runs, not one; nothing to replay")
+    run = runs[0]
     own = run.data.tags
     if run.info.status == "RUNNING" and PID_TAG in own and PID_STARTED_TAG in own \
             and own.get(HOST_TAG) == _hostname() and _process_alive(int(own[PID_TAG]), float(own[PID_STARTED_TAG])):

@@ -373,6 +373,8 @@ def test_flow_runs_of_one_project_take_turns(tmp_path):
         with runtime.project_lock(tmp_path, first.append, "flow run 'c'"):
             raise KeyError
     with runtime.project_lock(tmp_path, first.append, "flow run 'd'"):
+        with runtime.project_lock(tmp_path, first.append, "its subflow"):  # in the same thread: straight in
+            assert "flow run 'd'" in (tmp_path / runtime.FLOW_LOCK).read_text()
         assert first == []
 
 

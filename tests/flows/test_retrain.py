@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.runtime import changed_stages, stop_group
+from flows.runtime import changed_stages, project_lock, stop_group
 from tests.conftest import BIN, ROOT, project_copy
 
 pytestmark = pytest.mark.slow
@@ -260,3 +260,55 @@ def test_bad_schedule_targets_or_root_are_refused_before_a_deployment_or_run_exi
     assert r.returncode == 2 and r.stdout == "", r.stderr[-3000:]
     last = r.stderr.splitlines()[-1]
     assert last.startswith("python -m flows.retrain: error: ") and message in last, r.stderr[-3000:]
+
+
+WAIT_FOR_GO = """
+import pathlib, time
+pathlib.Path("started").write_text("1")
+while not pathlib.Path("go").exists():
+    time.sleep(0.1)
+pathlib.Path("out.txt").write_text("done")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_retrain_run_waits_for_the_flow_run_whose_stage_is_running(tmp_path):
+    """A retrain run asked `dvc status` before taking the project's flow lock;
+    while another flow run's stage ran, DVC refused (its outputs "are busy") and
+    the retrain run failed instead of waiting its turn, as the README says it does."""
+    from tests.flows.test_pipeline_flow import dvc_project
+
+    root = dvc_project(tmp_path / "proj", {
+        "slow": {"cmd": "python wait.py", "deps": ["wait.py"], "outs": ["out.txt"]},
+        "other": {"cmd": "cp in.txt copy.txt", "deps": ["in.txt"], "outs": ["copy.txt"]},
+    }, {"wait.py": WAIT_FOR_GO, "in.txt": "new data\n"})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    seen: list[str] = []
+    # What a `make flow` run holds while its stage runs: the flow lock, and DVC's lock on the stage's outputs.
+    with project_lock(root, seen.append, "the test's flow run"):
+        repro = subprocess.Popen([str(BIN / "dvc"), "repro", "--single-item", "slow"], cwd=root, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_for("the running stage", (root / "started").exists, 60, repro)
+            proc = subprocess.Popen([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            for line in proc.stdout:
+                seen.append(line)
+                if "waiting for the test's flow run" in line:
+                    break
+            else:
+                pytest.fail("the retrain run did not wait for the flow run:\n" + "".join(seen[-40:]))
+            (root / "go").touch()
+            assert repro.wait(timeout=60) == 0
+        finally:
+            stop_group(repro, 5)
+    try:
+        out = "".join(seen) + proc.communicate(timeout=200)[0]
+    finally:
+        stop_group(proc, 5)
+    assert proc.returncode == 0, out[-4000:]
+    assert "DVC reports stale: other; running the pipeline" in out, out[-4000:]
+    assert (root / "copy.txt").read_text() == "new data\n"

@@ -147,6 +147,45 @@ def test_metrics_and_tags_are_stored_on_the_version(mlflow_env, client, export_d
     assert mv.tags["git_commit"] == "abc123"
 
 
+def test_metrics_of_sources_with_default_names_are_stored_and_compared(mlflow_env, client, export_dir):
+    # A val source without `name` is named by its path ("data/raw/*.txt", "{stdlib}",
+    # "data/raw/wiki[validation]"); MLflow refuses those characters in a tag key, and
+    # the whole registration failed: no candidate, no champion.
+    def evaluation(bpb):
+        return {"sft": {"chat": {"bits_per_byte": 1.0},
+                        "sources": {"data/raw/wiki[validation]": {"bits_per_byte": bpb}, "{stdlib}": {"val_loss": 2.0}}}}
+
+    kw = dict(model_name="m-sources", primary_metric="sft.sources.data/raw/wiki[validation].bits_per_byte")
+    first = register_export(export_dir, metrics=evaluation(1.5), **kw)
+    assert first["registered"] and first["promoted"], first["reason"]
+    tags = client.get_model_version("m-sources", str(first["version"])).tags
+    assert float(tags["metric.sft.sources.data/raw/wiki_validation_.bits_per_byte"]) == 1.5
+    assert float(tags["metric.sft.sources._stdlib_.val_loss"]) == 2.0
+    worse, better = register_export(export_dir, metrics=evaluation(1.6), **kw), register_export(
+        export_dir, metrics=evaluation(1.4), **kw)
+    assert (worse["promoted"], better["promoted"], better["previous_champion"]) == (False, True, 1)
+
+
+def test_a_registration_without_a_run_ends_the_run_it_made(mlflow_env, client, export_dir):
+    result = register(export_dir, "m-own-run", 1.0)
+    run = client.get_run(result["run_id"])
+    assert (run.info.run_name, run.info.status) == ("register", "FINISHED")
+
+
+def test_a_champion_whose_metric_tag_is_no_number_is_replaced(mlflow_env, client, export_dir):
+    register(export_dir, "m-bad-tag", 1.0)
+    client.set_model_version_tag("m-bad-tag", "1", "metric.sft.chat.bits_per_byte", "n/a")  # edited by hand
+    result = register(export_dir, "m-bad-tag", 2.0)
+    assert (result["promoted"], result["champion"]) == (True, 2)
+    assert "champion v1 has no valid sft.chat.bits_per_byte" in result["reason"]
+
+
+def test_a_version_tag_longer_than_mlflow_takes_is_cut_not_fatal(mlflow_env, client, export_dir):
+    result = register(export_dir, "m-long-tag", 1.0, tags={"note": "x" * 9000})
+    assert result["registered"], result["reason"]
+    assert client.get_model_version("m-long-tag", "1").tags["note"] == "x" * 8000
+
+
 def test_the_version_source_holds_the_logged_export(mlflow_env, client, export_dir, tmp_path):
     import mlflow
 

@@ -226,3 +226,35 @@ def test_a_data_stage_stopped_by_a_signal_is_one_line_and_its_mlflow_run_is_kill
     runs = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(
         [e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_experiments()])
     assert [(r.info.run_name, r.info.status) for r in runs] == [("clean", "KILLED")]
+
+
+FAILING_STAND_IN = '''
+from pipeline.errors import StageError
+from pipeline.runner import run_stage
+
+
+def body(cfg):
+    raise StageError("data/clean/input.parquet is bad")
+
+
+if __name__ == "__main__":
+    run_stage("clean", body)
+'''
+
+
+def test_an_expected_failure_ends_the_stage_s_mlflow_run_failed_with_the_error(tmp_path):
+    (tmp_path / "failing_stand_in.py").write_text(FAILING_STAND_IN)
+    (tmp_path / "params.yaml").write_text("clean: {}\n")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
+           "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PIPELINE_PROGRESS": "0"}
+    r = subprocess.run([sys.executable, "-m", "failing_stand_in"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+        "error: stage clean failed: data/clean/input.parquet is bad"), r.stderr[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert (run.info.run_name, run.info.status) == ("clean", "FAILED")
+    assert run.data.tags["error"] == "data/clean/input.parquet is bad"

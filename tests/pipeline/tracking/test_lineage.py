@@ -1,7 +1,9 @@
 """pipeline/tracking/lineage.py: the upstream closure of a stage, from DVC's own
 stage graph (the same one the flows run)."""
 
-from pipeline.tracking.lineage import upstream_closure
+from pathlib import Path
+
+from pipeline.tracking.lineage import dvc_stage_hashes, load_stages, read_metrics, select, upstream_closure
 from tests.conftest import ROOT
 
 
@@ -28,3 +30,46 @@ def test_upstream_closure_matches_deps_under_an_output_folder_only(tmp_path):
     assert upstream_closure("d", tmp_path) == ["a", "b", "c", "d"]
     assert upstream_closure("e", tmp_path) == ["ab", "e"]
     assert upstream_closure("nope", tmp_path) == ["nope"]
+
+
+def dvc_project(path, dvc_yaml: str, files: dict[str, str] | None = None):
+    from dvc.repo import Repo
+
+    Repo.init(str(path), no_scm=True).close()
+    (path / "dvc.yaml").write_text(dvc_yaml)
+    for name, text in (files or {}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    return path
+
+
+def test_a_nested_dvc_yaml_stage_is_named_as_dvc_repro_takes_it_with_paths_from_the_root(tmp_path):
+    root = dvc_project(tmp_path, "stages:\n  a: {cmd: x, outs: [models/a]}\n", {
+        "sub/dvc.yaml": "stages:\n  train: {cmd: y, deps: [../models/a, cfg.txt], outs: [out], "
+                        "metrics: [{m.json: {cache: false}}], plots: [{p.csv: {cache: false}}]}\n"})
+    a, train = load_stages(root)
+    assert (a.name, train.name) == ("a", "sub/dvc.yaml:train")
+    assert train.upstream == ("a",)
+    assert (train.deps, train.outs, train.metrics) == (("models/a", "sub/cfg.txt"), ("sub/out",), ("sub/m.json",))
+    assert not train.is_data_stage, "it reads a model"
+
+
+def test_data_stages_stages_without_outputs_and_dvc_files(tmp_path):
+    root = dvc_project(tmp_path, "stages:\n"
+                       "  ingest: {cmd: x, deps: [data/raw], outs: [data/ingest]}\n"
+                       "  report: {cmd: x, deps: [data/ingest], metrics: [{m/report.json: {cache: false}}]}\n",
+                       {"data/raw/a.txt": "a"})
+    Path(root / "data" / "raw.dvc").write_text("outs:\n- md5: 0cc175b9c0f1b6a831c399e269772661.dir\n  path: raw\n")
+    stages = load_stages(root)
+    assert [s.name for s in stages] == ["ingest", "report"], "a .dvc file is an input, not a stage"
+    assert [s.is_data_stage for s in stages] == [True, False], "a stage without outputs is not retried"
+    assert select(stages, []) == select(stages, None) == stages
+
+
+def test_metrics_files_are_merged_and_a_missing_lock_has_no_hashes(tmp_path):
+    root = dvc_project(tmp_path, "stages:\n  e: {cmd: x, metrics: [{m/a.json: {cache: false}}, "
+                       "{m/b.yaml: {cache: false}}, {m/gone.json: {cache: false}}]}\n",
+                       {"m/a.json": '{"loss": 1.5, "n": 2}', "m/b.yaml": "acc: 0.5\nn: 3\n"})
+    [stage] = load_stages(root)
+    assert read_metrics(root, stage) == {"loss": 1.5, "n": 3, "acc": 0.5}
+    assert dvc_stage_hashes(root) == {}

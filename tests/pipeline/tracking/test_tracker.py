@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -205,6 +206,9 @@ def test_conflicting_param_is_skipped_not_fatal(client):
         t.log_params({"lr": 0.1})
         with pytest.warns(tracking.TrackingWarning, match="lr"):
             t.log_params({"lr": 0.2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            t.log_params({"lr": 0.1})  # what is logged already: no warning
     assert client.get_run(t.run_id).data.params["lr"] == "0.1"
     assert client.get_run(t.run_id).info.status == "FINISHED"
 
@@ -219,6 +223,10 @@ def test_metrics_are_buffered_and_sent_in_few_batches(client, batch_calls):
     history = client.get_metric_history(t.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(600))
     assert {m.step: m.value for m in history}[9] == pytest.approx(1.0)
+
+    with Tracker("pretrain", system_metrics=False, flush_every_n=2, flush_every_s=3600) as t:
+        t.log_metrics({"loss": 1.0, "lr": 1e-3}, step=0)  # exactly flush_every_n records
+        assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == [0]
 
     # A time limit flushes too, so the UI follows a slow run.
     with Tracker("pretrain", system_metrics=False, flush_every_n=10**6, flush_every_s=0.0) as t:
@@ -295,6 +303,24 @@ def test_a_failed_stage_fails_its_dvc_experiments_parent_run(client, tmp_path, m
     assert parents() == [(first, "FAILED"), (t.parent_run_id, "FINISHED")]
 
 
+def test_an_experiment_name_with_a_quote_finds_its_parent_run(client, tmp_path, monkeypatch):
+    # `dvc exp run -n "bob's-lr"` is a valid git ref; its name in the parent run's
+    # search filter broke the filter, and every stage of it logged offline.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_EXP_NAME", "bob's-lr")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("ingest", system_metrics=False) as t:
+            pass
+        with Tracker("clean", system_metrics=False) as t2:
+            pass
+    assert not offline_warnings(caught) and not t.offline and not t2.offline
+    assert t.parent_run_id is not None and t2.parent_run_id == t.parent_run_id
+    assert client.get_run(t.parent_run_id).data.tags["dvc.exp_name"] == "bob's-lr"
+    with pytest.raises(ValueError, match="both kinds of quote"):
+        tracking._quoted("it's \"x\"")
+
+
 def test_child_run_gets_parent_from_env(client, monkeypatch):
     parent_exp = client.create_experiment("parent-flow")
     parent = client.create_run(parent_exp, run_name="flow").info.run_id
@@ -341,6 +367,61 @@ def test_exception_in_block_ends_run_failed(client):
     run = client.get_run(t.run_id)
     assert run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(t.run_id, "loss")] == [0]  # flushed first
+
+
+def test_ctrl_c_ends_the_run_killed_and_an_ended_run_keeps_its_status(client):
+    with pytest.raises(KeyboardInterrupt), Tracker("pack", system_metrics=False) as t:
+        raise KeyboardInterrupt
+    assert client.get_run(t.run_id).info.status == "KILLED"
+    with Tracker("pack", system_metrics=False) as t:  # as run_stage ends a failed stage's run before it exits
+        assert t.start().run_id == t.run_id  # start is idempotent: one run
+        t.end("FAILED")
+    assert client.get_run(t.run_id).info.status == "FAILED"
+    assert len(client.search_runs([t.experiment_id])) == 2
+
+
+def test_a_failing_stage_does_not_end_its_flow_s_parent_run(client, monkeypatch):
+    exp = tracking.ensure_experiment(uri=client.tracking_uri, client=client)
+    parent = client.create_run(exp, run_name="pipeline").info.run_id
+    monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", parent)
+    with pytest.raises(RuntimeError), Tracker("pack", system_metrics=False):
+        raise RuntimeError("boom")
+    assert client.get_run(parent).info.status == "RUNNING", "the flow ends its own parent run"
+
+
+def test_a_deleted_experiment_is_restored(client):
+    exp = tracking.ensure_experiment(uri=client.tracking_uri, client=client)
+    client.delete_experiment(exp)
+    with Tracker("pack", system_metrics=False) as t:
+        pass
+    assert t.experiment_id == exp and client.get_experiment(exp).lifecycle_stage == "active"
+
+
+def test_a_server_that_answers_health_with_an_error_is_reachable():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert tracking.probe(f"http://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "is unreachable" in tracking.probe(f"http://127.0.0.1:{closed_port()}")
+
+
+def test_keys_lose_what_mlflow_refuses():
+    assert tracking.mlflow_key("/data/raw/*.txt/") == "data/raw/_.txt"
+    assert tracking.mlflow_key("sft.sources.{stdlib}.val_loss") == "sft.sources._stdlib_.val_loss"
+    assert tracking.mlflow_key("//") == "_"
 
 
 def test_system_metrics_switch(client, monkeypatch):
@@ -400,6 +481,25 @@ def test_unreachable_server_goes_offline_quickly_with_one_warning(tmp_path, monk
     assert run.data.params["model.n_layer"] == "2"
     assert len(MlflowClient(db[1]).get_metric_history(run_id, "loss")) == 50
     assert {a.path for a in MlflowClient(db[1]).list_artifacts(run_id)} >= {"summary.json", Path(__file__).name}
+
+
+@pytest.mark.timeout(60)
+def test_an_offline_store_that_cannot_be_made_says_the_records_are_dropped(tmp_path, monkeypatch):
+    """With the server unreachable and no offline store possible (the project
+    root is not writable), the one warning used to say "records go to None"."""
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path / "file" / "project"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pack") as t:
+            t.log_params({"seq_len": 64})
+            t.log_metrics({"loss": 1.0}, step=1)
+    [warning] = offline_warnings(caught)
+    message = str(warning.message)
+    assert t.offline and t.offline_path is None
+    assert "the offline store" in message and message.endswith("Training continues; its records are dropped."), message
+    assert "None" not in message and "replay" not in message, message
 
 
 def test_failing_flush_mid_run_switches_to_offline(client, monkeypatch):
@@ -498,6 +598,16 @@ def test_replay_refuses_what_is_not_an_offline_store_and_creates_nothing(tmp_pat
     # Before, MLflow made an empty mlflow.db there (and the folder itself), then
     # replay failed with "not enough values to unpack".
     assert not missing.exists() and not (stores / "mlflow.db").exists()
+    # A store whose run the tracker could not start (a full disk) holds none: it
+    # failed with "ValueError: not enough values to unpack".
+    from mlflow import MlflowClient
+
+    empty = stores / "pretrain-empty"
+    empty.mkdir()
+    MlflowClient(offline_uri(empty)).search_experiments()
+    with pytest.raises(tracking.ReplayError, match=r"the store holds 0 runs, not one; nothing to replay$"):
+        replay_offline(empty)
+    shutil.rmtree(empty)
 
     # One line per bad store, exit code 1, and the good stores are still replayed.
     assert tracking.main(["replay", str(stores), str(t.offline_path)]) == 1
@@ -535,6 +645,23 @@ def test_a_store_is_replayed_once_and_not_while_it_is_being_written(monkeypatch,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_store_of_a_process_that_died_replays_failed_to_each_server_once(tmp_path, monkeypatch, db):
+    from mlflow import MlflowClient
+
+    t = offline_store(monkeypatch, end=False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    local, kept = offline_run(t)
+    local.set_tag(kept.info.run_id, tracking.PID_TAG, str(dead.pid))  # the process that logged it is gone
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    run = MlflowClient(db[1]).get_run(replay_offline(t.offline_path))
+    assert run.info.status == "FAILED"
+    assert not [k for k in run.data.tags if k.startswith("pipeline.offline.")]
+    other = f"sqlite:///{tmp_path / 'other.db'}"  # another server is not "replayed already"
+    assert MlflowClient(other).get_run(replay_offline(t.offline_path, uri=other)).info.status == "FAILED"
+
+
 def test_stage_fingerprint_matches_dvc_lock_and_run_cache(tmp_path):
     proj = tmp_path / "proj"
     (proj / "raw" / "sub").mkdir(parents=True)
