@@ -67,6 +67,9 @@ def test_fsdp_needs_a_process_group_and_refuses_fp16():
     with pytest.raises(ParallelismError, match="not fp16"):
         check_fsdp(CPU, "fp16")
     check_fsdp(CPU, "bf16")
+    alone = Dist(0, 0, 1, torch.device("cpu"), None)  # parallelize checks before it shards, on every rank
+    with pytest.raises(ParallelismError, match="needs a process group"):
+        parallelize(Transformer(build_config("tiny", 64)), ComputeSection(attention="sdpa", parallelism="fsdp"), alone)
 
 
 def test_the_launcher_refuses_fsdp_in_the_fp16_a_rank_would_resolve(monkeypatch):
