@@ -109,6 +109,14 @@ def test_varlen_sequence_lengths_cover_every_document_of_every_row():
     assert cu.tolist() == [0, 2, 5, 6, 12] and cu.dtype == torch.int32 and longest == 6
 
 
+def test_varlen_documents_are_runs_of_one_id_whatever_the_ids_order():
+    """A document is a run of equal segment ids, as the dense mask sees it: ids
+    need not grow along a row (a row of ids 3, 3, 1, 1, 2 holds three documents)."""
+    seg = torch.tensor([[3, 3, 1, 1, 2], [0, 0, 0, 5, 5]])
+    cu, longest = Varlen.document_mask(Varlen.__new__(Varlen), seg)
+    assert cu.tolist() == [0, 2, 4, 5, 8, 10] and longest == 3
+
+
 def _flash_by_document(query, key, value, cu, causal, gqa):
     """What varlen_attn computes, on the CPU: causal SDPA over each document of the flattened batch."""
     assert causal and cu.dtype == torch.int32 and (gqa or key.size(1) == query.size(1))
@@ -178,6 +186,39 @@ def test_auto_picks_varlen_only_on_a_gpu_that_runs_flash_attention(monkeypatch, 
             resolve("varlen", dev, "fp16")
     else:
         assert resolve("varlen", dev, "bf16").name == "varlen"
+
+
+def test_varlen_runs_in_half_precision_only_and_auto_takes_flex_in_fp32(monkeypatch):
+    """Flash attention has no fp32 kernel: auto in fp32 on an Ampere GPU is flex,
+    and varlen asked for in fp32 is refused in one line."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: SDPA())  # no CUDA kernels to compile here
+    monkeypatch.setattr(attention, "Varlen", lambda: Varlen.__new__(Varlen))
+    dev = torch.device("cuda", 0)
+    assert resolve("auto", dev, "fp32").name == "sdpa"  # the Flex stand-in
+    with pytest.raises(AttentionBackendError, match="runs in bf16 or fp16 .*, not fp32; set compute.precision"):
+        resolve("varlen", dev, "fp32")
+
+
+def test_use_backend_makes_the_model_build_the_mask_its_layers_read():
+    """The model builds the mask once with the backend and every layer attends
+    with it: a backend whose masks the SDPA default could not read sees its own."""
+
+    class Wrapped(SDPA):
+        def document_mask(self, segment_ids):
+            return ("wrapped", document_mask(segment_ids))
+
+        def attend(self, q, k, v, mask):
+            assert mask[0] == "wrapped"
+            return super().attend(q, k, v, mask[1])
+
+    torch.manual_seed(0)
+    model = Transformer(build_config("tiny", 64)).eval()
+    idx, seg = torch.randint(0, 64, (2, 32)), segments("many")[:, :32]
+    expected = model(idx, segment_ids=seg)
+    use_backend(model, Wrapped())
+    assert torch.equal(model(idx, segment_ids=seg), expected)
 
 
 def test_trainer_config_carries_the_backend_outside_the_identity():

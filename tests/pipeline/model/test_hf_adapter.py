@@ -333,6 +333,16 @@ def test_our_config_json_loads_in_transformers_without_warnings(caplog):
         assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_our_config_json_has_every_key_transformers_writes(family):
+    """families.FAMILIES' extra_config and layer_types: a config.json of ours lists
+    what transformers' own to_dict() lists for that family (Qwen's layer_types and
+    max_window_layers, Llama's mlp_bias, ...), so other readers need no defaults."""
+    original = saved_config(family)
+    ours = hf_config(config_from_hf(original))
+    assert set(original) - set(ours) <= {"transformers_version", "pretraining_tp"}  # a version stamp; Llama 2's 1
+
+
 def test_keys_left_out_take_transformers_defaults():
     minimal = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 100, "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 32}

@@ -13,6 +13,7 @@ from pipeline.model.transformer import (
     PRESETS,
     KVCache,
     ModelConfig,
+    RMSNorm,
     Transformer,
     build_config,
     document_mask,
@@ -121,6 +122,11 @@ def test_segment_ids_and_cache_are_exclusive(model):
         model(tokens(1, 4), segment_ids=torch.zeros(1, 4, dtype=torch.long), cache=cache)
 
 
+def test_start_pos_without_a_cache_is_an_error(model):
+    with pytest.raises(ValueError, match="start_pos is only meaningful with a KV cache"):
+        model(tokens(1, 4), start_pos=3)
+
+
 # --------------------------------------------------------------------------- GQA, tying, init
 
 
@@ -184,6 +190,28 @@ def test_init_scales_residual_projections():
     assert block.feed_forward.w2.weight.std().item() == pytest.approx(residual_std, rel=0.05)
     assert torch.equal(block.attention_norm.weight, torch.ones(c.d_model))
     assert torch.equal(m.norm.weight, torch.ones(c.d_model))
+
+
+def test_an_untied_embedding_and_head_start_at_init_std():
+    c = tiny(tie_embeddings=False, init_std=0.05)
+    m = model_for(c)
+    assert m.tok_embeddings.weight.std().item() == pytest.approx(0.05, rel=0.05)
+    assert m.output.weight.std().item() == pytest.approx(0.05, rel=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers_llama_bit_for_bit(dtype):
+    """eps counts (inputs near zero), and a half-precision input is cast back
+    before the scale, as LlamaRMSNorm does."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = RMSNorm(16, eps=1e-5), llama.LlamaRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(1 + torch.randn(16, generator=g))
+        theirs.weight.copy_(ours.weight)
+    x = (torch.randn(3, 16, generator=g) * 1e-3).to(dtype)  # mean square ~1e-6: eps = 1e-5 dominates
+    assert torch.equal(ours(x), theirs(x))
+    assert torch.equal(ours(x * 1e3), theirs(x * 1e3))
 
 
 # --------------------------------------------------------------------------- KV cache

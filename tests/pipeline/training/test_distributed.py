@@ -113,6 +113,59 @@ def test_closing_a_ddp_trainer_does_not_deadlock_with_a_gloo_worker_that_needs_t
     assert procs[0].returncode == 0 and "closed" in out, out[-3000:]
 
 
+def test_init_reads_torchruns_variables_and_passes_the_timeout_on(monkeypatch):
+    """The global RANK (not LOCAL_RANK) is the rank: on a second node of eight
+    GPUs, local rank 0 is rank 8, and only rank 0 of the whole run is main."""
+    from datetime import timedelta
+
+    from pipeline.training import distributed
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    alone = distributed.init("cpu")
+    assert alone == distributed.Dist(0, 0, 1, torch.device("cpu"), None) and alone.is_main and not alone.enabled
+    made = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.append(kw))
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    for key, value in (("RANK", "8"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "16")):
+        monkeypatch.setenv(key, value)
+    d = distributed.init("cpu", timeout_s=30)
+    assert d == distributed.Dist(8, 0, 16, torch.device("cpu"), "gloo") and not d.is_main and d.enabled
+    assert made == [{"backend": "gloo", "device_id": None, "timeout": timedelta(seconds=30)}]
+    assert distributed.Dist(0, 0, 16, torch.device("cpu"), "gloo").is_main
+
+
+REDUCE = """
+import json, sys
+import torch
+import torch.distributed as dist
+from pipeline.training.distributed import Dist, all_reduce_max, all_reduce_mean, all_reduce_min
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+d = Dist(rank, rank, 2, torch.device("cpu"), "gloo")
+t = torch.tensor([1.0, 4.0]) if rank == 0 else torch.tensor([3.0, 2.0])
+print(json.dumps([f(t, d).tolist() for f in (all_reduce_mean, all_reduce_max, all_reduce_min)] + [t.tolist()]))
+dist.destroy_process_group()
+"""
+
+
+def test_the_reductions_over_two_ranks_leave_their_input_alone(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(REDUCE)
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store")], text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)
+             for rank in (0, 1)]
+    try:
+        outs = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    mean_max_min = [[2.0, 3.0], [3.0, 4.0], [1.0, 2.0]]
+    assert outs == [mean_max_min + [[1.0, 4.0]], mean_max_min + [[3.0, 2.0]]]
+
+
 # Two ranks (gloo, a file store) call check_one_job once per case, in order, and
 # print each outcome as a JSON line: "ok", or the error's class and message.
 ONE_JOB = """

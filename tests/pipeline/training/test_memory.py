@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from pipeline.model.transformer import build_config
+from pipeline.model.transformer import Transformer, build_config, num_params
 from pipeline.training import memory
 from tests.pipeline.training.test_trainer import cfg, fit, read_csv, trainer
 
@@ -77,6 +78,34 @@ def test_estimate_shards_state_under_fsdp_and_shrinks_activations_with_checkpoin
     assert memory.estimate(c, 16, 1024).activations > 1.9 * memory.estimate(c, 8, 1024).activations
 
 
+def test_estimate_counts_each_term_of_the_model_of_memory():
+    """The module doc's terms, by hand, for a small untied GQA shape (d_model 64,
+    q 4 x 16, k and v 2 x 16, ffn 160, vocab 1000), 2 rows of 32 tokens."""
+    c = build_config(None, 1000, n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn_hidden=160, tie_embeddings=False)
+    n, block = num_params(c), sum(p.numel() for p in Transformer(c).layers[0].parameters())
+    # per token and block: two norms (2 x (fp32 input and normalised value + the output)), q k v and rotated q k,
+    # k and v copied to 4 heads, attention output and its copy, four MLP tensors
+    per_token = {2: 2 * (512 + 128) + 2 * 128 * 2 + 2 * 2 * 64 + 2 * 2 * 64 + 4 * 2 * 160,
+                 4: 2 * (512 + 256) + 4 * 128 * 2 + 2 * 4 * 64 + 2 * 4 * 64 + 4 * 4 * 160}
+    assert per_token == {2: 3584, 4: 6144}
+    assert [memory.activation_bytes_per_token(c, p) for p in ("bf16", "fp16", "fp32")] == [3584, 3584, 6144]
+    tokens, mask = 2 * 32, 2 * 32 * 32 * (1 + 4)  # the bool mask and its float form
+    for precision, p in (("bf16", 2), ("fp32", 4)):
+        head = tokens * 1000 * ((2 if p == 2 else 0) + 4 + 4 + 4) + tokens * 64 * 4 * 3
+        e = memory.estimate(c, 2, 32, precision=precision)
+        assert e.activations == 2 * per_token[p] * tokens + head + mask
+        for no_mask in ({"doc_mask": False}, {"dense_mask": False}):
+            assert memory.estimate(c, 2, 32, precision=precision, **no_mask).activations == e.activations - mask
+        ac = memory.estimate(c, 2, 32, precision=precision, checkpointing=True)  # block inputs + one live block
+        assert ac.activations == 2 * 4 * 64 * tokens + per_token[p] * tokens + head + mask
+    ddp, fsdp = memory.estimate(c, 2, 32), memory.estimate(c, 2, 32, gpus=4, fsdp=True)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * n + 2 * n, 4 * n, 8 * n)  # fp32 master + bf16 copy
+    assert memory.estimate(c, 2, 32, gpus=4) == ddp  # DDP: every rank holds it all
+    assert (fsdp.grads, fsdp.optimizer) == (n, 2 * n)
+    assert fsdp.params == pytest.approx(n + 2 * 2 * block, rel=1e-3)  # the fp32 shard + two gathered bf16 blocks
+    assert memory.estimate(c, 2, 32, precision="fp32", gpus=4, fsdp=True).params == n
+
+
 def test_the_table_has_a_row_per_precision_sharding_and_checkpointing(capsys):
     memory.main(["--preset", "tiny", "--preset", "small", "--seq-len", "2048", "--gpus", "4"])
     out = capsys.readouterr().out
@@ -96,6 +125,31 @@ def test_choose_micro_batch_keeps_the_global_batch():
     assert memory.estimate(c, micro, 256).total <= budget < memory.estimate(c, 2 * micro, 256).total
     with pytest.raises(MemoryError, match="one row of 256 tokens needs about"):
         memory.choose_micro_batch(c, 256, 1, precision="bf16", ranks_per_node=2, available=one_row)
+
+
+def test_choose_micro_batch_plans_with_activation_checkpointing_when_it_is_on():
+    c = build_config("mini", 8192)
+    plain, ac = (memory.estimate(c, 8, 256, checkpointing=on).total for on in (False, True))
+    available = int((plain + ac) / 2 / memory.CPU_HEADROOM)  # 8 rows fit only with checkpointing
+    assert memory.choose_micro_batch(c, 256, 1, precision="bf16", ranks_per_node=1, available=available)[0] < 8
+    assert memory.choose_micro_batch(c, 256, 1, precision="bf16", ranks_per_node=1, available=available,
+                                     checkpointing=True) == (8, 2)
+
+
+def test_probe_takes_the_largest_divisor_that_every_rank_fits():
+    tried = []
+
+    def step(m):  # this rank runs out of memory above 4 rows
+        tried.append(m)
+        if m > 4:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+
+    assert memory.probe_micro_batch(step, 16) == 4 and tried == [16, 8, 4]
+    assert memory.probe_micro_batch(step, 16, start=6) == 4 and tried[3:] == [4]  # from the largest divisor <= 6
+    # another rank fits 2 rows only: the all-reduce (a minimum, 0 where a rank failed) says no to 4
+    assert memory.probe_micro_batch(step, 16, agree=lambda m: 0 if m > 2 else m) == 2
+    with pytest.raises(MemoryError, match="one row does not fit"):
+        memory.probe_micro_batch(step, 16, agree=lambda m: 0)
 
 
 def test_auto_micro_batch_trains_the_same_run_split_to_fit(tmp_path, monkeypatch):

@@ -33,12 +33,43 @@ def test_bf16_weights_and_fp32_reduction_on_cuda_only():
         assert policy.param_dtype is None and policy.reduce_dtype is None  # parameters keep their dtype
 
 
+def test_the_backend_is_resolved_for_the_runs_precision(monkeypatch):
+    """auto on an Ampere GPU: varlen in bf16 (flash attention), flex in fp32."""
+    from pipeline.model import attention
+    from pipeline.model.attention import SDPA, Varlen
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: type("Flex", (SDPA,), {"name": "flex"})())
+    monkeypatch.setattr(attention, "Varlen", lambda: Varlen.__new__(Varlen))
+    one_gpu = Dist(0, 0, 1, torch.device("cuda", 0), None)
+    for precision, name in (("bf16", "varlen"), ("fp32", "flex")):
+        model = Transformer(build_config("tiny", 64))
+        parallelize(model, ComputeSection(), one_gpu, precision)
+        assert model.attention_backend.name == name and model.layers[1].attention.backend.name == name
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_activation_checkpointing_recomputes_each_block_in_backward(on):
+    model = Transformer(build_config("tiny", 64))
+    calls = []
+    for block in model.layers:
+        block.attention.register_forward_hook(lambda *_: calls.append(1))
+    wrapped = parallelize(model, ComputeSection(attention="sdpa", activation_checkpointing=on),
+                          Dist(0, 0, 1, torch.device("cpu"), None))
+    wrapped(torch.randint(0, 64, (2, 16))).sum().backward()
+    assert len(calls) == (4 if on else 2)
+
+
 def test_fsdp_needs_a_process_group_and_refuses_fp16():
     with pytest.raises(ParallelismError, match="needs a process group"):
         check_fsdp(Dist(0, 0, 1, torch.device("cpu"), None), "fp32")
     with pytest.raises(ParallelismError, match="not fp16"):
         check_fsdp(CPU, "fp16")
     check_fsdp(CPU, "bf16")
+    alone = Dist(0, 0, 1, torch.device("cpu"), None)  # parallelize checks before it shards, on every rank
+    with pytest.raises(ParallelismError, match="needs a process group"):
+        parallelize(Transformer(build_config("tiny", 64)), ComputeSection(attention="sdpa", parallelism="fsdp"), alone)
 
 
 def test_the_launcher_refuses_fsdp_in_the_fp16_a_rank_would_resolve(monkeypatch):

@@ -1,4 +1,5 @@
 import types
+import warnings
 
 import pytest
 import torch
@@ -57,5 +58,9 @@ def test_autocast_runs_matmuls_in_the_precision_and_fp32_is_left_alone():
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     with autocast(CPU, "bf16"):
         assert (a @ b).dtype == torch.bfloat16
-    with autocast(CPU, "fp32"):
-        assert (a @ b).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    with autocast(CPU, "fp16"):
+        assert (a @ b).dtype == torch.float16
+    with warnings.catch_warnings():  # no autocast at all, not one that torch turns off with a warning at each step
+        warnings.simplefilter("error")
+        with autocast(CPU, "fp32"):
+            assert (a @ b).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")

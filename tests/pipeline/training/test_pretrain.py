@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,7 +20,7 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.training.init import InitError
 from pipeline.data.shards import DataError, PackedRows
 from pipeline.errors import StageError
-from pipeline.training.pretrain import PretrainConfig, plan, prepare_pretrain, run_pretrain
+from pipeline.training.pretrain import PretrainConfig, plan, prepare_pretrain, run_pretrain, unigram_entropy
 from tests.hf_models import save_tiny_hf_folder
 from tests.helpers import train_params, write_packed
 
@@ -118,6 +119,31 @@ def test_an_empty_init_from_is_refused_naming_the_key_not_read_as_the_project_ro
 
     with pytest.raises(ConfigError, match=r"pretrain.init_from: .*is empty; null starts from a random init"):
         cfg(init_from=blank)
+
+
+def test_the_data_identity_covers_both_splits(tmp_path):
+    """A run resumed on another val split would mix val losses of two datasets: the val shards are part of the
+    data identity (hence of the run's), as the train shards are."""
+    packed = write_packed(tmp_path / "packed")
+    before = plan(cfg(model={"preset": "tiny"}), packed, tmp_path / "models")[1]
+    for split in ("val", "train"):
+        manifest = json.loads((packed / "manifest.json").read_text())
+        manifest["splits"][split]["shards"][0]["sha256"] = "0" * 64
+        (packed / "manifest.json").write_text(json.dumps(manifest))
+        after = plan(cfg(model={"preset": "tiny"}), packed, tmp_path / "models")[1]
+        assert after != before, split
+        before = after
+
+def test_unigram_entropy_counts_the_predicted_tokens():
+    """Each row's first token is never a target: rows 0 1 1 and 2 1 1 predict
+    only token 1, so the best context-free loss is 0."""
+
+    class Rows:
+        def iter_input_ids(self):
+            yield np.array([[0, 1, 1]])
+            yield np.array([[2, 1, 1], [5, 1, 3]])
+
+    assert unigram_entropy(Rows()) == pytest.approx(-(5 / 6 * math.log(5 / 6) + 1 / 6 * math.log(1 / 6)))
 
 
 def test_pack_seq_len_above_the_models_context_is_one_line(tmp_path):

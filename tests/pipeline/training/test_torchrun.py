@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import StageError
-from pipeline.training.torchrun import LaunchConfig, TrainerBusyError, acquire_exclusive, launch, lock_name, run_agent
+from pipeline.training.torchrun import (
+    LaunchConfig,
+    TrainerBusyError,
+    _rank_environment,
+    acquire_exclusive,
+    inside_torchrun,
+    launch,
+    lock_name,
+    run_agent,
+    torchrun_args,
+)
 from tests.conftest import ROOT
 
 
@@ -183,6 +193,46 @@ def test_a_static_node_rank_outside_nnodes_is_refused():
 
     with pytest.raises(ConfigError, match=r"node_rank \(2\) must be below nnodes \(2\)"):
         parse_section(LaunchConfig, {"nnodes": 2, "node_rank": 2, "rdzv_backend": "static"}, "pretrain.launch")
+
+
+def test_torchrun_arguments_for_one_node_and_for_several():
+    from torch.distributed.run import parse_args
+
+    one = torchrun_args("stages.pretrain", LaunchConfig(nproc_per_node=2))
+    assert one == ["--nproc_per_node=2", "--standalone", "--max_restarts=0", "-m", "stages.pretrain"]
+    static = LaunchConfig(nproc_per_node=8, nnodes=2, rdzv_backend="static", node_rank=1,
+                          rdzv_endpoint="node0:29400", rdzv_id="job7", max_restarts=3)
+    args = parse_args(torchrun_args("stages.pretrain", static))  # torchrun reads them as meant
+    assert (args.nnodes, args.node_rank, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.max_restarts,
+            args.standalone, args.module, args.training_script) == ("2", 1, "static", "node0:29400", "job7", 3, False,
+                                                                    True, "stages.pretrain")
+    elastic = torchrun_args("m", LaunchConfig(nnodes=2, rdzv_endpoint="node0:29400"))
+    assert "--nnodes=2" in elastic and "--standalone" not in elastic
+    assert not any(a.startswith("--node_rank") for a in elastic)  # c10d numbers the nodes itself
+
+
+def test_the_ranks_inherit_the_launch_marker_and_a_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PIPELINE_LAUNCHED", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    with _rank_environment(LaunchConfig(nproc_per_node=2)):
+        assert (os.environ["OMP_NUM_THREADS"], os.environ["PIPELINE_LAUNCHED"]) == ("4", "1")
+    assert "OMP_NUM_THREADS" not in os.environ and "PIPELINE_LAUNCHED" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own setting wins
+    with _rank_environment(LaunchConfig(nproc_per_node=2)):
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+
+
+def test_only_torchruns_own_variables_say_a_process_is_a_rank(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not inside_torchrun()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert inside_torchrun()
+
+
+def test_an_ipv6_rendezvous_host_is_resolved_without_its_brackets():
+    LaunchConfig(nnodes=2, rdzv_endpoint="[::1]:29500").check_endpoint()
 
 
 def test_a_rendezvous_host_that_does_not_resolve_stops_the_launch_in_one_line(tmp_path):
