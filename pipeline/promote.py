@@ -38,6 +38,7 @@ when a registration is attempted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -154,6 +155,9 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
         if own_run:
             client.set_terminated(run_id)
     except Exception as err:  # outage policy: warn and carry on without the registry
+        if "run_id" in done and own_run:  # the run made for this registration ends, as FAILED, not RUNNING
+            with contextlib.suppress(Exception):  # the server may be what failed
+                client.set_terminated(run_id, "FAILED")
         return _not_registered(f"registering {export_dir} as {model_name!r} failed: "
                                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", done)
     return {

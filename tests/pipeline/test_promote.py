@@ -172,6 +172,22 @@ def test_a_registration_without_a_run_ends_the_run_it_made(mlflow_env, client, e
     assert (run.info.run_name, run.info.status) == ("register", "FINISHED")
 
 
+def test_a_registration_that_fails_after_making_its_run_ends_that_run_failed(mlflow_env, client, export_dir,
+                                                                             monkeypatch):
+    """The run a registration makes for itself stayed RUNNING when a later step failed."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    def refuse(*args, **kwargs):
+        raise MlflowException("the registry refuses")
+
+    monkeypatch.setattr(MlflowClient, "create_model_version", refuse)
+    with pytest.warns(RegistryWarning, match="the registry refuses"):
+        result = register(export_dir, "m-fails", 1.0)
+    assert result["registered"] is False
+    assert client.get_run(result["run_id"]).info.status == "FAILED"
+
+
 def test_a_champion_whose_metric_tag_is_no_number_is_replaced(mlflow_env, client, export_dir):
     register(export_dir, "m-bad-tag", 1.0)
     client.set_model_version_tag("m-bad-tag", "1", "metric.sft.chat.bits_per_byte", "n/a")  # edited by hand
