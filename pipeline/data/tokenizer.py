@@ -417,8 +417,8 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
     sample = heldout | val_only
     trainable = nonempty & ~val_only
     if not trainable.any():
-        raise TokenizerError(f"{docs_path}: every document with text is marked split: val; the tokenizer has "
-                             "nothing it may train on")
+        raise TokenizerError(f"{docs_path}: every document with text is marked split: val, so train would be "
+                             "empty: a source must be left unmarked for the model to train on")
     stats: dict[str, Any] = {"corpus_docs": len(size), "corpus_bytes": total}
     if weights:
         source = np.concatenate(names)
