@@ -483,7 +483,19 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
                 raise IngestError(f"{where}: split_by: chunk cuts plain text files, but {f.display} reads as "
                                   f"{f.format} (set format: text to cut it as text, or exclude it)")
             files.append(f)
+    _warn_compressed_twins(files)
     return files
+
+
+def _warn_compressed_twins(files: list[InputFile]) -> None:
+    """A warning for each file read beside its own compressed copy (``a.jsonl`` and ``a.jsonl.gz``): if they
+    hold the same records, every document is read twice (clean's exact dedup drops the second copies)."""
+    read = {str(f.path): f for f in files}
+    for f in files:
+        plain = str(f.path)[:-len(f.path.suffix)] if compression_of(f.path) else None
+        if plain in read:
+            log.warning("%s and %s are both read: if one is a copy of the other, each of its documents is read "
+                        "twice; exclude one of them", read[plain].display, f.display)
 
 
 # --- readers: each yields Doc or Skip ---------------------------------------------------------

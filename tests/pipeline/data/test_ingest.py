@@ -1441,3 +1441,19 @@ def test_a_json_line_is_measured_by_its_text_not_its_escapes_and_only_a_runaway_
     _, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / "a.jsonl"), "split_by": "line"}],
                               max_doc_bytes=12)
     assert [d["text"] for d in docs] == ["line one", "line two", "line three"] and quarantine == []
+
+
+def test_a_file_read_beside_its_own_compressed_copy_is_a_warning(tmp_path, caplog):
+    """a.jsonl and a.jsonl.gz in one folder were both read with no word: every document twice."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "one"}\n')
+    compress(d / "a.jsonl", "gzip")
+    (d / "b.jsonl").write_text('{"text": "two"}\n')
+    compress(d / "b.jsonl", "gzip").rename(d / "c.jsonl.gz")  # another name: no twin
+    with caplog.at_level("WARNING", logger="pipeline.data.ingest"):
+        files = resolve_sources(cfg(sources=[{"path": str(d)}]))
+    assert sorted(f.path.name for f in files) == ["a.jsonl", "a.jsonl.gz", "b.jsonl", "c.jsonl.gz"]
+    twins = [r.getMessage() for r in caplog.records if "are both read" in r.getMessage()]
+    assert twins == [f"{d / 'a.jsonl'} and {d / 'a.jsonl.gz'} are both read: if one is a copy of the other, each "
+                     "of its documents is read twice; exclude one of them"]
