@@ -55,6 +55,7 @@ from flows.runtime import (
     check_stage_args,
     dvc_bin,
     exit_on_sigterm,
+    failure_line,
     non_negative_number,
     parent_run,
     parse_status,
@@ -126,8 +127,9 @@ def pipeline(
                 opts = task_options(stage, retries, retry_delay_s, retry_stages, timeouts)
                 try:
                     results.append(run_stage.with_options(**opts)(stage, str(root_path), env))
-                except BaseException:
-                    results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {}})
+                except BaseException as err:
+                    results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {},
+                                    "error": failure_line(err)})
                     raise
         finally:
             # The console and MLflow first: the artifact needs Prefect's API, which may be gone.

@@ -410,9 +410,26 @@ def task_options(stage: StageInfo, retries: int = DEFAULT_RETRIES, retry_delay_s
     }
 
 
+def failure_line(err: BaseException) -> str:
+    """Why a stage's task failed, in one line: the stage's own ``error:`` line from the
+    end of its output (pipeline.runner prints one), else DVC's ``ERROR:`` line, else
+    the exception's first line (a timeout), or how the flow was stopped."""
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    if isinstance(err, SystemExit):  # exit_on_sigterm's
+        return f"stopped (exit code {err.code})"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for prefix in ("error: ", "ERROR: "):
+        found = [line for line in lines if line.startswith(prefix)]
+        if found:
+            return found[-1]
+    return lines[0] if lines else type(err).__name__
+
+
 def summary_markdown(stages: Sequence[StageInfo], results: Sequence[Mapping[str, Any]], max_metrics: int = 8) -> str:
     """A markdown report: a headline naming the stage that failed, if one did, and
-    which stages ran and which DVC restored from its run cache; then one table row
+    which stages ran and which DVC restored from its run cache; a failed stage's
+    ``error`` (its one line, as a quote) below it; then one table row
     per stage with its status (``not run`` when it has no result), seconds and up
     to ``max_metrics`` scalar metrics. Metrics are shown for the stages in
     ``CURRENT_STATUSES`` only: a failed or not-run stage's metrics files, if any,
@@ -439,7 +456,8 @@ def summary_markdown(stages: Sequence[StageInfo], results: Sequence[Mapping[str,
         head = f"**Failed: stage {', '.join(named['failed'])}**{after}; {head}"
     elif not named["ran"] and not named["restored"]:
         head += ": everything was up to date"
-    return head + "\n\n" + "\n".join(rows) + "\n"
+    why = "".join(f"> {r['stage']}: {r['error']}\n\n" for r in results if r["status"] == "failed" and r.get("error"))
+    return head + "\n\n" + why + "\n".join(rows) + "\n"
 
 
 def _fmt(v: float) -> str:
@@ -499,6 +517,7 @@ class ParentRun:
         tags = {f"pipeline.status.{name}": st for name, st in status.items()}
         tags["pipeline.stages_ran"] = ",".join(ran) or "-"
         tags["pipeline.stages_restored"] = ",".join(restored) or "-"
+        tags.update({f"pipeline.error.{r['stage']}": r["error"] for r in results if r.get("error")})
         try:
             # a failed or not-run stage's lock entry is an earlier run's
             tags.update({f"dvc.stage_hash.{k}": v for k, v in dvc_stage_hashes(self.root).items()

@@ -327,6 +327,36 @@ class FakeTracker:
         pass
 
 
+def test_a_failed_stage_is_given_with_its_own_error_line_under_the_headline():
+    """The summary named the failed stage but not why: that was only in Prefect's tracebacks, printed twice."""
+    dvc_tail = ("stage tokenizer: dvc repro exited with 255 after 2.1 s:\nRunning stage 'tokenizer':\n"
+                "> python -m stages.tokenizer\nerror: stage tokenizer failed: data/clean/docs: no text to train on\n"
+                "ERROR: failed to reproduce 'tokenizer': failed to run: python -m stages.tokenizer, exited with 2")
+    assert runtime.failure_line(RuntimeError(dvc_tail)) == \
+        "error: stage tokenizer failed: data/clean/docs: no text to train on"
+    assert runtime.failure_line(RuntimeError(dvc_tail.replace("error: stage", "stage"))) == \
+        "ERROR: failed to reproduce 'tokenizer': failed to run: python -m stages.tokenizer, exited with 2"
+    assert runtime.failure_line(TimeoutError("Scope timed out after 3.0 second(s).\nmore")) == \
+        "Scope timed out after 3.0 second(s)."
+    assert runtime.failure_line(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+    assert runtime.failure_line(SystemExit(143)) == "stopped (exit code 143)"
+    assert runtime.failure_line(RuntimeError()) == "RuntimeError"
+
+    stages = [StageInfo(n, "x") for n in ("clean", "tokenizer", "pack")]
+    results = [{"stage": "clean", "status": "ran", "seconds": 1.0, "metrics": {}},
+               {"stage": "tokenizer", "status": "failed", "seconds": None, "metrics": {},
+                "error": "error: stage tokenizer failed: no text"}]
+    lines = runtime.summary_markdown(stages, results).splitlines()
+    assert lines[0].startswith("**Failed: stage tokenizer**")
+    assert lines[1:4] == ["", "> tokenizer: error: stage tokenizer failed: no text", ""]
+    assert lines[4] == "| stage | status | seconds | metrics |"
+
+    tracker = FakeTracker()
+    runtime.ParentRun(root=Path("/nonexistent"), uri="u", run_id="r", tracker=tracker).record(stages, results)
+    assert tracker.tags["pipeline.error.tokenizer"] == "error: stage tokenizer failed: no text"
+    assert not any(k.startswith("pipeline.error.") and k != "pipeline.error.tokenizer" for k in tracker.tags)
+
+
 def test_parent_run_logs_metrics_only_of_stages_whose_outputs_are_current(tmp_path, monkeypatch):
     """A failed or not-run stage's metrics file and dvc.lock entry are an earlier
     run's: the parent run of a failed flow must not present them as this run's."""
@@ -529,6 +559,7 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     assert (root / "attempts-train").read_text() == "1", "the training stage is not retried"
     assert "exceeded timeout of 3" in r.stdout, r.stdout[-4000:]
     assert "| flaky | ran |" in r.stdout and "| train | failed |" in r.stdout
+    assert "\n> train: Scope timed out after 3.0 second(s)" in r.stdout, r.stdout[-4000:]  # why, under the headline
     for pid in map(int, (root / "pids").read_text().split()):
         assert not alive(pid), f"process {pid} of the timed-out stage is still running"
     assert elapsed < 200
@@ -538,6 +569,7 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     assert (root / "data" / "flaky.txt").read_text() == parent.info.run_id, "stages get MLFLOW_PARENT_RUN_ID"
     assert parent.data.tags["pipeline.status.flaky"] == "ran"
     assert parent.data.tags["pipeline.status.train"] == "failed"
+    assert parent.data.tags["pipeline.error.train"] == "Scope timed out after 3.0 second(s)."
     assert parent.data.metrics["flaky.attempts"] == 2
 
 
@@ -572,6 +604,7 @@ def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_p
             proc.wait()
     assert proc.returncode != 0
     assert "**Failed: stage train**" in out and "| train | failed |" in out, out[-4000:]
+    assert "\n> train: interrupted (Ctrl-C)\n" in out, out[-4000:]
     assert "artifact was not saved" not in out, "the temporary server died with the Ctrl-C"
     for pid in map(int, (root / "pids").read_text().split()):
         assert not alive(pid), f"process {pid} of the interrupted stage is still running"
