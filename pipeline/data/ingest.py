@@ -198,7 +198,9 @@ class IngestConfig(ParallelStageConfig):
                                   "size (at most max_doc_bytes). Sources are read in their order (files left unread "
                                   "are counted, a source never reached is a warning); null = no cap")
     max_doc_bytes: int = Field(1_000_000, ge=1, description="longer documents or lines are skipped as too_large "
-                               "(split_by: chunk never skips a file for its size, only a longer line)")
+                               "(split_by: chunk never skips a file for its size, only a longer line). A "
+                               "record's text is measured, not its JSON: a JSON line is parsed unless it is over "
+                               "6 × this (the most JSON's escapes grow a text), when it is a too_large skip unparsed")
     include_hidden: bool = Field(False, description="read dot-files and files under dot-directories")
     quarantine_per_reason: int = Field(100, ge=0, description="skipped records kept verbatim per reason")
     row_group_docs: int = Field(2000, ge=1, description="documents per Parquet row group written at most")
