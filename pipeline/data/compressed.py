@@ -22,6 +22,15 @@ from pipeline.data.remote import RemotePath, open_stream
 COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4",
                                 ".xz": "xz"}
 
+# Where each codec checks its data: corrupt data is found there, not before.
+CHECKED_AT: dict[str, str] = {
+    "gzip": "by a CRC at the end of each member",
+    "bz2": "by a CRC at the end of each block of up to 900 kB",
+    "zstd": "by a checksum at the end of each frame, where the file has one",
+    "lz4": "by a checksum at the end of the frame, where the file has one (pyarrow writes none)",
+    "xz": "by a check at the end of each block (often the whole file)",
+}
+
 # Decompressed in pieces of this size: a codec that meets damaged data drops the
 # piece it was filling, so what came before the damage is kept but for this much.
 DECOMPRESSED_PIECE = 1 << 16
@@ -141,5 +150,5 @@ def until_damaged(items: Iterable[T], path: Path | RemotePath, skip: Callable[[s
         codec = compression_of(path)
         what = f"its {codec} data is damaged or cut short" if codec else "reading it failed"
         doubt = ("" if e.cut_short or not codec else f", and the {unit}(s) read before may be damaged too ({codec} "
-                 "finds corrupt data only where it checks it, gzip at the end of a member)")
+                 f"finds corrupt data only where it checks it, {CHECKED_AT[codec]})")
         yield skip(f"{what} after {read} {unit}(s); the rest of the file was not read{doubt}: {e}")
