@@ -219,9 +219,9 @@ def _display(p: Path | RemotePath) -> str:
 
 def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
     """The files of one source, sorted (empty for a built-in), on disk or in an
-    object store. Raises SFTDataError naming ``sources.<index>.path`` when the
-    path matches nothing usable."""
-    where = f"sources.{index}.path"
+    object store. Raises SFTDataError naming ``sft.data.sources.<index>.path`` (the
+    params key, as ingest's errors name theirs) when the path matches nothing usable."""
+    where = f"sft.data.sources.{index}.path"
     if src.path.startswith(BUILTIN_PREFIX):
         return []
     p = Path(src.path)

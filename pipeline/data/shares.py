@@ -28,10 +28,12 @@ def check_names(available: Iterable[str], named: Mapping[str, object], key: str,
     params ``key`` (a mapping by source name) do not list, and entries with no
     such source."""
     unlisted = sorted(set(available) - set(named))
-    if unlisted:
-        raise error(f"{key} has no entry for source(s) {unlisted}; list every train source "
-                    f"(names: {sorted(available)})")
     unknown = sorted(set(named) - set(available))
+    if unlisted:
+        # Both at once is most often a misspelt name: say which entry it is.
+        misspelt = f" and names {unknown}, which no source with train documents is called" if unknown else ""
+        raise error(f"{key} has no entry for source(s) {unlisted}{misspelt}; list every train source "
+                    f"(names: {sorted(available)})")
     if unknown:
         raise error(f"{key} names source(s) {unknown} that have no train documents "
                     f"(sources with train documents: {sorted(available)}); a source has none when it is "

@@ -190,10 +190,11 @@ def _from_checkpoint(found: ckpt.Checkpoint) -> InitSource:
                       meta={"init_from": str(found.path), **carried}, checkpoint=found)
 
 
-def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
+def check_tokenizer(init: InitSource, manifest: dict[str, Any], *, warn: bool = True) -> None:
     """The packed data's tokenizer and the initial model belong together: the same
     tokenizer.json when the model's is known, and every token id inside the
-    model's embedding table. Raises InitError, one line, otherwise."""
+    model's embedding table. Raises InitError, one line, otherwise. ``warn``: say
+    when only the vocabulary size can be checked (the launcher does; its ranks check quietly)."""
     vocab = int(manifest["vocab_size"])
     data_sha = manifest.get("tokenizer_sha256")
     if init.tokenizer_sha256 is not None and data_sha is not None and init.tokenizer_sha256 != data_sha:
@@ -205,6 +206,6 @@ def check_tokenizer(init: InitSource, manifest: dict[str, Any]) -> None:
     if vocab > init.model.vocab_size:
         raise InitError(f"the tokenizer's ids need {vocab} embedding rows but {init.path} embeds only "
                         f"{init.model.vocab_size}; they do not belong together")
-    if init.tokenizer_sha256 is None:
+    if warn and init.tokenizer_sha256 is None:
         log.warning("%s ships no tokenizer.json, so the pairing with data/tokenizer cannot be checked beyond the "
                     "vocabulary size (%d <= %d)", init.path, vocab, init.model.vocab_size)

@@ -119,7 +119,7 @@ def plan(cfg: PretrainConfig, packed_dir: Path, out_dir: Path, *, warn: bool = F
             raise StageError(f"pack.seq_len {manifest['seq_len']} exceeds pretrain.model.max_seq_len "
                              f"{model_cfg.max_seq_len}; raise it (null follows pack.seq_len) or lower pack.seq_len")
     else:
-        check_tokenizer(init, manifest)
+        check_tokenizer(init, manifest, warn=warn)
         if cfg.init_optimizer and init.kind != "checkpoint":
             raise InitError(f"pretrain.init_optimizer: {init.path} is a Hugging Face model, which has no optimizer "
                             "state; set it to false")

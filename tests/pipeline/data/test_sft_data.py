@@ -467,10 +467,10 @@ def test_builtin_dataset_is_the_default_source(tmp_path, tok_path):
 
 
 def test_errors(tmp_path, tok_path):
-    with pytest.raises(SFTDataError, match=r"sources\.1\.path: no such file"):
+    with pytest.raises(SFTDataError, match=r"^sft\.data\.sources\.1\.path: no such file"):  # the params key
         build(tmp_path, tok_path, sources=[SFTSource(path="builtin:stdlib-docstrings"),
                                            SFTSource(path=str(tmp_path / "missing.jsonl"))])
-    with pytest.raises(SFTDataError, match=r"sources\.0\.path: .* matched no"):
+    with pytest.raises(SFTDataError, match=r"^sft\.data\.sources\.0\.path: .* matched no"):
         build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "*.jsonl"))])
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(SFTDataError, match=r"not \.json, \.jsonl or \.ndjson"):

@@ -33,6 +33,9 @@ def test_every_named_source_and_only_those_or_one_line_naming_them():
     check_names(["web", "code"], {"code": 1, "web": 2}, "pack.mixture", MixtureError)
     with pytest.raises(MixtureError, match=r"^pack.mixture has no entry for source\(s\) \['code'\]; list every"):
         check_names(["web", "code"], {"web": 1}, "pack.mixture", MixtureError)
+    with pytest.raises(MixtureError, match=r"^pack.mixture has no entry for source\(s\) \['code'\] and names "
+                                           r"\['cod'\], which no source with train documents is called; list every"):
+        check_names(["web", "code"], {"web": 1, "cod": 1}, "pack.mixture", MixtureError)  # a misspelt name
     with pytest.raises(MixtureError, match=r"^tokenizer.sample_weights names source\(s\) \['math'\] that have no "
                                            r"train documents \(sources with train documents: \['web'\]\)"):
         check_names(["web"], {"web": 1, "math": 1}, "tokenizer.sample_weights", MixtureError)

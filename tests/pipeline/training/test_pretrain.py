@@ -92,6 +92,18 @@ def test_the_architecture_comes_from_the_initial_model_and_model_keys_are_ignore
     assert "are ignored" not in caplog.text
 
 
+def test_a_model_without_tokenizer_json_is_a_warning_of_the_launcher_alone(hf, tmp_path, caplog):
+    folder, packed = hf
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "tokenizer.json").unlink()
+    with caplog.at_level("WARNING", logger="pipeline.training"):
+        plan(cfg(init_from=str(bare)), packed, tmp_path / "models", warn=True)
+        plan(cfg(init_from=str(bare)), packed, tmp_path / "models")  # every rank plans too: only the launcher says it
+    [warning] = [r.getMessage() for r in caplog.records if "tokenizer.json" in r.getMessage()]
+    assert warning.startswith(f"{bare} ships no tokenizer.json, so the pairing with data/tokenizer cannot be checked")
+
+
 def test_without_init_from_the_model_section_builds_the_model(hf, tmp_path):
     _, packed = hf
     model_cfg, _, meta, init = plan(cfg(model={"preset": "tiny"}), packed, tmp_path / "models")
