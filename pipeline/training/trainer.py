@@ -294,9 +294,7 @@ class Trainer:
         elif last is not None:
             pass  # resumed below, once the model is sharded or the micro-batch probed
         elif init_from is not None:
-            if d.is_main:
-                log.info("initialised weights%s from %s (step %d)", " and AdamW moments" if init_optimizer else "",
-                         init_from.path, init_from.step)
+            pass  # said below, once its AdamW moments are loaded (under FSDP, after sharding)
         elif init_weights is not None:
             init_weights(self.model)
             if d.is_main:
@@ -311,9 +309,13 @@ class Trainer:
             self._resume(last)
         elif moments_from is not None:  # FSDP only
             self._load_moments_sharded(moments_from)
-        if init_optimizer and last is None and not self.optimizer.state and d.is_main:
-            log.warning("init_optimizer: %s holds no AdamW moments (its run took no optimizer step, as max_steps 0 "
-                        "does), so they start at zero, as in a run without init_optimizer", init_from.path)
+        if init_from is not None and last is None and d.is_main:
+            moments = init_optimizer and bool(self.optimizer.state)
+            log.info("initialised weights%s from %s (step %d)", " and AdamW moments" if moments else "",
+                     init_from.path, init_from.step)
+            if init_optimizer and not moments:
+                log.warning("init_optimizer: %s holds no AdamW moments (its run took no optimizer step, as max_steps "
+                            "0 does), so they start at zero, as in a run without init_optimizer", init_from.path)
 
         self.tokens_per_step = self.order.global_batch * self.seq_len
         measure_dtype = DTYPES[self.precision] if self.precision != "fp16" or d.device.type == "cuda" else torch.float32

@@ -512,16 +512,19 @@ def test_warm_start_from_a_checkpoint_with_and_without_its_optimizer_moments(tmp
 def test_init_optimizer_from_a_checkpoint_without_moments_says_they_start_at_zero(tmp_path, caplog):
     fit(trainer(tmp_path, "a", cfg(max_steps=0)))  # a pass-through: step 0, no optimizer step taken
     init = ckpt.resolve(tmp_path / "a" / "models")
-    with caplog.at_level("WARNING", logger="pipeline.training"):
+    with caplog.at_level("INFO", logger="pipeline.training"):
         t = trainer(tmp_path, "b", init_from=init, init_optimizer=True)
     t.close()
     assert t.optimizer.state_dict()["state"] == {}
     assert f"init_optimizer: {init.path} holds no AdamW moments" in caplog.text
+    assert f"initialised weights from {init.path} (step 0)" in caplog.text  # not "and AdamW moments" beside it
     caplog.clear()
     fit(trainer(tmp_path, "c", cfg(max_steps=3)))
-    with caplog.at_level("WARNING", logger="pipeline.training"):
-        trainer(tmp_path, "d", init_from=ckpt.resolve(tmp_path / "c" / "models"), init_optimizer=True).close()
+    donor = ckpt.resolve(tmp_path / "c" / "models")
+    with caplog.at_level("INFO", logger="pipeline.training"):
+        trainer(tmp_path, "d", init_from=donor, init_optimizer=True).close()
     assert "holds no AdamW moments" not in caplog.text
+    assert f"initialised weights and AdamW moments from {donor.path} (step 3)" in caplog.text
 
 
 def test_warm_start_needs_the_same_model_and_consistent_options(tmp_path):
