@@ -145,7 +145,7 @@ def format_validation_error(err: ValidationError, prefix: str) -> str:
     lines = []
     for e in err.errors():
         key = ".".join([prefix, *(str(p) for p in e["loc"])]) if e["loc"] else prefix
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
         if e["type"] == BOOL_NOT_NUMBER:  # the message shows the boolean; the key may lie inside a dict or list
             key = ".".join([key, *(str(p) for p in e["ctx"]["inner_loc"])])
         elif e["type"] == "extra_forbidden":

@@ -119,7 +119,7 @@ def test_a_model_level_error_names_its_section_without_repeating_the_section(tmp
     with pytest.raises(ConfigError) as e:
         load_params("pretrain", p)
     assert str(e.value).splitlines()[1:] == [
-        "  pretrain.schedule: Value error, warmup_steps (10) must be below max_steps (10)"]
+        "  pretrain.schedule: warmup_steps (10) must be below max_steps (10)"]
 
 
 def test_configs_are_frozen():

@@ -1070,7 +1070,7 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
      "sources.0 and sources.1 are both called 'web'; give them distinct names"),
     ([{"path": "x"}, {"path": "x"}], "both called 'x'"),
     ([{"path": "{stdlib}/json"}, {"path": "hf://datasets/org/corpus/*.parquet"}],
-     r"ingest\.sources\.1\.path: Value error, a URL \(hf://\), but inputs are read from this machine's filesystem "
+     r"ingest\.sources\.1\.path: a URL \(hf://\), but inputs are read from this machine's filesystem "
      r"\(and from s3://, gs://, gcs://; see the README's Ingest sources\): mount the storage at the same "
      r"path on every node \(an object store with mountpoint-s3, gcsfuse or blobfuse2\) or copy the files here, "
      r"and give that path \(got 'hf://datasets/org/corpus/\*\.parquet'\)"),

@@ -524,7 +524,7 @@ def test_a_template_date_given_as_a_number_is_refused_not_read_as_unix_time(valu
     with pytest.raises(ConfigError) as err:
         parse_section(SFTDataConfig, {"template_date": value}, "sft.data")
     assert str(err.value).splitlines()[1:] == [
-        "  sft.data.template_date: Value error, a date is expected as YYYY-MM-DD (quoted: DVC rejects YAML dates), "
+        "  sft.data.template_date: a date is expected as YYYY-MM-DD (quoted: DVC rejects YAML dates), "
         f"not a number (got {value})"]
 
 
@@ -539,7 +539,7 @@ def test_config_edges_that_are_valid():
 def test_a_url_source_is_refused_with_how_to_read_it():
     with pytest.raises(ConfigError) as err:
         parse_section(SFTDataConfig, {"sources": [{"path": "https://example.org/chat.jsonl.gz"}]}, "sft.data")
-    assert "  sft.data.sources.0.path: Value error, a URL (https://), but inputs are read from this machine's " \
+    assert "  sft.data.sources.0.path: a URL (https://), but inputs are read from this machine's " \
            "filesystem (and from s3://, gs://, gcs://; see the README's Ingest sources): mount the storage at the " \
            "same path on every node" in str(err.value)
 

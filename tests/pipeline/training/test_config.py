@@ -192,7 +192,7 @@ def test_a_bad_micro_batch_size_is_one_message_naming_the_key(value):
     with pytest.raises(ConfigError) as err:
         parse_section(PretrainConfig, {"batch": {"micro_batch_size": value}}, "pretrain")
     assert str(err.value).splitlines()[1:] == [
-        f"  pretrain.batch.micro_batch_size: Value error, must be auto or a whole number of at least 1 (got {value!r})"]
+        f"  pretrain.batch.micro_batch_size: must be auto or a whole number of at least 1 (got {value!r})"]
 
 
 # (section, key, values at the edge that are valid, values just past it that are not)
