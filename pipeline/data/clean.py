@@ -146,7 +146,8 @@ class ExactDedupConfig(_Section):
 class NearDedupConfig(_Section):
     enabled: bool = Field(True, description="drop near duplicates of earlier documents (MinHash LSH)")
     num_perm: int = Field(128, ge=8, le=1024, description="MinHash permutations (signature length)")
-    bands: int = Field(16, ge=1, le=1024, description="LSH bands; must divide num_perm")
+    # validate_default: a num_perm that the default bands do not divide is an error too
+    bands: int = Field(16, ge=1, le=1024, validate_default=True, description="LSH bands; must divide num_perm")
     ngram: int = Field(5, ge=1, le=64, description="shingle size in words")
     threshold: float = Field(
         0.8, gt=0, le=1, description="estimated Jaccard at or above which a candidate is a duplicate")

@@ -379,6 +379,9 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
      "less than or equal to 1"),
     ({"normalise": {"unicode": "NFD"}}, "clean.normalise.unicode", "'NFC', 'NFKC' or 'none'"),
     ({"near_dedup": {"threshold": 0}}, "clean.near_dedup.threshold", "greater than 0"),
+    ({"near_dedup": {"num_perm": 128, "bands": 12}}, "clean.near_dedup.bands", "must divide num_perm=128"),
+    # the default bands (16) must divide a num_perm given alone too, or rensa fails once the stage has started
+    ({"near_dedup": {"num_perm": 100}}, "clean.near_dedup.bands", "must divide num_perm=100"),
 ])
 def test_config_errors_name_the_dotted_key(data, key, message):
     with pytest.raises(ConfigError) as err:
