@@ -273,3 +273,21 @@ def test_a_letter_of_any_script_makes_an_alpha_word():
 def test_top_ngrams_are_checked_smallest_n_first_in_any_order_given():
     # no 3-gram repeats, which ends the search only once the 2-grams were checked
     assert fires("gopher_top_ngrams", "ab cd ab cd", max_char_frac={3: 0.9, 2: 0.2})
+
+
+def test_terminal_punctuation_may_be_a_closing_quote_or_have_whitespace_after_it():
+    # one line of two ends in terminal punctuation: 0.5, not below the limit
+    assert not fires("c4_terminal_punct", "he said \u201cyes\u201d\nno end")
+    assert not fires("c4_terminal_punct", "a sentence.  \nno end")  # strip_trailing_whitespace off
+
+
+def test_dup_ngrams_stops_early_only_under_every_remaining_limit():
+    """The repeat of 'a1 a2 a3' is 6 of 24 word characters (0.25) for n = 2 and 3: under the limit for 2,
+    above the one for 3, so the search goes on past 2 although the limit for 4 is higher."""
+    text = "a1 a2 a3 a1 a2 a3 b1 b2 b3 b4 b5 b6"
+    assert first_failure(text, only("gopher_dup_ngrams", max_char_frac={2: 0.5, 3: 0.1, 4: 0.9})) == (
+        "gopher_dup_ngrams", "dup_3gram_char_frac 0.250 > 0.1")
+
+
+def test_an_indented_line_counts_its_words():
+    assert not fires("c4_min_words_per_line", "    one two three\nx")  # 0.5 of the lines are long enough
