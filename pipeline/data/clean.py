@@ -514,7 +514,24 @@ def _open_input(in_path: Path) -> DocTable:
     missing = [n for n in REQUIRED if n not in table.schema_arrow.names]
     if missing:
         raise CleanError(f"{in_path} lacks column(s) {missing}; has {table.schema_arrow.names}")
+    wrong = [f"{f.name}: {f.type}" for f in table.schema_arrow if f.name in SCHEMA.names and not _readable(f)]
+    if wrong:
+        raise CleanError(f"{in_path}: column(s) of a type clean does not read: {', '.join(wrong)} (text is a "
+                         "string; chunk and offset are integers; the others strings or integers)")
     return table
+
+
+def _readable(field: pa.Field) -> bool:
+    """Whether an input column casts to SCHEMA's type whatever its values: checked
+    up front, so that a text of bytes (which need not be UTF-8) or a chunk of
+    strings is one line before any work, not a failed cast in a worker."""
+    t = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
+    if pa.types.is_null(t):
+        return True
+    if pa.types.is_integer(t):
+        return field.name != "text"
+    return SCHEMA.field(field.name).type == pa.string() and \
+        (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
 
 
 def _batches(table: DocTable, cfg: CleanConfig, start: int = 0, stop: int | None = None

@@ -369,6 +369,32 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
         run_clean(cfg(), bad, out, q)
 
 
+@pytest.mark.parametrize("column,values,shown", [
+    ("text", pa.array([b"caf\xe9 au lait", b"tea"], pa.binary()), "text: binary"),  # bytes that need not be UTF-8
+    ("text", pa.array([1, 2]), "text: int64"),
+    ("chunk", pa.array(["a", "b"]), "chunk: string"),
+    ("offset", pa.array([1.5, 2.0]), "offset: double"),
+])
+def test_an_input_column_of_a_type_clean_does_not_read_is_a_clear_error(tmp_path, column, values, shown):
+    """Found before any work, not as an Arrow cast error in a worker."""
+    rows = {"id": ["a", "b"], "text": [code(1), code(2)], "source": ["a.py", "b.py"], "location": ["file", "file"]}
+    pq.write_table(pa.table({**rows, column: values}), tmp_path / "in.parquet")
+    with pytest.raises(CleanError, match=f"column\\(s\\) of a type clean does not read: {shown} "):
+        run_clean(cfg(), tmp_path / "in.parquet", tmp_path / "docs", tmp_path / "q.jsonl")
+
+
+def test_an_input_of_other_string_and_integer_types_is_read_as_the_schema_s(tmp_path):
+    rows = pa.table({"id": pa.array([7, 8], pa.int32()), "text": pa.array([code(1), code(2)], pa.large_string()),
+                     "source": pa.array(["a.py", "b.py"]).dictionary_encode(), "location": ["file", "file"],
+                     "chunk": pa.nulls(2), "offset": pa.array([None, None], pa.int32())})
+    pq.write_table(rows, tmp_path / "in.parquet")
+    run_clean(cfg(), tmp_path / "in.parquet", tmp_path / "docs", tmp_path / "q.jsonl")
+    out = read_out(tmp_path / "docs")
+    assert out.schema == SCHEMA
+    assert out.select(["id", "text", "source"]).to_pylist() == [
+        {"id": "7", "text": code(1), "source": "a.py"}, {"id": "8", "text": code(2), "source": "b.py"}]
+
+
 @pytest.mark.parametrize("data,key,message", [
     ({"near_dedup": {"bands": 3}}, "clean.near_dedup.bands", "must divide num_perm=128"),
     ({"near_dedup": {"num_perm": 64, "bands": 128}}, "clean.near_dedup.bands", "must divide num_perm=64"),
