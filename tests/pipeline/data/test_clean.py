@@ -94,6 +94,7 @@ def test_whitespace_keeps_indentation():
 
 def test_control_characters_removed_except_newline_and_tab():
     assert normalise("\ufeffa\x00b\x1b[0mc\td\x85e\n", NormaliseConfig()) == "ab[0mc\tde\n"
+    assert normalise("a\x7fb\x9f", NormaliseConfig()) == "ab"  # DEL and the last C1 control
 
 
 def test_each_normalisation_option_can_be_switched_off():
@@ -124,6 +125,8 @@ def test_normalised_text_is_in_the_form_and_normalising_it_again_changes_nothing
 
 def test_blank_document_normalises_to_empty():
     assert normalise(" \n\t\n  ", NormaliseConfig()) == ""
+    # one blank line with no line end, its whitespace left by the options
+    assert normalise(" \t ", NormaliseConfig(strip_trailing_whitespace=False)) == ""
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -646,3 +649,49 @@ def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_match
 def test_lone_carriage_returns_are_line_ends_too():
     """A file saved with old Mac line ends has no "\\r\\n" at all: each "\\r" still ends a line."""
     assert normalise("x = 1\ry = 2\r", NormaliseConfig()) == "x = 1\ny = 2\n"
+
+
+def test_row_groups_and_shards_end_at_the_run_that_brings_their_text_exactly_to_the_limit(tmp_path):
+    """Twelve documents of one size, a run each: a row group ends once its text is two documents', a
+    shard once it is three documents'."""
+    texts = [prose(60, seed=s) for s in range(12)]
+    size = max(map(len, texts))
+    texts = [t + "q" * (size - len(t)) for t in texts]  # ASCII: a character is a byte
+    metrics, docs, _ = run(tmp_path, texts, task_bytes=1, row_group_bytes=2 * size, shard_bytes=3 * size)
+    assert len(docs) == 12 and metrics["shards"] == 4
+    table = DocTable(tmp_path / "out" / "docs", CleanError)
+    assert np.diff(table.row_groups()[0]).tolist() == [2, 1] * 4
+
+
+def test_null_texts_are_empty_documents(tmp_path):
+    """A null text (another tool's Parquet) is the empty text: too short by default, kept as "" (not null)
+    when too_short is off, in runs of its own too."""
+    texts = [None, code(1), None]
+    metrics, docs, quarantine = run(tmp_path, texts, batch_docs=1)
+    assert [d["id"] for d in docs] == ["id001"] and report(tmp_path)["bytes_in"] == len(code(1))
+    assert [q["reason"] for q in quarantine] == ["too_short", "too_short"] and "text" not in quarantine[0]
+    for method in ("memory", "sharded"):
+        (tmp_path / method).mkdir()
+        _, docs, _ = run(tmp_path / method, texts, batch_docs=1, filters={"too_short": {"enabled": False}},
+                         dedup={"method": method})
+        assert [(d["id"], d["text"]) for d in docs] == [("id000", ""), ("id001", code(1))]  # id002: a duplicate
+
+
+def test_the_report_lists_every_enabled_filter_and_dedup_pass_that_did_not_fire(tmp_path):
+    run(tmp_path, [code(1)])
+    r = report(tmp_path)
+    assert r["dropped"] == {**{name: 0 for name in r["filters_enabled"]}, "exact_duplicate": 0, "near_duplicate": 0}
+    (tmp_path / "off").mkdir()
+    run(tmp_path / "off", [code(1)], exact_dedup={"enabled": False}, near_dedup={"enabled": False},
+        filters={"c4_policy": {"enabled": False}})
+    r = report(tmp_path / "off")
+    assert r["dropped"] == {name: 0 for name in r["filters_enabled"]} and "c4_policy" not in r["dropped"]
+    assert r["near_dedup"] == {}
+
+
+def test_the_quarantine_keeps_per_reason_samples_over_all_shards(tmp_path):
+    """Each shard's record keeps its own samples; the quarantine keeps the first quarantine_per_reason of
+    them all."""
+    _, _, quarantine = run(tmp_path, ["x", "y", "z", code(1)], batch_docs=1, shard_bytes=1, quarantine_per_reason=2)
+    assert [q["text"] for q in quarantine] == ["x", "y"]
+    assert report(tmp_path)["dropped"]["gopher_mean_word_length"] == 3
