@@ -154,6 +154,17 @@ def test_bad_filter_params_are_rejected():
     assert FiltersSection.model_validate({"gopher_mean_word_length": {"min": 4, "max": 4}})
 
 
+
+def test_length_limits_that_leave_no_document_are_rejected():
+    with pytest.raises(ValueError, match="too_short.min_words=100 exceeds too_long.max_words=50: every document"):
+        FiltersSection.model_validate({"too_short": {"min_words": 100}, "too_long": {"max_words": 50}})
+    with pytest.raises(ValueError, match="too_short.min_chars=11 exceeds too_long.max_chars=10: every document"):
+        FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10}})
+    # a window of one length keeps the documents of that length; with either filter off there is no window
+    assert FiltersSection.model_validate({"too_short": {"min_chars": 10}, "too_long": {"max_chars": 10}})
+    assert FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10, "enabled": False}})
+    assert FiltersSection.model_validate({"too_short": {"min_words": 11, "enabled": False}, "too_long": {"max_words": 10}})
+
 # (filter, params, text exactly at the limit, which the filter keeps, and one just past it, which it drops)
 AT_AND_PAST_LIMIT = [
     ("too_short", {"min_chars": 4}, "abcd", "abc"),
