@@ -162,8 +162,9 @@ def test_length_limits_that_leave_no_document_are_rejected():
         FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10}})
     # a window of one length keeps the documents of that length; with either filter off there is no window
     assert FiltersSection.model_validate({"too_short": {"min_chars": 10}, "too_long": {"max_chars": 10}})
-    assert FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10, "enabled": False}})
-    assert FiltersSection.model_validate({"too_short": {"min_words": 11, "enabled": False}, "too_long": {"max_words": 10}})
+    off = {"enabled": False}
+    assert FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10, **off}})
+    assert FiltersSection.model_validate({"too_short": {"min_words": 11, **off}, "too_long": {"max_words": 10}})
 
 # (filter, params, text exactly at the limit, which the filter keeps, and one just past it, which it drops)
 AT_AND_PAST_LIMIT = [
@@ -183,7 +184,8 @@ AT_AND_PAST_LIMIT = [
     ("c4_terminal_punct", {}, "A line.\nno end", "A line.\nno end\nnor here"),  # 0.5, 1/3
     ("c4_min_words_per_line", {}, "one two three\nx", "one two three\nx\ny"),  # 0.5, 1/3
     # 2 of 5 lines repeat (0.4), their 4 characters of 40; 3 of 6 (0.5)
-    ("gopher_dup_lines", {}, "aa\naa\naa\n" + "b" * 15 + "\n" + "c" * 15, "aa\naa\naa\naa\n" + "b" * 15 + "\n" + "c" * 15),
+    ("gopher_dup_lines", {}, "aa\naa\naa\n" + "b" * 15 + "\n" + "c" * 15,
+     "aa\naa\naa\naa\n" + "b" * 15 + "\n" + "c" * 15),
     # one line of 3 characters repeats, 3 of 10 characters (0.3); of 4 characters, 4 of 12
     ("gopher_dup_lines", {}, "abc\nabc\nde", "abcd\nabcd\nde"),
     ("gopher_dup_paragraphs", {}, "p\n\np\n\np\n\np\n\n" + "\n\n".join("abcdefghi" + c for c in "qrstuv"),
