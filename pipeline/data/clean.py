@@ -1160,8 +1160,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     shards_resumed, workers and mb_per_s is the same for any executor, worker
     count, dedup method and interruption.
 
-    Raises CleanError when the input is missing, unreadable or lacks a column,
-    and when no document survives (the quarantine is still written then, and no
+    Raises CleanError when the input is missing, unreadable, lacks a column, has
+    one of a type it does not read or holds no document, and when no document survives (the quarantine is still written then, and no
     manifest); ExecutorError (one line) when a worker fails.
     Local worker processes are spawned, so a script that calls this with more
     than one worker needs the usual ``if __name__ == "__main__":`` guard."""
@@ -1169,6 +1169,8 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     in_path, out_path = Path(in_path), Path(out_path)
     table = _open_input(in_path)
     num_rows = table.num_rows
+    if num_rows == 0:
+        raise CleanError(f"{in_path} holds no documents: nothing to clean")
     fp = resume.fingerprint(
         "clean", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
         inputs={"docs": resume.input_digest(in_path)},

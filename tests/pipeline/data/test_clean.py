@@ -370,6 +370,9 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), bad)
     with pytest.raises(CleanError, match=r"lacks column\(s\) \['text', 'source', 'location'\]"):
         run_clean(cfg(), bad, out, q)
+    empty = write_docs(tmp_path / "empty.parquet", [])
+    with pytest.raises(CleanError, match="empty.parquet holds no documents: nothing to clean"):
+        run_clean(cfg(), empty, out, q)  # not "no documents left after cleaning" and advice on the filters
 
 
 @pytest.mark.parametrize("column,values,shown", [
