@@ -255,7 +255,8 @@ def test_the_report_counts_each_source_s_documents_kept_and_dropped_by_reason(tm
 @pytest.mark.parametrize("kw", [{}, {"dedup": {"method": "sharded", "partition_docs": 3}}],
                          ids=["one-process", "sharded-dedup"])
 def test_a_source_that_clean_empties_is_a_warning_with_its_reasons(tmp_path, kw, caplog):
-    names = ["web", "junk", "junk", "junk", "web", "web", "web", "web", "web"]  # junk: lorem, a duplicate, empty
+    # junk: lorem, a duplicate, empty; one: a document of repeated lines
+    names = ["web", "junk", "junk", "junk", "web", "one", "web", "web", "web"]
     table = pq.read_table(write_docs(tmp_path / "in.parquet", MIXED))
     pq.write_table(table.append_column("source_name", pa.array(names)), tmp_path / "named.parquet")
     out = tmp_path / "out"
@@ -263,7 +264,8 @@ def test_a_source_that_clean_empties_is_a_warning_with_its_reasons(tmp_path, kw,
         run_clean(cfg(**kw), tmp_path / "named.parquet", out / "docs", out / "q.jsonl", out / "report.json")
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.data.clean"] == [
         f"source 'junk': clean dropped all 3 of its documents (c4_lorem_ipsum 1, exact_duplicate 1, too_short 1); "
-        f"see {out / 'q.jsonl'}"]
+        f"see {out / 'q.jsonl'}",
+        f"source 'one': clean dropped all 1 of its documents (gopher_dup_lines 1); see {out / 'q.jsonl'}"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="pipeline.data.clean"):
         run(tmp_path, MIXED)  # every source keeps documents
@@ -355,6 +357,9 @@ def test_empty_after_cleaning_is_a_clear_error(tmp_path):
     out, q = tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl"
     with pytest.raises(CleanError, match=r"no documents left after cleaning 2 document\(s\).*'too_short': 2"):
         run_clean(cfg(filters={"too_short": {"min_chars": 5}}), inp, out, q)
+    one = write_docs(tmp_path / "one.parquet", ["a"])
+    with pytest.raises(CleanError, match=r"no documents left after cleaning 1 document\(s\).*'too_short': 1"):
+        run_clean(cfg(filters={"too_short": {"min_chars": 5}}), one, tmp_path / "one" / "docs", tmp_path / "q1.jsonl")
     # no manifest: readers refuse the folder
     assert not (out / "manifest.json").exists()
     with pytest.raises(CleanError, match="no manifest.json"):
@@ -698,3 +703,10 @@ def test_the_quarantine_keeps_per_reason_samples_over_all_shards(tmp_path):
     _, _, quarantine = run(tmp_path, ["x", "y", "z", code(1)], batch_docs=1, shard_bytes=1, quarantine_per_reason=2)
     assert [q["text"] for q in quarantine] == ["x", "y"]
     assert report(tmp_path)["dropped"]["gopher_mean_word_length"] == 3
+
+
+@pytest.mark.parametrize("method", ["memory", "sharded"])
+def test_documents_changed_by_normalise_are_those_whose_text_changed(tmp_path, method):
+    texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4)]  # code(1), code(4): unchanged
+    run(tmp_path, texts, dedup={"method": method})
+    assert report(tmp_path)["docs_changed_by_normalise"] == 2
