@@ -1161,8 +1161,9 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     count, dedup method and interruption.
 
     Raises CleanError when the input is missing, unreadable, lacks a column, has
-    one of a type it does not read or holds no document, and when no document survives (the quarantine is still written then, and no
-    manifest); ExecutorError (one line) when a worker fails.
+    one of a type it does not read or holds no document, and when no document
+    survives (the quarantine is still written then, and no manifest);
+    ExecutorError (one line) when a worker fails.
     Local worker processes are spawned, so a script that calls this with more
     than one worker needs the usual ``if __name__ == "__main__":`` guard."""
     t0 = time.perf_counter()
