@@ -205,7 +205,9 @@ def test_accounting_identity_on_mixed_input(tmp_path):
     metrics, docs, quarantine = run(tmp_path, MIXED, batch_docs=2, row_group_docs=3)
     docs_in, dropped = report(tmp_path)["docs_in"], report(tmp_path)["dropped"]
     assert docs_in == len(MIXED) == 9
-    assert metrics["docs"] == len(docs) == 4
+    assert metrics["docs"] == len(docs) == 4 and metrics["kept_frac"] == 0.4444
+    # the manifest counts the rows written, which readers trust
+    assert read_json(tmp_path / "out" / "docs" / "manifest.json")["rows"] == 4
     assert docs_in == metrics["docs"] + sum(dropped.values()) == metrics["docs"] + metrics["dropped"]
     fired = {k: v for k, v in dropped.items() if v}
     assert fired == {"c4_lorem_ipsum": 1, "exact_duplicate": 1, "too_short": 1, "gopher_dup_lines": 1,
@@ -710,3 +712,18 @@ def test_documents_changed_by_normalise_are_those_whose_text_changed(tmp_path, m
     texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4)]  # code(1), code(4): unchanged
     run(tmp_path, texts, dedup={"method": method})
     assert report(tmp_path)["docs_changed_by_normalise"] == 2
+
+
+def test_tasks_that_worker_processes_cannot_read_are_cleaned_by_the_stage_s_own_process(tmp_path, monkeypatch):
+    """The stage's own process, whose worker state was never set (its workers are other processes here), sets
+    it before it cleans a task they handed back."""
+    from pipeline.data import clean
+
+    want = tmp_path / "want"
+    want.mkdir()
+    run(want, READ_TEXTS, batch_docs=3, task_bytes=2000)
+    monkeypatch.setattr(clean, "_worker", {})  # as in a fresh stage process
+    monkeypatch.setattr(clean, "identity", lambda table: [[str(tmp_path / "in.parquet"), 1, 2]])
+    metrics, _, _ = run(tmp_path, READ_TEXTS, batch_docs=3, task_bytes=2000, num_workers=2)
+    assert metrics["workers"] == 2
+    assert parquet_and_quarantine(tmp_path / "out") == parquet_and_quarantine(want / "out")
