@@ -146,7 +146,8 @@ class ExactDedupConfig(_Section):
 class NearDedupConfig(_Section):
     enabled: bool = Field(True, description="drop near duplicates of earlier documents (MinHash LSH)")
     num_perm: int = Field(128, ge=8, le=1024, description="MinHash permutations (signature length)")
-    bands: int = Field(16, ge=1, le=1024, description="LSH bands; must divide num_perm")
+    # validate_default: a num_perm that the default bands do not divide is an error too
+    bands: int = Field(16, ge=1, le=1024, validate_default=True, description="LSH bands; must divide num_perm")
     ngram: int = Field(5, ge=1, le=64, description="shingle size in words")
     threshold: float = Field(
         0.8, gt=0, le=1, description="estimated Jaccard at or above which a candidate is a duplicate")
@@ -513,7 +514,24 @@ def _open_input(in_path: Path) -> DocTable:
     missing = [n for n in REQUIRED if n not in table.schema_arrow.names]
     if missing:
         raise CleanError(f"{in_path} lacks column(s) {missing}; has {table.schema_arrow.names}")
+    wrong = [f"{f.name}: {f.type}" for f in table.schema_arrow if f.name in SCHEMA.names and not _readable(f)]
+    if wrong:
+        raise CleanError(f"{in_path}: column(s) of a type clean does not read: {', '.join(wrong)} (text is a "
+                         "string; chunk and offset are integers; the others strings or integers)")
     return table
+
+
+def _readable(field: pa.Field) -> bool:
+    """Whether an input column casts to SCHEMA's type whatever its values: checked
+    up front, so that a text of bytes (which need not be UTF-8) or a chunk of
+    strings is one line before any work, not a failed cast in a worker."""
+    t = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
+    if pa.types.is_null(t):
+        return True
+    if pa.types.is_integer(t):
+        return field.name != "text"
+    return SCHEMA.field(field.name).type == pa.string() and \
+        (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
 
 
 def _batches(table: DocTable, cfg: CleanConfig, start: int = 0, stop: int | None = None
@@ -1142,15 +1160,18 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     shards_resumed, workers and mb_per_s is the same for any executor, worker
     count, dedup method and interruption.
 
-    Raises CleanError when the input is missing, unreadable or lacks a column,
-    and when no document survives (the quarantine is still written then, and no
-    manifest); ExecutorError (one line) when a worker fails.
+    Raises CleanError when the input is missing, unreadable, lacks a column, has
+    one of a type it does not read or holds no document, and when no document
+    survives (the quarantine is still written then, and no manifest);
+    ExecutorError (one line) when a worker fails.
     Local worker processes are spawned, so a script that calls this with more
     than one worker needs the usual ``if __name__ == "__main__":`` guard."""
     t0 = time.perf_counter()
     in_path, out_path = Path(in_path), Path(out_path)
     table = _open_input(in_path)
     num_rows = table.num_rows
+    if num_rows == 0:
+        raise CleanError(f"{in_path} holds no documents: nothing to clean")
     fp = resume.fingerprint(
         "clean", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
         inputs={"docs": resume.input_digest(in_path)},

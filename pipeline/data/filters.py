@@ -464,6 +464,18 @@ FILTERS: dict[str, Filter] = {
 class FiltersConfig(ParamsModel):
     """Base of the generated per-filter section (see :data:`FiltersSection`)."""
 
+    @model_validator(mode="after")
+    def _lengths_leave_a_window(self) -> "FiltersConfig":
+        # too_short and too_long together would drop every document: fail before any work
+        short, long = getattr(self, "too_short"), getattr(self, "too_long")
+        if short.enabled and long.enabled:
+            for unit, least, most in (("chars", short.min_chars, long.max_chars),
+                                      ("words", short.min_words, long.max_words)):
+                if most is not None and least > most:
+                    raise ValueError(f"too_short.min_{unit}={least} exceeds too_long.max_{unit}={most}: "
+                                     "every document would be dropped")
+        return self
+
     def enabled(self) -> list[tuple[str, Filter, FilterConfig]]:
         """Enabled filters in registry order, each with its config."""
         out = []

@@ -94,6 +94,7 @@ def test_whitespace_keeps_indentation():
 
 def test_control_characters_removed_except_newline_and_tab():
     assert normalise("\ufeffa\x00b\x1b[0mc\td\x85e\n", NormaliseConfig()) == "ab[0mc\tde\n"
+    assert normalise("a\x7fb\x9f", NormaliseConfig()) == "ab"  # DEL and the last C1 control
 
 
 def test_each_normalisation_option_can_be_switched_off():
@@ -124,6 +125,8 @@ def test_normalised_text_is_in_the_form_and_normalising_it_again_changes_nothing
 
 def test_blank_document_normalises_to_empty():
     assert normalise(" \n\t\n  ", NormaliseConfig()) == ""
+    # one blank line with no line end, its whitespace left by the options
+    assert normalise(" \t ", NormaliseConfig(strip_trailing_whitespace=False)) == ""
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -202,7 +205,9 @@ def test_accounting_identity_on_mixed_input(tmp_path):
     metrics, docs, quarantine = run(tmp_path, MIXED, batch_docs=2, row_group_docs=3)
     docs_in, dropped = report(tmp_path)["docs_in"], report(tmp_path)["dropped"]
     assert docs_in == len(MIXED) == 9
-    assert metrics["docs"] == len(docs) == 4
+    assert metrics["docs"] == len(docs) == 4 and metrics["kept_frac"] == 0.4444
+    # the manifest counts the rows written, which readers trust
+    assert read_json(tmp_path / "out" / "docs" / "manifest.json")["rows"] == 4
     assert docs_in == metrics["docs"] + sum(dropped.values()) == metrics["docs"] + metrics["dropped"]
     fired = {k: v for k, v in dropped.items() if v}
     assert fired == {"c4_lorem_ipsum": 1, "exact_duplicate": 1, "too_short": 1, "gopher_dup_lines": 1,
@@ -252,7 +257,8 @@ def test_the_report_counts_each_source_s_documents_kept_and_dropped_by_reason(tm
 @pytest.mark.parametrize("kw", [{}, {"dedup": {"method": "sharded", "partition_docs": 3}}],
                          ids=["one-process", "sharded-dedup"])
 def test_a_source_that_clean_empties_is_a_warning_with_its_reasons(tmp_path, kw, caplog):
-    names = ["web", "junk", "junk", "junk", "web", "web", "web", "web", "web"]  # junk: lorem, a duplicate, empty
+    # junk: lorem, a duplicate, empty; one: a document of repeated lines
+    names = ["web", "junk", "junk", "junk", "web", "one", "web", "web", "web"]
     table = pq.read_table(write_docs(tmp_path / "in.parquet", MIXED))
     pq.write_table(table.append_column("source_name", pa.array(names)), tmp_path / "named.parquet")
     out = tmp_path / "out"
@@ -260,7 +266,8 @@ def test_a_source_that_clean_empties_is_a_warning_with_its_reasons(tmp_path, kw,
         run_clean(cfg(**kw), tmp_path / "named.parquet", out / "docs", out / "q.jsonl", out / "report.json")
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.data.clean"] == [
         f"source 'junk': clean dropped all 3 of its documents (c4_lorem_ipsum 1, exact_duplicate 1, too_short 1); "
-        f"see {out / 'q.jsonl'}"]
+        f"see {out / 'q.jsonl'}",
+        f"source 'one': clean dropped all 1 of its documents (gopher_dup_lines 1); see {out / 'q.jsonl'}"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="pipeline.data.clean"):
         run(tmp_path, MIXED)  # every source keeps documents
@@ -352,6 +359,9 @@ def test_empty_after_cleaning_is_a_clear_error(tmp_path):
     out, q = tmp_path / "out" / "docs", tmp_path / "out" / "quarantine.jsonl"
     with pytest.raises(CleanError, match=r"no documents left after cleaning 2 document\(s\).*'too_short': 2"):
         run_clean(cfg(filters={"too_short": {"min_chars": 5}}), inp, out, q)
+    one = write_docs(tmp_path / "one.parquet", ["a"])
+    with pytest.raises(CleanError, match=r"no documents left after cleaning 1 document\(s\).*'too_short': 1"):
+        run_clean(cfg(filters={"too_short": {"min_chars": 5}}), one, tmp_path / "one" / "docs", tmp_path / "q1.jsonl")
     # no manifest: readers refuse the folder
     assert not (out / "manifest.json").exists()
     with pytest.raises(CleanError, match="no manifest.json"):
@@ -367,6 +377,35 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"id": ["1"], "body": ["x"]}), bad)
     with pytest.raises(CleanError, match=r"lacks column\(s\) \['text', 'source', 'location'\]"):
         run_clean(cfg(), bad, out, q)
+    empty = write_docs(tmp_path / "empty.parquet", [])
+    with pytest.raises(CleanError, match="empty.parquet holds no documents: nothing to clean"):
+        run_clean(cfg(), empty, out, q)  # not "no documents left after cleaning" and advice on the filters
+
+
+@pytest.mark.parametrize("column,values,shown", [
+    ("text", pa.array([b"caf\xe9 au lait", b"tea"], pa.binary()), "text: binary"),  # bytes that need not be UTF-8
+    ("text", pa.array([1, 2]), "text: int64"),
+    ("chunk", pa.array(["a", "b"]), "chunk: string"),
+    ("offset", pa.array([1.5, 2.0]), "offset: double"),
+])
+def test_an_input_column_of_a_type_clean_does_not_read_is_a_clear_error(tmp_path, column, values, shown):
+    """Found before any work, not as an Arrow cast error in a worker."""
+    rows = {"id": ["a", "b"], "text": [code(1), code(2)], "source": ["a.py", "b.py"], "location": ["file", "file"]}
+    pq.write_table(pa.table({**rows, column: values}), tmp_path / "in.parquet")
+    with pytest.raises(CleanError, match=f"column\\(s\\) of a type clean does not read: {shown} "):
+        run_clean(cfg(), tmp_path / "in.parquet", tmp_path / "docs", tmp_path / "q.jsonl")
+
+
+def test_an_input_of_other_string_and_integer_types_is_read_as_the_schema_s(tmp_path):
+    rows = pa.table({"id": pa.array([7, 8], pa.int32()), "text": pa.array([code(1), code(2)], pa.large_string()),
+                     "source": pa.array(["a.py", "b.py"]).dictionary_encode(), "location": ["file", "file"],
+                     "chunk": pa.nulls(2), "offset": pa.array([None, None], pa.int32())})
+    pq.write_table(rows, tmp_path / "in.parquet")
+    run_clean(cfg(), tmp_path / "in.parquet", tmp_path / "docs", tmp_path / "q.jsonl")
+    out = read_out(tmp_path / "docs")
+    assert out.schema == SCHEMA
+    assert out.select(["id", "text", "source"]).to_pylist() == [
+        {"id": "7", "text": code(1), "source": "a.py"}, {"id": "8", "text": code(2), "source": "b.py"}]
 
 
 @pytest.mark.parametrize("data,key,message", [
@@ -379,6 +418,9 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
      "less than or equal to 1"),
     ({"normalise": {"unicode": "NFD"}}, "clean.normalise.unicode", "'NFC', 'NFKC' or 'none'"),
     ({"near_dedup": {"threshold": 0}}, "clean.near_dedup.threshold", "greater than 0"),
+    ({"near_dedup": {"num_perm": 128, "bands": 12}}, "clean.near_dedup.bands", "must divide num_perm=128"),
+    # the default bands (16) must divide a num_perm given alone too, or rensa fails once the stage has started
+    ({"near_dedup": {"num_perm": 100}}, "clean.near_dedup.bands", "must divide num_perm=100"),
 ])
 def test_config_errors_name_the_dotted_key(data, key, message):
     with pytest.raises(ConfigError) as err:
@@ -617,3 +659,71 @@ def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_match
 def test_lone_carriage_returns_are_line_ends_too():
     """A file saved with old Mac line ends has no "\\r\\n" at all: each "\\r" still ends a line."""
     assert normalise("x = 1\ry = 2\r", NormaliseConfig()) == "x = 1\ny = 2\n"
+
+
+def test_row_groups_and_shards_end_at_the_run_that_brings_their_text_exactly_to_the_limit(tmp_path):
+    """Twelve documents of one size, a run each: a row group ends once its text is two documents', a
+    shard once it is three documents'."""
+    texts = [prose(60, seed=s) for s in range(12)]
+    size = max(map(len, texts))
+    texts = [t + "q" * (size - len(t)) for t in texts]  # ASCII: a character is a byte
+    metrics, docs, _ = run(tmp_path, texts, task_bytes=1, row_group_bytes=2 * size, shard_bytes=3 * size)
+    assert len(docs) == 12 and metrics["shards"] == 4
+    table = DocTable(tmp_path / "out" / "docs", CleanError)
+    assert np.diff(table.row_groups()[0]).tolist() == [2, 1] * 4
+
+
+def test_null_texts_are_empty_documents(tmp_path):
+    """A null text (another tool's Parquet) is the empty text: too short by default, kept as "" (not null)
+    when too_short is off, in runs of its own too."""
+    texts = [None, code(1), None]
+    metrics, docs, quarantine = run(tmp_path, texts, batch_docs=1)
+    assert [d["id"] for d in docs] == ["id001"] and report(tmp_path)["bytes_in"] == len(code(1))
+    assert [q["reason"] for q in quarantine] == ["too_short", "too_short"] and "text" not in quarantine[0]
+    for method in ("memory", "sharded"):
+        (tmp_path / method).mkdir()
+        _, docs, _ = run(tmp_path / method, texts, batch_docs=1, filters={"too_short": {"enabled": False}},
+                         dedup={"method": method})
+        assert [(d["id"], d["text"]) for d in docs] == [("id000", ""), ("id001", code(1))]  # id002: a duplicate
+
+
+def test_the_report_lists_every_enabled_filter_and_dedup_pass_that_did_not_fire(tmp_path):
+    run(tmp_path, [code(1)])
+    r = report(tmp_path)
+    assert r["dropped"] == {**{name: 0 for name in r["filters_enabled"]}, "exact_duplicate": 0, "near_duplicate": 0}
+    (tmp_path / "off").mkdir()
+    run(tmp_path / "off", [code(1)], exact_dedup={"enabled": False}, near_dedup={"enabled": False},
+        filters={"c4_policy": {"enabled": False}})
+    r = report(tmp_path / "off")
+    assert r["dropped"] == {name: 0 for name in r["filters_enabled"]} and "c4_policy" not in r["dropped"]
+    assert r["near_dedup"] == {}
+
+
+def test_the_quarantine_keeps_per_reason_samples_over_all_shards(tmp_path):
+    """Each shard's record keeps its own samples; the quarantine keeps the first quarantine_per_reason of
+    them all."""
+    _, _, quarantine = run(tmp_path, ["x", "y", "z", code(1)], batch_docs=1, shard_bytes=1, quarantine_per_reason=2)
+    assert [q["text"] for q in quarantine] == ["x", "y"]
+    assert report(tmp_path)["dropped"]["gopher_mean_word_length"] == 3
+
+
+@pytest.mark.parametrize("method", ["memory", "sharded"])
+def test_documents_changed_by_normalise_are_those_whose_text_changed(tmp_path, method):
+    texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4)]  # code(1), code(4): unchanged
+    run(tmp_path, texts, dedup={"method": method})
+    assert report(tmp_path)["docs_changed_by_normalise"] == 2
+
+
+def test_tasks_that_worker_processes_cannot_read_are_cleaned_by_the_stage_s_own_process(tmp_path, monkeypatch):
+    """The stage's own process, whose worker state was never set (its workers are other processes here), sets
+    it before it cleans a task they handed back."""
+    from pipeline.data import clean
+
+    want = tmp_path / "want"
+    want.mkdir()
+    run(want, READ_TEXTS, batch_docs=3, task_bytes=2000)
+    monkeypatch.setattr(clean, "_worker", {})  # as in a fresh stage process
+    monkeypatch.setattr(clean, "identity", lambda table: [[str(tmp_path / "in.parquet"), 1, 2]])
+    metrics, _, _ = run(tmp_path, READ_TEXTS, batch_docs=3, task_bytes=2000, num_workers=2)
+    assert metrics["workers"] == 2
+    assert parquet_and_quarantine(tmp_path / "out") == parquet_and_quarantine(want / "out")

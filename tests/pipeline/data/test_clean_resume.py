@@ -108,10 +108,13 @@ def test_sharded_dedup_keeps_its_decisions_and_resumes_pass_2(tmp_path, inp, mon
     assert {n: after[n] for n in before} == before
 
 
-def test_a_param_change_removes_the_old_shards(tmp_path, inp, caplog):
+@pytest.mark.parametrize("first,changed", [
+    ({}, {"near_dedup": {"threshold": 0.85}}),
+    ({"quarantine_per_reason": 0}, {}),  # the old shards' records hold no samples for the quarantine
+])
+def test_a_param_change_removes_the_old_shards(tmp_path, inp, caplog, first, changed):
     d = tmp_path / "changed"
-    run(d, inp)
-    changed = {"near_dedup": {"threshold": 0.85}}
+    run(d, inp, **first)
     with caplog.at_level(logging.WARNING, logger="pipeline.data.resume"):
         metrics = run(d, inp, **changed)
     stale = [r.getMessage() for r in caplog.records if "made under another fingerprint" in r.getMessage()]

@@ -142,19 +142,66 @@ def test_bad_filter_params_are_rejected():
         FiltersSection.model_validate({"gopher_stop_words": {"words": ["The", "of the", "and"]}})
     with pytest.raises(ValueError, match="at least 1 item"):
         FiltersSection.model_validate({"gopher_stop_words": {"words": []}})
+    with pytest.raises(ValueError, match="n-gram size 65 must be in"):
+        FiltersSection.model_validate({"gopher_top_ngrams": {"max_char_frac": {65: 0.1}}})
+    with pytest.raises(ValueError, match=r"limit 1.5 for n=2 must be in \[0, 1\]"):
+        FiltersSection.model_validate({"gopher_dup_ngrams": {"max_char_frac": {2: 1.5}}})
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        FiltersSection.model_validate({"c4_min_words_per_line": {"min_words": 0}})
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        FiltersSection.model_validate({"c4_policy": {"max_line_frac": 1.5}})
+    # a range of one value is a range
+    assert FiltersSection.model_validate({"gopher_mean_word_length": {"min": 4, "max": 4}})
 
 
-# (filter, params, text exactly at the limit, which the filter keeps: each rule drops only beyond it)
-AT_LIMIT = [
-    ("too_short", {"min_chars": 4}, "abcd"),
-    ("too_short", {"min_chars": 1}, "x"),
-    ("gopher_bullet_lines", {}, "- one\n" * 9 + "plain line"),  # 9 of 10 lines: 0.9, not above it
+
+def test_length_limits_that_leave_no_document_are_rejected():
+    with pytest.raises(ValueError, match="too_short.min_words=100 exceeds too_long.max_words=50: every document"):
+        FiltersSection.model_validate({"too_short": {"min_words": 100}, "too_long": {"max_words": 50}})
+    with pytest.raises(ValueError, match="too_short.min_chars=11 exceeds too_long.max_chars=10: every document"):
+        FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10}})
+    # a window of one length keeps the documents of that length; with either filter off there is no window
+    assert FiltersSection.model_validate({"too_short": {"min_chars": 10}, "too_long": {"max_chars": 10}})
+    off = {"enabled": False}
+    assert FiltersSection.model_validate({"too_short": {"min_chars": 11}, "too_long": {"max_chars": 10, **off}})
+    assert FiltersSection.model_validate({"too_short": {"min_words": 11, **off}, "too_long": {"max_words": 10}})
+
+# (filter, params, text exactly at the limit, which the filter keeps, and one just past it, which it drops)
+AT_AND_PAST_LIMIT = [
+    ("too_short", {"min_chars": 4}, "abcd", "abc"),
+    ("too_short", {"min_words": 3}, "a b c", "a b"),
+    ("too_long", {"max_chars": 4}, "abcd", "abcde"),
+    ("too_long", {"max_words": 2}, "a b", "a b c"),
+    ("c4_javascript", {}, "javascript\n" + "line\n" * 9, "javascript\n" * 2 + "line\n" * 8),  # 1 of 10, 2 of 10
+    ("c4_policy", {}, "uses cookies\n" + "line\n" * 9, "uses cookies\n" * 2 + "line\n" * 8),
+    ("gopher_mean_word_length", {}, "abc def", "ab cd"),  # mean 3.0, 2.0
+    ("gopher_mean_word_length", {}, "x" * 15, "x" * 16),  # mean 15.0, 16.0
+    ("gopher_symbol_ratio", {}, "# aa bb cc", "# aa bb"),  # 1 per 4 words: 0.25; 1 per 3
+    ("gopher_bullet_lines", {}, "- one\n" * 9 + "plain line", "- one\n" * 10),
+    ("gopher_ellipsis_lines", {}, "a...\n" * 3 + "b\n" * 7, "a...\n" * 4 + "b\n" * 6),  # 0.3, 0.4
+    ("gopher_alpha_words", {}, "a b c d 1", "a b c 1 2"),  # 0.8, 0.6
+    ("gopher_stop_words", {}, "the cat and dog", "the cat sat down"),  # 2 stop words, 1
+    ("c4_terminal_punct", {}, "A line.\nno end", "A line.\nno end\nnor here"),  # 0.5, 1/3
+    ("c4_min_words_per_line", {}, "one two three\nx", "one two three\nx\ny"),  # 0.5, 1/3
+    # 2 of 5 lines repeat (0.4), their 4 characters of 40; 3 of 6 (0.5)
+    ("gopher_dup_lines", {}, "aa\naa\naa\n" + "b" * 15 + "\n" + "c" * 15,
+     "aa\naa\naa\naa\n" + "b" * 15 + "\n" + "c" * 15),
+    # one line of 3 characters repeats, 3 of 10 characters (0.3); of 4 characters, 4 of 12
+    ("gopher_dup_lines", {}, "abc\nabc\nde", "abcd\nabcd\nde"),
+    ("gopher_dup_paragraphs", {}, "p\n\np\n\np\n\np\n\n" + "\n\n".join("abcdefghi" + c for c in "qrstuv"),
+     "p\n\np\n\np\n\np\n\np\n\n" + "\n\n".join("abcdefghi" + c for c in "qrstu")),  # 3 of 10 repeat; 4 of 10
+    # the most frequent 2-gram: 2 x 4 of 40 word characters (0.2); 3 x 4 of 40
+    ("gopher_top_ngrams", {"max_char_frac": {2: 0.2}}, "ab cd ab cd " + "efghijklmnopqrstuvwxyzABCDEFGHIJ",
+     "ab cd ab cd ab cd " + "efghijklmnopqrstuvwxyzABCDEF"),
+    # one repeat of a 2-gram: 4 of 20 word characters (0.2); 4 of 16
+    ("gopher_dup_ngrams", {"max_char_frac": {2: 0.2}}, "ab cd ab cd efghijklmnop", "ab cd ab cd efghijkl"),
 ]
 
 
-@pytest.mark.parametrize("name,params,text", AT_LIMIT, ids=[c[0] for c in AT_LIMIT])
-def test_a_document_exactly_at_a_limit_is_kept(name, params, text):
-    assert not fires(name, text, **params)
+@pytest.mark.parametrize("name,params,at,past", AT_AND_PAST_LIMIT, ids=[c[0] for c in AT_AND_PAST_LIMIT])
+def test_a_document_at_a_limit_is_kept_and_one_past_it_dropped(name, params, at, past):
+    assert not fires(name, at, **params)
+    assert fires(name, past, **params)
 
 
 def test_the_unicode_ellipsis_counts_as_a_symbol():
@@ -197,3 +244,63 @@ def test_line_rules_count_non_blank_lines_only():
     # one line of nine non-blank mentions javascript: 0.111, above 0.1, whatever the blank lines after it
     text = "Enable JavaScript\n" + "line\n" * 8 + "\n\n"
     assert first_failure(text, only("c4_javascript")) == ("c4_javascript", "javascript_line_frac 0.111 > 0.1")
+
+
+# The rules that measure a share of words, lines or n-grams: a document with none has none to share.
+SHARE_RULES = [n for n in FILTERS if n not in ("too_short", "gopher_stop_words", "c4_terminal_punct",
+                                               "c4_min_words_per_line")]
+
+
+@pytest.mark.parametrize("name", SHARE_RULES)
+@pytest.mark.parametrize("text", ["", "\n\n"])  # a chunk of a text keeps its blank edges
+def test_a_document_with_no_words_passes_the_share_rules(name, text):
+    """With too_short off, an empty document reaches the other filters: those that
+    measure a share keep it (no division by zero, no share of 1.0)."""
+    assert not fires(name, text)
+
+
+def test_paragraphs_end_at_blank_lines_that_hold_whitespace_and_are_compared_stripped():
+    # the last paragraph's line end is no part of it
+    assert fires("gopher_dup_paragraphs", "para one\n\npara two\n\npara one\n")
+    # normalisation off: blank lines that hold spaces and tabs, and an indented paragraph
+    assert fires("gopher_dup_paragraphs", "para one\n  \npara two\n \t\npara one\n\n  para one")
+    # lines that repeat in paragraphs that do not
+    assert not fires("gopher_dup_paragraphs", "x\ny\n\nx\nz\n\nx\nw")
+
+
+def test_a_bullet_is_followed_by_whitespace():
+    assert not fires("gopher_bullet_lines", "*args\n-1\n\u2022x\n*kwargs")
+    assert fires("gopher_bullet_lines", "* args\n- 1\n\u2022\tx\n*  kwargs")
+
+
+def test_an_ellipsis_ends_a_line_whatever_whitespace_follows_it():
+    # strip_trailing_whitespace off leaves it there
+    assert fires("gopher_ellipsis_lines", "a...  \nb\u2026\t\nc")
+
+
+def test_a_letter_of_any_script_makes_an_alpha_word():
+    assert not fires("gopher_alpha_words", "\u00fcber \u00fc \u00f1 \u65e5\u672c \u00e9")
+    assert fires("gopher_alpha_words", "\u00fcber 12 3.5 == 7")
+
+
+def test_top_ngrams_are_checked_smallest_n_first_in_any_order_given():
+    # no 3-gram repeats, which ends the search only once the 2-grams were checked
+    assert fires("gopher_top_ngrams", "ab cd ab cd", max_char_frac={3: 0.9, 2: 0.2})
+
+
+def test_terminal_punctuation_may_be_a_closing_quote_or_have_whitespace_after_it():
+    # one line of two ends in terminal punctuation: 0.5, not below the limit
+    assert not fires("c4_terminal_punct", "he said \u201cyes\u201d\nno end")
+    assert not fires("c4_terminal_punct", "a sentence.  \nno end")  # strip_trailing_whitespace off
+
+
+def test_dup_ngrams_stops_early_only_under_every_remaining_limit():
+    """The repeat of 'a1 a2 a3' is 6 of 24 word characters (0.25) for n = 2 and 3: under the limit for 2,
+    above the one for 3, so the search goes on past 2 although the limit for 4 is higher."""
+    text = "a1 a2 a3 a1 a2 a3 b1 b2 b3 b4 b5 b6"
+    assert first_failure(text, only("gopher_dup_ngrams", max_char_frac={2: 0.5, 3: 0.1, 4: 0.9})) == (
+        "gopher_dup_ngrams", "dup_3gram_char_frac 0.250 > 0.1")
+
+
+def test_an_indented_line_counts_its_words():
+    assert not fires("c4_min_words_per_line", "    one two three\nx")  # 0.5 of the lines are long enough
