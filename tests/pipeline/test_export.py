@@ -308,8 +308,33 @@ def test_export_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path, tok, 
     out = tmp_path / "export"
     out.mkdir()
     (out / "stale.bin").write_text("from an older export")
+    (out / "report.json").write_text(json.dumps({"files": {"stale.bin": {}}}))  # which listed it
     export_model(tmp_path / "sft", tok_path, out, card_info={})
     assert not (out / "stale.bin").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+@pytest.mark.parametrize("user", ["NOTES.md", "my-model/", "file"])
+def test_what_no_export_wrote_is_refused_in_one_line_and_kept(tmp_path, tok, tok_path, user):
+    """Replacing the folder whole deleted a user's notes or model kept in it (or a file
+    in its place) without a word: export refuses, naming them, and leaves them as they were."""
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    out = tmp_path / "export"
+    if user == "file":
+        out.write_text("mine")
+        message = r"export is a file, not an export folder; move it away"
+    else:
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # an export's name, from an export stopped before its report
+        (out / "report.json").write_text(json.dumps({"files": {"old.bin": {}}}))
+        mine = out / user.rstrip("/") / "weights.bin" if user.endswith("/") else out / user
+        mine.parent.mkdir(exist_ok=True)
+        mine.write_text("mine")
+        message = rf"export holds {user}, which no export wrote \(its report.json does not list them\); .* move them"
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ExportError, match=message):
+        export_model(tmp_path / "sft", tok_path, out, card_info={})
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
 
 
