@@ -204,6 +204,43 @@ def test_missing_checkpoint_is_clear(tmp_path, tok_path):
         evaluate_models(EvaluateConfig(), {"x": tmp_path / "none"}, {"text": tmp_path / "val"}, tok_path)
 
 
+def test_a_tokenizer_the_model_was_not_trained_with_is_refused_before_any_scoring(tmp_path, tok_path):
+    """Scored with another tokenizer, bits per byte counted other bytes and a sample's id
+    past the embedding stopped the stage in a traceback: it is one line before any work."""
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.files import sha256_file
+    from tests.helpers import train_tiny_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    other = tmp_path / "other" / "tokenizer.json"
+    train_tiny_tokenizer(other, vocab_size=vocab + 100)
+    model = tiny_model(tiny_config(vocab))
+    save_checkpoint(tmp_path / "recorded", model, meta={"tokenizer_sha256": sha256_file(tok_path)})
+    save_checkpoint(tmp_path / "unrecorded", model)  # no sha256 to compare: the ids still must fit
+    cfg = parse_section(EvaluateConfig, {"samples": {"max_new_tokens": 2}}, "evaluate")
+    for name, message in (("recorded", r"\S*other/tokenizer.json \(sha256 \w+…\) is not the tokenizer this model was "
+                                       r"trained with .*; rerun the training stages on it"),
+                          ("unrecorded", rf"the tokenizer has ids up to {vocab + 99} .*, the model embeds only {vocab}$")):
+        with pytest.raises(EvaluateError, match=rf"^\S*{name}/step-00000005: {message}"):
+            evaluate_models(cfg, {name: tmp_path / name}, {"text": tmp_path / "val"}, other, tmp_path / "report.json")
+    assert not (tmp_path / "report.json").exists()
+    evaluate_models(cfg, {"recorded": tmp_path / "recorded"}, {"text": tmp_path / "val"}, tok_path)  # its own passes
+
+
+def test_a_split_made_with_another_tokenizer_is_one_line_not_an_index_error(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    docs = synthetic_docs(20, vocab, seed=3)
+    docs[3][0] = vocab + 7  # an id of a larger tokenizer: past the byte table and the embedding
+    write_split(tmp_path / "val", docs, seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    with pytest.raises(EvaluateError, match=rf"val: token id {vocab + 7} is beyond the tokenizer's {vocab} ids or "
+                                            rf"the model's {vocab}; the split was made with another tokenizer"):
+        evaluate_models(EvaluateConfig(), {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
+
+
 def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path, caplog, monkeypatch):
     import pipeline.evaluate
     from pipeline.data.tokenizer import load_tokenizer
