@@ -106,7 +106,9 @@ def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tokenizer().to_str())
     cfg = parse_section(PretrainConfig, train_params(TRAIN, model={"preset": "tiny"}, max_steps=2), "pretrain")
-    run_pretrain(cfg, write_packed(tmp_path / "packed", tokenizer=tok), tmp_path / "pretrain", tmp_path / "p.csv")
+    vocab = tiny_tokenizer().get_vocab_size()  # the model embeds every id of the tokenizer
+    run_pretrain(cfg, write_packed(tmp_path / "packed", vocab=vocab, tokenizer=tok), tmp_path / "pretrain",
+                 tmp_path / "p.csv")
     data = {"data": {"seq_len": 128, "overlong": "truncate", "max_examples": 300}}
 
     def prepare(**kw):
@@ -120,6 +122,28 @@ def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path
         prepare(micro_batch_size=rows + 1)
     assert f"one step needs {rows + 1} rows" in str(err.value) and f"train split has only {rows}" in str(err.value)
     assert not (tmp_path / "models").exists()
+
+
+def test_the_launcher_refuses_a_tokenizer_the_model_was_not_trained_with_before_building_the_data(tmp_path, pretrained):
+    """Another tokenizer was refused only after the data build; one with ids past the
+    embedding, from a checkpoint that records no tokenizer, stopped a rank in an IndexError."""
+    import shutil
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(tiny_tokenizer().to_str())  # 450 ids; the pretrained model embeds 64
+    c = ckpt.latest(pretrained)
+    with pytest.raises(SFTError, match=rf"^\S*tokenizer.json is not the tokenizer \S*{c.path.name} was trained with; "
+                                       r"run `dvc repro tokenizer pretrain` before sft$"):
+        prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", pretrained, tmp_path / "models")
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(c.path, unrecorded / c.path.name)
+    meta = json.loads((unrecorded / c.path.name / "meta.json").read_text())
+    assert meta.pop("tokenizer_sha256") == "synthetic"
+    (unrecorded / c.path.name / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SFTError, match=r"tokenizer.json has ids up to 449, but \S* embeds only 64; sft needs the "
+                                       "tokenizer the model was pretrained with$"):
+        prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", unrecorded, tmp_path / "models")
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
 
 
 def test_the_launcher_refuses_an_attention_this_machine_cannot_train_with(tmp_path, pretrained):
