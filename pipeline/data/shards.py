@@ -320,7 +320,12 @@ class _Shard:
     """One memory-mapped Arrow IPC shard: zero-copy numpy views of its columns."""
 
     def __init__(self, path: Path):
-        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+        try:
+            table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+        except pa.ArrowInvalid as e:  # cut short or overwritten: one line, not Arrow's traceback
+            stage = layout.packed_rows_writer(path)
+            raise DataError(f"{path}: not a readable Arrow shard ({e}); " + (
+                f"run `dvc repro {stage}` to write it again" if stage else "write it again")) from None
         for name in ("input_ids", "doc_starts"):
             if name not in table.column_names:
                 raise DataError(f"{path}: no column {name!r}; columns are {table.column_names}")
