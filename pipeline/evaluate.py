@@ -291,12 +291,12 @@ def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_
     without one) and stop at its end of turn or the tokenizer's eos."""
     from pipeline.data.chat_template import encode_prompt, template_of_sft_data
     from pipeline.data.tokenizer import load_specials, load_tokenizer
-    from pipeline.files import read_json
+    from pipeline.files import read_stage_json
     from pipeline.model.generate import generate
 
     tok = load_tokenizer(tokenizer_path)
     specials = load_specials(tokenizer_path)
-    manifest = read_json(sft_manifest) if sft_manifest is not None and Path(sft_manifest).is_file() else {}
+    manifest = read_stage_json(sft_manifest) if sft_manifest is not None and Path(sft_manifest).is_file() else {}
     template = template_of_sft_data(manifest, tokenizer_path, tok)
     chat_stops = list(manifest.get("stop_ids") or specials.eos_ids)
     text_stops = list(dict.fromkeys([specials.eot_id, *specials.eos_ids]))

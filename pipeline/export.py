@@ -75,7 +75,7 @@ from pipeline.config import StageConfig, flatten
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.data.tokenizer import EOT_ID, HF_DIR, OWN_TOKEN_VARIABLES, PAD_ID, load_specials, tokenizer_dir
 from pipeline.errors import StageError
-from pipeline.files import atomic_dir, read_json, sha256_file, write_json
+from pipeline.files import atomic_dir, read_json, read_stage_json, sha256_file, write_json
 from pipeline.model import generate as gen
 from pipeline.model import hf_adapter
 from pipeline.model.families import FAMILIES
@@ -200,7 +200,7 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     except ValueError as err:  # a tokenizer that does not belong to this model
         raise ExportError(str(err)) from err
 
-    manifest = json.loads(Path(sft_manifest).read_text()) if sft_manifest and Path(sft_manifest).is_file() else {}
+    manifest = read_stage_json(sft_manifest) if sft_manifest and Path(sft_manifest).is_file() else {}
     token_ids = None
     if not specials.own and not meta.get("hf_config"):  # trained from scratch with an adopted tokenizer
         token_ids = {"bos_token_id": specials.bos_id, "pad_token_id": specials.pad_id,
@@ -264,9 +264,9 @@ def check_replaceable(out_dir: Path, written: Iterable[str]) -> None:
                      if p.name not in known or p.is_dir())
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        raise ExportError(f"{out_dir} holds {', '.join(foreign[:5])}{more}, which no export wrote (its {REPORT} does not "
-                          "list them); an export replaces the folder whole, so move them out of it (or delete them) "
-                          "and run the stage again")
+        raise ExportError(f"{out_dir} holds {', '.join(foreign[:5])}{more}, which no export wrote (its {REPORT} "
+                          "does not list them); an export replaces the folder whole, so move them out of it (or delete "
+                          "them) and run the stage again")
 
 
 def check_fits(model: Transformer, dtype: str) -> None:

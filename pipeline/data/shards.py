@@ -47,7 +47,7 @@ import pyarrow as pa
 
 from pipeline import layout
 from pipeline.errors import StageError
-from pipeline.files import atomic_path, read_json, sha256_file, write_json
+from pipeline.files import atomic_path, read_stage_json, sha256_file, write_json
 
 if TYPE_CHECKING:  # torch is needed only to hand batches to the trainer
     import torch
@@ -196,7 +196,7 @@ def read_manifest(out_dir: str | Path, fmt: str | None = None) -> dict[str, Any]
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path} not found; the stage that writes {out_dir} has not completed")
-    manifest = read_json(path)
+    manifest = read_stage_json(path)
     if fmt is not None and manifest.get("format") != fmt:
         raise DataError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
     return manifest

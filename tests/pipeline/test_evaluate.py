@@ -221,7 +221,8 @@ def test_a_tokenizer_the_model_was_not_trained_with_is_refused_before_any_scorin
     cfg = parse_section(EvaluateConfig, {"samples": {"max_new_tokens": 2}}, "evaluate")
     for name, message in (("recorded", r"\S*other/tokenizer.json \(sha256 \w+…\) is not the tokenizer this model was "
                                        r"trained with .*; rerun the training stages on it"),
-                          ("unrecorded", rf"the tokenizer has ids up to {vocab + 99} .*, the model embeds only {vocab}$")):
+                          ("unrecorded", rf"the tokenizer has ids up to {vocab + 99} .*, the model embeds only "
+                                         rf"{vocab}$")):
         with pytest.raises(EvaluateError, match=rf"^\S*{name}/step-00000005: {message}"):
             evaluate_models(cfg, {name: tmp_path / name}, {"text": tmp_path / "val"}, other, tmp_path / "report.json")
     assert not (tmp_path / "report.json").exists()

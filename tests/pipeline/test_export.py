@@ -338,6 +338,17 @@ def test_what_no_export_wrote_is_refused_in_one_line_and_kept(tmp_path, tok, tok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
 
 
+def test_a_damaged_sft_manifest_is_one_line_and_leaves_no_export(tmp_path, tok, tok_path):
+    from pipeline.files import DamagedFileError
+
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    (tmp_path / "manifest.json").write_text('{"chat_template": "{{')  # cut short
+    with pytest.raises(DamagedFileError, match=r"manifest.json is damaged: not valid JSON"):
+        export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={},
+                     sft_manifest=tmp_path / "manifest.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "sft"]
+
+
 def test_a_failed_export_leaves_the_previous_one(tmp_path, tok, tok_path):
     model = tiny_model(tiny_config(tok.get_vocab_size()))
     save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": "0" * 64})  # another tokenizer

@@ -74,3 +74,22 @@ def test_a_primary_metric_that_evaluate_did_not_write_is_refused_before_the_expo
     for ok in ({"primary_metric": "sft.val_loss"}, {"primary_metric": "sft.chat.bpb", "register_model": False}):
         with pytest.raises(ExportError, match="records no sft model"):
             export.main(parse_section(ExportConfig, ok, "export"), None)
+
+
+@pytest.mark.parametrize("damage", ["cut-short", "list"])
+@pytest.mark.parametrize("name", ["metrics", "report"])
+def test_evaluate_s_outputs_damaged_are_one_line_before_the_export(tmp_path, monkeypatch, name, damage):
+    """A cut-short or foreign metrics/evaluate.json or data/evaluate/report.json ended export in a
+    JSONDecodeError or AttributeError traceback."""
+    from pipeline.files import DamagedFileError
+
+    monkeypatch.chdir(tmp_path)
+    write_json(layout.metrics_path("evaluate"), {"sft": {"chat": {"bits_per_byte": 1.2}}})
+    write_json(layout.EVALUATE_REPORT, {})
+    path = layout.metrics_path("evaluate") if name == "metrics" else layout.EVALUATE_REPORT
+    path.write_text('{"sft": ' if damage == "cut-short" else "[]")
+    error, message = ((DamagedFileError, rf"^{path} is damaged: not valid JSON") if damage == "cut-short" else
+                      (ExportError, rf"^{path} is not evaluate's \(not a JSON object\); run `dvc repro evaluate`$"))
+    with pytest.raises(error, match=message):
+        export.main(parse_section(ExportConfig, {"register_model": False}, "export"), None)
+    assert not layout.EXPORT_DIR.exists()
