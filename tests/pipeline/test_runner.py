@@ -159,6 +159,22 @@ def test_every_stage_error_class_is_a_stage_error():
 def test_one_line_joins_a_config_error_list():
     msg = "params.yaml is invalid:\n  pack.seq_len: too small\n  pack.bogus: unknown key"
     assert one_line(msg) == "params.yaml is invalid: pack.seq_len: too small; pack.bogus: unknown key"
+    assert one_line("first\n\n   \nsecond\n") == "first; second"  # blank lines add no empty part
+
+
+def test_a_bug_in_a_stage_keeps_its_traceback_and_writes_no_metrics(tmp_path, monkeypatch):
+    """Only expected failures become one line and exit 2; anything else is a bug and is raised as it was."""
+    from pipeline.runner import run_stage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("evaluate: {}\n")
+
+    def body(cfg):
+        raise ZeroDivisionError("a bug")
+
+    with pytest.raises(ZeroDivisionError, match="a bug"):
+        run_stage("evaluate", body)
+    assert not (tmp_path / "metrics").exists()
 
 
 STAND_IN = '''
