@@ -314,7 +314,7 @@ def test_export_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path, tok, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
 
 
-@pytest.mark.parametrize("user", ["NOTES.md", "my-model/", "file"])
+@pytest.mark.parametrize("user", ["NOTES.md", "my-model/", "README.md/", "file"])
 def test_what_no_export_wrote_is_refused_in_one_line_and_kept(tmp_path, tok, tok_path, user):
     """Replacing the folder whole deleted a user's notes or model kept in it (or a file
     in its place) without a word: export refuses, naming them, and leaves them as they were."""
