@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -539,17 +540,32 @@ def test_a_weight_beyond_float16_s_range_is_refused_for_float16_not_for_bfloat16
     _, model = load_hf_model(original)
     with torch.no_grad():
         model.layers[0].feed_forward.w1.weight[0, 0] = 70000.0
+        model.layers[0].attention.wq.weight[0, 0] = -70000.0  # beyond it below zero: -inf
     save_checkpoint(tmp_path / "sft", model, meta={"hf_config": json.loads((original / "config.json").read_text())})
     with pytest.raises(ExportError) as err:
         export_model(tmp_path / "sft", tok_path, tmp_path / "f16", card_info={}, dtype="float16")
-    assert str(err.value).startswith("export.dtype float16: layers.0.feed_forward.w1.weight hold weights beyond float16's "
-                                     "largest value (65504)")
+    assert str(err.value).startswith("export.dtype float16: layers.0.attention.wq.weight, layers.0.feed_forward.w1.weight "
+                                     "hold weights beyond float16's largest value (65504)")
     assert not (tmp_path / "f16").exists()
     export_model(tmp_path / "sft", tok_path, tmp_path / "bf16", card_info={}, dtype="bfloat16")
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
         assert all(torch.isfinite(f.get_tensor(k)).all() for k in f.keys())
+
+
+def test_more_than_five_tensors_beyond_float16_are_named_five_and_counted(tok):
+    from pipeline.export import check_fits
+
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    names = [name for name, _ in model.named_parameters()][:7]
+    with torch.no_grad():
+        for name in names:
+            model.get_parameter(name).view(-1)[0] = 1e5
+    with pytest.raises(ExportError, match=rf"^export.dtype float16: {re.escape(', '.join(names[:5]))} and 2 more hold "
+                                          r"weights beyond float16's largest value"):
+        check_fits(model, "float16")
+    check_fits(model, "bfloat16")
 
 
 def test_a_model_trained_from_scratch_writes_todays_llama_config(export_dir):
