@@ -806,3 +806,11 @@ def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_p
     with caplog.at_level("WARNING", logger="pipeline.export"):
         assert exported_generation("gone") == before
     assert f"init_from chain ends at {hf}" in caplog.text and "recorded when the run started" in caplog.text
+
+    hf.with_name("moved").rename(hf)  # back, but holding another model now: the recorded copy again
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "rope_theta": config.get("rope_theta", 1e4) * 2}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.export"):
+        assert exported_generation("another") == before
+    assert f"{hf} now holds another model (its config.json is not the one trained)" in caplog.text
