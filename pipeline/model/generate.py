@@ -45,7 +45,7 @@ from pipeline.data.chat_template import (
 )
 from pipeline.data.tokenizer import EOT_ID, IM_END_ID, id_space, load_specials, load_tokenizer, open_hf_tokenizer
 from pipeline.errors import StageError
-from pipeline.files import broken_links, read_json, sha256_file
+from pipeline.files import broken_links, read_stage_json, sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import KVCache, ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
@@ -259,7 +259,7 @@ def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path
     tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
     roles = load_specials(tok_path)
     text_stops = TEXT_STOP_IDS if roles.own else tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
-    manifest = read_json(sft_manifest) if not hf_folder and sft_manifest and Path(sft_manifest).is_file() else {}
+    manifest = read_stage_json(sft_manifest) if not hf_folder and sft_manifest and Path(sft_manifest).is_file() else {}
     if manifest.get("chat_template") and manifest.get("tokenizer_sha256") in (None, sha256_file(tok_path)):
         template = template_of_sft_data(manifest, tok_path, tokenizer)
         chat_stops = tuple(manifest.get("stop_ids") or stop_ids(tokenizer, template, roles.eos_ids))

@@ -349,6 +349,17 @@ def test_a_checkpoint_is_prompted_with_the_template_sft_trained_with(tmp_path, t
     assert [t.source for t in seen] == [QWEN2_TEMPLATE]
 
 
+def test_cli_a_damaged_sft_manifest_is_one_line_naming_it(tmp_path, capsys, tok_path, ckpt_dir, monkeypatch):
+    """--chat on a checkpoint reads data/sft/manifest.json: cut short, it printed json's bare
+    'Expecting value: ...', naming no file."""
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    (tmp_path / "data" / "sft" / "manifest.json").write_text('{"chat_template": ')
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--chat", "Hi"]) == 2
+    assert re.fullmatch(r"error: data/sft/manifest.json is damaged: not valid JSON \(.+\); run the stage that writes "
+                        r"it again\n", capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("device, message", [
     ("gpu", r"device 'gpu' is not a device name; use auto, cpu, cuda, cuda:N or mps"),
     ("xla", r"device 'xla' is not supported; use auto, cpu, cuda, cuda:N or mps"),
