@@ -689,8 +689,30 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_carries_its_ids(
     assert config["eos_token_id"] == list(specials.eos_ids) == generation["eos_token_id"]
     assert config.get("bos_token_id") == specials.bos_id
     assert transformers.AutoConfig.from_pretrained(tmp_path / "export").pad_token_id == specials.pad_id
+    assert ("bos_token_id" in generation) == (specials.bos_id is not None)  # none declared, not null
     card = (tmp_path / "export" / "README.md").read_text()
     assert "ChatML" not in card and "The tokenizer's own chat template" in card
+    # SFT rendered with the tokenizer's own template: nothing to add beside the tokenizer's files
+    (tmp_path / "manifest.json").write_text(json.dumps({"chat_template": specials.chat_template}))
+    export_model(tmp_path / "sft", tok_json, tmp_path / "own", card_info={}, sft_manifest=tmp_path / "manifest.json")
+    assert sorted(f.name for f in (tmp_path / "own").iterdir()) == sorted(f.name for f in (tmp_path / "export").iterdir())
+    assert "The tokenizer's own chat template" in (tmp_path / "own" / "README.md").read_text()
+    gone = tok_json.parent / "hf" / specials.hf_files[0]
+    gone.unlink()
+    with pytest.raises(ExportError, match=rf"the adopted tokenizer's {specials.hf_files[0]} are missing; rerun "
+                                          r"`dvc repro tokenizer`$"):
+        export_model(tmp_path / "sft", tok_json, tmp_path / "missing", card_info={})
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_card_s_tables_escape_a_pipe_and_the_files_share_one_mode(export_dir, tmp_path, tok, tok_path):
+    import stat
+
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in export_dir.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors writes its file owner-only
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={"lineage": {"command": "a | b\nc"}})
+    assert "| command | a \\| b c |" in (tmp_path / "export" / "README.md").read_text()
 
 
 def adopted_qwen2_tokenizer(tmp_path):
