@@ -621,7 +621,9 @@ def test_export_ships_only_the_checkpoint_evaluate_scored(tmp_path, tok, tok_pat
     assert export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, evaluated=scored)["step"] == 4
     for other, fix in (({"checkpoint": str(c.path.parent / "step-00000006"), "checkpoint_step": 6, "which": "best"},
                         r"set evaluate.checkpoint.sft: last \(or export.checkpoint: best\) and run `dvc repro`$"),
-                       ({"fingerprint": "e" * 16}, r"run `dvc repro evaluate` so that it scores the checkpoint shipped$")):
+                       ({"fingerprint": "e" * 16}, r"run `dvc repro evaluate` so that it scores the checkpoint shipped$"),
+                       ({"checkpoint": str(tmp_path / "copy" / c.path.name), "fingerprint": None},  # another folder
+                        r"run `dvc repro evaluate` so that it scores the checkpoint shipped$")):
         with pytest.raises(ExportError, match=r"^export.checkpoint: last ships \S*step-00000004 \(step 4\), but the "
                                               rf"evaluate metrics describe .*; {fix}"):
             export_model(tmp_path / "sft", tok_path, tmp_path / "export2", card_info={}, evaluated={**scored, **other})
@@ -711,8 +713,19 @@ def test_the_card_s_tables_escape_a_pipe_and_the_files_share_one_mode(export_dir
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in export_dir.iterdir()}
     assert len(set(modes.values())) == 1, modes  # safetensors writes its file owner-only
     save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
-    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={"lineage": {"command": "a | b\nc"}})
-    assert "| command | a \\| b c |" in (tmp_path / "export" / "README.md").read_text()
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export",
+                 card_info={"lineage": {"command": "a | b\nc"}, "metrics": {"loss": float("nan")}})
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "| command | a \\| b c |" in card and "| loss | NaN |" in card
+
+
+def test_the_hf_origin_of_a_chain_stops_at_a_link_whose_meta_is_not_an_object(tmp_path):
+    from pipeline.export import hf_origin
+
+    (tmp_path / "step-00000002").mkdir()
+    (tmp_path / "step-00000002" / "meta.json").write_text("[]")
+    assert hf_origin({"init_from": str(tmp_path / "step-00000002")}) == tmp_path / "step-00000002"
+    assert hf_origin({}) is None
 
 
 def adopted_qwen2_tokenizer(tmp_path):
