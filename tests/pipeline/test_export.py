@@ -339,6 +339,16 @@ def test_what_no_export_wrote_is_refused_in_one_line_and_kept(tmp_path, tok, tok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
 
 
+def test_an_export_over_a_link_replaces_the_link_and_leaves_its_target(tmp_path, tok, tok_path):
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "NOTES.md").write_text("mine")
+    (tmp_path / "export").symlink_to(tmp_path / "elsewhere")
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={})
+    assert not (tmp_path / "export").is_symlink() and (tmp_path / "export" / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["NOTES.md"]
+
+
 def test_a_damaged_sft_manifest_is_one_line_and_leaves_no_export(tmp_path, tok, tok_path):
     from pipeline.files import DamagedFileError
 

@@ -112,7 +112,8 @@ def test_export_source_pretrain_ships_pretrain_s_checkpoint_without_sft_s_chat_t
     metrics, _ = evaluate_models(ecfg, {"pretrain": layout.PRETRAIN_MODEL, "sft": layout.SFT_MODEL},
                                  {"text": layout.PACKED / "val"}, layout.TOKENIZER_JSON, layout.EVALUATE_REPORT)
     write_json(layout.metrics_path("evaluate"), metrics)
-    cfg = parse_section(ExportConfig, {"source": "pretrain", "register_model": False}, "export")
+    cfg = parse_section(ExportConfig, {"source": "pretrain", "register_model": False, "license": "mit"}, "export")
     assert export.main(cfg, None)["step"] == 3
+    assert "\nlicense: mit\n" in (layout.EXPORT_DIR / "README.md").read_text()
     assert read_json(layout.EXPORT_DIR / "tokenizer_config.json")["chat_template"] == CHAT_TEMPLATE_JINJA
     assert read_json(layout.EXPORT_DIR / "report.json")["checkpoint"].endswith("pretrain/step-00000003")
