@@ -390,3 +390,28 @@ def test_sample_i_is_generated_with_the_seed_it_records(tmp_path, tok_path):
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=s["seed"], stop_ids=stops)
         assert s["completion"] == tok.decode([t for t in new if t not in stops], skip_special_tokens=False)
     assert samples[0]["completion"] != samples[1]["completion"]  # the same prompt, another seed
+
+
+def test_samples_stop_where_the_sft_data_says_and_leave_the_stop_out(tmp_path, tok_path, monkeypatch):
+    """Chat samples stop at the SFT data's stop ids (its template's end of turn), raw text at the
+    end-of-text and the tokenizer's eos ids; an empty prompt starts after an end-of-text; the
+    completion leaves out the stop id it ended on."""
+    import pipeline.model.generate
+    from pipeline.data.tokenizer import EOT_ID, load_specials, load_tokenizer
+    from pipeline.files import write_json
+
+    tok, specials = load_tokenizer(tok_path), load_specials(tok_path)
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    calls = []
+
+    def fake_generate(model, prompt_ids, *, stop_ids, **kw):
+        calls.append((list(prompt_ids), list(stop_ids)))
+        return [tok.token_to_id("def"), stop_ids[0]]
+
+    monkeypatch.setattr(pipeline.model.generate, "generate", fake_generate)
+    write_json(tmp_path / "manifest.json", {"stop_ids": [9, 3]})
+    cfg = parse_section(EvaluateConfig, {"samples": {"prompts": [""], "chat": ["hi"]}}, "evaluate").samples
+    text, chat = record_samples(cfg, {"m": model}, tok_path, tmp_path / "manifest.json")
+    assert calls[0] == ([EOT_ID], list(dict.fromkeys([EOT_ID, *specials.eos_ids])))
+    assert calls[1][1] == [9, 3]
+    assert text["completion"] == chat["completion"] == "def"
