@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import parse_section
+from pipeline.config import ConfigError, parse_section
 from pipeline.data.shards import PackedRows
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
 from pipeline.files import read_json
@@ -234,10 +234,10 @@ def test_a_split_made_with_another_tokenizer_is_one_line_not_an_index_error(tmp_
 
     vocab = load_tokenizer(tok_path).get_vocab_size()
     docs = synthetic_docs(20, vocab, seed=3)
-    docs[3][0] = vocab + 7  # an id of a larger tokenizer: past the byte table and the embedding
+    docs[3][0] = vocab  # the first id of a larger tokenizer: past the byte table and the embedding
     write_split(tmp_path / "val", docs, seq_len=16)
     save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
-    with pytest.raises(EvaluateError, match=rf"val: token id {vocab + 7} is beyond the tokenizer's {vocab} ids or "
+    with pytest.raises(EvaluateError, match=rf"val: token id {vocab} is beyond the tokenizer's {vocab} ids or "
                                             rf"the model's {vocab}; the split was made with another tokenizer"):
         evaluate_models(EvaluateConfig(), {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
 
@@ -285,6 +285,24 @@ def test_an_empty_chat_sample_is_refused_before_any_work(chat):
 
     with pytest.raises(ConfigError, match=r"evaluate\.samples\.chat: .*is empty; a chat sample needs some text"):
         parse_section(EvaluateConfig, {"samples": {"chat": chat}}, "evaluate")
+
+
+def test_a_top_p_of_zero_is_refused_before_any_work():
+    # sampling keeps no token at top_p 0: it stopped the stage after the scoring
+    with pytest.raises(ConfigError, match=r"evaluate.samples.top_p: Input should be greater than 0"):
+        parse_section(EvaluateConfig, {"samples": {"top_p": 0}}, "evaluate")
+
+
+def test_a_step_folder_scored_by_itself_reports_no_run_end(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    c = save_checkpoint(tmp_path / "run", tiny_model(tiny_config(vocab)))
+    evaluate_models(EvaluateConfig(), {"step": c.path, "run": tmp_path / "run"}, {"text": tmp_path / "val"}, tok_path,
+                    tmp_path / "report.json")
+    report = read_json(tmp_path / "report.json")
+    assert "run_finished" not in report["step"] and report["run"]["run_finished"] is True
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64])

@@ -100,9 +100,10 @@ def test_the_launcher_refuses_a_seq_len_beyond_the_model_before_building_the_dat
     assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
 
 
-def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path):
+def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill_or_a_damaged_run(tmp_path):
     """prepare_sft builds the SFT shards, then refuses a global batch their train
-    split cannot fill, before torchrun starts (every rank would refuse it later)."""
+    split cannot fill, or a run whose checkpoints are all damaged, before torchrun
+    starts (every rank would refuse it later)."""
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tokenizer().to_str())
     cfg = parse_section(PretrainConfig, train_params(TRAIN, model={"preset": "tiny"}, max_steps=2), "pretrain")
@@ -122,6 +123,16 @@ def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path
         prepare(micro_batch_size=rows + 1)
     assert f"one step needs {rows + 1} rows" in str(err.value) and f"train split has only {rows}" in str(err.value)
     assert not (tmp_path / "models").exists()
+    # A run whose every checkpoint is damaged stops in the launcher too, naming the file, and the data
+    # build's numbers (data/sft/report.json) reach the run's metrics.
+    m = run_sft(sft_cfg(**data, max_steps=2), tmp_path / "sft", tmp_path / "pretrain", tmp_path / "models",
+                tmp_path / "s.csv")
+    assert m["examples_in"] == json.loads((tmp_path / "sft" / "report.json").read_text())["examples_in"] > 0
+    [saved] = ckpt.complete_checkpoints(tmp_path / "models")
+    weights = saved.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 0xFF]))
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors: sha256 differs"):
+        prepare(max_steps=2)
 
 
 def test_the_launcher_refuses_a_tokenizer_the_model_was_not_trained_with_before_building_the_data(tmp_path, pretrained):
