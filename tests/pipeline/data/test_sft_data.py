@@ -700,3 +700,52 @@ def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp
     write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(1400)])
     assert build_once(cfg.model_copy(update={"seed": 1}), tok_path, shared, tmp_path / "q.jsonl")[
         "examples_in"] == 1400, "a changed source builds again"
+
+
+def test_a_glob_reaches_nested_folders_and_a_wrapper_of_two_lists_is_one_record(tmp_path, tok_path):
+    """``**`` matches folders at any depth; a JSON object holding two lists of records is no
+    wrapper of one (which list would it be?): it is one record, a counted skip."""
+    for i, sub in enumerate(("a", "a/b", "a/b/c")):
+        (tmp_path / "chats" / sub).mkdir(parents=True, exist_ok=True)
+        write_jsonl(tmp_path / "chats" / sub / "part.jsonl", [messages_rec(i)])
+    (tmp_path / "two.json").write_text(json.dumps({"train": [messages_rec(5)], "test": [messages_rec(6)]}))
+    sources = [SFTSource(path=str(tmp_path / "chats" / "**" / "*.jsonl")), SFTSource(path=str(tmp_path / "two.json"))]
+    out, m = build(tmp_path, tok_path, sources=sources)
+    assert [s["records"] for s in m["sources"].values()] == [3, 1] and m["examples_in"] == 4
+    assert sum(m["skipped"].values()) == 1 and m["train"]["examples"] + m["val"]["examples"] == 3
+    assert read_json(out / MANIFEST)["python"] is None  # no built-in dataset read: no Python version to record
+
+
+def test_small_shards_hold_every_row(tmp_path, tok_path):
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(40)])
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], shard_rows=2,
+                   pack=False)
+    for split in ("train", "val"):
+        rows = PackedRows(out / split)
+        assert len(rows) == m[split]["rows"] == m[split]["examples"] > 2
+        assert len(read_json(out / MANIFEST)["splits"][split]["shards"]) == -(-len(rows) // 2)
+
+
+def test_a_failed_write_leaves_no_shard_and_a_build_without_its_manifest_is_built_again(tmp_path, tok_path,
+                                                                                         monkeypatch):
+    import pipeline.data.sft_data as sft_data
+    from pipeline.data.sft_data import build_once
+
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(20)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], seq_len=64, val_fraction=0.25)
+    real = sft_data.write_split
+
+    def val_fails(out_dir, split, *args):
+        if split == "val":
+            raise OSError("the disk went away")
+        return real(out_dir, split, *args)
+
+    monkeypatch.setattr(sft_data, "write_split", val_fails)
+    with pytest.raises(OSError, match="the disk went away"):
+        build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl")
+    assert not list((tmp_path / "sft").rglob("*.arrow"))  # train's shards went with the failed build
+    monkeypatch.setattr(sft_data, "write_split", real)
+    first = build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl")
+    (tmp_path / "sft" / MANIFEST).unlink()
+    assert build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl") == first
+    assert (tmp_path / "sft" / MANIFEST).is_file()
