@@ -749,3 +749,19 @@ def test_a_failed_write_leaves_no_shard_and_a_build_without_its_manifest_is_buil
     (tmp_path / "sft" / MANIFEST).unlink()
     assert build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl") == first
     assert (tmp_path / "sft" / MANIFEST).is_file()
+
+
+def test_the_manifest_vocab_size_covers_a_gapped_tokenizer_and_a_non_utf8_json_file_is_counted(tmp_path):
+    """sft's model is checked against the manifest's vocab_size: a gap in the ids puts the largest
+    past the count of tokens. A .json file that is not UTF-8 is a non_utf8 skip, as a JSON line is."""
+    data = json.loads(tiny_tokenizer().to_str())
+    vocab = data["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 1000  # the top learned token moves past a gap; the count stays
+    gapped = tmp_path / "tokenizer.json"
+    gapped.write_text(json.dumps(data))
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(8)])
+    (tmp_path / "latin1.json").write_bytes(json.dumps([messages_rec(9)]).encode().replace(b"Question", b"Qu\xe9stion"))
+    out, m = build(tmp_path, gapped, sources=[SFTSource(path=str(tmp_path / "chat.jsonl")),
+                                              SFTSource(path=str(tmp_path / "latin1.json"))])
+    assert read_json(out / MANIFEST)["vocab_size"] == 1001
+    assert m["skipped"] == {"non_utf8": 1}
