@@ -172,9 +172,21 @@ def test_a_bug_in_a_stage_keeps_its_traceback_and_writes_no_metrics(tmp_path, mo
     def body(cfg):
         raise ZeroDivisionError("a bug")
 
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ZeroDivisionError, match="a bug"):
         run_stage("evaluate", body)
     assert not (tmp_path / "metrics").exists()
+    assert signal.getsignal(signal.SIGTERM) == before  # the stage's handler does not outlive it
+
+
+def test_only_a_collective_s_error_is_a_lost_peer_or_a_timeout():
+    """A socket error of the rank's own (MLflow's HTTP, a remote read) saying the same words is no lost peer."""
+    from pipeline.runner import peer_lost, timed_out
+
+    assert peer_lost(RuntimeError("[gloo/transport] Connection reset by peer"))
+    assert not peer_lost(ConnectionResetError(104, "Connection reset by peer"))
+    assert timed_out(RuntimeError("Timed out waiting 4000ms for send operation"))
+    assert not timed_out(TimeoutError("Timed out waiting for the MLflow server"))
 
 
 STAND_IN = '''
