@@ -765,3 +765,25 @@ def test_the_manifest_vocab_size_covers_a_gapped_tokenizer_and_a_non_utf8_json_f
                                               SFTSource(path=str(tmp_path / "latin1.json"))])
     assert read_json(out / MANIFEST)["vocab_size"] == 1001
     assert m["skipped"] == {"non_utf8": 1}
+
+
+def test_a_tokenizer_rewritten_to_the_same_size_and_time_builds_the_data_again(tmp_path, caplog):
+    """The build is reused only for the same tokenizer bytes: a copy kept its size and time
+    (`cp -p` of another tokenizer of that size) is still another tokenizer."""
+    import os
+
+    from pipeline.data.sft_data import build_once
+
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    tok.write_text(tiny_tokenizer().to_str())
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(8)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], seq_len=64, val_fraction=0.25)
+    build_once(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
+    st = tok.stat()
+    tok.write_text(tok.read_text().replace('"fuse_unk":false', '"fuse_unk":true '))  # same size, other bytes
+    os.utime(tok, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert tok.stat().st_size == st.st_size
+    with caplog.at_level("INFO", logger="pipeline"):
+        build_once(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
+    assert "holds this build already" not in caplog.text and "built the SFT data" in caplog.text
