@@ -286,3 +286,43 @@ def test_an_expected_failure_ends_the_stage_s_mlflow_run_failed_with_the_error(t
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert (run.info.run_name, run.info.status) == ("clean", "FAILED")
     assert run.data.tags["error"] == "data/clean/input.parquet is bad"
+
+
+PASSING_STAND_IN = '''
+from pathlib import Path
+
+from pipeline.files import write_json
+from pipeline.runner import run_stage
+
+REPORT = Path("data/clean/report.json")
+
+
+def body(cfg):
+    write_json(REPORT, {"per_reason": {}})
+    return {"docs": 3}
+
+
+if __name__ == "__main__":
+    run_stage("clean", body, artifacts=(REPORT,))
+'''
+
+
+def test_a_stage_s_metrics_file_and_mlflow_run_carry_its_metrics_seconds_and_report(tmp_path):
+    from pipeline.files import read_json
+
+    (tmp_path / "passing_stand_in.py").write_text(PASSING_STAND_IN)
+    (tmp_path / "params.yaml").write_text("clean: {}\n")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
+           "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PIPELINE_PROGRESS": "0"}
+    r = subprocess.run([sys.executable, "-m", "passing_stand_in"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_json(tmp_path / "metrics" / "clean.json")
+    assert metrics["docs"] == 3 and metrics["seconds"] >= 0
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert (run.info.run_name, run.info.status, run.data.metrics["docs"]) == ("clean", "FINISHED", 3)
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["report.json"]
