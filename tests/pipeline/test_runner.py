@@ -23,6 +23,7 @@ CASES = {
     "evaluate-without-models": ("evaluate", None, "data/tokenizer/tokenizer.json"),
     "export-before-evaluate": ("export", None, "metrics/evaluate.json not found; run `dvc repro evaluate` first"),
     "clean-bad-params": ("clean", "clean:\n  num_workers: -1\n  bogus: 1\n", "clean.num_workers"),
+    "sft-bad-params": ("sft", "sft:\n  bogus: 1\n", "sft.bogus: unknown key"),  # a training stage's launcher
 }
 
 
