@@ -136,12 +136,28 @@ def dummy_prefix_bytes(tokenizer) -> int:
     return int(adds_dummy_prefix(tokenizer))
 
 
-def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last"
-                          ) -> tuple[Transformer, ckpt.Checkpoint]:
+def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last",
+                          tokenizer_path: Path | None = None) -> tuple[Transformer, ckpt.Checkpoint]:
+    """The checkpoint ``which`` of the run folder ``folder`` and its model, in eval
+    mode on ``device``. With ``tokenizer_path``, an EvaluateError unless that is the
+    tokenizer the checkpoint was trained with (its recorded sha256) and every id of
+    it has an embedding: scored with another, bits per byte counts other bytes, and
+    a sample's id past the embedding stopped the stage in a traceback."""
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.model.generate import check_embeds, check_tokenizer
+
     last = ckpt.resolve(Path(folder), which)  # verified; a damaged one raises CheckpointError
     if last is None:
         raise EvaluateError(f"no checkpoint in {folder}; run its training stage first")
-    model = Transformer(ckpt.model_config(last))
+    config = ckpt.model_config(last)
+    if tokenizer_path is not None:
+        try:
+            check_tokenizer(tokenizer_path, last.meta.get("tokenizer_sha256"),
+                            fix="rerun the training stages on it (`dvc repro`)")
+            check_embeds(load_tokenizer(tokenizer_path), config)
+        except ValueError as err:
+            raise EvaluateError(f"{last.path}: {err}") from None
+    model = Transformer(config)
     ckpt.load_model_weights(last, model)
     return model.to(device).eval(), last
 
@@ -170,9 +186,14 @@ def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_siz
     text_bytes = 0
     for i in progress(iterable=range(0, n, batch_size), desc=f"score {label or rows.dir.name}", unit="batch"):
         batch = rows.batch(np.arange(i, min(n, i + batch_size)), device, doc_mask)
+        targets = batch["targets"]
+        top = max(int(batch["input_ids"].max()), int(targets.max()))
+        if top >= min(len(nbytes), model.config.vocab_size):  # an IndexError in the embedding or the byte table
+            raise EvaluateError(f"{rows.dir}: token id {top} is beyond the tokenizer's {len(nbytes)} ids or the "
+                                f"model's {model.config.vocab_size}; the split was made with another tokenizer: "
+                                "rerun `dvc repro` so that data and model share this one")
         with autocast(device, precision):
             logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
-        targets = batch["targets"]
         nll += float(token_loss_sum(logits, targets))
         mask = targets != IGNORE_INDEX
         scored = targets[mask].cpu().numpy()
@@ -234,7 +255,7 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     report: dict[str, Any] = {}
     loaded: dict[str, Transformer] = {}
     for model_name, folder in models.items():
-        model, last = load_checkpoint_model(folder, device, (which or {}).get(model_name, "last"))
+        model, last = load_checkpoint_model(folder, device, (which or {}).get(model_name, "last"), tokenizer_path)
         loaded[model_name] = model
         scorer = partial(score, model, nbytes=nbytes, batch_size=cfg.batch_size, max_rows=cfg.max_rows,
                          doc_mask=cfg.doc_mask, device=device, precision=precision, eot_id=eot_id,
@@ -270,12 +291,12 @@ def record_samples(cfg: SampleConfig, models: dict[str, Transformer], tokenizer_
     without one) and stop at its end of turn or the tokenizer's eos."""
     from pipeline.data.chat_template import encode_prompt, template_of_sft_data
     from pipeline.data.tokenizer import load_specials, load_tokenizer
-    from pipeline.files import read_json
+    from pipeline.files import read_stage_json
     from pipeline.model.generate import generate
 
     tok = load_tokenizer(tokenizer_path)
     specials = load_specials(tokenizer_path)
-    manifest = read_json(sft_manifest) if sft_manifest is not None and Path(sft_manifest).is_file() else {}
+    manifest = read_stage_json(sft_manifest) if sft_manifest is not None and Path(sft_manifest).is_file() else {}
     template = template_of_sft_data(manifest, tokenizer_path, tok)
     chat_stops = list(manifest.get("stop_ids") or specials.eos_ids)
     text_stops = list(dict.fromkeys([specials.eot_id, *specials.eos_ids]))

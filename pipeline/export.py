@@ -52,6 +52,8 @@ The folder is built beside ``out_dir`` under a hidden temporary name, every file
 fsynced, then swapped in by rename (``pipeline.files.atomic_dir``), so readers (and DVC, whose output it is)
 never see a half-written export. A crash between the two renames of the swap
 leaves no ``out_dir`` but a complete ``.trash-*`` copy of the previous one.
+An ``out_dir`` holding anything no export wrote (a user's notes, another model, a
+file in its place) is refused in one line before any work, not replaced.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
 import yaml
@@ -73,7 +75,7 @@ from pipeline.config import StageConfig, flatten
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.data.tokenizer import EOT_ID, HF_DIR, OWN_TOKEN_VARIABLES, PAD_ID, load_specials, tokenizer_dir
 from pipeline.errors import StageError
-from pipeline.files import atomic_dir, sha256_file, write_json
+from pipeline.files import atomic_dir, read_json, read_stage_json, sha256_file, write_json
 from pipeline.model import generate as gen
 from pipeline.model import hf_adapter
 from pipeline.model.families import FAMILIES
@@ -98,6 +100,9 @@ def export_dtype(requested: str, meta: Mapping[str, Any]) -> str:
 
 
 REPORT = "report.json"  # beside the Hugging Face files, written after registration
+# What an export writes besides an adopted tokenizer's own files (Specials.hf_files)
+EXPORT_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md", REPORT)
 METRICS = ("params", "vocab_size", "step")
 STOP_IDS = gen.CHAT_STOP_IDS  # <|im_end|>, <|endoftext|>: where generation ends, in config.json too
 OWN_TOKEN_IDS = {"bos_token_id": EOT_ID, "eos_token_id": list(STOP_IDS), "pad_token_id": PAD_ID}  # our tokenizer's
@@ -169,7 +174,8 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
     Raises ExportError for a missing checkpoint, a run folder whose run has not
     finished (its newest checkpoint is not ``final``: the run was interrupted),
     a checkpoint other than the one ``evaluated`` scored, or a tokenizer other
-    than the one the checkpoint was trained with, TokenizerError for a missing or invalid
+    than the one the checkpoint was trained with, or an ``out_dir`` that holds what
+    no export wrote (:func:`check_replaceable`), TokenizerError for a missing or invalid
     tokenizer, ValueError for unknown ``card_info`` keys; ``out_dir`` is then
     left as it was.
     """
@@ -186,14 +192,15 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         raise ExportError(why)
     if evaluated is not None:
         check_evaluated(checkpoint, which, evaluated)
+    specials = load_specials(tokenizer_path)
+    check_replaceable(out_dir, (*EXPORT_FILES, *specials.hf_files))
     meta = checkpoint.meta
     try:
         model, _, config = gen.load_for_inference(checkpoint.path, tokenizer_path=tokenizer_path)
     except ValueError as err:  # a tokenizer that does not belong to this model
         raise ExportError(str(err)) from err
 
-    manifest = json.loads(Path(sft_manifest).read_text()) if sft_manifest and Path(sft_manifest).is_file() else {}
-    specials = load_specials(tokenizer_path)
+    manifest = read_stage_json(sft_manifest) if sft_manifest and Path(sft_manifest).is_file() else {}
     token_ids = None
     if not specials.own and not meta.get("hf_config"):  # trained from scratch with an adopted tokenizer
         token_ids = {"bos_token_id": specials.bos_id, "pad_token_id": specials.pad_id,
@@ -235,6 +242,31 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                             for f in sorted(tmp.iterdir())}
     return summary
+
+
+def check_replaceable(out_dir: Path, written: Iterable[str]) -> None:
+    """Raise ExportError, one line, when replacing ``out_dir`` whole would delete
+    what no export wrote: a file in its place, or entries other than the files
+    an export writes (``written``) and those its previous export's report.json
+    lists. A user's notes or model kept there are theirs to move, not ours to delete."""
+    if out_dir.is_symlink() or not out_dir.exists():  # a link is replaced, not what it points to
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} is a file, not an export folder; move it away (export writes a folder there) "
+                          "and run the stage again")
+    try:
+        report = read_json(out_dir / REPORT)
+    except (OSError, ValueError):  # none (a first export, or one stopped before its report) or unreadable
+        report = {}
+    listed = report.get("files") if isinstance(report, dict) else None
+    known = {*written, *(listed if isinstance(listed, dict) else ())}
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
+                     if p.name not in known or p.is_dir())
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise ExportError(f"{out_dir} holds {', '.join(foreign[:5])}{more}, which no export wrote (its {REPORT} "
+                          "does not list them); an export replaces the folder whole, so move them out of it (or delete "
+                          "them) and run the stage again")
 
 
 def check_fits(model: Transformer, dtype: str) -> None:

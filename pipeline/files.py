@@ -59,6 +59,11 @@ class DiskFullError(StageError):
     """A write failed because its filesystem is full or the user's quota is."""
 
 
+class DamagedFileError(StageError, ValueError):
+    """A JSON file a stage wrote (a manifest, a report, metrics) does not parse: cut
+    short or edited. A ValueError too, as json's own error, for callers that skip such a file."""
+
+
 def _existing(path: str | Path) -> Path:
     """``path``, or its nearest folder that exists, absolute and with links resolved."""
     p = Path(path).resolve()
@@ -280,6 +285,15 @@ def write_json(path: str | Path, data: Any) -> None:
 def read_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def read_stage_json(path: str | Path) -> Any:
+    """The JSON value of a file a stage wrote (a manifest, a report, metrics) for
+    the next one; a one-line DamagedFileError naming it when it does not parse."""
+    try:
+        return read_json(path)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise DamagedFileError(f"{path} is damaged: not valid JSON ({e}); run the stage that writes it again") from None
 
 
 def _json_default(obj: Any) -> Any:

@@ -5,7 +5,7 @@ only when the evaluate metrics beat the current champion's), and its report.json
 
 from pipeline import layout
 from pipeline.export import REPORT, ExportConfig, ExportError, export_model, write_report
-from pipeline.files import read_json
+from pipeline.files import read_stage_json
 from pipeline.promote import check_primary_metric, register_export
 from pipeline.runner import run_stage
 from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
@@ -15,13 +15,15 @@ def main(cfg: ExportConfig, tracker) -> dict:
     for path in (layout.metrics_path("evaluate"), layout.EVALUATE_REPORT):
         if not path.is_file():
             raise ExportError(f"{path} not found; run `dvc repro evaluate` first")
-    evaluation = read_json(layout.metrics_path("evaluate"))
+        if not isinstance(read_stage_json(path), dict):
+            raise ExportError(f"{path} is not evaluate's (not a JSON object); run `dvc repro evaluate`")
+    evaluation = read_stage_json(layout.metrics_path("evaluate"))
     if cfg.register_model:
         try:
             check_primary_metric(evaluation, cfg.primary_metric)
         except ValueError as err:
             raise ExportError(f"export.primary_metric: {err} (in {layout.metrics_path('evaluate')})") from None
-    evaluated = read_json(layout.EVALUATE_REPORT).get(cfg.source)
+    evaluated = read_stage_json(layout.EVALUATE_REPORT).get(cfg.source)
     if not evaluated:
         raise ExportError(f"{layout.EVALUATE_REPORT} records no {cfg.source} model; run `dvc repro evaluate` first")
     source = layout.SFT_MODEL if cfg.source == "sft" else layout.PRETRAIN_MODEL

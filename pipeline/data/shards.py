@@ -47,7 +47,7 @@ import pyarrow as pa
 
 from pipeline import layout
 from pipeline.errors import StageError
-from pipeline.files import atomic_path, read_json, sha256_file, write_json
+from pipeline.files import atomic_path, read_stage_json, sha256_file, write_json
 
 if TYPE_CHECKING:  # torch is needed only to hand batches to the trainer
     import torch
@@ -196,7 +196,7 @@ def read_manifest(out_dir: str | Path, fmt: str | None = None) -> dict[str, Any]
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path} not found; the stage that writes {out_dir} has not completed")
-    manifest = read_json(path)
+    manifest = read_stage_json(path)
     if fmt is not None and manifest.get("format") != fmt:
         raise DataError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
     return manifest
@@ -320,7 +320,12 @@ class _Shard:
     """One memory-mapped Arrow IPC shard: zero-copy numpy views of its columns."""
 
     def __init__(self, path: Path):
-        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+        try:
+            table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+        except pa.ArrowInvalid as e:  # cut short or overwritten: one line, not Arrow's traceback
+            stage = layout.packed_rows_writer(path)
+            raise DataError(f"{path}: not a readable Arrow shard ({e}); " + (
+                f"run `dvc repro {stage}` to write it again" if stage else "write it again")) from None
         for name in ("input_ids", "doc_starts"):
             if name not in table.column_names:
                 raise DataError(f"{path}: no column {name!r}; columns are {table.column_names}")

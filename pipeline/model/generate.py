@@ -45,7 +45,7 @@ from pipeline.data.chat_template import (
 )
 from pipeline.data.tokenizer import EOT_ID, IM_END_ID, id_space, load_specials, load_tokenizer, open_hf_tokenizer
 from pipeline.errors import StageError
-from pipeline.files import broken_links, read_json, sha256_file
+from pipeline.files import broken_links, read_stage_json, sha256_file
 from pipeline.model import hf_adapter
 from pipeline.model.transformer import KVCache, ModelConfig, Transformer
 from pipeline.training import checkpoint as ckpt
@@ -203,23 +203,29 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
         tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
         tokenizer = load_tokenizer(tok_path)
         check_tokenizer(tok_path, meta.get("tokenizer_sha256"))
-    rows = id_space(tokenizer)  # ids may leave gaps: not the count of tokens
-    if rows > config.vocab_size:
-        raise ValueError(f"the tokenizer has ids up to {rows - 1} ({tokenizer.get_vocab_size()} tokens), the model "
-                         f"embeds only {config.vocab_size}")
+    check_embeds(tokenizer, config)
     return model.to(device).eval(), tokenizer, config
 
 
-def check_tokenizer(tokenizer_path: str | Path, expected_sha256: str | None) -> None:
-    """Raise ValueError if ``tokenizer_path`` is not the tokenizer a checkpoint was
-    trained with. Only a recorded 64-hex-digit sha256 is compared (tests and
-    synthetic data record other markers)."""
+def check_tokenizer(tokenizer_path: str | Path, expected_sha256: str | None,
+                    fix: str = "pass the right --tokenizer") -> None:
+    """Raise ValueError, ending in ``fix``, if ``tokenizer_path`` is not the tokenizer
+    a checkpoint was trained with. Only a recorded 64-hex-digit sha256 is compared
+    (tests and synthetic data record other markers)."""
     if not expected_sha256 or len(expected_sha256) != 64:
         return
     actual = sha256_file(tokenizer_path)
     if actual != expected_sha256:
         raise ValueError(f"{tokenizer_path} (sha256 {actual[:12]}…) is not the tokenizer this model was "
-                         f"trained with (sha256 {expected_sha256[:12]}…); pass the right --tokenizer")
+                         f"trained with (sha256 {expected_sha256[:12]}…); {fix}")
+
+
+def check_embeds(tokenizer: Tokenizer, config: ModelConfig) -> None:
+    """Raise ValueError if ``tokenizer`` has an id the model has no embedding for."""
+    rows = id_space(tokenizer)  # ids may leave gaps: not the count of tokens
+    if rows > config.vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {rows - 1} ({tokenizer.get_vocab_size()} tokens), the model "
+                         f"embeds only {config.vocab_size}")
 
 
 # --------------------------------------------------------------------------- prompting
@@ -253,7 +259,7 @@ def prompting(path: str | Path, tokenizer: Tokenizer, tokenizer_path: str | Path
     tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
     roles = load_specials(tok_path)
     text_stops = TEXT_STOP_IDS if roles.own else tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids]))
-    manifest = read_json(sft_manifest) if not hf_folder and sft_manifest and Path(sft_manifest).is_file() else {}
+    manifest = read_stage_json(sft_manifest) if not hf_folder and sft_manifest and Path(sft_manifest).is_file() else {}
     if manifest.get("chat_template") and manifest.get("tokenizer_sha256") in (None, sha256_file(tok_path)):
         template = template_of_sft_data(manifest, tok_path, tokenizer)
         chat_stops = tuple(manifest.get("stop_ids") or stop_ids(tokenizer, template, roles.eos_ids))

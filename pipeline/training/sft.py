@@ -21,7 +21,7 @@ from pydantic import Field
 from pipeline.data import shards
 from pipeline.data.sft_data import SFTDataConfig, build_once
 from pipeline.errors import StageError
-from pipeline.files import read_json, write_json
+from pipeline.files import read_json, sha256_file, write_json
 from pipeline.model.transformer import ModelConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import (
@@ -110,6 +110,23 @@ def starting_model(cfg: SFTConfig, pretrain_dir: Path) -> tuple[ckpt.Checkpoint,
     return init, model_cfg
 
 
+def check_tokenizer(tokenizer_path: Path, init: ckpt.Checkpoint, model_cfg: ModelConfig) -> None:
+    """Before the SFT data is built: a one-line SFTError unless ``tokenizer_path`` is
+    the tokenizer pretrain trained with (the sha256 its checkpoint records, when it
+    records one) and the model embeds every id of it (a rank stopped at the first
+    id past the embedding in an IndexError traceback)."""
+    from pipeline.data.tokenizer import id_space, load_tokenizer
+
+    recorded = init.meta.get("tokenizer_sha256")
+    if recorded is not None and recorded != sha256_file(tokenizer_path):
+        raise SFTError(f"{tokenizer_path} is not the tokenizer {init.path} was trained with; "
+                       "run `dvc repro tokenizer pretrain` before sft")
+    rows = id_space(load_tokenizer(tokenizer_path))
+    if rows > model_cfg.vocab_size:
+        raise SFTError(f"{tokenizer_path} has ids up to {rows - 1}, but {init.path} embeds only "
+                       f"{model_cfg.vocab_size}; sft needs the tokenizer the model was pretrained with")
+
+
 def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
          ) -> tuple[ckpt.Checkpoint, ModelConfig, str, dict[str, Any]]:
     """The starting checkpoint, its model, the data identity and the checkpoint metadata."""
@@ -128,12 +145,13 @@ def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
 
 def prepare_sft(cfg: SFTConfig, tokenizer_path: Path, data_dir: Path, quarantine_path: Path,
                 pretrain_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """Once, in the launcher: check that pretrain finished and that its model takes
-    ``sft.data.seq_len``, build the SFT shards, and check that the run can start
-    or resume."""
-    starting_model(cfg, pretrain_dir)
+    """Once, in the launcher: check that pretrain finished, that its model takes
+    ``sft.data.seq_len`` and the tokenizer (:func:`check_tokenizer`), build the SFT
+    shards, and check that the run can start or resume."""
+    init, model_cfg = starting_model(cfg, pretrain_dir)
     check_compute(cfg)
     check_parallelism(cfg.compute)
+    check_tokenizer(Path(tokenizer_path), init, model_cfg)
     metrics = build_once(cfg.data, tokenizer_path, data_dir, quarantine_path)  # once for the nodes sharing it
     write_json(Path(data_dir) / DATA_REPORT, metrics)
     init, model_cfg, data_id, _ = plan(cfg, data_dir, pretrain_dir)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import parse_section
+from pipeline.config import ConfigError, parse_section
 from pipeline.data.shards import PackedRows
 from pipeline.evaluate import EvaluateConfig, EvaluateError, evaluate_models, record_samples, score, token_bytes
 from pipeline.files import read_json
@@ -204,6 +204,44 @@ def test_missing_checkpoint_is_clear(tmp_path, tok_path):
         evaluate_models(EvaluateConfig(), {"x": tmp_path / "none"}, {"text": tmp_path / "val"}, tok_path)
 
 
+def test_a_tokenizer_the_model_was_not_trained_with_is_refused_before_any_scoring(tmp_path, tok_path):
+    """Scored with another tokenizer, bits per byte counted other bytes and a sample's id
+    past the embedding stopped the stage in a traceback: it is one line before any work."""
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.files import sha256_file
+    from tests.helpers import train_tiny_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    other = tmp_path / "other" / "tokenizer.json"
+    train_tiny_tokenizer(other, vocab_size=vocab + 100)
+    model = tiny_model(tiny_config(vocab))
+    save_checkpoint(tmp_path / "recorded", model, meta={"tokenizer_sha256": sha256_file(tok_path)})
+    save_checkpoint(tmp_path / "unrecorded", model)  # no sha256 to compare: the ids still must fit
+    cfg = parse_section(EvaluateConfig, {"samples": {"max_new_tokens": 2}}, "evaluate")
+    for name, message in (("recorded", r"\S*other/tokenizer.json \(sha256 \w+…\) is not the tokenizer this model was "
+                                       r"trained with .*; rerun the training stages on it"),
+                          ("unrecorded", rf"the tokenizer has ids up to {vocab + 99} .*, the model embeds only "
+                                         rf"{vocab}$")):
+        with pytest.raises(EvaluateError, match=rf"^\S*{name}/step-00000005: {message}"):
+            evaluate_models(cfg, {name: tmp_path / name}, {"text": tmp_path / "val"}, other, tmp_path / "report.json")
+    assert not (tmp_path / "report.json").exists()
+    evaluate_models(cfg, {"recorded": tmp_path / "recorded"}, {"text": tmp_path / "val"}, tok_path)  # its own passes
+
+
+def test_a_split_made_with_another_tokenizer_is_one_line_not_an_index_error(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    docs = synthetic_docs(20, vocab, seed=3)
+    docs[3][0] = vocab  # the first id of a larger tokenizer: past the byte table and the embedding
+    write_split(tmp_path / "val", docs, seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    with pytest.raises(EvaluateError, match=rf"val: token id {vocab} is beyond the tokenizer's {vocab} ids or "
+                                            rf"the model's {vocab}; the split was made with another tokenizer"):
+        evaluate_models(EvaluateConfig(), {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
+
+
 def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path, caplog, monkeypatch):
     import pipeline.evaluate
     from pipeline.data.tokenizer import load_tokenizer
@@ -247,6 +285,24 @@ def test_an_empty_chat_sample_is_refused_before_any_work(chat):
 
     with pytest.raises(ConfigError, match=r"evaluate\.samples\.chat: .*is empty; a chat sample needs some text"):
         parse_section(EvaluateConfig, {"samples": {"chat": chat}}, "evaluate")
+
+
+def test_a_top_p_of_zero_is_refused_before_any_work():
+    # sampling keeps no token at top_p 0: it stopped the stage after the scoring
+    with pytest.raises(ConfigError, match=r"evaluate.samples.top_p: Input should be greater than 0"):
+        parse_section(EvaluateConfig, {"samples": {"top_p": 0}}, "evaluate")
+
+
+def test_a_step_folder_scored_by_itself_reports_no_run_end(tmp_path, tok_path):
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    c = save_checkpoint(tmp_path / "run", tiny_model(tiny_config(vocab)))
+    evaluate_models(EvaluateConfig(), {"step": c.path, "run": tmp_path / "run"}, {"text": tmp_path / "val"}, tok_path,
+                    tmp_path / "report.json")
+    report = read_json(tmp_path / "report.json")
+    assert "run_finished" not in report["step"] and report["run"]["run_finished"] is True
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64])
@@ -352,3 +408,28 @@ def test_sample_i_is_generated_with_the_seed_it_records(tmp_path, tok_path):
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=s["seed"], stop_ids=stops)
         assert s["completion"] == tok.decode([t for t in new if t not in stops], skip_special_tokens=False)
     assert samples[0]["completion"] != samples[1]["completion"]  # the same prompt, another seed
+
+
+def test_samples_stop_where_the_sft_data_says_and_leave_the_stop_out(tmp_path, tok_path, monkeypatch):
+    """Chat samples stop at the SFT data's stop ids (its template's end of turn), raw text at the
+    end-of-text and the tokenizer's eos ids; an empty prompt starts after an end-of-text; the
+    completion leaves out the stop id it ended on."""
+    import pipeline.model.generate
+    from pipeline.data.tokenizer import EOT_ID, load_specials, load_tokenizer
+    from pipeline.files import write_json
+
+    tok, specials = load_tokenizer(tok_path), load_specials(tok_path)
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    calls = []
+
+    def fake_generate(model, prompt_ids, *, stop_ids, **kw):
+        calls.append((list(prompt_ids), list(stop_ids)))
+        return [tok.token_to_id("def"), stop_ids[0]]
+
+    monkeypatch.setattr(pipeline.model.generate, "generate", fake_generate)
+    write_json(tmp_path / "manifest.json", {"stop_ids": [9, 3]})
+    cfg = parse_section(EvaluateConfig, {"samples": {"prompts": [""], "chat": ["hi"]}}, "evaluate").samples
+    text, chat = record_samples(cfg, {"m": model}, tok_path, tmp_path / "manifest.json")
+    assert calls[0] == ([EOT_ID], list(dict.fromkeys([EOT_ID, *specials.eos_ids])))
+    assert calls[1][1] == [9, 3]
+    assert text["completion"] == chat["completion"] == "def"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -308,9 +309,55 @@ def test_export_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path, tok, 
     out = tmp_path / "export"
     out.mkdir()
     (out / "stale.bin").write_text("from an older export")
+    (out / "report.json").write_text(json.dumps({"files": {"stale.bin": {}}}))  # which listed it
     export_model(tmp_path / "sft", tok_path, out, card_info={})
     assert not (out / "stale.bin").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+@pytest.mark.parametrize("user", ["NOTES.md", "my-model/", "README.md/", "file"])
+def test_what_no_export_wrote_is_refused_in_one_line_and_kept(tmp_path, tok, tok_path, user):
+    """Replacing the folder whole deleted a user's notes or model kept in it (or a file
+    in its place) without a word: export refuses, naming them, and leaves them as they were."""
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    out = tmp_path / "export"
+    if user == "file":
+        out.write_text("mine")
+        message = r"export is a file, not an export folder; move it away"
+    else:
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # an export's name, from an export stopped before its report
+        (out / "report.json").write_text(json.dumps({"files": {"old.bin": {}}}))
+        mine = out / user.rstrip("/") / "weights.bin" if user.endswith("/") else out / user
+        mine.parent.mkdir(exist_ok=True)
+        mine.write_text("mine")
+        message = rf"export holds {user}, which no export wrote \(its report.json does not list them\); .* move them"
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ExportError, match=message):
+        export_model(tmp_path / "sft", tok_path, out, card_info={})
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+def test_an_export_over_a_link_replaces_the_link_and_leaves_its_target(tmp_path, tok, tok_path):
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "NOTES.md").write_text("mine")
+    (tmp_path / "export").symlink_to(tmp_path / "elsewhere")
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={})
+    assert not (tmp_path / "export").is_symlink() and (tmp_path / "export" / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["NOTES.md"]
+
+
+def test_a_damaged_sft_manifest_is_one_line_and_leaves_no_export(tmp_path, tok, tok_path):
+    from pipeline.files import DamagedFileError
+
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    (tmp_path / "manifest.json").write_text('{"chat_template": "{{')  # cut short
+    with pytest.raises(DamagedFileError, match=r"manifest.json is damaged: not valid JSON"):
+        export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={},
+                     sft_manifest=tmp_path / "manifest.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "sft"]
 
 
 def test_a_failed_export_leaves_the_previous_one(tmp_path, tok, tok_path):
@@ -503,17 +550,32 @@ def test_a_weight_beyond_float16_s_range_is_refused_for_float16_not_for_bfloat16
     _, model = load_hf_model(original)
     with torch.no_grad():
         model.layers[0].feed_forward.w1.weight[0, 0] = 70000.0
+        model.layers[0].attention.wq.weight[0, 0] = -70000.0  # beyond it below zero: -inf
     save_checkpoint(tmp_path / "sft", model, meta={"hf_config": json.loads((original / "config.json").read_text())})
     with pytest.raises(ExportError) as err:
         export_model(tmp_path / "sft", tok_path, tmp_path / "f16", card_info={}, dtype="float16")
-    assert str(err.value).startswith("export.dtype float16: layers.0.feed_forward.w1.weight hold weights beyond float16's "
-                                     "largest value (65504)")
+    assert str(err.value).startswith("export.dtype float16: layers.0.attention.wq.weight, layers.0.feed_forward.w1.weight "
+                                     "hold weights beyond float16's largest value (65504)")
     assert not (tmp_path / "f16").exists()
     export_model(tmp_path / "sft", tok_path, tmp_path / "bf16", card_info={}, dtype="bfloat16")
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
         assert all(torch.isfinite(f.get_tensor(k)).all() for k in f.keys())
+
+
+def test_more_than_five_tensors_beyond_float16_are_named_five_and_counted(tok):
+    from pipeline.export import check_fits
+
+    model = tiny_model(tiny_config(tok.get_vocab_size()))
+    names = [name for name, _ in model.named_parameters()][:7]
+    with torch.no_grad():
+        for name in names:
+            model.get_parameter(name).view(-1)[0] = 1e5
+    with pytest.raises(ExportError, match=rf"^export.dtype float16: {re.escape(', '.join(names[:5]))} and 2 more hold "
+                                          r"weights beyond float16's largest value"):
+        check_fits(model, "float16")
+    check_fits(model, "bfloat16")
 
 
 def test_a_model_trained_from_scratch_writes_todays_llama_config(export_dir):
@@ -569,7 +631,9 @@ def test_export_ships_only_the_checkpoint_evaluate_scored(tmp_path, tok, tok_pat
     assert export_model(tmp_path / "sft", tok_path, tmp_path / "export", card_info={}, evaluated=scored)["step"] == 4
     for other, fix in (({"checkpoint": str(c.path.parent / "step-00000006"), "checkpoint_step": 6, "which": "best"},
                         r"set evaluate.checkpoint.sft: last \(or export.checkpoint: best\) and run `dvc repro`$"),
-                       ({"fingerprint": "e" * 16}, r"run `dvc repro evaluate` so that it scores the checkpoint shipped$")):
+                       ({"fingerprint": "e" * 16}, r"run `dvc repro evaluate` so that it scores the checkpoint shipped$"),
+                       ({"checkpoint": str(tmp_path / "copy" / c.path.name), "fingerprint": None},  # another folder
+                        r"run `dvc repro evaluate` so that it scores the checkpoint shipped$")):
         with pytest.raises(ExportError, match=r"^export.checkpoint: last ships \S*step-00000004 \(step 4\), but the "
                                               rf"evaluate metrics describe .*; {fix}"):
             export_model(tmp_path / "sft", tok_path, tmp_path / "export2", card_info={}, evaluated={**scored, **other})
@@ -637,8 +701,41 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_carries_its_ids(
     assert config["eos_token_id"] == list(specials.eos_ids) == generation["eos_token_id"]
     assert config.get("bos_token_id") == specials.bos_id
     assert transformers.AutoConfig.from_pretrained(tmp_path / "export").pad_token_id == specials.pad_id
+    assert ("bos_token_id" in generation) == (specials.bos_id is not None)  # none declared, not null
     card = (tmp_path / "export" / "README.md").read_text()
     assert "ChatML" not in card and "The tokenizer's own chat template" in card
+    # SFT rendered with the tokenizer's own template: nothing to add beside the tokenizer's files
+    (tmp_path / "manifest.json").write_text(json.dumps({"chat_template": specials.chat_template}))
+    export_model(tmp_path / "sft", tok_json, tmp_path / "own", card_info={}, sft_manifest=tmp_path / "manifest.json")
+    assert sorted(f.name for f in (tmp_path / "own").iterdir()) == sorted(f.name for f in (tmp_path / "export").iterdir())
+    assert "The tokenizer's own chat template" in (tmp_path / "own" / "README.md").read_text()
+    gone = tok_json.parent / "hf" / specials.hf_files[0]
+    gone.unlink()
+    with pytest.raises(ExportError, match=rf"the adopted tokenizer's {specials.hf_files[0]} are missing; rerun "
+                                          r"`dvc repro tokenizer`$"):
+        export_model(tmp_path / "sft", tok_json, tmp_path / "missing", card_info={})
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_card_s_tables_escape_a_pipe_and_the_files_share_one_mode(export_dir, tmp_path, tok, tok_path):
+    import stat
+
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in export_dir.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors writes its file owner-only
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    export_model(tmp_path / "sft", tok_path, tmp_path / "export",
+                 card_info={"lineage": {"command": "a | b\nc"}, "metrics": {"loss": float("nan")}})
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "| command | a \\| b c |" in card and "| loss | NaN |" in card
+
+
+def test_the_hf_origin_of_a_chain_stops_at_a_link_whose_meta_is_not_an_object(tmp_path):
+    from pipeline.export import hf_origin
+
+    (tmp_path / "step-00000002").mkdir()
+    (tmp_path / "step-00000002" / "meta.json").write_text("[]")
+    assert hf_origin({"init_from": str(tmp_path / "step-00000002")}) == tmp_path / "step-00000002"
+    assert hf_origin({}) is None
 
 
 def adopted_qwen2_tokenizer(tmp_path):
@@ -754,3 +851,11 @@ def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_p
     with caplog.at_level("WARNING", logger="pipeline.export"):
         assert exported_generation("gone") == before
     assert f"init_from chain ends at {hf}" in caplog.text and "recorded when the run started" in caplog.text
+
+    hf.with_name("moved").rename(hf)  # back, but holding another model now: the recorded copy again
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "rope_theta": config.get("rope_theta", 1e4) * 2}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.export"):
+        assert exported_generation("another") == before
+    assert f"{hf} now holds another model (its config.json is not the one trained)" in caplog.text

@@ -169,6 +169,16 @@ def test_source_digest_changes_when_a_file_is_renamed(tmp_path, monkeypatch):
     assert files.source_digest() != before
 
 
+@pytest.mark.parametrize("data", [b"{bad", b'{"a": 1', b"\xff\xfe{}"], ids=["syntax", "cut-short", "not-utf-8"])
+def test_a_json_file_that_does_not_parse_is_one_line_naming_it(tmp_path, data):
+    """A damaged manifest, report or metrics file ended the stage reading it in json's traceback."""
+    (tmp_path / "report.json").write_bytes(data)
+    with pytest.raises(files.DamagedFileError, match=r"^\S*report.json is damaged: not valid JSON \(.+\); run the "
+                                                    r"stage that writes it again$") as err:
+        files.read_stage_json(tmp_path / "report.json")
+    assert isinstance(err.value, StageError) and isinstance(err.value, ValueError)  # callers that skip one still do
+
+
 def test_broken_links_names_only_the_links_to_nothing(tmp_path):
     (tmp_path / "real.bin").write_bytes(b"x")
     (tmp_path / "good.bin").symlink_to(tmp_path / "real.bin")

@@ -23,6 +23,7 @@ CASES = {
     "evaluate-without-models": ("evaluate", None, "data/tokenizer/tokenizer.json"),
     "export-before-evaluate": ("export", None, "metrics/evaluate.json not found; run `dvc repro evaluate` first"),
     "clean-bad-params": ("clean", "clean:\n  num_workers: -1\n  bogus: 1\n", "clean.num_workers"),
+    "sft-bad-params": ("sft", "sft:\n  bogus: 1\n", "sft.bogus: unknown key"),  # a training stage's launcher
 }
 
 
@@ -159,6 +160,34 @@ def test_every_stage_error_class_is_a_stage_error():
 def test_one_line_joins_a_config_error_list():
     msg = "params.yaml is invalid:\n  pack.seq_len: too small\n  pack.bogus: unknown key"
     assert one_line(msg) == "params.yaml is invalid: pack.seq_len: too small; pack.bogus: unknown key"
+    assert one_line("first\n\n   \nsecond\n") == "first; second"  # blank lines add no empty part
+
+
+def test_a_bug_in_a_stage_keeps_its_traceback_and_writes_no_metrics(tmp_path, monkeypatch):
+    """Only expected failures become one line and exit 2; anything else is a bug and is raised as it was."""
+    from pipeline.runner import run_stage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("evaluate: {}\n")
+
+    def body(cfg):
+        raise ZeroDivisionError("a bug")
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ZeroDivisionError, match="a bug"):
+        run_stage("evaluate", body)
+    assert not (tmp_path / "metrics").exists()
+    assert signal.getsignal(signal.SIGTERM) == before  # the stage's handler does not outlive it
+
+
+def test_only_a_collective_s_error_is_a_lost_peer_or_a_timeout():
+    """A socket error of the rank's own (MLflow's HTTP, a remote read) saying the same words is no lost peer."""
+    from pipeline.runner import peer_lost, timed_out
+
+    assert peer_lost(RuntimeError("[gloo/transport] Connection reset by peer"))
+    assert not peer_lost(ConnectionResetError(104, "Connection reset by peer"))
+    assert timed_out(RuntimeError("Timed out waiting 4000ms for send operation"))
+    assert not timed_out(TimeoutError("Timed out waiting for the MLflow server"))
 
 
 STAND_IN = '''
@@ -258,3 +287,43 @@ def test_an_expected_failure_ends_the_stage_s_mlflow_run_failed_with_the_error(t
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert (run.info.run_name, run.info.status) == ("clean", "FAILED")
     assert run.data.tags["error"] == "data/clean/input.parquet is bad"
+
+
+PASSING_STAND_IN = '''
+from pathlib import Path
+
+from pipeline.files import write_json
+from pipeline.runner import run_stage
+
+REPORT = Path("data/clean/report.json")
+
+
+def body(cfg):
+    write_json(REPORT, {"per_reason": {}})
+    return {"docs": 3}
+
+
+if __name__ == "__main__":
+    run_stage("clean", body, artifacts=(REPORT,))
+'''
+
+
+def test_a_stage_s_metrics_file_and_mlflow_run_carry_its_metrics_seconds_and_report(tmp_path):
+    from pipeline.files import read_json
+
+    (tmp_path / "passing_stand_in.py").write_text(PASSING_STAND_IN)
+    (tmp_path / "params.yaml").write_text("clean: {}\n")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
+           "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PIPELINE_PROGRESS": "0"}
+    r = subprocess.run([sys.executable, "-m", "passing_stand_in"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_json(tmp_path / "metrics" / "clean.json")
+    assert metrics["docs"] == 3 and metrics["seconds"] >= 0
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert (run.info.run_name, run.info.status, run.data.metrics["docs"]) == ("clean", "FINISHED", 3)
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["report.json"]

@@ -74,3 +74,46 @@ def test_a_primary_metric_that_evaluate_did_not_write_is_refused_before_the_expo
     for ok in ({"primary_metric": "sft.val_loss"}, {"primary_metric": "sft.chat.bpb", "register_model": False}):
         with pytest.raises(ExportError, match="records no sft model"):
             export.main(parse_section(ExportConfig, ok, "export"), None)
+
+
+@pytest.mark.parametrize("damage", ["cut-short", "list"])
+@pytest.mark.parametrize("name", ["metrics", "report"])
+def test_evaluate_s_outputs_damaged_are_one_line_before_the_export(tmp_path, monkeypatch, name, damage):
+    """A cut-short or foreign metrics/evaluate.json or data/evaluate/report.json ended export in a
+    JSONDecodeError or AttributeError traceback."""
+    from pipeline.files import DamagedFileError
+
+    monkeypatch.chdir(tmp_path)
+    write_json(layout.metrics_path("evaluate"), {"sft": {"chat": {"bits_per_byte": 1.2}}})
+    write_json(layout.EVALUATE_REPORT, {})
+    path = layout.metrics_path("evaluate") if name == "metrics" else layout.EVALUATE_REPORT
+    path.write_text('{"sft": ' if damage == "cut-short" else "[]")
+    error, message = ((DamagedFileError, rf"^{path} is damaged: not valid JSON") if damage == "cut-short" else
+                      (ExportError, rf"^{path} is not evaluate's \(not a JSON object\); run `dvc repro evaluate`$"))
+    with pytest.raises(error, match=message):
+        export.main(parse_section(ExportConfig, {"register_model": False}, "export"), None)
+    assert not layout.EXPORT_DIR.exists()
+
+
+def test_export_source_pretrain_ships_pretrain_s_checkpoint_without_sft_s_chat_template(tmp_path, monkeypatch):
+    """export.source: pretrain ships models/pretrain's checkpoint, labelled with its own scores, and
+    the chat set-up of a model that never trained on chat (ChatML), not the template SFT rendered with."""
+    from pipeline.data.chat import CHAT_TEMPLATE_JINJA
+
+    monkeypatch.chdir(tmp_path)
+    tok = train_tiny_tokenizer(layout.TOKENIZER_JSON)
+    vocab, sha = tok.get_vocab_size(), sha256_file(layout.TOKENIZER_JSON)
+    write_split(layout.PACKED / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    for folder, step, stage in ((layout.PRETRAIN_MODEL, 3, "pretrain"), (layout.SFT_MODEL, 7, "sft")):
+        save_checkpoint(folder, tiny_model(tiny_config(vocab), seed=step), step=step,
+                        meta={"tokenizer_sha256": sha, "stage": stage})
+    write_json(layout.SFT_DATA / "manifest.json", {"chat_template": "{{ messages }}", "stop_ids": [3, 0]})
+    ecfg = parse_section(EvaluateConfig, {}, "evaluate")
+    metrics, _ = evaluate_models(ecfg, {"pretrain": layout.PRETRAIN_MODEL, "sft": layout.SFT_MODEL},
+                                 {"text": layout.PACKED / "val"}, layout.TOKENIZER_JSON, layout.EVALUATE_REPORT)
+    write_json(layout.metrics_path("evaluate"), metrics)
+    cfg = parse_section(ExportConfig, {"source": "pretrain", "register_model": False, "license": "mit"}, "export")
+    assert export.main(cfg, None)["step"] == 3
+    assert "\nlicense: mit\n" in (layout.EXPORT_DIR / "README.md").read_text()
+    assert read_json(layout.EXPORT_DIR / "tokenizer_config.json")["chat_template"] == CHAT_TEMPLATE_JINJA
+    assert read_json(layout.EXPORT_DIR / "report.json")["checkpoint"].endswith("pretrain/step-00000003")

@@ -700,3 +700,90 @@ def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp
     write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(1400)])
     assert build_once(cfg.model_copy(update={"seed": 1}), tok_path, shared, tmp_path / "q.jsonl")[
         "examples_in"] == 1400, "a changed source builds again"
+
+
+def test_a_glob_reaches_nested_folders_and_a_wrapper_of_two_lists_is_one_record(tmp_path, tok_path):
+    """``**`` matches folders at any depth; a JSON object holding two lists of records is no
+    wrapper of one (which list would it be?): it is one record, a counted skip."""
+    for i, sub in enumerate(("a", "a/b", "a/b/c")):
+        (tmp_path / "chats" / sub).mkdir(parents=True, exist_ok=True)
+        write_jsonl(tmp_path / "chats" / sub / "part.jsonl", [messages_rec(i)])
+    (tmp_path / "two.json").write_text(json.dumps({"train": [messages_rec(5)], "test": [messages_rec(6)]}))
+    sources = [SFTSource(path=str(tmp_path / "chats" / "**" / "*.jsonl")), SFTSource(path=str(tmp_path / "two.json"))]
+    out, m = build(tmp_path, tok_path, sources=sources)
+    assert [s["records"] for s in m["sources"].values()] == [3, 1] and m["examples_in"] == 4
+    assert sum(m["skipped"].values()) == 1 and m["train"]["examples"] + m["val"]["examples"] == 3
+    assert read_json(out / MANIFEST)["python"] is None  # no built-in dataset read: no Python version to record
+
+
+def test_small_shards_hold_every_row(tmp_path, tok_path):
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(40)])
+    out, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], shard_rows=2,
+                   pack=False)
+    for split in ("train", "val"):
+        rows = PackedRows(out / split)
+        assert len(rows) == m[split]["rows"] == m[split]["examples"] > 2
+        assert len(read_json(out / MANIFEST)["splits"][split]["shards"]) == -(-len(rows) // 2)
+
+
+def test_a_failed_write_leaves_no_shard_and_a_build_without_its_manifest_is_built_again(tmp_path, tok_path,
+                                                                                         monkeypatch):
+    import pipeline.data.sft_data as sft_data
+    from pipeline.data.sft_data import build_once
+
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(20)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], seq_len=64, val_fraction=0.25)
+    real = sft_data.write_split
+
+    def val_fails(out_dir, split, *args):
+        if split == "val":
+            raise OSError("the disk went away")
+        return real(out_dir, split, *args)
+
+    monkeypatch.setattr(sft_data, "write_split", val_fails)
+    with pytest.raises(OSError, match="the disk went away"):
+        build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl")
+    assert not list((tmp_path / "sft").rglob("*.arrow"))  # train's shards went with the failed build
+    monkeypatch.setattr(sft_data, "write_split", real)
+    first = build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl")
+    (tmp_path / "sft" / MANIFEST).unlink()
+    assert build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl") == first
+    assert (tmp_path / "sft" / MANIFEST).is_file()
+
+
+def test_the_manifest_vocab_size_covers_a_gapped_tokenizer_and_a_non_utf8_json_file_is_counted(tmp_path):
+    """sft's model is checked against the manifest's vocab_size: a gap in the ids puts the largest
+    past the count of tokens. A .json file that is not UTF-8 is a non_utf8 skip, as a JSON line is."""
+    data = json.loads(tiny_tokenizer().to_str())
+    vocab = data["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 1000  # the top learned token moves past a gap; the count stays
+    gapped = tmp_path / "tokenizer.json"
+    gapped.write_text(json.dumps(data))
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(8)])
+    (tmp_path / "latin1.json").write_bytes(json.dumps([messages_rec(9)]).encode().replace(b"Question", b"Qu\xe9stion"))
+    out, m = build(tmp_path, gapped, sources=[SFTSource(path=str(tmp_path / "chat.jsonl")),
+                                              SFTSource(path=str(tmp_path / "latin1.json"))])
+    assert read_json(out / MANIFEST)["vocab_size"] == 1001
+    assert m["skipped"] == {"non_utf8": 1}
+
+
+def test_a_tokenizer_rewritten_to_the_same_size_and_time_builds_the_data_again(tmp_path, caplog):
+    """The build is reused only for the same tokenizer bytes: a copy kept its size and time
+    (`cp -p` of another tokenizer of that size) is still another tokenizer."""
+    import os
+
+    from pipeline.data.sft_data import build_once
+
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    tok.write_text(tiny_tokenizer().to_str())
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(8)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], seq_len=64, val_fraction=0.25)
+    build_once(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
+    st = tok.stat()
+    tok.write_text(tok.read_text().replace('"fuse_unk":false', '"fuse_unk":true '))  # same size, other bytes
+    os.utime(tok, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert tok.stat().st_size == st.st_size
+    with caplog.at_level("INFO", logger="pipeline"):
+        build_once(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
+    assert "holds this build already" not in caplog.text and "built the SFT data" in caplog.text

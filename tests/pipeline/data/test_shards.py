@@ -80,6 +80,17 @@ def test_missing_split_names_the_stage_that_writes_it(tmp_path, monkeypatch):
         PackedRows("elsewhere/val")
 
 
+def test_a_shard_cut_short_is_one_line_naming_it_and_its_stage(tmp_path, monkeypatch):
+    """A truncated or overwritten shard stopped evaluate (and training) in pyarrow's traceback."""
+    monkeypatch.chdir(tmp_path)
+    write_split(tmp_path / "data/sft/val", [np.arange(5), np.arange(5)], [[0], [0]])
+    shard = tmp_path / "data/sft/val/shard-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:300])
+    with pytest.raises(DataError, match=r"^\S*data/sft/val/shard-00000.arrow: not a readable Arrow shard \(.+\); "
+                                        r"run `dvc repro sft` to write it again$"):
+        PackedRows("data/sft/val")
+
+
 def offsets_of(starts):
     return np.cumsum([0] + [len(s) for s in starts]), np.array([p for s in starts for p in s], np.int32)
 

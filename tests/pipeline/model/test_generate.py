@@ -7,6 +7,7 @@ shared with test_export.py and test_registry.py."""
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -309,6 +310,37 @@ def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok,
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_cli_forgets_an_exchange_with_a_blank_reply_and_reset_keeps_the_system_message(monkeypatch, tok_path,
+                                                                                       ckpt_dir):
+    from pipeline.model import generate as gen
+
+    seen, replies = [], iter(["", "ok", "fine"])
+    real = gen._encode_chat_prompt
+    monkeypatch.setattr(gen, "_encode_chat_prompt", lambda tok, history, *a, **kw: (
+        seen.append([m["content"] for m in history]) or real(tok, history, *a, **kw)))
+    monkeypatch.setattr(gen, "_reply", lambda *a: next(replies))
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n/reset\nthree\n/exit\n"))
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--interactive", "--system", "S"]) == 0
+    assert seen == [["S", "one"], ["S", "two"], ["S", "three"]]
+
+
+def test_a_checkpoint_with_an_adopted_tokenizer_stops_raw_text_at_its_own_end_ids(tmp_path, tok, ckpt_dir):
+    from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
+    from pipeline.model.generate import prompting
+    from tests.hf_models import save_tiny_hf_folder
+
+    hf = save_tiny_hf_folder("qwen2", tmp_path / "qwen2")
+    tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
+    adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
+    roles = load_specials(tok_json)
+    manifest = tmp_path / "manifest.json"  # SFT's data, rendered with the tokenizer's own template
+    manifest.write_text(json.dumps({"chat_template": roles.chat_template, "tokenizer_sha256": sha256_file(tok_json)}))
+    for sft_manifest in (None, manifest):
+        _, _, text_stops = prompting(ckpt_dir, load_tokenizer(tok_json), tok_json, sft_manifest=sft_manifest,
+                                     chat=False)
+        assert text_stops == tuple(dict.fromkeys([roles.eot_id, *roles.eos_ids])) != (EOT_ID,)
+
+
 def test_cli_reports_a_missing_model_without_a_traceback(capsys, tmp_path):
     assert main(["--model", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "error:" in capsys.readouterr().err
@@ -349,6 +381,17 @@ def test_a_checkpoint_is_prompted_with_the_template_sft_trained_with(tmp_path, t
     assert [t.source for t in seen] == [QWEN2_TEMPLATE]
 
 
+def test_cli_a_damaged_sft_manifest_is_one_line_naming_it(tmp_path, capsys, tok_path, ckpt_dir, monkeypatch):
+    """--chat on a checkpoint reads data/sft/manifest.json: cut short, it printed json's bare
+    'Expecting value: ...', naming no file."""
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    (tmp_path / "data" / "sft" / "manifest.json").write_text('{"chat_template": ')
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--chat", "Hi"]) == 2
+    assert re.fullmatch(r"error: data/sft/manifest.json is damaged: not valid JSON \(.+\); run the stage that writes "
+                        r"it again\n", capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("device, message", [
     ("gpu", r"device 'gpu' is not a device name; use auto, cpu, cuda, cuda:N or mps"),
     ("xla", r"device 'xla' is not supported; use auto, cpu, cuda, cuda:N or mps"),
@@ -374,6 +417,7 @@ def test_a_hugging_face_folder_is_prompted_with_its_own_template_and_stop_ids(fa
     end_of_turn = {"qwen2": "<|im_end|>", "llama": "<|eot_id|>"}[family]
     assert template is not None and chat_stops[0] == tok.token_to_id(end_of_turn)
     assert text_stops[0] == tok.token_to_id({"qwen2": "<|endoftext|>", "llama": "<|end_of_text|>"}[family])
+    assert tok.encode(end_of_turn, add_special_tokens=False).ids != [chat_stops[0]]  # in text, text, as ours reads it
     assert main(["--model", str(folder), "--chat", "Hi", "--max-new-tokens", "3", "--temperature", "0"]) == 0
     assert main(["--model", str(folder), "--prompt", "", "--max-new-tokens", "3"]) == 0
 

@@ -100,13 +100,16 @@ def test_the_launcher_refuses_a_seq_len_beyond_the_model_before_building_the_dat
     assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
 
 
-def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path):
+def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill_or_a_damaged_run(tmp_path):
     """prepare_sft builds the SFT shards, then refuses a global batch their train
-    split cannot fill, before torchrun starts (every rank would refuse it later)."""
+    split cannot fill, or a run whose checkpoints are all damaged, before torchrun
+    starts (every rank would refuse it later)."""
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tokenizer().to_str())
     cfg = parse_section(PretrainConfig, train_params(TRAIN, model={"preset": "tiny"}, max_steps=2), "pretrain")
-    run_pretrain(cfg, write_packed(tmp_path / "packed", tokenizer=tok), tmp_path / "pretrain", tmp_path / "p.csv")
+    vocab = tiny_tokenizer().get_vocab_size()  # the model embeds every id of the tokenizer
+    run_pretrain(cfg, write_packed(tmp_path / "packed", vocab=vocab, tokenizer=tok), tmp_path / "pretrain",
+                 tmp_path / "p.csv")
     data = {"data": {"seq_len": 128, "overlong": "truncate", "max_examples": 300}}
 
     def prepare(**kw):
@@ -120,6 +123,39 @@ def test_the_launcher_refuses_a_batch_the_built_train_split_cannot_fill(tmp_path
         prepare(micro_batch_size=rows + 1)
     assert f"one step needs {rows + 1} rows" in str(err.value) and f"train split has only {rows}" in str(err.value)
     assert not (tmp_path / "models").exists()
+    # A run whose every checkpoint is damaged stops in the launcher too, naming the file, and the data
+    # build's numbers (data/sft/report.json) reach the run's metrics.
+    m = run_sft(sft_cfg(**data, max_steps=2), tmp_path / "sft", tmp_path / "pretrain", tmp_path / "models",
+                tmp_path / "s.csv")
+    assert m["examples_in"] == json.loads((tmp_path / "sft" / "report.json").read_text())["examples_in"] > 0
+    [saved] = ckpt.complete_checkpoints(tmp_path / "models")
+    weights = saved.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 0xFF]))
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors: sha256 differs"):
+        prepare(max_steps=2)
+
+
+def test_the_launcher_refuses_a_tokenizer_the_model_was_not_trained_with_before_building_the_data(tmp_path, pretrained):
+    """Another tokenizer was refused only after the data build; one with ids past the
+    embedding, from a checkpoint that records no tokenizer, stopped a rank in an IndexError."""
+    import shutil
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(tiny_tokenizer().to_str())  # 450 ids; the pretrained model embeds 64
+    c = ckpt.latest(pretrained)
+    with pytest.raises(SFTError, match=rf"^\S*tokenizer.json is not the tokenizer \S*{c.path.name} was trained with; "
+                                       r"run `dvc repro tokenizer pretrain` before sft$"):
+        prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", pretrained, tmp_path / "models")
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(c.path, unrecorded / c.path.name)
+    meta = json.loads((unrecorded / c.path.name / "meta.json").read_text())
+    assert meta.pop("tokenizer_sha256") == "synthetic"
+    meta["model"]["vocab_size"] = 449  # one id short (the check reads the model from meta.json, before any weight)
+    (unrecorded / c.path.name / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SFTError, match=r"tokenizer.json has ids up to 449, but \S* embeds only 449; sft needs the "
+                                       "tokenizer the model was pretrained with$"):
+        prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", unrecorded, tmp_path / "models")
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
 
 
 def test_the_launcher_refuses_an_attention_this_machine_cannot_train_with(tmp_path, pretrained):
