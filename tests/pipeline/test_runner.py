@@ -271,20 +271,28 @@ if __name__ == "__main__":
 '''
 
 
-def test_an_expected_failure_ends_the_stage_s_mlflow_run_failed_with_the_error(tmp_path):
-    (tmp_path / "failing_stand_in.py").write_text(FAILING_STAND_IN)
+def run_tracked_stand_in(tmp_path, name: str, source: str):
+    """Run ``source`` as module ``name`` in ``tmp_path`` with tracking into a
+    SQLite MLflow store there; its process result and the one MLflow run."""
+    import mlflow
+
+    (tmp_path / f"{name}.py").write_text(source)
     (tmp_path / "params.yaml").write_text("clean: {}\n")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
            "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PIPELINE_PROGRESS": "0"}
-    r = subprocess.run([sys.executable, "-m", "failing_stand_in"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", name], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, (runs, r.stderr[-3000:])
+    return r, client, runs[0]
+
+
+def test_an_expected_failure_ends_the_stage_s_mlflow_run_failed_with_the_error(tmp_path):
+    r, _, run = run_tracked_stand_in(tmp_path, "failing_stand_in", FAILING_STAND_IN)
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
         "error: stage clean failed: data/clean/input.parquet is bad"), r.stderr[-3000:]
-    import mlflow
-
-    client = mlflow.MlflowClient(uri)
-    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert (run.info.run_name, run.info.status) == ("clean", "FAILED")
     assert run.data.tags["error"] == "data/clean/input.parquet is bad"
 
@@ -311,19 +319,9 @@ if __name__ == "__main__":
 def test_a_stage_s_metrics_file_and_mlflow_run_carry_its_metrics_seconds_and_report(tmp_path):
     from pipeline.files import read_json
 
-    (tmp_path / "passing_stand_in.py").write_text(PASSING_STAND_IN)
-    (tmp_path / "params.yaml").write_text("clean: {}\n")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path))), "PIPELINE_TRACKING": "1",
-           "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PIPELINE_PROGRESS": "0"}
-    r = subprocess.run([sys.executable, "-m", "passing_stand_in"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r, client, run = run_tracked_stand_in(tmp_path, "passing_stand_in", PASSING_STAND_IN)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_json(tmp_path / "metrics" / "clean.json")
     assert metrics["docs"] == 3 and metrics["seconds"] >= 0
-    import mlflow
-
-    client = mlflow.MlflowClient(uri)
-    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert (run.info.run_name, run.info.status, run.data.metrics["docs"]) == ("clean", "FINISHED", 3)
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["report.json"]
