@@ -335,7 +335,7 @@ def ngrams(words: list[str], n: int) -> zip:
 
 class TopNgramsConfig(FilterConfig):
     max_char_frac: dict[int, float] = Field(
-        default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16},
+        default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16}, min_length=1,
         description="n -> max fraction of word characters in the most frequent n-gram",
     )
     _limits = field_validator("max_char_frac")(_check_ngram_limits)
@@ -360,7 +360,7 @@ class DupNgramsConfig(FilterConfig):
     # idioms (self.assertEqual(...) lines), so the limits are doubled: the Gopher
     # values drop 16% of stdlib files, these about 2%.
     max_char_frac: dict[int, float] = Field(
-        default_factory=lambda: {5: 0.30, 6: 0.28, 7: 0.26, 8: 0.24, 9: 0.22, 10: 0.20},
+        default_factory=lambda: {5: 0.30, 6: 0.28, 7: 0.26, 8: 0.24, 9: 0.22, 10: 0.20}, min_length=1,
         description="n -> max fraction of word characters in repeats of an n-gram",
     )
     _limits = field_validator("max_char_frac")(_check_ngram_limits)

@@ -142,6 +142,9 @@ def test_bad_filter_params_are_rejected():
         FiltersSection.model_validate({"gopher_stop_words": {"words": ["The", "of the", "and"]}})
     with pytest.raises(ValueError, match="at least 1 item"):
         FiltersSection.model_validate({"gopher_stop_words": {"words": []}})
+    for name in ("gopher_top_ngrams", "gopher_dup_ngrams"):  # on, with no n-gram size, it would check nothing
+        with pytest.raises(ValueError, match=rf"{name}\.max_char_frac\n.*at least 1 item"):
+            FiltersSection.model_validate({name: {"max_char_frac": {}}})
     with pytest.raises(ValueError, match="n-gram size 65 must be in"):
         FiltersSection.model_validate({"gopher_top_ngrams": {"max_char_frac": {65: 0.1}}})
     with pytest.raises(ValueError, match=r"limit 1.5 for n=2 must be in \[0, 1\]"):
