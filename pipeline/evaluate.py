@@ -34,9 +34,9 @@ import torch
 from pydantic import Field, field_validator
 
 from pipeline.config import ParamsModel, StageConfig
-from pipeline.data.shards import PackedRows
+from pipeline.data.shards import MANIFEST, PackedRows, read_manifest
 from pipeline.errors import StageError
-from pipeline.files import write_json
+from pipeline.files import sha256_file, write_json
 from pipeline.model.transformer import Transformer
 from pipeline.progress import progress
 from pipeline.training import checkpoint as ckpt
@@ -163,6 +163,21 @@ def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last
 
 
 @torch.no_grad()
+def check_split_tokenizer(split_dir: Path, tokenizer_path: Path, tokenizer_sha256: str) -> None:
+    """Raise EvaluateError, one line, when the packed split ``split_dir`` was made
+    with another tokenizer than ``tokenizer_path`` (the sha256 its folder's manifest
+    records): its ids would be scored, and counted in bytes, as other tokens. Only
+    a recorded 64-hex-digit sha256 is compared; a split without a manifest is left
+    to its reader."""
+    if not (split_dir.parent / MANIFEST).is_file():
+        return
+    recorded = read_manifest(split_dir.parent).get("tokenizer_sha256")
+    if isinstance(recorded, str) and len(recorded) == 64 and recorded != tokenizer_sha256:
+        raise EvaluateError(f"{split_dir} was made with another tokenizer (sha256 {recorded[:12]}…) than "
+                            f"{tokenizer_path} (sha256 {tokenizer_sha256[:12]}…); rerun `dvc repro` so that data and "
+                            "model share this one")
+
+
 def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_size: int, max_rows: int | None,
           doc_mask: bool, device: torch.device, precision: str, eot_id: int | None = None,
           prefix_bytes: int = 0, label: str | None = None) -> dict[str, float]:
@@ -249,6 +264,9 @@ def evaluate_models(cfg: EvaluateConfig, models: dict[str, Path], splits: dict[s
     tok = load_tokenizer(tokenizer_path)
     nbytes = token_bytes(tok)
     eot_id, prefix = load_specials(tokenizer_path).eot_id, dummy_prefix_bytes(tok)
+    tokenizer_sha256 = sha256_file(tokenizer_path)
+    for path in (*splits.values(), *(sources or {}).values()):
+        check_split_tokenizer(Path(path), tokenizer_path, tokenizer_sha256)
     data = {name: PackedRows(path) for name, path in splits.items()}
     by_source = {name: PackedRows(path) for name, path in (sources or {}).items()}
     out: dict[str, Any] = {}

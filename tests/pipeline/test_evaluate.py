@@ -1,6 +1,8 @@
 import math
+import re
 
 import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -240,6 +242,26 @@ def test_a_split_made_with_another_tokenizer_is_one_line_not_an_index_error(tmp_
     with pytest.raises(EvaluateError, match=rf"val: token id {vocab} is beyond the tokenizer's {vocab} ids or "
                                             rf"the model's {vocab}; the split was made with another tokenizer"):
         evaluate_models(EvaluateConfig(), {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
+
+
+def test_a_split_whose_manifest_names_another_tokenizer_is_refused_before_any_scoring(tmp_path, tok_path):
+    """Another tokenizer of the same size gives ids in range: only the sha256 the
+    split's manifest records tells the two apart."""
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.files import sha256_file, write_json
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "packed" / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    manifest = tmp_path / "packed" / "manifest.json"
+    write_json(manifest, {"tokenizer_sha256": sha256_file(tok_path)})  # the same tokenizer: scored
+    metrics, _ = evaluate_models(EvaluateConfig(), {"m": tmp_path / "m"}, {"text": tmp_path / "packed" / "val"},
+                                 tok_path)
+    assert math.isfinite(metrics["m"]["text"]["val_loss"])
+    write_json(manifest, {"tokenizer_sha256": "ab" * 32})
+    with pytest.raises(EvaluateError, match=rf"packed/val was made with another tokenizer \(sha256 abababababab…\) "
+                                            rf"than {re.escape(str(tok_path))} \(sha256 [0-9a-f]{{12}}…\); rerun"):
+        evaluate_models(EvaluateConfig(), {"m": tmp_path / "m"}, {"text": tmp_path / "packed" / "val"}, tok_path)
 
 
 def test_each_source_is_scored_on_its_own_val_split(tmp_path, tok_path, caplog, monkeypatch):
