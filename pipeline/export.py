@@ -61,7 +61,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
@@ -237,8 +236,6 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
             "it was adopted from uses it.") + " Generation stops at the ids in `generation_config.json`."
         (tmp / "README.md").write_text(model_card(config, meta, summary, card_info,
                                                   sha256_file(tmp / "model.safetensors"), chat), encoding="utf-8")
-        # safetensors creates its file owner-only; give it the mode the other files got
-        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
         summary["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                             for f in sorted(tmp.iterdir())}
     return summary

@@ -182,6 +182,13 @@ def atomic_write(path: str | Path, mode: str = "w", encoding: str | None = "utf-
         yield f
 
 
+def current_umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` for writers that want a filename
@@ -192,6 +199,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        # mkstemp (and safetensors, writing anew) make the file owner-only: give it
+        # the mode open() would, by the umask, as every other file the stages write
+        os.chmod(tmp, 0o666 & ~current_umask())
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -229,7 +239,10 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        mode = 0o666 & ~current_umask()
         for p in sorted(tmp.rglob("*"), reverse=True):  # files before the folders holding them
+            if p.is_file() and not p.is_symlink():
+                os.chmod(p, mode)  # as open() would make it: safetensors makes its files owner-only
             fsync_path(p)
         fsync_path(tmp)
         if path.is_dir() and not path.is_symlink():

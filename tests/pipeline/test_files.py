@@ -186,3 +186,33 @@ def test_broken_links_names_only_the_links_to_nothing(tmp_path):
     said = files.broken_links(tmp_path)
     assert said.startswith(f"gone.bin is a link to nothing (gone.bin -> {tmp_path}/missing.bin)"), said
     assert files.broken_links(tmp_path / "real.bin") is None
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_atomic_writes_give_the_mode_open_would_by_the_umask(tmp_path, umask):
+    """mkstemp makes its file owner-only, and safetensors writes its own anew the
+    same way: the stages' outputs (shards, manifests, checkpoints) take the mode
+    every other file does, so a team that shares a folder can read them."""
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    def mode(p):
+        return stat.S_IMODE(p.stat().st_mode)
+
+    old = os.umask(umask)
+    try:
+        files.write_json(tmp_path / "a.json", {"a": 1})
+        with atomic_path(tmp_path / "b.safetensors") as tmp:
+            save_file({"x": torch.zeros(2)}, str(tmp))
+        with atomic_dir(tmp_path / "ckpt") as tmp:
+            save_file({"x": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "meta.json").write_text("{}")
+        opened = tmp_path / "plain.txt"
+        opened.write_text("x")
+    finally:
+        os.umask(old)
+    assert mode(opened) == 0o666 & ~umask
+    assert {mode(p) for p in (tmp_path / "a.json", tmp_path / "b.safetensors", tmp_path / "ckpt" / "model.safetensors",
+                              tmp_path / "ckpt" / "meta.json")} == {mode(opened)}
