@@ -3,6 +3,8 @@
 registered in MLflow as a new version (alias ``candidate``; ``champion`` moves
 only when the evaluate metrics beat the current champion's), and its report.json."""
 
+from pathlib import Path
+
 from pipeline import layout
 from pipeline.export import REPORT, ExportConfig, ExportError, export_model, write_report
 from pipeline.files import read_stage_json
@@ -11,19 +13,24 @@ from pipeline.runner import run_stage
 from pipeline.tracking.tracker import dvc_stage_hashes, git_tags
 
 
+def evaluate_output(path: Path) -> dict:
+    """A JSON object evaluate wrote; a one-line ExportError when it is missing or is not one."""
+    if not path.is_file():
+        raise ExportError(f"{path} not found; run `dvc repro evaluate` first")
+    value = read_stage_json(path)
+    if not isinstance(value, dict):
+        raise ExportError(f"{path} is not evaluate's (not a JSON object); run `dvc repro evaluate`")
+    return value
+
+
 def main(cfg: ExportConfig, tracker) -> dict:
-    for path in (layout.metrics_path("evaluate"), layout.EVALUATE_REPORT):
-        if not path.is_file():
-            raise ExportError(f"{path} not found; run `dvc repro evaluate` first")
-        if not isinstance(read_stage_json(path), dict):
-            raise ExportError(f"{path} is not evaluate's (not a JSON object); run `dvc repro evaluate`")
-    evaluation = read_stage_json(layout.metrics_path("evaluate"))
+    evaluation, report = (evaluate_output(path) for path in (layout.metrics_path("evaluate"), layout.EVALUATE_REPORT))
     if cfg.register_model:
         try:
             check_primary_metric(evaluation, cfg.primary_metric)
         except ValueError as err:
             raise ExportError(f"export.primary_metric: {err} (in {layout.metrics_path('evaluate')})") from None
-    evaluated = read_stage_json(layout.EVALUATE_REPORT).get(cfg.source)
+    evaluated = report.get(cfg.source)
     if not evaluated:
         raise ExportError(f"{layout.EVALUATE_REPORT} records no {cfg.source} model; run `dvc repro evaluate` first")
     source = layout.SFT_MODEL if cfg.source == "sft" else layout.PRETRAIN_MODEL
