@@ -115,18 +115,16 @@ def check_tokenizer(tokenizer_path: Path, init: ckpt.Checkpoint, model_cfg: Mode
     the tokenizer pretrain trained with (the sha256 its checkpoint records, when it
     records one) and the model embeds every id of it (a rank stopped at the first
     id past the embedding in an IndexError traceback)."""
-    from pipeline.data.tokenizer import load_tokenizer
-    from pipeline.model.generate import check_embeds
+    from pipeline.data.tokenizer import id_space, load_tokenizer
 
     recorded = init.meta.get("tokenizer_sha256")
     if recorded is not None and recorded != sha256_file(tokenizer_path):
         raise SFTError(f"{tokenizer_path} is not the tokenizer {init.path} was trained with; "
                        "run `dvc repro tokenizer pretrain` before sft")
-    try:
-        check_embeds(load_tokenizer(tokenizer_path), model_cfg)
-    except ValueError as err:
-        raise SFTError(f"{tokenizer_path}: {err} ({init.path}); sft needs the tokenizer the model was pretrained "
-                       "with") from None
+    rows = id_space(load_tokenizer(tokenizer_path))
+    if rows > model_cfg.vocab_size:
+        raise SFTError(f"{tokenizer_path} has ids up to {rows - 1}, but {init.path} embeds only "
+                       f"{model_cfg.vocab_size}; sft needs the tokenizer the model was pretrained with")
 
 
 def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path
