@@ -143,8 +143,7 @@ def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last
     tokenizer the checkpoint was trained with (its recorded sha256) and every id of
     it has an embedding: scored with another, bits per byte counts other bytes, and
     a sample's id past the embedding stopped the stage in a traceback."""
-    from pipeline.data.tokenizer import load_tokenizer
-    from pipeline.model.generate import check_embeds, check_tokenizer
+    from pipeline.data.tokenizer import check_fits, check_trained_with, load_tokenizer
 
     last = ckpt.resolve(Path(folder), which)  # verified; a damaged one raises CheckpointError
     if last is None:
@@ -152,9 +151,9 @@ def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last
     config = ckpt.model_config(last)
     if tokenizer_path is not None:
         try:
-            check_tokenizer(tokenizer_path, last.meta.get("tokenizer_sha256"),
-                            fix="rerun the training stages on it (`dvc repro`)")
-            check_embeds(load_tokenizer(tokenizer_path), config)
+            check_trained_with(tokenizer_path, last.meta.get("tokenizer_sha256"),
+                               fix="rerun the training stages on it (`dvc repro`)")
+            check_fits(load_tokenizer(tokenizer_path), config.vocab_size)
         except ValueError as err:
             raise EvaluateError(f"{last.path}: {err}") from None
     model = Transformer(config)

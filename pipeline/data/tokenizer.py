@@ -773,6 +773,28 @@ def id_space(tok: Tokenizer) -> int:
     return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
+def check_trained_with(tokenizer_path: str | Path, expected_sha256: str | None, fix: str) -> None:
+    """Raise ValueError, ending in ``fix``, if ``tokenizer_path`` is not the tokenizer
+    a model was trained with (the sha256 its checkpoint records). Only a recorded
+    64-hex-digit sha256 is compared (tests and synthetic data record other markers)."""
+    if not expected_sha256 or len(expected_sha256) != 64:
+        return
+    actual = sha256_file(tokenizer_path)
+    if actual != expected_sha256:
+        raise ValueError(f"{tokenizer_path} (sha256 {actual[:12]}…) is not the tokenizer this model was "
+                         f"trained with (sha256 {expected_sha256[:12]}…); {fix}")
+
+
+def check_fits(tok: Tokenizer, vocab_size: int, fix: str = "") -> None:
+    """Raise ValueError if ``tok`` has an id past a model's ``vocab_size`` embedding
+    rows (a gap in the ids can hide one from the token count; a forward pass would
+    stop in an IndexError). ``fix``, when given, ends the message."""
+    rows = id_space(tok)
+    if rows > vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {rows - 1} ({tok.get_vocab_size()} tokens), the model "
+                         f"embeds only {vocab_size}" + (f"; {fix}" if fix else ""))
+
+
 def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of a Hugging Face folder; a one-line TokenizerError
     when the folder or the file is missing or unreadable."""

@@ -43,7 +43,8 @@ from pipeline.data.chat_template import (
     template_of_hf_folder,
     template_of_sft_data,
 )
-from pipeline.data.tokenizer import EOT_ID, IM_END_ID, id_space, load_specials, load_tokenizer, open_hf_tokenizer
+from pipeline.data.tokenizer import (EOT_ID, IM_END_ID, check_fits, check_trained_with, load_specials, load_tokenizer,
+                                     open_hf_tokenizer)
 from pipeline.errors import StageError
 from pipeline.files import broken_links, read_stage_json, sha256_file
 from pipeline.model import hf_adapter
@@ -202,30 +203,9 @@ def load_for_inference(path: str | Path, *, tokenizer_path: str | Path | None = 
         ckpt.load_model_weights(checkpoint, model)
         tok_path = Path(tokenizer_path) if tokenizer_path else layout.TOKENIZER_JSON
         tokenizer = load_tokenizer(tok_path)
-        check_tokenizer(tok_path, meta.get("tokenizer_sha256"))
-    check_embeds(tokenizer, config)
+        check_trained_with(tok_path, meta.get("tokenizer_sha256"), fix="pass the right --tokenizer")
+    check_fits(tokenizer, config.vocab_size)
     return model.to(device).eval(), tokenizer, config
-
-
-def check_tokenizer(tokenizer_path: str | Path, expected_sha256: str | None,
-                    fix: str = "pass the right --tokenizer") -> None:
-    """Raise ValueError, ending in ``fix``, if ``tokenizer_path`` is not the tokenizer
-    a checkpoint was trained with. Only a recorded 64-hex-digit sha256 is compared
-    (tests and synthetic data record other markers)."""
-    if not expected_sha256 or len(expected_sha256) != 64:
-        return
-    actual = sha256_file(tokenizer_path)
-    if actual != expected_sha256:
-        raise ValueError(f"{tokenizer_path} (sha256 {actual[:12]}…) is not the tokenizer this model was "
-                         f"trained with (sha256 {expected_sha256[:12]}…); {fix}")
-
-
-def check_embeds(tokenizer: Tokenizer, config: ModelConfig) -> None:
-    """Raise ValueError if ``tokenizer`` has an id the model has no embedding for."""
-    rows = id_space(tokenizer)  # ids may leave gaps: not the count of tokens
-    if rows > config.vocab_size:
-        raise ValueError(f"the tokenizer has ids up to {rows - 1} ({tokenizer.get_vocab_size()} tokens), the model "
-                         f"embeds only {config.vocab_size}")
 
 
 # --------------------------------------------------------------------------- prompting

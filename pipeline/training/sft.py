@@ -21,7 +21,7 @@ from pydantic import Field
 from pipeline.data import shards
 from pipeline.data.sft_data import SFTDataConfig, build_once
 from pipeline.errors import StageError
-from pipeline.files import read_json, sha256_file, write_json
+from pipeline.files import read_json, write_json
 from pipeline.model.transformer import ModelConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.config import (
@@ -115,16 +115,15 @@ def check_tokenizer(tokenizer_path: Path, init: ckpt.Checkpoint, model_cfg: Mode
     the tokenizer pretrain trained with (the sha256 its checkpoint records, when it
     records one) and the model embeds every id of it (a rank stopped at the first
     id past the embedding in an IndexError traceback)."""
-    from pipeline.data.tokenizer import id_space, load_tokenizer
+    from pipeline.data.tokenizer import check_fits, check_trained_with, load_tokenizer
 
-    recorded = init.meta.get("tokenizer_sha256")
-    if recorded is not None and recorded != sha256_file(tokenizer_path):
-        raise SFTError(f"{tokenizer_path} is not the tokenizer {init.path} was trained with; "
-                       "run `dvc repro tokenizer pretrain` before sft")
-    rows = id_space(load_tokenizer(tokenizer_path))
-    if rows > model_cfg.vocab_size:
-        raise SFTError(f"{tokenizer_path} has ids up to {rows - 1}, but {init.path} embeds only "
-                       f"{model_cfg.vocab_size}; sft needs the tokenizer the model was pretrained with")
+    try:
+        check_trained_with(tokenizer_path, init.meta.get("tokenizer_sha256"),
+                           fix="run `dvc repro tokenizer pretrain` before sft")
+        check_fits(load_tokenizer(tokenizer_path), model_cfg.vocab_size,
+                   fix="sft needs the tokenizer the model was pretrained with")
+    except ValueError as err:
+        raise SFTError(f"{init.path}: {err}") from None
 
 
 def plan(cfg: SFTConfig, data_dir: Path, pretrain_dir: Path

@@ -26,8 +26,11 @@ from pipeline.data.tokenizer import (
     TokenizerError,
     build,
     build_tokenizer,
+    check_fits,
     check_roundtrip,
+    check_trained_with,
     choose_sample,
+    id_space,
     load_specials,
     load_tokenizer,
     special_ids,
@@ -776,3 +779,26 @@ def test_adopting_a_tokenizer_without_a_template_or_chatml_tokens_warns_that_sft
         [record] = [r for r in caplog.records if r.getMessage().startswith("adopted the tokenizer")]
         assert line in record.getMessage()
         assert record.levelname == ("WARNING" if family == "llama3" else "INFO")
+
+
+def test_a_tokenizer_belongs_to_a_model_by_its_recorded_sha256_and_by_every_id_having_a_row(trained, tmp_path):
+    path = trained[0]
+    check_trained_with(path, sha256_file(path), fix="unused")
+    for marker in (None, "", "synthetic"):  # nothing recorded, or no sha256: nothing to compare
+        check_trained_with(path, marker, fix="unused")
+    with pytest.raises(ValueError, match=r"tokenizer.json \(sha256 \w{12}…\) is not the tokenizer this model was "
+                                         r"trained with \(sha256 aaaaaaaaaaaa…\); do this$"):
+        check_trained_with(path, "a" * 64, fix="do this")
+
+    tok = load_tokenizer(path)
+    rows = id_space(tok)
+    check_fits(tok, rows)  # fills the table exactly
+    with pytest.raises(ValueError, match=rf"ids up to {rows - 1} \({rows} tokens\), the model embeds only {rows - 1}$"):
+        check_fits(tok, rows - 1)
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = rows + 50  # a gap: as many tokens, an id far past them
+    gapped = Tokenizer.from_str(json.dumps(data))
+    assert gapped.get_vocab_size() < id_space(gapped) == rows + 51
+    with pytest.raises(ValueError, match=rf"ids up to {rows + 50} \(\d+ tokens\), the model embeds only {rows}; fix it$"):
+        check_fits(gapped, rows, fix="fix it")

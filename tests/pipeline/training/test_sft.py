@@ -143,17 +143,23 @@ def test_the_launcher_refuses_a_tokenizer_the_model_was_not_trained_with_before_
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tokenizer().to_str())  # 450 ids; the pretrained model embeds 64
     c = ckpt.latest(pretrained)
-    with pytest.raises(SFTError, match=rf"^\S*tokenizer.json is not the tokenizer \S*{c.path.name} was trained with; "
+
+    def copy(name, vocab_size, **meta_changes):  # the checkpoint with other meta.json values
+        shutil.copytree(c.path, tmp_path / name / c.path.name)
+        meta = json.loads((tmp_path / name / c.path.name / "meta.json").read_text())
+        assert meta.pop("tokenizer_sha256") == "synthetic"  # a marker, not a sha256: nothing to compare
+        meta["model"]["vocab_size"] = vocab_size  # the check reads the model from meta.json, before any weight
+        (tmp_path / name / c.path.name / "meta.json").write_text(json.dumps({**meta, **meta_changes}))
+        return tmp_path / name
+
+    recorded = copy("recorded", 450, tokenizer_sha256="0" * 64)  # every id fits, but it is another tokenizer
+    with pytest.raises(SFTError, match=rf"^\S*{c.path.name}: \S*tokenizer.json \(sha256 \w+…\) is not the tokenizer "
+                                       r"this model was trained with \(sha256 000000000000…\); "
                                        r"run `dvc repro tokenizer pretrain` before sft$"):
-        prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", pretrained, tmp_path / "models")
-    unrecorded = tmp_path / "unrecorded"
-    shutil.copytree(c.path, unrecorded / c.path.name)
-    meta = json.loads((unrecorded / c.path.name / "meta.json").read_text())
-    assert meta.pop("tokenizer_sha256") == "synthetic"
-    meta["model"]["vocab_size"] = 449  # one id short (the check reads the model from meta.json, before any weight)
-    (unrecorded / c.path.name / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(SFTError, match=r"tokenizer.json has ids up to 449, but \S* embeds only 449; sft needs the "
-                                       "tokenizer the model was pretrained with$"):
+        prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", recorded, tmp_path / "models")
+    unrecorded = copy("unrecorded", 449)  # one id short
+    with pytest.raises(SFTError, match=rf"^\S*{c.path.name}: the tokenizer has ids up to 449 \(450 tokens\), the model "
+                                       "embeds only 449; sft needs the tokenizer the model was pretrained with$"):
         prepare_sft(sft_cfg(), tok, tmp_path / "sft", tmp_path / "q.jsonl", unrecorded, tmp_path / "models")
     assert not (tmp_path / "sft").exists() and not (tmp_path / "models").exists()
 
