@@ -79,8 +79,22 @@ class Thing:
     def _hidden(self):
         """A hidden method with a long enough docstring."""
 
+    def parse(self, s):
+        """parse(s) -> Thing
+
+        Parse s into a thing, carefully and in full."""
+
 class Bare:
     """A class without an __init__ method, described here."""
+
+class Plain:
+    """Another class without an __init__, so no parameters."""
+
+class Empty:
+    """A third class without an __init__, and no parameters."""
+
+class Hollow:
+    """A fourth class without an __init__, nor parameters."""
 
 def sigline(x):
     """sigline(x) -> int
@@ -120,6 +134,10 @@ def again():
 
 def again():
     """The second definition of again, left out."""
+
+def spaced(x):
+    """A paragraph ended by a line of the docstring's indent.
+    \n    A second paragraph, left out."""
 ''' % ("word " * 150)
 
 GOLDEN = [
@@ -135,6 +153,12 @@ GOLDEN = [
     ('alpha/__init__.py:over',
      'What does `alpha.over(aaaaaaaaaa, bbbbbbbbbb, cccccccccc, dddddddddd, eeeee, ...)` do?',
      'A signature of sixty-one characters, cut short.'),
+    ('omega.py:twice',
+     "In Python's `omega` module, what is `twice` used for?",
+     'The omega module as a file, the one kept.'),
+    ('alpha/__init__.py:Thing.parse',
+     'Briefly, what happens when you call `alpha.Thing.parse(s)`?',
+     'Parse s into a thing, carefully and in full.'),
     ('alpha/__init__.py:defaults',
      'What does `alpha.defaults(x=..., y=12345678901234567890)` do?',
      'Defaults of more than twenty characters, and of twenty.'),
@@ -144,6 +168,9 @@ GOLDEN = [
     ('alpha/__init__.py:f',
      'Explain what `alpha.f(a, /, b, *, c=1, **kw)` does in the Python standard library.',
      'Return a value computed from a, b and c here.'),
+    ('alpha/__init__.py:Hollow',
+     "In Python's `alpha` module, what is the class `Hollow` for?",
+     'A fourth class without an __init__, nor parameters.'),
     ('alpha/__init__.py:sigline',
      'Explain what `alpha.sigline(x)` does in the Python standard library.',
      'Return the integer value of x, after checks.'),
@@ -160,6 +187,15 @@ GOLDEN = [
     ('alpha/__init__.py:exact',
      'Briefly, what happens when you call `alpha.exact(aaaaaaaaaa, bbbbbbbbbb, cccccccccc, dddddddddd, eeeee, fffff)`?',
      'A signature of exactly sixty characters, shown whole.'),
+    ('alpha/__init__.py:Empty',
+     "In Python's `alpha` module, what is the class `Empty` for?",
+     'A third class without an __init__, and no parameters.'),
+    ('alpha/__init__.py:spaced',
+     'What does `alpha.spaced(x)` do?',
+     "A paragraph ended by a line of the docstring's indent."),
+    ('alpha/__init__.py:Plain',
+     "What is the `alpha.Plain` class in Python's standard library?",
+     'Another class without an __init__, so no parameters.'),
     ('beta.py:beta',
      "In Python's `beta` module, what is `beta` used for?",
      'The only function of the beta module, kept.'),
@@ -177,6 +213,10 @@ def make_stdlib(root):
     (root / "test" / "mod.py").write_text('def in_tests():\n    """A function of the test suite, left out."""\n')
     (root / "_private_pkg").mkdir()
     (root / "_private_pkg" / "mod.py").write_text('def in_private():\n    """A function of a private package."""\n')
+    (root / "__init__.py").write_text('def top():\n    """In no module at all, so left out."""\n')
+    (root / "omega").mkdir()  # "omega" twice: the file before the folder's __init__.py, which repeats it
+    (root / "omega.py").write_text('def twice():\n    """The omega module as a file, the one kept."""\n')
+    (root / "omega" / "__init__.py").write_text('def twice():\n    """The omega module as a package, left out."""\n')
     (root / "beta.py").write_text('def beta():\n    """The only function of the beta module, kept."""\n')
     latin = b'# -*- coding: latin-1 -*-\ndef caf\xe9():\n    """Caf\xe9 au lait, from a latin-1 source file."""\n'
     (root / "gamma.py").write_bytes(latin)
@@ -196,7 +236,7 @@ def test_a_made_up_stdlib(tmp_path):
     # every pair, in its order (by a hash of the question) and with the template picked for it
     assert stdlib_qa(make_stdlib(tmp_path / "lib"), skipped) == GOLDEN
     assert skipped == {"file unreadable": 1, "file too large": 1, "file not parsable": 3, "no docstring": 1,
-                       "no usable first paragraph": 4, "repeated question or location": 1}
+                       "no usable first paragraph": 4, "repeated question or location": 2}
 
 
 def test_the_order_of_the_file_system_does_not_matter(tmp_path, monkeypatch):
@@ -204,7 +244,8 @@ def test_the_order_of_the_file_system_does_not_matter(tmp_path, monkeypatch):
     want_files, want = stdlib_files(root), stdlib_qa(root)
     # sorted names, a folder's files before its subfolders
     assert [p.relative_to(root).as_posix() for p in want_files] == [
-        "beta.py", "broken.py", "deep.py", "delta.py", "epsilon.py", "gamma.py", "alpha/__init__.py"]
+        "__init__.py", "beta.py", "broken.py", "deep.py", "delta.py", "epsilon.py", "gamma.py", "omega.py",
+        "alpha/__init__.py", "omega/__init__.py"]
     walk = os.walk
 
     def reversed_walk(top):  # what another file system may list first
