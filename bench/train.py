@@ -145,9 +145,19 @@ def stage_run(args, project: Path, steps: int, warmup: int) -> float:
 
     with open(project / "plots" / "pretrain.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f)]
-    # rows: step warmup (first window, includes compile/first-touch), then the timed windows
-    timed = [float(r["tokens_per_s"]) for r in rows if int(r["step"]) > warmup]
-    return statistics.harmonic_mean(timed)
+    return timed_tokens_per_s(rows, warmup)
+
+
+def timed_tokens_per_s(rows: list[dict], warmup: int) -> float:
+    """Tokens/s of the stage's logged windows after step ``warmup`` (the first
+    window, at step ``warmup``, includes compile and first touch): all their
+    tokens over all their time. A window's rate is weighted by its steps, since
+    the last one (logged at ``max_steps``) is shorter when the timed steps are not
+    a multiple of ``warmup``."""
+    steps = [int(r["step"]) for r in rows]
+    windows = [(step - prev, float(r["tokens_per_s"])) for prev, step, r in zip([0, *steps], steps, rows)
+               if step > warmup]
+    return statistics.harmonic_mean([rate for _, rate in windows], weights=[n for n, _ in windows])
 
 
 def compare(args, precision: str, steps: int) -> dict:
@@ -209,8 +219,8 @@ def matrix_cell(args, project: Path, preset: str, seq_len: int, doc_mask: bool, 
         return {"error": (errors or lines or ["failed"])[0][-300:]}
     with open(project / "plots" / "pretrain.csv", newline="") as f:
         logged = list(csv.DictReader(f))
-    timed = [float(r["tokens_per_s"]) for r in logged if int(r["step"]) > args.warmup]
-    return {"tokens_per_s": statistics.harmonic_mean(timed), "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in logged),
+    return {"tokens_per_s": timed_tokens_per_s(logged, args.warmup),
+            "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in logged),
             "rows_per_step": 16 * accum * args.nproc}
 
 

@@ -9,7 +9,10 @@ identical across processes and hash seeds. Tests, tools, vendored and
 generated modules are left out (:data:`STDLIB_SKIP_DIRS`).
 
 :func:`records` yields the pairs in the ``messages`` chat format for
-:mod:`pipeline.data.sft_data`.
+:mod:`pipeline.data.sft_data`. What is left out is counted by reason
+(:func:`stdlib_qa`'s ``skipped``) and logged: files too large, unreadable or not
+parsable as Python, and definitions without a docstring, without a usable
+first paragraph, or whose question or location came earlier.
 """
 
 from __future__ import annotations
@@ -17,10 +20,17 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import logging
 import os
 import sysconfig
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
+
+from pipeline.data.accounting import counts_text
+from pipeline.errors import StageError
+
+log = logging.getLogger("pipeline.data.stdlib_qa")
 
 # Directories of the stdlib that are tests, tools, vendored wheels, generated tables or
 # deprecated; their docstrings make poor or misleading answers.
@@ -53,7 +63,10 @@ def _digest(text: str, person: bytes, size: int = 8) -> bytes:
 def _signature(args: ast.arguments, drop_first: bool) -> str:
     """A short, readable parameter list (annotations left out)."""
     def default(node: ast.expr | None) -> str:
-        text = ast.unparse(node) if node is not None else ""
+        try:
+            text = ast.unparse(node) if node is not None else ""
+        except RecursionError:  # a pathologically nested default: far too long to show anyway
+            return "..."
         return text if len(text) <= DEFAULT_CHARS else "..."
 
     positional = [*args.posonlyargs, *args.args]
@@ -129,31 +142,44 @@ def _class_signature(node: ast.ClassDef) -> str | None:
     return None
 
 
-def stdlib_files(root: Path) -> list[Path]:
+def stdlib_files(root: Path, skipped: Counter[str] | None = None) -> list[Path]:
     """Public ``.py`` files under ``root`` in sorted order, skipping
-    :data:`STDLIB_SKIP_DIRS`, private modules and packages, and huge files."""
+    :data:`STDLIB_SKIP_DIRS`, private modules and packages, and huge files and
+    ones that cannot be read (a broken link), which are counted in ``skipped``."""
+    skipped = Counter() if skipped is None else skipped
     out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames
                              if d not in STDLIB_SKIP_DIRS and not d.startswith(("_", ".", "config-")))
         for f in sorted(filenames):
             p = Path(dirpath) / f
-            if f.endswith(".py") and (f == "__init__.py" or not f.startswith("_")) \
-                    and p.stat().st_size <= STDLIB_MAX_FILE_BYTES:
-                out.append(p)
+            if not (f.endswith(".py") and (f == "__init__.py" or not f.startswith("_"))):
+                continue
+            try:
+                size = p.stat().st_size
+            except OSError:
+                skipped["file unreadable"] += 1
+                continue
+            if size > STDLIB_MAX_FILE_BYTES:
+                skipped["file too large"] += 1
+                continue
+            out.append(p)
     return out
 
 
-def stdlib_qa(root: str | Path | None = None) -> list[tuple[str, str, str]]:
+def stdlib_qa(root: str | Path | None = None, skipped: Counter[str] | None = None) -> list[tuple[str, str, str]]:
     """Question/answer pairs about the public API of the Python stdlib at ``root``
     (default: this interpreter's, from ``sysconfig``), derived with ``ast`` only:
     nothing is imported. Returns ``(location, question, answer)`` triples, one per
     distinct question and location (the first in file order wins), ordered by a
-    hash of the question so that any prefix is spread over the whole library."""
+    hash of the question so that any prefix is spread over the whole library.
+    What is left out is counted by reason in ``skipped`` and logged."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
+    skipped = Counter() if skipped is None else skipped
     seen: set[str] = set()
     out: list[tuple[bytes, str, str, str]] = []
-    for path in stdlib_files(root):
+    files = stdlib_files(root, skipped)
+    for path in files:
         rel = path.relative_to(root).with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         if not parts:
@@ -161,14 +187,20 @@ def stdlib_qa(root: str | Path | None = None) -> list[tuple[str, str, str]]:
         module = ".".join(parts)
         try:
             tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
-            continue  # a stray template or foreign-syntax file is not part of the API
+        except OSError:
+            skipped["file unreadable"] += 1
+            continue
+        except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError):
+            skipped["file not parsable"] += 1  # a stray template, foreign syntax or an encoding error
+            continue
         for kind, qualname, node, is_method in _module_defs(tree):
             doc = ast.get_docstring(node, clean=True)
             if not doc:
+                skipped["no docstring"] += 1
                 continue
             answer = _first_paragraph(doc, qualname.rsplit(".", 1)[-1])
             if answer is None:
+                skipped["no usable first paragraph"] += 1
                 continue
             if kind == "class":
                 sig = _class_signature(node)
@@ -179,10 +211,13 @@ def stdlib_qa(root: str | Path | None = None) -> list[tuple[str, str, str]]:
             location = f"{rel.as_posix()}.py:{qualname}"
             # A name defined twice (a property's setter, a redefinition) keeps its first.
             if question in seen or location in seen:
+                skipped["repeated question or location"] += 1
                 continue
             seen.update((question, location))
             out.append((_digest(question, b"sft-ord"), location, question, answer))
     out.sort()
+    log.info("stdlib-docstrings: %s question/answer pairs from %s files under %s; left out: %s", f"{len(out):,}",
+             f"{len(files):,}", root, counts_text(skipped) or "nothing")
     return [(loc, q, a) for _, loc, q, a in out]
 
 
@@ -194,7 +229,13 @@ def _stdlib_qa_cached(root: str) -> tuple[tuple[str, str, str], ...]:
 
 
 def records() -> Iterator[tuple[str, dict]]:
-    """``(location, record)`` for this interpreter's stdlib, records in the ``messages`` format."""
-    for loc, q, a in _stdlib_qa_cached(sysconfig.get_paths()["stdlib"]):
+    """``(location, record)`` for this interpreter's stdlib, records in the ``messages`` format.
+    Raises :class:`StageError` if it gives none (a Python installed without its library's sources)."""
+    root = sysconfig.get_paths()["stdlib"]
+    pairs = _stdlib_qa_cached(root)
+    if not pairs:
+        raise StageError(f"builtin:stdlib-docstrings: no documented .py files in this Python's standard library "
+                         f"at {root} (installed without its sources?); use another sft.data.sources entry")
+    for loc, q, a in pairs:
         yield loc, {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
 
