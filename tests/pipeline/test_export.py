@@ -576,6 +576,22 @@ def test_more_than_five_tensors_beyond_float16_are_named_five_and_counted(tok):
                                           r"weights beyond float16's largest value"):
         check_fits(model, "float16")
     check_fits(model, "bfloat16")
+    with torch.no_grad():  # finite in float32, beyond bfloat16's largest (3.39e38): the cast makes it infinite
+        model.get_parameter(names[0]).view(-1)[0] = 3.4e38
+    assert torch.isinf(torch.tensor(3.4e38).to(torch.bfloat16))
+    with pytest.raises(ExportError, match=rf"^export.dtype bfloat16: {re.escape(names[0])} hold weights beyond"):
+        check_fits(model, "bfloat16")
+
+
+def test_export_dtype_auto_takes_the_original_s_dtype_when_it_is_one_we_write():
+    from pipeline.export import export_dtype
+
+    assert export_dtype("auto", {}) == "float32"  # a model of ours: its master weights
+    assert export_dtype("auto", {"hf_config": {"dtype": "bfloat16"}}) == "bfloat16"
+    assert export_dtype("auto", {"hf_config": {"torch_dtype": "float16", "dtype": "float16"}}) == "float16"
+    for unwritten in ("float64", "auto", "int8"):
+        assert export_dtype("auto", {"hf_config": {"torch_dtype": unwritten}}) == "float32"
+    assert export_dtype("float16", {"hf_config": {"dtype": "bfloat16"}}) == "float16"
 
 
 def test_a_model_trained_from_scratch_writes_todays_llama_config(export_dir):
@@ -738,11 +754,11 @@ def test_the_hf_origin_of_a_chain_stops_at_a_link_whose_meta_is_not_an_object(tm
     assert hf_origin({}) is None
 
 
-def adopted_qwen2_tokenizer(tmp_path):
+def adopted_tokenizer(tmp_path, family: str = "qwen2"):
     from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
     from tests.hf_models import save_tiny_hf_folder
 
-    hf = save_tiny_hf_folder("qwen2", tmp_path / "base" / "qwen2")
+    hf = save_tiny_hf_folder(family, tmp_path / "base" / family)
     tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
     adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
     return tok_json, load_specials(tok_json)
@@ -752,7 +768,7 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_
     """sft's stop ids (its template's end of turn) are the eos ids of config.json, not only the tokenizer's."""
     from tokenizers import Tokenizer
 
-    tok_json, specials = adopted_qwen2_tokenizer(tmp_path)
+    tok_json, specials = adopted_tokenizer(tmp_path)
     stops = [7, *specials.eos_ids]  # 7: an end-of-turn id the tokenizer's own roles do not name
     assert 7 not in specials.eos_ids
     (tmp_path / "manifest.json").write_text(json.dumps({"stop_ids": stops}))
@@ -764,17 +780,30 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_
     assert config["eos_token_id"] == stops == generation["eos_token_id"]
 
 
-@pytest.mark.parametrize("recorded_eos, expected", [(5, [5, 7]), ([5, 6], [5, 6, 7]), ([7, 5], [7, 5])])
+@pytest.mark.parametrize("recorded_eos, expected", [(5, [5, 7]), ([5, 6], [5, 6, 7]), ([7, 5], [7, 5]), (None, [7])])
 def test_the_original_generation_config_gets_sft_s_stop_ids_after_its_own(tmp_path, recorded_eos, expected):
     from pipeline.export import write_adopted_tokenizer_files
 
-    tok_json, _ = adopted_qwen2_tokenizer(tmp_path)
+    tok_json, _ = adopted_tokenizer(tmp_path)
     meta = {"hf_config": {"architectures": ["Qwen2ForCausalLM"]},  # no init_from: the recorded copy is used
             "hf_generation_config": {"bos_token_id": 1, "eos_token_id": recorded_eos, "top_k": 20}}
     (tmp_path / "out").mkdir()
     write_adopted_tokenizer_files(tmp_path / "out", tok_json, meta, {"stop_ids": [7]})
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": expected, "top_k": 20}
+
+
+def test_a_generation_config_built_from_an_adopted_tokenizer_s_roles_declares_its_bos(tmp_path):
+    """No Hugging Face generation_config.json to carry (a model of ours): the file is built from the
+    tokenizer's roles, with its bos where it has one (Llama 3's <|begin_of_text|>; Qwen2's has none)."""
+    from pipeline.export import write_adopted_tokenizer_files
+
+    tok_json, specials = adopted_tokenizer(tmp_path, "llama")
+    assert specials.bos_id is not None
+    (tmp_path / "out").mkdir()
+    write_adopted_tokenizer_files(tmp_path / "out", tok_json, {}, {})
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {
+        "eos_token_id": list(specials.eos_ids), "pad_token_id": specials.pad_id, "bos_token_id": specials.bos_id}
 
 
 def test_our_tokenizer_s_generation_config_adds_sft_s_stop_ids_to_ours(tmp_path, tok_path, tok):
@@ -831,6 +860,11 @@ def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_p
 
     original = json.loads((hf / "generation_config.json").read_text())
     before = exported_generation("before")
+    # config.json is the original's but for the dtype: its token ids, the adopted tokenizer's, not ours
+    unchanged = {k: v for k, v in json.loads((hf / "config.json").read_text()).items() if k not in ("dtype", "torch_dtype")}
+    exported = json.loads((tmp_path / "before" / "config.json").read_text())
+    assert {k: v for k, v in exported.items() if k not in ("dtype", "torch_dtype")} == unchanged
+    assert (unchanged["eos_token_id"], unchanged["pad_token_id"]) == (specials.eos_ids[0], specials.pad_id)
     assert "temperature" not in original and im_end in original["eos_token_id"]
     assert before == {**original, "eos_token_id": list(dict.fromkeys([*original["eos_token_id"], im_end]))}
 
