@@ -195,6 +195,14 @@ def test_hf_tokenizer_encodes_like_ours_and_round_trips(hf_tok, tok):
         assert hf_tok.decode(ids) == text
 
 
+def test_the_tokenizer_config_adds_no_tokens_and_cleans_up_no_spaces(export_dir):
+    """Said explicitly for the loaders that read these keys (llama.cpp's GGUF converter takes
+    add_bos_token from here; transformers 4 cleans up spaces on decode unless told not to)."""
+    config = json.loads((export_dir / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"], config["clean_up_tokenization_spaces"]) == (
+        False, False, False)
+
+
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_chat_template_gives_encode_prompt_ids(hf_tok, tok, generation_prompt):
     for messages in (MESSAGES[:2], MESSAGES):
@@ -754,11 +762,14 @@ def test_the_hf_origin_of_a_chain_stops_at_a_link_whose_meta_is_not_an_object(tm
     assert hf_origin({}) is None
 
 
-def adopted_tokenizer(tmp_path, family: str = "qwen2"):
+def adopted_tokenizer(tmp_path, family: str = "qwen2", extra_files: dict[str, str] | None = None):
+    """(tokenizer.json, specials) adopted from a tiny ``family`` folder holding ``extra_files`` too."""
     from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
     from tests.hf_models import save_tiny_hf_folder
 
     hf = save_tiny_hf_folder(family, tmp_path / "base" / family)
+    for name, text in (extra_files or {}).items():
+        (hf / name).write_text(text)
     tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
     adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
     return tok_json, load_specials(tok_json)
@@ -804,6 +815,38 @@ def test_a_generation_config_built_from_an_adopted_tokenizer_s_roles_declares_it
     write_adopted_tokenizer_files(tmp_path / "out", tok_json, {}, {})
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {
         "eos_token_id": list(specials.eos_ids), "pad_token_id": specials.pad_id, "bos_token_id": specials.bos_id}
+
+
+def test_every_adopted_tokenizer_file_ships_and_an_export_over_its_own_is_not_refused(tmp_path):
+    """Files export does not write itself (Qwen's vocab.json and merges.txt) ship byte for byte too, and
+    an export over the previous one, which has no report.json (export_model alone, or a stage stopped
+    before registering), does not take them for a user's files."""
+    from tokenizers import Tokenizer
+
+    tok_json, specials = adopted_tokenizer(tmp_path, extra_files={"vocab.json": "{}", "merges.txt": "#version: 0.2\n"})
+    assert {"vocab.json", "merges.txt"} <= set(specials.hf_files)
+    model = tiny_model(tiny_config(Tokenizer.from_file(str(tok_json)).get_vocab_size()))
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": sha256_file(tok_json)})
+    for _ in range(2):
+        export_model(tmp_path / "sft", tok_json, tmp_path / "export", card_info={})
+    for name in specials.hf_files:
+        assert (tmp_path / "export" / name).read_bytes() == (tok_json.parent / "hf" / name).read_bytes(), name
+
+
+def test_a_model_of_ours_has_no_original_generation_config_to_look_for(caplog):
+    from pipeline.export import original_generation_config
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.export"):
+        assert original_generation_config({"init_from": "models/pretrain/step-00000004"}) is None
+    assert not caplog.records  # no "the folder the run started from is gone" for a run that started from none
+
+
+def test_the_hf_origin_of_a_chain_that_ends_at_a_checkpoint_of_ours_is_that_checkpoint(tmp_path):
+    from pipeline.export import hf_origin
+
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "meta.json").write_text(json.dumps({"stage": "pretrain"}))  # trained from scratch
+    assert hf_origin({"init_from": str(tmp_path / "pretrain")}) == tmp_path / "pretrain"
 
 
 def test_our_tokenizer_s_generation_config_adds_sft_s_stop_ids_to_ours(tmp_path, tok_path, tok):
