@@ -332,6 +332,19 @@ def test_an_original_naming_only_its_model_type_exports_naming_its_architecture(
     assert {k for k in merged if merged[k] != original.get(k, "absent")} == {"architectures", "dtype", "torch_dtype"}
 
 
+def test_an_original_s_auto_map_is_left_out_for_the_export_needs_no_custom_code(tmp_path):
+    """The code files an auto_map names are not exported (the model is the stock class), and
+    from_pretrained(trust_remote_code=True), as many scripts call it, would look for them and fail."""
+    original = {**saved_config("llama"), "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}
+    merged = hf_config(config_from_hf(original), original=original)
+    assert "auto_map" not in merged and merged["architectures"] == ["LlamaForCausalLM"]
+    folder = tmp_path / "export"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**merged)).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(merged))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
 def test_llama3_scaling_is_written_for_transformers_4_readers_too():
     """A reader of the legacy keys alone (transformers 4 knows no rope_parameters) sees the same RoPE:
     rope_theta at the top level, the scaling in rope_scaling without it."""
