@@ -24,7 +24,7 @@ Choices
       config.json as meta ``hf_config``: the export's config.json is that file
       with our values for everything our ModelConfig describes (shapes, RoPE,
       norms, tying, dtype float32), so it differs from the original only where
-      the model does.
+      the model does (and in naming no custom code: ``auto_map`` is left out).
     * eos: the tokenizer's ``eos_token`` is ``<|im_end|>``, because the exported
       model is the chat (SFT) model and chat front ends stop at the tokenizer's
       eos. ``generation_config.json`` (and ``config.json``) list both

@@ -181,11 +181,13 @@ def hf_config(config: ModelConfig, *, bos_token_id: int | None = None, eos_token
 
     ``original``: the config.json of the model a run started from. The result
     is then that file with ``dtype`` and ``torch_dtype`` set, and those of
-    :data:`OWN_KEYS` that it has set from ``config``: the export keeps the
+    :data:`OWN_KEYS` that it has set from ``config``, and ``architectures`` even
+    where it has none (a file that named only its ``model_type``): the export keeps the
     original's style (transformers 4 or 5) and whatever else it says (token ids,
     ``max_position_embeddings``, which is larger than our max_seq_len where
     Mistral's window capped it, ``sliding_window``, ``transformers_version``…).
-    Token ids given here still win.
+    Token ids given here still win. Its ``auto_map`` is left out: the model
+    computes what the family's own transformers class does, with no custom code.
     """
     family = FAMILIES[config.family]
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -223,9 +225,13 @@ def hf_config(config: ModelConfig, *, bos_token_id: int | None = None, eos_token
     }
     if original is None:
         return out
-    merged = dict(original)
+    # auto_map names code files of the original's folder that the export does not ship (the model is the
+    # stock class): from_pretrained(trust_remote_code=True) would look for them and fail
+    merged = {k: v for k, v in original.items() if k != "auto_map"}
     merged.update({k: out[k] for k in OWN_KEYS if k in out and k in original})
-    merged.update(dtype=dtype, torch_dtype=dtype)
+    # the class a loader builds (vLLM, TGI and the Hub read it) is named even where the original left it to
+    # model_type, as every config.json save_pretrained writes names it
+    merged.update(architectures=out["architectures"], dtype=dtype, torch_dtype=dtype)
     merged.update({k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
                                      ("pad_token_id", pad_token_id)) if v is not None})
     return merged

@@ -195,6 +195,14 @@ def test_hf_tokenizer_encodes_like_ours_and_round_trips(hf_tok, tok):
         assert hf_tok.decode(ids) == text
 
 
+def test_the_tokenizer_config_adds_no_tokens_and_cleans_up_no_spaces(export_dir):
+    """Said explicitly for the loaders that read these keys (llama.cpp's GGUF converter takes
+    add_bos_token from here; transformers 4 cleans up spaces on decode unless told not to)."""
+    config = json.loads((export_dir / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"], config["clean_up_tokenization_spaces"]) == (
+        False, False, False)
+
+
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_chat_template_gives_encode_prompt_ids(hf_tok, tok, generation_prompt):
     for messages in (MESSAGES[:2], MESSAGES):
@@ -576,6 +584,22 @@ def test_more_than_five_tensors_beyond_float16_are_named_five_and_counted(tok):
                                           r"weights beyond float16's largest value"):
         check_fits(model, "float16")
     check_fits(model, "bfloat16")
+    with torch.no_grad():  # finite in float32, beyond bfloat16's largest (3.39e38): the cast makes it infinite
+        model.get_parameter(names[0]).view(-1)[0] = 3.4e38
+    assert torch.isinf(torch.tensor(3.4e38).to(torch.bfloat16))
+    with pytest.raises(ExportError, match=rf"^export.dtype bfloat16: {re.escape(names[0])} hold weights beyond"):
+        check_fits(model, "bfloat16")
+
+
+def test_export_dtype_auto_takes_the_original_s_dtype_when_it_is_one_we_write():
+    from pipeline.export import export_dtype
+
+    assert export_dtype("auto", {}) == "float32"  # a model of ours: its master weights
+    assert export_dtype("auto", {"hf_config": {"dtype": "bfloat16"}}) == "bfloat16"
+    assert export_dtype("auto", {"hf_config": {"torch_dtype": "float16", "dtype": "float16"}}) == "float16"
+    for unwritten in ("float64", "auto", "int8"):
+        assert export_dtype("auto", {"hf_config": {"torch_dtype": unwritten}}) == "float32"
+    assert export_dtype("float16", {"hf_config": {"dtype": "bfloat16"}}) == "float16"
 
 
 def test_a_model_trained_from_scratch_writes_todays_llama_config(export_dir):
@@ -738,11 +762,14 @@ def test_the_hf_origin_of_a_chain_stops_at_a_link_whose_meta_is_not_an_object(tm
     assert hf_origin({}) is None
 
 
-def adopted_qwen2_tokenizer(tmp_path):
+def adopted_tokenizer(tmp_path, family: str = "qwen2", extra_files: dict[str, str] | None = None):
+    """(tokenizer.json, specials) adopted from a tiny ``family`` folder holding ``extra_files`` too."""
     from pipeline.data.tokenizer import TokenizerConfig, adopt_tokenizer, load_specials
     from tests.hf_models import save_tiny_hf_folder
 
-    hf = save_tiny_hf_folder("qwen2", tmp_path / "base" / "qwen2")
+    hf = save_tiny_hf_folder(family, tmp_path / "base" / family)
+    for name, text in (extra_files or {}).items():
+        (hf / name).write_text(text)
     tok_json = tmp_path / "data" / "tokenizer" / "tokenizer.json"
     adopt_tokenizer(TokenizerConfig(source=str(hf)), tmp_path / "no-docs.parquet", tok_json)
     return tok_json, load_specials(tok_json)
@@ -752,7 +779,7 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_
     """sft's stop ids (its template's end of turn) are the eos ids of config.json, not only the tokenizer's."""
     from tokenizers import Tokenizer
 
-    tok_json, specials = adopted_qwen2_tokenizer(tmp_path)
+    tok_json, specials = adopted_tokenizer(tmp_path)
     stops = [7, *specials.eos_ids]  # 7: an end-of-turn id the tokenizer's own roles do not name
     assert 7 not in specials.eos_ids
     (tmp_path / "manifest.json").write_text(json.dumps({"stop_ids": stops}))
@@ -764,17 +791,62 @@ def test_a_model_trained_from_scratch_with_an_adopted_tokenizer_stops_where_sft_
     assert config["eos_token_id"] == stops == generation["eos_token_id"]
 
 
-@pytest.mark.parametrize("recorded_eos, expected", [(5, [5, 7]), ([5, 6], [5, 6, 7]), ([7, 5], [7, 5])])
+@pytest.mark.parametrize("recorded_eos, expected", [(5, [5, 7]), ([5, 6], [5, 6, 7]), ([7, 5], [7, 5]), (None, [7])])
 def test_the_original_generation_config_gets_sft_s_stop_ids_after_its_own(tmp_path, recorded_eos, expected):
     from pipeline.export import write_adopted_tokenizer_files
 
-    tok_json, _ = adopted_qwen2_tokenizer(tmp_path)
+    tok_json, _ = adopted_tokenizer(tmp_path)
     meta = {"hf_config": {"architectures": ["Qwen2ForCausalLM"]},  # no init_from: the recorded copy is used
             "hf_generation_config": {"bos_token_id": 1, "eos_token_id": recorded_eos, "top_k": 20}}
     (tmp_path / "out").mkdir()
     write_adopted_tokenizer_files(tmp_path / "out", tok_json, meta, {"stop_ids": [7]})
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": expected, "top_k": 20}
+
+
+def test_a_generation_config_built_from_an_adopted_tokenizer_s_roles_declares_its_bos(tmp_path):
+    """No Hugging Face generation_config.json to carry (a model of ours): the file is built from the
+    tokenizer's roles, with its bos where it has one (Llama 3's <|begin_of_text|>; Qwen2's has none)."""
+    from pipeline.export import write_adopted_tokenizer_files
+
+    tok_json, specials = adopted_tokenizer(tmp_path, "llama")
+    assert specials.bos_id is not None
+    (tmp_path / "out").mkdir()
+    write_adopted_tokenizer_files(tmp_path / "out", tok_json, {}, {})
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {
+        "eos_token_id": list(specials.eos_ids), "pad_token_id": specials.pad_id, "bos_token_id": specials.bos_id}
+
+
+def test_every_adopted_tokenizer_file_ships_and_an_export_over_its_own_is_not_refused(tmp_path):
+    """Files export does not write itself (Qwen's vocab.json and merges.txt) ship byte for byte too, and
+    an export over the previous one, which has no report.json (export_model alone, or a stage stopped
+    before registering), does not take them for a user's files."""
+    from tokenizers import Tokenizer
+
+    tok_json, specials = adopted_tokenizer(tmp_path, extra_files={"vocab.json": "{}", "merges.txt": "#version: 0.2\n"})
+    assert {"vocab.json", "merges.txt"} <= set(specials.hf_files)
+    model = tiny_model(tiny_config(Tokenizer.from_file(str(tok_json)).get_vocab_size()))
+    save_checkpoint(tmp_path / "sft", model, meta={"tokenizer_sha256": sha256_file(tok_json)})
+    for _ in range(2):
+        export_model(tmp_path / "sft", tok_json, tmp_path / "export", card_info={})
+    for name in specials.hf_files:
+        assert (tmp_path / "export" / name).read_bytes() == (tok_json.parent / "hf" / name).read_bytes(), name
+
+
+def test_a_model_of_ours_has_no_original_generation_config_to_look_for(caplog):
+    from pipeline.export import original_generation_config
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.export"):
+        assert original_generation_config({"init_from": "models/pretrain/step-00000004"}) is None
+    assert not caplog.records  # no "the folder the run started from is gone" for a run that started from none
+
+
+def test_the_hf_origin_of_a_chain_that_ends_at_a_checkpoint_of_ours_is_that_checkpoint(tmp_path):
+    from pipeline.export import hf_origin
+
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "meta.json").write_text(json.dumps({"stage": "pretrain"}))  # trained from scratch
+    assert hf_origin({"init_from": str(tmp_path / "pretrain")}) == tmp_path / "pretrain"
 
 
 def test_our_tokenizer_s_generation_config_adds_sft_s_stop_ids_to_ours(tmp_path, tok_path, tok):
@@ -831,6 +903,14 @@ def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_p
 
     original = json.loads((hf / "generation_config.json").read_text())
     before = exported_generation("before")
+    # config.json is the original's but for the dtype: its token ids, the adopted tokenizer's, not ours
+    def but_dtype(folder: Path) -> dict:
+        return {k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+                if k not in ("dtype", "torch_dtype")}
+
+    unchanged = but_dtype(hf)
+    assert but_dtype(tmp_path / "before") == unchanged
+    assert (unchanged["eos_token_id"], unchanged["pad_token_id"]) == (specials.eos_ids[0], specials.pad_id)
     assert "temperature" not in original and im_end in original["eos_token_id"]
     assert before == {**original, "eos_token_id": list(dict.fromkeys([*original["eos_token_id"], im_end]))}
 

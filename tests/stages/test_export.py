@@ -112,8 +112,12 @@ def test_export_source_pretrain_ships_pretrain_s_checkpoint_without_sft_s_chat_t
     metrics, _ = evaluate_models(ecfg, {"pretrain": layout.PRETRAIN_MODEL, "sft": layout.SFT_MODEL},
                                  {"text": layout.PACKED / "val"}, layout.TOKENIZER_JSON, layout.EVALUATE_REPORT)
     write_json(layout.metrics_path("evaluate"), metrics)
-    cfg = parse_section(ExportConfig, {"source": "pretrain", "register_model": False, "license": "mit"}, "export")
+    cfg = parse_section(ExportConfig, {"source": "pretrain", "register_model": False, "license": "mit",
+                                       "name": "tiny-pretrained", "dtype": "bfloat16"}, "export")
     assert export.main(cfg, None)["step"] == 3
-    assert "\nlicense: mit\n" in (layout.EXPORT_DIR / "README.md").read_text()
+    card = (layout.EXPORT_DIR / "README.md").read_text()
+    assert "\nlicense: mit\n" in card and "\n# tiny-pretrained\n" in card
+    config, report = (read_json(layout.EXPORT_DIR / name) for name in ("config.json", "report.json"))
+    assert config["dtype"] == report["dtype"] == "bfloat16"
     assert read_json(layout.EXPORT_DIR / "tokenizer_config.json")["chat_template"] == CHAT_TEMPLATE_JINJA
     assert read_json(layout.EXPORT_DIR / "report.json")["checkpoint"].endswith("pretrain/step-00000003")

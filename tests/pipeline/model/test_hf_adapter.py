@@ -295,8 +295,9 @@ def test_our_values_replace_the_originals_in_its_own_style(style):
     if style == "transformers-4":
         rope = dict(original.pop("rope_parameters"))
         original.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
-    config = dataclasses.replace(config_from_hf(original), vocab_size=512, rope_theta=2e5, tie_embeddings=True,
-                                 norm_eps=1e-5)
+    config = config_from_hf(original)
+    config = dataclasses.replace(config, vocab_size=512, rope_theta=2e5, tie_embeddings=True, norm_eps=1e-5,
+                                 head_dim=32, rope_scaling={**config.rope_scaling, "factor": 4.0})
     merged = hf_config(config, original=original)
     assert config_from_hf(merged) == config
     assert (merged["vocab_size"], merged["tie_word_embeddings"], merged["rms_norm_eps"]) == (512, True, 1e-5)
@@ -304,6 +305,62 @@ def test_our_values_replace_the_originals_in_its_own_style(style):
     assert ("rope_theta" in merged) == (style == "transformers-4")
     assert merged["bos_token_id"] == original["bos_token_id"] == 1
     assert hf_config(config, original=original, bos_token_id=7)["bos_token_id"] == 7
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_merged_qwen_config_of_another_depth_lists_a_layer_type_per_layer(family):
+    """transformers 5 refuses a config.json whose layer_types and num_hidden_layers disagree."""
+    import dataclasses
+
+    original = saved_config(family)
+    config = dataclasses.replace(config_from_hf(original), n_layer=3)
+    merged = hf_config(config, original=original)
+    assert merged["layer_types"] == ["full_attention"] * 3
+    assert transformers.AutoConfig.for_model(**merged).num_hidden_layers == 3
+    assert config_from_hf(merged) == config
+
+
+@pytest.mark.parametrize("architectures", ["absent", None, []], ids=["absent", "null", "empty"])
+def test_an_original_naming_only_its_model_type_exports_naming_its_architecture(architectures):
+    """config_from_hf takes such a file by its model_type; the export names the class to build,
+    as every config.json that save_pretrained writes does (vLLM, TGI and the Hub read it)."""
+    original = {k: v for k, v in saved_config("qwen2").items() if k != "architectures"}
+    if architectures != "absent":
+        original["architectures"] = architectures
+    merged = hf_config(config_from_hf(original), original=original)
+    assert merged["architectures"] == ["Qwen2ForCausalLM"]
+    assert {k for k in merged if merged[k] != original.get(k, "absent")} == {"architectures", "dtype", "torch_dtype"}
+
+
+def test_an_original_s_auto_map_is_left_out_for_the_export_needs_no_custom_code(tmp_path):
+    """The code files an auto_map names are not exported (the model is the stock class), and
+    from_pretrained(trust_remote_code=True), as many scripts call it, would look for them and fail."""
+    original = {**saved_config("llama"), "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}
+    merged = hf_config(config_from_hf(original), original=original)
+    assert "auto_map" not in merged and merged["architectures"] == ["LlamaForCausalLM"]
+    folder = tmp_path / "export"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**merged)).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(merged))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_llama3_scaling_is_written_for_transformers_4_readers_too():
+    """A reader of the legacy keys alone (transformers 4 knows no rope_parameters) sees the same RoPE:
+    rope_theta at the top level, the scaling in rope_scaling without it."""
+    config = config_from_hf(saved_config("llama", rope_scaling=True))
+    ours = hf_config(config)
+    assert ours["rope_scaling"] == LLAMA3_ROPE and ours["rope_theta"] == config.rope_theta
+    assert config_from_hf({k: v for k, v in ours.items() if k != "rope_parameters"}) == config
+
+
+def test_to_hf_makes_every_tensor_contiguous_as_safetensors_requires(tmp_path):
+    config = config_from_hf(saved_config("llama", tie=False))
+    state = Transformer(config).state_dict()
+    state["output.weight"] = state["output.weight"].t().contiguous().t()  # the same values, column-major
+    assert not state["output.weight"].is_contiguous()
+    save_file(hf_adapter.to_hf(state, config), str(tmp_path / "model.safetensors"))
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["lm_head.weight"], state["output.weight"])
 
 
 def test_transformers_4_and_5_styles_read_alike():
