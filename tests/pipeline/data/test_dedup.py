@@ -501,3 +501,99 @@ def test_documents_with_no_shingles_are_not_counted_in_the_near_index(tmp_path):
     assert sharded == memory
     assert memory[0]["docs"] == 4  # 0, 1, 4 and the first empty one
     assert memory[1]["near_dedup"]["kept_in_index"] == 3  # 0, 1 and 4: 2 is a near duplicate of 0, 3 a copy of 1
+
+
+def _written(tmp_path, sigs, states=None):
+    """A work folder with the step-1 files of ``sigs`` (num_perm 8, 2 bands, one partition)."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=len(sigs), num_perm=8, bands=2, partition_docs=1000)
+    writer = dedup.SignatureWriter(work, exact=False, near=True)
+    writer.add(np.full(len(sigs), dedup.CANDIDATE, np.uint8) if states is None else states, None, sigs)
+    writer.close()
+    return work, writer
+
+
+def test_band_keys_differ_when_only_the_last_slot_of_a_band_does():
+    sigs = np.random.default_rng(2).integers(0, 2**32, size=(2, 8), dtype=np.uint32)
+    sigs[1] = sigs[0]
+    sigs[1, 3] += 1  # the last slot of band 0
+    keys = dedup.band_keys(sigs, 2)
+    assert keys[0, 0] != keys[1, 0] and keys[0, 1] == keys[1, 1]
+
+
+def test_only_candidates_get_band_records(tmp_path):
+    """A document without a signature (KEEP: no shingles) is in no band bucket: its zero row is not a band."""
+    sigs = np.zeros((3, 8), np.uint32)
+    work, writer = _written(tmp_path, sigs, np.array([dedup.KEEP, dedup.CANDIDATE, dedup.KEEP], np.uint8))
+    band = np.fromfile(work.band_path(0, 0), dedup.BAND_RECORD)
+    assert band["doc"].tolist() == [1] and writer.size(work.band_path(1, 0)) == dedup.BAND_RECORD.itemsize
+
+
+def test_a_pair_equal_in_two_bands_is_written_by_the_first_only(tmp_path):
+    sigs = np.random.default_rng(3).integers(0, 2**32, size=(2, 8), dtype=np.uint32)
+    sigs[1] = sigs[0]
+    work, writer = _written(tmp_path, sigs)
+    runs = [[np.load(r).tolist() for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
+            for b in range(2)]
+    assert runs == [[[(1, 0, 8)]], []]
+
+
+def test_a_band_key_collision_with_some_slots_equal_makes_no_pair(tmp_path, monkeypatch):
+    """Two bands under one key that agree in three of four slots are not equal bands."""
+    monkeypatch.setattr(dedup, "band_keys", lambda sigs, bands: np.zeros((len(sigs), bands), np.uint64))
+    sigs = np.random.default_rng(4).integers(0, 2**32, size=(2, 8), dtype=np.uint32)
+    sigs[1, :3] = sigs[0, :3]
+    work, writer = _written(tmp_path, sigs)
+    assert dedup.band_pairs(work, 0, 0, writer.size(work.band_path(0, 0))) == []
+
+
+def test_a_range_may_hold_exactly_resolve_pairs_records(monkeypatch):
+    monkeypatch.setattr(dedup, "RESOLVE_PAIRS", 4)
+    pairs = np.array([(j, 0, 1) for j in range(1, 5)], dedup.PAIR)
+    assert list(dedup.resolve_ranges([pairs], 5)) == [(0, 5)]
+
+
+def test_a_tie_between_a_pair_and_a_large_bucket_names_the_earliest(tmp_path, monkeypatch):
+    """Document 2 matches 1 (by a pair: band 0 equal, a bucket of two) and 0 (by
+    its large bucket of band 1, with 0 and 3) in 7 of 8 slots each: 0 is named,
+    though the pair is found first."""
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 2)
+    sigs = np.random.default_rng(5).integers(0, 2**32, size=(4, 8), dtype=np.uint32)
+    sigs[1, :7] = sigs[2, :7]  # band 0 and three slots of band 1
+    sigs[0, :3] = sigs[2, :3]
+    sigs[0, 4:] = sigs[2, 4:]  # three slots of band 0 and band 1
+    sigs[3, 4:] = sigs[2, 4:]
+    work, writer = _written(tmp_path, sigs)
+    runs = [r for b in range(2) for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
+    assert sorted(os.path.basename(r)[:8] for r in runs) == ["members-", "pairs-00"]
+    res = dedup.resolve(work, runs, 0.8, ids_wanted=10)
+    assert res["detail"] == {2: (7 / 8, 0)}
+    assert work.state().tolist() == [dedup.CANDIDATE, dedup.CANDIDATE, dedup.NEAR, dedup.CANDIDATE]
+
+
+def test_the_large_buckets_let_go_of_a_kept_member_when_its_last_bucket_closes():
+    large = dedup._LargeBuckets()
+    sig = np.arange(8, dtype=np.uint32)
+    large.keep(5, sig, [(0, 1), (1, 1)])
+    large.close((0, 1))
+    assert large.candidates([(1, 1)], {}) == [5] and 5 in large.sig
+    large.close((1, 1))
+    assert large.sig == {} and large.listed == {} and large.kept == {}
+
+
+def test_the_work_folder_of_a_run_with_large_buckets_and_merges_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 1)
+    monkeypatch.setattr(dedup, "MERGE_RUNS", 2)
+    both(tmp_path, MANY_RUNS, batch_docs=3)
+    assert not [p for p in (tmp_path / "sharded" / "out").iterdir() if p.name.startswith(".dedup-")]
+
+
+def test_the_work_folder_of_another_users_live_process_is_left_alone(tmp_path, monkeypatch):
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    (tmp_path / ".dedup-4242").mkdir()
+    (tmp_path / ".dedup-4242" / "state.u8").write_bytes(b"\0")
+    monkeypatch.setattr(os, "kill", kill)
+    assert dedup.remove_stale(tmp_path, ".dedup-") == []
+    assert (tmp_path / ".dedup-4242" / "state.u8").exists()
+

@@ -193,3 +193,44 @@ def test_a_record_that_is_json_but_not_an_object_is_not_trusted(tmp_path):
     sl = ShardLog(tmp_path, "a", ext=".txt")
     assert sorted(sl.open()) == [0, 2]
     assert not (tmp_path / "shard-00001.txt").exists()
+
+
+def test_files_digest_moves_with_the_name_when_size_and_mtime_are_kept(tmp_path):
+    """Another input file of the same size and time (a file renamed, or another picked) is another input."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    for f in (a, b):
+        f.write_text("abc")
+        os.utime(f, ns=(5, 5))
+    assert resume.files_digest([a]) != resume.files_digest([b])
+
+
+def test_a_shard_index_past_five_digits_is_kept_and_made_stale_like_the_others(tmp_path):
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    sl.open()
+    sl.commit(100000, _write("late"), {"rows": 1})
+    assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [100000]
+    other = ShardLog(tmp_path, "b", ext=".txt")
+    assert other.open() == {} and list(tmp_path.iterdir()) == []
+
+
+def test_a_shard_being_written_again_is_not_committed_until_sealed(tmp_path):
+    """A rewrite of shard k that fails leaves k uncommitted, in memory and on disk: a rerun redoes it."""
+    sl = _three(tmp_path)
+    with pytest.raises(OSError):
+        with sl.writing(1) as tmp:
+            assert sl.committed(1) is None and not sl.record_path(1).exists()
+            raise OSError("disk full")
+    with pytest.raises(RuntimeError, match=r"\[1\] are not committed"):
+        sl.finish(3, {})
+    assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [0, 2]
+
+
+def test_four_removed_files_are_all_named(tmp_path, caplog):
+    _three(tmp_path)
+    (tmp_path / "shard-00003.txt").write_text("killed before its record")
+    for k in range(3):
+        (tmp_path / f"shard-{k:05d}.json").unlink()
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        ShardLog(tmp_path, "a", ext=".txt").open()
+    assert "removed 4 file(s)" in caplog.text
+    assert "shard-00000.txt, shard-00001.txt, shard-00002.txt, shard-00003.txt" in caplog.text
