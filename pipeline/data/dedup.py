@@ -653,11 +653,12 @@ def remove(root: str | Path) -> None:
 
 def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
     """Remove the work folders ``<parent>/<prefix><pid>`` whose process is gone
-    (a stage killed mid-run); return them."""
+    (a stage killed mid-run); return them. A ``<pid>`` of other characters than
+    0-9 is no name a stage gives: left alone."""
     gone = []
     for d in Path(parent).glob(f"{prefix}*"):
         pid = d.name[len(prefix):]
-        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if d.is_dir() and pid.isascii() and pid.isdigit() and not _alive(int(pid)):
             remove(d)
             gone.append(d)
     return gone
@@ -666,7 +667,7 @@ def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: past any pid the kernel gives
         return False
     except PermissionError:
         return True

@@ -597,3 +597,15 @@ def test_the_work_folder_of_another_users_live_process_is_left_alone(tmp_path, m
     assert dedup.remove_stale(tmp_path, ".dedup-") == []
     assert (tmp_path / ".dedup-4242" / "state.u8").exists()
 
+
+
+def test_work_folder_names_that_no_process_can_have_do_not_stop_the_run(tmp_path):
+    """A number past any pid (os.kill raised OverflowError) is no live process's: removed as stale, a
+    user's file in it kept; a name of other digits than 0-9 is no name a run makes: left alone."""
+    for name in (".dedup-99999999999999999999", ".dedup-²"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.u8").write_bytes(b"\0")
+    (tmp_path / ".dedup-99999999999999999999" / "notes.txt").write_text("mine")
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [tmp_path / ".dedup-99999999999999999999"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [
+        ".dedup-99999999999999999999", ".dedup-²", "notes.txt", "state.u8"]
