@@ -645,6 +645,8 @@ def remove(root: str | Path) -> None:
     if not root.is_dir():
         return
     for f in root.iterdir():
+        if f.is_dir():  # no step makes a folder: a user's
+            continue
         if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-", "members-")):
             os.unlink(f)
     with contextlib.suppress(OSError):
@@ -653,12 +655,12 @@ def remove(root: str | Path) -> None:
 
 def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
     """Remove the work folders ``<parent>/<prefix><pid>`` whose process is gone
-    (a stage killed mid-run); return them. A ``<pid>`` of other characters than
-    0-9 is no name a stage gives: left alone."""
+    (a stage killed mid-run); return them. A link, or a ``<pid>`` of other
+    characters than 0-9, is no folder a stage makes: left alone."""
     gone = []
     for d in Path(parent).glob(f"{prefix}*"):
         pid = d.name[len(prefix):]
-        if d.is_dir() and pid.isascii() and pid.isdigit() and not _alive(int(pid)):
+        if d.is_dir() and not d.is_symlink() and pid.isascii() and pid.isdigit() and not _alive(int(pid)):
             remove(d)
             gone.append(d)
     return gone

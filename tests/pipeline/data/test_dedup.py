@@ -609,3 +609,18 @@ def test_work_folder_names_that_no_process_can_have_do_not_stop_the_run(tmp_path
     assert dedup.remove_stale(tmp_path, ".dedup-") == [tmp_path / ".dedup-99999999999999999999"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == [
         ".dedup-99999999999999999999", ".dedup-²", "notes.txt", "state.u8"]
+
+
+def test_removing_a_work_folder_touches_only_what_a_stage_makes(tmp_path):
+    """A link named as a dead run's work folder is not followed into the user's folder it points to, and a
+    user's subfolder named as a work file is not a work file: both left, and neither stops the run."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "state.u8").write_bytes(b"user")
+    (tmp_path / ".dedup-999999998").symlink_to(mine)
+    stale = tmp_path / ".dedup-999999999"
+    (stale / "pairs-notes").mkdir(parents=True)
+    (stale / "state.u8").write_bytes(b"\0")
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [stale]
+    assert (mine / "state.u8").read_bytes() == b"user"
+    assert sorted(p.name for p in stale.iterdir()) == ["pairs-notes"]
