@@ -624,3 +624,16 @@ def test_removing_a_work_folder_touches_only_what_a_stage_makes(tmp_path):
     assert dedup.remove_stale(tmp_path, ".dedup-") == [stale]
     assert (mine / "state.u8").read_bytes() == b"user"
     assert sorted(p.name for p in stale.iterdir()) == ["pairs-notes"]
+
+
+def test_the_driver_writes_the_partition_files_once_it_holds_flush_bytes(tmp_path, monkeypatch):
+    """Step 1's records reach the disk as the batches come, not all at close: the driver's memory is bounded."""
+    monkeypatch.setattr(dedup, "FLUSH_BYTES", 2 * dedup.EXACT_RECORD.itemsize)
+    work = dedup.WorkDir(tmp_path / "w", num_docs=4, num_perm=8, bands=2, partition_docs=100)
+    writer = dedup.SignatureWriter(work, exact=True, near=False)
+    digests = np.arange(4, dtype="<u8").reshape(2, 2)
+    writer.add(np.zeros(1, np.uint8), digests[:1], None)
+    assert not work.exact_path(0).exists()  # 24 bytes held
+    writer.add(np.zeros(1, np.uint8), digests[1:], None)
+    assert work.exact_path(0).stat().st_size == 2 * dedup.EXACT_RECORD.itemsize
+    writer.close()

@@ -234,3 +234,28 @@ def test_four_removed_files_are_all_named(tmp_path, caplog):
         ShardLog(tmp_path, "a", ext=".txt").open()
     assert "removed 4 file(s)" in caplog.text
     assert "shard-00000.txt, shard-00001.txt, shard-00002.txt, shard-00003.txt" in caplog.text
+
+
+def test_open_removes_only_its_own_temporary_files(tmp_path):
+    """Another stem's unfinished write (clean's decisions beside its shards) and a user's hidden file stay."""
+    for name in (".shard-00000.txt.x1.tmp", ".decisions-00000.u8.x2.tmp", ".notes.tmp"):
+        (tmp_path / name).write_text("x")
+    ShardLog(tmp_path, "a", ext=".txt").open()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".decisions-00000.u8.x2.tmp", ".notes.tmp"]
+
+
+def test_keep_below_warns_of_its_own_removals_only(tmp_path, caplog):
+    (tmp_path / ".shard-00000.txt.x1.tmp").write_text("x")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    sl.open()
+    sl.commit(0, _write("a"), {})
+    caplog.clear()  # open's own warning
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        sl.keep_below(0, "after the point resumed")
+    assert "unfinished write" not in caplog.text and "removed 2 file(s), after the point resumed" in caplog.text
+
+
+def test_finish_forgets_the_shards_it_removes(tmp_path):
+    sl = _three(tmp_path)
+    sl.finish(2, {})
+    assert sl.committed(2) is None and sorted(sl.records) == [0, 1]
