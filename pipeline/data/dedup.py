@@ -246,10 +246,13 @@ def spill(work: WorkDir, start: int, states: np.ndarray, digests: np.ndarray, si
 
 class SignatureWriter:
     """Step 1, driver side: appends each batch's :class:`Spill`, in document
-    order, to the work folder, buffering at most FLUSH_BYTES."""
+    order, to the work folder, buffering at most FLUSH_BYTES. It starts from an
+    empty folder: one of this process's name can hold a killed run's files (a
+    restarted container gives the stage the pid it had), not to be appended to."""
 
     def __init__(self, work: WorkDir, exact: bool, near: bool):
         self.work, self.exact, self.near = work, exact, near
+        remove(work.root)
         work.root.mkdir(parents=True, exist_ok=True)
         self.state_f = open(work.state_path, "wb")
         self.sig_f = open(work.sig_path, "wb") if near else None

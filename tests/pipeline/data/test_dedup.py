@@ -637,3 +637,14 @@ def test_the_driver_writes_the_partition_files_once_it_holds_flush_bytes(tmp_pat
     writer.add(np.zeros(1, np.uint8), digests[1:], None)
     assert work.exact_path(0).stat().st_size == 2 * dedup.EXACT_RECORD.itemsize
     writer.close()
+
+
+def test_a_killed_run_of_the_same_pid_leaves_nothing_the_next_run_reads(tmp_path):
+    """A restarted container (after an OOM kill, a SIGKILL) gives the stage the pid it had: the work folder
+    it finds under its own name is a dead run's, whose partition files it must not append to."""
+    own = tmp_path / "sharded" / "out" / f".dedup-{os.getpid()}"
+    own.mkdir(parents=True)
+    for name in ("state.u8", "signatures.u32", "exact-00000.bin", "band-0000-00000.bin", "pairs-0000-00000-0000.npy"):
+        (own / name).write_bytes(b"\1" * 48)
+    memory, sharded = both(tmp_path, PLANTED)
+    assert sharded == memory and not own.exists()
