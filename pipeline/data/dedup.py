@@ -180,7 +180,13 @@ class WorkDir:
         return self.root / f"{kind}-merged-{level:02d}-{k:05d}.npy"
 
     def state(self, mode: str = "r") -> np.ndarray:
+        _check_size(self.state_path, self.num_docs)
         return np.memmap(self.state_path, dtype=np.uint8, mode=mode, shape=(self.num_docs,))
+
+    def open_signatures(self) -> int:
+        """The signature file, open for :meth:`signatures`."""
+        _check_size(self.sig_path, self.num_docs * 4 * self.num_perm)
+        return os.open(self.sig_path, os.O_RDONLY)
 
     def signatures(self, fd: int, docs: np.ndarray | list[int], band: int | None = None) -> np.ndarray:
         """The (len(docs), num_perm) signatures of ``docs``, read with pread from
@@ -303,16 +309,20 @@ def _read(path: Path, dtype: np.dtype, size: int) -> np.ndarray:
     otherwise find no records, and so no duplicates."""
     if size == 0:
         return np.empty(0, dtype)
+    _check_size(path, size)
+    return np.fromfile(path, dtype=dtype)
+
+
+def _check_size(path: Path, size: int) -> None:
+    """Raise DedupError unless the work file ``path`` holds the ``size`` bytes the stage wrote to it."""
     try:
-        rec = np.fromfile(path, dtype=dtype)
+        got = path.stat().st_size
     except FileNotFoundError:
-        got = "missing"
-    else:
-        if rec.nbytes == size:
-            return rec
-        got = f"{rec.nbytes} bytes, not the {size} the stage wrote,"
-    raise DedupError(f"the dedup work file {path} is {got} on {socket.gethostname()}, where a dedup task ran; "
-                     + SHARED_STORAGE)
+        got = None
+    if got != size:
+        what = "missing" if got is None else f"{got} bytes, not the {size} the stage wrote,"
+        raise DedupError(f"the dedup work file {path} is {what} on {socket.gethostname()}, where a dedup task ran; "
+                         + SHARED_STORAGE)
 
 
 def exact_partition(work: WorkDir, p: int, size: int) -> np.ndarray:
@@ -340,7 +350,7 @@ def band_pairs(work: WorkDir, b: int, p: int, size: int) -> list[str]:
     rec = rec[np.lexsort((rec["doc"], rec["key"]))]
     starts = np.flatnonzero(np.r_[True, rec["key"][1:] != rec["key"][:-1]])
     sizes = np.diff(np.r_[starts, len(rec)])
-    fd = os.open(work.sig_path, os.O_RDONLY)
+    fd = work.open_signatures()
     runs: list[str] = []
     buf: list[np.ndarray] = []
     buffered = 0
@@ -574,7 +584,7 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
     checked = rejected = near = 0
     detail: dict[int, tuple[float, int]] = {}
     large = _LargeBuckets()
-    fd = os.open(work.sig_path, os.O_RDONLY) if any(r.dtype == MEMBER for r in opened) else None
+    fd = work.open_signatures() if any(r.dtype == MEMBER for r in opened) else None
     end = work.num_docs  # past every document
     try:
         for lo, hi in resolve_ranges(opened, work.num_docs):

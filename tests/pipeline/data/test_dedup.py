@@ -648,3 +648,29 @@ def test_a_killed_run_of_the_same_pid_leaves_nothing_the_next_run_reads(tmp_path
         (own / name).write_bytes(b"\1" * 48)
     memory, sharded = both(tmp_path, PLANTED)
     assert sharded == memory and not own.exists()
+
+
+def test_a_short_state_or_signature_file_stops_a_step_in_one_line(tmp_path):
+    """As a partition file: a state or signature file of another size than the stage wrote (truncated, or a
+    stale view of shared storage) is one line naming it, not a reshape or mmap traceback."""
+    sigs = np.random.default_rng(6).integers(0, 2**32, size=(3, 8), dtype=np.uint32)
+    sigs[1] = sigs[0]
+    work, writer = _written(tmp_path, sigs)
+    size = writer.size(work.band_path(0, 0))
+    one_line = r" on \S+, where a dedup task ran; dedup.method: sharded on a Ray cluster needs"
+    with open(work.state_path, "r+b") as f:
+        f.truncate(2)
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+state.u8 is 2 bytes, not the 3 the stage "
+                                               r"wrote," + one_line):
+        dedup.band_pairs(work, 0, 0, size)
+    with pytest.raises(dedup.DedupError, match=r"state.u8 is 2 bytes, not the 3"):
+        dedup.mark(work, np.array([1]), dedup.EXACT)
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    with open(work.sig_path, "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+signatures.u32 is 64 bytes, not the 96 the "
+                                               r"stage wrote," + one_line):
+        dedup.band_pairs(work, 0, 0, size)
+    work.sig_path.unlink()
+    with pytest.raises(dedup.DedupError, match=r"signatures.u32 is missing" + one_line):
+        dedup.band_pairs(work, 0, 0, size)
