@@ -259,3 +259,16 @@ def test_finish_forgets_the_shards_it_removes(tmp_path):
     sl = _three(tmp_path)
     sl.finish(2, {})
     assert sl.committed(2) is None and sorted(sl.records) == [0, 1]
+
+
+def test_a_shard_renamed_with_its_record_is_not_trusted_at_its_new_place(tmp_path, caplog):
+    """Shards 1 and 2 swapped by hand, each with its record: their bytes match the records, but the records
+    (and what they say of where the shard ends) are of the other place."""
+    _three(tmp_path)
+    for ext in (".txt", ".json"):
+        (tmp_path / f"shard-00001{ext}").rename(tmp_path / "swap")
+        (tmp_path / f"shard-00002{ext}").rename(tmp_path / f"shard-00001{ext}")
+        (tmp_path / "swap").rename(tmp_path / f"shard-00002{ext}")
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [0]
+    assert "removed 4 file(s), its record names another shard" in caplog.text
