@@ -453,12 +453,15 @@ def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int,
 
 def _open_run(path: str) -> np.ndarray:
     """A run that a step wrote, mapped. A run missing here (written on a Ray node
-    whose storage this process does not see) is one line, not a traceback."""
+    whose storage this process does not see) or cut short is one line, not a traceback."""
     try:
         return np.load(path, mmap_mode="r")
     except FileNotFoundError:
-        raise DedupError(f"the dedup work file {path} is missing on {socket.gethostname()}, where a dedup step "
-                         "ran; " + SHARED_STORAGE) from None
+        what = "missing"
+    except (ValueError, EOFError) as err:  # numpy's words for a cut header or fewer records than it names
+        what = f"unreadable ({err})"
+    raise DedupError(f"the dedup work file {path} is {what} on {socket.gethostname()}, where a dedup step ran; "
+                     + SHARED_STORAGE)
 
 
 def _kind(path: str) -> str:

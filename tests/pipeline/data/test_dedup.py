@@ -674,3 +674,16 @@ def test_a_short_state_or_signature_file_stops_a_step_in_one_line(tmp_path):
     work.sig_path.unlink()
     with pytest.raises(dedup.DedupError, match=r"signatures.u32 is missing" + one_line):
         dedup.band_pairs(work, 0, 0, size)
+
+
+@pytest.mark.parametrize("keep", [0, 30, -5])  # empty, a cut header, a cut record
+def test_a_truncated_run_stops_the_decision_pass_in_one_line(tmp_path, keep):
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=8, bands=2, partition_docs=100)
+    work.root.mkdir()
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    run_file = work.pairs_path(0, 0, 0)
+    np.save(run_file, np.array([(1, 0, 8), (2, 0, 8)], dedup.PAIR))
+    run_file.write_bytes(run_file.read_bytes()[:keep])
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+pairs-0000-00000-0000.npy is unreadable "
+                                               r"\(.+\) on \S+, where a dedup step ran; dedup.method: sharded"):
+        dedup.resolve(work, [str(run_file)], 0.8, ids_wanted=1)
