@@ -115,6 +115,8 @@ READ_DOCS = 4096  # signatures read with one join of preads
 # and a file descriptor: 16 bands x 64 partitions would pass a common limit of
 # 1024 open files).
 MERGE_RUNS = 64
+# the file in a work folder that says when the process that made it started (see _started)
+OWNER = "owner"
 
 
 
@@ -254,12 +256,14 @@ class SignatureWriter:
     """Step 1, driver side: appends each batch's :class:`Spill`, in document
     order, to the work folder, buffering at most FLUSH_BYTES. It starts from an
     empty folder: one of this process's name can hold a killed run's files (a
-    restarted container gives the stage the pid it had), not to be appended to."""
+    restarted container gives the stage the pid it had), not to be appended to.
+    Its process is the one whose pid names the folder (:func:`remove_stale`)."""
 
     def __init__(self, work: WorkDir, exact: bool, near: bool):
         self.work, self.exact, self.near = work, exact, near
         remove(work.root)
         work.root.mkdir(parents=True, exist_ok=True)
+        (work.root / OWNER).write_text(_started(os.getpid()) or "")
         self.state_f = open(work.state_path, "wb")
         self.sig_f = open(work.sig_path, "wb") if near else None
         self.buffers: dict[str, list[bytes]] = {}
@@ -663,7 +667,7 @@ def remove(root: str | Path) -> None:
     for f in root.iterdir():
         if f.is_dir():  # no step makes a folder: a user's
             continue
-        if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-", "members-")):
+        if f.name in ("state.u8", "signatures.u32", OWNER) or f.name.startswith(("exact-", "band-", "pairs-", "members-")):
             os.unlink(f)
     with contextlib.suppress(OSError):
         os.rmdir(root)
@@ -671,22 +675,40 @@ def remove(root: str | Path) -> None:
 
 def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
     """Remove the work folders ``<parent>/<prefix><pid>`` whose process is gone
-    (a stage killed mid-run); return them. A link, or a ``<pid>`` of other
-    characters than 0-9, is no folder a stage makes: left alone."""
+    (a stage killed mid-run; also when the pid now names another process, one
+    that started after the folder's maker did); return them. A link, or a
+    ``<pid>`` of other characters than 0-9, is no folder a stage makes: left alone."""
     gone = []
     for d in Path(parent).glob(f"{prefix}*"):
         pid = d.name[len(prefix):]
-        if d.is_dir() and not d.is_symlink() and pid.isascii() and pid.isdigit() and not _alive(int(pid)):
+        if d.is_dir() and not d.is_symlink() and pid.isascii() and pid.isdigit() and not _alive(int(pid), d):
             remove(d)
             gone.append(d)
     return gone
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, folder: Path) -> bool:
+    """Whether the process that made the work folder ``folder`` runs: process
+    ``pid``, and started when the folder's OWNER file says, where both are known."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):  # OverflowError: past any pid the kernel gives
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process
+        pass
+    try:
+        made_by = (folder / OWNER).read_text()
+    except OSError:  # none yet (a folder being made)
         return True
-    return True
+    started = _started(pid)
+    return not made_by or started is None or started == made_by
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks after boot (Linux's /proc;
+    None elsewhere or when it is gone): with the pid, a process's identity,
+    as a pid is given again once its process is gone (sooner after a reboot)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None

@@ -687,3 +687,38 @@ def test_a_truncated_run_stops_the_decision_pass_in_one_line(tmp_path, keep):
     with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+pairs-0000-00000-0000.npy is unreadable "
                                                r"\(.+\) on \S+, where a dedup step ran; dedup.method: sharded"):
         dedup.resolve(work, [str(run_file)], 0.8, ids_wanted=1)
+
+
+@pytest.mark.skipif(dedup._started(os.getpid()) is None, reason="no /proc: the pid alone tells")
+def test_a_work_folder_whose_pid_names_another_process_now_is_stale(tmp_path):
+    """A killed run's pid given again to a process that started since (after a reboot, say): its folder is
+    removed; the folder of the process that made it and runs is kept."""
+    reused, live = tmp_path / f".dedup-{os.getppid()}", tmp_path / f".dedup-{os.getpid()}"
+    for d, started in ((reused, "12"), (live, dedup._started(os.getpid()))):
+        d.mkdir()
+        (d / "state.u8").write_bytes(b"\0")
+        (d / dedup.OWNER).write_text(started)
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [reused]
+    assert sorted(p.name for p in live.iterdir()) == ["owner", "state.u8"]
+    work = dedup.WorkDir(tmp_path / "w", num_docs=1, num_perm=8, bands=2, partition_docs=100)
+    dedup.SignatureWriter(work, exact=True, near=False).close()
+    assert (work.root / dedup.OWNER).read_text() == dedup._started(os.getpid())
+
+
+@pytest.mark.skipif(dedup._started(os.getpid()) is None, reason="no /proc: the pid alone tells")
+def test_a_process_start_is_the_one_the_kernel_gives_and_is_checked_for_another_users_pid(tmp_path, monkeypatch):
+    import psutil
+
+    for pid in (os.getpid(), os.getppid()):
+        at = int(dedup._started(pid)) / os.sysconf("SC_CLK_TCK") + psutil.boot_time()
+        assert abs(at - psutil.Process(pid).create_time()) < 1
+    d = tmp_path / ".dedup-4242"
+    d.mkdir()
+    (d / dedup.OWNER).write_text("12")
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(dedup, "_started", lambda pid: "13")
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [d]
