@@ -115,6 +115,8 @@ READ_DOCS = 4096  # signatures read with one join of preads
 # and a file descriptor: 16 bands x 64 partitions would pass a common limit of
 # 1024 open files).
 MERGE_RUNS = 64
+# the file in a work folder that says when the process that made it started (see _started)
+OWNER = "owner"
 
 
 
@@ -180,7 +182,13 @@ class WorkDir:
         return self.root / f"{kind}-merged-{level:02d}-{k:05d}.npy"
 
     def state(self, mode: str = "r") -> np.ndarray:
+        _check_size(self.state_path, self.num_docs)
         return np.memmap(self.state_path, dtype=np.uint8, mode=mode, shape=(self.num_docs,))
+
+    def open_signatures(self) -> int:
+        """The signature file, open for :meth:`signatures`."""
+        _check_size(self.sig_path, self.num_docs * 4 * self.num_perm)
+        return os.open(self.sig_path, os.O_RDONLY)
 
     def signatures(self, fd: int, docs: np.ndarray | list[int], band: int | None = None) -> np.ndarray:
         """The (len(docs), num_perm) signatures of ``docs``, read with pread from
@@ -246,11 +254,16 @@ def spill(work: WorkDir, start: int, states: np.ndarray, digests: np.ndarray, si
 
 class SignatureWriter:
     """Step 1, driver side: appends each batch's :class:`Spill`, in document
-    order, to the work folder, buffering at most FLUSH_BYTES."""
+    order, to the work folder, buffering at most FLUSH_BYTES. It starts from an
+    empty folder: one of this process's name can hold a killed run's files (a
+    restarted container gives the stage the pid it had), not to be appended to.
+    Its process is the one whose pid names the folder (:func:`remove_stale`)."""
 
     def __init__(self, work: WorkDir, exact: bool, near: bool):
         self.work, self.exact, self.near = work, exact, near
+        remove(work.root)
         work.root.mkdir(parents=True, exist_ok=True)
+        (work.root / OWNER).write_text(_started(os.getpid()) or "")
         self.state_f = open(work.state_path, "wb")
         self.sig_f = open(work.sig_path, "wb") if near else None
         self.buffers: dict[str, list[bytes]] = {}
@@ -300,16 +313,20 @@ def _read(path: Path, dtype: np.dtype, size: int) -> np.ndarray:
     otherwise find no records, and so no duplicates."""
     if size == 0:
         return np.empty(0, dtype)
+    _check_size(path, size)
+    return np.fromfile(path, dtype=dtype)
+
+
+def _check_size(path: Path, size: int) -> None:
+    """Raise DedupError unless the work file ``path`` holds the ``size`` bytes the stage wrote to it."""
     try:
-        rec = np.fromfile(path, dtype=dtype)
+        got = path.stat().st_size
     except FileNotFoundError:
-        got = "missing"
-    else:
-        if rec.nbytes == size:
-            return rec
-        got = f"{rec.nbytes} bytes, not the {size} the stage wrote,"
-    raise DedupError(f"the dedup work file {path} is {got} on {socket.gethostname()}, where a dedup task ran; "
-                     + SHARED_STORAGE)
+        got = None
+    if got != size:
+        what = "missing" if got is None else f"{got} bytes, not the {size} the stage wrote,"
+        raise DedupError(f"the dedup work file {path} is {what} on {socket.gethostname()}, where a dedup task ran; "
+                         + SHARED_STORAGE)
 
 
 def exact_partition(work: WorkDir, p: int, size: int) -> np.ndarray:
@@ -337,7 +354,7 @@ def band_pairs(work: WorkDir, b: int, p: int, size: int) -> list[str]:
     rec = rec[np.lexsort((rec["doc"], rec["key"]))]
     starts = np.flatnonzero(np.r_[True, rec["key"][1:] != rec["key"][:-1]])
     sizes = np.diff(np.r_[starts, len(rec)])
-    fd = os.open(work.sig_path, os.O_RDONLY)
+    fd = work.open_signatures()
     runs: list[str] = []
     buf: list[np.ndarray] = []
     buffered = 0
@@ -440,12 +457,15 @@ def resolve_ranges(runs: list[np.ndarray], num_docs: int) -> Iterator[tuple[int,
 
 def _open_run(path: str) -> np.ndarray:
     """A run that a step wrote, mapped. A run missing here (written on a Ray node
-    whose storage this process does not see) is one line, not a traceback."""
+    whose storage this process does not see) or cut short is one line, not a traceback."""
     try:
         return np.load(path, mmap_mode="r")
     except FileNotFoundError:
-        raise DedupError(f"the dedup work file {path} is missing on {socket.gethostname()}, where a dedup step "
-                         "ran; " + SHARED_STORAGE) from None
+        what = "missing"
+    except (ValueError, EOFError) as err:  # numpy's words for a cut header or fewer records than it names
+        what = f"unreadable ({err})"
+    raise DedupError(f"the dedup work file {path} is {what} on {socket.gethostname()}, where a dedup step ran; "
+                     + SHARED_STORAGE)
 
 
 def _kind(path: str) -> str:
@@ -571,7 +591,7 @@ def resolve(work: WorkDir, runs: list[str], threshold: float, ids_wanted: int) -
     checked = rejected = near = 0
     detail: dict[int, tuple[float, int]] = {}
     large = _LargeBuckets()
-    fd = os.open(work.sig_path, os.O_RDONLY) if any(r.dtype == MEMBER for r in opened) else None
+    fd = work.open_signatures() if any(r.dtype == MEMBER for r in opened) else None
     end = work.num_docs  # past every document
     try:
         for lo, hi in resolve_ranges(opened, work.num_docs):
@@ -645,7 +665,9 @@ def remove(root: str | Path) -> None:
     if not root.is_dir():
         return
     for f in root.iterdir():
-        if f.name in ("state.u8", "signatures.u32") or f.name.startswith(("exact-", "band-", "pairs-", "members-")):
+        if f.is_dir():  # no step makes a folder: a user's
+            continue
+        if f.name in ("state.u8", "signatures.u32", OWNER) or f.name.startswith(("exact-", "band-", "pairs-", "members-")):
             os.unlink(f)
     with contextlib.suppress(OSError):
         os.rmdir(root)
@@ -653,21 +675,40 @@ def remove(root: str | Path) -> None:
 
 def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
     """Remove the work folders ``<parent>/<prefix><pid>`` whose process is gone
-    (a stage killed mid-run); return them."""
+    (a stage killed mid-run; also when the pid now names another process, one
+    that started after the folder's maker did); return them. A link, or a
+    ``<pid>`` of other characters than 0-9, is no folder a stage makes: left alone."""
     gone = []
     for d in Path(parent).glob(f"{prefix}*"):
         pid = d.name[len(prefix):]
-        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if d.is_dir() and not d.is_symlink() and pid.isascii() and pid.isdigit() and not _alive(int(pid), d):
             remove(d)
             gone.append(d)
     return gone
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, folder: Path) -> bool:
+    """Whether the process that made the work folder ``folder`` runs: process
+    ``pid``, and started when the folder's OWNER file says, where both are known."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: past any pid the kernel gives
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process
+        pass
+    try:
+        made_by = (folder / OWNER).read_text()
+    except OSError:  # none yet (a folder being made)
         return True
-    return True
+    started = _started(pid)
+    return not made_by or started is None or started == made_by
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks after boot (Linux's /proc;
+    None elsewhere or when it is gone): with the pid, a process's identity,
+    as a pid is given again once its process is gone (sooner after a reboot)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None

@@ -162,6 +162,8 @@ class ShardLog:
             return "unreadable commit record"
         if not isinstance(rec, dict) or rec.get("fingerprint") != self.fp:
             return "made under another fingerprint: other input, params or code"
+        if rec.get("shard") != path.name:  # renamed: its fields (where it ends) are of another place
+            return "its record names another shard (renamed by hand?)"
         if not path.is_file():
             return "shard missing"
         if sha256_file(path) != rec.get("sha256"):

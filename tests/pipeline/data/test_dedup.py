@@ -501,3 +501,224 @@ def test_documents_with_no_shingles_are_not_counted_in_the_near_index(tmp_path):
     assert sharded == memory
     assert memory[0]["docs"] == 4  # 0, 1, 4 and the first empty one
     assert memory[1]["near_dedup"]["kept_in_index"] == 3  # 0, 1 and 4: 2 is a near duplicate of 0, 3 a copy of 1
+
+
+def _written(tmp_path, sigs, states=None):
+    """A work folder with the step-1 files of ``sigs`` (num_perm 8, 2 bands, one partition)."""
+    work = dedup.WorkDir(tmp_path / "w", num_docs=len(sigs), num_perm=8, bands=2, partition_docs=1000)
+    writer = dedup.SignatureWriter(work, exact=False, near=True)
+    writer.add(np.full(len(sigs), dedup.CANDIDATE, np.uint8) if states is None else states, None, sigs)
+    writer.close()
+    return work, writer
+
+
+def test_band_keys_differ_when_only_the_last_slot_of_a_band_does():
+    sigs = np.random.default_rng(2).integers(0, 2**32, size=(2, 8), dtype=np.uint32)
+    sigs[1] = sigs[0]
+    sigs[1, 3] += 1  # the last slot of band 0
+    keys = dedup.band_keys(sigs, 2)
+    assert keys[0, 0] != keys[1, 0] and keys[0, 1] == keys[1, 1]
+
+
+def test_only_candidates_get_band_records(tmp_path):
+    """A document without a signature (KEEP: no shingles) is in no band bucket: its zero row is not a band."""
+    sigs = np.zeros((3, 8), np.uint32)
+    work, writer = _written(tmp_path, sigs, np.array([dedup.KEEP, dedup.CANDIDATE, dedup.KEEP], np.uint8))
+    band = np.fromfile(work.band_path(0, 0), dedup.BAND_RECORD)
+    assert band["doc"].tolist() == [1] and writer.size(work.band_path(1, 0)) == dedup.BAND_RECORD.itemsize
+
+
+def test_a_pair_equal_in_two_bands_is_written_by_the_first_only(tmp_path):
+    sigs = np.random.default_rng(3).integers(0, 2**32, size=(2, 8), dtype=np.uint32)
+    sigs[1] = sigs[0]
+    work, writer = _written(tmp_path, sigs)
+    runs = [[np.load(r).tolist() for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
+            for b in range(2)]
+    assert runs == [[[(1, 0, 8)]], []]
+
+
+def test_a_band_key_collision_with_some_slots_equal_makes_no_pair(tmp_path, monkeypatch):
+    """Two bands under one key that agree in three of four slots are not equal bands."""
+    monkeypatch.setattr(dedup, "band_keys", lambda sigs, bands: np.zeros((len(sigs), bands), np.uint64))
+    sigs = np.random.default_rng(4).integers(0, 2**32, size=(2, 8), dtype=np.uint32)
+    sigs[1, :3] = sigs[0, :3]
+    work, writer = _written(tmp_path, sigs)
+    assert dedup.band_pairs(work, 0, 0, writer.size(work.band_path(0, 0))) == []
+
+
+def test_a_range_may_hold_exactly_resolve_pairs_records(monkeypatch):
+    monkeypatch.setattr(dedup, "RESOLVE_PAIRS", 4)
+    pairs = np.array([(j, 0, 1) for j in range(1, 5)], dedup.PAIR)
+    assert list(dedup.resolve_ranges([pairs], 5)) == [(0, 5)]
+
+
+def test_a_tie_between_a_pair_and_a_large_bucket_names_the_earliest(tmp_path, monkeypatch):
+    """Document 2 matches 1 (by a pair: band 0 equal, a bucket of two) and 0 (by
+    its large bucket of band 1, with 0 and 3) in 7 of 8 slots each: 0 is named,
+    though the pair is found first."""
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 2)
+    sigs = np.random.default_rng(5).integers(0, 2**32, size=(4, 8), dtype=np.uint32)
+    sigs[1, :7] = sigs[2, :7]  # band 0 and three slots of band 1
+    sigs[0, :3] = sigs[2, :3]
+    sigs[0, 4:] = sigs[2, 4:]  # three slots of band 0 and band 1
+    sigs[3, 4:] = sigs[2, 4:]
+    work, writer = _written(tmp_path, sigs)
+    runs = [r for b in range(2) for r in dedup.band_pairs(work, b, 0, writer.size(work.band_path(b, 0)))]
+    assert sorted(os.path.basename(r)[:8] for r in runs) == ["members-", "pairs-00"]
+    res = dedup.resolve(work, runs, 0.8, ids_wanted=10)
+    assert res["detail"] == {2: (7 / 8, 0)}
+    assert work.state().tolist() == [dedup.CANDIDATE, dedup.CANDIDATE, dedup.NEAR, dedup.CANDIDATE]
+
+
+def test_the_large_buckets_let_go_of_a_kept_member_when_its_last_bucket_closes():
+    large = dedup._LargeBuckets()
+    sig = np.arange(8, dtype=np.uint32)
+    large.keep(5, sig, [(0, 1), (1, 1)])
+    large.close((0, 1))
+    assert large.candidates([(1, 1)], {}) == [5] and 5 in large.sig
+    large.close((1, 1))
+    assert large.sig == {} and large.listed == {} and large.kept == {}
+
+
+def test_the_work_folder_of_a_run_with_large_buckets_and_merges_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(dedup, "LARGE_BUCKET", 1)
+    monkeypatch.setattr(dedup, "MERGE_RUNS", 2)
+    both(tmp_path, MANY_RUNS, batch_docs=3)
+    assert not [p for p in (tmp_path / "sharded" / "out").iterdir() if p.name.startswith(".dedup-")]
+
+
+def test_the_work_folder_of_another_users_live_process_is_left_alone(tmp_path, monkeypatch):
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    (tmp_path / ".dedup-4242").mkdir()
+    (tmp_path / ".dedup-4242" / "state.u8").write_bytes(b"\0")
+    monkeypatch.setattr(os, "kill", kill)
+    assert dedup.remove_stale(tmp_path, ".dedup-") == []
+    assert (tmp_path / ".dedup-4242" / "state.u8").exists()
+
+
+
+def test_work_folder_names_that_no_process_can_have_do_not_stop_the_run(tmp_path):
+    """A number past any pid (os.kill raised OverflowError) is no live process's: removed as stale, a
+    user's file in it kept; a name of other digits than 0-9 is no name a run makes: left alone."""
+    for name in (".dedup-99999999999999999999", ".dedup-²"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.u8").write_bytes(b"\0")
+    (tmp_path / ".dedup-99999999999999999999" / "notes.txt").write_text("mine")
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [tmp_path / ".dedup-99999999999999999999"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [
+        ".dedup-99999999999999999999", ".dedup-²", "notes.txt", "state.u8"]
+
+
+def test_removing_a_work_folder_touches_only_what_a_stage_makes(tmp_path):
+    """A link named as a dead run's work folder is not followed into the user's folder it points to, and a
+    user's subfolder named as a work file is not a work file: both left, and neither stops the run."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "state.u8").write_bytes(b"user")
+    (tmp_path / ".dedup-999999998").symlink_to(mine)
+    stale = tmp_path / ".dedup-999999999"
+    (stale / "pairs-notes").mkdir(parents=True)
+    (stale / "state.u8").write_bytes(b"\0")
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [stale]
+    assert (mine / "state.u8").read_bytes() == b"user"
+    assert sorted(p.name for p in stale.iterdir()) == ["pairs-notes"]
+
+
+def test_the_driver_writes_the_partition_files_once_it_holds_flush_bytes(tmp_path, monkeypatch):
+    """Step 1's records reach the disk as the batches come, not all at close: the driver's memory is bounded."""
+    monkeypatch.setattr(dedup, "FLUSH_BYTES", 2 * dedup.EXACT_RECORD.itemsize)
+    work = dedup.WorkDir(tmp_path / "w", num_docs=4, num_perm=8, bands=2, partition_docs=100)
+    writer = dedup.SignatureWriter(work, exact=True, near=False)
+    digests = np.arange(4, dtype="<u8").reshape(2, 2)
+    writer.add(np.zeros(1, np.uint8), digests[:1], None)
+    assert not work.exact_path(0).exists()  # 24 bytes held
+    writer.add(np.zeros(1, np.uint8), digests[1:], None)
+    assert work.exact_path(0).stat().st_size == 2 * dedup.EXACT_RECORD.itemsize
+    writer.close()
+
+
+def test_a_killed_run_of_the_same_pid_leaves_nothing_the_next_run_reads(tmp_path):
+    """A restarted container (after an OOM kill, a SIGKILL) gives the stage the pid it had: the work folder
+    it finds under its own name is a dead run's, whose partition files it must not append to."""
+    own = tmp_path / "sharded" / "out" / f".dedup-{os.getpid()}"
+    own.mkdir(parents=True)
+    for name in ("state.u8", "signatures.u32", "exact-00000.bin", "band-0000-00000.bin", "pairs-0000-00000-0000.npy"):
+        (own / name).write_bytes(b"\1" * 48)
+    memory, sharded = both(tmp_path, PLANTED)
+    assert sharded == memory and not own.exists()
+
+
+def test_a_short_state_or_signature_file_stops_a_step_in_one_line(tmp_path):
+    """As a partition file: a state or signature file of another size than the stage wrote (truncated, or a
+    stale view of shared storage) is one line naming it, not a reshape or mmap traceback."""
+    sigs = np.random.default_rng(6).integers(0, 2**32, size=(3, 8), dtype=np.uint32)
+    sigs[1] = sigs[0]
+    work, writer = _written(tmp_path, sigs)
+    size = writer.size(work.band_path(0, 0))
+    one_line = r" on \S+, where a dedup task ran; dedup.method: sharded on a Ray cluster needs"
+    with open(work.state_path, "r+b") as f:
+        f.truncate(2)
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+state.u8 is 2 bytes, not the 3 the stage "
+                                               r"wrote," + one_line):
+        dedup.band_pairs(work, 0, 0, size)
+    with pytest.raises(dedup.DedupError, match=r"state.u8 is 2 bytes, not the 3"):
+        dedup.mark(work, np.array([1]), dedup.EXACT)
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    with open(work.sig_path, "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+signatures.u32 is 64 bytes, not the 96 the "
+                                               r"stage wrote," + one_line):
+        dedup.band_pairs(work, 0, 0, size)
+    work.sig_path.unlink()
+    with pytest.raises(dedup.DedupError, match=r"signatures.u32 is missing" + one_line):
+        dedup.band_pairs(work, 0, 0, size)
+
+
+@pytest.mark.parametrize("keep", [0, 30, -5])  # empty, a cut header, a cut record
+def test_a_truncated_run_stops_the_decision_pass_in_one_line(tmp_path, keep):
+    work = dedup.WorkDir(tmp_path / "w", num_docs=3, num_perm=8, bands=2, partition_docs=100)
+    work.root.mkdir()
+    np.full(3, dedup.CANDIDATE, np.uint8).tofile(work.state_path)
+    run_file = work.pairs_path(0, 0, 0)
+    np.save(run_file, np.array([(1, 0, 8), (2, 0, 8)], dedup.PAIR))
+    run_file.write_bytes(run_file.read_bytes()[:keep])
+    with pytest.raises(dedup.DedupError, match=r"^the dedup work file \S+pairs-0000-00000-0000.npy is unreadable "
+                                               r"\(.+\) on \S+, where a dedup step ran; dedup.method: sharded"):
+        dedup.resolve(work, [str(run_file)], 0.8, ids_wanted=1)
+
+
+@pytest.mark.skipif(dedup._started(os.getpid()) is None, reason="no /proc: the pid alone tells")
+def test_a_work_folder_whose_pid_names_another_process_now_is_stale(tmp_path):
+    """A killed run's pid given again to a process that started since (after a reboot, say): its folder is
+    removed; the folder of the process that made it and runs is kept."""
+    reused, live = tmp_path / f".dedup-{os.getppid()}", tmp_path / f".dedup-{os.getpid()}"
+    for d, started in ((reused, "12"), (live, dedup._started(os.getpid()))):
+        d.mkdir()
+        (d / "state.u8").write_bytes(b"\0")
+        (d / dedup.OWNER).write_text(started)
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [reused]
+    assert sorted(p.name for p in live.iterdir()) == ["owner", "state.u8"]
+    work = dedup.WorkDir(tmp_path / "w", num_docs=1, num_perm=8, bands=2, partition_docs=100)
+    dedup.SignatureWriter(work, exact=True, near=False).close()
+    assert (work.root / dedup.OWNER).read_text() == dedup._started(os.getpid())
+
+
+@pytest.mark.skipif(dedup._started(os.getpid()) is None, reason="no /proc: the pid alone tells")
+def test_a_process_start_is_the_one_the_kernel_gives_and_is_checked_for_another_users_pid(tmp_path, monkeypatch):
+    import psutil
+
+    for pid in (os.getpid(), os.getppid()):
+        at = int(dedup._started(pid)) / os.sysconf("SC_CLK_TCK") + psutil.boot_time()
+        assert abs(at - psutil.Process(pid).create_time()) < 1
+    d = tmp_path / ".dedup-4242"
+    d.mkdir()
+    (d / dedup.OWNER).write_text("12")
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(dedup, "_started", lambda pid: "13")
+    assert dedup.remove_stale(tmp_path, ".dedup-") == [d]

@@ -193,3 +193,82 @@ def test_a_record_that_is_json_but_not_an_object_is_not_trusted(tmp_path):
     sl = ShardLog(tmp_path, "a", ext=".txt")
     assert sorted(sl.open()) == [0, 2]
     assert not (tmp_path / "shard-00001.txt").exists()
+
+
+def test_files_digest_moves_with_the_name_when_size_and_mtime_are_kept(tmp_path):
+    """Another input file of the same size and time (a file renamed, or another picked) is another input."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    for f in (a, b):
+        f.write_text("abc")
+        os.utime(f, ns=(5, 5))
+    assert resume.files_digest([a]) != resume.files_digest([b])
+
+
+def test_a_shard_index_past_five_digits_is_kept_and_made_stale_like_the_others(tmp_path):
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    sl.open()
+    sl.commit(100000, _write("late"), {"rows": 1})
+    assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [100000]
+    other = ShardLog(tmp_path, "b", ext=".txt")
+    assert other.open() == {} and list(tmp_path.iterdir()) == []
+
+
+def test_a_shard_being_written_again_is_not_committed_until_sealed(tmp_path):
+    """A rewrite of shard k that fails leaves k uncommitted, in memory and on disk: a rerun redoes it."""
+    sl = _three(tmp_path)
+    with pytest.raises(OSError):
+        with sl.writing(1) as tmp:
+            assert sl.committed(1) is None and not sl.record_path(1).exists()
+            raise OSError("disk full")
+    with pytest.raises(RuntimeError, match=r"\[1\] are not committed"):
+        sl.finish(3, {})
+    assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [0, 2]
+
+
+def test_four_removed_files_are_all_named(tmp_path, caplog):
+    _three(tmp_path)
+    (tmp_path / "shard-00003.txt").write_text("killed before its record")
+    for k in range(3):
+        (tmp_path / f"shard-{k:05d}.json").unlink()
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        ShardLog(tmp_path, "a", ext=".txt").open()
+    assert "removed 4 file(s)" in caplog.text
+    assert "shard-00000.txt, shard-00001.txt, shard-00002.txt, shard-00003.txt" in caplog.text
+
+
+def test_open_removes_only_its_own_temporary_files(tmp_path):
+    """Another stem's unfinished write (clean's decisions beside its shards) and a user's hidden file stay."""
+    for name in (".shard-00000.txt.x1.tmp", ".decisions-00000.u8.x2.tmp", ".notes.tmp"):
+        (tmp_path / name).write_text("x")
+    ShardLog(tmp_path, "a", ext=".txt").open()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".decisions-00000.u8.x2.tmp", ".notes.tmp"]
+
+
+def test_keep_below_warns_of_its_own_removals_only(tmp_path, caplog):
+    (tmp_path / ".shard-00000.txt.x1.tmp").write_text("x")
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    sl.open()
+    sl.commit(0, _write("a"), {})
+    caplog.clear()  # open's own warning
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        sl.keep_below(0, "after the point resumed")
+    assert "unfinished write" not in caplog.text and "removed 2 file(s), after the point resumed" in caplog.text
+
+
+def test_finish_forgets_the_shards_it_removes(tmp_path):
+    sl = _three(tmp_path)
+    sl.finish(2, {})
+    assert sl.committed(2) is None and sorted(sl.records) == [0, 1]
+
+
+def test_a_shard_renamed_with_its_record_is_not_trusted_at_its_new_place(tmp_path, caplog):
+    """Shards 1 and 2 swapped by hand, each with its record: their bytes match the records, but the records
+    (and what they say of where the shard ends) are of the other place."""
+    _three(tmp_path)
+    for ext in (".txt", ".json"):
+        (tmp_path / f"shard-00001{ext}").rename(tmp_path / "swap")
+        (tmp_path / f"shard-00002{ext}").rename(tmp_path / f"shard-00001{ext}")
+        (tmp_path / "swap").rename(tmp_path / f"shard-00002{ext}")
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [0]
+    assert "removed 4 file(s), its record names another shard" in caplog.text
