@@ -178,7 +178,7 @@ def test_a_busy_folder_names_the_processes_that_hold_it_to_stop(tmp_path):
         holder.wait()
 
 
-@pytest.mark.parametrize("endpoint", ["abc", "abc:", ":29500", "node0:port", "node0:0", "node0:70000"])
+@pytest.mark.parametrize("endpoint", ["abc", "abc:", ":29500", "[]:29500", "node0:port", "node0:0", "node0:70000"])
 def test_an_endpoint_without_host_and_port_is_refused_naming_the_key(endpoint):
     """torchrun would take "abc" as abc:29400 and retry it for minutes, then print a C++ traceback."""
     from pipeline.config import ConfigError, parse_section
@@ -255,3 +255,27 @@ def test_a_rendezvous_never_reached_is_not_called_lost():
     assert _rendezvous_failed(err).startswith(
         "could not reach the rendezvous at launch.rdzv_endpoint (RendezvousConnectionError: The client socket has "
         "timed out after 60000ms while trying to connect to (192.0.2.1, 29555).): start the stage on node 0 first")
+
+
+def test_a_rank_can_share_the_lock_the_launcher_took_and_a_second_launcher_cannot(tmp_path):
+    """The launcher downgrades its exclusive lock, else every rank's hold_shared would wait forever."""
+    import fcntl
+
+    from pipeline.training.torchrun import lock_holders
+
+    fd = acquire_exclusive(tmp_path)
+    rank, other = (os.open(tmp_path / lock_name(), os.O_RDWR) for _ in range(2))
+    try:
+        fcntl.flock(rank, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a rank's shared lock, granted at once
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert lock_holders(tmp_path / lock_name()) == []  # this process is not named as one to kill
+    finally:
+        for f in (fd, rank, other):
+            os.close(f)
+
+
+def test_a_single_node_launch_ignores_the_rendezvous_settings():
+    """--standalone needs no endpoint, and c10d numbers the nodes itself: neither setting can stop one node."""
+    LaunchConfig(rdzv_endpoint="node0.invalid:29500").check_endpoint()
+    assert LaunchConfig(nnodes=2, node_rank=5).node_rank == 5
