@@ -279,3 +279,24 @@ def test_a_single_node_launch_ignores_the_rendezvous_settings():
     """--standalone needs no endpoint, and c10d numbers the nodes itself: neither setting can stop one node."""
     LaunchConfig(rdzv_endpoint="node0.invalid:29500").check_endpoint()
     assert LaunchConfig(nnodes=2, node_rank=5).node_rank == 5
+
+
+@pytest.mark.parametrize("node_rank, said", [(1, "could not reach the rendezvous"), (0, "the rendezvous timed out")])
+def test_a_static_rendezvous_that_fails_is_one_line(tmp_path, node_rank, said):
+    """rdzv_backend static: torchrun's TCPStore raises DistNetworkError (node 0 not reached) or DistStoreError
+    (node 0 waited for the others in vain), not a RendezvousError; both were a Python traceback. (c10d's own
+    log lines of its retries, with their C++ frames, still show.)"""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "rank.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.training.torchrun", "--nnodes=2", "--nproc_per_node=1",
+                           "--rdzv_backend=static", f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_rank={node_rank}",
+                           "--rdzv_conf=timeout=1", "--max_restarts=0", str(tmp_path / "rank.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {said}"), proc.stderr[-2000:]
