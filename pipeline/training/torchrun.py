@@ -50,7 +50,7 @@ class LaunchConfig(StageConfig):
     node_rank: int = Field(0, ge=0, description="with rdzv_backend static: this node's rank")
     rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous: c10d (elastic) or static")
     rdzv_endpoint: str = Field("127.0.0.1:29500", description="host:port of the rendezvous (node 0)")
-    rdzv_id: str = Field("llm-pipeline", description="job id shared by all nodes of one run")
+    rdzv_id: str = Field("llm-pipeline", min_length=1, description="job id shared by all nodes of one run")
     max_restarts: int = Field(0, ge=0, description="torchrun restarts on worker failure")
     timeout_s: float | None = Field(
         None, gt=0, description="seconds a rank's collective waits for the others (rank 0 writing a checkpoint alone, "

@@ -300,3 +300,12 @@ def test_a_static_rendezvous_that_fails_is_one_line(tmp_path, node_rank, said):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {said}"), proc.stderr[-2000:]
+
+
+def test_an_empty_rendezvous_id_is_refused_naming_the_key():
+    """torchrun's c10d rendezvous raised a ValueError traceback ("The run id must be a non-empty string.")
+    on every node, after the launcher had taken the folder lock."""
+    from pipeline.config import ConfigError, parse_section
+
+    with pytest.raises(ConfigError, match=r"pretrain\.launch\.rdzv_id: "):
+        parse_section(LaunchConfig, {"nnodes": 2, "rdzv_endpoint": "node0:29500", "rdzv_id": ""}, "pretrain.launch")
