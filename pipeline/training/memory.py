@@ -11,8 +11,10 @@ The model of memory (bytes; N parameters, N_L per block, L blocks, b rows of T
 tokens, V vocabulary):
 
 * parameters: fp32 master weights, 4N; under bf16 autocast the matmul weights
-  also get a bf16 working copy, 2N (FSDP: the gathered bf16 block, two blocks
-  in flight with prefetch, 2 * 2 * N_L, plus the sharded 4N / n).
+  also get a bf16 working copy, 2N. FSDP: the sharded 4N / n, plus what it
+  gathers in the compute dtype (2 bytes in bf16, 4 in fp32): two blocks in
+  flight with prefetch, 2 * N_L, and the root unit (embeddings, final norm,
+  head), which FSDP2 keeps gathered from its forward to its backward.
 * gradients: fp32, 4N (FSDP: 4N / n).
 * optimizer: AdamW's two fp32 moments, 8N (FSDP: 8N / n).
 * activations: what autograd keeps for backward, counted tensor by tensor for
@@ -85,8 +87,11 @@ def estimate(c: ModelConfig, micro_batch: int, seq_len: int, *, precision: str =
     half = precision in ("bf16", "fp16")
     shard = gpus if fsdp else 1
     params = 4 * n // shard
-    if half:
-        params += 2 * 2 * n_layer_params if fsdp else 2 * n
+    if fsdp:  # gathered in the compute dtype: two blocks (prefetch), and the root unit (embeddings, head, final norm)
+        root = n - c.n_layer * n_layer_params
+        params += (2 if half else 4) * (2 * n_layer_params + root)
+    elif half:
+        params += 2 * n
     tokens = micro_batch * seq_len
     block = activation_bytes_per_token(c, precision) * tokens
     blocks = (c.n_layer * 4 * c.d_model * tokens + block) if checkpointing else c.n_layer * block

@@ -50,7 +50,7 @@ class LaunchConfig(StageConfig):
     node_rank: int = Field(0, ge=0, description="with rdzv_backend static: this node's rank")
     rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous: c10d (elastic) or static")
     rdzv_endpoint: str = Field("127.0.0.1:29500", description="host:port of the rendezvous (node 0)")
-    rdzv_id: str = Field("llm-pipeline", description="job id shared by all nodes of one run")
+    rdzv_id: str = Field("llm-pipeline", min_length=1, description="job id shared by all nodes of one run")
     max_restarts: int = Field(0, ge=0, description="torchrun restarts on worker failure")
     timeout_s: float | None = Field(
         None, gt=0, description="seconds a rank's collective waits for the others (rank 0 writing a checkpoint alone, "
@@ -255,6 +255,7 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
     here, with exit code 128 + the signal's number, as a shell reports it. So is
     a signal that stopped the agent (Ctrl-C, a SIGTERM), after which the agent
     has stopped the ranks."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -274,7 +275,7 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
             return 128 + e.sigval, f"stopped by {e.sigval.name}; the ranks were stopped"
         except (KeyboardInterrupt, Stopped) as stop:  # the agent takes the signals as it starts the ranks
             return _before_ranks(stop)
-        except RendezvousError as e:
+        except (RendezvousError, DistError) as e:  # DistError: the static backend's TCPStore, unwrapped
             return 1, _rendezvous_failed(e)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
@@ -286,11 +287,12 @@ def run_agent(argv: list[str]) -> tuple[int, str | None]:
 
 def _rendezvous_failed(e: BaseException) -> str:
     """Why a multi-node launch's rendezvous failed, in one line."""
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
     text = str(e.__cause__ or e).strip()
     what = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-    if isinstance(e, RendezvousTimeoutError):
+    if isinstance(e, (RendezvousTimeoutError, DistStoreError)):  # static: node 0's store waited for the others
         return (f"the rendezvous timed out ({what}): not every node joined in time; start the stage on every node "
                 "(launch.nnodes) and check that each reaches launch.rdzv_endpoint")
     if "while trying to connect" in text:  # never reached it: no rank of this node has started

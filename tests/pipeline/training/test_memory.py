@@ -102,8 +102,12 @@ def test_estimate_counts_each_term_of_the_model_of_memory():
     assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * n + 2 * n, 4 * n, 8 * n)  # fp32 master + bf16 copy
     assert memory.estimate(c, 2, 32, gpus=4) == ddp  # DDP: every rank holds it all
     assert (fsdp.grads, fsdp.optimizer) == (n, 2 * n)
-    assert fsdp.params == pytest.approx(n + 2 * 2 * block, rel=1e-3)  # the fp32 shard + two gathered bf16 blocks
-    assert memory.estimate(c, 2, 32, precision="fp32", gpus=4, fsdp=True).params == n
+    # the fp32 shard, plus what FSDP gathers in the compute dtype: two blocks (prefetch) and the root unit
+    # (embeddings, head, final norm), which stays gathered from its forward to its backward
+    root = n - 2 * block
+    assert fsdp.params == pytest.approx(n + 2 * (2 * block + root), rel=1e-3)
+    assert memory.estimate(c, 2, 32, precision="fp32", gpus=4, fsdp=True).params == pytest.approx(
+        n + 4 * (2 * block + root), rel=1e-3)  # fp32 blocks are gathered in fp32: not free
 
 
 def test_the_table_has_a_row_per_precision_sharding_and_checkpointing(capsys):
@@ -123,6 +127,10 @@ def test_choose_micro_batch_keeps_the_global_batch():
     assert micro * accum == 32 and 1 < micro < 32  # the largest divisor of 32 that fits:
     budget = memory.CPU_HEADROOM * available
     assert memory.estimate(c, micro, 256).total <= budget < memory.estimate(c, 2 * micro, 256).total
+    # ranks on one node share its memory: four ranks with four times the memory plan as one rank
+    assert memory.choose_micro_batch(c, 256, 2, precision="bf16", ranks_per_node=4, available=4 * available) == (
+        micro, accum)
+    assert memory.choose_micro_batch(c, 256, 2, precision="bf16", ranks_per_node=4, available=available)[0] < micro
     with pytest.raises(MemoryError, match="one row of 256 tokens needs about"):
         memory.choose_micro_batch(c, 256, 1, precision="bf16", ranks_per_node=2, available=one_row)
 
@@ -146,6 +154,7 @@ def test_probe_takes_the_largest_divisor_that_every_rank_fits():
 
     assert memory.probe_micro_batch(step, 16) == 4 and tried == [16, 8, 4]
     assert memory.probe_micro_batch(step, 16, start=6) == 4 and tried[3:] == [4]  # from the largest divisor <= 6
+    assert memory.probe_micro_batch(step, 16, start=8) == 4 and tried[4:] == [8, 4]  # start itself is tried
     # another rank fits 2 rows only: the all-reduce (a minimum, 0 where a rank failed) says no to 4
     assert memory.probe_micro_batch(step, 16, agree=lambda m: 0 if m > 2 else m) == 2
     with pytest.raises(MemoryError, match="one row does not fit"):
@@ -228,3 +237,42 @@ def test_a_count_below_one_is_refused_in_one_line(flag, value, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument {flag}:" in err and "Traceback" not in err
+
+
+def test_available_cpu_memory_is_in_bytes():
+    """/proc/meminfo counts in kB: at least a thousandth of the machine, at most all of it."""
+    total = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
+    assert total / 1024 < memory.available_cpu_bytes() <= total
+
+
+def test_optimizer_state_is_two_moments_of_each_parameters_bytes_on_this_rank():
+    class Shard(torch.nn.Parameter):  # a DTensor's to_local(): this rank's part of the parameter
+        def to_local(self):
+            return self[:1]
+
+    model = torch.nn.Linear(4, 3)  # 15 parameters
+    assert memory.optimizer_state_bytes(model) == 2 * 15 * 4
+    assert memory.optimizer_state_bytes(torch.nn.Linear(4, 3, dtype=torch.bfloat16)) == 2 * 15 * 2
+    model.weight = Shard(torch.zeros(3, 4))
+    assert memory.optimizer_state_bytes(model) == 2 * (4 + 3) * 4  # one row of the weight, and the bias
+
+
+def test_only_cuda_is_probed_and_each_oom_empties_the_cache(monkeypatch):
+    assert memory.probes(torch.device("cuda", 0)) and not memory.probes(torch.device("cpu"))
+    assert not memory.probes(torch.device("meta"))  # no out-of-memory error to back off from
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+
+    def step(m):
+        if m > 2:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+
+    assert memory.probe_micro_batch(step, 8) == 2 and len(emptied) == 3  # after 8 and 4 failed, and after 2
+
+
+def test_the_table_assumes_no_dense_mask(capsys):
+    c = build_config("tiny", 50304, max_seq_len=2048)
+    memory.main(["--preset", "tiny", "--seq-len", "2048", "--precision", "fp32"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32") and " ddp " in line)
+    e = memory.estimate(c, 8, 2048, precision="fp32", dense_mask=False)
+    assert row.split()[-2:] == [f"{e.activations / memory.GIB:.2f}", f"{e.total / memory.GIB:.2f}"]

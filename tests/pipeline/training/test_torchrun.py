@@ -178,7 +178,7 @@ def test_a_busy_folder_names_the_processes_that_hold_it_to_stop(tmp_path):
         holder.wait()
 
 
-@pytest.mark.parametrize("endpoint", ["abc", "abc:", ":29500", "node0:port", "node0:0", "node0:70000"])
+@pytest.mark.parametrize("endpoint", ["abc", "abc:", ":29500", "[]:29500", "node0:port", "node0:0", "node0:70000"])
 def test_an_endpoint_without_host_and_port_is_refused_naming_the_key(endpoint):
     """torchrun would take "abc" as abc:29400 and retry it for minutes, then print a C++ traceback."""
     from pipeline.config import ConfigError, parse_section
@@ -255,3 +255,57 @@ def test_a_rendezvous_never_reached_is_not_called_lost():
     assert _rendezvous_failed(err).startswith(
         "could not reach the rendezvous at launch.rdzv_endpoint (RendezvousConnectionError: The client socket has "
         "timed out after 60000ms while trying to connect to (192.0.2.1, 29555).): start the stage on node 0 first")
+
+
+def test_a_rank_can_share_the_lock_the_launcher_took_and_a_second_launcher_cannot(tmp_path):
+    """The launcher downgrades its exclusive lock, else every rank's hold_shared would wait forever."""
+    import fcntl
+
+    from pipeline.training.torchrun import lock_holders
+
+    fd = acquire_exclusive(tmp_path)
+    rank, other = (os.open(tmp_path / lock_name(), os.O_RDWR) for _ in range(2))
+    try:
+        fcntl.flock(rank, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a rank's shared lock, granted at once
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert lock_holders(tmp_path / lock_name()) == []  # this process is not named as one to kill
+    finally:
+        for f in (fd, rank, other):
+            os.close(f)
+
+
+def test_a_single_node_launch_ignores_the_rendezvous_settings():
+    """--standalone needs no endpoint, and c10d numbers the nodes itself: neither setting can stop one node."""
+    LaunchConfig(rdzv_endpoint="node0.invalid:29500").check_endpoint()
+    assert LaunchConfig(nnodes=2, node_rank=5).node_rank == 5
+
+
+@pytest.mark.parametrize("node_rank, said", [(1, "could not reach the rendezvous"), (0, "the rendezvous timed out")])
+def test_a_static_rendezvous_that_fails_is_one_line(tmp_path, node_rank, said):
+    """rdzv_backend static: torchrun's TCPStore raises DistNetworkError (node 0 not reached) or DistStoreError
+    (node 0 waited for the others in vain), not a RendezvousError; both were a Python traceback. (c10d's own
+    log lines of its retries, with their C++ frames, still show.)"""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "rank.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.training.torchrun", "--nnodes=2", "--nproc_per_node=1",
+                           "--rdzv_backend=static", f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_rank={node_rank}",
+                           "--rdzv_conf=timeout=1", "--max_restarts=0", str(tmp_path / "rank.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {said}"), proc.stderr[-2000:]
+
+
+def test_an_empty_rendezvous_id_is_refused_naming_the_key():
+    """torchrun's c10d rendezvous raised a ValueError traceback ("The run id must be a non-empty string.")
+    on every node, after the launcher had taken the folder lock."""
+    from pipeline.config import ConfigError, parse_section
+
+    with pytest.raises(ConfigError, match=r"pretrain\.launch\.rdzv_id: "):
+        parse_section(LaunchConfig, {"nnodes": 2, "rdzv_endpoint": "node0:29500", "rdzv_id": ""}, "pretrain.launch")
