@@ -73,3 +73,12 @@ def test_metrics_files_are_merged_and_a_missing_lock_has_no_hashes(tmp_path):
     [stage] = load_stages(root)
     assert read_metrics(root, stage) == {"loss": 1.5, "n": 3, "acc": 0.5}
     assert dvc_stage_hashes(root) == {}
+
+
+def test_descendants_are_found_through_every_level():
+    from pipeline.tracking.lineage import StageInfo, descendants
+
+    stages = [StageInfo("a", "x"), StageInfo("b", "x", upstream=("a",)), StageInfo("c", "x", upstream=("b",)),
+              StageInfo("d", "x")]
+    assert descendants(stages, "a") == {"b", "c"}
+    assert descendants(stages, "c") == set()
