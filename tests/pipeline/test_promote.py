@@ -312,3 +312,18 @@ def test_a_failed_registration_leaves_the_stage_s_own_run_running(mlflow_env, cl
 def test_every_off_spelling_registers_nothing(mlflow_env, monkeypatch, export_dir, value):
     monkeypatch.setenv("PIPELINE_TRACKING", value)
     assert register(export_dir, "m-off", 1.0)["registered"] is False
+
+
+def test_a_password_in_the_tracking_uri_is_not_in_the_warning(monkeypatch, tmp_path, export_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PIPELINE_TRACKING", "1")
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:s3cret@127.0.0.1:{port}")
+    with pytest.warns(RegistryWarning) as caught:
+        result = register(export_dir, "m-secret", 1.0)
+    assert result["registered"] is False and "alice:***@" in result["reason"]
+    assert not any("s3cret" in str(w.message) for w in caught) and "s3cret" not in result["reason"]

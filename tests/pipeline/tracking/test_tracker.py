@@ -873,3 +873,42 @@ def test_an_http_server_gets_retries_of_seconds_not_minutes(monkeypatch):
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
     assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "1"
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"
+
+
+def test_a_password_in_the_tracking_uri_is_never_shown_or_kept(tmp_path, monkeypatch, caplog):
+    # requests sends https://user:token@host as basic auth: a real way to give MLflow a password.
+    uri = f"http://alice:s3cret@127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_params({"a": 1})
+    (warning,) = offline_warnings(caught)
+    assert "alice:***@127.0.0.1" in str(warning.message) and "s3cret" not in str(warning.message)
+    _, kept = offline_run(t)
+    assert kept.data.tags["pipeline.offline.tracking_uri"] == uri.replace("s3cret", "***")
+    assert "s3cret" not in json.dumps(kept.data.tags) and "s3cret" not in caplog.text
+    with pytest.raises(tracking.ReplayError) as err:  # the server is still down
+        replay_offline(t.offline_path)
+    assert "s3cret" not in str(err.value)
+    assert tracking.redacted("see https://u:p@h/x and sqlite:////tmp/a:b@c.db") == "see https://u:***@h/x and sqlite:////tmp/a:b@c.db"
+
+
+def test_a_server_behind_a_uri_with_a_password_is_probed_at_its_host():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NeedsLogin(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(401)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NeedsLogin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # urllib took "alice:s3cret@127.0.0.1" for a host name: such a server was always "unreachable"
+        assert tracking.probe(f"http://alice:s3cret@127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+        server.server_close()
