@@ -53,6 +53,7 @@ from pipeline.tracking.tracker import (
     git_tags,
     mlflow_key,
     probe,
+    redacted,
     tracking_uri,
 )
 
@@ -158,8 +159,8 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
         if "run_id" in done and own_run:  # the run made for this registration ends, as FAILED, not RUNNING
             with contextlib.suppress(Exception):  # the server may be what failed
                 client.set_terminated(run_id, "FAILED")
-        return _not_registered(f"registering {export_dir} as {model_name!r} failed: "
-                               f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", done)
+        return _not_registered(redacted(f"registering {export_dir} as {model_name!r} failed: "
+                                        f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"), done)
     return {
         "registered": True,
         "model_name": model_name,

@@ -63,7 +63,7 @@ class StageInfo:
         inputs, which the flows retry (see ``flows/pipeline.py``). ``models/base``
         holds published models given as inputs (the tokenizer reads their tokenizer
         files), so reading it does not count."""
-        paths = self.outs + tuple(d for d in self.deps if not d.startswith(BASE_PREFIX))
+        paths = self.outs + tuple(d for d in self.deps if d != BASE_PREFIX and not d.startswith(f"{BASE_PREFIX}/"))
         return bool(self.outs) and not any(p.startswith(MODELS_PREFIX) for p in paths)
 
 

@@ -92,6 +92,8 @@ HTTP_DEFAULTS = {
 # Names MLflow accepts everywhere (it raises on others, which would cost the batch).
 _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
 _MAX_KEY_LENGTH = 250
+# The password of a tracking URI's user part (https://user:token@host, which requests sends as basic auth).
+_URI_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
 
 
 class TrackingOfflineWarning(UserWarning):
@@ -183,15 +185,20 @@ def server_command(port: int = 5000, host: str = "127.0.0.1", root: str | Path |
 
 def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None if ``uri`` looks reachable, else a short reason. Only http(s) URIs are
-    probed (one GET of ``<uri>/health``, no retries); others are tried for real."""
+    probed (one GET of ``<uri>/health`` without the URI's user and password, no
+    retries); others are tried for real. The reason shows no password."""
     if not uri.startswith(("http://", "https://")):
         return None
     import ssl
     import urllib.error
     import urllib.request
+    from urllib.parse import urlsplit
 
+    # urllib would take "user:token@host" for the host name: /health asks for no login anyway.
+    parts = urlsplit(uri)
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+        with urllib.request.urlopen(bare.rstrip("/") + "/health", timeout=timeout):
             return None
     except urllib.error.HTTPError:
         return None  # it answered: reachable, even if /health is not served there
@@ -199,7 +206,7 @@ def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         reason = getattr(err, "reason", None) or err
         if isinstance(reason, ssl.SSLError):
             return None  # it answered; MLflow's own TLS settings may accept it
-        return f"{uri} is unreachable ({reason})"
+        return redacted(f"{uri} is unreachable ({reason})")
 
 
 # --------------------------------------------------------------------------- values
@@ -255,8 +262,14 @@ def _quoted(value: str) -> str:
     raise ValueError(f"{value!r} holds both kinds of quote, which an MLflow search filter cannot match")
 
 
+def redacted(text: str) -> str:
+    """``text`` with the password of any URI in it (``https://user:token@host``) as ``***``:
+    for messages, tags and files, which must not hold a secret."""
+    return _URI_PASSWORD.sub(r"\1***@", text)
+
+
 def _short(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".splitlines()[0]
+    text = redacted(f"{type(err).__name__}: {err}".splitlines()[0])
     return text if len(text) <= 300 else text[:299] + "…"
 
 
@@ -343,7 +356,7 @@ class Tracker:
             try:
                 self._create_run()
             except Exception as err:
-                reason = f"could not start a run at {self.uri}: {_short(err)}"
+                reason = f"could not start a run at {redacted(self.uri)}: {_short(err)}"
         if reason is not None:
             self._go_offline(reason)
         return self
@@ -390,7 +403,7 @@ class Tracker:
         run = client.create_run(exp_id, run_name=self.stage, tags=self._tags)
         self._client, self.experiment_id, self.run_id = client, exp_id, run.info.run_id
         self._run = self.run_id
-        log.info("MLflow run %s (%s) in experiment %s at %s", self.run_id, self.stage, exp_id, self.uri)
+        log.info("MLflow run %s (%s) in experiment %s at %s", self.run_id, self.stage, exp_id, redacted(self.uri))
         end_orphaned_runs(client, exp_id, self.stage, found_by=self.run_id)
         if self.system_metrics:
             try:
@@ -498,7 +511,7 @@ class Tracker:
             "params": [Param(k, v) for k, v in params.items()],
             "tags": [RunTag(k, v) for k, v in tags.items()],
         }
-        self._call(f"log_batch to {self.uri}", lambda c, run: c.log_batch(run, **batch, synchronous=True))
+        self._call(f"log_batch to {redacted(self.uri)}", lambda c, run: c.log_batch(run, **batch, synchronous=True))
 
     # -- outage
 
@@ -536,7 +549,7 @@ class Tracker:
             path.mkdir(parents=True, exist_ok=True)
             uri = offline_uri(path)
             client = MlflowClient(uri)
-            offline_tags = {"pipeline.offline.reason": reason[:1000], "pipeline.offline.tracking_uri": self.uri}
+            offline_tags = {"pipeline.offline.reason": reason[:1000], "pipeline.offline.tracking_uri": redacted(self.uri)}
             if self.run_id:
                 offline_tags["pipeline.offline.run_id"] = self.run_id
             run = client.create_run(ensure_experiment(uri=uri, client=client), run_name=self.stage,
@@ -680,7 +693,7 @@ def end_launch_runs(launch_id: str, status: str, uri: str | None = None) -> list
             log.info("MLflow run %s (%s) ended %s", run.info.run_id, run.info.run_name, status)
         return [run.info.run_id for run in runs]
     except Exception as err:
-        log.warning("could not end the stopped run in MLflow at %s: %s", uri, _short(err))
+        log.warning("could not end the stopped run in MLflow at %s: %s", redacted(uri), _short(err))
         return []
 
 
@@ -724,7 +737,7 @@ def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) 
         client.log_batch(parent, metrics=[Metric(mlflow_key(k), v, now, 0) for k, v in metrics.items()],
                          tags=[RunTag(mlflow_key(k), v) for k, v in tags.items()])
     except Exception as err:  # the stage already succeeded; lineage must not fail it
-        log.warning("experiment %s: parent run not updated: %s", exp_name, err)
+        log.warning("experiment %s: parent run not updated: %s", exp_name, _short(err))
 
 
 # --------------------------------------------------------------------------- replay
@@ -783,8 +796,8 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
     marker = folder / REPLAYED_FILE
     if marker.is_file():
         done = json.loads(marker.read_text())
-        if done.get("uri") == uri:
-            raise AlreadyReplayed(f"{path} was replayed into run {done.get('run_id')} at {uri} on {done.get('at')} "
+        if done.get("uri") == redacted(uri):
+            raise AlreadyReplayed(f"{path} was replayed into run {done.get('run_id')} at {done['uri']} on {done.get('at')} "
                               f"already; delete {marker} to replay it again")
 
     from mlflow import MlflowClient
@@ -834,7 +847,7 @@ def replay_offline(path: str | Path, *, uri: str | None = None) -> str:
         client.log_artifacts(run_id, str(artifacts))
     client.set_terminated(run_id, run.info.status if run.info.status in ("FINISHED", "FAILED", "KILLED") else "FAILED")
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    marker.write_text(json.dumps({"uri": uri, "run_id": run_id, "at": when}) + "\n")
+    marker.write_text(json.dumps({"uri": redacted(uri), "run_id": run_id, "at": when}) + "\n")
     return run_id
 
 

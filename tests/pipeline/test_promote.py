@@ -242,3 +242,88 @@ def test_disabled_tracking_registers_nothing(monkeypatch, export_dir):
     monkeypatch.setenv("PIPELINE_TRACKING", "0")
     assert register(export_dir, "m-off", 1.0) == {"registered": False,
                                                    "reason": "tracking is disabled (PIPELINE_TRACKING=0)"}
+
+
+# --------------------------------------------------------------------------- probe-trk: mutation survivors
+
+
+def test_a_bool_is_no_metric_value():
+    assert should_promote(True, 2.0) is False  # True < 2.0 in Python, but a flag is not a result
+    assert should_promote(1.0, True) is True
+
+
+def test_a_registered_model_created_meanwhile_by_a_parallel_run_is_used(mlflow_env, client, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    assert register(export_dir, "m-race", 1.5)["version"] == 1
+    original, calls = MlflowClient.get_registered_model, []
+
+    def not_yet(self, name):  # the other run creates it between our look and our create
+        calls.append(name)
+        if len(calls) == 1:
+            raise MlflowException("not found", error_code=RESOURCE_DOES_NOT_EXIST)
+        return original(self, name)
+
+    monkeypatch.setattr(MlflowClient, "get_registered_model", not_yet)
+    result = register(export_dir, "m-race", 1.4)
+    assert result["registered"] and (result["version"], result["champion"]) == (2, 2)
+
+
+def test_a_failure_reading_the_champion_registers_no_champion(mlflow_env, client, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR
+
+    assert register(export_dir, "m-alias-error", 1.5)["champion"] == 1
+
+    def broken(self, name, alias):
+        raise MlflowException("database is locked", error_code=INTERNAL_ERROR)
+
+    monkeypatch.setattr(MlflowClient, "get_model_version_by_alias", broken)
+    with pytest.warns(RegistryWarning, match="database is locked"):
+        result = register(export_dir, "m-alias-error", 9.9)  # worse: must not be taken for a first champion
+    assert result["registered"] is False and result["candidate"] == 2
+    monkeypatch.undo()
+    assert aliases(client, "m-alias-error") == {CANDIDATE: 2, CHAMPION: 1}
+
+
+def test_a_failed_registration_leaves_the_stage_s_own_run_running(mlflow_env, client, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.tracking.tracker import ensure_experiment
+
+    stage_run = client.create_run(ensure_experiment(client=client), run_name="export").info.run_id
+
+    def refuse(*args, **kwargs):
+        raise MlflowException("the registry refuses")
+
+    monkeypatch.setattr(MlflowClient, "create_model_version", refuse)
+    with pytest.warns(RegistryWarning, match="the registry refuses"):
+        result = register(export_dir, "m-stage-run", 1.0, run_id=stage_run)
+    assert result["registered"] is False and result["run_id"] == stage_run
+    assert client.get_run(stage_run).info.status == "RUNNING"  # the stage's Tracker ends it, as the stage ends
+    client.set_terminated(stage_run)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "Off"])
+def test_every_off_spelling_registers_nothing(mlflow_env, monkeypatch, export_dir, value):
+    monkeypatch.setenv("PIPELINE_TRACKING", value)
+    assert register(export_dir, "m-off", 1.0)["registered"] is False
+
+
+def test_a_password_in_the_tracking_uri_is_not_in_the_warning(monkeypatch, tmp_path, export_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PIPELINE_TRACKING", "1")
+    monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:s3cret@127.0.0.1:{port}")
+    with pytest.warns(RegistryWarning) as caught:
+        result = register(export_dir, "m-secret", 1.0)
+    assert result["registered"] is False and "alice:***@" in result["reason"]
+    assert not any("s3cret" in str(w.message) for w in caught) and "s3cret" not in result["reason"]

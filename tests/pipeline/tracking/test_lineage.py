@@ -73,3 +73,24 @@ def test_metrics_files_are_merged_and_a_missing_lock_has_no_hashes(tmp_path):
     [stage] = load_stages(root)
     assert read_metrics(root, stage) == {"loss": 1.5, "n": 3, "acc": 0.5}
     assert dvc_stage_hashes(root) == {}
+
+
+def test_descendants_are_found_through_every_level():
+    from pipeline.tracking.lineage import StageInfo, descendants
+
+    stages = [StageInfo("a", "x"), StageInfo("b", "x", upstream=("a",)), StageInfo("c", "x", upstream=("b",)),
+              StageInfo("d", "x")]
+    assert descendants(stages, "a") == {"b", "c"}
+    assert descendants(stages, "c") == set()
+
+
+def test_reading_published_base_models_does_not_make_a_model_stage():
+    from pipeline.tracking.lineage import BASE_PREFIX, StageInfo
+
+    tokenizer = StageInfo("tokenizer", "x", deps=("data/clean", f"{BASE_PREFIX}/gpt2/tokenizer.json"), outs=("data/tok",))
+    assert tokenizer.is_data_stage, "the tokenizer reads models/base: still a data stage, retried by the flows"
+    assert StageInfo("tokenizer", "x", deps=(BASE_PREFIX,), outs=("data/tok",)).is_data_stage
+    assert not StageInfo("score", "x", deps=("models/sft",), outs=("data/scores",)).is_data_stage
+    assert not StageInfo("pretrain", "x", deps=("data/packed",), outs=("models/pretrain",)).is_data_stage
+    # a trained model whose folder merely starts with the same letters is a model
+    assert not StageInfo("score", "x", deps=(f"{BASE_PREFIX}line/ckpt.pt",), outs=("data/scores",)).is_data_stage

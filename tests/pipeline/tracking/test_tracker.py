@@ -749,3 +749,166 @@ def test_a_pid_that_was_given_to_a_later_process_is_not_the_run_s_process():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     assert not tracking._process_alive(dead.pid, time.time())
+
+
+# --------------------------------------------------------------------------- probe-trk: mutation survivors
+
+
+def test_the_ui_binds_to_this_machine_only(tmp_path, monkeypatch):
+    argv, _ = server_command(5001, root=tmp_path)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    execs = []
+
+    def execvpe(*args):
+        execs.append(args)
+        raise SystemExit(0)  # as if the server had taken this process over
+
+    monkeypatch.setattr(os, "execvpe", execvpe)
+    with pytest.raises(SystemExit):
+        tracking.main(["ui", "--port", "5002"])  # `python -m pipeline.tracking.tracker ui`
+    (cmd, argv, env), = execs
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "5002"
+    makefile = ROOT / "Makefile"
+    if makefile.exists():
+        assert "--host 127.0.0.1" in makefile.read_text()
+
+
+def test_a_server_that_answers_with_another_tls_setup_is_reachable():
+    # https:// to a plain HTTP server fails the TLS handshake: something answered there,
+    # so MLflow's own TLS settings (MLFLOW_TRACKING_INSECURE_TLS, a CA bundle) get their try.
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Quiet(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert tracking.probe(f"https://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_keys_are_cut_to_the_length_mlflow_takes(client):
+    assert tracking.mlflow_key("k" * 300) == "k" * 250
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_params({"p" * 300: 1})
+            t.log_metrics({"m" * 300: 1.0}, step=0)
+    assert not offline_warnings(caught) and not t.offline  # one key too long would cost the whole batch
+    run = client.get_run(t.run_id)
+    assert run.data.params == {"p" * 250: "1"} and run.data.metrics == {"m" * 250: 1.0}
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", " off "])
+def test_every_off_spelling_turns_tracking_off(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/unused.db")
+    monkeypatch.setenv("PIPELINE_TRACKING", value)
+    with Tracker("pretrain") as t:
+        t.log_params({"a": 1})
+    assert not t.active and not (tmp_path / "unused.db").exists()
+    monkeypatch.setenv("PIPELINE_TRACKING", "1")
+    assert Tracker("pretrain").active
+
+
+def test_a_param_logged_again_with_its_value_is_not_sent_again(client, batch_calls):
+    with Tracker("pretrain", system_metrics=False) as t:
+        t.log_params({"lr": 0.1, "n_layer": 2})
+        sent = batch_calls["log_batch"]
+        t.log_params({"lr": 0.1})  # a resumed trainer logs its config again
+        assert batch_calls["log_batch"] == sent
+        t.log_params({"lr": 0.1, "wd": 0.0})
+        assert batch_calls["log_batch"] == sent + 1
+    assert client.get_run(t.run_id).data.params == {"lr": "0.1", "n_layer": "2", "wd": "0.0"}
+
+
+def test_a_failure_in_the_offline_store_is_logged_once_not_retried(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    with pytest.warns(TrackingOfflineWarning):
+        t = Tracker("pretrain", system_metrics=False).start()
+    assert t.offline and t.offline_path is not None
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(t._client, "log_batch", failing)
+    with caplog.at_level("ERROR", logger=tracking.log.name):
+        t.log_params({"a": 1})  # never raises, and is not tried again and again
+    assert len(calls) == 1 and "failed in the offline store" in caplog.text and "disk full" in caplog.text
+
+
+def test_a_replayed_run_whose_parent_is_not_on_the_server_is_top_level(tmp_path, monkeypatch, db):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    with pytest.warns(TrackingOfflineWarning):
+        with Tracker("pretrain", system_metrics=False, parent_run_id="gone") as t:
+            t.log_metrics({"loss": 1.0}, step=3)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", db[1])
+    run = MlflowClient(db[1]).get_run(replay_offline(t.offline_path))
+    assert "mlflow.parentRunId" not in run.data.tags  # the UI would nest it under a run that is not there
+    assert run.data.tags["pipeline.stage"] == "pretrain" and run.data.metrics == {"loss": 1.0}
+
+
+def test_a_flow_s_parent_run_is_not_nested_under_an_experiment_parent(client, monkeypatch):
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-a")
+    with Tracker(tracking.EXPERIMENT_PARENT_NAME, system_metrics=False) as t:
+        pass
+    assert "mlflow.parentRunId" not in client.get_run(t.run_id).data.tags
+    assert [r.info.run_id for r in client.search_runs([t.experiment_id])] == [t.run_id]
+
+
+def test_an_http_server_gets_retries_of_seconds_not_minutes(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")  # what the user set stays
+    with pytest.warns(TrackingOfflineWarning):
+        Tracker("pretrain", system_metrics=False).start()
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
+    assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "1"
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"
+
+
+def test_a_password_in_the_tracking_uri_is_never_shown_or_kept(tmp_path, monkeypatch, caplog):
+    # requests sends https://user:token@host as basic auth: a real way to give MLflow a password.
+    uri = f"http://alice:s3cret@127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("pretrain", system_metrics=False) as t:
+            t.log_params({"a": 1})
+    (warning,) = offline_warnings(caught)
+    assert "alice:***@127.0.0.1" in str(warning.message) and "s3cret" not in str(warning.message)
+    _, kept = offline_run(t)
+    assert kept.data.tags["pipeline.offline.tracking_uri"] == uri.replace("s3cret", "***")
+    assert "s3cret" not in json.dumps(kept.data.tags) and "s3cret" not in caplog.text
+    with pytest.raises(tracking.ReplayError) as err:  # the server is still down
+        replay_offline(t.offline_path)
+    assert "s3cret" not in str(err.value)
+    assert tracking.redacted("see https://u:p@h/x and sqlite:////tmp/a:b@c.db") == "see https://u:***@h/x and sqlite:////tmp/a:b@c.db"
+
+
+def test_a_server_behind_a_uri_with_a_password_is_probed_at_its_host():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NeedsLogin(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(401)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NeedsLogin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # urllib took "alice:s3cret@127.0.0.1" for a host name: such a server was always "unreachable"
+        assert tracking.probe(f"http://alice:s3cret@127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+        server.server_close()
