@@ -5,6 +5,7 @@ here is a SQLite file under tmp; the repo's mlflow.db is never touched
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -397,24 +399,33 @@ def test_a_deleted_experiment_is_restored(client):
     assert t.experiment_id == exp and client.get_experiment(exp).lifecycle_stage == "active"
 
 
-def test_a_server_that_answers_health_with_an_error_is_reachable():
+@contextlib.contextmanager
+def http_server(status: int | None) -> Iterator[int]:
+    """A local HTTP server answering every GET with ``status`` (None: no GET
+    handler, so 501); yields its port."""
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    class NotFound(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_error(404)
+    class Handler(BaseHTTPRequestHandler):
+        if status is not None:
+            def do_GET(self):
+                self.send_error(status)
 
         def log_message(self, *args):
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        assert tracking.probe(f"http://127.0.0.1:{server.server_port}") is None
+        yield server.server_port
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_that_answers_health_with_an_error_is_reachable():
+    with http_server(404) as port:
+        assert tracking.probe(f"http://127.0.0.1:{port}") is None
     assert "is unreachable" in tracking.probe(f"http://127.0.0.1:{closed_port()}")
 
 
@@ -776,20 +787,8 @@ def test_the_ui_binds_to_this_machine_only(tmp_path, monkeypatch):
 def test_a_server_that_answers_with_another_tls_setup_is_reachable():
     # https:// to a plain HTTP server fails the TLS handshake: something answered there,
     # so MLflow's own TLS settings (MLFLOW_TRACKING_INSECURE_TLS, a CA bundle) get their try.
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    class Quiet(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Quiet)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert tracking.probe(f"https://127.0.0.1:{server.server_port}") is None
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(None) as port:
+        assert tracking.probe(f"https://127.0.0.1:{port}") is None
 
 
 def test_keys_are_cut_to_the_length_mlflow_takes(client):
@@ -895,20 +894,6 @@ def test_a_password_in_the_tracking_uri_is_never_shown_or_kept(tmp_path, monkeyp
 
 
 def test_a_server_behind_a_uri_with_a_password_is_probed_at_its_host():
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    class NeedsLogin(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_error(401)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), NeedsLogin)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:  # urllib took "alice:s3cret@127.0.0.1" for a host name: such a server was always "unreachable"
-        assert tracking.probe(f"http://alice:s3cret@127.0.0.1:{server.server_port}") is None
-    finally:
-        server.shutdown()
-        server.server_close()
+    # urllib took "alice:s3cret@127.0.0.1" for a host name: such a server was always "unreachable"
+    with http_server(401) as port:
+        assert tracking.probe(f"http://alice:s3cret@127.0.0.1:{port}") is None
