@@ -54,6 +54,7 @@ from pipeline.tracking.tracker import (
     mlflow_key,
     probe,
     redacted,
+    tracking_enabled,
     tracking_uri,
 )
 
@@ -112,7 +113,7 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
         raise FileNotFoundError(f"{export_dir}: no export folder to register")
-    if os.environ.get("PIPELINE_TRACKING", "").strip().lower() in ("0", "false", "no", "off"):
+    if not tracking_enabled():
         return {"registered": False, "reason": "tracking is disabled (PIPELINE_TRACKING=0)"}
     uri = tracking_uri()
     reason = probe(uri)

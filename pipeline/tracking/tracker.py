@@ -250,6 +250,11 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if not raw else raw not in ("0", "false", "no", "off")
 
 
+def tracking_enabled() -> bool:
+    """Whether ``PIPELINE_TRACKING`` leaves tracking on (unset: on; 0/false/no/off: off)."""
+    return _env_flag("PIPELINE_TRACKING", True)
+
+
 def _quoted(value: str) -> str:
     """``value`` as a string literal of an MLflow search filter, which has no
     escapes: in single quotes, or in double quotes when it holds a single quote
@@ -304,7 +309,7 @@ class Tracker:
     ) -> None:
         self.stage = stage
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.active = bool(_env_flag("PIPELINE_TRACKING", True) if enabled is None else enabled) and self.rank == 0
+        self.active = bool(tracking_enabled() if enabled is None else enabled) and self.rank == 0
         if system_metrics is None:
             system_metrics = _env_flag("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", True)
         self.system_metrics = system_metrics
@@ -676,7 +681,7 @@ def end_launch_runs(launch_id: str, status: str, uri: str | None = None) -> list
     killed could not end its own run, which MLflow would show as running for
     ever. Called by the launcher after its agent stopped the ranks. Returns the
     runs' ids; never raises (a warning says what failed)."""
-    if not _env_flag("PIPELINE_TRACKING", True):
+    if not tracking_enabled():
         return []
     uri = uri or tracking_uri()
     if probe(uri) is not None:
@@ -709,7 +714,7 @@ def record_experiment(stage: str, root: str | Path = ".", enabled: bool = True) 
     ``--temp``/``--queue``), not ``DVC_ROOT``. A no-op outside an experiment, off
     rank 0, with tracking off, or when MLflow is unreachable; never raises."""
     exp_name = os.environ.get("DVC_EXP_NAME")
-    if not (enabled and exp_name and _env_flag("PIPELINE_TRACKING", True)) or int(os.environ.get("RANK", "0")) != 0:
+    if not (enabled and exp_name and tracking_enabled()) or int(os.environ.get("RANK", "0")) != 0:
         return
     uri = tracking_uri()
     reason = probe(uri)
