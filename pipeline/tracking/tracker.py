@@ -335,6 +335,7 @@ class Tracker:
         self._pending_metrics: list[tuple[str, float, int, int]] = []  # key, value, ms, step
         self._last_flush = time.monotonic()
         self._keys: dict[str, str] = {}
+        self._key_names: dict[str, str] = {}  # MLflow key -> the first metric name logged as it
 
     # -- lifecycle
 
@@ -475,6 +476,11 @@ class Tracker:
             key = self._keys.get(name)
             if key is None:
                 key = self._keys[name] = mlflow_key(name)
+                first = self._key_names.setdefault(key, name)
+                if first != name:
+                    warnings.warn(f"metrics {first!r} and {name!r} are both logged as {key!r} (MLflow refuses "
+                                  "some characters in a key); their values share one series",
+                                  TrackingWarning, stacklevel=2)
             rows.append((key, float(value), now, step))
         self._pending_metrics.extend(rows)
         if len(self._pending_metrics) >= self.flush_every_n or time.monotonic() - self._last_flush >= self.flush_every_s:

@@ -435,6 +435,19 @@ def test_keys_lose_what_mlflow_refuses():
     assert tracking.mlflow_key("//") == "_"
 
 
+def test_two_metric_names_that_become_one_key_are_warned_of_once(client):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Tracker("ingest") as t:
+            t.log_metrics({"sources.web[1].docs": 1, "sources.web{1}.docs": 2, "loss": 3}, step=0)
+            t.log_metrics({"sources.web[1].docs": 4, "sources.web{1}.docs": 5}, step=1)
+    clashes = [str(w.message) for w in caught if issubclass(w.category, tracking.TrackingWarning)]
+    assert clashes == ["metrics 'sources.web[1].docs' and 'sources.web{1}.docs' are both logged as "
+                       "'sources.web_1_.docs' (MLflow refuses some characters in a key); their values share one series"]
+    history = client.get_metric_history(t.run_id, "sources.web_1_.docs")
+    assert sorted(m.value for m in history) == [1, 2, 4, 5]
+
+
 def test_system_metrics_switch(client, monkeypatch):
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     with Tracker("pretrain") as on:
