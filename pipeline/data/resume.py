@@ -143,10 +143,13 @@ class ShardLog:
     def record_path(self, k: int) -> Path:
         return self.folder / f"{self.stem}-{k:05d}.json"
 
-    def _remove(self, path: Path, why: str) -> None:
+    def _refuse_directory(self, path: Path) -> None:
         if path.is_dir() and not path.is_symlink():  # not written by the stage: maybe the user's
-            raise StageError(f"{path} is a directory where a shard or its record belongs ({why}); "
-                             "it is not removed: move it out of the stage's output and run again")
+            raise StageError(f"{path} is a directory where a shard or its record belongs; it is not removed: "
+                             "move it out of the stage's output and run again")
+
+    def _remove(self, path: Path, why: str) -> None:
+        self._refuse_directory(path)
         if path.is_symlink() or path.exists():  # a link, dangling or not, is removed, never what it points to
             path.unlink()
             self.removed.append(f"{path.name} ({why})")
@@ -159,6 +162,9 @@ class ShardLog:
         if self.folder.exists() and not self.folder.is_dir():
             raise StageError(f"{self.folder} is a file, where the stage writes its output folder: move it away")
         self.folder.mkdir(parents=True, exist_ok=True)
+        for p in sorted(self.folder.iterdir()):  # before anything is removed: the run stops here
+            if self._name.fullmatch(p.name):
+                self._refuse_directory(p)
         # the manifest says "complete"; it is written again when the stage completes (not a loss: no warning)
         (self.folder / MANIFEST).unlink(missing_ok=True)
         for tmp in sorted(self.folder.glob(f".{self.stem}-*.tmp")):

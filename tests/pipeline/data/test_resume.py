@@ -362,10 +362,23 @@ def test_a_directory_where_a_shard_belongs_is_a_one_line_error_and_is_kept(tmp_p
     (tmp_path / "shard-00001.txt").unlink()
     (tmp_path / "shard-00001.txt").mkdir()
     (tmp_path / "shard-00001.txt" / "mine").write_text("a user's file")
-    with pytest.raises(StageError, match=r"shard-00001.txt is a directory where a shard or its record belongs "
-                                         r"\(shard missing\); it is not removed"):
+    (tmp_path / "shard-00000.txt").write_text("damaged")  # checked before shard 1
+    with pytest.raises(StageError, match=r"shard-00001.txt is a directory where a shard or its record belongs; "
+                                         r"it is not removed: move it out"):
         ShardLog(tmp_path, "a", ext=".txt").open()
     assert (tmp_path / "shard-00001.txt" / "mine").read_text() == "a user's file"
+    assert (tmp_path / "shard-00000.txt").exists()  # the run stopped before removing anything, unreported
+
+
+def test_a_directory_among_the_shards_a_resumed_run_drops_is_a_one_line_error(tmp_path):
+    from pipeline.errors import StageError
+
+    sl = _three(tmp_path)
+    (tmp_path / "shard-00002.txt").unlink()
+    (tmp_path / "shard-00002.txt").mkdir()
+    with pytest.raises(StageError, match="shard-00002.txt is a directory"):
+        sl.keep_below(1, "after the point resumed")
+    assert (tmp_path / "shard-00002.txt").is_dir()
 
 
 def test_a_directory_where_a_record_belongs_is_a_one_line_error_and_is_kept(tmp_path):
