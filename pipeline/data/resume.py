@@ -12,9 +12,14 @@ written under a temporary name, fsynced and renamed to ``<stem>-0000k<ext>``
 written the same way, holding the run's ``fingerprint``, the shard's ``sha256``
 and the stage's own fields (its counts, and where in the input the shard ends,
 so that the next shard can start there). A shard counts as committed only when
-its record exists, names this run's fingerprint, and the shard's bytes hash to
-the record's digest. A kill at any moment leaves either a committed shard, or a
-shard without a record (or a temporary file), which is removed.
+its record exists, names this run's fingerprint, is as it was written (it holds
+the digest of its own fields, ``record_sha256``: a hand-edited count or end
+point is not built on), the shard's bytes hash to the record's digest, and (for
+a format whose row count its metadata holds: Arrow IPC files, Parquet) the
+shard holds the record's ``rows``. A kill at any moment leaves either a
+committed shard, or a shard without a record (or a temporary file), which is
+removed. A directory where a shard or record belongs is never removed: it is
+a one-line error.
 
 *Fingerprint.* A digest of what the output depends on: the stage name, the
 params that change outputs (not the executor or the worker count: the output is
@@ -49,7 +54,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import atomic_path, read_json, sha256_file, write_json
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import StageError
+from pipeline.files import _json_default, atomic_path, read_json, sha256_file, write_json
 
 log = logging.getLogger("pipeline.data.resume")
 
@@ -59,6 +68,26 @@ MANIFEST = "manifest.json"
 def digest_json(data: Any) -> str:
     """sha256 of ``data`` as canonical JSON (sorted keys, no spaces)."""
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def record_digest(rec: Mapping[str, Any]) -> str:
+    """The digest of a commit record's fields (all but ``record_sha256``) as a
+    reader reads them back from its JSON."""
+    fields = {k: v for k, v in rec.items() if k != "record_sha256"}
+    return digest_json(json.loads(json.dumps(fields, default=_json_default)))
+
+
+def _arrow_rows(path: Path) -> int:
+    with pa.memory_map(str(path), "r") as source:  # the footer and the batches' headers: no column is read
+        reader = pa.ipc.open_file(source)
+        return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+
+
+# A shard's row count from its metadata, by extension: how a record's ``rows`` is checked cheaply
+ROW_COUNTS: dict[str, Callable[[Path], int]] = {
+    ".arrow": _arrow_rows,
+    ".parquet": lambda path: pq.read_metadata(path).num_rows,
+}
 
 
 def code_digest(*modules: Any) -> str:
@@ -114,8 +143,14 @@ class ShardLog:
     def record_path(self, k: int) -> Path:
         return self.folder / f"{self.stem}-{k:05d}.json"
 
+    def _refuse_directory(self, path: Path) -> None:
+        if path.is_dir() and not path.is_symlink():  # not written by the stage: maybe the user's
+            raise StageError(f"{path} is a directory where a shard or its record belongs; it is not removed: "
+                             "move it out of the stage's output and run again")
+
     def _remove(self, path: Path, why: str) -> None:
-        if path.exists():
+        self._refuse_directory(path)
+        if path.is_symlink() or path.exists():  # a link, dangling or not, is removed, never what it points to
             path.unlink()
             self.removed.append(f"{path.name} ({why})")
 
@@ -124,7 +159,12 @@ class ShardLog:
         whose bytes match the record's sha256; remove the manifest, temporary
         files, and every other shard and record, logging one line per removal.
         Returns the kept records by shard index."""
+        if self.folder.exists() and not self.folder.is_dir():
+            raise StageError(f"{self.folder} is a file, where the stage writes its output folder: move it away")
         self.folder.mkdir(parents=True, exist_ok=True)
+        for p in sorted(self.folder.iterdir()):  # before anything is removed: the run stops here
+            if self._name.fullmatch(p.name):
+                self._refuse_directory(p)
         # the manifest says "complete"; it is written again when the stage completes (not a loss: no warning)
         (self.folder / MANIFEST).unlink(missing_ok=True)
         for tmp in sorted(self.folder.glob(f".{self.stem}-*.tmp")):
@@ -162,12 +202,24 @@ class ShardLog:
             return "unreadable commit record"
         if not isinstance(rec, dict) or rec.get("fingerprint") != self.fp:
             return "made under another fingerprint: other input, params or code"
+        if rec.get("record_sha256") != record_digest(rec):  # its counts and end point: the shard cannot tell
+            return "its record was edited or written by an older version (its fields do not match its digest)"
         if rec.get("shard") != path.name:  # renamed: its fields (where it ends) are of another place
             return "its record names another shard (renamed by hand?)"
+        if path.is_symlink():  # not what the stage wrote, and its target may change under it
+            return "the shard is a symbolic link"
         if not path.is_file():
             return "shard missing"
         if sha256_file(path) != rec.get("sha256"):
             return "sha256 does not match its record"
+        count = ROW_COUNTS.get(self.ext)
+        if count is not None and "rows" in rec:
+            try:
+                rows = count(path)
+            except (OSError, pa.ArrowException):
+                return "not a readable shard"
+            if rows != rec["rows"]:
+                return "its row count does not match its record"
         self.records[k] = rec
         return None
 
@@ -200,6 +252,7 @@ class ShardLog:
         """Commit the written shard ``k``: its record, with its sha256 and ``fields``."""
         path = self.path(k)
         rec = {"fingerprint": self.fp, "shard": path.name, "sha256": sha256_file(path), **fields}
+        rec["record_sha256"] = record_digest(rec)
         write_json(self.record_path(k), rec)
         self.records[k] = rec
         return rec

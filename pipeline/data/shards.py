@@ -156,6 +156,9 @@ def clear_outputs(out_dir: str | Path) -> None:
         return
     for d in sorted(p for p in out_dir.iterdir() if p.is_dir()):
         for p in [*d.glob("shard-*.arrow"), *d.glob("shard-*.json"), *d.glob(".shard-*.tmp")]:
+            if p.is_dir() and not p.is_symlink():  # no shard the stage wrote: maybe the user's, never removed
+                raise DataError(f"{p} is a directory where a shard belongs; it is not removed: move it out of "
+                                f"{out_dir} and run again")
             p.unlink()
 
 
@@ -197,6 +200,8 @@ def read_manifest(out_dir: str | Path, fmt: str | None = None) -> dict[str, Any]
     if not path.is_file():
         raise DataError(f"{path} not found; the stage that writes {out_dir} has not completed")
     manifest = read_stage_json(path)
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: not a manifest (a JSON object); run the stage that writes {out_dir} again")
     if fmt is not None and manifest.get("format") != fmt:
         raise DataError(f"{path}: format {manifest.get('format')!r}, expected {fmt!r}")
     return manifest
@@ -219,6 +224,15 @@ def verify(out_dir: str | Path, fmt: str | None = None, *, sha256: bool = True) 
     DataError on the first disagreement."""
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir, fmt)
+    try:
+        _verify(out_dir, manifest, sha256)
+    except (KeyError, TypeError, AttributeError) as e:  # a manifest edited by hand, or of another writer
+        raise DataError(f"{out_dir / MANIFEST}: not in this format ({type(e).__name__}: {e}); run the stage that "
+                        "writes it again") from None
+    return manifest
+
+
+def _verify(out_dir: Path, manifest: dict[str, Any], sha256: bool) -> None:
     for split, info in manifest["splits"].items():
         listed = {e["path"] for e in info["shards"]}
         extra = sorted(p.relative_to(out_dir).as_posix() for p in (out_dir / split).glob("*.arrow")
@@ -235,7 +249,8 @@ def verify(out_dir: str | Path, fmt: str | None = None, *, sha256: bool = True) 
             if shard.input_ids.shape[1] != manifest["row_len"] or len(shard) != entry["rows"]:
                 raise DataError(f"{path}: {len(shard)} rows of {shard.input_ids.shape[1]} tokens, manifest says "
                                 f"{entry['rows']} rows of {manifest['row_len']}")
-    return manifest
+
+
 class PackedRows:
     """All rows of one split, memory-mapped shard by shard: nothing is copied, so
     memory does not grow with the corpus; a batch gathers its rows from the shards
@@ -320,6 +335,8 @@ class _Shard:
     """One memory-mapped Arrow IPC shard: zero-copy numpy views of its columns."""
 
     def __init__(self, path: Path):
+        if not path.is_file():  # a directory named like a shard: memory_map's error would be a traceback
+            raise DataError(f"{path}: not a file, where a shard belongs")
         try:
             table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
         except pa.ArrowInvalid as e:  # cut short or overwritten: one line, not Arrow's traceback

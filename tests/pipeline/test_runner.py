@@ -325,3 +325,34 @@ def test_a_stage_s_metrics_file_and_mlflow_run_carry_its_metrics_seconds_and_rep
     assert metrics["docs"] == 3 and metrics["seconds"] >= 0
     assert (run.info.run_name, run.info.status, run.data.metrics["docs"]) == ("clean", "FINISHED", 3)
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["report.json"]
+
+
+@pytest.mark.parametrize("code, why, line, ended", [
+    (0, None, None, None),
+    (2, None, None, "FAILED"),  # a rank's StageError: it printed its own one line
+    (1, None, "error: stage pretrain failed (exit code 1); see the rank's message above", "FAILED"),
+    (-9, "rank 0 was killed by SIGKILL", "error: stage pretrain failed: rank 0 was killed by SIGKILL; ", "FAILED"),
+    (143, "stopped by SIGTERM", "error: stage pretrain stopped by SIGTERM; ", "KILLED"),
+], ids=["ok", "rank-stage-error", "rank-bug", "rank-killed", "stopped"])
+def test_the_launcher_adds_one_line_only_where_no_rank_spoke_and_exits_with_the_agent_s_code(
+        tmp_path, monkeypatch, capsys, code, why, line, ended):
+    """Outside torchrun (as DVC runs a training stage) the launcher's own line and exit code, without torchrun."""
+    from pipeline import runner
+    from pipeline.training import torchrun
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("pretrain: {}\n")
+    for var in ("LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torchrun, "launch", lambda module, cfg, folder, before=None: (code, why))
+    ended_as = []
+    monkeypatch.setattr(runner, "end_launch_runs", lambda launch_id, status: ended_as.append(status))
+    with pytest.raises(SystemExit) as exit_:
+        runner.run_training_stage("pretrain", "no.such.module", tmp_path / "models", lambda cfg: {})
+    assert exit_.value.code == code
+    err = capsys.readouterr().err.splitlines()
+    if line is None:
+        assert err == []
+    else:
+        assert len(err) == 1 and err[0].startswith(line), err
+    assert ended_as == ([] if ended is None else [ended])

@@ -276,3 +276,25 @@ def kill_and_rerun(tmp_path: Path, executor: dict, timeout: float = 120) -> None
 
 def test_sigkill_of_the_stage_mid_way_then_rerun_gives_the_same_bytes(tmp_path):
     kill_and_rerun(tmp_path, {"num_workers": 2})
+
+
+def test_a_record_edited_by_hand_is_redone_not_built_on(reference, tmp_path, caplog):
+    """Shard 1's record made to end later in the input, shard 2's to hold more documents (with the record's
+    digest put right): neither is replayed, and the rerun writes the bytes of an uninterrupted run."""
+    from pipeline.data import resume
+
+    root, sources, runs = reference
+    run(tmp_path, sources)
+    for k, edit in ((1, lambda r: {**r, "end": [r["end"][0] + 1, 0]}), (2, lambda r: {**r, "rows": r["rows"] + 1})):
+        path = tmp_path / "docs" / f"shard-{k:05d}.json"
+        rec = edit(json.loads(path.read_text()))
+        if k == 2:
+            rec["record_sha256"] = resume.record_digest(rec)
+        path.write_text(json.dumps(rec))
+    caplog.set_level(logging.WARNING, "pipeline.data.resume")
+    metrics = run(tmp_path, sources)
+    assert everything(tmp_path) == runs["all"][1]
+    assert metrics["shards_resumed"] == runs["all"][0]["shards"] - 2
+    assert "its record was edited or written by an older version (its fields do not match its digest): " \
+           "shard-00001.parquet, shard-00001.json" in caplog.text
+    assert "its row count does not match its record: shard-00002.parquet, shard-00002.json" in caplog.text

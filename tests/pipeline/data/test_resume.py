@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -272,3 +273,153 @@ def test_a_shard_renamed_with_its_record_is_not_trusted_at_its_new_place(tmp_pat
     with caplog.at_level("WARNING", logger="pipeline.data.resume"):
         assert sorted(ShardLog(tmp_path, "a", ext=".txt").open()) == [0]
     assert "removed 4 file(s), its record names another shard" in caplog.text
+
+
+def _arrow_log(folder, rows=(3, 2)) -> ShardLog:
+    import pyarrow as pa
+
+    sl = ShardLog(folder, "a", ext=".arrow")
+    sl.open()
+    for k, n in enumerate(rows):
+        def write(tmp, n=n):
+            batch = pa.record_batch([pa.array(range(n), pa.int32())], names=["x"])
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
+                w.write_batch(batch)
+        sl.commit(k, write, {"rows": n, "ends_at": 10 * (k + 1)})
+    return sl
+
+
+def _edit(record, **fields):
+    """Edit a record by hand; ``digest=True`` also puts its own digest right (a careful hand)."""
+    rec = read_json(record)
+    fix = fields.pop("digest", False)
+    rec.update(fields)
+    if fix:
+        rec["record_sha256"] = resume.record_digest(rec)
+    record.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("fix_digest", [False, True])
+def test_a_record_whose_rows_were_edited_is_checked_against_the_shard_and_redone(tmp_path, caplog, fix_digest):
+    """The shard's own metadata says how many rows it holds: a record that says otherwise
+    (even with its digest put right) is not built on, and the shard is redone with a reason."""
+    _arrow_log(tmp_path)
+    _edit(tmp_path / "shard-00001.json", rows=5, digest=fix_digest)
+    with caplog.at_level("WARNING", logger="pipeline.data.resume"):
+        sl = ShardLog(tmp_path, "a", ext=".arrow")
+        assert sorted(sl.open()) == [0]
+    why = "its row count does not match" if fix_digest else "its record was edited"
+    assert f"removed 2 file(s), {why}" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
+
+
+def test_a_record_whose_end_point_was_edited_is_not_built_on(tmp_path):
+    """Where the shard ends in the input is not in the shard: the record's digest of its own fields catches it."""
+    _three(tmp_path)
+    _edit(tmp_path / "shard-00002.json", ends_at=25)
+    sl = ShardLog(tmp_path, "a", ext=".txt")
+    assert sorted(sl.open()) == [0, 1]
+    assert sl.removed == [f"shard-00002.{e} (its record was edited or written by an older version (its fields do "
+                          "not match its digest))" for e in ("txt", "json")]
+
+
+def test_the_rows_of_a_parquet_shard_are_checked_from_its_footer(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sl = ShardLog(tmp_path, "a")
+    sl.open()
+    for k in range(2):
+        sl.commit(k, lambda tmp: pq.write_table(pa.table({"x": [1, 2, 3]}), tmp), {"rows": 3})
+    _edit(tmp_path / "shard-00000.json", rows=4, digest=True)
+    assert sorted(ShardLog(tmp_path, "a").open()) == [1]
+
+
+def test_a_committed_arrow_shard_that_is_no_arrow_file_is_redone(tmp_path):
+    """A truncated shard whose record was made to match its bytes: its rows cannot be read."""
+    _arrow_log(tmp_path)
+    shard = tmp_path / "shard-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:40])
+    _edit(tmp_path / "shard-00000.json", sha256=resume.sha256_file(shard), digest=True)
+    sl = ShardLog(tmp_path, "a", ext=".arrow")
+    assert sorted(sl.open()) == [1]
+    assert "shard-00000.arrow (not a readable shard)" in sl.removed
+
+
+def test_a_truncated_arrow_shard_is_redone(tmp_path):
+    _arrow_log(tmp_path)
+    shard = tmp_path / "shard-00001.arrow"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    sl = ShardLog(tmp_path, "a", ext=".arrow")
+    assert sorted(sl.open()) == [0]
+    assert "shard-00001.arrow (sha256 does not match its record)" in sl.removed
+
+
+def test_a_directory_where_a_shard_belongs_is_a_one_line_error_and_is_kept(tmp_path):
+    from pipeline.errors import StageError
+
+    _three(tmp_path)
+    (tmp_path / "shard-00001.txt").unlink()
+    (tmp_path / "shard-00001.txt").mkdir()
+    (tmp_path / "shard-00001.txt" / "mine").write_text("a user's file")
+    (tmp_path / "shard-00000.txt").write_text("damaged")  # checked before shard 1
+    with pytest.raises(StageError, match=r"shard-00001.txt is a directory where a shard or its record belongs; "
+                                         r"it is not removed: move it out"):
+        ShardLog(tmp_path, "a", ext=".txt").open()
+    assert (tmp_path / "shard-00001.txt" / "mine").read_text() == "a user's file"
+    assert (tmp_path / "shard-00000.txt").exists()  # the run stopped before removing anything, unreported
+
+
+def test_a_directory_among_the_shards_a_resumed_run_drops_is_a_one_line_error(tmp_path):
+    from pipeline.errors import StageError
+
+    sl = _three(tmp_path)
+    (tmp_path / "shard-00002.txt").unlink()
+    (tmp_path / "shard-00002.txt").mkdir()
+    with pytest.raises(StageError, match="shard-00002.txt is a directory"):
+        sl.keep_below(1, "after the point resumed")
+    assert (tmp_path / "shard-00002.txt").is_dir()
+
+
+def test_a_directory_where_a_record_belongs_is_a_one_line_error_and_is_kept(tmp_path):
+    from pipeline.errors import StageError
+
+    _three(tmp_path)
+    (tmp_path / "shard-00000.json").unlink()
+    (tmp_path / "shard-00000.json").mkdir()
+    with pytest.raises(StageError, match="shard-00000.json is a directory"):
+        ShardLog(tmp_path, "a", ext=".txt").open()
+    assert (tmp_path / "shard-00000.json").is_dir()
+
+
+def test_a_shard_replaced_by_a_symlink_is_redone_and_its_target_kept(tmp_path):
+    """A link to a file of the same bytes is still not what the stage wrote: the link goes, its target stays."""
+    _three(tmp_path / "out")
+    target = tmp_path / "users-copy.txt"
+    target.write_bytes((tmp_path / "out" / "shard-00001.txt").read_bytes())
+    (tmp_path / "out" / "shard-00001.txt").unlink()
+    (tmp_path / "out" / "shard-00001.txt").symlink_to(target)
+    (tmp_path / "out" / "shard-00005.txt").symlink_to(tmp_path / "nowhere")  # dangling, no record
+    sl = ShardLog(tmp_path / "out", "a", ext=".txt")
+    assert sorted(sl.open()) == [0, 2]
+    assert "shard-00001.txt (the shard is a symbolic link)" in sl.removed
+    assert "shard-00005.txt (no commit record" in " ".join(sl.removed)
+    assert target.read_bytes() == b"shard 1"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "shard-00000.json", "shard-00000.txt", "shard-00002.json", "shard-00002.txt"]
+
+
+def test_an_output_folder_that_is_a_file_is_a_one_line_error(tmp_path):
+    from pipeline.errors import StageError
+
+    (tmp_path / "docs").write_text("a user's file")
+    with pytest.raises(StageError, match="is a file, where the stage writes its output folder"):
+        ShardLog(tmp_path / "docs", "a").open()
+    assert (tmp_path / "docs").read_text() == "a user's file"
+
+
+def test_a_record_holds_the_digest_of_its_own_fields(tmp_path):
+    _three(tmp_path)
+    rec = read_json(tmp_path / "shard-00001.json")
+    assert rec["record_sha256"] == resume.record_digest(rec)
+    assert resume.record_digest({**rec, "rows": 7}) != rec["record_sha256"]

@@ -263,7 +263,7 @@ def test_verify_catches_a_shard_of_the_right_shape_with_other_tokens(tmp_path, t
 
 def test_a_negative_row_index_is_refused_not_read_from_the_end(tmp_path):
     data = PackedRows(write_split(tmp_path / "s", [np.arange(i * 5, i * 5 + 5) for i in range(4)], [[0]] * 4))
-    for rows in ([-1], [0, -4]):
+    for rows in ([-1], [0, -4], [4]):
         with pytest.raises(IndexError, match="out of range for 4 rows"):
             data.input_ids(np.array(rows))
 
@@ -288,3 +288,82 @@ def test_the_manifest_names_the_eot_and_pad_ids_and_the_ignore_index_with_labels
     write_format(tmp_path, tok_path, rows, [[0]] * 2, labels=rows.copy())
     m = read_manifest(tmp_path)
     assert (m["eot_id"], m["pad_id"], m["special_ids"], m["ignore_index"]) == (0, 1, {"eot": 0, "pad": 1}, -100)
+
+
+def test_clear_outputs_keeps_a_users_directory_named_like_a_shard_and_says_so(tmp_path, tok_path):
+    """A directory is no shard the stage wrote: unlink's IsADirectoryError was a traceback, and removing it
+    would lose what the user keeps there."""
+    rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 3)
+    (tmp_path / "train" / "notes.txt").write_text("mine")
+    clear_outputs(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["notes.txt"]  # a user's file stays
+    (tmp_path / "train" / "shard-00000.arrow").mkdir()
+    (tmp_path / "train" / "shard-00000.arrow" / "keep").write_text("mine")
+    with pytest.raises(DataError, match=r"train/shard-00000.arrow is a directory where a shard belongs; it is not "
+                                        r"removed"):
+        clear_outputs(tmp_path)
+    assert (tmp_path / "train" / "shard-00000.arrow" / "keep").read_text() == "mine"
+
+
+def test_clear_outputs_removes_a_link_named_like_a_shard_but_not_its_target(tmp_path):
+    (tmp_path / "train").mkdir()
+    target = tmp_path / "elsewhere.arrow"
+    target.write_bytes(b"a user's file")
+    (tmp_path / "train" / "shard-00000.arrow").symlink_to(target)
+    (tmp_path / "train" / "shard-00001.arrow").symlink_to(tmp_path / "train")  # a link to a directory: a link
+    clear_outputs(tmp_path)
+    assert list((tmp_path / "train").iterdir()) == [] and target.read_bytes() == b"a user's file"
+
+
+def test_a_directory_named_like_a_shard_is_one_line_for_the_reader(tmp_path):
+    d = write_split(tmp_path / "s", [np.arange(5)] * 2, [[0]] * 2)
+    (d / "shard-00002.arrow").mkdir()
+    with pytest.raises(DataError, match=r"shard-00002.arrow: not a file, where a shard belongs$"):
+        PackedRows(d)
+
+
+@pytest.mark.parametrize("edit", [lambda m: [m], lambda m: {k: v for k, v in m.items() if k != "splits"},
+                                  lambda m: {**m, "splits": {"train": {"rows": 3}}},
+                                  lambda m: {**m, "splits": {"train": {"shards": [{"rows": 2}]}}},
+                                  lambda m: {**m, "splits": {"train": {"shards": 5}}},
+                                  lambda m: {**m, "splits": ["train"]}])
+def test_verify_names_a_manifest_edited_out_of_its_format_in_one_line(tmp_path, tok_path, edit):
+    rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 3)
+    (tmp_path / MANIFEST).write_text(json.dumps(edit(read_manifest(tmp_path))))
+    with pytest.raises(DataError, match=r"manifest.json: not (in this format|a manifest)"):
+        verify(tmp_path)
+
+
+def test_read_manifest_refuses_json_that_is_no_object_in_one_line(tmp_path):
+    (tmp_path / MANIFEST).write_text("[1, 2]")
+    with pytest.raises(DataError, match=r"manifest.json: not a manifest \(a JSON object\)"):
+        read_manifest(tmp_path, "test/1")
+
+
+def test_verify_catches_a_manifest_that_lists_fewer_rows_than_the_shard_holds(tmp_path, tok_path):
+    rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    write_format(tmp_path, tok_path, rows, [[0]] * 3)
+    m = read_manifest(tmp_path)
+    m["splits"]["train"]["shards"][0]["rows"] = 1
+    (tmp_path / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="2 rows of 4 tokens, manifest says 1 rows of 4"):
+        verify(tmp_path)
+
+
+def test_a_writer_refuses_a_shard_log_of_another_folder(tmp_path):
+    from pipeline.data.resume import ShardLog
+
+    log = ShardLog(tmp_path / "elsewhere", "fp", ext=".arrow")
+    writer = ShardWriter(tmp_path, "train", row_schema("test/1", 4), log)
+    with pytest.raises(ValueError, match="does not name"):
+        writer.write(np.zeros((1, 4), np.int32), np.array([0, 1]), np.array([0]))
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "train").exists()
+
+
+def test_a_row_whose_doc_starts_lack_0_still_begins_segment_0(tmp_path):
+    """A shard not written by ShardWriter (which refuses it) may list no start at 0: the row's first
+    tokens still belong to a segment, numbered 0, not -1."""
+    data = PackedRows(write_split(tmp_path / "s", [np.arange(5)] * 2, [[2], [0, 3]], shards=1))
+    assert data.segment_ids(np.array([0, 1])).tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
