@@ -231,3 +231,29 @@ def test_every_rank_runs_rank_0s_job_on_a_folder_both_see(tmp_path):
                           f"(on {os.uname().nodename}) wrote in {here}: every node needs that folder on storage "
                           "all nodes share, at the same path"]
     assert [p.name for f in (shared, mine, theirs) for p in f.iterdir()] == [], "the probes are gone"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "x"}, r"^RANK='x' in the environment is not a whole number of at least 0; torchrun sets it"),
+    ({"WORLD_SIZE": "0"}, r"^WORLD_SIZE='0' in the environment is not a whole number of at least 1;"),
+    ({"WORLD_SIZE": ""}, r"^WORLD_SIZE='' in the environment is not a whole number"),
+    ({"LOCAL_RANK": "-1"}, r"^LOCAL_RANK='-1' in the environment is not a whole number of at least 0;"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node0"}, r"^RANK=2 in the environment is not below WORLD_SIZE=2;"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, r"^WORLD_SIZE=2 in the environment, but MASTER_ADDR is not set, so this process "
+                                       r"cannot join the other ranks; start the ranks with torchrun"),
+])
+def test_a_launch_environment_that_cannot_describe_this_process_is_one_line(monkeypatch, env, message):
+    """A bad RANK or WORLD_SIZE stops the run before any work, naming the variable, rather
+    than a ValueError traceback from int(), or a 'rank' of a world nobody joins, which would
+    train its share of the data alone without a word."""
+    from pipeline.training import distributed
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: pytest.fail("joined a group"))
+    with pytest.raises(distributed.LaunchEnvError, match=message) as err:
+        distributed.init("cpu", need_group=True)
+    assert "\n" not in str(err.value) and isinstance(err.value, StageError)
+
