@@ -257,3 +257,23 @@ def test_a_launch_environment_that_cannot_describe_this_process_is_one_line(monk
         distributed.init("cpu", need_group=True)
     assert "\n" not in str(err.value) and isinstance(err.value, StageError)
 
+
+def test_need_group_alone_makes_a_group_of_one_and_shutdown_ends_it(monkeypatch):
+    """FSDP and sharded checkpoints need a process group even in one process: an
+    in-memory one of world size 1, whatever LOCAL_RANK says, gone after shutdown."""
+    import torch.distributed as dist
+
+    from pipeline.training import distributed
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert not dist.is_initialized()
+    try:
+        d = distributed.init("cpu", need_group=True)
+        assert d == distributed.Dist(0, 0, 1, torch.device("cpu"), "gloo") and d.enabled and d.is_main
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+        assert distributed.gather_objects({"a": 1}, d) == [{"a": 1}]
+    finally:
+        distributed.shutdown()
+    assert not dist.is_initialized()
