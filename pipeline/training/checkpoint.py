@@ -344,13 +344,13 @@ def verify(ckpt: Checkpoint | Path) -> None:
     for name in (SHARDED_FILES if sharded else FILES)[:-1]:
         if name not in records:
             raise damaged("meta.json", f"records no size and sha256 for {name}")
-    if sharded:
-        if not any(SHARD_RE.match(name) for name in records):
-            raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
-        # DCP reads whichever shard files .metadata names: every one in the folder must be verified
-        for p in sorted(path.iterdir()):
-            if SHARD_RE.match(p.name) and p.name not in records:
-                raise damaged(p.name, "not recorded in meta.json, so it cannot be verified")
+    if sharded and not any(SHARD_RE.match(name) for name in records):
+        raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
+    # a folder with a .metadata loads as a sharded one (is_sharded), and DCP reads whichever shard files
+    # .metadata names: every DCP file in the folder must be verified, whatever layout meta.json records
+    for p in sorted(path.iterdir()):
+        if (p.name == DCP_METADATA or SHARD_RE.match(p.name)) and p.name not in records:
+            raise damaged(p.name, "not recorded in meta.json, so it cannot be verified")
     for name, (size, sha256) in records.items():
         if Path(name).name != name or name == "meta.json":
             raise damaged("meta.json", f"records the file name {name!r}, which is not a file of a checkpoint")
@@ -362,6 +362,13 @@ def verify(ckpt: Checkpoint | Path) -> None:
             raise damaged(name, f"size {actual} bytes differs from the {size} recorded in meta.json")
         if sha256_file(file) != sha256:
             raise damaged(name, "sha256 differs from the one recorded in meta.json")
+    if sharded:  # (its sha256 checked above) the shard files it names are ones meta.json records
+        index = read_dcp_metadata(path)
+        named = {getattr(info, "relative_path", None) for info in (getattr(index, "storage_data", None) or {}).values()}
+        unrecorded = sorted(str(name) for name in named if name not in records)
+        if unrecorded:
+            raise damaged(DCP_METADATA, f"names the shard file(s) {', '.join(unrecorded)}, which meta.json does not "
+                                        "record (a rank's shard is missing)")
     if signature is not None:
         _verified[key] = signature
 

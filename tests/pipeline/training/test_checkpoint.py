@@ -643,6 +643,61 @@ def test_a_shard_that_meta_json_does_not_record_is_damage(tmp_path):
         ckpt.load_model_weights(c, Tiny())
 
 
+
+def rerecord(checkpoint, **renames):
+    """meta.json's ``files`` with each entry ``old=new`` renamed (new None: dropped), as
+    a hand edit or a lost rank's record would leave it; files named are renamed too."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for old, new in renames.items():
+        info = meta["files"].pop(old)
+        if new is not None:
+            meta["files"][new] = info
+            (checkpoint / old).rename(checkpoint / new)
+        else:
+            (checkpoint / old).unlink()
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def test_dcp_files_in_a_single_file_checkpoint_are_damage_not_loaded(tmp_path):
+    """A .metadata makes a folder load as sharded (is_sharded): in a single-file
+    checkpoint whose meta.json records no DCP file, its weights would load unverified."""
+    make(tmp_path / "a", 1)
+    make(tmp_path / "a", 2)
+    sharded(tmp_path / "s", [1], model=Tiny())
+    c, s = tmp_path / "a" / "step-00000002", tmp_path / "s" / "step-00000001"
+    for name in (".metadata", "__0_0.distcp"):
+        (c / name).write_bytes((s / name).read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000002/\.metadata: not recorded in meta.json, so it "
+                                                   r"cannot be verified \(checkpoint step-00000002 is damaged\)$"):
+        ckpt.load_model_weights(c, Tiny())
+    (c / ".metadata").unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp: not recorded in meta.json"):
+        ckpt.verify(c)
+    with pytest.raises(ckpt.CheckpointError, match="not recorded in meta.json"):
+        ckpt.resolve(tmp_path / "a")  # the run's result is refused, not taken from step 1
+    ckpt.verify(tmp_path / "a" / "step-00000001")
+
+
+def test_an_index_that_names_a_shard_meta_json_does_not_record_is_damage(tmp_path):
+    """A rank's shard lost with its record (meta.json records __1_0, the index reads
+    __0_0): damage found when verified, so a resume falls back, not a DCP traceback."""
+    sharded(tmp_path, [1, 2])
+    c = tmp_path / "step-00000002"
+    rerecord(c, **{"__0_0.distcp": "__1_0.distcp"})
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000002/\.metadata: names the shard file\(s\) "
+                                                   r"__0_0\.distcp, which meta.json does not record"):
+        ckpt.verify(c)
+    assert manager(tmp_path).resume_point().step == 1
+
+
+def test_a_sharded_meta_json_that_records_no_shard_is_damage(tmp_path):
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    rerecord(c, **{"__0_0.distcp": None})
+    with pytest.raises(ckpt.CheckpointError, match=r"meta.json: records no shard file \(__<rank>_0\.distcp\)"):
+        ckpt.verify(c)
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
