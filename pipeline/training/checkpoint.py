@@ -744,6 +744,8 @@ def dcp_load(state: dict[str, Any], path: Path, *, no_dist: bool) -> None:
     except CheckpointError:
         raise
     except (RuntimeError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as err:
+        if isinstance(err, CheckpointException) and err.failures:  # its str is a traceback per rank: say the cause
+            err = next(iter(err.failures.values()))[0]
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path}: cannot load the sharded checkpoint ({type(err).__name__}: {first})") from None
 

@@ -698,6 +698,17 @@ def test_a_sharded_meta_json_that_records_no_shard_is_damage(tmp_path):
         ckpt.verify(c)
 
 
+def test_a_sharded_checkpoint_of_another_shape_names_the_tensor_in_one_line(tmp_path):
+    """DCP's CheckpointException prints a traceback per rank; the cause is what is said."""
+    model, _ = sharded(tmp_path, [1])
+    small = Tiny(n=4)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        manager(tmp_path).load(ckpt.resolve(tmp_path), small, torch.optim.AdamW(small.parameters()))
+    assert "\n" not in str(err.value)
+    assert str(err.value).endswith("cannot load the sharded checkpoint (ValueError: Size mismatch between saved "
+                                   "torch.Size([10, 8]) and current: torch.Size([10, 4]) for model.emb.weight)")
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
