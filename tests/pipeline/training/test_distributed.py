@@ -226,6 +226,7 @@ def test_every_rank_runs_rank_0s_job_on_a_folder_both_see(tmp_path):
                   "node needs the same commit, params.yaml and data"]
     assert "pretrain.seed is absent there, 1 on rank 0;" in absent[1]
     assert "pretrain.k0 is 0 there, absent on rank 0; " in more[1] and "(and 2 more); every node" in more[1]
+    assert more[1].count(" there, ") == 4, "four keys shown, and the count of the rest"
     for result, here in zip((folder, results[1][4]), (mine, theirs)):  # each rank names the folder by its own path
         assert result == ["JobMismatchError", f"rank 1 (on {os.uname().nodename}) cannot see the file rank 0 "
                           f"(on {os.uname().nodename}) wrote in {here}: every node needs that folder on storage "
@@ -274,6 +275,8 @@ def test_need_group_alone_makes_a_group_of_one_and_shutdown_ends_it(monkeypatch)
         assert d == distributed.Dist(0, 0, 1, torch.device("cpu"), "gloo") and d.enabled and d.is_main
         assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
         assert distributed.gather_objects({"a": 1}, d) == [{"a": 1}]
+        monkeypatch.delenv("LOCAL_RANK")
+        assert distributed.init("cpu") == d  # a second call joins the group that is there
     finally:
         distributed.shutdown()
     assert not dist.is_initialized()
