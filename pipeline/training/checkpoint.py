@@ -340,6 +340,12 @@ def verify(ckpt: Checkpoint | Path) -> None:
             ModelConfig(**meta["model"])
         except (ValueError, TypeError) as err:
             raise damaged("meta.json", f"records an invalid model ({err})".replace("\n", " ")) from None
+    step, named = meta.get("step"), STEP_RE.match(path.name)
+    if step is not None and (type(step) is not int or step < 0):
+        raise damaged("meta.json", f"records the step {step!r}, which is not a whole number")
+    if named and step is not None and step != int(named.group(1)):  # the folder name is the step resume and keep-last-K use
+        raise damaged("meta.json", f"records step {step}, but the folder is named {path.name} (renamed by hand?); "
+                                   f"name it step-{step:08d}")
     sharded = meta.get("format") == "dcp"
     for name in (SHARDED_FILES if sharded else FILES)[:-1]:
         if name not in records:

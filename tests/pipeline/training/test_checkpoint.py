@@ -294,6 +294,26 @@ def test_a_meta_json_that_records_a_path_outside_the_folder_is_damage(tmp_path, 
                               "checkpoint (checkpoint step-00000001 is damaged)")
 
 
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_a_step_folder_renamed_by_hand_is_damage_not_a_later_step(tmp_path, caplog, layout):
+    """step-00000009 holding step 2's checkpoint would resume at step 2 as if it were 9,
+    and its save of step 9 would replace it: it counts as damaged, named in one line."""
+    if layout == "sharded":
+        sharded(tmp_path, [1, 2])
+    else:
+        run_saves(manager(tmp_path), [1, 2])
+    os.replace(tmp_path / "step-00000002", tmp_path / "step-00000009")
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000009/meta.json: records step 2, but the folder is named "
+                                                   r"step-00000009 \(renamed by hand\?\); name it step-00000002"):
+        ckpt.resolve(tmp_path)
+    assert manager(tmp_path).resume_point().step == 1
+    meta = json.loads((tmp_path / "step-00000001" / "meta.json").read_text())
+    (tmp_path / "step-00000001" / "meta.json").write_text(json.dumps({**meta, "step": "1"}))
+    with pytest.raises(ckpt.CheckpointError, match=r"meta.json: records the step '1', which is not a whole number"):
+        ckpt.verify(tmp_path / "step-00000001")
+
+
 def test_a_step_folder_without_meta_is_damaged_not_absent(tmp_path, caplog):
     m = manager(tmp_path)
     run_saves(m, [1, 2])
