@@ -14,7 +14,8 @@ into place and the parent fsynced. A kill before the rename leaves a
 ``.tmp-*`` folder that is ignored and swept later; a kill after it leaves a
 complete checkpoint. Old checkpoints are removed only after the new one is in
 place, first renamed to ``.trash-*`` so that a half-deleted folder never looks
-complete. Nothing here unpickles arbitrary objects.
+complete, and only the run's own (its meta ``fingerprint``): a checkpoint put in
+the folder by hand is never deleted. Nothing here unpickles arbitrary objects.
 
 A run folder (``models/pretrain``) holds one run: the checkpoints whose meta
 ``fingerprint`` is the current run identity. Beside them::
@@ -472,7 +473,7 @@ def save(
                  for name in FILES[:-1]}
         meta = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-    trim(folder, step, keep, protect)
+    trim(folder, step, keep, protect, meta.get("fingerprint"))
     return Checkpoint(final, step)
 
 
@@ -518,7 +519,7 @@ def save_sharded(
         meta = {**(meta or {}), "step": step, "format": "dcp", "world_size": d.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": dict(sorted(files.items()))}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-    trim(folder, step, keep, protect)
+    trim(folder, step, keep, protect, meta.get("fingerprint"))
     return Checkpoint(final, step)
 
 
@@ -544,10 +545,22 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return sum(t.numel() * t.element_size() for t in once.values())
 
 
-def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset()) -> None:
-    """Delete the complete checkpoints up to ``step`` but the newest ``keep`` and those in ``protect``."""
-    older = [c for c in complete_checkpoints(folder) if c.step <= step][:-keep]
+def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset(),
+         fingerprint: str | None = None) -> None:
+    """Delete the complete checkpoints up to ``step`` but the newest ``keep`` and those in ``protect``.
+    ``fingerprint``: only that run's checkpoints count and go; one of another run, or whose
+    meta.json cannot be read, is never deleted (put there by hand while the run trained)."""
+    older = [c for c in complete_checkpoints(folder) if c.step <= step and _owned_by(c, fingerprint)][:-keep]
     discard([c for c in older if c.step not in protect])
+
+
+def _owned_by(c: Checkpoint, fingerprint: str | None) -> bool:
+    if fingerprint is None:
+        return True
+    try:
+        return _read_meta(c.path).get("fingerprint") == fingerprint
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def discard(checkpoints: list[Checkpoint]) -> None:
@@ -1102,7 +1115,7 @@ class CheckpointManager:
             write_json(self.folder / BEST, {"step": step, "path": c.path.name, "val_loss": val_loss,
                                             "fingerprint": self.fingerprint})
             if best is not None and best["step"] != step:
-                trim(self.folder, step, self.keep, protect - {best["step"]} | {step})
+                trim(self.folder, step, self.keep, protect - {best["step"]} | {step}, self.fingerprint)
         return c
 
     def _no_room(self, step: int, need: int | None) -> DiskFullError:

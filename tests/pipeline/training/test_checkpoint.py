@@ -381,6 +381,24 @@ def test_manager_saves_its_fingerprint_and_keeps_the_newest(tmp_path):
         run_saves(manager(tmp_path, is_main=False), [5])
 
 
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_keep_last_k_never_deletes_a_checkpoint_of_another_run_put_in_the_folder(tmp_path, layout):
+    """A checkpoint copied into the run folder while the run trains (another run's, or
+    one whose meta.json cannot be read) is not this run's to delete: keep-last-K counts
+    and removes only the run's own; the next prepare() moves the other one aside."""
+    m = manager(tmp_path, fingerprint="run", keep=1)
+    model, opt = trained()
+    how = {"sharded": ALONE} if layout == "sharded" else {}
+    m.save(1, model, opt, {"step": 1}, {}, **how)
+    manager(tmp_path / "other", fingerprint="other").save(2, model, opt, {"step": 2}, {}, **how)
+    os.replace(tmp_path / "other" / "step-00000002", tmp_path / "step-00000002")
+    (tmp_path / "step-00000001" / "meta.json").write_text("{not json")
+    for step in (3, 4):
+        m.save(step, model, opt, {"step": step}, {}, **how)
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [1, 2, 4]
+
+
 def test_a_save_never_removes_the_checkpoint_it_wrote(tmp_path):
     # resumed from step 2 past a damaged step 4: saving step 3 with keep=1 must keep step 3
     m = manager(tmp_path, keep=1)
