@@ -85,13 +85,20 @@ def init(requested_device: str = "auto", need_group: bool = False, timeout_s: fl
     600 s for NCCL and 1800 s for gloo). Raises LaunchEnvError, one line, when
     WORLD_SIZE, RANK or LOCAL_RANK is not a whole number in range, or WORLD_SIZE
     names other ranks that no MASTER_ADDR lets this process join (it would
-    otherwise train its share of the data alone, never synchronised)."""
+    otherwise train its share of the data alone, never synchronised), or
+    MASTER_ADDR is set without the RANK, WORLD_SIZE and MASTER_PORT a process
+    group is joined with (a variable left in a shell, not torchrun)."""
     world = _env_int("WORLD_SIZE", 1, low=1)
     rank = _env_int("RANK", 0, low=0)
     local_rank = _env_int("LOCAL_RANK", 0, low=0)
     if rank >= world:
         raise LaunchEnvError(f"RANK={rank} in the environment is not below WORLD_SIZE={world}; the ranks of a run "
                              "are numbered from 0 to WORLD_SIZE - 1 (start them with torchrun, which sets both)")
+    lacking = [name for name in ("RANK", "WORLD_SIZE", "MASTER_PORT") if name not in os.environ]
+    if "MASTER_ADDR" in os.environ and lacking and not dist.is_initialized():  # torch's env:// needs them all
+        raise LaunchEnvError(f"MASTER_ADDR is set in the environment, but {' and '.join(lacking)} "
+                             f"{'is' if len(lacking) == 1 else 'are'} not, so this process cannot join a process "
+                             "group; start the ranks with torchrun, or unset MASTER_ADDR to train in one process")
     if world > 1 and "MASTER_ADDR" not in os.environ and not dist.is_initialized():
         raise LaunchEnvError(f"WORLD_SIZE={world} in the environment, but MASTER_ADDR is not set, so this process "
                              "cannot join the other ranks; start the ranks with torchrun, or unset WORLD_SIZE and "

@@ -128,7 +128,7 @@ def test_init_reads_torchruns_variables_and_passes_the_timeout_on(monkeypatch):
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.append(kw))
     monkeypatch.setenv("MASTER_ADDR", "node0")
-    for key, value in (("RANK", "8"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "16")):
+    for key, value in (("RANK", "8"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "16"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(key, value)
     d = distributed.init("cpu", timeout_s=30)
     assert d == distributed.Dist(8, 0, 16, torch.device("cpu"), "gloo") and not d.is_main and d.enabled
@@ -239,7 +239,13 @@ def test_every_rank_runs_rank_0s_job_on_a_folder_both_see(tmp_path):
     ({"WORLD_SIZE": "0"}, r"^WORLD_SIZE='0' in the environment is not a whole number of at least 1;"),
     ({"WORLD_SIZE": ""}, r"^WORLD_SIZE='' in the environment is not a whole number"),
     ({"LOCAL_RANK": "-1"}, r"^LOCAL_RANK='-1' in the environment is not a whole number of at least 0;"),
-    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node0"}, r"^RANK=2 in the environment is not below WORLD_SIZE=2;"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"},
+     r"^RANK=2 in the environment is not below WORLD_SIZE=2;"),
+    ({"MASTER_ADDR": "node0"}, r"^MASTER_ADDR is set in the environment, but RANK and WORLD_SIZE and MASTER_PORT are "
+                               r"not, so this process cannot join a process group; start the ranks with torchrun, or "
+                               r"unset MASTER_ADDR to train in one process$"),
+    ({"MASTER_ADDR": "node0", "RANK": "0", "WORLD_SIZE": "1"}, r"^MASTER_ADDR is set in the environment, but "
+                                                               r"MASTER_PORT is not,"),
     ({"RANK": "1", "WORLD_SIZE": "2"}, r"^WORLD_SIZE=2 in the environment, but MASTER_ADDR is not set, so this process "
                                        r"cannot join the other ranks; start the ranks with torchrun"),
 ])
@@ -249,7 +255,7 @@ def test_a_launch_environment_that_cannot_describe_this_process_is_one_line(monk
     train its share of the data alone without a word."""
     from pipeline.training import distributed
 
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
