@@ -589,6 +589,8 @@ def load_model_weights(ckpt: Checkpoint | Path, model: torch.nn.Module) -> None:
             model.load_state_dict(full_model_state(path, model), strict=True)
         else:
             load_model(model, str(path / "model.safetensors"), strict=True)
+    except CheckpointError:  # a RuntimeError too, that names the checkpoint and its cause already
+        raise
     except RuntimeError as err:  # torch's and safetensors' mismatch report, one line per kind of problem
         detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         raise CheckpointError(f"{path}: the weights do not fit the model its meta.json describes: "
@@ -603,8 +605,8 @@ def full_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
     saved = {k[len("model."):] for k in read_dcp_metadata(path).state_dict_metadata if k.startswith("model.")}
     if saved != set(wanted):
         missing, unexpected = sorted(set(wanted) - saved), sorted(saved - set(wanted))
-        raise CheckpointError(f"{path}: weights do not match the model (missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]})")
+        raise CheckpointError(f"{path}: the weights do not fit the model its meta.json describes (missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]})")
     state = {"model": wanted}
     dcp_load(state, path, no_dist=True)
     return state["model"]

@@ -903,6 +903,18 @@ def test_a_non_tensor_value_in_a_shard_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+
+def test_a_sharded_checkpoint_of_another_shape_is_named_once_by_load_model_weights(tmp_path):
+    """evaluate/export/generate read through load_model_weights: DCP's own cause, the
+    checkpoint named once, not wrapped in a second 'do not fit' around it."""
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_model_weights(c, Tiny(n=4))
+    assert str(err.value) == (f"{c}: cannot load the sharded checkpoint (ValueError: Size mismatch between saved "
+                              "torch.Size([10, 8]) and current: torch.Size([10, 4]) for model.emb.weight)")
+
+
 @pytest.mark.parametrize("name", ["os.system", "torch.os.system", "torch"])  # torch: a module, not a class of DCP's
 def test_a_metadata_index_that_reaches_a_module_dcp_imports_is_refused(tmp_path, name):
     """DCP's metadata module imports os and torch: a dotted name through them
@@ -974,7 +986,9 @@ def test_getattr_in_a_metadata_index_gives_only_an_enum_member(tmp_path):
 
 def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
     sharded(tmp_path, [1])
-    with pytest.raises(ckpt.CheckpointError, match="weights do not match the model"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000001: the weights do not fit the model its meta.json "
+                                                   r"describes \(missing \['bias', 'weight'\], unexpected "
+                                                   r"\['emb.weight', 'out.weight'\]\)$"):
         ckpt.load_model_weights(tmp_path / "step-00000001", torch.nn.Linear(3, 3))
 
 
