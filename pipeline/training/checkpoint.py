@@ -14,7 +14,8 @@ into place and the parent fsynced. A kill before the rename leaves a
 ``.tmp-*`` folder that is ignored and swept later; a kill after it leaves a
 complete checkpoint. Old checkpoints are removed only after the new one is in
 place, first renamed to ``.trash-*`` so that a half-deleted folder never looks
-complete. Nothing here unpickles arbitrary objects.
+complete, and only the run's own (its meta ``fingerprint``): a checkpoint put in
+the folder by hand is never deleted. Nothing here unpickles arbitrary objects.
 
 A run folder (``models/pretrain``) holds one run: the checkpoints whose meta
 ``fingerprint`` is the current run identity. Beside them::
@@ -340,17 +341,23 @@ def verify(ckpt: Checkpoint | Path) -> None:
             ModelConfig(**meta["model"])
         except (ValueError, TypeError) as err:
             raise damaged("meta.json", f"records an invalid model ({err})".replace("\n", " ")) from None
+    step, named = meta.get("step"), STEP_RE.match(path.name)
+    if step is not None and (type(step) is not int or step < 0):
+        raise damaged("meta.json", f"records the step {step!r}, which is not a whole number")
+    if named and step is not None and step != int(named.group(1)):  # the folder name is the step resume and keep-last-K use
+        raise damaged("meta.json", f"records step {step}, but the folder is named {path.name} (renamed by hand?); "
+                                   f"name it step-{step:08d}")
     sharded = meta.get("format") == "dcp"
     for name in (SHARDED_FILES if sharded else FILES)[:-1]:
         if name not in records:
             raise damaged("meta.json", f"records no size and sha256 for {name}")
-    if sharded:
-        if not any(SHARD_RE.match(name) for name in records):
-            raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
-        # DCP reads whichever shard files .metadata names: every one in the folder must be verified
-        for p in sorted(path.iterdir()):
-            if SHARD_RE.match(p.name) and p.name not in records:
-                raise damaged(p.name, "not recorded in meta.json, so it cannot be verified")
+    if sharded and not any(SHARD_RE.match(name) for name in records):
+        raise damaged("meta.json", "records no shard file (__<rank>_0.distcp)")
+    # a folder with a .metadata loads as a sharded one (is_sharded), and DCP reads whichever shard files
+    # .metadata names: every DCP file in the folder must be verified, whatever layout meta.json records
+    for p in sorted(path.iterdir()):
+        if (p.name == DCP_METADATA or SHARD_RE.match(p.name)) and p.name not in records:
+            raise damaged(p.name, "not recorded in meta.json, so it cannot be verified")
     for name, (size, sha256) in records.items():
         if Path(name).name != name or name == "meta.json":
             raise damaged("meta.json", f"records the file name {name!r}, which is not a file of a checkpoint")
@@ -362,6 +369,13 @@ def verify(ckpt: Checkpoint | Path) -> None:
             raise damaged(name, f"size {actual} bytes differs from the {size} recorded in meta.json")
         if sha256_file(file) != sha256:
             raise damaged(name, "sha256 differs from the one recorded in meta.json")
+    if sharded:  # (its sha256 checked above) the shard files it names are ones meta.json records
+        index = read_dcp_metadata(path)
+        named = {getattr(info, "relative_path", None) for info in (getattr(index, "storage_data", None) or {}).values()}
+        unrecorded = sorted(str(name) for name in named if name not in records)
+        if unrecorded:
+            raise damaged(DCP_METADATA, f"names the shard file(s) {', '.join(unrecorded)}, which meta.json does not "
+                                        "record (a rank's shard is missing)")
     if signature is not None:
         _verified[key] = signature
 
@@ -459,7 +473,7 @@ def save(
                  for name in FILES[:-1]}
         meta = {**meta, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-    trim(folder, step, keep, protect)
+    trim(folder, step, keep, protect, meta.get("fingerprint"))
     return Checkpoint(final, step)
 
 
@@ -505,7 +519,7 @@ def save_sharded(
         meta = {**(meta or {}), "step": step, "format": "dcp", "world_size": d.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": dict(sorted(files.items()))}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-    trim(folder, step, keep, protect)
+    trim(folder, step, keep, protect, meta.get("fingerprint"))
     return Checkpoint(final, step)
 
 
@@ -531,10 +545,22 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return sum(t.numel() * t.element_size() for t in once.values())
 
 
-def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset()) -> None:
-    """Delete the complete checkpoints up to ``step`` but the newest ``keep`` and those in ``protect``."""
-    older = [c for c in complete_checkpoints(folder) if c.step <= step][:-keep]
+def trim(folder: Path, step: int, keep: int, protect: frozenset[int] = frozenset(),
+         fingerprint: str | None = None) -> None:
+    """Delete the complete checkpoints up to ``step`` but the newest ``keep`` and those in ``protect``.
+    ``fingerprint``: only that run's checkpoints count and go; one of another run, or whose
+    meta.json cannot be read, is never deleted (put there by hand while the run trained)."""
+    older = [c for c in complete_checkpoints(folder) if c.step <= step and _owned_by(c, fingerprint)][:-keep]
     discard([c for c in older if c.step not in protect])
+
+
+def _owned_by(c: Checkpoint, fingerprint: str | None) -> bool:
+    if fingerprint is None:
+        return True
+    try:
+        return _read_meta(c.path).get("fingerprint") == fingerprint
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def discard(checkpoints: list[Checkpoint]) -> None:
@@ -563,6 +589,8 @@ def load_model_weights(ckpt: Checkpoint | Path, model: torch.nn.Module) -> None:
             model.load_state_dict(full_model_state(path, model), strict=True)
         else:
             load_model(model, str(path / "model.safetensors"), strict=True)
+    except CheckpointError:  # a RuntimeError too, that names the checkpoint and its cause already
+        raise
     except RuntimeError as err:  # torch's and safetensors' mismatch report, one line per kind of problem
         detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         raise CheckpointError(f"{path}: the weights do not fit the model its meta.json describes: "
@@ -577,8 +605,8 @@ def full_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
     saved = {k[len("model."):] for k in read_dcp_metadata(path).state_dict_metadata if k.startswith("model.")}
     if saved != set(wanted):
         missing, unexpected = sorted(set(wanted) - saved), sorted(saved - set(wanted))
-        raise CheckpointError(f"{path}: weights do not match the model (missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]})")
+        raise CheckpointError(f"{path}: the weights do not fit the model its meta.json describes (missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]})")
     state = {"model": wanted}
     dcp_load(state, path, no_dist=True)
     return state["model"]
@@ -737,6 +765,8 @@ def dcp_load(state: dict[str, Any], path: Path, *, no_dist: bool) -> None:
     except CheckpointError:
         raise
     except (RuntimeError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as err:
+        if isinstance(err, CheckpointException) and err.failures:  # its str is a traceback per rank: say the cause
+            err = next(iter(err.failures.values()))[0]
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path}: cannot load the sharded checkpoint ({type(err).__name__}: {first})") from None
 
@@ -1087,7 +1117,7 @@ class CheckpointManager:
             write_json(self.folder / BEST, {"step": step, "path": c.path.name, "val_loss": val_loss,
                                             "fingerprint": self.fingerprint})
             if best is not None and best["step"] != step:
-                trim(self.folder, step, self.keep, protect - {best["step"]} | {step})
+                trim(self.folder, step, self.keep, protect - {best["step"]} | {step}, self.fingerprint)
         return c
 
     def _no_room(self, step: int, need: int | None) -> DiskFullError:

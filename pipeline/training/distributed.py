@@ -82,10 +82,27 @@ def init(requested_device: str = "auto", need_group: bool = False, timeout_s: fl
     process (an in-memory store, no network), for code that needs one even alone:
     FSDP's device mesh and sharded checkpoints. ``timeout_s``: how long a
     collective waits for the other ranks (None: torch's default for the backend,
-    600 s for NCCL and 1800 s for gloo)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    600 s for NCCL and 1800 s for gloo). Raises LaunchEnvError, one line, when
+    WORLD_SIZE, RANK or LOCAL_RANK is not a whole number in range, or WORLD_SIZE
+    names other ranks that no MASTER_ADDR lets this process join (it would
+    otherwise train its share of the data alone, never synchronised), or
+    MASTER_ADDR is set without the RANK, WORLD_SIZE and MASTER_PORT a process
+    group is joined with (a variable left in a shell, not torchrun)."""
+    world = _env_int("WORLD_SIZE", 1, low=1)
+    rank = _env_int("RANK", 0, low=0)
+    local_rank = _env_int("LOCAL_RANK", 0, low=0)
+    if rank >= world:
+        raise LaunchEnvError(f"RANK={rank} in the environment is not below WORLD_SIZE={world}; the ranks of a run "
+                             "are numbered from 0 to WORLD_SIZE - 1 (start them with torchrun, which sets both)")
+    lacking = [name for name in ("RANK", "WORLD_SIZE", "MASTER_PORT") if name not in os.environ]
+    if "MASTER_ADDR" in os.environ and lacking and not dist.is_initialized():  # torch's env:// needs them all
+        raise LaunchEnvError(f"MASTER_ADDR is set in the environment, but {' and '.join(lacking)} "
+                             f"{'is' if len(lacking) == 1 else 'are'} not, so this process cannot join a process "
+                             "group; start the ranks with torchrun, or unset MASTER_ADDR to train in one process")
+    if world > 1 and "MASTER_ADDR" not in os.environ and not dist.is_initialized():
+        raise LaunchEnvError(f"WORLD_SIZE={world} in the environment, but MASTER_ADDR is not set, so this process "
+                             "cannot join the other ranks; start the ranks with torchrun, or unset WORLD_SIZE and "
+                             "RANK to train in one process")
     device = pick_device(requested_device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -102,6 +119,26 @@ def init(requested_device: str = "auto", need_group: bool = False, timeout_s: fl
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device if backend == "nccl" else None)
     return Dist(rank, local_rank, world, device, backend)
+
+
+class LaunchEnvError(StageError):
+    """RANK, WORLD_SIZE or LOCAL_RANK in the environment cannot describe this process."""
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    """The whole number ``name`` in the environment (``default`` when unset), at
+    least ``low``; else a one-line LaunchEnvError naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise LaunchEnvError(f"{name}={raw!r} in the environment is not a whole number of at least {low}; torchrun "
+                             f"sets it for each rank (unset it to train in one process)")
+    return value
 
 
 def shutdown(model: torch.nn.Module | None = None) -> None:

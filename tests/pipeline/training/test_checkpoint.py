@@ -294,6 +294,26 @@ def test_a_meta_json_that_records_a_path_outside_the_folder_is_damage(tmp_path, 
                               "checkpoint (checkpoint step-00000001 is damaged)")
 
 
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_a_step_folder_renamed_by_hand_is_damage_not_a_later_step(tmp_path, caplog, layout):
+    """step-00000009 holding step 2's checkpoint would resume at step 2 as if it were 9,
+    and its save of step 9 would replace it: it counts as damaged, named in one line."""
+    if layout == "sharded":
+        sharded(tmp_path, [1, 2])
+    else:
+        run_saves(manager(tmp_path), [1, 2])
+    os.replace(tmp_path / "step-00000002", tmp_path / "step-00000009")
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000009/meta.json: records step 2, but the folder is named "
+                                                   r"step-00000009 \(renamed by hand\?\); name it step-00000002"):
+        ckpt.resolve(tmp_path)
+    assert manager(tmp_path).resume_point().step == 1
+    meta = json.loads((tmp_path / "step-00000001" / "meta.json").read_text())
+    (tmp_path / "step-00000001" / "meta.json").write_text(json.dumps({**meta, "step": "1"}))
+    with pytest.raises(ckpt.CheckpointError, match=r"meta.json: records the step '1', which is not a whole number"):
+        ckpt.verify(tmp_path / "step-00000001")
+
+
 def test_a_step_folder_without_meta_is_damaged_not_absent(tmp_path, caplog):
     m = manager(tmp_path)
     run_saves(m, [1, 2])
@@ -359,6 +379,24 @@ def test_manager_saves_its_fingerprint_and_keeps_the_newest(tmp_path):
     assert m.resume_point().step == 4
     with pytest.raises(RuntimeError, match="main rank only"):
         run_saves(manager(tmp_path, is_main=False), [5])
+
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_keep_last_k_never_deletes_a_checkpoint_of_another_run_put_in_the_folder(tmp_path, layout):
+    """A checkpoint copied into the run folder while the run trains (another run's, or
+    one whose meta.json cannot be read) is not this run's to delete: keep-last-K counts
+    and removes only the run's own; the next prepare() moves the other one aside."""
+    m = manager(tmp_path, fingerprint="run", keep=1)
+    model, opt = trained()
+    how = {"sharded": ALONE} if layout == "sharded" else {}
+    m.save(1, model, opt, {"step": 1}, {}, **how)
+    manager(tmp_path / "other", fingerprint="other").save(2, model, opt, {"step": 2}, {}, **how)
+    os.replace(tmp_path / "other" / "step-00000002", tmp_path / "step-00000002")
+    (tmp_path / "step-00000001" / "meta.json").write_text("{not json")
+    for step in (3, 4):
+        m.save(step, model, opt, {"step": step}, {}, **how)
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [1, 2, 4]
 
 
 def test_a_save_never_removes_the_checkpoint_it_wrote(tmp_path):
@@ -442,6 +480,21 @@ def test_turning_keep_best_off_drops_the_best_record(tmp_path):
     assert ckpt.read_best(tmp_path)["step"] == 1
     ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=2, is_main=True, keep_best=False).prepare()
     assert ckpt.read_best(tmp_path) is None
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_keep_last_k_never_removes_the_best_checkpoint_nor_a_protected_one(tmp_path, layout):
+    """keep=1 with keep_best: the best checkpoint (step 2) and a protected step (3, a wsd
+    run's last before decay) outlive every later save; a new best releases the old one."""
+    m = ckpt.CheckpointManager(tmp_path, fingerprint="run", keep=1, is_main=True, keep_best=True)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    how = {"sharded": ALONE} if layout == "sharded" else {}
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 2.5)):
+        m.save(step, model, opt, {"step": step}, {}, val_loss=loss, protect=frozenset({3}), **how)
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [2, 3, 5]
+    m.save(6, model, opt, {"step": 6}, {}, val_loss=0.5, protect=frozenset({3}), **how)
+    assert [c.step for c in ckpt.complete_checkpoints(tmp_path)] == [3, 6] and m.best()["step"] == 6
 
 
 def test_a_branch_kept_in_previous_is_never_taken_back_as_the_run(tmp_path):
@@ -615,6 +668,44 @@ def test_a_sharded_checkpoint_round_trips_without_a_process_group(tmp_path):
     assert ckpt.weights_id(c) == ckpt.weights_id(ckpt.resolve(c.path)) != ckpt.weights_id(ckpt.resolve(tmp_path / "step-00000003"))
 
 
+
+def test_a_single_file_checkpoint_loads_into_an_fsdp_model_with_its_weights_and_adamw_state(tmp_path, monkeypatch):
+    """A DDP run's checkpoint resumed or warm-started by an FSDP run: safetensors holds a tied
+    weight once and optimizer.pt keys AdamW's state by position; both land in the DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.training import distributed
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    m = manager(tmp_path)
+    source = run_saves(m, [1])
+    saved = torch.load(tmp_path / "step-00000001" / "optimizer.pt", weights_only=True)
+    d = distributed.init("cpu", need_group=True)
+    try:
+        model = fully_shard(Tiny(), mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters())
+        assert m.load(ckpt.resolve(tmp_path), model, opt, d) == {"step": 1}
+        assert torch.equal(model.emb.weight.full_tensor(), source.emb.weight) and model.out.weight is model.emb.weight
+        assert torch.equal(opt.state[model.emb.weight]["exp_avg"].full_tensor(), saved["state"][0]["exp_avg"])
+    finally:
+        distributed.shutdown()
+
+
+def test_load_training_state_verifies_before_it_loads(tmp_path):
+    """init_from hands its checkpoint straight to load_training_state: a byte flipped
+    after it was resolved is still caught, and nothing is loaded."""
+    sharded(tmp_path, [1])
+    c = ckpt.resolve(tmp_path)
+    flip_byte(c.path / "__0_0.distcp")
+    fresh = Tiny()
+    before = fresh.emb.weight.clone()
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp: sha256 differs"):
+        ckpt.load_training_state(c, fresh, torch.optim.AdamW(fresh.parameters()), ALONE)
+    assert torch.equal(fresh.emb.weight, before)
+
+
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "trainer.pt"])
 def test_a_damaged_shard_is_named_and_nothing_is_loaded(tmp_path, name, caplog):
     sharded(tmp_path, [1, 2])
@@ -625,6 +716,23 @@ def test_a_damaged_shard_is_named_and_nothing_is_loaded(tmp_path, name, caplog):
         ckpt.load_model_weights(tmp_path / "step-00000002", fresh)
     assert torch.equal(fresh.emb.weight, before)
     assert manager(tmp_path).resume_point().step == 1  # resume falls back past it
+
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_a_checkpoint_folder_of_any_name_resolves_to_the_step_its_meta_records(tmp_path, layout):
+    """A checkpoint copied out of its run folder (``models/keep-this``) is still one
+    checkpoint, of the step meta.json records, and still verified."""
+    if layout == "sharded":
+        sharded(tmp_path / "run", [7])
+    else:
+        make(tmp_path / "run", 7)
+    os.replace(tmp_path / "run" / "step-00000007", tmp_path / "keep-this")
+    c = ckpt.resolve(tmp_path / "keep-this")
+    assert c.step == 7 and c.path == tmp_path / "keep-this" and ckpt.is_sharded(c) == (layout == "sharded")
+    flip_byte(tmp_path / "keep-this" / "trainer.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"keep-this/trainer.pt: sha256 differs"):
+        ckpt.resolve(tmp_path / "keep-this")
 
 
 def test_a_sharded_checkpoint_without_its_index_is_damaged_not_a_file_layout(tmp_path):
@@ -641,6 +749,97 @@ def test_a_shard_that_meta_json_does_not_record_is_damage(tmp_path):
     (c / "__1_0.distcp").write_bytes((c / "__0_0.distcp").read_bytes())
     with pytest.raises(ckpt.CheckpointError, match=r"__1_0\.distcp: not recorded in meta.json"):
         ckpt.load_model_weights(c, Tiny())
+
+
+
+def rerecord(checkpoint, **renames):
+    """meta.json's ``files`` with each entry ``old=new`` renamed (new None: dropped), as
+    a hand edit or a lost rank's record would leave it; files named are renamed too."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for old, new in renames.items():
+        info = meta["files"].pop(old)
+        if new is not None:
+            meta["files"][new] = info
+            (checkpoint / old).rename(checkpoint / new)
+        else:
+            (checkpoint / old).unlink()
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def test_dcp_files_in_a_single_file_checkpoint_are_damage_not_loaded(tmp_path):
+    """A .metadata makes a folder load as sharded (is_sharded): in a single-file
+    checkpoint whose meta.json records no DCP file, its weights would load unverified."""
+    make(tmp_path / "a", 1)
+    make(tmp_path / "a", 2)
+    sharded(tmp_path / "s", [1], model=Tiny())
+    c, s = tmp_path / "a" / "step-00000002", tmp_path / "s" / "step-00000001"
+    for name in (".metadata", "__0_0.distcp"):
+        (c / name).write_bytes((s / name).read_bytes())
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000002/\.metadata: not recorded in meta.json, so it "
+                                                   r"cannot be verified \(checkpoint step-00000002 is damaged\)$"):
+        ckpt.load_model_weights(c, Tiny())
+    (c / ".metadata").unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0\.distcp: not recorded in meta.json"):
+        ckpt.verify(c)
+    with pytest.raises(ckpt.CheckpointError, match="not recorded in meta.json"):
+        ckpt.resolve(tmp_path / "a")  # the run's result is refused, not taken from step 1
+    ckpt.verify(tmp_path / "a" / "step-00000001")
+
+
+def test_an_index_that_names_a_shard_meta_json_does_not_record_is_damage(tmp_path):
+    """A rank's shard lost with its record (meta.json records __1_0, the index reads
+    __0_0): damage found when verified, so a resume falls back, not a DCP traceback."""
+    sharded(tmp_path, [1, 2])
+    c = tmp_path / "step-00000002"
+    rerecord(c, **{"__0_0.distcp": "__1_0.distcp"})
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000002/\.metadata: names the shard file\(s\) "
+                                                   r"__0_0\.distcp, which meta.json does not record"):
+        ckpt.verify(c)
+    assert manager(tmp_path).resume_point().step == 1
+
+
+def test_a_sharded_meta_json_that_records_no_shard_is_damage(tmp_path):
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    rerecord(c, **{"__0_0.distcp": None})
+    with pytest.raises(ckpt.CheckpointError, match=r"meta.json: records no shard file \(__<rank>_0\.distcp\)"):
+        ckpt.verify(c)
+
+
+def test_a_sharded_checkpoint_of_another_shape_names_the_tensor_in_one_line(tmp_path):
+    """DCP's CheckpointException prints a traceback per rank; the cause is what is said."""
+    model, _ = sharded(tmp_path, [1])
+    small = Tiny(n=4)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        manager(tmp_path).load(ckpt.resolve(tmp_path), small, torch.optim.AdamW(small.parameters()))
+    assert "\n" not in str(err.value)
+    assert str(err.value).endswith("cannot load the sharded checkpoint (ValueError: Size mismatch between saved "
+                                   "torch.Size([10, 8]) and current: torch.Size([10, 4]) for model.emb.weight)")
+
+
+
+def test_a_sharded_save_after_a_kill_sweeps_the_killed_saves_leftovers(tmp_path):
+    """A SIGKILL mid-save leaves .tmp-* (half-written shards) and .trash-* folders;
+    the next sharded save removes them and leaves only whole checkpoints."""
+    sharded(tmp_path, [1])
+    for name in (".tmp-step-00000002-123", ".trash-step-00000001-456"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"half")
+    sharded(tmp_path, [2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_sharded_save_whose_ranks_did_not_record_every_file_fails_and_leaves_no_checkpoint(tmp_path, monkeypatch):
+    """A shard file no rank hashed (a rank's record lost) would make a checkpoint that
+    never verifies: the save fails in one line and the folder keeps the last good one."""
+    sharded(tmp_path, [1])
+    write = ckpt._write_shards
+    monkeypatch.setattr(ckpt, "_write_shards", lambda tmp, state, d: (write(tmp, state, d), {})[1])
+    with pytest.raises(ckpt.CheckpointError, match=r"holds \['.metadata', '__0_0.distcp', 'trainer.pt'\], but "
+                                                   r"the ranks recorded \['.metadata', 'trainer.pt'\]"):
+        sharded(tmp_path, [2])
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert manager(tmp_path).resume_point().step == 1
 
 
 class _RunsCode:
@@ -673,6 +872,47 @@ def _stack_global(module, name, arg):
     def text(x):
         return b"\x8c" + bytes([len(x.encode())]) + x.encode()  # SHORT_BINUNICODE
     return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_non_tensor_value_in_a_shard_that_would_run_code_is_refused(tmp_path):
+    """DCP reads a shard's non-tensor values (AdamW's hyperparameters) with
+    torch.load(weights_only=False); ours with weights_only=True, so a shard whose
+    sha256 meta.json vouches for still runs nothing when a run resumes from it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    marker = tmp_path / "ran"
+    model_state, optim_state = get_state_dict(model, opt)
+    optim_state["param_groups"][0]["lr"] = _RunsCode(marker)
+    for p in c.iterdir():
+        if p.name != "meta.json" and p.name != "trainer.pt":
+            p.unlink()
+    dcp.save({"model": model_state, "optim": optim_state}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(c, single_file_per_rank=True))
+    meta = json.loads((c / "meta.json").read_text())
+    meta["files"].update({n: {"bytes": (c / n).stat().st_size, "sha256": sha256_file(c / n)}
+                          for n in (".metadata", "__0_0.distcp")})
+    (c / "meta.json").write_text(json.dumps(meta))
+    other = Tiny()
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot load the sharded checkpoint \(UnpicklingError: "):
+        manager(tmp_path).load(ckpt.resolve(tmp_path), other, torch.optim.AdamW(other.parameters()))
+    assert not marker.exists()
+
+
+
+def test_a_sharded_checkpoint_of_another_shape_is_named_once_by_load_model_weights(tmp_path):
+    """evaluate/export/generate read through load_model_weights: DCP's own cause, the
+    checkpoint named once, not wrapped in a second 'do not fit' around it."""
+    sharded(tmp_path, [1])
+    c = tmp_path / "step-00000001"
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_model_weights(c, Tiny(n=4))
+    assert str(err.value) == (f"{c}: cannot load the sharded checkpoint (ValueError: Size mismatch between saved "
+                              "torch.Size([10, 8]) and current: torch.Size([10, 4]) for model.emb.weight)")
 
 
 @pytest.mark.parametrize("name", ["os.system", "torch.os.system", "torch"])  # torch: a module, not a class of DCP's
@@ -746,7 +986,9 @@ def test_getattr_in_a_metadata_index_gives_only_an_enum_member(tmp_path):
 
 def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path):
     sharded(tmp_path, [1])
-    with pytest.raises(ckpt.CheckpointError, match="weights do not match the model"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000001: the weights do not fit the model its meta.json "
+                                                   r"describes \(missing \['bias', 'weight'\], unexpected "
+                                                   r"\['emb.weight', 'out.weight'\]\)$"):
         ckpt.load_model_weights(tmp_path / "step-00000001", torch.nn.Linear(3, 3))
 
 

@@ -128,7 +128,7 @@ def test_init_reads_torchruns_variables_and_passes_the_timeout_on(monkeypatch):
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.append(kw))
     monkeypatch.setenv("MASTER_ADDR", "node0")
-    for key, value in (("RANK", "8"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "16")):
+    for key, value in (("RANK", "8"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "16"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(key, value)
     d = distributed.init("cpu", timeout_s=30)
     assert d == distributed.Dist(8, 0, 16, torch.device("cpu"), "gloo") and not d.is_main and d.enabled
@@ -226,8 +226,63 @@ def test_every_rank_runs_rank_0s_job_on_a_folder_both_see(tmp_path):
                   "node needs the same commit, params.yaml and data"]
     assert "pretrain.seed is absent there, 1 on rank 0;" in absent[1]
     assert "pretrain.k0 is 0 there, absent on rank 0; " in more[1] and "(and 2 more); every node" in more[1]
+    assert more[1].count(" there, ") == 4, "four keys shown, and the count of the rest"
     for result, here in zip((folder, results[1][4]), (mine, theirs)):  # each rank names the folder by its own path
         assert result == ["JobMismatchError", f"rank 1 (on {os.uname().nodename}) cannot see the file rank 0 "
                           f"(on {os.uname().nodename}) wrote in {here}: every node needs that folder on storage "
                           "all nodes share, at the same path"]
     assert [p.name for f in (shared, mine, theirs) for p in f.iterdir()] == [], "the probes are gone"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "x"}, r"^RANK='x' in the environment is not a whole number of at least 0; torchrun sets it"),
+    ({"WORLD_SIZE": "0"}, r"^WORLD_SIZE='0' in the environment is not a whole number of at least 1;"),
+    ({"WORLD_SIZE": ""}, r"^WORLD_SIZE='' in the environment is not a whole number"),
+    ({"LOCAL_RANK": "-1"}, r"^LOCAL_RANK='-1' in the environment is not a whole number of at least 0;"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"},
+     r"^RANK=2 in the environment is not below WORLD_SIZE=2;"),
+    ({"MASTER_ADDR": "node0"}, r"^MASTER_ADDR is set in the environment, but RANK and WORLD_SIZE and MASTER_PORT are "
+                               r"not, so this process cannot join a process group; start the ranks with torchrun, or "
+                               r"unset MASTER_ADDR to train in one process$"),
+    ({"MASTER_ADDR": "node0", "RANK": "0", "WORLD_SIZE": "1"}, r"^MASTER_ADDR is set in the environment, but "
+                                                               r"MASTER_PORT is not,"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, r"^WORLD_SIZE=2 in the environment, but MASTER_ADDR is not set, so this process "
+                                       r"cannot join the other ranks; start the ranks with torchrun"),
+])
+def test_a_launch_environment_that_cannot_describe_this_process_is_one_line(monkeypatch, env, message):
+    """A bad RANK or WORLD_SIZE stops the run before any work, naming the variable, rather
+    than a ValueError traceback from int(), or a 'rank' of a world nobody joins, which would
+    train its share of the data alone without a word."""
+    from pipeline.training import distributed
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: pytest.fail("joined a group"))
+    with pytest.raises(distributed.LaunchEnvError, match=message) as err:
+        distributed.init("cpu", need_group=True)
+    assert "\n" not in str(err.value) and isinstance(err.value, StageError)
+
+
+def test_need_group_alone_makes_a_group_of_one_and_shutdown_ends_it(monkeypatch):
+    """FSDP and sharded checkpoints need a process group even in one process: an
+    in-memory one of world size 1, whatever LOCAL_RANK says, gone after shutdown."""
+    import torch.distributed as dist
+
+    from pipeline.training import distributed
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert not dist.is_initialized()
+    try:
+        d = distributed.init("cpu", need_group=True)
+        assert d == distributed.Dist(0, 0, 1, torch.device("cpu"), "gloo") and d.enabled and d.is_main
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+        assert distributed.gather_objects({"a": 1}, d) == [{"a": 1}]
+        monkeypatch.delenv("LOCAL_RANK")
+        assert distributed.init("cpu") == d  # a second call joins the group that is there
+    finally:
+        distributed.shutdown()
+    assert not dist.is_initialized()
