@@ -1,6 +1,7 @@
 """pipeline/data/executor.py with the local kinds (in-process and a spawn pool);
-the Ray kind is tested with a real local instance in test_clean_ray.py
-and test_executor_ray.py (a stage's private instance, joining a loopback head)."""
+the Ray kind's bookkeeping with a stand-in for Ray (FakeRay), and with a real
+local instance in test_clean_ray.py and test_executor_ray.py (a stage's private
+instance, joining a loopback head)."""
 
 import ctypes
 import errno
@@ -11,6 +12,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -407,6 +409,108 @@ def test_joining_a_cluster_runs_at_most_its_cpus_at_once(monkeypatch, num_worker
         assert (ex.workers, ex.cpus) == (workers, 2)
     finally:
         ex.close()
+
+
+class _Ref:
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class FakeRay:
+    """A stand-in for Ray, connected to a cluster of ``cpus`` CPUs: a task runs
+    when submitted, and is seen finished when the stage waits for it (the oldest
+    first); ``cpus_seen``: what cluster_resources says, call by call, while no
+    task finishes (then ``cpus``). Counts the most tasks submitted and not yet seen finished."""
+
+    def __init__(self, cpus: float = 2.0, cpus_seen: Sequence[float] = (), connected: bool = True):
+        self.cpus, self.cpus_seen, self.connected = cpus, list(cpus_seen), connected
+        self.unfinished: list[_Ref] = []
+        self.most = 0
+
+    def is_initialized(self) -> bool:
+        return self.connected
+
+    def init(self, **kwargs: Any) -> None:
+        self.connected = True
+
+    def shutdown(self) -> None:
+        self.connected = False
+
+    def cluster_resources(self) -> dict:
+        return {"CPU": self.cpus_seen.pop(0) if self.cpus_seen else self.cpus}
+
+    def put(self, value: Any) -> Any:
+        return value
+
+    def remote(self, **options: Any) -> Callable:
+        return lambda _ray_task: types.SimpleNamespace(remote=self._submit)
+
+    def _submit(self, key: str, init: list, fn: Callable, task: tuple) -> _Ref:
+        ref = _Ref(fn(*task))
+        self.unfinished.append(ref)
+        self.most = max(self.most, len(self.unfinished))
+        return ref
+
+    def wait(self, refs: list, num_returns: int, timeout: float) -> tuple[list, list]:
+        if self.cpus_seen:
+            return [], refs
+        done = [ref for ref in self.unfinished if ref in refs][:1]
+        self.unfinished = [ref for ref in self.unfinished if ref not in done]
+        return done, [ref for ref in refs if ref not in done]
+
+    def get(self, ref: _Ref) -> Any:
+        return ref.value
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """Install a FakeRay (made by the returned function) as the ``ray`` module."""
+    pytest.importorskip("ray")
+    import ray.exceptions  # noqa: F401  (the real one, which RayExecutor imports)
+
+    def install(**kwargs: Any) -> FakeRay:
+        fake = FakeRay(**kwargs)
+        monkeypatch.setitem(sys.modules, "ray", fake)
+        return fake
+    return install
+
+
+@pytest.mark.parametrize("num_workers, most", [(1, 1), (3, 3), (0, 8)])
+def test_a_joined_cluster_runs_no_more_tasks_at_once_than_num_workers(fake_ray, num_workers, most):
+    """Fewer workers than the cluster's CPUs: at most that many tasks submitted and
+    not finished, results in task order; all of its CPUs (0): Ray queues the window."""
+    fake = fake_ray(cpus=4.0)
+    with open_executor(ExecutorConfig(kind="ray", address="10.0.0.5:6379", num_workers=num_workers)) as ex:
+        assert list(ex.map(abs, [(-x,) for x in range(20)], window=8)) == list(range(20))
+    assert fake.most == most
+
+
+@pytest.mark.parametrize("max_workers, workers", [(1, 1), (3, 3), (9, 4)])
+def test_max_workers_caps_the_tasks_run_at_once_on_a_cluster(fake_ray, max_workers, workers):
+    fake_ray(cpus=4.0)
+    with open_executor(ExecutorConfig(kind="ray", address="10.0.0.5:6379"), max_workers=max_workers) as ex:
+        assert ex.workers == workers
+
+
+def test_a_cluster_without_cpus_warns_at_once_and_stops_after_no_cpu_s_without_any(fake_ray, monkeypatch, caplog):
+    """CPUs that come back restart the count: the stage stops after NO_CPU_S of
+    none in a row, not of none in all; it warns as soon as it sees none."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 250.0
+        return now[0]
+
+    monkeypatch.setattr(executor_module, "time", types.SimpleNamespace(monotonic=clock))
+    fake = fake_ray(cpus=4.0, cpus_seen=[4, 0, 0, 1, 0, 0, 0, 0])  # 4: as the stage joins
+    with open_executor(ExecutorConfig(kind="ray", address="10.0.0.5:6379"), desc="clean") as ex:
+        with pytest.raises(ExecutorError, match=r"^clean: the Ray cluster has had no CPUs for 750 s \(its nodes "
+                                                r"died or left\), so task 0 cannot run"):
+            list(ex.map(abs, [(-1,)]))
+    warned = [r.getMessage() for r in caplog.records if "has no CPUs" in r.getMessage()]
+    assert len(warned) == 5 and warned[0].endswith("task 0 waits, at most 600 s more")
+    assert fake.cpus_seen == []
+
 
 
 class _MallInfo2(ctypes.Structure):
