@@ -603,10 +603,12 @@ class RayExecutor(Executor):
         self.cfg = cfg
         # The Ray variables this executor sets, for its life only (close() restores them).
         self.scope = contextlib.ExitStack()
+        self.started = False  # this executor called ray.init (and so calls ray.shutdown)
+        self.starter: threading.Thread | None = None
         try:
             self._open(desc, cfg, max_workers, initializer, initargs)
-        except BaseException:
-            self.scope.close()
+        except BaseException:  # joined, then failed: leave, so that a later stage here does not find itself joined
+            self.close()
             raise
 
     def _open(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
@@ -618,12 +620,10 @@ class RayExecutor(Executor):
             # too; without this it would look for the instance at the machine's address.
             self.scope.enter_context(loopback_only())
         self.initializer, self.initargs = initializer, initargs
-        self.started = False  # this executor called ray.init (and so calls ray.shutdown)
         self.node: Any = None  # the private instance this executor started
         self.remote: Any = None  # the task, once connected
         self.here_ready = False  # the initializer has run in this process
         self.key = uuid.uuid4().hex
-        self.starter: threading.Thread | None = None
         self.up, self.stop = threading.Event(), threading.Event()
         self.start_error: BaseException | None = None
         if ray.is_initialized() or address is not None:

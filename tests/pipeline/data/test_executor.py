@@ -512,6 +512,23 @@ def test_a_cluster_without_cpus_warns_at_once_and_stops_after_no_cpu_s_without_a
     assert fake.cpus_seen == []
 
 
+def test_a_cluster_that_fails_after_joining_is_left_and_the_ray_variables_restored(fake_ray, monkeypatch):
+    """Joined, then an error (here the initializer's arguments cannot be sent):
+    the stage's process leaves the cluster, so that a later stage in it does not
+    find itself joined to this one, and restores the variables it set."""
+    def put(value: Any) -> None:
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    fake = fake_ray(connected=False)
+    monkeypatch.setattr(fake, "put", put)
+    monkeypatch.setattr(executor_module, "_check_reachable", lambda desc, address: None)
+    monkeypatch.delenv(executor_module.RAY_CLUSTER_ENV, raising=False)
+    with pytest.raises(TypeError, match="cannot pickle"):
+        with open_executor(ExecutorConfig(kind="ray", address="127.0.0.1:6379"), init, ("cfg",)):
+            pass
+    assert fake.connected is False and executor_module.RAY_CLUSTER_ENV not in os.environ
+
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
