@@ -638,7 +638,10 @@ class RayExecutor(Executor):
             # Token authentication would write ~/.ray/auth_token for an instance
             # that lives as long as the stage; the user's own setting wins.
             self.scope.enter_context(_environ({"RAY_AUTH_MODE": "disabled"}))
-            self.workers = cpus = cfg.num_workers or available_cores()
+            cpus = cfg.num_workers or available_cores()
+            if max_workers is not None:  # its raylet starts a worker per CPU, each importing the stage's code
+                cpus = max(1, min(cpus, max_workers))
+            self.workers = cpus
             self.starter = threading.Thread(target=self._start, args=(cpus,), name="ray-start", daemon=True)
             self.starter.start()
         if max_workers is not None:

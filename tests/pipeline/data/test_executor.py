@@ -529,6 +529,22 @@ def test_a_cluster_that_fails_after_joining_is_left_and_the_ray_variables_restor
     assert fake.connected is False and executor_module.RAY_CLUSTER_ENV not in os.environ
 
 
+def test_a_private_instance_has_as_many_cpus_as_the_stage_has_workers(fake_ray, monkeypatch):
+    """max_workers (a stage's task count) caps its private instance too, whose
+    raylet starts a worker process per CPU, each importing the stage's code."""
+    started = []
+
+    def start(workers: int, preload: Sequence[str] = ()) -> None:
+        started.append(workers)
+        raise RuntimeError("not started here")
+
+    fake_ray(connected=False)
+    monkeypatch.setattr(executor_module, "_start_private_instance", start)
+    with open_executor(ExecutorConfig(kind="ray", num_workers=4), max_workers=2) as ex:
+        ex.up.wait()
+        assert ex.workers == 2
+    assert started == [2]
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
