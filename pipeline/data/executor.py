@@ -31,8 +31,9 @@ Kinds (``executor.kind`` in a stage's params):
   and each runs the initializer once and keeps its state. Before that, each
   checks that it runs the stage's code (:func:`check_same_code`): a worker
   imports the ``pipeline`` installed on its own node. The variables it
-  sets in the stage's environment for Ray (loopback only, no token file) are
-  restored when it closes. Ray is imported only here, only for this kind.
+  sets in the stage's environment for Ray (loopback only, no token file, no
+  "Unhandled error" printed for a task left in flight) are restored when it
+  closes. Ray is imported only here, only for this kind.
 
 Errors: a :class:`~pipeline.errors.StageError` raised by a task reaches the
 caller unchanged (the runner prints it as one line). Any other exception in a
@@ -447,6 +448,8 @@ def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
 # stage's ray.shutdown otherwise waits to flush the last ones (up to 0.25 s here).
 _NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
 
+_NO_UNHANDLED_ERRORS = {"RAY_IGNORE_UNHANDLED_ERRORS": "1"}  # read by Ray as it would print one
+
 # A task waits as long as the cluster has CPUs, however busy. With none at all
 # (its nodes died or left) Ray keeps the task queued for good, so the stage
 # warns at once and each minute, and stops after NO_CPU_S: time enough for an
@@ -614,6 +617,10 @@ class RayExecutor(Executor):
     def _open(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
               initializer: Callable[..., None] | None, initargs: tuple) -> None:
         ray = self.ray
+        # The tasks a map leaves in flight when it stops (a task's error, a stage that stops
+        # reading) are not waited for (see _drop); Ray would print the error of each that fails
+        # meanwhile as an "Unhandled error" with its worker's traceback.
+        self.scope.enter_context(_environ(_NO_UNHANDLED_ERRORS))
         address = _resolve_auto(desc) if cfg.address == "auto" and not ray.is_initialized() else cfg.address
         if address is None or on_loopback(address):
             # A driver that joins by a loopback address takes that address as its own

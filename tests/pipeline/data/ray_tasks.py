@@ -16,3 +16,19 @@ def ray_only(marker: str) -> None:
 
     RayExecutor.starting = lambda self: False
     RayExecutor.ready = ready_and_mark
+
+
+def fails_after(x: int, delay: float, runs: str) -> int:
+    """After ``delay`` s, task 0 raises a StageError and the others a ValueError
+    of two lines, each leaving a file in the folder ``runs`` as it raises."""
+    import os
+    import time
+    import uuid
+
+    from tests.pipeline.data.test_executor import BadInput
+
+    time.sleep(delay)
+    open(os.path.join(runs, f"{x}-{uuid.uuid4().hex}"), "w").close()
+    if x == 0:
+        raise BadInput(f"document {x} is unreadable")
+    raise ValueError(f"a bug in task {x}\nwith a second line")

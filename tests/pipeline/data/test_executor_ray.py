@@ -47,13 +47,19 @@ def leftover():
 """
 
 
-def run(code: str, home, timeout: float = 300, **env) -> list:
-    """Run ``code`` after PRELUDE in a fresh process; its stdout lines as JSON values."""
-    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+def run_proc(code: str, home, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """Run ``code`` after PRELUDE in a fresh process, which must succeed."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_IGNORE_UNHANDLED_ERRORS")}
     proc = subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, cwd=ROOT,
                           env={**base, "PYTHONPATH": str(ROOT), "HOME": str(home), **env}, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+    return proc
+
+
+def run(code: str, home, timeout: float = 300, **env) -> list:
+    """Run ``code`` after PRELUDE in a fresh process; its stdout lines as JSON values."""
+    return [json.loads(line) for line in run_proc(code, home, timeout, **env).stdout.splitlines()]
 
 
 def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
@@ -231,6 +237,51 @@ def test_errors_while_the_instance_starts_are_one_line(tmp_path):
     assert lines[2] == ["ExecutorError", "stage: could not start or join a local Ray instance: RuntimeError: "
                         "no shared memory"]
     assert lines[3] == []
+
+
+def test_a_task_that_fails_on_ray_is_one_line_and_tasks_left_in_flight_print_nothing(tmp_path):
+    """On Ray's workers: a StageError reaches the caller unchanged, any other
+    exception is one line naming the task and place, and a task that raises
+    runs once. The tasks still in flight when a map stops (here failing too)
+    are left; their errors, which Ray would print at the stage's disconnect as
+    "Unhandled error" with each worker's traceback, are not printed. A Ray
+    worker running other code than the stage's refuses its tasks in one line."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc = run_proc(
+        "import time\n"
+        "from tests.pipeline.data.ray_tasks import fails_after\n"
+        f"runs = {str(runs)!r}\n"
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), desc='clean') as ex:\n"
+        "    ex.ready()\n"
+        "    for first in (0, 1):\n"
+        "        try:\n"
+        "            list(ex.map(fails_after, [(first, 0.0, runs)] + [(x, 0.5, runs) for x in range(2, 5)]))\n"
+        "        except Exception as e:\n"
+        "            print(json.dumps([type(e).__name__, str(e)]))\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while len(os.listdir(runs)) < 8 and time.monotonic() < deadline:  # every task has raised\n"
+        "        time.sleep(0.05)\n"
+        "    time.sleep(1)  # their errors reach this process, as Ray would print them at the disconnect\n"
+        "print(json.dumps(sorted(name.split('-')[0] for name in os.listdir(runs))))\n"
+        "identity = E.code_identity()\n"
+        "E.code_identity = lambda: {**identity, 'numpy': '0.0.1'}\n"
+        "try:\n"
+        "    with open_executor(ExecutorConfig(kind='ray', num_workers=1), desc='clean') as ex:\n"
+        "        ex.ready()\n"
+        "        list(ex.map(abs, [(-1,)]))\n"
+        "except Exception as e:\n"
+        "    print(json.dumps([type(e).__name__, str(e)]))\n"
+        "print(json.dumps(leftover()))\n", tmp_path)
+    bad, bug, ran, other, left = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert bad == ["BadInput", "document 0 is unreadable"]
+    assert bug == ["ExecutorError", "clean: task 0 failed in a worker: ValueError: a bug in task 1 "
+                   "(at ray_tasks.py:34 in fails_after)"]
+    assert ran == ["0", "1", "2", "2", "3", "3", "4", "4"]  # each task once
+    assert other[0] == "ExecutorError" and other[1].startswith("clean: the Ray worker on ")
+    assert "(numpy " in other[1] and " there, 0.0.1 here;" in other[1]
+    assert left == []
+    assert "Unhandled error" not in proc.stderr and "a bug in task" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("form", ["127.0.0.1:PORT", "auto"])
