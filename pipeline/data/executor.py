@@ -496,6 +496,34 @@ def _this_code_first() -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def _ray_notices_logged(desc: str) -> Iterator[None]:
+    """For the block: the notices a Ray cluster sends the stage's process (a
+    worker died, a task will be retried, a task cannot be scheduled), which Ray
+    prints to the stage's stdout, each a long line of ids, go to this module's
+    log instead, as one warning line each. Where this Ray prints them some other
+    way, as it does."""
+    worker = sys.modules.get("ray._private.worker")
+    printed = getattr(worker, "print_to_stdstream", None)
+    if printed is None:
+        yield
+        return
+
+    def logged(data: dict, *args: Any, **kwargs: Any) -> None:
+        if data.get("pid") != "raylet":  # a worker's own output (with log_to_driver)
+            printed(data, *args, **kwargs)
+            return
+        for notice in data.get("lines", ()):
+            log.warning("%s: Ray: %s", desc, str(notice).strip().split("\n")[0])
+            log.debug("%s: Ray: %s", desc, notice)
+
+    worker.print_to_stdstream = logged
+    try:
+        yield
+    finally:
+        worker.print_to_stdstream = printed
+
+
+@contextlib.contextmanager
 def _environ(values: dict[str, str]) -> Iterator[None]:
     """Set environment variables the user has not set, for the block only."""
     added = _unset(values)
@@ -621,6 +649,7 @@ class RayExecutor(Executor):
         # reading) are not waited for (see _drop); Ray would print the error of each that fails
         # meanwhile as an "Unhandled error" with its worker's traceback.
         self.scope.enter_context(_environ(_NO_UNHANDLED_ERRORS))
+        self.scope.enter_context(_ray_notices_logged(desc))
         address = _resolve_auto(desc) if cfg.address == "auto" and not ray.is_initialized() else cfg.address
         if address is None or on_loopback(address):
             # A driver that joins by a loopback address takes that address as its own

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.data import executor as executor_module
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -282,6 +283,30 @@ def test_a_task_that_fails_on_ray_is_one_line_and_tasks_left_in_flight_print_not
     assert "(numpy " in other[1] and " there, 0.0.1 here;" in other[1]
     assert left == []
     assert "Unhandled error" not in proc.stderr and "a bug in task" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_task_whose_worker_dies_every_time_is_lost_in_one_line(tmp_path):
+    """Its worker process dies (a crash, an OOM kill): the task runs again, up to
+    TASK_RETRIES times, then the stage stops in one line. Ray's notices of each
+    death and retry go to the stage's log, one line each, not to its stdout."""
+    proc = run_proc(
+        "from tests.pipeline.data.test_executor import dies\n"
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), desc='clean') as ex:\n"
+        "    ex.ready()\n"
+        "    try:\n"
+        "        list(ex.map(dies, [(x,) for x in range(3)]))\n"
+        "    except ExecutorError as e:\n"
+        "        print(json.dumps(str(e)))\n"
+        "print(json.dumps(leftover()))\n", tmp_path)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout[-3000:]  # nothing else on stdout
+    lost, left = [json.loads(line) for line in lines]
+    assert lost.startswith("clean: task 1 was lost: WorkerCrashedError: The worker died unexpectedly") and \
+        "\n" not in lost
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("clean: Ray: ")]
+    assert sum("A worker died" in line for line in notices) == 1 + executor_module.TASK_RETRIES, proc.stderr[-3000:]
+    assert "(raylet)" not in proc.stderr and "Traceback" not in proc.stderr
+    assert left == []
 
 
 @pytest.mark.parametrize("form", ["127.0.0.1:PORT", "auto"])
