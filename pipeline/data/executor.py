@@ -97,6 +97,9 @@ class ExecutorConfig(ParamsModel):
             raise ValueError("address is for kind: ray (a local pool has no cluster to join)")
         if self.address is not None and not self.address.strip():
             raise ValueError("address must be null, 'auto' or a Ray address such as ray://host:10001")
+        port = (self.address or "").rpartition(":")[2]
+        if port.isdigit() and not 0 < int(port) < 65536:  # the socket library would take it modulo 65536
+            raise ValueError(f"address {self.address}: {port} is not a port number (1 to 65535)")
         return self
 
 
