@@ -277,12 +277,13 @@ def test_a_task_that_fails_on_ray_is_one_line_and_tasks_left_in_flight_print_not
     bad, bug, ran, other, left = [json.loads(line) for line in proc.stdout.splitlines()]
     assert bad == ["BadInput", "document 0 is unreadable"]
     assert bug == ["ExecutorError", "clean: task 0 failed in a worker: ValueError: a bug in task 1 "
-                   "(at ray_tasks.py:34 in fails_after)"]
+                   "(at ray_tasks.py:37 in fails_after)"]
     assert ran == ["0", "1", "2", "2", "3", "3", "4", "4"]  # each task once
     assert other[0] == "ExecutorError" and other[1].startswith("clean: the Ray worker on ")
     assert "(numpy " in other[1] and " there, 0.0.1 here;" in other[1]
     assert left == []
     assert "Unhandled error" not in proc.stderr and "a bug in task" not in proc.stderr, proc.stderr[-3000:]
+    assert "of fails_after raises" not in proc.stdout + proc.stderr  # a worker's output stays in Ray's logs
 
 
 def test_a_task_whose_worker_dies_every_time_is_lost_in_one_line(tmp_path):
@@ -297,10 +298,12 @@ def test_a_task_whose_worker_dies_every_time_is_lost_in_one_line(tmp_path):
         "        list(ex.map(dies, [(x,) for x in range(3)]))\n"
         "    except ExecutorError as e:\n"
         "        print(json.dumps(str(e)))\n"
-        "print(json.dumps(leftover()))\n", tmp_path)
+        "import ray._private.worker as W\n"
+        "print(json.dumps([leftover(), W.print_to_stdstream.__qualname__]))\n", tmp_path)
     lines = proc.stdout.splitlines()
     assert len(lines) == 2, proc.stdout[-3000:]  # nothing else on stdout
-    lost, left = [json.loads(line) for line in lines]
+    lost, (left, printer) = [json.loads(line) for line in lines]
+    assert printer == "print_to_stdstream"  # Ray's own again, after the stage
     assert lost.startswith("clean: task 1 was lost: WorkerCrashedError: The worker died unexpectedly") and \
         "\n" not in lost
     notices = [line for line in proc.stderr.splitlines() if line.startswith("clean: Ray: ")]
@@ -342,11 +345,15 @@ def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path,
             assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
             time.sleep(0.5)
         address = form.replace("PORT", str(port))
-        (workers, squares), = run(
+        proc = run_proc(
+            "import time\n"
+            "from tests.pipeline.data.ray_tasks import noisy_square\n"
             f"with open_executor(ExecutorConfig(kind='ray', address={address!r})) as ex:\n"
-            "    print(json.dumps([ex.workers, [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])]]))\n",
+            "    print(json.dumps([ex.workers, list(ex.map(noisy_square, [(x,) for x in range(4)]))]))\n"
+            "    time.sleep(1)  # past the head's log monitor's rounds, which would forward the tasks' output\n",
             tmp_path, timeout=60, RAY_TMPDIR=temp)
-        assert (workers, squares) == (2, [0, 1, 4, 9])
+        assert json.loads(proc.stdout) == [2, [0, 1, 4, 9]]
+        assert "noisy_square" not in proc.stderr  # the workers' output stays in the cluster's logs
     finally:
         head.terminate()  # --block: ray start stops the head's processes
         try:
