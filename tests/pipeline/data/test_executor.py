@@ -30,6 +30,12 @@ _STATE: dict = {}
 
 def init(tag: str) -> None:
     _STATE["tag"] = tag
+    _STATE["inits"] = _STATE.get("inits", 0) + 1
+
+
+def inits(_: int = 0) -> tuple[int, int]:
+    """How many times the initializer has run in this process, and its pid."""
+    return _STATE.get("inits", 0), os.getpid()
 
 
 def tagged(x: int, delay: float = 0.0) -> tuple[str, int, int]:

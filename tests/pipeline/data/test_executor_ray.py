@@ -27,7 +27,7 @@ PRELUDE = """
 import json, os, sys, psutil, ray
 import pipeline.data.executor as E
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
-from tests.pipeline.data.test_executor import fails, init, tagged
+from tests.pipeline.data.test_executor import fails, init, inits, tagged
 SEEN = set()
 _stop = E._stop_private_instance
 def stop_watched(node):  # every process of the instance, seen just before it is stopped
@@ -104,7 +104,9 @@ with open_executor(cfg, init, ('cfg',)) as ex:
         for x in range(x, x + 6):
             yield (x, 0.0)
     out = list(ex.map(tagged, tasks()))
+    runs = sorted(set(ex.map(inits, [(x,) for x in range(8)])))
 print(json.dumps([[tag, sq, pid == os.getpid()] for tag, sq, pid in out]))
+print(json.dumps([[n, pid == os.getpid()] for n, pid in runs] + [[inits()[0], True]]))
 print(json.dumps(leftover()))
 """
 
@@ -116,7 +118,7 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
     "ray.init": where Ray's internals differ, ray.init starts the instance, in
     the stage's thread, so every task runs on Ray."""
     patch = "E._start_private_instance = lambda workers, preload=(): None\n" if internals == "ray.init" else ""
-    out, left = run(patch + MAP, tmp_path)
+    out, runs, left = run(patch + MAP, tmp_path)
     assert [sq for _, sq, _ in out] == [x * x for x in range(len(out))]
     assert {tag for tag, _, _ in out} == {"cfg"}
     here = [h for _, _, h in out]
@@ -125,6 +127,9 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
         assert here == sorted(here, reverse=True)  # here first, then Ray only
     else:
         assert len(here) == 6 and not any(here)
+    # once in each Ray worker (by the last map, on Ray only), and once here where tasks ran here
+    assert runs[:-1] and all(run == [1, False] for run in runs[:-1]), runs
+    assert runs[-1] == [1 if internals == "lean" else 0, True]
     assert left == []
 
 
