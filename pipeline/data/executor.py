@@ -866,11 +866,13 @@ class RayExecutor(Executor):
                 self.up.wait()
             if self.started:
                 self.ray.shutdown()
-            if self.starter is not None:
-                self.stop.set()
-                self.starter.join()
-        finally:
-            self.scope.close()
+        finally:  # a shutdown that fails (or a Ctrl-C) still stops the private instance
+            try:
+                if self.starter is not None:
+                    self.stop.set()
+                    self.starter.join()
+            finally:
+                self.scope.close()
 
 
 @contextlib.contextmanager

@@ -556,6 +556,25 @@ def test_a_private_instance_has_as_many_cpus_as_the_stage_has_workers(fake_ray, 
         assert ex.workers == 2
     assert started == [2]
 
+def test_a_private_instance_is_stopped_even_when_leaving_it_fails(fake_ray, monkeypatch):
+    """ray.shutdown raising (or a Ctrl-C during it) must not leave the stage's
+    private instance running for as long as its process lives."""
+    def shutdown() -> None:
+        raise RuntimeError("the GCS went away")
+
+    stopped = []
+    fake = fake_ray(connected=False)
+    monkeypatch.setattr(fake, "shutdown", shutdown)
+    monkeypatch.setattr(executor_module, "_start_private_instance",
+                        lambda workers, preload=(): types.SimpleNamespace(address="127.0.0.1:6379"))
+    monkeypatch.setattr(executor_module, "_stop_private_instance", stopped.append)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(RuntimeError, match="the GCS went away"):
+        with open_executor(ExecutorConfig(kind="ray", num_workers=1)) as ex:
+            ex.ready()
+    assert len(stopped) == 1 and not ex.starter.is_alive() and "RAY_AUTH_MODE" not in os.environ
+
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
