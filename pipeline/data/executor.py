@@ -64,6 +64,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -707,16 +708,21 @@ class RayExecutor(Executor):
 
     def _connect(self, address: str, kwargs: dict) -> None:
         try:
-            self.ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
-                          configure_logging=True, **kwargs)
+            with warnings.catch_warnings():  # Ray Client warns in two lines before it raises the same
+                warnings.filterwarnings("ignore", message="Ray Client connection timed out")
+                self.ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                              configure_logging=True, **kwargs)
         except Exception as e:  # ConnectionError, ValueError, RuntimeError depending on the failure
             self._failed(e)
         self.started = True
 
     def _failed(self, e: BaseException) -> None:
         where = f"the Ray cluster at {self.cfg.address}" if self.cfg.address else "a local Ray instance"
+        hint = ""
+        if (self.cfg.address or "").startswith("ray://") and isinstance(e, ConnectionError):
+            hint = " (a ray:// address names the head's Ray Client server, port 10001 by default, not its GCS port)"
         raise ExecutorError(f"{self.desc}: could not start or join {where}: {type(e).__name__}: "
-                            f"{_first_line(e)}") from None
+                            f"{_first_line(e)}{hint}") from None
 
     def _make_task(self) -> None:
         self.init = [self.desc, code_identity(), self.initializer, self.ray.put(self.initargs)]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -573,6 +574,27 @@ def test_a_private_instance_is_stopped_even_when_leaving_it_fails(fake_ray, monk
         with open_executor(ExecutorConfig(kind="ray", num_workers=1)) as ex:
             ex.ready()
     assert len(stopped) == 1 and not ex.starter.is_alive() and "RAY_AUTH_MODE" not in os.environ
+
+
+
+def test_a_ray_client_that_cannot_connect_is_one_line_naming_its_port(fake_ray, monkeypatch, recwarn):
+    """Ray Client gives up after 30 s (here at once), warning in two lines first;
+    a common cause is a ray:// address with the GCS port, which answers."""
+    def init(**kwargs: Any) -> None:
+        warnings.warn("Ray Client connection timed out. Ensure that the Ray Client port on the head node is "
+                      "reachable from your local machine.", UserWarning)
+        raise ConnectionError("ray client connection timeout")
+
+    fake = fake_ray(connected=False)
+    monkeypatch.setattr(fake, "init", init)
+    monkeypatch.setattr(executor_module, "_check_reachable", lambda desc, address: None)
+    with pytest.raises(ExecutorError) as err:
+        with open_executor(ExecutorConfig(kind="ray", address="ray://10.0.0.5:6379"), desc="clean"):
+            pass
+    assert str(err.value) == ("clean: could not start or join the Ray cluster at ray://10.0.0.5:6379: "
+                              "ConnectionError: ray client connection timeout (a ray:// address names the head's "
+                              "Ray Client server, port 10001 by default, not its GCS port)")
+    assert not [w for w in recwarn if "Ray Client" in str(w.message)]
 
 
 
