@@ -650,7 +650,7 @@ class RayExecutor(Executor):
               initializer: Callable[..., None] | None, initargs: tuple) -> None:
         ray = self.ray
         # The tasks a map leaves in flight when it stops (a task's error, a stage that stops
-        # reading) are not waited for (see _drop); Ray would print the error of each that fails
+        # reading) are not waited for (see _map); Ray would print the error of each that fails
         # meanwhile as an "Unhandled error" with its worker's traceback.
         self.scope.enter_context(_environ(_NO_UNHANDLED_ERRORS))
         self.scope.enter_context(_ray_notices_logged(desc))
@@ -825,46 +825,33 @@ class RayExecutor(Executor):
                 if bounded:
                     running.add(ref)
 
-        try:
-            while True:
-                while not exhausted and len(todo) + len(refs) < window:
-                    nxt = next(numbered, None)
-                    if nxt is None:
-                        exhausted = True
-                    else:
-                        todo.append(nxt)
-                submit()
-                if not refs:
-                    return
-                i, ref = refs[0]
-                if bounded:
-                    while ref in running:  # wait for the next result, submitting as other tasks finish
-                        running.difference_update(self._wait(list(running), i))
-                        submit()
+        # Tasks left in flight when the caller stops reading (a task's error, a stage
+        # that stops early) are left: they end with the stage's connection (a private
+        # instance is stopped, and a cluster ends a driver's tasks when it disconnects,
+        # at once, measured), and their errors are not printed (_NO_UNHANDLED_ERRORS).
+        # Not ``ray.cancel``: in Ray 2.60 a cancel that races with the reply of a task
+        # on another node aborts the stage's process ("Check failed: it !=
+        # submissible_tasks_.end()", ray-project/ray#54846; reproduced here on a
+        # two-node cluster).
+        while True:
+            while not exhausted and len(todo) + len(refs) < window:
+                nxt = next(numbered, None)
+                if nxt is None:
+                    exhausted = True
                 else:
-                    self._wait([ref], i)
-                refs.popleft()
-                yield self._result(i, ref)
-        finally:
-            self._drop([ref for _, ref in refs])
-
-    def _drop(self, refs: list) -> None:
-        """Tasks whose results are no longer wanted (an error, or a stage that stops
-        reading early): collect the errors of those that have failed already,
-        which Ray would otherwise log as unhandled, and leave the others. They
-        end with the stage's connection: a private instance is stopped, and a
-        cluster ends a driver's tasks when it disconnects (at once, measured).
-        Not ``ray.cancel``: in Ray 2.60 a cancel that races with the reply of a
-        task on another node aborts the stage's process ("Check failed: it !=
-        submissible_tasks_.end()", ray-project/ray#54846; reproduced here on a
-        two-node cluster)."""
-        if not refs:
-            return
-        with contextlib.suppress(Exception):
-            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in done:
-                with contextlib.suppress(Exception):
-                    self.ray.get(ref)
+                    todo.append(nxt)
+            submit()
+            if not refs:
+                return
+            i, ref = refs[0]
+            if bounded:
+                while ref in running:  # wait for the next result, submitting as other tasks finish
+                    running.difference_update(self._wait(list(running), i))
+                    submit()
+            else:
+                self._wait([ref], i)
+            refs.popleft()
+            yield self._result(i, ref)
 
     def close(self) -> None:
         try:
