@@ -98,6 +98,9 @@ class ExecutorConfig(ParamsModel):
             raise ValueError("address is for kind: ray (a local pool has no cluster to join)")
         if self.address is not None and not self.address.strip():
             raise ValueError("address must be null, 'auto' or a Ray address such as ray://host:10001")
+        if self.address is not None and self.address.strip().lower() == "local":
+            raise ValueError("address local is Ray's own start of a full instance on this machine's address; "
+                             "null starts the stage's private one, on 127.0.0.1")
         port = (self.address or "").rpartition(":")[2]
         if port.isdigit() and not 0 < int(port) < 65536:  # the socket library would take it modulo 65536
             raise ValueError(f"address {self.address}: {port} is not a port number (1 to 65535)")

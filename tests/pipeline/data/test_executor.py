@@ -306,6 +306,7 @@ def test_ray_missing_is_a_clear_error(monkeypatch):
     ({"executor": {"kind": "ray", "address": "head:99999"}}, "clean.executor", "99999 is not a port number"),
     ({"executor": {"kind": "ray", "address": "ray://head:0"}}, "clean.executor", "0 is not a port number"),
     ({"executor": {"kind": "ray", "address": "head:65536"}}, "clean.executor", "65536 is not a port number"),
+    ({"executor": {"kind": "ray", "address": "local"}}, "clean.executor", "null starts the stage's private one"),
     ({"executor": {"num_workers": -1}}, "clean.executor.num_workers", "greater than or equal to 0"),
     ({"executor": {"workers": 2}}, "clean.executor.workers", "unknown key"),
 ])
