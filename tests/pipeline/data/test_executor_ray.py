@@ -319,6 +319,41 @@ def test_a_task_whose_worker_dies_every_time_is_lost_in_one_line(tmp_path):
     assert left == []
 
 
+def test_a_ctrl_c_mid_map_stops_the_stage_and_its_instance_without_worker_tracebacks(tmp_path):
+    """The terminal sends SIGINT to the whole process group, Ray's processes
+    included: the stage stops with its own KeyboardInterrupt alone, and every
+    process of its instance ends with it."""
+    code = PRELUDE + (
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), init, ('cfg',)) as ex:\n"
+        "    ex.ready()\n"
+        "    for i, _ in enumerate(ex.map(tagged, [(x, 0.5) for x in range(100)])):\n"
+        "        if i == 2:\n"
+        "            print(json.dumps(sorted(p.pid for p in psutil.Process().children(recursive=True))), flush=True)\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+                            start_new_session=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert pids and not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 @pytest.mark.parametrize("form", ["127.0.0.1:PORT", "auto"])
 def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path, form):
     """`ray start --head --node-ip-address=127.0.0.1` (with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
