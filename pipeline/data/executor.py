@@ -31,8 +31,9 @@ Kinds (``executor.kind`` in a stage's params):
   and each runs the initializer once and keeps its state. Before that, each
   checks that it runs the stage's code (:func:`check_same_code`): a worker
   imports the ``pipeline`` installed on its own node. The variables it
-  sets in the stage's environment for Ray (loopback only, no token file) are
-  restored when it closes. Ray is imported only here, only for this kind.
+  sets in the stage's environment for Ray (loopback only, no token file, no
+  "Unhandled error" printed for a task left in flight) are restored when it
+  closes. Ray is imported only here, only for this kind.
 
 Errors: a :class:`~pipeline.errors.StageError` raised by a task reaches the
 caller unchanged (the runner prints it as one line). Any other exception in a
@@ -63,6 +64,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -96,6 +98,12 @@ class ExecutorConfig(ParamsModel):
             raise ValueError("address is for kind: ray (a local pool has no cluster to join)")
         if self.address is not None and not self.address.strip():
             raise ValueError("address must be null, 'auto' or a Ray address such as ray://host:10001")
+        if self.address is not None and self.address.strip().lower() == "local":
+            raise ValueError("address local is Ray's own start of a full instance on this machine's address; "
+                             "null starts the stage's private one, on 127.0.0.1")
+        port = (self.address or "").rpartition(":")[2]
+        if port.isdigit() and not 0 < int(port) < 65536:  # the socket library would take it modulo 65536
+            raise ValueError(f"address {self.address}: {port} is not a port number (1 to 65535)")
         return self
 
 
@@ -447,6 +455,8 @@ def _check_reachable(desc: str, address: str, timeout: float = 10.0) -> None:
 # stage's ray.shutdown otherwise waits to flush the last ones (up to 0.25 s here).
 _NO_TASK_EVENTS = {"RAY_task_events_report_interval_ms": "0"}
 
+_NO_UNHANDLED_ERRORS = {"RAY_IGNORE_UNHANDLED_ERRORS": "1"}  # read by Ray as it would print one
+
 # A task waits as long as the cluster has CPUs, however busy. With none at all
 # (its nodes died or left) Ray keeps the task queued for good, so the stage
 # warns at once and each minute, and stops after NO_CPU_S: time enough for an
@@ -490,6 +500,34 @@ def _this_code_first() -> dict[str, str]:
         return {}
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != folder]
     return {"PYTHONPATH": os.pathsep.join([folder, *rest])}
+
+
+@contextlib.contextmanager
+def _ray_notices_logged(desc: str) -> Iterator[None]:
+    """For the block: the notices a Ray cluster sends the stage's process (a
+    worker died, a task will be retried, a task cannot be scheduled), which Ray
+    prints to the stage's stdout, each a long line of ids, go to this module's
+    log instead, as one warning line each. Where this Ray prints them some other
+    way, as it does."""
+    worker = sys.modules.get("ray._private.worker")
+    printed = getattr(worker, "print_to_stdstream", None)
+    if printed is None:
+        yield
+        return
+
+    def logged(data: dict, *args: Any, **kwargs: Any) -> None:
+        if data.get("pid") != "raylet":  # a worker's own output (with log_to_driver)
+            printed(data, *args, **kwargs)
+            return
+        for notice in data.get("lines", ()):
+            log.warning("%s: Ray: %s", desc, str(notice).strip().split("\n")[0])
+            log.debug("%s: Ray: %s", desc, notice)
+
+    worker.print_to_stdstream = logged
+    try:
+        yield
+    finally:
+        worker.print_to_stdstream = printed
 
 
 @contextlib.contextmanager
@@ -603,27 +641,32 @@ class RayExecutor(Executor):
         self.cfg = cfg
         # The Ray variables this executor sets, for its life only (close() restores them).
         self.scope = contextlib.ExitStack()
+        self.started = False  # this executor called ray.init (and so calls ray.shutdown)
+        self.starter: threading.Thread | None = None
         try:
             self._open(desc, cfg, max_workers, initializer, initargs)
-        except BaseException:
-            self.scope.close()
+        except BaseException:  # joined, then failed: leave, so that a later stage here does not find itself joined
+            self.close()
             raise
 
     def _open(self, desc: str, cfg: ExecutorConfig, max_workers: int | None,
               initializer: Callable[..., None] | None, initargs: tuple) -> None:
         ray = self.ray
+        # The tasks a map leaves in flight when it stops (a task's error, a stage that stops
+        # reading) are not waited for (see _map); Ray would print the error of each that fails
+        # meanwhile as an "Unhandled error" with its worker's traceback.
+        self.scope.enter_context(_environ(_NO_UNHANDLED_ERRORS))
+        self.scope.enter_context(_ray_notices_logged(desc))
         address = _resolve_auto(desc) if cfg.address == "auto" and not ray.is_initialized() else cfg.address
         if address is None or on_loopback(address):
             # A driver that joins by a loopback address takes that address as its own
             # too; without this it would look for the instance at the machine's address.
             self.scope.enter_context(loopback_only())
         self.initializer, self.initargs = initializer, initargs
-        self.started = False  # this executor called ray.init (and so calls ray.shutdown)
         self.node: Any = None  # the private instance this executor started
         self.remote: Any = None  # the task, once connected
         self.here_ready = False  # the initializer has run in this process
         self.key = uuid.uuid4().hex
-        self.starter: threading.Thread | None = None
         self.up, self.stop = threading.Event(), threading.Event()
         self.start_error: BaseException | None = None
         if ray.is_initialized() or address is not None:
@@ -638,7 +681,10 @@ class RayExecutor(Executor):
             # Token authentication would write ~/.ray/auth_token for an instance
             # that lives as long as the stage; the user's own setting wins.
             self.scope.enter_context(_environ({"RAY_AUTH_MODE": "disabled"}))
-            self.workers = cpus = cfg.num_workers or available_cores()
+            cpus = cfg.num_workers or available_cores()
+            if max_workers is not None:  # its raylet starts a worker per CPU, each importing the stage's code
+                cpus = max(1, min(cpus, max_workers))
+            self.workers = cpus
             self.starter = threading.Thread(target=self._start, args=(cpus,), name="ray-start", daemon=True)
             self.starter.start()
         if max_workers is not None:
@@ -665,16 +711,21 @@ class RayExecutor(Executor):
 
     def _connect(self, address: str, kwargs: dict) -> None:
         try:
-            self.ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
-                          configure_logging=True, **kwargs)
+            with warnings.catch_warnings():  # Ray Client warns in two lines before it raises the same
+                warnings.filterwarnings("ignore", message="Ray Client connection timed out")
+                self.ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                              configure_logging=True, **kwargs)
         except Exception as e:  # ConnectionError, ValueError, RuntimeError depending on the failure
             self._failed(e)
         self.started = True
 
     def _failed(self, e: BaseException) -> None:
         where = f"the Ray cluster at {self.cfg.address}" if self.cfg.address else "a local Ray instance"
+        hint = ""
+        if (self.cfg.address or "").startswith("ray://") and isinstance(e, ConnectionError):
+            hint = " (a ray:// address names the head's Ray Client server, port 10001 by default, not its GCS port)"
         raise ExecutorError(f"{self.desc}: could not start or join {where}: {type(e).__name__}: "
-                            f"{_first_line(e)}") from None
+                            f"{_first_line(e)}{hint}") from None
 
     def _make_task(self) -> None:
         self.init = [self.desc, code_identity(), self.initializer, self.ray.put(self.initargs)]
@@ -777,46 +828,33 @@ class RayExecutor(Executor):
                 if bounded:
                     running.add(ref)
 
-        try:
-            while True:
-                while not exhausted and len(todo) + len(refs) < window:
-                    nxt = next(numbered, None)
-                    if nxt is None:
-                        exhausted = True
-                    else:
-                        todo.append(nxt)
-                submit()
-                if not refs:
-                    return
-                i, ref = refs[0]
-                if bounded:
-                    while ref in running:  # wait for the next result, submitting as other tasks finish
-                        running.difference_update(self._wait(list(running), i))
-                        submit()
+        # Tasks left in flight when the caller stops reading (a task's error, a stage
+        # that stops early) are left: they end with the stage's connection (a private
+        # instance is stopped, and a cluster ends a driver's tasks when it disconnects,
+        # at once, measured), and their errors are not printed (_NO_UNHANDLED_ERRORS).
+        # Not ``ray.cancel``: in Ray 2.60 a cancel that races with the reply of a task
+        # on another node aborts the stage's process ("Check failed: it !=
+        # submissible_tasks_.end()", ray-project/ray#54846; reproduced here on a
+        # two-node cluster).
+        while True:
+            while not exhausted and len(todo) + len(refs) < window:
+                nxt = next(numbered, None)
+                if nxt is None:
+                    exhausted = True
                 else:
-                    self._wait([ref], i)
-                refs.popleft()
-                yield self._result(i, ref)
-        finally:
-            self._drop([ref for _, ref in refs])
-
-    def _drop(self, refs: list) -> None:
-        """Tasks whose results are no longer wanted (an error, or a stage that stops
-        reading early): collect the errors of those that have failed already,
-        which Ray would otherwise log as unhandled, and leave the others. They
-        end with the stage's connection: a private instance is stopped, and a
-        cluster ends a driver's tasks when it disconnects (at once, measured).
-        Not ``ray.cancel``: in Ray 2.60 a cancel that races with the reply of a
-        task on another node aborts the stage's process ("Check failed: it !=
-        submissible_tasks_.end()", ray-project/ray#54846; reproduced here on a
-        two-node cluster)."""
-        if not refs:
-            return
-        with contextlib.suppress(Exception):
-            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in done:
-                with contextlib.suppress(Exception):
-                    self.ray.get(ref)
+                    todo.append(nxt)
+            submit()
+            if not refs:
+                return
+            i, ref = refs[0]
+            if bounded:
+                while ref in running:  # wait for the next result, submitting as other tasks finish
+                    running.difference_update(self._wait(list(running), i))
+                    submit()
+            else:
+                self._wait([ref], i)
+            refs.popleft()
+            yield self._result(i, ref)
 
     def close(self) -> None:
         try:
@@ -824,11 +862,13 @@ class RayExecutor(Executor):
                 self.up.wait()
             if self.started:
                 self.ray.shutdown()
-            if self.starter is not None:
-                self.stop.set()
-                self.starter.join()
-        finally:
-            self.scope.close()
+        finally:  # a shutdown that fails (or a Ctrl-C) still stops the private instance
+            try:
+                if self.starter is not None:
+                    self.stop.set()
+                    self.starter.join()
+            finally:
+                self.scope.close()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """pipeline/data/executor.py with the local kinds (in-process and a spawn pool);
-the Ray kind is tested with a real local instance in test_clean_ray.py
-and test_executor_ray.py (a stage's private instance, joining a loopback head)."""
+the Ray kind's bookkeeping with a stand-in for Ray (FakeRay), and with a real
+local instance in test_clean_ray.py and test_executor_ray.py (a stage's private
+instance, joining a loopback head)."""
 
 import ctypes
 import errno
@@ -10,7 +11,9 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -28,6 +31,12 @@ _STATE: dict = {}
 
 def init(tag: str) -> None:
     _STATE["tag"] = tag
+    _STATE["inits"] = _STATE.get("inits", 0) + 1
+
+
+def inits(_: int = 0) -> tuple[int, int]:
+    """How many times the initializer has run in this process, and its pid."""
+    return _STATE.get("inits", 0), os.getpid()
 
 
 def tagged(x: int, delay: float = 0.0) -> tuple[str, int, int]:
@@ -294,6 +303,10 @@ def test_ray_missing_is_a_clear_error(monkeypatch):
     ({"executor": {"kind": "dask"}}, "clean.executor.kind", "'local' or 'ray'"),
     ({"executor": {"address": "auto"}}, "clean.executor", "address is for kind: ray"),
     ({"executor": {"kind": "ray", "address": " "}}, "clean.executor", "address must be null"),
+    ({"executor": {"kind": "ray", "address": "head:99999"}}, "clean.executor", "99999 is not a port number"),
+    ({"executor": {"kind": "ray", "address": "ray://head:0"}}, "clean.executor", "0 is not a port number"),
+    ({"executor": {"kind": "ray", "address": "head:65536"}}, "clean.executor", "65536 is not a port number"),
+    ({"executor": {"kind": "ray", "address": "local"}}, "clean.executor", "null starts the stage's private one"),
     ({"executor": {"num_workers": -1}}, "clean.executor.num_workers", "greater than or equal to 0"),
     ({"executor": {"workers": 2}}, "clean.executor.workers", "unknown key"),
 ])
@@ -407,6 +420,183 @@ def test_joining_a_cluster_runs_at_most_its_cpus_at_once(monkeypatch, num_worker
         assert (ex.workers, ex.cpus) == (workers, 2)
     finally:
         ex.close()
+
+
+class _Ref:
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class FakeRay:
+    """A stand-in for Ray, connected to a cluster of ``cpus`` CPUs: a task runs
+    when submitted, and is seen finished when the stage waits for it (the oldest
+    first); ``cpus_seen``: what cluster_resources says, call by call, while no
+    task finishes (then ``cpus``). Counts the most tasks submitted and not yet seen finished."""
+
+    def __init__(self, cpus: float = 2.0, cpus_seen: Sequence[float] = (), connected: bool = True):
+        self.cpus, self.cpus_seen, self.connected = cpus, list(cpus_seen), connected
+        self.unfinished: list[_Ref] = []
+        self.most = 0
+
+    def is_initialized(self) -> bool:
+        return self.connected
+
+    def init(self, **kwargs: Any) -> None:
+        self.connected = True
+
+    def shutdown(self) -> None:
+        self.connected = False
+
+    def cluster_resources(self) -> dict:
+        return {"CPU": self.cpus_seen.pop(0) if self.cpus_seen else self.cpus}
+
+    def put(self, value: Any) -> Any:
+        return value
+
+    def remote(self, **options: Any) -> Callable:
+        return lambda _ray_task: types.SimpleNamespace(remote=self._submit)
+
+    def _submit(self, key: str, init: list, fn: Callable, task: tuple) -> _Ref:
+        ref = _Ref(fn(*task))
+        self.unfinished.append(ref)
+        self.most = max(self.most, len(self.unfinished))
+        return ref
+
+    def wait(self, refs: list, num_returns: int, timeout: float) -> tuple[list, list]:
+        if self.cpus_seen:
+            return [], refs
+        done = [ref for ref in self.unfinished if ref in refs][:1]
+        self.unfinished = [ref for ref in self.unfinished if ref not in done]
+        return done, [ref for ref in refs if ref not in done]
+
+    def get(self, ref: _Ref) -> Any:
+        return ref.value
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """Install a FakeRay (made by the returned function) as the ``ray`` module."""
+    pytest.importorskip("ray")
+    import ray.exceptions  # noqa: F401  (the real one, which RayExecutor imports)
+
+    def install(**kwargs: Any) -> FakeRay:
+        fake = FakeRay(**kwargs)
+        monkeypatch.setitem(sys.modules, "ray", fake)
+        return fake
+    return install
+
+
+@pytest.mark.parametrize("num_workers, most", [(1, 1), (3, 3), (0, 8)])
+def test_a_joined_cluster_runs_no_more_tasks_at_once_than_num_workers(fake_ray, num_workers, most):
+    """Fewer workers than the cluster's CPUs: at most that many tasks submitted and
+    not finished, results in task order; all of its CPUs (0): Ray queues the window."""
+    fake = fake_ray(cpus=4.0)
+    with open_executor(ExecutorConfig(kind="ray", address="10.0.0.5:6379", num_workers=num_workers)) as ex:
+        assert list(ex.map(abs, [(-x,) for x in range(20)], window=8)) == list(range(20))
+    assert fake.most == most
+
+
+@pytest.mark.parametrize("max_workers, workers", [(1, 1), (3, 3), (9, 4)])
+def test_max_workers_caps_the_tasks_run_at_once_on_a_cluster(fake_ray, max_workers, workers):
+    fake_ray(cpus=4.0)
+    with open_executor(ExecutorConfig(kind="ray", address="10.0.0.5:6379"), max_workers=max_workers) as ex:
+        assert ex.workers == workers
+
+
+def test_a_cluster_without_cpus_warns_at_once_and_stops_after_no_cpu_s_without_any(fake_ray, monkeypatch, caplog):
+    """CPUs that come back restart the count: the stage stops after NO_CPU_S of
+    none in a row, not of none in all; it warns as soon as it sees none."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 250.0
+        return now[0]
+
+    monkeypatch.setattr(executor_module, "time", types.SimpleNamespace(monotonic=clock))
+    fake = fake_ray(cpus=4.0, cpus_seen=[4, 0, 0, 1, 0, 0, 0, 0])  # 4: as the stage joins
+    with open_executor(ExecutorConfig(kind="ray", address="10.0.0.5:6379"), desc="clean") as ex:
+        with pytest.raises(ExecutorError, match=r"^clean: the Ray cluster has had no CPUs for 750 s \(its nodes "
+                                                r"died or left\), so task 0 cannot run"):
+            list(ex.map(abs, [(-1,)]))
+    warned = [r.getMessage() for r in caplog.records if "has no CPUs" in r.getMessage()]
+    assert len(warned) == 5 and warned[0].endswith("task 0 waits, at most 600 s more")
+    assert fake.cpus_seen == []
+
+
+def test_a_cluster_that_fails_after_joining_is_left_and_the_ray_variables_restored(fake_ray, monkeypatch):
+    """Joined, then an error (here the initializer's arguments cannot be sent):
+    the stage's process leaves the cluster, so that a later stage in it does not
+    find itself joined to this one, and restores the variables it set."""
+    def put(value: Any) -> None:
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    fake = fake_ray(connected=False)
+    monkeypatch.setattr(fake, "put", put)
+    monkeypatch.setattr(executor_module, "_check_reachable", lambda desc, address: None)
+    names = (executor_module.RAY_CLUSTER_ENV, "RAY_IGNORE_UNHANDLED_ERRORS")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TypeError, match="cannot pickle"):
+        with open_executor(ExecutorConfig(kind="ray", address="127.0.0.1:6379"), init, ("cfg",)):
+            pass
+    assert fake.connected is False and not any(name in os.environ for name in names)
+
+
+def test_a_private_instance_has_as_many_cpus_as_the_stage_has_workers(fake_ray, monkeypatch):
+    """max_workers (a stage's task count) caps its private instance too, whose
+    raylet starts a worker process per CPU, each importing the stage's code."""
+    started = []
+
+    def start(workers: int, preload: Sequence[str] = ()) -> None:
+        started.append(workers)
+        raise RuntimeError("not started here")
+
+    fake_ray(connected=False)
+    monkeypatch.setattr(executor_module, "_start_private_instance", start)
+    with open_executor(ExecutorConfig(kind="ray", num_workers=4), max_workers=2) as ex:
+        ex.up.wait()
+        assert ex.workers == 2
+    assert started == [2]
+
+def test_a_private_instance_is_stopped_even_when_leaving_it_fails(fake_ray, monkeypatch):
+    """ray.shutdown raising (or a Ctrl-C during it) must not leave the stage's
+    private instance running for as long as its process lives."""
+    def shutdown() -> None:
+        raise RuntimeError("the GCS went away")
+
+    stopped = []
+    fake = fake_ray(connected=False)
+    monkeypatch.setattr(fake, "shutdown", shutdown)
+    monkeypatch.setattr(executor_module, "_start_private_instance",
+                        lambda workers, preload=(): types.SimpleNamespace(address="127.0.0.1:6379"))
+    monkeypatch.setattr(executor_module, "_stop_private_instance", stopped.append)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(RuntimeError, match="the GCS went away"):
+        with open_executor(ExecutorConfig(kind="ray", num_workers=1)) as ex:
+            ex.ready()
+    assert len(stopped) == 1 and not ex.starter.is_alive() and "RAY_AUTH_MODE" not in os.environ
+
+
+
+def test_a_ray_client_that_cannot_connect_is_one_line_naming_its_port(fake_ray, monkeypatch, recwarn):
+    """Ray Client gives up after 30 s (here at once), warning in two lines first;
+    a common cause is a ray:// address with the GCS port, which answers."""
+    def init(**kwargs: Any) -> None:
+        warnings.warn("Ray Client connection timed out. Ensure that the Ray Client port on the head node is "
+                      "reachable from your local machine.", UserWarning)
+        raise ConnectionError("ray client connection timeout")
+
+    fake = fake_ray(connected=False)
+    monkeypatch.setattr(fake, "init", init)
+    monkeypatch.setattr(executor_module, "_check_reachable", lambda desc, address: None)
+    with pytest.raises(ExecutorError) as err:
+        with open_executor(ExecutorConfig(kind="ray", address="ray://10.0.0.5:6379"), desc="clean"):
+            pass
+    assert str(err.value) == ("clean: could not start or join the Ray cluster at ray://10.0.0.5:6379: "
+                              "ConnectionError: ray client connection timeout (a ray:// address names the head's "
+                              "Ray Client server, port 10001 by default, not its GCS port)")
+    assert not [w for w in recwarn if "Ray Client" in str(w.message)]
+
 
 
 class _MallInfo2(ctypes.Structure):

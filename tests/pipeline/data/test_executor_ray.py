@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.data import executor as executor_module
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ PRELUDE = """
 import json, os, sys, psutil, ray
 import pipeline.data.executor as E
 from pipeline.data.executor import ExecutorConfig, ExecutorError, open_executor
-from tests.pipeline.data.test_executor import fails, init, tagged
+from tests.pipeline.data.test_executor import fails, init, inits, tagged
 SEEN = set()
 _stop = E._stop_private_instance
 def stop_watched(node):  # every process of the instance, seen just before it is stopped
@@ -47,13 +48,19 @@ def leftover():
 """
 
 
-def run(code: str, home, timeout: float = 300, **env) -> list:
-    """Run ``code`` after PRELUDE in a fresh process; its stdout lines as JSON values."""
-    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+def run_proc(code: str, home, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """Run ``code`` after PRELUDE in a fresh process, which must succeed."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_IGNORE_UNHANDLED_ERRORS")}
     proc = subprocess.run([sys.executable, "-c", PRELUDE + code], capture_output=True, text=True, cwd=ROOT,
                           env={**base, "PYTHONPATH": str(ROOT), "HOME": str(home), **env}, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+    return proc
+
+
+def run(code: str, home, timeout: float = 300, **env) -> list:
+    """Run ``code`` after PRELUDE in a fresh process; its stdout lines as JSON values."""
+    return [json.loads(line) for line in run_proc(code, home, timeout, **env).stdout.splitlines()]
 
 
 def test_a_private_instance_listens_on_loopback_only_writes_no_token_and_is_stopped(tmp_path):
@@ -97,7 +104,9 @@ with open_executor(cfg, init, ('cfg',)) as ex:
         for x in range(x, x + 6):
             yield (x, 0.0)
     out = list(ex.map(tagged, tasks()))
+    runs = sorted(set(ex.map(inits, [(x,) for x in range(8)])))
 print(json.dumps([[tag, sq, pid == os.getpid()] for tag, sq, pid in out]))
+print(json.dumps([[n, pid == os.getpid()] for n, pid in runs] + [[inits()[0], True]]))
 print(json.dumps(leftover()))
 """
 
@@ -109,7 +118,7 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
     "ray.init": where Ray's internals differ, ray.init starts the instance, in
     the stage's thread, so every task runs on Ray."""
     patch = "E._start_private_instance = lambda workers, preload=(): None\n" if internals == "ray.init" else ""
-    out, left = run(patch + MAP, tmp_path)
+    out, runs, left = run(patch + MAP, tmp_path)
     assert [sq for _, sq, _ in out] == [x * x for x in range(len(out))]
     assert {tag for tag, _, _ in out} == {"cfg"}
     here = [h for _, _, h in out]
@@ -118,6 +127,9 @@ def test_tasks_run_here_while_the_instance_starts_then_on_ray_in_order(tmp_path,
         assert here == sorted(here, reverse=True)  # here first, then Ray only
     else:
         assert len(here) == 6 and not any(here)
+    # once in each Ray worker (by the last map, on Ray only), and once here where tasks ran here
+    assert runs[:-1] and all(run == [1, False] for run in runs[:-1]), runs
+    assert runs[-1] == [1 if internals == "lean" else 0, True]
     assert left == []
 
 
@@ -233,6 +245,115 @@ def test_errors_while_the_instance_starts_are_one_line(tmp_path):
     assert lines[3] == []
 
 
+def test_a_task_that_fails_on_ray_is_one_line_and_tasks_left_in_flight_print_nothing(tmp_path):
+    """On Ray's workers: a StageError reaches the caller unchanged, any other
+    exception is one line naming the task and place, and a task that raises
+    runs once. The tasks still in flight when a map stops (here failing too)
+    are left; their errors, which Ray would print at the stage's disconnect as
+    "Unhandled error" with each worker's traceback, are not printed. A Ray
+    worker running other code than the stage's refuses its tasks in one line."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc = run_proc(
+        "import time\n"
+        "from tests.pipeline.data.ray_tasks import fails_after\n"
+        f"runs = {str(runs)!r}\n"
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), desc='clean') as ex:\n"
+        "    ex.ready()\n"
+        "    for first in (0, 1):\n"
+        "        try:\n"
+        "            list(ex.map(fails_after, [(first, 0.0, runs)] + [(x, 0.5, runs) for x in range(2, 5)]))\n"
+        "        except Exception as e:\n"
+        "            print(json.dumps([type(e).__name__, str(e)]))\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while len(os.listdir(runs)) < 8 and time.monotonic() < deadline:  # every task has raised\n"
+        "        time.sleep(0.05)\n"
+        "    time.sleep(1)  # their errors reach this process, as Ray would print them at the disconnect\n"
+        "print(json.dumps(sorted(name.split('-')[0] for name in os.listdir(runs))))\n"
+        "identity = E.code_identity()\n"
+        "E.code_identity = lambda: {**identity, 'numpy': '0.0.1'}\n"
+        "try:\n"
+        "    with open_executor(ExecutorConfig(kind='ray', num_workers=1), desc='clean') as ex:\n"
+        "        ex.ready()\n"
+        "        list(ex.map(abs, [(-1,)]))\n"
+        "except Exception as e:\n"
+        "    print(json.dumps([type(e).__name__, str(e)]))\n"
+        "print(json.dumps(leftover()))\n", tmp_path)
+    bad, bug, ran, other, left = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert bad == ["BadInput", "document 0 is unreadable"]
+    assert bug == ["ExecutorError", "clean: task 0 failed in a worker: ValueError: a bug in task 1 "
+                   "(at ray_tasks.py:37 in fails_after)"]
+    assert ran == ["0", "1", "2", "2", "3", "3", "4", "4"]  # each task once
+    assert other[0] == "ExecutorError" and other[1].startswith("clean: the Ray worker on ")
+    assert "(numpy " in other[1] and " there, 0.0.1 here;" in other[1]
+    assert left == []
+    assert "Unhandled error" not in proc.stderr and "a bug in task" not in proc.stderr, proc.stderr[-3000:]
+    assert "of fails_after raises" not in proc.stdout + proc.stderr  # a worker's output stays in Ray's logs
+
+
+def test_a_task_whose_worker_dies_every_time_is_lost_in_one_line(tmp_path):
+    """Its worker process dies (a crash, an OOM kill): the task runs again, up to
+    TASK_RETRIES times, then the stage stops in one line. Ray's notices of each
+    death and retry go to the stage's log, one line each, not to its stdout."""
+    proc = run_proc(
+        "from tests.pipeline.data.test_executor import dies\n"
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), desc='clean') as ex:\n"
+        "    ex.ready()\n"
+        "    try:\n"
+        "        list(ex.map(dies, [(x,) for x in range(3)]))\n"
+        "    except ExecutorError as e:\n"
+        "        print(json.dumps(str(e)))\n"
+        "import ray._private.worker as W\n"
+        "print(json.dumps([leftover(), W.print_to_stdstream.__qualname__]))\n", tmp_path)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout[-3000:]  # nothing else on stdout
+    lost, (left, printer) = [json.loads(line) for line in lines]
+    assert printer == "print_to_stdstream"  # Ray's own again, after the stage
+    assert lost.startswith("clean: task 1 was lost: WorkerCrashedError: The worker died unexpectedly") and \
+        "\n" not in lost
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("clean: Ray: ")]
+    # one per death (the last may come after the stage has left)
+    assert 1 <= sum("A worker died" in line for line in notices) <= 1 + executor_module.TASK_RETRIES, \
+        proc.stderr[-3000:]
+    assert "(raylet)" not in proc.stderr and "Traceback" not in proc.stderr
+    assert left == []
+
+
+def test_a_ctrl_c_mid_map_stops_the_stage_and_its_instance_without_worker_tracebacks(tmp_path):
+    """The terminal sends SIGINT to the whole process group, Ray's processes
+    included: the stage stops with its own KeyboardInterrupt alone, and every
+    process of its instance ends with it."""
+    code = PRELUDE + (
+        "with open_executor(ExecutorConfig(kind='ray', num_workers=2), init, ('cfg',)) as ex:\n"
+        "    ex.ready()\n"
+        "    for i, _ in enumerate(ex.map(tagged, [(x, 0.5) for x in range(100)])):\n"
+        "        if i == 2:\n"
+        "            print(json.dumps(sorted(p.pid for p in psutil.Process().children(recursive=True))), flush=True)\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+                            start_new_session=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert pids and not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 @pytest.mark.parametrize("form", ["127.0.0.1:PORT", "auto"])
 def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path, form):
     """`ray start --head --node-ip-address=127.0.0.1` (with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
@@ -266,11 +387,15 @@ def test_a_loopback_address_joins_a_head_that_listens_on_loopback_only(tmp_path,
             assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
             time.sleep(0.5)
         address = form.replace("PORT", str(port))
-        (workers, squares), = run(
+        proc = run_proc(
+            "import time\n"
+            "from tests.pipeline.data.ray_tasks import noisy_square\n"
             f"with open_executor(ExecutorConfig(kind='ray', address={address!r})) as ex:\n"
-            "    print(json.dumps([ex.workers, [sq for _, sq, _ in ex.map(tagged, [(x,) for x in range(4)])]]))\n",
+            "    print(json.dumps([ex.workers, list(ex.map(noisy_square, [(x,) for x in range(4)]))]))\n"
+            "    time.sleep(1)  # past the head's log monitor's rounds, which would forward the tasks' output\n",
             tmp_path, timeout=60, RAY_TMPDIR=temp)
-        assert (workers, squares) == (2, [0, 1, 4, 9])
+        assert json.loads(proc.stdout) == [2, [0, 1, 4, 9]]
+        assert "noisy_square" not in proc.stderr  # the workers' output stays in the cluster's logs
     finally:
         head.terminate()  # --block: ray start stops the head's processes
         try:
