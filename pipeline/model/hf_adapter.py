@@ -372,9 +372,13 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window true: sliding-window attention is not supported for "
                         f"{family.architecture} (supported: full attention)")
-    other_layers = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
+    layer_types = hf.get("layer_types")
+    other_layers = sorted(set(layer_types or []) - {"full_attention"})
     if other_layers:
         problems.append(f"layer_types {', '.join(other_layers)} (supported: full_attention)")
+    if layer_types is not None and len(layer_types) != hf["num_hidden_layers"]:  # transformers 5 refuses it too
+        problems.append(f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
+                        f"{hf['num_hidden_layers']} (supported: one entry per layer)")
     if hf.get("quantization_config"):
         method = (hf["quantization_config"] or {}).get("quant_method", "?")
         problems.append(f"quantization_config ({method}): quantized weights are not supported "

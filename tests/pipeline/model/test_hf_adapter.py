@@ -483,6 +483,12 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
     "sliding-layers": ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]},
                        "layer_types sliding_attention"),
+    # a layer_types list of another length was read as all full attention; transformers 5 cannot build it
+    "short-layer-types": ("qwen2", {"layer_types": ["full_attention"]},
+                          "layer_types has 1 entries but num_hidden_layers is 2"),
+    "long-layer-types": ("llama", {"layer_types": ["full_attention"] * 3},
+                         "layer_types has 3 entries but num_hidden_layers is 2"),
+    "empty-layer-types": ("qwen3", {"layer_types": []}, "layer_types has 0 entries but num_hidden_layers is 2"),
     "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     "mlp-bias": ("llama", {"mlp_bias": True}, "mlp_bias true"),
     "llama-attention-bias": ("llama", {"attention_bias": True}, "attention_bias true"),
