@@ -21,12 +21,15 @@ folder is refused rather than read one way or the other.
 What a config.json may ask for is checked before any weight is read
 (:func:`config_from_hf`); anything the model does not compute exactly like
 transformers raises :class:`UnsupportedModelError`, one line naming it and
-what is supported. Sliding windows: Qwen2/Qwen3's ``use_sliding_window: true``
-is refused. Mistral's ``sliding_window`` is honoured by capping ``max_seq_len``
-at the window (with a warning): a causal window of W positions lets a query see
-the W - 1 positions before it, which is every earlier position of a sequence of
-at most W tokens, so within ``max_seq_len`` full attention computes exactly
-what the window does.
+what is supported. A config.json whose ``auto_map`` names custom modelling
+code is refused too: from_pretrained(trust_remote_code=True) runs that code,
+which may compute otherwise than the family's class. Sliding windows:
+Qwen2/Qwen3's ``use_sliding_window: true`` is refused. Mistral's
+``sliding_window`` is honoured by capping ``max_seq_len`` at the window (with
+a warning): a causal window of W positions lets a query see the W - 1
+positions before it, which is every earlier position of a sequence of at most
+W tokens, so within ``max_seq_len`` full attention computes exactly what the
+window does.
 
 Nothing here imports transformers: reading an export must work without it.
 """
@@ -324,7 +327,7 @@ _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")
 _NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "attention_dropout", "partial_rotary_factor")
 _BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
-_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config")
+_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config", "auto_map")
 _STRINGS = ("hidden_act",)
 _STRING_LISTS = ("layer_types",)
 
@@ -379,6 +382,12 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     if layer_types is not None and len(layer_types) != hf["num_hidden_layers"]:  # transformers 5 refuses it too
         problems.append(f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
                         f"{hf['num_hidden_layers']} (supported: one entry per layer)")
+    if hf.get("auto_map"):  # trust_remote_code=True would run that code, not the family's class
+        named = [v if isinstance(v, list) else [v] for v in hf["auto_map"].values()]  # a tokenizer's is a pair
+        code = sorted({name for names in named for name in names if isinstance(name, str)})
+        problems.append(f"auto_map names custom code ({_some(code, 3)}) that is not run here and may compute "
+                        f"otherwise than {family.architecture} (supported: the stock transformers classes; "
+                        "if the model is the stock class, delete auto_map from config.json)")
     if hf.get("quantization_config"):
         method = (hf["quantization_config"] or {}).get("quant_method", "?")
         problems.append(f"quantization_config ({method}): quantized weights are not supported "

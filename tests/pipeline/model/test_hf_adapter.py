@@ -336,7 +336,7 @@ def test_an_original_s_auto_map_is_left_out_for_the_export_needs_no_custom_code(
     """The code files an auto_map names are not exported (the model is the stock class), and
     from_pretrained(trust_remote_code=True), as many scripts call it, would look for them and fail."""
     original = {**saved_config("llama"), "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}
-    merged = hf_config(config_from_hf(original), original=original)
+    merged = hf_config(config_from_hf(saved_config("llama")), original=original)  # config_from_hf refuses the original
     assert "auto_map" not in merged and merged["architectures"] == ["LlamaForCausalLM"]
     folder = tmp_path / "export"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**merged)).save_pretrained(folder)
@@ -488,6 +488,15 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
                           "layer_types has 1 entries but num_hidden_layers is 2"),
     "long-layer-types": ("llama", {"layer_types": ["full_attention"] * 3},
                          "layer_types has 3 entries but num_hidden_layers is 2"),
+    # custom modelling code, which from_pretrained(trust_remote_code=True) runs instead of the family's class
+    "auto-map": ("llama", {"auto_map": {"AutoConfig": "configuration_x.XConfig",
+                                        "AutoModelForCausalLM": "modeling_x.XForCausalLM"}},
+                 "auto_map names custom code (configuration_x.XConfig, modeling_x.XForCausalLM)"),
+    "auto-map-of-a-hub-repo": ("qwen2", {"auto_map": {"AutoModelForCausalLM": "org/repo--modeling_x.XForCausalLM",
+                                                      "AutoTokenizer": ["org/repo--tok.XTokenizer", None]}},
+                               "auto_map names custom code (org/repo--modeling_x.XForCausalLM, org/repo--tok.XTokenizer)"),
+    "string-auto-map": ("mistral", {"auto_map": "modeling_x.XForCausalLM"},
+                        'auto_map is "modeling_x.XForCausalLM", not an object'),
     "empty-layer-types": ("qwen3", {"layer_types": []}, "layer_types has 0 entries but num_hidden_layers is 2"),
     "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     "mlp-bias": ("llama", {"mlp_bias": True}, "mlp_bias true"),
