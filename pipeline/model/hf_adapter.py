@@ -594,9 +594,11 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
     for file, names in files.items():
         with safe_open(str(folder / file), framework="pt") as f:
             for key in names:
-                if (key == "lm_head.weight" and config.tie_embeddings) or IGNORED.search(key):
-                    continue  # transformers ignores these too
-                ours = _rename(key, FROM_HF)
+                if IGNORED.search(key):
+                    continue  # transformers recomputes these
+                # a stored head beside tied embeddings is not loaded, but must be the embedding (_check_stored_head)
+                tied_head = key == "lm_head.weight" and config.tie_embeddings
+                ours = "tok_embeddings.weight" if tied_head else _rename(key, FROM_HF)
                 if ours not in targets:
                     unexpected.append(key)
                     continue
@@ -606,7 +608,8 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
                     bad.append(f"{key} is {dtype} (supported: {', '.join(FILE_DTYPES)})")
                 elif shape != list(targets[ours].shape):
                     bad.append(f"{key} has shape {shape}, the config says {list(targets[ours].shape)}")
-                plan.setdefault(file, []).append((key, ours))
+                if not tied_head:
+                    plan.setdefault(file, []).append((key, ours))
     missing = sorted(set(targets) - {ours for pairs in plan.values() for _, ours in pairs})
     problems = [f"unexpected tensor(s) {_some(sorted(unexpected))}"] if unexpected else []
     problems += bad[:5] + ([f"{len(bad) - 5} more of another shape or dtype"] if len(bad) > 5 else [])

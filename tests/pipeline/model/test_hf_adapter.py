@@ -181,7 +181,11 @@ def test_a_stored_head_equal_to_the_tied_embedding_is_ignored_and_a_different_on
      r"unexpected tensor\(s\) model.layers.0.self_attn.o_proj.bias"),
     (lambda t: t.update({"model.norm.weight": torch.ones(32)}), r"model.norm.weight has shape \[32\], the config says \[64\]"),
     (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}), r"model.norm.weight is I8"),
-], ids=["missing", "unexpected", "shape", "dtype"])
+    # a head stored beside tied embeddings (qwen2 here ties them) is checked from the headers too: the launcher's
+    # check passed it and every rank then failed on loading it
+    (lambda t: t.update({"lm_head.weight": torch.zeros(3, 64)}), r"lm_head.weight has shape \[3, 64\], the config says"),
+    (lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].to(torch.int8)}), r"lm_head.weight is I8"),
+], ids=["missing", "unexpected", "shape", "dtype", "tied-head-shape", "tied-head-dtype"])
 def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change, message):
     folder = rewrite_weights(folders("qwen2"), tmp_path / "m", change)
     with pytest.raises(UnsupportedModelError, match=message) as err:
