@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 
 import pytest
 import torch
@@ -140,9 +142,21 @@ def test_load_hf_weights_into_a_built_model(folders):
     model = Transformer(config)  # randomly initialised, as a trainer builds it
     load_hf_weights(model, folder)
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.state_dict().items())
-    other = Transformer(config.__class__(**{**config.to_dict(), "norm_eps": 1e-5}))
-    with pytest.raises(UnsupportedModelError, match=r"differs from the folder's: norm_eps 1e-05 != 1e-06"):
-        load_hf_weights(other, folder)
+    # every field that changes what the weights compute, though the weights fit
+    for change, words in [({"norm_eps": 1e-5}, "norm_eps 1e-05 != 1e-06"),
+                          ({"rope_theta": 1e4}, "rope_theta 10000.0 != "),
+                          ({"rope_scaling": LLAMA3_ROPE}, "rope_scaling {'rope_type': 'llama3'")]:
+        other = Transformer(config.__class__(**{**config.to_dict(), **change}))
+        with pytest.raises(UnsupportedModelError, match=re.escape(f"differs from the folder's: {words}")):
+            load_hf_weights(other, folder)
+
+
+def test_a_model_of_more_than_ten_layers_loads_every_layer(tmp_path):
+    """Two-digit layer numbers map like one-digit ones (model.layers.10.* is layers.10.*)."""
+    folder = save_tiny_hf_model("llama", tmp_path / "m", vocab_size=VOCAB, num_hidden_layers=11)
+    _, model = load_hf_model(folder)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(model.layers[10].feed_forward.w2.weight, stored["model.layers.10.mlp.down_proj.weight"])
 
 
 # --------------------------------------------------------------------------- weights that do not fit
@@ -181,11 +195,17 @@ def test_a_stored_head_equal_to_the_tied_embedding_is_ignored_and_a_different_on
      r"unexpected tensor\(s\) model.layers.0.self_attn.o_proj.bias"),
     (lambda t: t.update({"model.norm.weight": torch.ones(32)}), r"model.norm.weight has shape \[32\], the config says \[64\]"),
     (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}), r"model.norm.weight is I8"),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].double()}), r"model.norm.weight is F64"),
+    # a tied model stored as its head alone: the embedding is missing, not taken from the head
+    (lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}),
+     r"missing tensor\(s\) model.embed_tokens.weight$"),
     # a head stored beside tied embeddings (qwen2 here ties them) is checked from the headers too: the launcher's
     # check passed it and every rank then failed on loading it
-    (lambda t: t.update({"lm_head.weight": torch.zeros(3, 64)}), r"lm_head.weight has shape \[3, 64\], the config says"),
+    (lambda t: t.update({"lm_head.weight": torch.zeros(3, 64)}),
+     r"lm_head.weight has shape \[3, 64\], the config says"),
     (lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].to(torch.int8)}), r"lm_head.weight is I8"),
-], ids=["missing", "unexpected", "shape", "dtype", "tied-head-shape", "tied-head-dtype"])
+], ids=["missing", "unexpected", "shape", "dtype", "float64", "head-without-embedding", "tied-head-shape",
+        "tied-head-dtype"])
 def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change, message):
     folder = rewrite_weights(folders("qwen2"), tmp_path / "m", change)
     with pytest.raises(UnsupportedModelError, match=message) as err:
@@ -229,9 +249,67 @@ def test_a_backbone_saved_without_its_wrapper_is_named_in_a_short_line(folders, 
     assert message.endswith("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
                             "*ForCausalLM wrapper")
 
+    def stray(t):  # one name without the prefix beside an unrelated unexpected tensor: no backbone
+        t["norm.weight"] = t.pop("model.norm.weight")
+        t["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+
+    with pytest.raises(UnsupportedModelError) as err:
+        load_hf_model(rewrite_weights(folders("llama"), tmp_path / "stray", stray))
+    assert "unexpected tensor(s) model.layers.0.self_attn.o_proj.bias, norm.weight" in str(err.value)
+    assert "prefix" not in str(err.value)
+
+
+def test_rotary_buffers_that_older_checkpoints_saved_are_ignored(folders, tmp_path):
+    """transformers recomputes rotary_emb.inv_freq rather than loading it, and so do we."""
+    def add(t):
+        for i in range(2):
+            t[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    folder = rewrite_weights(folders("llama"), tmp_path / "m", add)
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    assert "model.layers.1.self_attn.rotary_emb.inv_freq" in check_weights(folder, config)["model.safetensors"]
+    ours, reference = load_hf_model(folder)[1].state_dict(), load_hf_model(folders("llama"))[1].state_dict()
+    assert ours.keys() == reference.keys() and all(torch.equal(v, reference[k]) for k, v in ours.items())
+
+
+def test_model_safetensors_wins_over_an_index_beside_it_as_in_transformers(folders, tmp_path):
+    """transformers looks for model.safetensors first; a stale index left beside it is not read."""
+    folder = shutil.copytree(folders("llama"), tmp_path / "m")
+    stale = {"weight_map": {"model.norm.weight": "gone.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(stale))
+    assert list(hf_adapter.weight_files(folder)) == ["model.safetensors"]
+    assert max_diff(folder, load_hf_model(folder)[1]) <= 1e-5
+
+
+def test_an_index_placing_a_tensor_in_a_shard_that_lacks_it_is_one_line(folders, tmp_path):
+    folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    moved = next(k for k, v in index["weight_map"].items() if v == first)
+    index["weight_map"][moved] = second
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsupportedModelError, match=re.escape(
+            f"{second}: lacks {moved}, which model.safetensors.index.json places there")) as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, message", [("[1, 2]", "config.json: not a JSON object"),
+                                           ('{"vocab_size": ', "config.json: cannot read a Hugging Face config"),
+                                           (None, "config.json: cannot read a Hugging Face config")],
+                         ids=["list", "truncated", "absent"])
+def test_a_config_json_that_is_not_an_object_is_one_line(folders, tmp_path, text, message):
+    folder = shutil.copytree(folders("llama"), tmp_path / "m")
+    if text is None:
+        (folder / "config.json").unlink()
+    else:
+        (folder / "config.json").write_text(text)
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)) as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value)
+
 
 def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
-    import shutil
 
     folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
     shard = sorted(folder.glob("model-*.safetensors"))[1]
@@ -251,9 +329,9 @@ def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     ("model.safetensors", r"weight_map is \"model.safetensors\", not an object"),
     ({"model.norm.weight": 3}, r"weight_map names 3 as the file of model.norm.weight, not a file name"),
     ({"model.norm.weight": "../elsewhere/model.safetensors"}, r"places model.norm.weight in \.\./elsewhere.*outside"),
-], ids=["not-a-map", "not-a-name", "outside"])
+    ({"model.norm.weight": "/elsewhere/model.safetensors"}, r"places model.norm.weight in /elsewhere/model.*outside"),
+], ids=["not-a-map", "not-a-name", "outside", "absolute"])
 def test_an_index_whose_weight_map_is_not_shards_in_the_folder_is_one_line(folders, tmp_path, weight_map, message):
-    import shutil
 
     folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -483,6 +561,9 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "llama3-incomplete": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
                           "llama3 RoPE scaling lacks low_freq_factor, high_freq_factor"),
     "partial-rotary": ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    "partial-rotary-in-rope": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                             "partial_rotary_factor": 0.25}},
+                               "partial_rotary_factor 0.25"),
     "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
     "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
     "sliding-layers": ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]},
@@ -498,7 +579,8 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
                  "auto_map names custom code (configuration_x.XConfig, modeling_x.XForCausalLM)"),
     "auto-map-of-a-hub-repo": ("qwen2", {"auto_map": {"AutoModelForCausalLM": "org/repo--modeling_x.XForCausalLM",
                                                       "AutoTokenizer": ["org/repo--tok.XTokenizer", None]}},
-                               "auto_map names custom code (org/repo--modeling_x.XForCausalLM, org/repo--tok.XTokenizer)"),
+                               "auto_map names custom code (org/repo--modeling_x.XForCausalLM, "
+                               "org/repo--tok.XTokenizer)"),
     "string-auto-map": ("mistral", {"auto_map": "modeling_x.XForCausalLM"},
                         'auto_map is "modeling_x.XForCausalLM", not an object'),
     "empty-layer-types": ("qwen3", {"layer_types": []}, "layer_types has 0 entries but num_hidden_layers is 2"),
@@ -528,6 +610,7 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "list-eps": ("qwen2", {"rms_norm_eps": [1e-6]}, "rms_norm_eps is [1e-06], not a number"),
     "string-tie": ("llama", {"tie_word_embeddings": "false"}, 'tie_word_embeddings is "false", not true or false'),
     "float-heads": ("qwen3", {"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not an integer"),
+    "bool-layers": ("llama", {"num_hidden_layers": True}, "num_hidden_layers is true, not an integer"),
     "string-architectures": ("llama", {"architectures": "LlamaForCausalLM"},
                              'architectures is "LlamaForCausalLM", not a list'),
     # these ended in a TypeError or AttributeError traceback, or named a string "false" as true
