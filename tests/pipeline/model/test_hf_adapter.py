@@ -180,6 +180,10 @@ def test_a_stored_head_equal_to_the_tied_embedding_is_ignored_and_a_different_on
     _, model = load_hf_model(folder)
     assert model.output.weight is model.tok_embeddings.weight
     assert max_diff(folder, model) <= 1e-5
+    # in a bf16 file the copy is compared with the fp32 embedding made from it
+    half = rewrite_weights(folders("llama", tie=True, dtype=torch.bfloat16), tmp_path / "same-bf16", add_copy)
+    _, model = load_hf_model(half)
+    assert model.output.weight is model.tok_embeddings.weight
 
     def add_other(t):
         t["lm_head.weight"] = torch.randn_like(t["model.embed_tokens.weight"])
@@ -531,6 +535,14 @@ def test_an_explicit_null_means_what_it_means_to_transformers(family, caplog):
             config_from_hf({**hf, "head_dim": None})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_s_sliding_window_without_use_sliding_window_is_not_a_cap(family, caplog):
+    """Qwen2.5's config.json carries sliding_window beside use_sliding_window false: full attention, no cap."""
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
+        config = config_from_hf({**saved_config(family), "sliding_window": 16, "use_sliding_window": False})
+    assert config.max_seq_len == 128 and "capped" not in caplog.text
+
+
 def test_mistral_sliding_window_caps_max_seq_len(folders, caplog):
     with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
         config = config_from_hf(saved_config("mistral", sliding_window=16))
@@ -560,6 +572,9 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "longrope": ("mistral", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
     "llama3-incomplete": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
                           "llama3 RoPE scaling lacks low_freq_factor, high_freq_factor"),
+    "per-layer-rope": ("qwen2", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+                       "per-layer-type rope_parameters (full_attention, sliding_attention)"),
     "partial-rotary": ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     "partial-rotary-in-rope": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                              "partial_rotary_factor": 0.25}},
@@ -661,11 +676,13 @@ def test_the_registry_matches_the_model():
         assert set(hf_adapter.to_hf(ours, config)) == set(theirs) - {"lm_head.weight"}
 
 
-def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path):
-    from pipeline.model.hf_adapter import UnsupportedModelError, weight_files
-
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+@pytest.mark.parametrize("damage", [lambda b: b"not a safetensors file", lambda b: b"", lambda b: b[:-100],
+                                    lambda b: b + b"\0" * 8], ids=["garbage", "empty", "truncated", "appended"])
+def test_a_damaged_safetensors_file_is_one_line_naming_the_file(folders, tmp_path, damage):
+    """A download cut short (or anything but a whole file) is refused on its header, before any tensor is read."""
+    folder = shutil.copytree(folders("llama"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
     with pytest.raises(UnsupportedModelError, match=r"model\.safetensors: not a readable safetensors file") as err:
-        weight_files(tmp_path)
+        load_hf_model(folder)
     assert "\n" not in str(err.value)
