@@ -625,6 +625,7 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "list-eps": ("qwen2", {"rms_norm_eps": [1e-6]}, "rms_norm_eps is [1e-06], not a number"),
     "string-tie": ("llama", {"tie_word_embeddings": "false"}, 'tie_word_embeddings is "false", not true or false'),
     "float-heads": ("qwen3", {"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not an integer"),
+    "bool-eps": ("qwen2", {"rms_norm_eps": True}, "rms_norm_eps is true, not a number"),
     "bool-layers": ("llama", {"num_hidden_layers": True}, "num_hidden_layers is true, not an integer"),
     "string-architectures": ("llama", {"architectures": "LlamaForCausalLM"},
                              'architectures is "LlamaForCausalLM", not a list'),
@@ -674,6 +675,15 @@ def test_the_registry_matches_the_model():
         with torch.device("meta"):
             ours = Transformer(config).state_dict()
         assert set(hf_adapter.to_hf(ours, config)) == set(theirs) - {"lm_head.weight"}
+
+
+def test_a_generation_config_is_none_when_absent_and_one_line_when_not_an_object(tmp_path):
+    assert hf_adapter.read_generation_config(tmp_path) is None
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7}')
+    assert hf_adapter.read_generation_config(tmp_path) == {"temperature": 0.7}
+    (tmp_path / "generation_config.json").write_text("[0.7]")
+    with pytest.raises(UnsupportedModelError, match=r"generation_config\.json: not a JSON object$"):
+        hf_adapter.read_generation_config(tmp_path)
 
 
 @pytest.mark.parametrize("damage", [lambda b: b"not a safetensors file", lambda b: b"", lambda b: b[:-100],
