@@ -382,9 +382,10 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     if layer_types is not None and len(layer_types) != hf["num_hidden_layers"]:  # transformers 5 refuses it too
         problems.append(f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
                         f"{hf['num_hidden_layers']} (supported: one entry per layer)")
-    if hf.get("auto_map"):  # trust_remote_code=True would run that code, not the family's class
-        named = [v if isinstance(v, list) else [v] for v in hf["auto_map"].values()]  # a tokenizer's is a pair
-        code = sorted({name for names in named for name in names if isinstance(name, str)})
+    # trust_remote_code=True would run the code an auto_map names, not the family's class
+    named = [v if isinstance(v, list) else [v] for v in (hf.get("auto_map") or {}).values()]  # a tokenizer's: a pair
+    code = sorted({name for names in named for name in names if isinstance(name, str) and name})
+    if code:
         problems.append(f"auto_map names custom code ({_some(code, 3)}) that is not run here and may compute "
                         f"otherwise than {family.architecture} (supported: the stock transformers classes; "
                         "if the model is the stock class, delete auto_map from config.json)")

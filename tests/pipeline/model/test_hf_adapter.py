@@ -431,6 +431,11 @@ def test_an_original_s_auto_map_is_left_out_for_the_export_needs_no_custom_code(
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
+def test_an_auto_map_that_names_no_code_is_no_custom_code():
+    assert config_from_hf({**saved_config("llama"), "auto_map": {"AutoModelForCausalLM": None, "AutoConfig": ""}}) == \
+        config_from_hf(saved_config("llama"))
+
+
 def test_llama3_scaling_is_written_for_transformers_4_readers_too():
     """A reader of the legacy keys alone (transformers 4 knows no rope_parameters) sees the same RoPE:
     rope_theta at the top level, the scaling in rope_scaling without it."""
