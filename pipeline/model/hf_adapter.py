@@ -616,6 +616,8 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
     problems += bad[:5] + ([f"{len(bad) - 5} more of another shape or dtype"] if len(bad) > 5 else [])
     if missing:
         problems.append(f"missing tensor(s) {_some([_rename(m, TO_HF) or m for m in missing])}")
+    if missing == ["output.weight"]:  # transformers would leave the head randomly initialised
+        problems.append("config.json has tie_word_embeddings false; if the model's head is its embedding, set it true")
     if unexpected and missing and all(_rename("model." + k, FROM_HF) in targets for k in unexpected):
         problems.append("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
                         "*ForCausalLM wrapper")

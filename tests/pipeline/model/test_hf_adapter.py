@@ -222,6 +222,21 @@ def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change
     assert check_weights(folders("qwen2"), config_from_hf(json.loads((folders("qwen2") / "config.json").read_text())))
 
 
+def test_a_tied_model_whose_config_says_untied_is_refused_with_the_likely_cause(folders, tmp_path):
+    """transformers would give it a random head; the line says which setting would fit the file."""
+    folder = shutil.copytree(folders("llama", tie=True), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(UnsupportedModelError, match=r"missing tensor\(s\) lm_head.weight; config.json has "
+                       r"tie_word_embeddings false; if the model's head is its embedding, set it true$"):
+        load_hf_model(folder)
+    with pytest.raises(UnsupportedModelError) as err:  # another missing tensor besides: no such guess
+        load_hf_model(rewrite_weights(folders("llama", tie=False), tmp_path / "two",
+                                      lambda t: [t.pop("lm_head.weight"), t.pop("model.norm.weight")]))
+    assert "missing tensor(s) model.norm.weight, lm_head.weight" in str(err.value)
+    assert "tie_word_embeddings" not in str(err.value)
+
+
 def test_weights_damaged_behind_an_intact_header_are_refused_not_loaded(folders, tmp_path):
     def damage(t):  # what bytes overwritten inside the data look like: NaN, inf, for a few values
         t["model.layers.1.mlp.up_proj.weight"].view(-1)[5] = float("nan")
