@@ -21,12 +21,15 @@ folder is refused rather than read one way or the other.
 What a config.json may ask for is checked before any weight is read
 (:func:`config_from_hf`); anything the model does not compute exactly like
 transformers raises :class:`UnsupportedModelError`, one line naming it and
-what is supported. Sliding windows: Qwen2/Qwen3's ``use_sliding_window: true``
-is refused. Mistral's ``sliding_window`` is honoured by capping ``max_seq_len``
-at the window (with a warning): a causal window of W positions lets a query see
-the W - 1 positions before it, which is every earlier position of a sequence of
-at most W tokens, so within ``max_seq_len`` full attention computes exactly
-what the window does.
+what is supported. A config.json whose ``auto_map`` names custom modelling
+code is refused too: from_pretrained(trust_remote_code=True) runs that code,
+which may compute otherwise than the family's class. Sliding windows:
+Qwen2/Qwen3's ``use_sliding_window: true`` is refused. Mistral's
+``sliding_window`` is honoured by capping ``max_seq_len`` at the window (with
+a warning): a causal window of W positions lets a query see the W - 1
+positions before it, which is every earlier position of a sequence of at most
+W tokens, so within ``max_seq_len`` full attention computes exactly what the
+window does.
 
 Nothing here imports transformers: reading an export must work without it.
 """
@@ -324,7 +327,7 @@ _INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")
 _NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "attention_dropout", "partial_rotary_factor")
 _BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
-_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config")
+_MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config", "auto_map")
 _STRINGS = ("hidden_act",)
 _STRING_LISTS = ("layer_types",)
 
@@ -372,9 +375,20 @@ def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window true: sliding-window attention is not supported for "
                         f"{family.architecture} (supported: full attention)")
-    other_layers = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
+    layer_types = hf.get("layer_types")
+    other_layers = sorted(set(layer_types or []) - {"full_attention"})
     if other_layers:
         problems.append(f"layer_types {', '.join(other_layers)} (supported: full_attention)")
+    if layer_types is not None and len(layer_types) != hf["num_hidden_layers"]:  # transformers 5 refuses it too
+        problems.append(f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
+                        f"{hf['num_hidden_layers']} (supported: one entry per layer)")
+    # trust_remote_code=True would run the code an auto_map names, not the family's class
+    named = [v if isinstance(v, list) else [v] for v in (hf.get("auto_map") or {}).values()]  # a tokenizer's: a pair
+    code = sorted({name for names in named for name in names if isinstance(name, str) and name})
+    if code:
+        problems.append(f"auto_map names custom code ({_some(code, 3)}) that is not run here and may compute "
+                        f"otherwise than {family.architecture} (supported: the stock transformers classes; "
+                        "if the model is the stock class, delete auto_map from config.json)")
     if hf.get("quantization_config"):
         method = (hf["quantization_config"] or {}).get("quant_method", "?")
         problems.append(f"quantization_config ({method}): quantized weights are not supported "
@@ -581,9 +595,11 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
     for file, names in files.items():
         with safe_open(str(folder / file), framework="pt") as f:
             for key in names:
-                if (key == "lm_head.weight" and config.tie_embeddings) or IGNORED.search(key):
-                    continue  # transformers ignores these too
-                ours = _rename(key, FROM_HF)
+                if IGNORED.search(key):
+                    continue  # transformers recomputes these
+                # a stored head beside tied embeddings is not loaded, but must be the embedding (_check_stored_head)
+                tied_head = key == "lm_head.weight" and config.tie_embeddings
+                ours = "tok_embeddings.weight" if tied_head else _rename(key, FROM_HF)
                 if ours not in targets:
                     unexpected.append(key)
                     continue
@@ -593,12 +609,15 @@ def _weight_plan(model: Transformer, folder: Path, files: Mapping[str, list[str]
                     bad.append(f"{key} is {dtype} (supported: {', '.join(FILE_DTYPES)})")
                 elif shape != list(targets[ours].shape):
                     bad.append(f"{key} has shape {shape}, the config says {list(targets[ours].shape)}")
-                plan.setdefault(file, []).append((key, ours))
+                if not tied_head:
+                    plan.setdefault(file, []).append((key, ours))
     missing = sorted(set(targets) - {ours for pairs in plan.values() for _, ours in pairs})
     problems = [f"unexpected tensor(s) {_some(sorted(unexpected))}"] if unexpected else []
     problems += bad[:5] + ([f"{len(bad) - 5} more of another shape or dtype"] if len(bad) > 5 else [])
     if missing:
         problems.append(f"missing tensor(s) {_some([_rename(m, TO_HF) or m for m in missing])}")
+    if missing == ["output.weight"]:  # transformers would leave the head randomly initialised
+        problems.append("config.json has tie_word_embeddings false; if the model's head is its embedding, set it true")
     if unexpected and missing and all(_rename("model." + k, FROM_HF) in targets for k in unexpected):
         problems.append("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
                         "*ForCausalLM wrapper")

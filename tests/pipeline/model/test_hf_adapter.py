@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 
 import pytest
 import torch
@@ -140,9 +142,21 @@ def test_load_hf_weights_into_a_built_model(folders):
     model = Transformer(config)  # randomly initialised, as a trainer builds it
     load_hf_weights(model, folder)
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.state_dict().items())
-    other = Transformer(config.__class__(**{**config.to_dict(), "norm_eps": 1e-5}))
-    with pytest.raises(UnsupportedModelError, match=r"differs from the folder's: norm_eps 1e-05 != 1e-06"):
-        load_hf_weights(other, folder)
+    # every field that changes what the weights compute, though the weights fit
+    for change, words in [({"norm_eps": 1e-5}, "norm_eps 1e-05 != 1e-06"),
+                          ({"rope_theta": 1e4}, "rope_theta 10000.0 != "),
+                          ({"rope_scaling": LLAMA3_ROPE}, "rope_scaling {'rope_type': 'llama3'")]:
+        other = Transformer(config.__class__(**{**config.to_dict(), **change}))
+        with pytest.raises(UnsupportedModelError, match=re.escape(f"differs from the folder's: {words}")):
+            load_hf_weights(other, folder)
+
+
+def test_a_model_of_more_than_ten_layers_loads_every_layer(tmp_path):
+    """Two-digit layer numbers map like one-digit ones (model.layers.10.* is layers.10.*)."""
+    folder = save_tiny_hf_model("llama", tmp_path / "m", vocab_size=VOCAB, num_hidden_layers=11)
+    _, model = load_hf_model(folder)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(model.layers[10].feed_forward.w2.weight, stored["model.layers.10.mlp.down_proj.weight"])
 
 
 # --------------------------------------------------------------------------- weights that do not fit
@@ -166,6 +180,10 @@ def test_a_stored_head_equal_to_the_tied_embedding_is_ignored_and_a_different_on
     _, model = load_hf_model(folder)
     assert model.output.weight is model.tok_embeddings.weight
     assert max_diff(folder, model) <= 1e-5
+    # in a bf16 file the copy is compared with the fp32 embedding made from it
+    half = rewrite_weights(folders("llama", tie=True, dtype=torch.bfloat16), tmp_path / "same-bf16", add_copy)
+    _, model = load_hf_model(half)
+    assert model.output.weight is model.tok_embeddings.weight
 
     def add_other(t):
         t["lm_head.weight"] = torch.randn_like(t["model.embed_tokens.weight"])
@@ -181,7 +199,17 @@ def test_a_stored_head_equal_to_the_tied_embedding_is_ignored_and_a_different_on
      r"unexpected tensor\(s\) model.layers.0.self_attn.o_proj.bias"),
     (lambda t: t.update({"model.norm.weight": torch.ones(32)}), r"model.norm.weight has shape \[32\], the config says \[64\]"),
     (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}), r"model.norm.weight is I8"),
-], ids=["missing", "unexpected", "shape", "dtype"])
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].double()}), r"model.norm.weight is F64"),
+    # a tied model stored as its head alone: the embedding is missing, not taken from the head
+    (lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}),
+     r"missing tensor\(s\) model.embed_tokens.weight$"),
+    # a head stored beside tied embeddings (qwen2 here ties them) is checked from the headers too: the launcher's
+    # check passed it and every rank then failed on loading it
+    (lambda t: t.update({"lm_head.weight": torch.zeros(3, 64)}),
+     r"lm_head.weight has shape \[3, 64\], the config says"),
+    (lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].to(torch.int8)}), r"lm_head.weight is I8"),
+], ids=["missing", "unexpected", "shape", "dtype", "float64", "head-without-embedding", "tied-head-shape",
+        "tied-head-dtype"])
 def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change, message):
     folder = rewrite_weights(folders("qwen2"), tmp_path / "m", change)
     with pytest.raises(UnsupportedModelError, match=message) as err:
@@ -192,6 +220,21 @@ def test_weights_that_do_not_fit_are_named_in_one_line(folders, tmp_path, change
         check_weights(folder, config_from_hf(json.loads((folder / "config.json").read_text())))
     assert str(headers_only.value) == str(err.value)
     assert check_weights(folders("qwen2"), config_from_hf(json.loads((folders("qwen2") / "config.json").read_text())))
+
+
+def test_a_tied_model_whose_config_says_untied_is_refused_with_the_likely_cause(folders, tmp_path):
+    """transformers would give it a random head; the line says which setting would fit the file."""
+    folder = shutil.copytree(folders("llama", tie=True), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(UnsupportedModelError, match=r"missing tensor\(s\) lm_head.weight; config.json has "
+                       r"tie_word_embeddings false; if the model's head is its embedding, set it true$"):
+        load_hf_model(folder)
+    with pytest.raises(UnsupportedModelError) as err:  # another missing tensor besides: no such guess
+        load_hf_model(rewrite_weights(folders("llama", tie=False), tmp_path / "two",
+                                      lambda t: [t.pop("lm_head.weight"), t.pop("model.norm.weight")]))
+    assert "missing tensor(s) model.norm.weight, lm_head.weight" in str(err.value)
+    assert "tie_word_embeddings" not in str(err.value)
 
 
 def test_weights_damaged_behind_an_intact_header_are_refused_not_loaded(folders, tmp_path):
@@ -225,9 +268,67 @@ def test_a_backbone_saved_without_its_wrapper_is_named_in_a_short_line(folders, 
     assert message.endswith("the file's names lack the 'model.' prefix: it holds a backbone saved without its "
                             "*ForCausalLM wrapper")
 
+    def stray(t):  # one name without the prefix beside an unrelated unexpected tensor: no backbone
+        t["norm.weight"] = t.pop("model.norm.weight")
+        t["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+
+    with pytest.raises(UnsupportedModelError) as err:
+        load_hf_model(rewrite_weights(folders("llama"), tmp_path / "stray", stray))
+    assert "unexpected tensor(s) model.layers.0.self_attn.o_proj.bias, norm.weight" in str(err.value)
+    assert "prefix" not in str(err.value)
+
+
+def test_rotary_buffers_that_older_checkpoints_saved_are_ignored(folders, tmp_path):
+    """transformers recomputes rotary_emb.inv_freq rather than loading it, and so do we."""
+    def add(t):
+        for i in range(2):
+            t[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    folder = rewrite_weights(folders("llama"), tmp_path / "m", add)
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    assert "model.layers.1.self_attn.rotary_emb.inv_freq" in check_weights(folder, config)["model.safetensors"]
+    ours, reference = load_hf_model(folder)[1].state_dict(), load_hf_model(folders("llama"))[1].state_dict()
+    assert ours.keys() == reference.keys() and all(torch.equal(v, reference[k]) for k, v in ours.items())
+
+
+def test_model_safetensors_wins_over_an_index_beside_it_as_in_transformers(folders, tmp_path):
+    """transformers looks for model.safetensors first; a stale index left beside it is not read."""
+    folder = shutil.copytree(folders("llama"), tmp_path / "m")
+    stale = {"weight_map": {"model.norm.weight": "gone.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(stale))
+    assert list(hf_adapter.weight_files(folder)) == ["model.safetensors"]
+    assert max_diff(folder, load_hf_model(folder)[1]) <= 1e-5
+
+
+def test_an_index_placing_a_tensor_in_a_shard_that_lacks_it_is_one_line(folders, tmp_path):
+    folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    moved = next(k for k, v in index["weight_map"].items() if v == first)
+    index["weight_map"][moved] = second
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsupportedModelError, match=re.escape(
+            f"{second}: lacks {moved}, which model.safetensors.index.json places there")) as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, message", [("[1, 2]", "config.json: not a JSON object"),
+                                           ('{"vocab_size": ', "config.json: cannot read a Hugging Face config"),
+                                           (None, "config.json: cannot read a Hugging Face config")],
+                         ids=["list", "truncated", "absent"])
+def test_a_config_json_that_is_not_an_object_is_one_line(folders, tmp_path, text, message):
+    folder = shutil.copytree(folders("llama"), tmp_path / "m")
+    if text is None:
+        (folder / "config.json").unlink()
+    else:
+        (folder / "config.json").write_text(text)
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)) as err:
+        load_hf_model(folder)
+    assert "\n" not in str(err.value)
+
 
 def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
-    import shutil
 
     folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
     shard = sorted(folder.glob("model-*.safetensors"))[1]
@@ -247,9 +348,9 @@ def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     ("model.safetensors", r"weight_map is \"model.safetensors\", not an object"),
     ({"model.norm.weight": 3}, r"weight_map names 3 as the file of model.norm.weight, not a file name"),
     ({"model.norm.weight": "../elsewhere/model.safetensors"}, r"places model.norm.weight in \.\./elsewhere.*outside"),
-], ids=["not-a-map", "not-a-name", "outside"])
+    ({"model.norm.weight": "/elsewhere/model.safetensors"}, r"places model.norm.weight in /elsewhere/model.*outside"),
+], ids=["not-a-map", "not-a-name", "outside", "absolute"])
 def test_an_index_whose_weight_map_is_not_shards_in_the_folder_is_one_line(folders, tmp_path, weight_map, message):
-    import shutil
 
     folder = shutil.copytree(folders("llama", sharded=True), tmp_path / "m")
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -336,13 +437,18 @@ def test_an_original_s_auto_map_is_left_out_for_the_export_needs_no_custom_code(
     """The code files an auto_map names are not exported (the model is the stock class), and
     from_pretrained(trust_remote_code=True), as many scripts call it, would look for them and fail."""
     original = {**saved_config("llama"), "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}
-    merged = hf_config(config_from_hf(original), original=original)
+    merged = hf_config(config_from_hf(saved_config("llama")), original=original)  # config_from_hf refuses the original
     assert "auto_map" not in merged and merged["architectures"] == ["LlamaForCausalLM"]
     folder = tmp_path / "export"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**merged)).save_pretrained(folder)
     (folder / "config.json").write_text(json.dumps(merged))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_an_auto_map_that_names_no_code_is_no_custom_code():
+    assert config_from_hf({**saved_config("llama"), "auto_map": {"AutoModelForCausalLM": None, "AutoConfig": ""}}) == \
+        config_from_hf(saved_config("llama"))
 
 
 def test_llama3_scaling_is_written_for_transformers_4_readers_too():
@@ -449,6 +555,14 @@ def test_an_explicit_null_means_what_it_means_to_transformers(family, caplog):
             config_from_hf({**hf, "head_dim": None})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_s_sliding_window_without_use_sliding_window_is_not_a_cap(family, caplog):
+    """Qwen2.5's config.json carries sliding_window beside use_sliding_window false: full attention, no cap."""
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
+        config = config_from_hf({**saved_config(family), "sliding_window": 16, "use_sliding_window": False})
+    assert config.max_seq_len == 128 and "capped" not in caplog.text
+
+
 def test_mistral_sliding_window_caps_max_seq_len(folders, caplog):
     with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_adapter"):
         config = config_from_hf(saved_config("mistral", sliding_window=16))
@@ -478,11 +592,33 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "longrope": ("mistral", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
     "llama3-incomplete": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
                           "llama3 RoPE scaling lacks low_freq_factor, high_freq_factor"),
+    "per-layer-rope": ("qwen2", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+                       "per-layer-type rope_parameters (full_attention, sliding_attention)"),
     "partial-rotary": ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    "partial-rotary-in-rope": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                             "partial_rotary_factor": 0.25}},
+                               "partial_rotary_factor 0.25"),
     "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
     "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window true"),
     "sliding-layers": ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]},
                        "layer_types sliding_attention"),
+    # a layer_types list of another length was read as all full attention; transformers 5 cannot build it
+    "short-layer-types": ("qwen2", {"layer_types": ["full_attention"]},
+                          "layer_types has 1 entries but num_hidden_layers is 2"),
+    "long-layer-types": ("llama", {"layer_types": ["full_attention"] * 3},
+                         "layer_types has 3 entries but num_hidden_layers is 2"),
+    # custom modelling code, which from_pretrained(trust_remote_code=True) runs instead of the family's class
+    "auto-map": ("llama", {"auto_map": {"AutoConfig": "configuration_x.XConfig",
+                                        "AutoModelForCausalLM": "modeling_x.XForCausalLM"}},
+                 "auto_map names custom code (configuration_x.XConfig, modeling_x.XForCausalLM)"),
+    "auto-map-of-a-hub-repo": ("qwen2", {"auto_map": {"AutoModelForCausalLM": "org/repo--modeling_x.XForCausalLM",
+                                                      "AutoTokenizer": ["org/repo--tok.XTokenizer", None]}},
+                               "auto_map names custom code (org/repo--modeling_x.XForCausalLM, "
+                               "org/repo--tok.XTokenizer)"),
+    "string-auto-map": ("mistral", {"auto_map": "modeling_x.XForCausalLM"},
+                        'auto_map is "modeling_x.XForCausalLM", not an object'),
+    "empty-layer-types": ("qwen3", {"layer_types": []}, "layer_types has 0 entries but num_hidden_layers is 2"),
     "gelu": ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     "mlp-bias": ("llama", {"mlp_bias": True}, "mlp_bias true"),
     "llama-attention-bias": ("llama", {"attention_bias": True}, "attention_bias true"),
@@ -509,6 +645,8 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "list-eps": ("qwen2", {"rms_norm_eps": [1e-6]}, "rms_norm_eps is [1e-06], not a number"),
     "string-tie": ("llama", {"tie_word_embeddings": "false"}, 'tie_word_embeddings is "false", not true or false'),
     "float-heads": ("qwen3", {"num_key_value_heads": 2.0}, "num_key_value_heads is 2.0, not an integer"),
+    "bool-eps": ("qwen2", {"rms_norm_eps": True}, "rms_norm_eps is true, not a number"),
+    "bool-layers": ("llama", {"num_hidden_layers": True}, "num_hidden_layers is true, not an integer"),
     "string-architectures": ("llama", {"architectures": "LlamaForCausalLM"},
                              'architectures is "LlamaForCausalLM", not a list'),
     # these ended in a TypeError or AttributeError traceback, or named a string "false" as true
@@ -559,11 +697,22 @@ def test_the_registry_matches_the_model():
         assert set(hf_adapter.to_hf(ours, config)) == set(theirs) - {"lm_head.weight"}
 
 
-def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path):
-    from pipeline.model.hf_adapter import UnsupportedModelError, weight_files
+def test_a_generation_config_is_none_when_absent_and_one_line_when_not_an_object(tmp_path):
+    assert hf_adapter.read_generation_config(tmp_path) is None
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7}')
+    assert hf_adapter.read_generation_config(tmp_path) == {"temperature": 0.7}
+    (tmp_path / "generation_config.json").write_text("[0.7]")
+    with pytest.raises(UnsupportedModelError, match=r"generation_config\.json: not a JSON object$"):
+        hf_adapter.read_generation_config(tmp_path)
 
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+
+@pytest.mark.parametrize("damage", [lambda b: b"not a safetensors file", lambda b: b"", lambda b: b[:-100],
+                                    lambda b: b + b"\0" * 8], ids=["garbage", "empty", "truncated", "appended"])
+def test_a_damaged_safetensors_file_is_one_line_naming_the_file(folders, tmp_path, damage):
+    """A download cut short (or anything but a whole file) is refused on its header, before any tensor is read."""
+    folder = shutil.copytree(folders("llama"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
     with pytest.raises(UnsupportedModelError, match=r"model\.safetensors: not a readable safetensors file") as err:
-        weight_files(tmp_path)
+        load_hf_model(folder)
     assert "\n" not in str(err.value)
