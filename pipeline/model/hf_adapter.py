@@ -329,6 +329,8 @@ _NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "attention_dropou
 _BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
 _MAPPINGS = ("rope_scaling", "rope_parameters", "quantization_config", "auto_map")
 _STRINGS = ("hidden_act",)
+# the names transformers gives nn.SiLU (its ACT2CLS): a config may say either
+SILU = ("silu", "swish")
 _STRING_LISTS = ("layer_types",)
 
 
@@ -357,7 +359,7 @@ def _type_problems(get) -> list[str]:
 def _feature_problems(hf: Mapping[str, Any], family: Family, get) -> list[str]:
     """Every setting of ``hf`` that would make transformers compute something our model does not."""
     problems = []
-    if get("hidden_act") != "silu":
+    if get("hidden_act") not in SILU:
         problems.append(f"hidden_act {get('hidden_act')!r} (supported: silu, the SwiGLU gate)")
     if family.attention_bias_key and hf.get("attention_bias"):
         problems.append("attention_bias true: biases on the q/k/v/o projections are not supported "

@@ -451,6 +451,13 @@ def test_an_auto_map_that_names_no_code_is_no_custom_code():
         config_from_hf(saved_config("llama"))
 
 
+def test_swish_is_transformers_other_name_for_silu():
+    assert config_from_hf(saved_config("llama") | {"hidden_act": "swish"}) == config_from_hf(saved_config("llama"))
+    activations = pytest.importorskip("transformers.activations")
+    x = torch.linspace(-20, 20, 401)
+    assert torch.equal(activations.ACT2FN["swish"](x), activations.ACT2FN["silu"](x))
+
+
 def test_llama3_scaling_is_written_for_transformers_4_readers_too():
     """A reader of the legacy keys alone (transformers 4 knows no rope_parameters) sees the same RoPE:
     rope_theta at the top level, the scaling in rope_scaling without it."""
