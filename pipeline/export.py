@@ -51,7 +51,8 @@ Choices
 The folder is built beside ``out_dir`` under a hidden temporary name, every file
 fsynced, then swapped in by rename (``pipeline.files.atomic_dir``), so readers (and DVC, whose output it is)
 never see a half-written export. A crash between the two renames of the swap
-leaves no ``out_dir`` but a complete ``.trash-*`` copy of the previous one.
+leaves no ``out_dir`` but the previous export whole as ``.old-export-<pid>``
+beside it, which the next export moves back before it starts.
 An ``out_dir`` holding anything no export wrote (a user's notes, another model, a
 file in its place) is refused in one line before any work, not replaced.
 """
@@ -74,7 +75,7 @@ from pipeline.config import StageConfig, flatten
 from pipeline.data.chat import CHAT_TEMPLATE_JINJA
 from pipeline.data.tokenizer import EOT_ID, HF_DIR, OWN_TOKEN_VARIABLES, PAD_ID, load_specials, tokenizer_dir
 from pipeline.errors import StageError
-from pipeline.files import atomic_dir, read_json, read_stage_json, sha256_file, write_json
+from pipeline.files import atomic_dir, read_json, read_stage_json, restore_swapped_out, sha256_file, write_json
 from pipeline.model import generate as gen
 from pipeline.model import hf_adapter
 from pipeline.model.families import FAMILIES
@@ -246,6 +247,7 @@ def check_replaceable(out_dir: Path, written: Iterable[str]) -> None:
     what no export wrote: a file in its place, or entries other than the files
     an export writes (``written``) and those its previous export's report.json
     lists. A user's notes or model kept there are theirs to move, not ours to delete."""
+    restore_swapped_out(out_dir)  # the last export, if a kill cut its replacement short: checked as it is
     if out_dir.is_symlink() or not out_dir.exists():  # a link is replaced, not what it points to
         return
     if not out_dir.is_dir():

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,11 +31,17 @@ from typing import IO, Any, Iterable, Iterator
 
 from pipeline.errors import StageError
 
+log = logging.getLogger("pipeline.files")
+
 # Less than this left on a filesystem after a write into it failed: the write
 # failed for want of space, whatever the writer raised.
 LOW_SPACE_BYTES = 1 << 20
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
+
+# The name prefix of the folder an atomic_dir swap moves out of the way: between
+# the swap's two renames it is the only copy of what the path held.
+SWAPPED_OUT = ".old-"
 
 # What a URL starts with: s3://, gs://, hf://, https://, file://
 URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
@@ -224,18 +231,20 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     clean exit fsync every file in it and the folder, then swap it in for ``path``
     by rename. On error the temporary folder is removed and ``path`` is untouched.
 
-    Leftovers of interrupted runs beside ``path`` are removed first. The swap is
-    two renames (old folder to ``.trash-<name>-<pid>``, new folder to ``path``);
-    a crash between them leaves no ``path`` but a complete trash copy of the old
-    one.
+    The swap is two renames (old folder to ``.old-<name>-<pid>``, new folder to
+    ``path``); a crash between them leaves no ``path`` but the old folder whole
+    under that name, and the next call (or :func:`restore_swapped_out`) moves it
+    back before anything else. Other leftovers of interrupted runs beside
+    ``path`` are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for pattern in (f".tmp-{path.name}-*", f".trash-{path.name}-*"):
+    restore_swapped_out(path)
+    for pattern in (f".tmp-{path.name}-*", f"{SWAPPED_OUT}{path.name}-*", f".trash-{path.name}-*"):
         for leftover in path.parent.glob(pattern):
             shutil.rmtree(leftover, ignore_errors=True)
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-    trash = path.parent / f".trash-{path.name}-{os.getpid()}"
+    trash = path.parent / f"{SWAPPED_OUT}{path.name}-{os.getpid()}"
     tmp.mkdir()
     try:
         yield tmp
@@ -258,6 +267,26 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             raise (err if isinstance(err, DiskFullError) else no_space(path)) from err
         raise
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def restore_swapped_out(path: str | Path) -> Path | None:
+    """If an :func:`atomic_dir` swap into ``path`` was cut between its two renames
+    (a kill, a power cut), ``path`` is missing and the folder it held lies whole
+    beside it as ``.old-<name>-<pid>``: move that back to ``path`` with a warning,
+    and return it. Nothing a user made is lost to a kill at that moment."""
+    path = Path(path)
+    if path.exists() or path.is_symlink():
+        return None  # the swap completed: a copy beside it is superseded
+    olds = sorted((p for p in path.parent.glob(f"{SWAPPED_OUT}{path.name}-*")
+                   if re.fullmatch(rf"{re.escape(SWAPPED_OUT + path.name)}-\d+", p.name) and p.is_dir()
+                   and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
+    if not olds:
+        return None
+    os.replace(olds[-1], path)
+    fsync_path(path.parent)
+    log.warning("%s was missing: an earlier replacement of it was interrupted; its previous contents, kept "
+                "as %s, are back in place", path, olds[-1].name)
+    return path
 
 
 def available_cores() -> int:

@@ -101,8 +101,8 @@ from safetensors.torch import load_file, load_model, save_model
 
 from pipeline.config import changed_keys, flatten
 from pipeline.errors import StageError
-from pipeline.files import (DiskFullError, atomic_dir, free_bytes, fsync_path, mount_point, sha256_file, size_text,
-                            write_json)
+from pipeline.files import (SWAPPED_OUT, DiskFullError, atomic_dir, free_bytes, fsync_path, mount_point,
+                            restore_swapped_out, sha256_file, size_text, write_json)
 from pipeline.model.transformer import ModelConfig
 from pipeline.training import distributed
 
@@ -436,10 +436,16 @@ def _signature(path: Path) -> tuple | None:
 
 
 def sweep(folder: Path) -> None:
-    """Remove leftovers of interrupted saves and deletions."""
+    """Remove leftovers of interrupted saves and deletions; first move back a
+    checkpoint whose replacement was cut between the swap's two renames (it is
+    then missing, and whole under its swapped-out name: restore_swapped_out)."""
     if folder.is_dir():
+        for p in sorted(folder.iterdir()):
+            swapped = re.fullmatch(rf"{re.escape(SWAPPED_OUT)}(.+)-\d+", p.name)
+            if swapped:
+                restore_swapped_out(folder / swapped.group(1))
         for p in folder.iterdir():
-            if p.name.startswith((".tmp-", ".trash-")):
+            if p.name.startswith((".tmp-", ".trash-", SWAPPED_OUT)):
                 shutil.rmtree(p, ignore_errors=True)
 
 
@@ -1015,7 +1021,7 @@ class CheckpointManager:
             except (OSError, ValueError, TypeError, KeyError):
                 return run.stat().st_mtime
 
-        runs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".tmp-", ".trash-"))]
+        runs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".tmp-", ".trash-", SWAPPED_OUT))]
         return sorted(runs, key=lambda p: (moved_at(p), p.name), reverse=True)
 
     def _prune_previous(self, in_use: Path | None) -> None:

@@ -939,3 +939,17 @@ def test_an_edited_generation_config_reaches_the_export_without_retraining(tmp_p
     with caplog.at_level("WARNING", logger="pipeline.export"):
         assert exported_generation("another") == before
     assert f"{hf} now holds another model (its config.json is not the one trained)" in caplog.text
+
+
+def test_an_export_whose_replacement_was_cut_short_is_put_back_and_checked(tmp_path):
+    """A kill between the swap's two renames left no models/export, and the last
+    export whole beside it: it is put back, and what no export wrote in it is
+    refused as it would have been, not replaced unseen."""
+    from pipeline.export import check_replaceable
+
+    old = tmp_path / ".old-export-77"
+    old.mkdir()
+    (old / "NOTES.md").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds NOTES.md, which no export wrote"):
+        check_replaceable(tmp_path / "export", ["model.safetensors"])
+    assert (tmp_path / "export" / "NOTES.md").read_text() == "mine" and not old.exists()

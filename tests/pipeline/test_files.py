@@ -32,6 +32,42 @@ def test_a_failed_atomic_dir_leaves_the_previous_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_swap_cut_between_its_two_renames_loses_nothing(tmp_path, monkeypatch, caplog):
+    """A kill after the old folder was moved out of the way and before the new one
+    took its place: the next writer puts the old one back, even when it fails too."""
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("old")
+    replace = os.replace
+
+    def killed_before_the_second_rename(src, dst):
+        if os.path.basename(src).startswith(".tmp-"):
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", killed_before_the_second_rename)
+    with pytest.raises(KeyboardInterrupt), atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("new")
+    monkeypatch.setattr(files.os, "replace", replace)
+    assert [p.name for p in tmp_path.iterdir()] == [f".old-out-{os.getpid()}"]
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError), atomic_dir(out):
+        raise RuntimeError("the next writer fails too")
+    assert (out / "a.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert f"{out} was missing: an earlier replacement of it was interrupted" in caplog.text
+
+
+def test_a_swapped_out_copy_is_dropped_once_the_swap_completed(tmp_path):
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("new")
+    (tmp_path / ".old-out-123").mkdir()  # killed after the second rename, before the copy was removed
+    assert files.restore_swapped_out(out) is None
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("newer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "a.txt").read_text() == "newer"
+
+
 def test_available_cores_honours_the_affinity_mask(monkeypatch):
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no CPU affinity on this OS")

@@ -67,6 +67,21 @@ def test_incomplete_folders_are_ignored_and_swept(tmp_path):
     assert not (tmp_path / ".tmp-step-00000002-123").exists()
 
 
+def test_a_checkpoint_whose_replacement_was_cut_short_is_put_back_not_swept(tmp_path, caplog):
+    """Re-saving step 2 was killed between the swap's two renames: step-00000002 is
+    missing and lies whole as .old-step-00000002-<pid>; the run resumes from it."""
+    m = manager(tmp_path)
+    run_saves(m, [1, 2])
+    os.replace(tmp_path / "step-00000002", tmp_path / ".old-step-00000002-4242")
+    (tmp_path / ".tmp-step-00000002-4242").mkdir()  # the new copy, unfinished
+    with caplog.at_level("WARNING"):
+        m.prepare()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".json")) == \
+        ["step-00000001", "step-00000002"]
+    assert m.resume_point().step == 2
+    assert "an earlier replacement of it was interrupted" in caplog.text
+
+
 def test_damaged_file_is_detected(tmp_path):
     c = make(tmp_path, 1)
     with open(c.path / "optimizer.pt", "ab") as f:
