@@ -487,6 +487,10 @@ def weight_files(folder: str | Path) -> dict[str, list[str]]:
     else:
         others = sorted(p.name for p in folder.glob("*.bin")) if folder.is_dir() else []
         hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        named = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+        if named and not others:  # e.g. Mistral's consolidated.safetensors: its own tensor names, not transformers'
+            hint = (f" (found {', '.join(named[:3])}: weights in another layout than transformers' saves; "
+                    f"use the model's transformers files, {WEIGHTS} or {WEIGHTS_INDEX} with its shards)")
         raise UnsupportedModelError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
     out = {}
     for path, listed in sorted(files.items()):

@@ -342,6 +342,11 @@ def test_a_missing_shard_or_weights_file_is_named(folders, tmp_path):
     assert not is_hf_model_folder(bare)
     with pytest.raises(UnsupportedModelError, match="no model.safetensors.*found pytorch_model.bin"):
         load_hf_model(bare)
+    (bare / "pytorch_model.bin").unlink()
+    (bare / "consolidated.safetensors").write_bytes(b"")  # Mistral's own layout, shipped beside transformers'
+    with pytest.raises(UnsupportedModelError, match=r"no model.safetensors.*found consolidated.safetensors: "
+                                                    r"weights in another layout"):
+        load_hf_model(bare)
 
 
 @pytest.mark.parametrize("weight_map, message", [
