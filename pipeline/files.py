@@ -320,7 +320,7 @@ def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) ->
 
 def write_json(path: str | Path, data: Any) -> None:
     with atomic_write(path) as f:
-        json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
+        json.dump(data, f, indent=2, sort_keys=False, default=json_default)
         f.write("\n")
 
 
@@ -338,7 +338,7 @@ def read_stage_json(path: str | Path) -> Any:
         raise DamagedFileError(f"{path} is damaged: not valid JSON ({e}); run the stage that writes it again") from None
 
 
-def _json_default(obj: Any) -> Any:
+def json_default(obj: Any) -> Any:
     # numpy scalars and Paths show up in metrics; keep them readable.
     if hasattr(obj, "item"):
         return obj.item()

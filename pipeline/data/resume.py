@@ -58,7 +58,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import StageError
-from pipeline.files import _json_default, atomic_path, read_json, sha256_file, write_json
+from pipeline.files import json_default, atomic_path, read_json, sha256_file, write_json
 
 log = logging.getLogger("pipeline.data.resume")
 
@@ -74,7 +74,7 @@ def record_digest(rec: Mapping[str, Any]) -> str:
     """The digest of a commit record's fields (all but ``record_sha256``) as a
     reader reads them back from its JSON."""
     fields = {k: v for k, v in rec.items() if k != "record_sha256"}
-    return digest_json(json.loads(json.dumps(fields, default=_json_default)))
+    return digest_json(json.loads(json.dumps(fields, default=json_default)))
 
 
 def _arrow_rows(path: Path) -> int:
