@@ -65,6 +65,7 @@ from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 from pipeline.files import refuse_url, write_json
 from pipeline.progress import progress
+from pipeline.tracking.tracker import mlflow_key
 
 log = logging.getLogger("pipeline.data.ingest")
 
@@ -225,11 +226,20 @@ class IngestConfig(ParallelStageConfig):
     @model_validator(mode="after")
     def _names_differ(self) -> "IngestConfig":
         seen: dict[str, int] = {}
+        keys: dict[str, int] = {}  # later stages log metrics per source as sources.<name>.<metric> in MLflow
         for i, src in enumerate(self.sources):
             if src.label in seen:
                 raise ValueError(f"sources.{seen[src.label]} and sources.{i} are both called {src.label!r}; "
                                  "give them distinct names (name: ...)")
             seen[src.label] = i
+            key = mlflow_key(f"sources.{src.label}")
+            if key in keys:
+                j = keys[key]
+                raise ValueError(f"sources.{j} ({self.sources[j].label!r}) and sources.{i} ({src.label!r}) would "
+                                 f"both be logged to MLflow as {key!r} (it takes only letters, digits, _ - . / and "
+                                 "space in a key, and cuts a long one short), so their per-source metrics would mix; "
+                                 "give them names that differ in those (name: ...)")
+            keys[key] = i
         return self
 
 

@@ -1069,6 +1069,9 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
     ([{"path": "x", "name": "web"}, {"path": "y", "name": "web"}],
      "sources.0 and sources.1 are both called 'web'; give them distinct names"),
     ([{"path": "x"}, {"path": "x"}], "both called 'x'"),
+    ([{"path": "x", "name": "c++"}, {"path": "y", "name": "c#"}, {"path": "z", "name": "c__"}],
+     r"sources\.0 \('c\+\+'\) and sources\.2 \('c__'\) would both be logged to MLflow as 'sources\.c__'"),
+    ([{"path": "x", "name": "a" * 300}, {"path": "y", "name": "a" * 300 + "b"}], "would both be logged to MLflow"),
     ([{"path": "{stdlib}/json"}, {"path": "hf://datasets/org/corpus/*.parquet"}],
      r"ingest\.sources\.1\.path: a URL \(hf://\), but inputs are read from this machine's filesystem "
      r"\(and from s3://, gs://, gcs://; see the README's Ingest sources\): mount the storage at the same "
