@@ -242,6 +242,14 @@ class IngestConfig(ParallelStageConfig):
             keys[key] = i
         return self
 
+    @model_validator(mode="after")
+    def _some_train(self) -> "IngestConfig":
+        if all(src.split == "val" for src in self.sources):
+            raise ValueError("every source is marked split: val, so no document could be trained on (pack and "
+                             "the tokenizer would stop on it later); leave a source unmarked (split: auto) or "
+                             "mark it split: train")
+        return self
+
 
 class IngestError(StageError):
     """A source cannot be ingested at all (missing path, unreadable dataset)."""

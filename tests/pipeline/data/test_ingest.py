@@ -1072,6 +1072,8 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
     ([{"path": "x", "name": "c++"}, {"path": "y", "name": "c#"}, {"path": "z", "name": "c__"}],
      r"sources\.0 \('c\+\+'\) and sources\.2 \('c__'\) would both be logged to MLflow as 'sources\.c__'"),
     ([{"path": "x", "name": "a" * 300}, {"path": "y", "name": "a" * 300 + "b"}], "would both be logged to MLflow"),
+    ([{"path": "x", "split": "val"}, {"path": "y", "name": "bench", "split": "val"}],
+     "every source is marked split: val, so no document could be trained on"),
     ([{"path": "{stdlib}/json"}, {"path": "hf://datasets/org/corpus/*.parquet"}],
      r"ingest\.sources\.1\.path: a URL \(hf://\), but inputs are read from this machine's filesystem "
      r"\(and from s3://, gs://, gcs://; see the README's Ingest sources\): mount the storage at the same "
