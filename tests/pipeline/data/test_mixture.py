@@ -50,6 +50,8 @@ def test_a_source_that_gets_nothing_is_a_warning_with_the_figures():
     assert lines == ["source 'code': the mixture asks for 10 train tokens, fewer than its shortest document "
                      "(40 tokens), so none of its documents is trained on; raise its weight or tokens"]
     assert empty_warnings({"web": 990, "code": 50}, {"web": 985, "code": 40}, {"web": 5, "code": 40}) == []
+    # a source with no tokens to take (its documents all empty) is asked for none: nothing to warn of
+    assert empty_warnings({"web": 990, "code": 0}, {"web": 985, "code": 0}, {"web": 5, "code": 0}) == []
 
 
 def test_weighted_targets_are_rounded_to_the_nearest_token():
