@@ -1052,6 +1052,18 @@ def test_save_to_disk_read_split_by_split(tmp_path):
         run(tmp_path, sources=[{"path": ds, "hf": {"name": "x"}}])
 
 
+def test_a_dataset_without_the_text_column_is_an_error_naming_its_columns(tmp_path):
+    """Not a read of another column: its last one, a string column here, is what
+    the column lookup would give (pyarrow's index -1) without the check."""
+    import datasets
+
+    datasets.Dataset.from_dict({"content": ["c1"], "title": ["t1"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(IngestError, match=r"/ds: no column 'text'; columns are \['content', 'title'\]$"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "ds")}])
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds"), "text_field": "content"}])
+    assert [d["text"] for d in docs] == ["c1"]
+
+
 def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("hello")
