@@ -987,6 +987,10 @@ def test_hf_config_name_and_split(tmp_path, hf_cache):
     assert docs[0]["id"] != docs[1]["id"]  # row 0 of two configs: different documents
     with pytest.raises(IngestError, match=r"cannot load Hugging Face dataset: ValueError: .*'nope' not found"):
         run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
+    # a split the config lacks: the one line names the splits it has
+    with pytest.raises(IngestError, match=r"^.*repo:big\[test\]: cannot load Hugging Face dataset: ValueError: "
+                                          r"Unknown split \"test\"\. Should be one of \['train'\]"):
+        run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "big", "split": "test"}}])
 
 
 def test_a_dataset_of_several_configs_read_without_hf_name_names_them(tmp_path, hf_cache):
@@ -1062,6 +1066,18 @@ def test_a_dataset_without_the_text_column_is_an_error_naming_its_columns(tmp_pa
         run(tmp_path, sources=[{"path": str(tmp_path / "ds")}])
     _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds"), "text_field": "content"}])
     assert [d["text"] for d in docs] == ["c1"]
+
+
+def test_every_row_of_a_dataset_is_a_document_or_a_counted_skip(tmp_path):
+    import datasets
+
+    texts = ["good", "", None, "x" * 50, "   ", "also good"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
+                          "test": datasets.Dataset.from_dict({"text": ["t"]})}).save_to_disk(str(tmp_path / "ds"))
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds"), "name": "d"}], max_doc_bytes=10)
+    assert [d["text"] for d in docs] == ["good", "also good"]
+    assert report(tmp_path)["skipped_per_source"] == {"d": {"empty_text": 2, "missing_field": 1, "too_large": 1}}
+    assert metrics["docs"] + metrics["skipped"] == len(texts)  # the train split's rows, none of test's
 
 
 def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
