@@ -31,6 +31,8 @@ def test_weights_near_the_largest_float_share_as_any_others():
     assert targets(available, {"web": Share(weight=1e308), "code": Share(weight=1e308)}) == {"web": 500, "code": 500}
     assert targets(available, {"web": Share(weight=1.5e308), "code": Share(weight=0.5e308)}) == \
         targets(available, {"web": Share(weight=3), "code": Share(weight=1)}) == {"web": 750, "code": 250}
+    # their sum is finite, but the pool times the larger one is not
+    assert targets(available, {"web": Share(weight=1e308), "code": Share(weight=1e307)}) == {"web": 909, "code": 91}
 
 
 def test_a_source_with_nothing_cannot_give_tokens():
