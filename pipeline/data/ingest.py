@@ -444,8 +444,9 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         if fmt == "hf" and remote.scheme_of(expanded):
             raise IngestError(f"{where}: format hf reads a local dataset folder or a dataset name, not "
                               f"{src.path!r}; save the dataset as Parquet or JSON Lines files there instead")
-        if fmt == "hf" and not Path(expanded).exists():
-            # A dataset name for datasets.load_dataset (needs the network or the HF cache).
+        if fmt == "hf" and not Path(expanded).exists() and not glob.has_magic(expanded):
+            # A dataset name for datasets.load_dataset (needs the network or the HF cache); a name has no
+            # wildcard, and a pattern matches dataset folders here.
             if src.hf.revision is None:
                 log.warning("%s: the Hugging Face dataset %r is read at whatever revision the Hub (or the cache) "
                             "has, and a rerun does not notice when it changes; pin it with hf.revision",

@@ -1119,6 +1119,19 @@ def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
         run(tmp_path, sources=[{"path": str(tmp_path / "a.txt"), "hf": {"split": "train"}}])
 
 
+
+def test_a_pattern_with_format_hf_reads_the_dataset_folders_it_matches(tmp_path):
+    """Not a dataset name for load_dataset (which has no wildcard): before, it was one, and failed."""
+    import datasets
+
+    for name in ("ds_a", "ds_b"):
+        datasets.Dataset.from_dict({"text": [name]}).save_to_disk(str(tmp_path / name))
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds_*"), "format": "hf", "name": "both"}])
+    assert [d["text"] for d in docs] == ["ds_a", "ds_b"]
+    with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: .*/nothing_\*' matched no files"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "nothing_*"), "format": "hf"}])
+
+
 # --- the executor: workers read whole files, the stage streams large ones -------------------------
 
 
