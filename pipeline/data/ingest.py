@@ -499,6 +499,10 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
                 raise IngestError(f"{where}: hf applies to Hugging Face datasets, but {_display(c, ph, value)} "
                                   f"reads as {f_fmt}")
             display = _display(c, ph, value)
+            if f_fmt == "hf" and c.is_file():  # load_dataset would say it "couldn't find any data file" there
+                raise IngestError(f"{where}: format hf reads a dataset folder (save_to_disk's, or a dataset "
+                                  f"repository's) or a dataset name, but {display} is a file; read it with "
+                                  f"format: {SUFFIX_FORMATS.get(format_suffix(c), 'text')} (or auto)")
             f = InputFile(c, _hf_display(display, src) if f_fmt == "hf" else display, f_fmt, src)
             if src.split_by == "chunk" and f.format != "text":
                 raise IngestError(f"{where}: split_by: chunk cuts plain text files, but {f.display} reads as "

@@ -1117,6 +1117,11 @@ def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
     (tmp_path / "a.txt").write_text("hi")
     with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: hf applies to Hugging Face datasets"):
         run(tmp_path, sources=[{"path": str(tmp_path / "a.txt"), "hf": {"split": "train"}}])
+    (tmp_path / "b.jsonl").write_text('{"text": "hi"}\n')
+    for path in ("b.jsonl", "*.jsonl"):  # not load_dataset's "couldn't find any data file" for a file that is there
+        with pytest.raises(IngestError, match=r"^ingest\.sources\.0\.path: format hf reads a dataset folder .*, "
+                                              r"but .*b\.jsonl is a file; read it with format: jsonl \(or auto\)$"):
+            run(tmp_path, sources=[{"path": str(tmp_path / path), "format": "hf"}])
 
 
 
