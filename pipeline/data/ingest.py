@@ -1103,10 +1103,14 @@ def doc_id(source: str, location: str) -> str:
     return hashlib.blake2b(f"{source}\x00{location}".encode(), digest_size=8).hexdigest()
 
 
-def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iterator[Item]:
-    """What one input gives, streamed: its documents and skips."""
-    if duplicate:
-        yield Skip("duplicate_path", "file", detail="listed by more than one source")
+def read_items(f: InputFile, cfg: IngestConfig, duplicate: Source | None = None) -> Iterator[Item]:
+    """What one input gives, streamed: its documents and skips. ``duplicate``:
+    the source that reads this input already."""
+    if duplicate is not None:
+        other_field = duplicate.text_field != f.source.text_field
+        yield Skip("duplicate_path", "file", detail=f"listed by more than one source: source {duplicate.label!r} "
+                   "reads it" + (f" (with text_field {duplicate.text_field!r}; documents are named by input and "
+                                 "row, so a second column of one input needs a copy of it)" if other_field else ""))
         return
     if f.format != "hf" and (why := not_a_file(f.path)) is not None:
         yield Skip("not_a_file", "file", detail=why)
@@ -1163,11 +1167,11 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
     them; a large file or a dataset is streamed past them here): the readers
     have no seek that is sure to give the same items, and re-reading one input
     up to the position is cheap beside the shards a resumed run keeps."""
-    seen: set[tuple] = set()
+    seen: dict[tuple, Source] = {}  # each input's first reader
     plan = []
     for f in files:
-        plan.append((f, f.key in seen))
-        seen.add(f.key)
+        plan.append((f, seen.get(f.key)))
+        seen.setdefault(f.key, f.source)
     first, skip = start
 
     def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item, bool]]:
@@ -1186,9 +1190,9 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
             yield from positioned(i, f, read_items(f, cfg, dup))
         return
 
-    def stat_of(f: InputFile, dup: bool) -> tuple[int, int] | None:
+    def stat_of(f: InputFile, dup: Source | None) -> tuple[int, int] | None:
         """The size and mtime of a file for a worker to read, or None."""
-        if dup or f.format == "hf" or not f.path.is_file():
+        if dup is not None or f.format == "hf" or not f.path.is_file():
             return None
         st = f.path.stat()
         return (st.st_size, st.st_mtime_ns) if _input_bytes(f) <= cfg.worker_file_bytes else None

@@ -1040,7 +1040,7 @@ def test_save_to_disk_read_split_by_split(tmp_path):
         "validation": datasets.Dataset.from_dict({"text": ["v1"]}),
     }).save_to_disk(str(tmp_path / "ds"))
     ds = str(tmp_path / "ds")
-    _, docs, _ = run(tmp_path, sources=[
+    _, docs, quarantine = run(tmp_path, sources=[
         {"path": ds, "name": "wiki"},
         {"path": ds, "name": "wiki-val", "hf": {"split": "validation"}, "split": "val"},
         {"path": ds, "name": "wiki-again", "hf": {"split": "validation"}},  # the same input twice
@@ -1050,6 +1050,12 @@ def test_save_to_disk_read_split_by_split(tmp_path):
     assert len({d["id"] for d in docs}) == 3
     assert report(tmp_path)["skipped"] == {"duplicate_path": 1}
     assert report(tmp_path)["docs_per_source"] == {"wiki": 2, "wiki-val": 1}
+    assert [(q["source"], q["detail"]) for q in quarantine] == [
+        (f"{ds}[validation]", "listed by more than one source: source 'wiki-val' reads it")]
+    _, _, quarantine = run(tmp_path, sources=[{"path": ds, "name": "a"}, {"path": ds, "name": "b", "text_field": "t"}])
+    assert quarantine[0]["detail"] == ("listed by more than one source: source 'a' reads it (with text_field 'text'; "
+                                       "documents are named by input and row, so a second column of one input "
+                                       "needs a copy of it)")
     with pytest.raises(IngestError, match=r"no split 'test'; splits are \['train', 'validation'\]"):
         run(tmp_path, sources=[{"path": ds, "hf": {"split": "test"}}])
     with pytest.raises(IngestError, match="a save_to_disk folder has no configs"):
