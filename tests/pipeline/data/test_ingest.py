@@ -1052,10 +1052,12 @@ def test_save_to_disk_read_split_by_split(tmp_path):
     assert report(tmp_path)["docs_per_source"] == {"wiki": 2, "wiki-val": 1}
     assert [(q["source"], q["detail"]) for q in quarantine] == [
         (f"{ds}[validation]", "listed by more than one source: source 'wiki-val' reads it")]
-    _, _, quarantine = run(tmp_path, sources=[{"path": ds, "name": "a"}, {"path": ds, "name": "b", "text_field": "t"}])
-    assert quarantine[0]["detail"] == ("listed by more than one source: source 'a' reads it (with text_field 'text'; "
-                                       "documents are named by input and row, so a second column of one input "
-                                       "needs a copy of it)")
+    _, _, quarantine = run(tmp_path, sources=[{"path": ds, "name": "a"}, {"path": ds, "name": "b", "text_field": "t"},
+                                              {"path": ds, "name": "c"}])
+    assert [q["detail"] for q in quarantine] == [
+        "listed by more than one source: source 'a' reads it (with text_field 'text'; documents are named by input "
+        "and row, so a second column of one input needs a copy of it)",
+        "listed by more than one source: source 'a' reads it"]  # the one that reads it, not the one skipped
     with pytest.raises(IngestError, match=r"no split 'test'; splits are \['train', 'validation'\]"):
         run(tmp_path, sources=[{"path": ds, "hf": {"split": "test"}}])
     with pytest.raises(IngestError, match="a save_to_disk folder has no configs"):
