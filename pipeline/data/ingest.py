@@ -65,6 +65,7 @@ from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 from pipeline.files import refuse_url, write_json
 from pipeline.progress import progress
+from pipeline.tracking.tracker import mlflow_key
 
 log = logging.getLogger("pipeline.data.ingest")
 
@@ -225,11 +226,28 @@ class IngestConfig(ParallelStageConfig):
     @model_validator(mode="after")
     def _names_differ(self) -> "IngestConfig":
         seen: dict[str, int] = {}
+        keys: dict[str, int] = {}  # later stages log metrics per source as sources.<name>.<metric> in MLflow
         for i, src in enumerate(self.sources):
             if src.label in seen:
                 raise ValueError(f"sources.{seen[src.label]} and sources.{i} are both called {src.label!r}; "
                                  "give them distinct names (name: ...)")
             seen[src.label] = i
+            key = mlflow_key(f"sources.{src.label}")
+            if key in keys:
+                j = keys[key]
+                raise ValueError(f"sources.{j} ({self.sources[j].label!r}) and sources.{i} ({src.label!r}) would "
+                                 f"both be logged to MLflow as {key!r} (it takes only letters, digits, _ - . / and "
+                                 "space in a key, and cuts a long one short), so their per-source metrics would mix; "
+                                 "give them names that differ in those (name: ...)")
+            keys[key] = i
+        return self
+
+    @model_validator(mode="after")
+    def _some_train(self) -> "IngestConfig":
+        if all(src.split == "val" for src in self.sources):
+            raise ValueError("every source is marked split: val, so no document could be trained on (pack and "
+                             "the tokenizer would stop on it later); leave a source unmarked (split: auto) or "
+                             "mark it split: train")
         return self
 
 
@@ -426,8 +444,9 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
         if fmt == "hf" and remote.scheme_of(expanded):
             raise IngestError(f"{where}: format hf reads a local dataset folder or a dataset name, not "
                               f"{src.path!r}; save the dataset as Parquet or JSON Lines files there instead")
-        if fmt == "hf" and not Path(expanded).exists():
-            # A dataset name for datasets.load_dataset (needs the network or the HF cache).
+        if fmt == "hf" and not Path(expanded).exists() and not glob.has_magic(expanded):
+            # A dataset name for datasets.load_dataset (needs the network or the HF cache); a name has no
+            # wildcard, and a pattern matches dataset folders here.
             if src.hf.revision is None:
                 log.warning("%s: the Hugging Face dataset %r is read at whatever revision the Hub (or the cache) "
                             "has, and a rerun does not notice when it changes; pin it with hf.revision",
@@ -480,6 +499,10 @@ def resolve_sources(cfg: IngestConfig) -> list[InputFile]:
                 raise IngestError(f"{where}: hf applies to Hugging Face datasets, but {_display(c, ph, value)} "
                                   f"reads as {f_fmt}")
             display = _display(c, ph, value)
+            if f_fmt == "hf" and c.is_file():  # load_dataset would say it "couldn't find any data file" there
+                raise IngestError(f"{where}: format hf reads a dataset folder (save_to_disk's, or a dataset "
+                                  f"repository's) or a dataset name, but {display} is a file; read it with "
+                                  f"format: {SUFFIX_FORMATS.get(format_suffix(c), 'text')} (or auto)")
             f = InputFile(c, _hf_display(display, src) if f_fmt == "hf" else display, f_fmt, src)
             if src.split_by == "chunk" and f.format != "text":
                 raise IngestError(f"{where}: split_by: chunk cuts plain text files, but {f.display} reads as "
@@ -1080,10 +1103,14 @@ def doc_id(source: str, location: str) -> str:
     return hashlib.blake2b(f"{source}\x00{location}".encode(), digest_size=8).hexdigest()
 
 
-def read_items(f: InputFile, cfg: IngestConfig, duplicate: bool = False) -> Iterator[Item]:
-    """What one input gives, streamed: its documents and skips."""
-    if duplicate:
-        yield Skip("duplicate_path", "file", detail="listed by more than one source")
+def read_items(f: InputFile, cfg: IngestConfig, duplicate: Source | None = None) -> Iterator[Item]:
+    """What one input gives, streamed: its documents and skips. ``duplicate``:
+    the source that reads this input already."""
+    if duplicate is not None:
+        other_field = duplicate.text_field != f.source.text_field
+        yield Skip("duplicate_path", "file", detail=f"listed by more than one source: source {duplicate.label!r} "
+                   "reads it" + (f" (with text_field {duplicate.text_field!r}; documents are named by input and "
+                                 "row, so a second column of one input needs a copy of it)" if other_field else ""))
         return
     if f.format != "hf" and (why := not_a_file(f.path)) is not None:
         yield Skip("not_a_file", "file", detail=why)
@@ -1140,11 +1167,11 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
     them; a large file or a dataset is streamed past them here): the readers
     have no seek that is sure to give the same items, and re-reading one input
     up to the position is cheap beside the shards a resumed run keeps."""
-    seen: set[tuple] = set()
+    seen: dict[tuple, Source] = {}  # each input's first reader
     plan = []
     for f in files:
-        plan.append((f, f.key in seen))
-        seen.add(f.key)
+        plan.append((f, seen.get(f.key)))
+        seen.setdefault(f.key, f.source)
     first, skip = start
 
     def positioned(i: int, f: InputFile, items: Iterable[Item]) -> Iterator[tuple[Position, InputFile, Item, bool]]:
@@ -1163,9 +1190,9 @@ def iter_items(files: list[InputFile], cfg: IngestConfig, ex: Executor | None = 
             yield from positioned(i, f, read_items(f, cfg, dup))
         return
 
-    def stat_of(f: InputFile, dup: bool) -> tuple[int, int] | None:
+    def stat_of(f: InputFile, dup: Source | None) -> tuple[int, int] | None:
         """The size and mtime of a file for a worker to read, or None."""
-        if dup or f.format == "hf" or not f.path.is_file():
+        if dup is not None or f.format == "hf" or not f.path.is_file():
             return None
         st = f.path.stat()
         return (st.st_size, st.st_mtime_ns) if _input_bytes(f) <= cfg.worker_file_bytes else None

@@ -22,6 +22,7 @@ counts or row order.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -67,11 +68,19 @@ def targets(available: Mapping[str, int], mixture: Mapping[str, Share]) -> dict[
     pool = sum(available[n] for n in weighted)
     total_weight = sum(weighted.values())
     out = {n: int(s.tokens) for n, s in mixture.items() if s.tokens is not None}
-    out.update({n: round(pool * w / total_weight) for n, w in weighted.items()})
+    out.update({n: round(_part(pool, w, total_weight)) for n, w in weighted.items()})
     for n, t in out.items():
         if t > 0 and available[n] == 0:
             raise MixtureError(f"source {n!r} has no train tokens but the mixture asks for {t}")
     return out
+
+
+def _part(pool: int, weight: float, total_weight: float) -> float:
+    """``pool * weight / total_weight``, in that order (so ordinary weights round as
+    they always have), or as ``pool * (weight / total_weight)`` where ``pool *
+    weight`` overflows (a weight near the largest float, beside smaller ones)."""
+    part = pool * weight / total_weight
+    return part if math.isfinite(part) else pool * (weight / total_weight)
 
 
 def order_keys(seed: int, ids: list[str]) -> np.ndarray:

@@ -987,6 +987,10 @@ def test_hf_config_name_and_split(tmp_path, hf_cache):
     assert docs[0]["id"] != docs[1]["id"]  # row 0 of two configs: different documents
     with pytest.raises(IngestError, match=r"cannot load Hugging Face dataset: ValueError: .*'nope' not found"):
         run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "nope"}}])
+    # a split the config lacks: the one line names the splits it has
+    with pytest.raises(IngestError, match=r"^.*repo:big\[test\]: cannot load Hugging Face dataset: ValueError: "
+                                          r"Unknown split \"test\"\. Should be one of \['train'\]"):
+        run(tmp_path, sources=[{"path": str(repo), "format": "hf", "hf": {"name": "big", "split": "test"}}])
 
 
 def test_a_dataset_of_several_configs_read_without_hf_name_names_them(tmp_path, hf_cache):
@@ -1036,7 +1040,7 @@ def test_save_to_disk_read_split_by_split(tmp_path):
         "validation": datasets.Dataset.from_dict({"text": ["v1"]}),
     }).save_to_disk(str(tmp_path / "ds"))
     ds = str(tmp_path / "ds")
-    _, docs, _ = run(tmp_path, sources=[
+    _, docs, quarantine = run(tmp_path, sources=[
         {"path": ds, "name": "wiki"},
         {"path": ds, "name": "wiki-val", "hf": {"split": "validation"}, "split": "val"},
         {"path": ds, "name": "wiki-again", "hf": {"split": "validation"}},  # the same input twice
@@ -1046,10 +1050,42 @@ def test_save_to_disk_read_split_by_split(tmp_path):
     assert len({d["id"] for d in docs}) == 3
     assert report(tmp_path)["skipped"] == {"duplicate_path": 1}
     assert report(tmp_path)["docs_per_source"] == {"wiki": 2, "wiki-val": 1}
+    assert [(q["source"], q["detail"]) for q in quarantine] == [
+        (f"{ds}[validation]", "listed by more than one source: source 'wiki-val' reads it")]
+    _, _, quarantine = run(tmp_path, sources=[{"path": ds, "name": "a"}, {"path": ds, "name": "b", "text_field": "t"},
+                                              {"path": ds, "name": "c"}])
+    assert [q["detail"] for q in quarantine] == [
+        "listed by more than one source: source 'a' reads it (with text_field 'text'; documents are named by input "
+        "and row, so a second column of one input needs a copy of it)",
+        "listed by more than one source: source 'a' reads it"]  # the one that reads it, not the one skipped
     with pytest.raises(IngestError, match=r"no split 'test'; splits are \['train', 'validation'\]"):
         run(tmp_path, sources=[{"path": ds, "hf": {"split": "test"}}])
     with pytest.raises(IngestError, match="a save_to_disk folder has no configs"):
         run(tmp_path, sources=[{"path": ds, "hf": {"name": "x"}}])
+
+
+def test_a_dataset_without_the_text_column_is_an_error_naming_its_columns(tmp_path):
+    """Not a read of another column: its last one, a string column here, is what
+    the column lookup would give (pyarrow's index -1) without the check."""
+    import datasets
+
+    datasets.Dataset.from_dict({"content": ["c1"], "title": ["t1"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(IngestError, match=r"/ds: no column 'text'; columns are \['content', 'title'\]$"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "ds")}])
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds"), "text_field": "content"}])
+    assert [d["text"] for d in docs] == ["c1"]
+
+
+def test_every_row_of_a_dataset_is_a_document_or_a_counted_skip(tmp_path):
+    import datasets
+
+    texts = ["good", "", None, "x" * 50, "   ", "also good"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
+                          "test": datasets.Dataset.from_dict({"text": ["t"]})}).save_to_disk(str(tmp_path / "ds"))
+    metrics, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds"), "name": "d"}], max_doc_bytes=10)
+    assert [d["text"] for d in docs] == ["good", "also good"]
+    assert report(tmp_path)["skipped_per_source"] == {"d": {"empty_text": 2, "missing_field": 1, "too_large": 1}}
+    assert metrics["docs"] + metrics["skipped"] == len(texts)  # the train split's rows, none of test's
 
 
 def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
@@ -1069,6 +1105,11 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
     ([{"path": "x", "name": "web"}, {"path": "y", "name": "web"}],
      "sources.0 and sources.1 are both called 'web'; give them distinct names"),
     ([{"path": "x"}, {"path": "x"}], "both called 'x'"),
+    ([{"path": "x", "name": "c++"}, {"path": "y", "name": "c#"}, {"path": "z", "name": "c__"}],
+     r"sources\.0 \('c\+\+'\) and sources\.2 \('c__'\) would both be logged to MLflow as 'sources\.c__'"),
+    ([{"path": "x", "name": "a" * 300}, {"path": "y", "name": "a" * 300 + "b"}], "would both be logged to MLflow"),
+    ([{"path": "x", "split": "val"}, {"path": "y", "name": "bench", "split": "val"}],
+     "every source is marked split: val, so no document could be trained on"),
     ([{"path": "{stdlib}/json"}, {"path": "hf://datasets/org/corpus/*.parquet"}],
      r"ingest\.sources\.1\.path: a URL \(hf://\), but inputs are read from this machine's filesystem "
      r"\(and from s3://, gs://, gcs://; see the README's Ingest sources\): mount the storage at the same "
@@ -1084,6 +1125,24 @@ def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
     (tmp_path / "a.txt").write_text("hi")
     with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: hf applies to Hugging Face datasets"):
         run(tmp_path, sources=[{"path": str(tmp_path / "a.txt"), "hf": {"split": "train"}}])
+    (tmp_path / "b.jsonl").write_text('{"text": "hi"}\n')
+    for path in ("b.jsonl", "*.jsonl"):  # not load_dataset's "couldn't find any data file" for a file that is there
+        with pytest.raises(IngestError, match=r"^ingest\.sources\.0\.path: format hf reads a dataset folder .*, "
+                                              r"but .*b\.jsonl is a file; read it with format: jsonl \(or auto\)$"):
+            run(tmp_path, sources=[{"path": str(tmp_path / path), "format": "hf"}])
+
+
+
+def test_a_pattern_with_format_hf_reads_the_dataset_folders_it_matches(tmp_path):
+    """Not a dataset name for load_dataset (which has no wildcard): before, it was one, and failed."""
+    import datasets
+
+    for name in ("ds_a", "ds_b"):
+        datasets.Dataset.from_dict({"text": [name]}).save_to_disk(str(tmp_path / name))
+    _, docs, _ = run(tmp_path, sources=[{"path": str(tmp_path / "ds_*"), "format": "hf", "name": "both"}])
+    assert [d["text"] for d in docs] == ["ds_a", "ds_b"]
+    with pytest.raises(IngestError, match=r"ingest\.sources\.0\.path: .*/nothing_\*' matched no files"):
+        run(tmp_path, sources=[{"path": str(tmp_path / "nothing_*"), "format": "hf"}])
 
 
 # --- the executor: workers read whole files, the stage streams large ones -------------------------

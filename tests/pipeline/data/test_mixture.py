@@ -31,6 +31,8 @@ def test_weights_near_the_largest_float_share_as_any_others():
     assert targets(available, {"web": Share(weight=1e308), "code": Share(weight=1e308)}) == {"web": 500, "code": 500}
     assert targets(available, {"web": Share(weight=1.5e308), "code": Share(weight=0.5e308)}) == \
         targets(available, {"web": Share(weight=3), "code": Share(weight=1)}) == {"web": 750, "code": 250}
+    # their sum is finite, but the pool times the larger one is not
+    assert targets(available, {"web": Share(weight=1e308), "code": Share(weight=1e307)}) == {"web": 909, "code": 91}
 
 
 def test_a_source_with_nothing_cannot_give_tokens():
@@ -50,6 +52,8 @@ def test_a_source_that_gets_nothing_is_a_warning_with_the_figures():
     assert lines == ["source 'code': the mixture asks for 10 train tokens, fewer than its shortest document "
                      "(40 tokens), so none of its documents is trained on; raise its weight or tokens"]
     assert empty_warnings({"web": 990, "code": 50}, {"web": 985, "code": 40}, {"web": 5, "code": 40}) == []
+    # a source with no tokens to take (its documents all empty) is asked for none: nothing to warn of
+    assert empty_warnings({"web": 990, "code": 0}, {"web": 985, "code": 0}, {"web": 5, "code": 0}) == []
 
 
 def test_weighted_targets_are_rounded_to_the_nearest_token():
