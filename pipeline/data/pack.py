@@ -1498,7 +1498,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         val_sources, source_splits = sources.finish_val()
     except StageError:
         if "writers" in state:  # a plan error leaves an earlier run's output as it was
-            clear_outputs(out_dir)  # the data's own error: a rerun would end the same way
+            clear_outputs(out_dir, state["all"])  # the data's own error: a rerun would end the same way
             checkpoints.clear()
             if "mixture" in state:
                 state["mixture"].discard()

@@ -454,7 +454,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                     "eos ids %s: generation must stop at them too (manifest stop_ids)", template.name,
                     list(end_of_turn), list(specials.eos_ids))
     files = [resolve_source(src, i) for i, src in enumerate(cfg.sources)]
-    clear_outputs(out_dir)
+    clear_outputs(out_dir, SPLITS)
     row_len = cfg.seq_len + 1
     threshold = int(cfg.val_fraction * 2**64)
     ledger = Ledger(per_reason=cfg.quarantine_per_reason)
@@ -526,7 +526,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     try:
         written = {s: write_split(out_dir, s, splits[s], cfg, specials.pad_id) for s in SPLITS}
     except BaseException:
-        clear_outputs(out_dir)
+        clear_outputs(out_dir, SPLITS)
         raise
     uses_builtin = any(s.path.startswith(BUILTIN_PREFIX) for s in cfg.sources)
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=id_space(tok),

@@ -491,6 +491,26 @@ def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, thr
     assert "unknown_format" in (tmp_path / "out-quarantine.jsonl").read_text()
 
 
+def test_a_rebuild_removes_its_stale_shards_but_keeps_a_users_backup_folder(tmp_path, tok_path, three_formats,
+                                                                             caplog):
+    """A user's copy of the shards inside data/sft (``my-backup/``) lost its files to the next build."""
+    src = [SFTSource(path=str(three_formats / "messages.jsonl"))]  # not the folder, which holds the output
+    out, _ = build(tmp_path, tok_path, sources=src)
+    (out / "my-backup").mkdir()
+    backup = {}
+    for p in (out / "train").iterdir():
+        backup[p.name] = (out / "my-backup" / p.name)
+        backup[p.name].write_bytes(p.read_bytes())
+    (out / "train" / "shard-00099.arrow").write_bytes(b"stale")
+    (out / "val" / ".shard-00007.tmp").write_bytes(b"half")
+    with caplog.at_level("WARNING"):
+        _, m = build(tmp_path, tok_path, sources=src)
+    assert not (out / "train" / "shard-00099.arrow").exists() and not (out / "val" / ".shard-00007.tmp").exists()
+    assert len(list((out / "train").glob("*.arrow"))) == m["train"]["shards"]
+    assert {p.name for p in (out / "my-backup").iterdir()} == set(backup) and backup
+    assert sum("left alone my-backup/" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("data, key", [
     ({"seq_len": 4}, "sft.seq_len"),
     ({"overlong": "wrap"}, "sft.overlong"),
