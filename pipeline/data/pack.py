@@ -105,6 +105,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -1020,6 +1021,9 @@ def val_source_dir(i: int) -> str:
     return f"val-source-{i:02d}"
 
 
+VAL_SOURCE_DIR = re.compile(r"val-source-\d{2,}")  # the names val_source_dir gives
+
+
 MIX_FILE = ".mixture.arrow"  # where an earlier version kept the mixture's train documents; removed if found
 MIX_DIR = ".mixture"  # the train documents of a mixture run, encoded, in pieces, until the mixture is written
 MIX_SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("code", pa.int64()), ("order", pa.uint64()),
@@ -1236,11 +1240,15 @@ class Checkpoints:
         pieces_kept = mix.open() if mixture else {}
         if not mixture:
             shutil.rmtree(mix.folder, ignore_errors=True)  # left by a killed mixture run
-        for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and p.name not in logs):
-            if any(d.glob("shard-*")) or any(d.glob(".shard-*.tmp")):  # a split of another run
-                other = ShardLog(d, self.fp, ext=".arrow")
-                other.open()
-                other.keep_below(0, "not a split of this run")
+        # A per-source val split of a run with more sources is ours to remove; any other folder is
+        # not (a user's backup of the shards, say): left, and named in one warning.
+        for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and VAL_SOURCE_DIR.fullmatch(p.name)
+                        and p.name not in logs):
+            other = ShardLog(d, self.fp, ext=".arrow")
+            other.open()
+            other.keep_below(0, "not a split of this run")
+        shards_module.warn_other_dirs(self.out_dir, [*logs, MIX_DIR, *(
+            p.name for p in self.out_dir.iterdir() if VAL_SOURCE_DIR.fullmatch(p.name))])
         chosen = next((k for k in sorted(kept, reverse=True) if self._usable(kept, k, committed, pieces_kept)),
                       None) if resumable else None
         rec = kept[chosen] if chosen is not None else None

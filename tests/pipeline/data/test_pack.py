@@ -367,6 +367,28 @@ def test_rerun_removes_stale_shards(docs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
 
 
+def test_a_users_folder_of_shards_in_the_output_is_left_and_named_but_an_old_source_split_goes(docs, tmp_path,
+                                                                                                caplog):
+    """Every subfolder holding shard-named files was taken for a split of another run and emptied, a user's
+    backup (``data/packed/my-backup/``) too, at each run's start and again when a run failed on its data."""
+    path, tok, _ = docs
+    for d in ("my-backup", "val-source-03"):
+        (tmp_path / d).mkdir()
+        for name in ("shard-00000.arrow", "shard-00000.json"):
+            (tmp_path / d / name).write_bytes(b"old")
+    cfg = CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1), "shard_tokens": 1 << 20})
+    with caplog.at_level("WARNING"):
+        run_pack(cfg, path, tok, tmp_path)
+        assert not list((tmp_path / "val-source-03").iterdir())  # a per-source val split of an earlier run
+        assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
+        verify(tmp_path, FORMAT)
+        with pytest.raises(PackError, match="fewer than one row"):  # fails on its data: clears its own splits
+            run_pack(cfg.model_copy(update={"seq_len": 100_000, "seed": 4}), path, tok, tmp_path)
+    assert not list(tmp_path.glob("train/shard-*")) and not (tmp_path / MANIFEST).exists()
+    assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
+    assert sum("left alone my-backup/" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("data, key, msg", [
     ({"seq_len": 0}, "seq_len", "greater than or equal to 8"),
     ({"val_fraction": 0}, "val_fraction", "greater than 0"),
