@@ -376,17 +376,36 @@ def test_a_users_folder_of_shards_in_the_output_is_left_and_named_but_an_old_sou
         (tmp_path / d).mkdir()
         for name in ("shard-00000.arrow", "shard-00000.json"):
             (tmp_path / d / name).write_bytes(b"old")
-    cfg = CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1), "shard_tokens": 1 << 20})
+    cfg = CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)})  # shards, so checkpoints, mid-run
     with caplog.at_level("WARNING"):
         run_pack(cfg, path, tok, tmp_path)
         assert not list((tmp_path / "val-source-03").iterdir())  # a per-source val split of an earlier run
         assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
         verify(tmp_path, FORMAT)
+        (tmp_path / pack.COMPLETE).unlink()  # a rerun as after a kill: it keeps its committed shards
+        assert run_pack(cfg, path, tok, tmp_path)["shards_resumed"] > 0
         with pytest.raises(PackError, match="fewer than one row"):  # fails on its data: clears its own splits
             run_pack(cfg.model_copy(update={"seq_len": 100_000, "seed": 4}), path, tok, tmp_path)
     assert not list(tmp_path.glob("train/shard-*")) and not (tmp_path / MANIFEST).exists()
     assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
-    assert sum("left alone my-backup/" in r.getMessage() for r in caplog.records) == 1
+    told = [r.getMessage() for r in caplog.records if "left alone" in r.getMessage()]
+    assert len(told) == 1 and "left alone my-backup/, which holds" in told[0]  # the run's own splits are not named
+
+
+def test_a_document_lost_between_reading_and_packing_stops_the_run(docs, tmp_path, monkeypatch):
+    """Every document read is packed into a split or counted: the run checks it before the manifest."""
+    path, tok, _ = docs
+    real = pack.split_parts
+
+    def loses_one(*args):
+        parts = real(*args)
+        parts["train"].docs -= parts["train"].docs > 0
+        return parts
+
+    monkeypatch.setattr(pack, "split_parts", loses_one)
+    with pytest.raises(AssertionError, match=r"120 documents read but \d+ \+ \d+ packed"):
+        run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)}), path, tok, tmp_path)
+    assert not (tmp_path / MANIFEST).exists()
 
 
 @pytest.mark.parametrize("data, key, msg", [

@@ -511,6 +511,23 @@ def test_a_rebuild_removes_its_stale_shards_but_keeps_a_users_backup_folder(tmp_
     assert sum("left alone my-backup/" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_record_neither_kept_nor_counted_as_skipped_stops_the_build(tmp_path, tok_path, monkeypatch):
+    """examples_in == train + val + skipped is checked: a skip that is not counted is an error, not a loss."""
+    import pipeline.data.sft_data as sft_data
+    from pipeline.data.accounting import Ledger
+
+    class Forgets(Ledger):
+        def record(self, reason, *args, **kw):
+            if reason != "duplicate":
+                super().record(reason, *args, **kw)
+
+    monkeypatch.setattr(sft_data, "Ledger", Forgets)
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(6)] + [messages_rec(0)])
+    with pytest.raises(AssertionError, match=r"7 records read but .* and 0 skipped"):
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))])
+    assert not (tmp_path / "out" / MANIFEST).exists()
+
+
 @pytest.mark.parametrize("data, key", [
     ({"seq_len": 4}, "sft.seq_len"),
     ({"overlong": "wrap"}, "sft.overlong"),
