@@ -1342,6 +1342,9 @@ def short_splits(short: list[tuple[str, int, int]], row_len: int) -> str:
     row, with the fix that helps them: a larger val_fraction grows val at train's
     cost, so it is offered only for val alone, and the other way for train."""
     said = " and ".join(f"the {s} split has {tokens} tokens from {docs} document(s)" for s, tokens, docs in short)
+    if all(tokens == 0 for _, tokens, _ in short):  # not one token, not even an EOT: no row length helps
+        return f"{said}: every one of those documents is empty (no text, or text that encodes to no tokens); " \
+               "check the text column of the documents (did clean empty them?), or add data"
     shift = {("val",): "raise pack.val_fraction, ", ("train",): "lower pack.val_fraction, "}.get(
         tuple(s for s, _, _ in short), "")
     return f"{said}, fewer than one row of {row_len}{' each' if len(short) > 1 else ''}; lower pack.seq_len, " \

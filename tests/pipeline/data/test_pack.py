@@ -328,6 +328,14 @@ def test_a_split_too_short_for_a_row_is_told_the_fix_that_helps_it(docs, tmp_pat
     assert re.fullmatch(r"the train split has \d+ tokens from \d+ document\(s\) and the val split has \d+ tokens "
                         r"from \d+ document\(s\), fewer than one row of 4097 each; lower pack\.seq_len, or add data",
                         str(err.value))
+    # every document empty: no row length helps, so none is offered
+    empty = write_items(tmp_path / "e.parquet", [(i, "") for i in ids])
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=8, val_fraction=0.2, num_workers=1), empty, tok, tmp_path / "c")
+    assert re.fullmatch(r"the train split has 0 tokens from \d+ document\(s\) and the val split has 0 tokens from "
+                        r"\d+ document\(s\): every one of those documents is empty \(no text, or text that encodes "
+                        r"to no tokens\); check the text column of the documents \(did clean empty them\?\), or add "
+                        r"data", str(err.value))
 
 
 def test_a_seq_len_the_kept_output_shows_too_long_is_refused_before_anything_is_read_or_removed(docs, tmp_path,
