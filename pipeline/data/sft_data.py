@@ -518,9 +518,12 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                  quarantine_path)
     empty = [s for s in SPLITS if not splits[s]]
     if empty:
+        too_long = ledger.counts.get("too_long", 0)
+        fix = (f"; {too_long} were longer than a row of {row_len} tokens: raise sft.data.seq_len"
+               + (" or set sft.data.overlong: truncate" if cfg.overlong == "drop" else "")) if too_long else ""
         raise SFTDataError(
             f"the {' and '.join(empty)} split(s) got no examples: {examples_in} record(s) read, "
-            f"{kept['train'] + kept['val']} kept, skipped {ledger.as_dict()} (see {quarantine_path}); "
+            f"{kept['train'] + kept['val']} kept, skipped {ledger.as_dict()} (see {quarantine_path}){fix}; "
             "add data, or fix the records quarantined there")
 
     try:

@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 
 import numpy as np
@@ -489,6 +490,15 @@ def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, thr
         build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "bad.jsonl"))])
     assert not (out / MANIFEST).exists() and not list((out / "train").glob("*.arrow"))
     assert "unknown_format" in (tmp_path / "out-quarantine.jsonl").read_text()
+    # every record longer than a row: the message names the params that let them in
+    long = [{"messages": [{"role": "user", "content": f"question {i} " * 40}, {"role": "assistant", "content": "a"}]}
+            for i in range(4)]
+    write_jsonl(tmp_path / "long.jsonl", long)
+    for overlong, fix in (("drop", "raise sft.data.seq_len or set sft.data.overlong: truncate; "),
+                          ("truncate", "raise sft.data.seq_len; ")):
+        with pytest.raises(SFTDataError, match=r"skipped \{'too_long': 4\} \(see .*\); 4 were longer than a row of "
+                                               r"65 tokens: " + re.escape(fix) + "add data"):
+            build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "long.jsonl"))], overlong=overlong)
 
 
 def test_a_rebuild_removes_its_stale_shards_but_keeps_a_users_backup_folder(tmp_path, tok_path, three_formats,
