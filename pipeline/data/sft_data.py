@@ -584,6 +584,25 @@ def build_fingerprint(cfg: SFTDataConfig, tokenizer_path: str | Path) -> str:
                                    stdlib_qa)})
 
 
+def _build_record(path: Path) -> dict[str, Any] | None:
+    """The build record at ``path``, or None where there is none or it is not one
+    that :func:`build_once` wrote (cut short, or edited): the data is then built
+    again, with a warning, rather than a traceback."""
+    if not path.exists():
+        return None
+    try:
+        built = read_json(path)
+    except (OSError, ValueError) as e:
+        built, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "not a build record"
+    if isinstance(built, dict) and isinstance(built.get("fingerprint"), str) and isinstance(built.get("metrics"),
+                                                                                            dict):
+        return built
+    log.warning("%s is damaged (%s): the SFT data is built again", path, why)
+    return None
+
+
 def build_once(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Path,
                quarantine_path: str | Path) -> dict:
     """:func:`build_sft_data`, unless ``out_dir`` holds a complete build of the
@@ -605,11 +624,10 @@ def build_once(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Pa
         except BlockingIOError:
             log.info("waiting for the SFT data build in %s that another process (or node) holds", out_dir)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        if record.exists() and (out_dir / MANIFEST).exists():
-            built = read_json(record)
-            if built.get("fingerprint") == fingerprint:
-                log.info("%s holds this build already (made on %s): not built again", out_dir, built["host"])
-                return built["metrics"]
+        built = _build_record(record) if (out_dir / MANIFEST).exists() else None
+        if built is not None and built["fingerprint"] == fingerprint:
+            log.info("%s holds this build already (made on %s): not built again", out_dir, built.get("host"))
+            return built["metrics"]
         record.unlink(missing_ok=True)
         metrics = build_sft_data(cfg, tokenizer_path, out_dir, quarantine_path)
         write_json(record, {"fingerprint": fingerprint, "host": socket.gethostname(), "metrics": metrics})

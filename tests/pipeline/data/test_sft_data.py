@@ -749,6 +749,20 @@ def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp
         "examples_in"] == 1400, "a changed source builds again"
 
 
+@pytest.mark.parametrize("damage", ['{"fingerprint": "ab', "[1, 2]", '{"fingerprint": "x"}', ""])
+def test_a_damaged_build_record_builds_again_with_a_warning_not_a_traceback(tmp_path, tok_path, damage, caplog):
+    from pipeline.data.sft_data import BUILD_RECORD, build_once
+
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(12)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], seq_len=64, val_fraction=0.25)
+    first = build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl")
+    (tmp_path / "sft" / BUILD_RECORD).write_text(damage)
+    with caplog.at_level("WARNING"):
+        assert build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl") == first
+    assert any("is damaged" in r.getMessage() and "built again" in r.getMessage() for r in caplog.records)
+    assert read_json(tmp_path / "sft" / BUILD_RECORD)["metrics"] == first  # written anew
+
+
 def test_a_glob_reaches_nested_folders_and_a_wrapper_of_two_lists_is_one_record(tmp_path, tok_path):
     """``**`` matches folders at any depth; a JSON object holding two lists of records is no
     wrapper of one (which list would it be?): it is one record, a counted skip."""
