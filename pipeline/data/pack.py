@@ -1387,7 +1387,10 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     shards it does not list, and continues from its row. A damaged shard (or
     sidecar) thus makes the rerun fall back to the latest checkpoint that does
     not depend on it, or start afresh. Shards, records and checkpoints of
-    another fingerprint are removed first, with a warning per file. The manifest
+    another fingerprint are removed first, with a warning per file, in the
+    split folders pack writes (``train``, ``val``, ``val-source-NN``) only: any
+    other folder of ``out_dir`` (a user's copy of some shards) is left as it is
+    and named in one warning. The manifest
     and every shard are byte-identical to an uninterrupted run's. A mixture run
     also commits its train documents in pieces (:class:`Mixture`), one per
     checkpoint, and a checkpoint is also taken when the documents added since

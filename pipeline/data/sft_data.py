@@ -431,7 +431,9 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     """Read ``cfg.sources``, convert, encode with the chat template
     (:func:`pipeline.data.chat_template.encode_conversation`), split, pack and write shards and manifest under ``out_dir`` (format in the
     module docstring) and the quarantine sample to ``quarantine_path``. Stale
-    shards of an earlier run are removed first; on failure no manifest is left.
+    shards of an earlier run are removed first, from ``train/`` and ``val/``
+    only (another folder, a user's copy, is left and named in a warning); on
+    failure no manifest is left.
 
     Returns metrics: examples_in, train/val {examples, truncated, rows, tokens,
     label_tokens, pad_tokens, shards (count)}, skipped {reason: n}, truncated,
