@@ -105,6 +105,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -1020,6 +1021,9 @@ def val_source_dir(i: int) -> str:
     return f"val-source-{i:02d}"
 
 
+VAL_SOURCE_DIR = re.compile(r"val-source-\d{2,}")  # the names val_source_dir gives
+
+
 MIX_FILE = ".mixture.arrow"  # where an earlier version kept the mixture's train documents; removed if found
 MIX_DIR = ".mixture"  # the train documents of a mixture run, encoded, in pieces, until the mixture is written
 MIX_SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("code", pa.int64()), ("order", pa.uint64()),
@@ -1236,11 +1240,15 @@ class Checkpoints:
         pieces_kept = mix.open() if mixture else {}
         if not mixture:
             shutil.rmtree(mix.folder, ignore_errors=True)  # left by a killed mixture run
-        for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and p.name not in logs):
-            if any(d.glob("shard-*")) or any(d.glob(".shard-*.tmp")):  # a split of another run
-                other = ShardLog(d, self.fp, ext=".arrow")
-                other.open()
-                other.keep_below(0, "not a split of this run")
+        # A per-source val split of a run with more sources is ours to remove; any other folder is
+        # not (a user's backup of the shards, say): left, and named in one warning.
+        for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and VAL_SOURCE_DIR.fullmatch(p.name)
+                        and p.name not in logs):
+            other = ShardLog(d, self.fp, ext=".arrow")
+            other.open()
+            other.keep_below(0, "not a split of this run")
+        shards_module.warn_other_dirs(self.out_dir, [*logs, MIX_DIR, *(
+            p.name for p in self.out_dir.iterdir() if VAL_SOURCE_DIR.fullmatch(p.name))])
         chosen = next((k for k in sorted(kept, reverse=True) if self._usable(kept, k, committed, pieces_kept)),
                       None) if resumable else None
         rec = kept[chosen] if chosen is not None else None
@@ -1334,6 +1342,9 @@ def short_splits(short: list[tuple[str, int, int]], row_len: int) -> str:
     row, with the fix that helps them: a larger val_fraction grows val at train's
     cost, so it is offered only for val alone, and the other way for train."""
     said = " and ".join(f"the {s} split has {tokens} tokens from {docs} document(s)" for s, tokens, docs in short)
+    if all(tokens == 0 for _, tokens, _ in short):  # not one token, not even an EOT: no row length helps
+        return f"{said}: every one of those documents is empty (no text, or text that encodes to no tokens); " \
+               "check the text column of the documents (did clean empty them?), or add data"
     shift = {("val",): "raise pack.val_fraction, ", ("train",): "lower pack.val_fraction, "}.get(
         tuple(s for s, _, _ in short), "")
     return f"{said}, fewer than one row of {row_len}{' each' if len(short) > 1 else ''}; lower pack.seq_len, " \
@@ -1376,7 +1387,10 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
     shards it does not list, and continues from its row. A damaged shard (or
     sidecar) thus makes the rerun fall back to the latest checkpoint that does
     not depend on it, or start afresh. Shards, records and checkpoints of
-    another fingerprint are removed first, with a warning per file. The manifest
+    another fingerprint are removed first, with a warning per file, in the
+    split folders pack writes (``train``, ``val``, ``val-source-NN``) only: any
+    other folder of ``out_dir`` (a user's copy of some shards) is left as it is
+    and named in one warning. The manifest
     and every shard are byte-identical to an uninterrupted run's. A mixture run
     also commits its train documents in pieces (:class:`Mixture`), one per
     checkpoint, and a checkpoint is also taken when the documents added since
@@ -1498,7 +1512,7 @@ def run_pack(cfg: PackConfig, docs_path: str | Path, tokenizer_path: str | Path,
         val_sources, source_splits = sources.finish_val()
     except StageError:
         if "writers" in state:  # a plan error leaves an earlier run's output as it was
-            clear_outputs(out_dir)  # the data's own error: a rerun would end the same way
+            clear_outputs(out_dir, state["all"])  # the data's own error: a rerun would end the same way
             checkpoints.clear()
             if "mixture" in state:
                 state["mixture"].discard()

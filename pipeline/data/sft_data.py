@@ -431,7 +431,9 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
     """Read ``cfg.sources``, convert, encode with the chat template
     (:func:`pipeline.data.chat_template.encode_conversation`), split, pack and write shards and manifest under ``out_dir`` (format in the
     module docstring) and the quarantine sample to ``quarantine_path``. Stale
-    shards of an earlier run are removed first; on failure no manifest is left.
+    shards of an earlier run are removed first, from ``train/`` and ``val/``
+    only (another folder, a user's copy, is left and named in a warning); on
+    failure no manifest is left.
 
     Returns metrics: examples_in, train/val {examples, truncated, rows, tokens,
     label_tokens, pad_tokens, shards (count)}, skipped {reason: n}, truncated,
@@ -454,7 +456,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                     "eos ids %s: generation must stop at them too (manifest stop_ids)", template.name,
                     list(end_of_turn), list(specials.eos_ids))
     files = [resolve_source(src, i) for i, src in enumerate(cfg.sources)]
-    clear_outputs(out_dir)
+    clear_outputs(out_dir, SPLITS)
     row_len = cfg.seq_len + 1
     threshold = int(cfg.val_fraction * 2**64)
     ledger = Ledger(per_reason=cfg.quarantine_per_reason)
@@ -518,15 +520,18 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str 
                  quarantine_path)
     empty = [s for s in SPLITS if not splits[s]]
     if empty:
+        too_long = ledger.counts.get("too_long", 0)
+        fix = (f"; {too_long} were longer than a row of {row_len} tokens: raise sft.data.seq_len"
+               + (" or set sft.data.overlong: truncate" if cfg.overlong == "drop" else "")) if too_long else ""
         raise SFTDataError(
             f"the {' and '.join(empty)} split(s) got no examples: {examples_in} record(s) read, "
-            f"{kept['train'] + kept['val']} kept, skipped {ledger.as_dict()} (see {quarantine_path}); "
+            f"{kept['train'] + kept['val']} kept, skipped {ledger.as_dict()} (see {quarantine_path}){fix}; "
             "add data, or fix the records quarantined there")
 
     try:
         written = {s: write_split(out_dir, s, splits[s], cfg, specials.pad_id) for s in SPLITS}
     except BaseException:
-        clear_outputs(out_dir)
+        clear_outputs(out_dir, SPLITS)
         raise
     uses_builtin = any(s.path.startswith(BUILTIN_PREFIX) for s in cfg.sources)
     write_manifest(out_dir, fmt=FORMAT, seq_len=cfg.seq_len, vocab_size=id_space(tok),
@@ -581,6 +586,25 @@ def build_fingerprint(cfg: SFTDataConfig, tokenizer_path: str | Path) -> str:
                                    stdlib_qa)})
 
 
+def _build_record(path: Path) -> dict[str, Any] | None:
+    """The build record at ``path``, or None where there is none or it is not one
+    that :func:`build_once` wrote (cut short, or edited): the data is then built
+    again, with a warning, rather than a traceback."""
+    if not path.exists():
+        return None
+    try:
+        built = read_json(path)
+    except (OSError, ValueError) as e:
+        built, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "not a build record"
+    if isinstance(built, dict) and isinstance(built.get("fingerprint"), str) and isinstance(built.get("metrics"),
+                                                                                            dict):
+        return built
+    log.warning("%s is damaged (%s): the SFT data is built again", path, why)
+    return None
+
+
 def build_once(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Path,
                quarantine_path: str | Path) -> dict:
     """:func:`build_sft_data`, unless ``out_dir`` holds a complete build of the
@@ -602,11 +626,10 @@ def build_once(cfg: SFTDataConfig, tokenizer_path: str | Path, out_dir: str | Pa
         except BlockingIOError:
             log.info("waiting for the SFT data build in %s that another process (or node) holds", out_dir)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        if record.exists() and (out_dir / MANIFEST).exists():
-            built = read_json(record)
-            if built.get("fingerprint") == fingerprint:
-                log.info("%s holds this build already (made on %s): not built again", out_dir, built["host"])
-                return built["metrics"]
+        built = _build_record(record) if (out_dir / MANIFEST).exists() else None
+        if built is not None and built["fingerprint"] == fingerprint:
+            log.info("%s holds this build already (made on %s): not built again", out_dir, built.get("host"))
+            return built["metrics"]
         record.unlink(missing_ok=True)
         metrics = build_sft_data(cfg, tokenizer_path, out_dir, quarantine_path)
         write_json(record, {"fingerprint": fingerprint, "host": socket.gethostname(), "metrics": metrics})

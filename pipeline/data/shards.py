@@ -38,7 +38,8 @@ folder), rows, sha256}]``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ if TYPE_CHECKING:  # torch is needed only to hand batches to the trainer
     import torch
 
     from pipeline.data.resume import ShardLog
+
+log = logging.getLogger("pipeline.data.shards")
 
 MANIFEST = "manifest.json"
 IGNORE_INDEX = -100  # a label that takes no part in the loss: SFT prompt tokens, padding
@@ -145,21 +148,57 @@ class ShardWriter:
             writer.write_batch(batch)
 
 
-def clear_outputs(out_dir: str | Path) -> None:
-    """Remove the manifest and every shard (and temporary shard, and commit record)
-    of a folder, in every split's subfolder (``train``, ``val``, and pack's
-    per-source val splits)."""
+def clear_outputs(out_dir: str | Path, splits: Iterable[str]) -> None:
+    """Remove the manifest and, in each of ``splits`` (the split folders the
+    caller writes: ``train``, ``val``, and pack's per-source val splits), every
+    shard, temporary shard and commit record. Any other subfolder is not the
+    stage's (a user's backup, say ``my-backup/shard-00000.arrow``): it is left as
+    it is, and those that hold files named like shards get one warning
+    (:func:`warn_other_dirs`). Raises DataError for a directory named like a
+    shard in a split folder (kept: it is no shard the stage wrote)."""
+    if isinstance(splits, str):  # one name, not its letters
+        raise TypeError("splits must be a collection of split folder names, not a string")
     out_dir = Path(out_dir)
+    splits = list(splits)
     # The manifest goes first: a folder without one is incomplete by contract.
     (out_dir / MANIFEST).unlink(missing_ok=True)
     if not out_dir.is_dir():
         return
-    for d in sorted(p for p in out_dir.iterdir() if p.is_dir()):
-        for p in [*d.glob("shard-*.arrow"), *d.glob("shard-*.json"), *d.glob(".shard-*.tmp")]:
+    for d in (out_dir / s for s in sorted(set(splits))):
+        if not d.is_dir():
+            continue
+        for p in shard_like(d):
             if p.is_dir() and not p.is_symlink():  # no shard the stage wrote: maybe the user's, never removed
                 raise DataError(f"{p} is a directory where a shard belongs; it is not removed: move it out of "
                                 f"{out_dir} and run again")
             p.unlink()
+    warn_other_dirs(out_dir, splits)
+
+
+def shard_like(folder: Path) -> list[Path]:
+    """The entries of ``folder`` named as a writer names its shards, their
+    commit records and their temporary files."""
+    return [*folder.glob("shard-*.arrow"), *folder.glob("shard-*.json"), *folder.glob(".shard-*.tmp")]
+
+
+_WARNED: set[Path] = set()  # the folders warn_other_dirs named already
+
+
+def warn_other_dirs(out_dir: Path, splits: Iterable[str]) -> list[Path]:
+    """The subfolders of ``out_dir`` other than ``splits`` that hold files named
+    like shards, named in one warning: they are left alone (a stage removes
+    shards only in the folders it writes). A folder is warned of once a process
+    (a stage that clears its output twice says it once)."""
+    splits = set(splits)
+    others = [d for d in sorted(out_dir.iterdir()) if d.is_dir() and d.name not in splits and shard_like(d)] \
+        if out_dir.is_dir() else []
+    new = [d for d in others if d.resolve() not in _WARNED]
+    if new:
+        _WARNED.update(d.resolve() for d in new)
+        log.warning("%s: left alone %s, which hold%s files named like shards but %s no split this stage writes "
+                    "(%s)", out_dir, ", ".join(f"{d.name}/" for d in new), "s" if len(new) == 1 else "",
+                    "is" if len(new) == 1 else "are", ", ".join(sorted(s for s in splits if not s.startswith("."))))
+    return others
 
 
 def write_manifest(out_dir: str | Path, *, fmt: str, seq_len: int, vocab_size: int, special_ids: dict[str, int],

@@ -328,6 +328,14 @@ def test_a_split_too_short_for_a_row_is_told_the_fix_that_helps_it(docs, tmp_pat
     assert re.fullmatch(r"the train split has \d+ tokens from \d+ document\(s\) and the val split has \d+ tokens "
                         r"from \d+ document\(s\), fewer than one row of 4097 each; lower pack\.seq_len, or add data",
                         str(err.value))
+    # every document empty: no row length helps, so none is offered
+    empty = write_items(tmp_path / "e.parquet", [(i, "") for i in ids])
+    with pytest.raises(PackError) as err:
+        run_pack(PackConfig(seq_len=8, val_fraction=0.2, num_workers=1), empty, tok, tmp_path / "c")
+    assert re.fullmatch(r"the train split has 0 tokens from \d+ document\(s\) and the val split has 0 tokens from "
+                        r"\d+ document\(s\): every one of those documents is empty \(no text, or text that encodes "
+                        r"to no tokens\); check the text column of the documents \(did clean empty them\?\), or add "
+                        r"data", str(err.value))
 
 
 def test_a_seq_len_the_kept_output_shows_too_long_is_refused_before_anything_is_read_or_removed(docs, tmp_path,
@@ -365,6 +373,47 @@ def test_rerun_removes_stale_shards(docs, tmp_path):
     run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1), "shard_tokens": 1 << 20}), path, tok, tmp_path)
     assert not stale.exists()
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
+
+
+def test_a_users_folder_of_shards_in_the_output_is_left_and_named_but_an_old_source_split_goes(docs, tmp_path,
+                                                                                                caplog):
+    """Every subfolder holding shard-named files was taken for a split of another run and emptied, a user's
+    backup (``data/packed/my-backup/``) too, at each run's start and again when a run failed on its data."""
+    path, tok, _ = docs
+    for d in ("my-backup", "val-source-03"):
+        (tmp_path / d).mkdir()
+        for name in ("shard-00000.arrow", "shard-00000.json"):
+            (tmp_path / d / name).write_bytes(b"old")
+    cfg = CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)})  # shards, so checkpoints, mid-run
+    with caplog.at_level("WARNING"):
+        run_pack(cfg, path, tok, tmp_path)
+        assert not list((tmp_path / "val-source-03").iterdir())  # a per-source val split of an earlier run
+        assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
+        verify(tmp_path, FORMAT)
+        (tmp_path / pack.COMPLETE).unlink()  # a rerun as after a kill: it keeps its committed shards
+        assert run_pack(cfg, path, tok, tmp_path)["shards_resumed"] > 0
+        with pytest.raises(PackError, match="fewer than one row"):  # fails on its data: clears its own splits
+            run_pack(cfg.model_copy(update={"seq_len": 100_000, "seed": 4}), path, tok, tmp_path)
+    assert not list(tmp_path.glob("train/shard-*")) and not (tmp_path / MANIFEST).exists()
+    assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == ["shard-00000.arrow", "shard-00000.json"]
+    told = [r.getMessage() for r in caplog.records if "left alone" in r.getMessage()]
+    assert len(told) == 1 and "left alone my-backup/, which holds" in told[0]  # the run's own splits are not named
+
+
+def test_a_document_lost_between_reading_and_packing_stops_the_run(docs, tmp_path, monkeypatch):
+    """Every document read is packed into a split or counted: the run checks it before the manifest."""
+    path, tok, _ = docs
+    real = pack.split_parts
+
+    def loses_one(*args):
+        parts = real(*args)
+        parts["train"].docs -= parts["train"].docs > 0
+        return parts
+
+    monkeypatch.setattr(pack, "split_parts", loses_one)
+    with pytest.raises(AssertionError, match=r"120 documents read but \d+ \+ \d+ packed"):
+        run_pack(CFG.model_copy(update={"executor": ExecutorConfig(num_workers=1)}), path, tok, tmp_path)
+    assert not (tmp_path / MANIFEST).exists()
 
 
 @pytest.mark.parametrize("data, key, msg", [

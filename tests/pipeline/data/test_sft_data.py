@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 
 import numpy as np
@@ -489,6 +490,52 @@ def test_empty_result_is_an_error_and_leaves_no_manifest(tmp_path, tok_path, thr
         build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "bad.jsonl"))])
     assert not (out / MANIFEST).exists() and not list((out / "train").glob("*.arrow"))
     assert "unknown_format" in (tmp_path / "out-quarantine.jsonl").read_text()
+    # every record longer than a row: the message names the params that let them in
+    long = [{"messages": [{"role": "user", "content": f"question {i} " * 40}, {"role": "assistant", "content": "a"}]}
+            for i in range(4)]
+    write_jsonl(tmp_path / "long.jsonl", long)
+    for overlong, fix in (("drop", "raise sft.data.seq_len or set sft.data.overlong: truncate; "),
+                          ("truncate", "raise sft.data.seq_len; ")):
+        with pytest.raises(SFTDataError, match=r"skipped \{'too_long': 4\} \(see .*\); 4 were longer than a row of "
+                                               r"65 tokens: " + re.escape(fix) + "add data"):
+            build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "long.jsonl"))], overlong=overlong)
+
+
+def test_a_rebuild_removes_its_stale_shards_but_keeps_a_users_backup_folder(tmp_path, tok_path, three_formats,
+                                                                             caplog):
+    """A user's copy of the shards inside data/sft (``my-backup/``) lost its files to the next build."""
+    src = [SFTSource(path=str(three_formats / "messages.jsonl"))]  # not the folder, which holds the output
+    out, _ = build(tmp_path, tok_path, sources=src)
+    (out / "my-backup").mkdir()
+    backup = {}
+    for p in (out / "train").iterdir():
+        backup[p.name] = (out / "my-backup" / p.name)
+        backup[p.name].write_bytes(p.read_bytes())
+    (out / "train" / "shard-00099.arrow").write_bytes(b"stale")
+    (out / "val" / ".shard-00007.tmp").write_bytes(b"half")
+    with caplog.at_level("WARNING"):
+        _, m = build(tmp_path, tok_path, sources=src)
+    assert not (out / "train" / "shard-00099.arrow").exists() and not (out / "val" / ".shard-00007.tmp").exists()
+    assert len(list((out / "train").glob("*.arrow"))) == m["train"]["shards"]
+    assert {p.name for p in (out / "my-backup").iterdir()} == set(backup) and backup
+    assert sum("left alone my-backup/" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_record_neither_kept_nor_counted_as_skipped_stops_the_build(tmp_path, tok_path, monkeypatch):
+    """examples_in == train + val + skipped is checked: a skip that is not counted is an error, not a loss."""
+    import pipeline.data.sft_data as sft_data
+    from pipeline.data.accounting import Ledger
+
+    class Forgets(Ledger):
+        def record(self, reason, *args, **kw):
+            if reason != "duplicate":
+                super().record(reason, *args, **kw)
+
+    monkeypatch.setattr(sft_data, "Ledger", Forgets)
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(6)] + [messages_rec(0)])
+    with pytest.raises(AssertionError, match=r"7 records read but .* and 0 skipped"):
+        build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))])
+    assert not (tmp_path / "out" / MANIFEST).exists()
 
 
 @pytest.mark.parametrize("data, key", [
@@ -700,6 +747,20 @@ def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp
     write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(1400)])
     assert build_once(cfg.model_copy(update={"seed": 1}), tok_path, shared, tmp_path / "q.jsonl")[
         "examples_in"] == 1400, "a changed source builds again"
+
+
+@pytest.mark.parametrize("damage", ['{"fingerprint": "ab', "[1, 2]", '{"fingerprint": "x"}', ""])
+def test_a_damaged_build_record_builds_again_with_a_warning_not_a_traceback(tmp_path, tok_path, damage, caplog):
+    from pipeline.data.sft_data import BUILD_RECORD, build_once
+
+    write_jsonl(tmp_path / "chat.jsonl", [messages_rec(i) for i in range(12)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "chat.jsonl"))], seq_len=64, val_fraction=0.25)
+    first = build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl")
+    (tmp_path / "sft" / BUILD_RECORD).write_text(damage)
+    with caplog.at_level("WARNING"):
+        assert build_once(cfg, tok_path, tmp_path / "sft", tmp_path / "q.jsonl") == first
+    assert any("is damaged" in r.getMessage() and "built again" in r.getMessage() for r in caplog.records)
+    assert read_json(tmp_path / "sft" / BUILD_RECORD)["metrics"] == first  # written anew
 
 
 def test_a_glob_reaches_nested_folders_and_a_wrapper_of_two_lists_is_one_record(tmp_path, tok_path):

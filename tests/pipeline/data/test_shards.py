@@ -149,7 +149,7 @@ def test_manifest_lists_shards_with_their_sha256(tmp_path, tok_path):
     (tmp_path / "train" / "shard-00009.arrow").write_bytes(b"stray")
     with pytest.raises(DataError, match="does not list"):
         verify(tmp_path)
-    clear_outputs(tmp_path)
+    clear_outputs(tmp_path, ["train"])
     assert not (tmp_path / MANIFEST).exists() and not list(tmp_path.rglob("*.arrow"))
 
 
@@ -242,7 +242,7 @@ def test_a_writer_with_a_shard_log_writes_the_same_shards_and_commits_each(tmp_p
                        splits={"train": {"rows": 6, "shards": plain.shards}})
         verify(tmp_path / d, "test/1")
         assert len(PackedRows(tmp_path / d / "train")) == 6
-    clear_outputs(tmp_path / "b")
+    clear_outputs(tmp_path / "b", ["train"])
     assert not list((tmp_path / "b" / "train").iterdir())
 
 
@@ -296,13 +296,13 @@ def test_clear_outputs_keeps_a_users_directory_named_like_a_shard_and_says_so(tm
     rows = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
     write_format(tmp_path, tok_path, rows, [[0]] * 3)
     (tmp_path / "train" / "notes.txt").write_text("mine")
-    clear_outputs(tmp_path)
+    clear_outputs(tmp_path, ["train"])
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["notes.txt"]  # a user's file stays
     (tmp_path / "train" / "shard-00000.arrow").mkdir()
     (tmp_path / "train" / "shard-00000.arrow" / "keep").write_text("mine")
     with pytest.raises(DataError, match=r"train/shard-00000.arrow is a directory where a shard belongs; it is not "
                                         r"removed"):
-        clear_outputs(tmp_path)
+        clear_outputs(tmp_path, ["train"])
     assert (tmp_path / "train" / "shard-00000.arrow" / "keep").read_text() == "mine"
 
 
@@ -312,7 +312,7 @@ def test_clear_outputs_removes_a_link_named_like_a_shard_but_not_its_target(tmp_
     target.write_bytes(b"a user's file")
     (tmp_path / "train" / "shard-00000.arrow").symlink_to(target)
     (tmp_path / "train" / "shard-00001.arrow").symlink_to(tmp_path / "train")  # a link to a directory: a link
-    clear_outputs(tmp_path)
+    clear_outputs(tmp_path, ["train"])
     assert list((tmp_path / "train").iterdir()) == [] and target.read_bytes() == b"a user's file"
 
 
@@ -367,3 +367,30 @@ def test_a_row_whose_doc_starts_lack_0_still_begins_segment_0(tmp_path):
     tokens still belong to a segment, numbered 0, not -1."""
     data = PackedRows(write_split(tmp_path / "s", [np.arange(5)] * 2, [[2], [0, 3]], shards=1))
     assert data.segment_ids(np.array([0, 1])).tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
+
+
+def test_clear_outputs_clears_only_the_split_folders_it_is_given_and_warns_of_a_users_copy(tmp_path, caplog):
+    """A user's backup inside the output folder (``data/sft/my-backup/shard-00000.arrow``) lost its files:
+    every subfolder's shard-named files were removed. Now only the named split folders are cleared."""
+    for d in ("train", "val", "my-backup", "notes"):
+        (tmp_path / d).mkdir()
+    for d in ("train", "val", "my-backup"):
+        for name in ("shard-00000.arrow", "shard-00000.json", ".shard-00001.tmp"):
+            (tmp_path / d / name).write_bytes(b"x")
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    (tmp_path / MANIFEST).write_text("{}")
+    with caplog.at_level("WARNING", logger="pipeline.data.shards"):
+        clear_outputs(tmp_path, ["train", "val", "val-source-00"])
+        assert not (tmp_path / MANIFEST).exists()
+        assert not list((tmp_path / "train").iterdir()) and not list((tmp_path / "val").iterdir())
+        assert sorted(p.name for p in (tmp_path / "my-backup").iterdir()) == [
+            ".shard-00001.tmp", "shard-00000.arrow", "shard-00000.json"]
+        assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+        (tmp_path / "train" / "shard-00003.arrow").write_bytes(b"stale")
+        clear_outputs(tmp_path, ["train", "val"])  # a second clear of the same folder: no second warning
+    assert not (tmp_path / "train" / "shard-00003.arrow").exists()
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "left alone my-backup/, which holds files named like shards but is no split this " \
+                                "stage writes (train, val, val-source-00)" in warned[0]
+    with pytest.raises(TypeError, match="not a string"):
+        clear_outputs(tmp_path, "train")
