@@ -42,6 +42,7 @@ from zoneinfo import ZoneInfo
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.states import Failed, State
 
 from flows.pipeline import pipeline
 from flows.runtime import (
@@ -68,10 +69,11 @@ def retrain(
     retries: int = DEFAULT_RETRIES,
     retry_delay_s: float = DEFAULT_RETRY_DELAY_S,
     timeouts: dict[str, float] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Bring the project at ``root`` (default: the current directory) up to date
     with its inputs. Returns ``{"stale": {stage: reasons}, "stages": [...]}``,
-    where ``stages`` is the pipeline flow's result, empty when nothing was stale."""
+    where ``stages`` is the pipeline flow's result, empty when nothing was stale;
+    a Failed state with the pipeline's one-line message when that failed."""
     logger = get_run_logger()
     root_path = project_root(root or os.getcwd())
     names = [s.name for s in select(load_stages(root_path), targets)]
@@ -83,9 +85,11 @@ def retrain(
             logger.info("DVC reports every stage up to date (%s); nothing to retrain", ", ".join(names))
             return {"stale": {}, "stages": []}
         logger.info("DVC reports stale: %s; running the pipeline", ", ".join(stale))
-        results = pipeline(root=str(root_path), targets=targets, retries=retries,
-                           retry_delay_s=retry_delay_s, timeouts=timeouts)
-    return {"stale": stale, "stages": results}
+        state = pipeline(root=str(root_path), targets=targets, retries=retries,
+                         retry_delay_s=retry_delay_s, timeouts=timeouts, return_state=True)
+    if not state.is_completed():  # as a state: raised, it would be logged with a traceback
+        return Failed(message=state.message or "the pipeline flow failed")
+    return {"stale": stale, "stages": state.result()}
 
 
 def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str, str]:

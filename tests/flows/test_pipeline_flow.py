@@ -573,6 +573,37 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     assert parent.data.metrics["flaky.attempts"] == 2
 
 
+FAILS = """
+    import sys
+    print("loading the config", flush=True)
+    sys.exit("error: stage bad failed: bad.lr must be > 0, got -1")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_failing_stage_ends_the_flow_failed_with_its_one_line_error_not_tracebacks(tmp_path, shared):
+    """A stage that failed was logged as Prefect's traceback of StageFailed, its
+    40-line output tail and all, once by the task and once more by the flow."""
+    root = dvc_project(tmp_path / "proj", {
+        "ok": {"cmd": "cp in.txt ok.txt", "deps": ["in.txt"], "outs": ["ok.txt"]},
+        "bad": {"cmd": "python bad.py", "deps": ["bad.py", "ok.txt"], "outs": ["bad.txt"]},
+        "after": {"cmd": "cp bad.txt after.txt", "deps": ["bad.txt"], "outs": ["after.txt"]},
+    }, {"in.txt": "x\n", "bad.py": FAILS})
+    r = run_flow(root, flow_env(shared, "failing-stage"), "--retries", "1", "--retry-delay", "0",
+                 "--retry-stages", "bad")
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "Traceback" not in r.stdout, r.stdout[-6000:]
+    assert r.stdout.count("loading the config") == 2, "the stage was retried once"
+    why = "error: stage bad failed: bad.lr must be > 0, got -1"
+    assert f"Finished in state Failed('stage bad: {why}')" in r.stdout, r.stdout[-4000:]
+    assert f"\n> bad: {why}\n" in r.stdout and "| ok | ran |" in r.stdout and "| after | not run |" in r.stdout
+    [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "failing-stage")
+                if run.info.run_name == "pipeline"]
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["pipeline.error.bad"] == why and parent.data.tags["pipeline.status.after"] == "not_run"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_path, shared):

@@ -312,3 +312,21 @@ def test_a_retrain_run_waits_for_the_flow_run_whose_stage_is_running(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "DVC reports stale: other; running the pipeline" in out, out[-4000:]
     assert (root / "copy.txt").read_text() == "new data\n"
+
+
+@pytest.mark.timeout(240)
+def test_a_retrain_run_whose_stage_fails_ends_failed_with_the_stage_error_not_tracebacks(tmp_path):
+    from tests.flows.test_pipeline_flow import FAILS, dvc_project
+
+    # writes under models/: a training stage, so not retried
+    root = dvc_project(tmp_path / "proj", {"bad": {"cmd": "python bad.py", "deps": ["bad.py"],
+                                                   "outs": ["models/bad.txt"]}}, {"bad.py": FAILS})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "Traceback" not in r.stdout, r.stdout[-6000:]
+    why = "stage bad: error: stage bad failed: bad.lr must be > 0, got -1"
+    assert r.stdout.count(f"Finished in state Failed('{why}')") == 2, r.stdout[-4000:]  # pipeline, then retrain
