@@ -128,7 +128,7 @@ def pipeline(
         with project_lock(root_path, logger.info, f"flow run {ctx.flow_run.name!r}"), \
                 parent_run(root_path, tags=tags) as parent:
             if parent.run_id:
-                logger.info("MLflow parent run %s at %s", parent.run_id, parent.uri)
+                logger.info(parent.describe())
             env = parent.child_env(base_env())
             try:
                 for stage in stages:

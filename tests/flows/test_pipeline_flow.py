@@ -416,6 +416,19 @@ def test_child_env_makes_stage_runs_children_of_the_parent():
     assert "MLFLOW_PARENT_RUN_ID" not in env
 
 
+def test_no_password_of_a_uri_reaches_the_flow_log(tmp_path):
+    """The flow logged ``MLflow parent run ... at $MLFLOW_TRACKING_URI`` as it was,
+    password and all, and passed every line a stage printed (a source or remote
+    URL with a token in it) on to Prefect's log, the summary and an MLflow tag."""
+    run = runtime.ParentRun(root=tmp_path, uri="https://bob:hunter2@mlflow.example:5000", run_id="r1")
+    assert run.describe() == "MLflow parent run r1 at https://bob:***@mlflow.example:5000"
+    got: list[str] = []
+    code, lines = runtime.stream_command(
+        [sys.executable, "-c", "import sys; sys.exit('error: cannot fetch https://bob:hunter2@example.com/a.jsonl')"],
+        tmp_path, dict(os.environ), got.append)
+    assert code == 1 and got == lines == ["error: cannot fetch https://bob:***@example.com/a.jsonl"]
+
+
 def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
     """What a Prefect timeout does to a running stage: the exception lands in the
     wait loop, and every process of the stage dies, even one ignoring SIGTERM."""
