@@ -56,6 +56,7 @@ from flows.runtime import (
     start_temporary_server,
 )
 from pipeline.tracking.lineage import load_stages, project_root, select
+from pipeline.tracking.tracker import redacted
 
 DEPLOYMENT = "retrain"
 DEFAULT_CRON = "0 3 * * *"
@@ -128,7 +129,8 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
 def serve(cron: str, *, timezone: str = "UTC", name: str = DEPLOYMENT, parameters: dict | None = None) -> None:
     """Register the deployment on the Prefect server at ``$PREFECT_API_URL`` and
     run its scheduled runs in subprocesses until interrupted. Raises RuntimeError
-    when no server is configured or none answers there."""
+    when no server is configured, none answers there, or what answers is not a
+    Prefect API; the message shows the URL with its password, if any, as ``***``."""
     import httpx
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
@@ -140,10 +142,21 @@ def serve(cron: str, *, timezone: str = "UTC", name: str = DEPLOYMENT, parameter
             "scheduling needs a running Prefect server: start one with `make prefect-server` and set "
             "PREFECT_API_URL=http://127.0.0.1:4200/api (the temporary server never fires schedules)"
         )
-    try:  # else serve() fails deep in its client with a page of httpx.ConnectError
-        httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+    # Else serve() fails deep in its client with a page of httpx.ConnectError, or,
+    # where something else answers (another service on the port, a URL without
+    # /api), of HTTP errors.
+    shown = redacted(url)
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
     except httpx.TransportError:
-        raise RuntimeError(f"no Prefect server at {url}: start one with `make prefect-server`") from None
+        raise RuntimeError(f"no Prefect server at {shown}: start one with `make prefect-server`") from None
+    try:
+        healthy = r.json() is True if r.status_code == 200 else r.status_code in (401, 403)  # 40x: an API key's job
+    except ValueError:  # not JSON
+        healthy = False
+    if not healthy:
+        raise RuntimeError(f"{shown} is not a Prefect API: GET /health answered HTTP {r.status_code}; expected "
+                           f"a Prefect server's URL ending in /api, e.g. http://127.0.0.1:4200/api")
     retrain.serve(
         name=name,
         schedules=[Cron(cron, timezone=timezone)],

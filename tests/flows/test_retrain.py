@@ -245,6 +245,39 @@ def test_serve_refuses_without_a_real_server_and_rejects_bad_cron(tmp_path):
     assert r.returncode == 2 and "--cron 'every night'" in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("status, body", [(404, b'{"detail":"Not Found"}'), (200, b"<html>a web UI</html>")])
+def test_serve_refuses_a_url_where_something_else_than_a_prefect_api_answers(tmp_path, status, body):
+    """Another service on the port, or the server's URL without /api: serve went on
+    and failed deep in Prefect's client with pages of HTTP errors. The URL's
+    password is not printed."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://bob:hunter2@127.0.0.1:{httpd.server_port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": url}
+    try:
+        r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "0 3 * * *"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        httpd.shutdown()
+    shown = url.replace("hunter2", "***")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {shown} is not a Prefect API: GET /health answered HTTP {status}; expected a Prefect server's URL "
+        "ending in /api, e.g. http://127.0.0.1:4200/api"], r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cron", "0 3 * * * *"], "a cron expression has 5 fields"),  # the 6th would be seconds
     (["--cron", "0 3 31 2 *"], "never fires"),
