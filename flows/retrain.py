@@ -96,7 +96,8 @@ def retrain(
 def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str, str]:
     """``(cron, timezone)`` from ``--cron``, else ``$PIPELINE_RETRAIN_CRON``, else
     ``DEFAULT_CRON``, checked with Prefect's own schedule validator; raises
-    ValueError naming the source when the expression or the time zone is invalid,
+    ValueError naming the source when the expression or the time zone is empty
+    (an empty ``$PIPELINE_RETRAIN_CRON`` counts as unset) or invalid,
     when it has other than the 5 standard fields (an ``@daily``-style alias is
     one; Prefect reads a 6th field as seconds, so ``"0 3 * * * *"`` would run
     every second from 03:00 to 03:01), or when it never fires (``"0 3 31 2 *"``)."""
@@ -104,6 +105,10 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
     from prefect.client.schemas.schedules import CronSchedule
     from pydantic import ValidationError
 
+    if cli_value is not None and not cli_value.strip():  # `--cron "$UNSET"`: not a wish for the default
+        raise ValueError(f"--cron {cli_value!r}: empty; give a cron expression such as {DEFAULT_CRON!r}")
+    if not timezone.strip():
+        raise ValueError(f"--timezone {timezone!r}: empty; give an IANA time zone such as 'UTC' or 'Europe/Paris'")
     value, source = cli_value, "--cron"
     if not value:
         value, source = os.environ.get(CRON_ENV), f"${CRON_ENV}"

@@ -281,6 +281,8 @@ def test_serve_refuses_a_url_where_something_else_than_a_prefect_api_answers(tmp
 @pytest.mark.parametrize("args, message", [
     (["--cron", "0 3 * * * *"], "a cron expression has 5 fields"),  # the 6th would be seconds
     (["--cron", "0 3 31 2 *"], "never fires"),
+    (["--cron", ""], "--cron '': empty"),  # was the default schedule, silently
+    (["--timezone", ""], "--timezone '': empty"),  # was "ZoneInfo keys must be normalized relative paths, got: "
     (["--targets", "nope"], "--targets: unknown stage(s) nope"),
     (["--once", "--targets", "nope"], "--targets: unknown stage(s) nope"),
     (["--once", "--root", "/nonexistent"], "--root /nonexistent: no such directory"),
