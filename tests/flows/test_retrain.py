@@ -365,3 +365,23 @@ def test_a_retrain_run_whose_stage_fails_ends_failed_with_the_stage_error_not_tr
     assert "Traceback" not in r.stdout, r.stdout[-6000:]
     why = "stage bad: error: stage bad failed: bad.lr must be > 0, got -1"
     assert r.stdout.count(f"Finished in state Failed('{why}')") == 2, r.stdout[-4000:]  # pipeline, then retrain
+
+
+@pytest.mark.timeout(240)
+def test_a_retrain_run_with_nothing_stale_runs_no_pipeline(tmp_path):
+    from tests.flows.test_pipeline_flow import dvc_project
+
+    root = dvc_project(tmp_path / "proj", {
+        "copy": {"cmd": "cp in.txt models/out.txt", "deps": ["in.txt"], "outs": ["models/out.txt"]},
+    }, {"in.txt": "x\n", "models/.keep": ""})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    subprocess.run([str(BIN / "dvc"), "repro"], cwd=root, env=env, check=True, capture_output=True)
+    mtime = (root / "models" / "out.txt").stat().st_mtime_ns
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "DVC reports every stage up to date (copy); nothing to retrain" in r.stdout, r.stdout[-4000:]
+    assert "for flow 'pipeline'" not in r.stdout and "Running stage" not in r.stdout, r.stdout[-4000:]
+    assert (root / "models" / "out.txt").stat().st_mtime_ns == mtime
