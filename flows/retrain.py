@@ -55,7 +55,7 @@ from flows.runtime import (
     resolve_root,
     start_temporary_server,
 )
-from pipeline.tracking.lineage import load_stages, project_root, select
+from pipeline.tracking.lineage import LineageError, load_stages, project_root, select
 from pipeline.tracking.tracker import redacted
 
 DEPLOYMENT = "retrain"
@@ -74,14 +74,20 @@ def retrain(
     """Bring the project at ``root`` (default: the current directory) up to date
     with its inputs. Returns ``{"stale": {stage: reasons}, "stages": [...]}``,
     where ``stages`` is the pipeline flow's result, empty when nothing was stale;
-    a Failed state with the pipeline's one-line message when that failed."""
+    a Failed state with the pipeline's one-line message when that failed, or
+    with DVC's when ``dvc status`` failed (another ``dvc repro`` holds its lock)."""
     logger = get_run_logger()
     root_path = project_root(root or os.getcwd())
     names = [s.name for s in select(load_stages(root_path), targets)]
     # Asked under the flow lock: while another flow run's stage runs, `dvc status`
     # fails on DVC's lock of that stage's outputs ("... is busy").
     with project_lock(root_path, logger.info, f"retrain run {get_run_context().flow_run.name!r}"):
-        stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
+        try:
+            stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
+        except LineageError as err:
+            # A `dvc repro` started by hand holds DVC's lock ("... is busy, it is being blocked
+            # by: (PID n): dvc repro"): one line, as a state, not a traceback of a page of stderr.
+            return Failed(message=" ".join(str(err).split()))
         if not stale:
             logger.info("DVC reports every stage up to date (%s); nothing to retrain", ", ".join(names))
             return {"stale": {}, "stages": []}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -385,3 +386,32 @@ def test_a_retrain_run_with_nothing_stale_runs_no_pipeline(tmp_path):
     assert "DVC reports every stage up to date (copy); nothing to retrain" in r.stdout, r.stdout[-4000:]
     assert "for flow 'pipeline'" not in r.stdout and "Running stage" not in r.stdout, r.stdout[-4000:]
     assert (root / "models" / "out.txt").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.timeout(240)
+def test_a_retrain_run_while_a_dvc_repro_by_hand_holds_the_lock_fails_in_one_line(tmp_path):
+    """`dvc repro` run by hand takes no flow lock, only DVC's: `dvc status` then
+    fails, and the retrain run failed with a traceback of a LineageError holding
+    DVC's whole stderr. Now the run ends Failed with DVC's reason on one line
+    (the next tick tries again)."""
+    from tests.flows.test_pipeline_flow import dvc_project
+
+    root = dvc_project(tmp_path / "proj", {"slow": {"cmd": "python wait.py", "deps": ["wait.py"], "outs": ["out.txt"]}},
+                       {"wait.py": WAIT_FOR_GO})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    repro = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for("the running stage", (root / "started").exists, 60, repro)
+        r = subprocess.run([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200)
+        (root / "go").touch()
+        assert repro.wait(timeout=60) == 0
+    finally:
+        stop_group(repro, 5)
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "Traceback" not in r.stdout, r.stdout[-6000:]
+    assert re.search(r"Finished in state Failed\(\"dvc status failed in \S+: ERROR: '\S+out\.txt' is busy, it is being "
+                     rf"blocked by: \(PID {repro.pid}\): \S*dvc repro", r.stdout), r.stdout[-4000:]
