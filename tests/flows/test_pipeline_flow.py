@@ -657,6 +657,56 @@ def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_flow_stops_its_stage_and_its_temporary_server(tmp_path, shared):
+    """``kill PID`` of a running ``python -m flows.pipeline`` (a service manager,
+    a CI job's cancel): the stage's processes and Prefect's temporary server must
+    not outlive it, and the flow still reports."""
+    import socket
+
+    root = dvc_project(tmp_path / "proj", {
+        "train": {"cmd": "python hang.py", "deps": ["hang.py"], "outs": ["models/train.txt"]},
+    }, {"hang.py": HANG})
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline"], cwd=root, env=flow_env(shared, "sigterm"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "training forever" in line:
+                break
+        else:
+            raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
+        proc.send_signal(signal.SIGTERM)  # the flow process alone, not its group
+        out = "".join(seen) + proc.communicate(timeout=150)[0]
+        assert proc.returncode != 0
+        assert "| train | failed |" in out, out[-4000:]
+        for pid in map(int, (root / "pids").read_text().split()):
+            assert not alive(pid), f"process {pid} of the stopped stage is still running"
+        [port] = re.findall(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", out)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", int(port))) != 0, "the temporary Prefect server outlived the flow"
+    finally:  # what a failure left behind: the flow, its stage, its server (each in a process group of its own)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        ports = re.findall(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", "".join(seen))
+        left = list(map(int, (root / "pids").read_text().split())) if (root / "pids").exists() else []
+        left += [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and ports
+                 and "uvicorn\0" in _cmdline(p) and f"--port\0{ports[0]}\0" in _cmdline(p)]
+        for pid in left:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_data_stages_run_once_then_the_second_run_is_a_noop(tmp_path, shared):
     root = project_copy(tmp_path / "proj", TINY)
