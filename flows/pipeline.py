@@ -46,6 +46,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
+from prefect.states import Failed, State
 
 from flows.runtime import (
     DEFAULT_RETRIES,
@@ -69,24 +70,29 @@ from flows.runtime import (
 )
 from pipeline.tracking.lineage import StageInfo, load_stages, project_root, read_metrics, select
 
-TAIL_LINES = 40  # lines of a failed stage's output repeated in its error
+TAIL_LINES = 40  # lines at the end of a failed stage's output searched for its error line
 
 
 class StageFailed(RuntimeError):
-    """``dvc repro`` exited non-zero; the message ends with its last lines of output."""
+    """A stage failed: ``dvc repro`` exited non-zero, or its task timed out. The
+    message is one line, ``stage <name>: <why>``."""
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def run_stage(stage: StageInfo, root: str, env: dict[str, str]) -> dict[str, Any]:
+def run_stage(stage: StageInfo, root: str, env: dict[str, str]) -> dict[str, Any] | State:
     """``dvc repro --single-item <stage>`` in ``root``; returns ``{"stage",
-    "status", "seconds", "metrics"}``. Raises StageFailed on a non-zero exit."""
+    "status", "seconds", "metrics"}``, or on a non-zero exit a Failed state
+    whose message is the stage's one-line error (:func:`failure_line` of its
+    last lines of output). Returned, not raised: Prefect logs a raised exception
+    with its traceback, the task's and then the flow's, each repeating the
+    output already streamed line by line above them."""
     logger = get_run_logger()
     t0 = time.perf_counter()
     code, lines = stream_command([dvc_bin(), "repro", "--single-item", stage.name], root, env, logger.info)
     seconds = round(time.perf_counter() - t0, 3)
     if code != 0:
         tail = "\n".join(lines[-TAIL_LINES:])
-        raise StageFailed(f"stage {stage.name}: dvc repro exited with {code} after {seconds} s:\n{tail}")
+        return Failed(message=failure_line(StageFailed(f"dvc repro exited with {code} after {seconds} s:\n{tail}")))
     status = parse_status(lines)
     logger.info("stage %s: %s in %.1f s", stage.name, status, seconds)
     return {"stage": stage.name, "status": status, "seconds": seconds, "metrics": read_metrics(root, stage)}
@@ -100,15 +106,16 @@ def pipeline(
     retry_delay_s: float = DEFAULT_RETRY_DELAY_S,
     retry_stages: list[str] | None = None,
     timeouts: dict[str, float] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Any]] | State:
     """Run the DVC stages of the project at ``root`` (default: the current
     directory; a folder inside a project means that project) in DAG order; with ``targets``, only those and what they depend on.
 
     ``retries`` apply to data stages, or to exactly ``retry_stages`` when given;
     ``timeouts`` maps stage names (``"*"`` for the rest) to seconds. Returns one
     ``{"stage", "status", "seconds", "metrics"}`` per stage. A stage that still
-    fails after its retries fails the flow; the summary then shows it as failed
-    and the stages after it as not run, and the MLflow parent run ends FAILED."""
+    fails after its retries fails the flow: it returns a Failed state whose
+    message is ``stage <name>: <its one-line error>``; the summary then shows it
+    as failed and the stages after it as not run, and the MLflow parent run ends FAILED."""
     logger = get_run_logger()
     root_path = project_root(root or os.getcwd())
     stages = select(load_stages(root_path), targets)
@@ -117,30 +124,42 @@ def pipeline(
     tags = {"prefect.flow_run_id": str(ctx.flow_run.id), "prefect.flow_run_name": ctx.flow_run.name,
             "pipeline.targets": ",".join(targets or []) or "all"}
     results: list[dict[str, Any]] = []
-    with project_lock(root_path, logger.info, f"flow run {ctx.flow_run.name!r}"), \
-            parent_run(root_path, tags=tags) as parent:
-        if parent.run_id:
-            logger.info("MLflow parent run %s at %s", parent.run_id, parent.uri)
-        env = parent.child_env(base_env())
-        try:
-            for stage in stages:
-                opts = task_options(stage, retries, retry_delay_s, retry_stages, timeouts)
-                try:
-                    results.append(run_stage.with_options(**opts)(stage, str(root_path), env))
-                except BaseException as err:
-                    results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {},
-                                    "error": failure_line(err)})
-                    raise
-        finally:
-            # The console and MLflow first: the artifact needs Prefect's API, which may be gone.
-            markdown = summary_markdown(stages, results)
-            print(markdown, flush=True)
-            parent.record(stages, results)
+    try:
+        with project_lock(root_path, logger.info, f"flow run {ctx.flow_run.name!r}"), \
+                parent_run(root_path, tags=tags) as parent:
+            if parent.run_id:
+                logger.info(parent.describe())
+            env = parent.child_env(base_env())
             try:
-                create_markdown_artifact(markdown=markdown, key="pipeline-summary",
-                                         description=f"DVC stages of {root_path}")
-            except Exception as err:
-                logger.warning("the pipeline-summary artifact was not saved: %s: %s", type(err).__name__, err)
+                for stage in stages:
+                    opts = task_options(stage, retries, retry_delay_s, retry_stages, timeouts)
+                    try:
+                        state = run_stage.with_options(**opts)(stage, str(root_path), env, return_state=True)
+                        if state.is_completed():
+                            results.append(state.result())
+                            continue
+                        err = state.result(raise_on_failure=False)
+                        line = failure_line(err) if isinstance(err, BaseException) else (state.message or state.name)
+                    except BaseException as err:  # Ctrl-C, SIGTERM
+                        results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {},
+                                        "error": failure_line(err)})
+                        raise
+                    results.append({"stage": stage.name, "status": "failed", "seconds": None, "metrics": {},
+                                    "error": line})
+                    raise StageFailed(f"stage {stage.name}: {line}")  # ends the MLflow parent run FAILED
+            finally:
+                # The console and MLflow first: the artifact needs Prefect's API, which may be gone.
+                markdown = summary_markdown(stages, results)
+                print(markdown, flush=True)
+                parent.record(stages, results)
+                try:
+                    create_markdown_artifact(markdown=markdown, key="pipeline-summary",
+                                             description=f"DVC stages of {root_path}")
+                except Exception as err:
+                    logger.warning("the pipeline-summary artifact was not saved: %s: %s", type(err).__name__, err)
+    except StageFailed as err:
+        # A state, not the exception: Prefect would log the exception's traceback.
+        return Failed(message=str(err))
     return results
 
 

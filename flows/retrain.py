@@ -42,6 +42,7 @@ from zoneinfo import ZoneInfo
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.states import Failed, State
 
 from flows.pipeline import pipeline
 from flows.runtime import (
@@ -54,7 +55,8 @@ from flows.runtime import (
     resolve_root,
     start_temporary_server,
 )
-from pipeline.tracking.lineage import load_stages, project_root, select
+from pipeline.tracking.lineage import LineageError, load_stages, project_root, select
+from pipeline.tracking.tracker import redacted
 
 DEPLOYMENT = "retrain"
 DEFAULT_CRON = "0 3 * * *"
@@ -68,30 +70,40 @@ def retrain(
     retries: int = DEFAULT_RETRIES,
     retry_delay_s: float = DEFAULT_RETRY_DELAY_S,
     timeouts: dict[str, float] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Bring the project at ``root`` (default: the current directory) up to date
     with its inputs. Returns ``{"stale": {stage: reasons}, "stages": [...]}``,
-    where ``stages`` is the pipeline flow's result, empty when nothing was stale."""
+    where ``stages`` is the pipeline flow's result, empty when nothing was stale;
+    a Failed state with the pipeline's one-line message when that failed, or
+    with DVC's when ``dvc status`` failed (another ``dvc repro`` holds its lock)."""
     logger = get_run_logger()
     root_path = project_root(root or os.getcwd())
     names = [s.name for s in select(load_stages(root_path), targets)]
     # Asked under the flow lock: while another flow run's stage runs, `dvc status`
     # fails on DVC's lock of that stage's outputs ("... is busy").
     with project_lock(root_path, logger.info, f"retrain run {get_run_context().flow_run.name!r}"):
-        stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
+        try:
+            stale = {k: v for k, v in changed_stages(root_path).items() if k in names}
+        except LineageError as err:
+            # A `dvc repro` started by hand holds DVC's lock ("... is busy, it is being blocked
+            # by: (PID n): dvc repro"): one line, as a state, not a traceback of a page of stderr.
+            return Failed(message=" ".join(str(err).split()))
         if not stale:
             logger.info("DVC reports every stage up to date (%s); nothing to retrain", ", ".join(names))
             return {"stale": {}, "stages": []}
         logger.info("DVC reports stale: %s; running the pipeline", ", ".join(stale))
-        results = pipeline(root=str(root_path), targets=targets, retries=retries,
-                           retry_delay_s=retry_delay_s, timeouts=timeouts)
-    return {"stale": stale, "stages": results}
+        state = pipeline(root=str(root_path), targets=targets, retries=retries,
+                         retry_delay_s=retry_delay_s, timeouts=timeouts, return_state=True)
+    if not state.is_completed():  # as a state: raised, it would be logged with a traceback
+        return Failed(message=state.message or "the pipeline flow failed")
+    return {"stale": stale, "stages": state.result()}
 
 
 def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str, str]:
     """``(cron, timezone)`` from ``--cron``, else ``$PIPELINE_RETRAIN_CRON``, else
     ``DEFAULT_CRON``, checked with Prefect's own schedule validator; raises
-    ValueError naming the source when the expression or the time zone is invalid,
+    ValueError naming the source when the expression or the time zone is empty
+    (an empty ``$PIPELINE_RETRAIN_CRON`` counts as unset) or invalid,
     when it has other than the 5 standard fields (an ``@daily``-style alias is
     one; Prefect reads a 6th field as seconds, so ``"0 3 * * * *"`` would run
     every second from 03:00 to 03:01), or when it never fires (``"0 3 31 2 *"``)."""
@@ -99,6 +111,10 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
     from prefect.client.schemas.schedules import CronSchedule
     from pydantic import ValidationError
 
+    if cli_value is not None and not cli_value.strip():  # `--cron "$UNSET"`: not a wish for the default
+        raise ValueError(f"--cron {cli_value!r}: empty; give a cron expression such as {DEFAULT_CRON!r}")
+    if not timezone.strip():
+        raise ValueError(f"--timezone {timezone!r}: empty; give an IANA time zone such as 'UTC' or 'Europe/Paris'")
     value, source = cli_value, "--cron"
     if not value:
         value, source = os.environ.get(CRON_ENV), f"${CRON_ENV}"
@@ -124,7 +140,8 @@ def resolve_schedule(cli_value: str | None, timezone: str = "UTC") -> tuple[str,
 def serve(cron: str, *, timezone: str = "UTC", name: str = DEPLOYMENT, parameters: dict | None = None) -> None:
     """Register the deployment on the Prefect server at ``$PREFECT_API_URL`` and
     run its scheduled runs in subprocesses until interrupted. Raises RuntimeError
-    when no server is configured or none answers there."""
+    when no server is configured, none answers there, or what answers is not a
+    Prefect API; the message shows the URL with its password, if any, as ``***``."""
     import httpx
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
@@ -136,10 +153,21 @@ def serve(cron: str, *, timezone: str = "UTC", name: str = DEPLOYMENT, parameter
             "scheduling needs a running Prefect server: start one with `make prefect-server` and set "
             "PREFECT_API_URL=http://127.0.0.1:4200/api (the temporary server never fires schedules)"
         )
-    try:  # else serve() fails deep in its client with a page of httpx.ConnectError
-        httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+    # Else serve() fails deep in its client with a page of httpx.ConnectError, or,
+    # where something else answers (another service on the port, a URL without
+    # /api), of HTTP errors.
+    shown = redacted(url)
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/health", timeout=10)
     except httpx.TransportError:
-        raise RuntimeError(f"no Prefect server at {url}: start one with `make prefect-server`") from None
+        raise RuntimeError(f"no Prefect server at {shown}: start one with `make prefect-server`") from None
+    try:
+        healthy = r.json() is True if r.status_code == 200 else r.status_code in (401, 403)  # 40x: an API key's job
+    except ValueError:  # not JSON
+        healthy = False
+    if not healthy:
+        raise RuntimeError(f"{shown} is not a Prefect API: GET /health answered HTTP {r.status_code}; expected "
+                           f"a Prefect server's URL ending in /api, e.g. http://127.0.0.1:4200/api")
     retrain.serve(
         name=name,
         schedules=[Cron(cron, timezone=timezone)],

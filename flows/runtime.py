@@ -132,6 +132,9 @@ def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], 
                    kill_grace_s: float = KILL_GRACE_S) -> tuple[int, list[str]]:
     """Run ``cmd`` in a new process group, passing each output line (stdout and
     stderr merged, in order) to ``emit``; return the exit code and all lines.
+    A URI's password in a line is replaced by ``***`` (``tracking.redacted``)
+    first: the lines go to Prefect's log database, and a failed stage's error
+    line to the summary artifact and an MLflow tag.
 
     The wait is a loop of short waits, so an exception raised into this thread
     (Prefect's timeout: an alarm signal on the main thread, an injected exception
@@ -153,7 +156,7 @@ def stream_command(cmd: Sequence[str], cwd: str | Path, env: Mapping[str, str], 
     def pump() -> None:
         assert proc.stdout is not None
         for raw in proc.stdout:
-            q.put(raw.rstrip("\n"))
+            q.put(tracking.redacted(raw.rstrip("\n")))
         q.put(None)
 
     reader = threading.Thread(target=pump, name=f"pump-{proc.pid}", daemon=True)
@@ -474,6 +477,10 @@ class ParentRun:
     uri: str
     run_id: str | None = None
     tracker: Any = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        """The run and where it is, for the log: the URI's password, if any, as ``***``."""
+        return f"MLflow parent run {self.run_id} at {tracking.redacted(self.uri)}"
 
     def child_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """``env`` (default :func:`base_env`) plus what makes a stage's run a child

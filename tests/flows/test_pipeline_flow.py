@@ -416,6 +416,19 @@ def test_child_env_makes_stage_runs_children_of_the_parent():
     assert "MLFLOW_PARENT_RUN_ID" not in env
 
 
+def test_no_password_of_a_uri_reaches_the_flow_log(tmp_path):
+    """The flow logged ``MLflow parent run ... at $MLFLOW_TRACKING_URI`` as it was,
+    password and all, and passed every line a stage printed (a source or remote
+    URL with a token in it) on to Prefect's log, the summary and an MLflow tag."""
+    run = runtime.ParentRun(root=tmp_path, uri="https://bob:hunter2@mlflow.example:5000", run_id="r1")
+    assert run.describe() == "MLflow parent run r1 at https://bob:***@mlflow.example:5000"
+    got: list[str] = []
+    code, lines = runtime.stream_command(
+        [sys.executable, "-c", "import sys; sys.exit('error: cannot fetch https://bob:hunter2@example.com/a.jsonl')"],
+        tmp_path, dict(os.environ), got.append)
+    assert code == 1 and got == lines == ["error: cannot fetch https://bob:***@example.com/a.jsonl"]
+
+
 def test_interrupted_stage_takes_its_whole_process_group_down(tmp_path):
     """What a Prefect timeout does to a running stage: the exception lands in the
     wait loop, and every process of the stage dies, even one ignoring SIGTERM."""
@@ -573,6 +586,37 @@ def test_flow_retries_data_stage_times_out_training_stage_and_kills_it(tmp_path,
     assert parent.data.metrics["flaky.attempts"] == 2
 
 
+FAILS = """
+    import sys
+    print("loading the config", flush=True)
+    sys.exit("error: stage bad failed: bad.lr must be > 0, got -1")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_failing_stage_ends_the_flow_failed_with_its_one_line_error_not_tracebacks(tmp_path, shared):
+    """A stage that failed was logged as Prefect's traceback of StageFailed, its
+    40-line output tail and all, once by the task and once more by the flow."""
+    root = dvc_project(tmp_path / "proj", {
+        "ok": {"cmd": "cp in.txt ok.txt", "deps": ["in.txt"], "outs": ["ok.txt"]},
+        "bad": {"cmd": "python bad.py", "deps": ["bad.py", "ok.txt"], "outs": ["bad.txt"]},
+        "after": {"cmd": "cp bad.txt after.txt", "deps": ["bad.txt"], "outs": ["after.txt"]},
+    }, {"in.txt": "x\n", "bad.py": FAILS})
+    r = run_flow(root, flow_env(shared, "failing-stage"), "--retries", "1", "--retry-delay", "0",
+                 "--retry-stages", "bad")
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "Traceback" not in r.stdout, r.stdout[-6000:]
+    assert r.stdout.count("loading the config") == 2, "the stage was retried once"
+    why = "error: stage bad failed: bad.lr must be > 0, got -1"
+    assert f"Finished in state Failed('stage bad: {why}')" in r.stdout, r.stdout[-4000:]
+    assert f"\n> bad: {why}\n" in r.stdout and "| ok | ran |" in r.stdout and "| after | not run |" in r.stdout
+    [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "failing-stage")
+                if run.info.run_name == "pipeline"]
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["pipeline.error.bad"] == why and parent.data.tags["pipeline.status.after"] == "not_run"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_path, shared):
@@ -610,6 +654,56 @@ def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_p
         assert not alive(pid), f"process {pid} of the interrupted stage is still running"
     [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "ctrl-c") if run.info.run_name == "pipeline"]
     assert parent.data.tags["pipeline.status.train"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_flow_stops_its_stage_and_its_temporary_server(tmp_path, shared):
+    """``kill PID`` of a running ``python -m flows.pipeline`` (a service manager,
+    a CI job's cancel): the stage's processes and Prefect's temporary server must
+    not outlive it, and the flow still reports."""
+    import socket
+
+    root = dvc_project(tmp_path / "proj", {
+        "train": {"cmd": "python hang.py", "deps": ["hang.py"], "outs": ["models/train.txt"]},
+    }, {"hang.py": HANG})
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline"], cwd=root, env=flow_env(shared, "sigterm"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "training forever" in line:
+                break
+        else:
+            raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
+        proc.send_signal(signal.SIGTERM)  # the flow process alone, not its group
+        out = "".join(seen) + proc.communicate(timeout=150)[0]
+        assert proc.returncode != 0
+        assert "| train | failed |" in out, out[-4000:]
+        for pid in map(int, (root / "pids").read_text().split()):
+            assert not alive(pid), f"process {pid} of the stopped stage is still running"
+        [port] = re.findall(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", out)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", int(port))) != 0, "the temporary Prefect server outlived the flow"
+    finally:  # what a failure left behind: the flow, its stage, its server (each in a process group of its own)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        ports = re.findall(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", "".join(seen))
+        left = list(map(int, (root / "pids").read_text().split())) if (root / "pids").exists() else []
+        left += [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and ports
+                 and "uvicorn\0" in _cmdline(p) and f"--port\0{ports[0]}\0" in _cmdline(p)]
+        for pid in left:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.mark.slow

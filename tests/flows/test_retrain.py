@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -245,9 +246,44 @@ def test_serve_refuses_without_a_real_server_and_rejects_bad_cron(tmp_path):
     assert r.returncode == 2 and "--cron 'every night'" in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("status, body", [(404, b'{"detail":"Not Found"}'), (200, b"<html>a web UI</html>")])
+def test_serve_refuses_a_url_where_something_else_than_a_prefect_api_answers(tmp_path, status, body):
+    """Another service on the port, or the server's URL without /api: serve went on
+    and failed deep in Prefect's client with pages of HTTP errors. The URL's
+    password is not printed."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://bob:hunter2@127.0.0.1:{httpd.server_port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": url}
+    try:
+        r = subprocess.run([sys.executable, "-m", "flows.retrain", "--cron", "0 3 * * *"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        httpd.shutdown()
+    shown = url.replace("hunter2", "***")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {shown} is not a Prefect API: GET /health answered HTTP {status}; expected a Prefect server's URL "
+        "ending in /api, e.g. http://127.0.0.1:4200/api"], r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cron", "0 3 * * * *"], "a cron expression has 5 fields"),  # the 6th would be seconds
     (["--cron", "0 3 31 2 *"], "never fires"),
+    (["--cron", ""], "--cron '': empty"),  # was the default schedule, silently
+    (["--timezone", ""], "--timezone '': empty"),  # was "ZoneInfo keys must be normalized relative paths, got: "
     (["--targets", "nope"], "--targets: unknown stage(s) nope"),
     (["--once", "--targets", "nope"], "--targets: unknown stage(s) nope"),
     (["--once", "--root", "/nonexistent"], "--root /nonexistent: no such directory"),
@@ -312,3 +348,70 @@ def test_a_retrain_run_waits_for_the_flow_run_whose_stage_is_running(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "DVC reports stale: other; running the pipeline" in out, out[-4000:]
     assert (root / "copy.txt").read_text() == "new data\n"
+
+
+@pytest.mark.timeout(240)
+def test_a_retrain_run_whose_stage_fails_ends_failed_with_the_stage_error_not_tracebacks(tmp_path):
+    from tests.flows.test_pipeline_flow import FAILS, dvc_project
+
+    # writes under models/: a training stage, so not retried
+    root = dvc_project(tmp_path / "proj", {"bad": {"cmd": "python bad.py", "deps": ["bad.py"],
+                                                   "outs": ["models/bad.txt"]}}, {"bad.py": FAILS})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "Traceback" not in r.stdout, r.stdout[-6000:]
+    why = "stage bad: error: stage bad failed: bad.lr must be > 0, got -1"
+    assert r.stdout.count(f"Finished in state Failed('{why}')") == 2, r.stdout[-4000:]  # pipeline, then retrain
+
+
+@pytest.mark.timeout(240)
+def test_a_retrain_run_with_nothing_stale_runs_no_pipeline(tmp_path):
+    from tests.flows.test_pipeline_flow import dvc_project
+
+    root = dvc_project(tmp_path / "proj", {
+        "copy": {"cmd": "cp in.txt models/out.txt", "deps": ["in.txt"], "outs": ["models/out.txt"]},
+    }, {"in.txt": "x\n", "models/.keep": ""})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    subprocess.run([str(BIN / "dvc"), "repro"], cwd=root, env=env, check=True, capture_output=True)
+    mtime = (root / "models" / "out.txt").stat().st_mtime_ns
+    r = subprocess.run([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "DVC reports every stage up to date (copy); nothing to retrain" in r.stdout, r.stdout[-4000:]
+    assert "for flow 'pipeline'" not in r.stdout and "Running stage" not in r.stdout, r.stdout[-4000:]
+    assert (root / "models" / "out.txt").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.timeout(240)
+def test_a_retrain_run_while_a_dvc_repro_by_hand_holds_the_lock_fails_in_one_line(tmp_path):
+    """`dvc repro` run by hand takes no flow lock, only DVC's: `dvc status` then
+    fails, and the retrain run failed with a traceback of a LineageError holding
+    DVC's whole stderr. Now the run ends Failed with DVC's reason on one line
+    (the next tick tries again)."""
+    from tests.flows.test_pipeline_flow import dvc_project
+
+    root = dvc_project(tmp_path / "proj", {"slow": {"cmd": "python wait.py", "deps": ["wait.py"], "outs": ["out.txt"]}},
+                       {"wait.py": WAIT_FOR_GO})
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PIPELINE_TRACKING": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    repro = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for("the running stage", (root / "started").exists, 60, repro)
+        r = subprocess.run([sys.executable, "-m", "flows.retrain", "--once"], cwd=root, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200)
+        (root / "go").touch()
+        assert repro.wait(timeout=60) == 0
+    finally:
+        stop_group(repro, 5)
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "Traceback" not in r.stdout, r.stdout[-6000:]
+    assert re.search(r"Finished in state Failed\(\"dvc status failed in \S+: ERROR: '\S+out\.txt' is busy, it is being "
+                     rf"blocked by: \(PID {repro.pid}\): \S*dvc repro", r.stdout), r.stdout[-4000:]
