@@ -634,12 +634,7 @@ def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_p
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[str] = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "training forever" in line:
-                break
-        else:
-            raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
+        read_until_the_stage_runs(proc, seen)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
         out = "".join(seen) + proc.communicate(timeout=150)[0]  # it hung here for minutes
     finally:
@@ -654,6 +649,15 @@ def test_ctrl_c_at_the_terminal_stops_the_stage_and_the_flow_still_reports(tmp_p
         assert not alive(pid), f"process {pid} of the interrupted stage is still running"
     [parent] = [run for run in mlflow_runs(shared["MLFLOW_TRACKING_URI"], "ctrl-c") if run.info.run_name == "pipeline"]
     assert parent.data.tags["pipeline.status.train"] == "failed"
+
+
+def read_until_the_stage_runs(proc: subprocess.Popen, seen: list[str]) -> None:
+    """Read the flow's output into ``seen`` until its hanging stage says it runs."""
+    for line in proc.stdout:
+        seen.append(line)
+        if "training forever" in line:
+            return
+    raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
 
 
 @pytest.mark.slow
@@ -671,12 +675,7 @@ def test_sigterm_to_the_flow_stops_its_stage_and_its_temporary_server(tmp_path, 
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen: list[str] = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "training forever" in line:
-                break
-        else:
-            raise AssertionError("the stage never started:\n" + "".join(seen[-40:]))
+        read_until_the_stage_runs(proc, seen)
         proc.send_signal(signal.SIGTERM)  # the flow process alone, not its group
         out = "".join(seen) + proc.communicate(timeout=150)[0]
         assert proc.returncode != 0
