@@ -1242,13 +1242,13 @@ class Checkpoints:
             shutil.rmtree(mix.folder, ignore_errors=True)  # left by a killed mixture run
         # A per-source val split of a run with more sources is ours to remove; any other folder is
         # not (a user's backup of the shards, say): left, and named in one warning.
-        for d in sorted(p for p in self.out_dir.iterdir() if p.is_dir() and VAL_SOURCE_DIR.fullmatch(p.name)
-                        and p.name not in logs):
-            other = ShardLog(d, self.fp, ext=".arrow")
-            other.open()
-            other.keep_below(0, "not a split of this run")
-        shards_module.warn_other_dirs(self.out_dir, [*logs, MIX_DIR, *(
-            p.name for p in self.out_dir.iterdir() if VAL_SOURCE_DIR.fullmatch(p.name))])
+        val_dirs = sorted(p for p in self.out_dir.iterdir() if p.is_dir() and VAL_SOURCE_DIR.fullmatch(p.name))
+        for d in val_dirs:
+            if d.name not in logs:
+                other = ShardLog(d, self.fp, ext=".arrow")
+                other.open()
+                other.keep_below(0, "not a split of this run")
+        shards_module.warn_other_dirs(self.out_dir, [*logs, MIX_DIR, *(d.name for d in val_dirs)])
         chosen = next((k for k in sorted(kept, reverse=True) if self._usable(kept, k, committed, pieces_kept)),
                       None) if resumable else None
         rec = kept[chosen] if chosen is not None else None

@@ -184,7 +184,7 @@ def shard_like(folder: Path) -> list[Path]:
 _WARNED: set[Path] = set()  # the folders warn_other_dirs named already
 
 
-def warn_other_dirs(out_dir: Path, splits: Iterable[str]) -> list[Path]:
+def warn_other_dirs(out_dir: Path, splits: Iterable[str]) -> None:
     """The subfolders of ``out_dir`` other than ``splits`` that hold files named
     like shards, named in one warning: they are left alone (a stage removes
     shards only in the folders it writes). A folder is warned of once a process
@@ -198,7 +198,6 @@ def warn_other_dirs(out_dir: Path, splits: Iterable[str]) -> list[Path]:
         log.warning("%s: left alone %s, which hold%s files named like shards but %s no split this stage writes "
                     "(%s)", out_dir, ", ".join(f"{d.name}/" for d in new), "s" if len(new) == 1 else "",
                     "is" if len(new) == 1 else "are", ", ".join(sorted(s for s in splits if not s.startswith("."))))
-    return others
 
 
 def write_manifest(out_dir: str | Path, *, fmt: str, seq_len: int, vocab_size: int, special_ids: dict[str, int],
