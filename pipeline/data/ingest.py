@@ -65,7 +65,7 @@ from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
 from pipeline.files import refuse_url, write_json
 from pipeline.progress import progress
-from pipeline.tracking.tracker import mlflow_key
+from pipeline.tracking.tracker import MAX_KEY_LENGTH, mlflow_key
 
 log = logging.getLogger("pipeline.data.ingest")
 
@@ -98,6 +98,9 @@ SCHEMA = pa.schema([
 DEFAULT_CHUNK_BYTES = 65_536
 
 BINARY_SNIFF_BYTES = 8192
+# The longest MLflow key of a source, sources.<name>: the rest of MAX_KEY_LENGTH is room for a stage's or a
+# model's prefix and the metric's name (pretrain.sources.<name>.requested_share).
+SOURCE_KEY_LENGTH = MAX_KEY_LENGTH - 50
 
 
 class HFDataset(ParamsModel):
@@ -233,6 +236,12 @@ class IngestConfig(ParallelStageConfig):
                                  "give them distinct names (name: ...)")
             seen[src.label] = i
             key = mlflow_key(f"sources.{src.label}")
+            if len(key) > SOURCE_KEY_LENGTH:
+                raise ValueError(f"sources.{i} is called {src.label[:40]!r}... ({len(src.label):,} characters): its "
+                                 f"per-source metrics are logged to MLflow as sources.<name>.<metric>, under a "
+                                 f"stage's or model's prefix, and MLflow cuts a key at {MAX_KEY_LENGTH} characters, "
+                                 f"so they would mix; give it a name of at most {SOURCE_KEY_LENGTH - 8} characters "
+                                 "(name: ...)")
             if key in keys:
                 j = keys[key]
                 raise ValueError(f"sources.{j} ({self.sources[j].label!r}) and sources.{i} ({src.label!r}) would "

@@ -91,7 +91,7 @@ HTTP_DEFAULTS = {
 
 # Names MLflow accepts everywhere (it raises on others, which would cost the batch).
 _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
-_MAX_KEY_LENGTH = 250
+MAX_KEY_LENGTH = 250
 # The password of a tracking URI's user part (https://user:token@host, which requests sends as basic auth).
 _URI_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
 
@@ -237,7 +237,7 @@ def git_tags(cwd: str | Path = ".") -> dict[str, str]:
 def mlflow_key(name: Any) -> str:
     """``name`` as a key MLflow accepts for a param, metric or tag: characters it
     refuses (``[``, ``*``, ``{`` of a source's default name) become ``_``."""
-    return (_BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_")[:_MAX_KEY_LENGTH]
+    return (_BAD_KEY_CHARS.sub("_", str(name)).strip("/") or "_")[:MAX_KEY_LENGTH]
 
 
 def _text(value: Any) -> str:

@@ -1107,7 +1107,10 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
     ([{"path": "x"}, {"path": "x"}], "both called 'x'"),
     ([{"path": "x", "name": "c++"}, {"path": "y", "name": "c#"}, {"path": "z", "name": "c__"}],
      r"sources\.0 \('c\+\+'\) and sources\.2 \('c__'\) would both be logged to MLflow as 'sources\.c__'"),
-    ([{"path": "x", "name": "a" * 300}, {"path": "y", "name": "a" * 300 + "b"}], "would both be logged to MLflow"),
+    ([{"path": "x", "name": "a" * 300}, {"path": "y", "name": "a" * 300 + "b"}],
+     r"sources\.0 is called 'a{40}'\.\.\. \(300 characters\): .* MLflow cuts a key at 250 characters, so they "
+     r"would mix; give it a name of at most 192 characters \(name: \.\.\.\)"),
+    ([{"path": "x/" + "p" * 200}], r"sources\.0 is called 'x/p{38}'\.\.\. \(202 characters\)"),  # a path's name too
     ([{"path": "x", "split": "val"}, {"path": "y", "name": "bench", "split": "val"}],
      "every source is marked split: val, so no document could be trained on"),
     ([{"path": "{stdlib}/json"}, {"path": "hf://datasets/org/corpus/*.parquet"}],
@@ -1119,6 +1122,12 @@ def test_source_names_and_marks_default_to_path_and_auto(tmp_path):
 def test_bad_source_marks_are_one_line_errors(sources, message):
     with pytest.raises(ConfigError, match=message):
         cfg(sources=sources)
+
+
+def test_a_source_name_is_refused_only_past_what_its_mlflow_keys_can_hold():
+    cfg(sources=[{"path": "x", "name": "a" * 192}])  # sources.<192> leaves 50 characters for prefix and metric
+    with pytest.raises(ConfigError, match=r"\(193 characters\)"):
+        cfg(sources=[{"path": "x", "name": "a" * 193}])
 
 
 def test_hf_section_on_a_plain_file_is_an_error(tmp_path):
