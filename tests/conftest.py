@@ -24,6 +24,12 @@ os.environ.setdefault("PIPELINE_TRACKING", "0")
 # `core.analytics false` can be set, and its report's daemon leaves a file in
 # the temp dir when it cannot reach the network.
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+# `import dvc` gives its logger a handler on the sys.stdout of that moment. Imported
+# first inside a test that captures output, that is the test's own stream, closed
+# when the test ends, and every later DVC log line in that process raises
+# (dvc.logger.LoggingException: I/O operation on closed file). Imported here, it
+# is the session's.
+import dvc  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
