@@ -119,7 +119,8 @@ SPLIT_MARKS = ("auto", "train", "val")
 
 class Source(ParamsModel):
     name: str | None = Field(None, min_length=1, description="what metrics and reports call this source "
-                             "(default: its path, with the hf config and split when given)")
+                             "(default: its path, with the hf config and split when given); at most 192 "
+                             "characters, which MLflow's keys can hold")
 
     path: str = Field(min_length=1, description="a file, a directory or a glob, here or in an object store "
                       "(s3://, gs://); may start with {stdlib}")
