@@ -161,7 +161,6 @@ def load_checkpoint_model(folder: Path, device: torch.device, which: str = "last
     return model.to(device).eval(), last
 
 
-@torch.no_grad()
 def check_split_tokenizer(split_dir: Path, tokenizer_path: Path, tokenizer_sha256: str) -> None:
     """Raise EvaluateError, one line, when the packed split ``split_dir`` was made
     with another tokenizer than ``tokenizer_path`` (the sha256 its folder's manifest
@@ -177,6 +176,7 @@ def check_split_tokenizer(split_dir: Path, tokenizer_path: Path, tokenizer_sha25
                             "model share this one")
 
 
+@torch.no_grad()
 def score(model: Transformer, rows: PackedRows, nbytes: np.ndarray, *, batch_size: int, max_rows: int | None,
           doc_mask: bool, device: torch.device, precision: str, eot_id: int | None = None,
           prefix_bytes: int = 0, label: str | None = None) -> dict[str, float]:

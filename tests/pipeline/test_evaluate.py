@@ -114,6 +114,19 @@ def test_score_is_summed_nll_over_targets_and_bits_per_byte(tmp_path):
     assert m["bits_per_byte"] == pytest.approx(nll / math.log(2) / 160, rel=1e-5)
 
 
+def test_scoring_builds_no_autograd_graph(tmp_path):
+    # Under autograd every batch's activations were kept for a backward pass that
+    # never comes (memory), and torch warned on each split's first batch.
+    vocab = 40
+    write_split(tmp_path / "val", synthetic_docs(30, vocab, seed=1), seq_len=16)
+    model = tiny_model(tiny_config(vocab))
+    seen = []
+    model.register_forward_hook(lambda _module, _args, out: seen.append((torch.is_grad_enabled(), out.requires_grad)))
+    score(model, PackedRows(tmp_path / "val"), np.full(vocab, 2), batch_size=2, max_rows=4, doc_mask=True,
+          device=torch.device("cpu"), precision="fp32")
+    assert seen == [(False, False)] * 2
+
+
 def test_only_labelled_tokens_are_scored(tmp_path):
     vocab = 40
     docs = synthetic_docs(30, vocab, seed=2)
