@@ -260,3 +260,27 @@ def test_cuda_auto_picks_a_document_masking_kernel():
     assert resolve("auto", dev, "fp32").name == "flex"
     with pytest.raises(AttentionBackendError, match="bf16 or fp16"):
         resolve("varlen", dev, "fp32")
+
+
+@pytest.mark.parametrize("mask", ["none", "dense"])
+def test_varlen_without_segment_ids_computes_with_sdpa(monkeypatch, mask):
+    """data.doc_mask false (mask None: plain causal) and the KV cache (a dense
+    causal mask) pass no cu_seqlens; varlen runs them as SDPA does."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_2_13)
+    q, k, v = qkv()
+    m = None if mask == "none" else document_mask(segments("many"))
+    assert torch.equal(Varlen().attend(q, k, v, m), attention.sdpa(q, k, v, m))
+
+
+def test_a_torch_without_varlen_attn_trains_with_flex_and_refuses_varlen_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: type("Flex", (SDPA,), {"name": "flex"})())
+    monkeypatch.setattr(attention, "_has_varlen", lambda: False)
+    dev = torch.device("cuda", 0)
+    assert resolve("auto", dev, "bf16").name == "flex"
+    with pytest.raises(AttentionBackendError, match=r"has no torch.nn.attention.varlen.varlen_attn; use flex$") as err:
+        resolve("varlen", dev, "bf16")
+    assert "\n" not in str(err.value)
