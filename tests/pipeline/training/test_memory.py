@@ -276,3 +276,14 @@ def test_the_table_assumes_no_dense_mask(capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32") and " ddp " in line)
     e = memory.estimate(c, 8, 2048, precision="fp32", dense_mask=False)
     assert row.split()[-2:] == [f"{e.activations / memory.GIB:.2f}", f"{e.total / memory.GIB:.2f}"]
+
+
+def test_choose_micro_batch_plans_without_the_mask_when_doc_mask_is_off():
+    """data.doc_mask false: the sdpa path builds no (B, 1, T, T) mask, so a budget
+    that fits 8 rows only without it gives 8 rows."""
+    c = build_config("mini", 512)
+    with_mask, without = (memory.estimate(c, 8, 512, precision="fp32", doc_mask=on).total for on in (True, False))
+    available = int((with_mask + without) / 2 / memory.CPU_HEADROOM)
+    plan = dict(precision="fp32", ranks_per_node=1, available=available)
+    assert memory.choose_micro_batch(c, 512, 1, **plan)[0] < 8
+    assert memory.choose_micro_batch(c, 512, 1, doc_mask=False, **plan) == (8, 2)
