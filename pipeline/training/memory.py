@@ -32,8 +32,9 @@ total against the measured peak of one CPU step for the tiny and mini presets.
 ``batch.micro_batch_size: auto`` (:func:`choose_micro_batch`) keeps the global
 batch that the default micro-batch (16) would give, and splits it into the
 largest micro-batch that fits: on CPU from this estimate against the available
-memory; on CUDA by probing forward and backward passes with an OOM back-off
-(:func:`probe_micro_batch`), as Hugging Face's ``auto_find_batch_size`` does.
+memory (a container's cgroup limit, where lower); on CUDA by probing forward
+and backward passes with an OOM back-off (:func:`probe_micro_batch`), as
+Hugging Face's ``auto_find_batch_size`` does.
 """
 
 from __future__ import annotations
