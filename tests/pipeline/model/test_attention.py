@@ -284,3 +284,23 @@ def test_a_torch_without_varlen_attn_trains_with_flex_and_refuses_varlen_in_one_
     with pytest.raises(AttentionBackendError, match=r"has no torch.nn.attention.varlen.varlen_attn; use flex$") as err:
         resolve("varlen", dev, "bf16")
     assert "\n" not in str(err.value)
+
+
+def test_flex_in_bf16_on_a_gpu_before_ampere_is_refused_in_one_line(monkeypatch):
+    """Triton has no bf16 before compute capability 8.0 ("Feature '.bf16' requires
+    .target sm_80"): compute.precision bf16 on a T4 with flex (auto's choice there)
+    would fail at the first forward; it is refused when the backend is resolved,
+    which the launcher does before any rank starts. fp16 and fp32 keep flex, and
+    sdpa (eager, bf16 emulated) stays allowed."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: type("Flex", (SDPA,), {"name": "flex"})())
+    dev = torch.device("cuda", 0)
+    for name in ("flex", "auto"):
+        with pytest.raises(AttentionBackendError, match=r"cuda:0 is 7\.5; set compute.precision to fp16") as err:
+            resolve(name, dev, "bf16")
+        assert "\n" not in str(err.value) and str(err.value).startswith(f"attention {name}")
+    assert [resolve(name, dev, p).name for name in ("flex", "auto") for p in ("fp16", "fp32")] == ["flex"] * 4
+    assert resolve("sdpa", dev, "bf16").name == "sdpa"
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: Triton's AMD backend has bf16
+    assert resolve("flex", dev, "bf16").name == "flex"
