@@ -160,10 +160,11 @@ def resolve(name: str, device: torch.device, precision: str = "fp32", training: 
     """The backend ``name`` stands for on ``device``; raises AttentionBackendError
     (one line) where it cannot run. ``auto``: sdpa on CPU; on CUDA varlen in
     bf16/fp16 on a GPU that runs flash attention (half precision, Ampere or
-    newer), else flex."""
+    newer), else flex. Flex in bf16 needs Ampere or ROCm too (Triton)."""
     if name not in NAMES:
         raise AttentionBackendError(f"attention {name!r} is not a backend; choose one of: {', '.join(NAMES)}")
     cuda = device.type == "cuda"
+    asked = name
     if name == "auto":
         flash = cuda and precision in ("bf16", "fp16") and _has_varlen() and _flash_capable(device)
         name = "sdpa" if not cuda else ("varlen" if flash else "flex")
@@ -173,6 +174,12 @@ def resolve(name: str, device: torch.device, precision: str = "fp32", training: 
         if training and not cuda:
             raise AttentionBackendError(f"attention flex trains on CUDA only (torch {torch.__version__} has no CPU "
                                         "backward for FlexAttention); use sdpa or auto on CPU")
+        if cuda and precision == "bf16" and not _flash_capable(device):  # the same line: Ampere, or ROCm
+            major, minor = torch.cuda.get_device_capability(device)
+            raise AttentionBackendError(
+                f"attention {'auto (flex on this GPU)' if asked == 'auto' else 'flex'} in bf16: FlexAttention is "
+                f"compiled by Triton, which has no bf16 before compute capability 8.0 (Ampere); {device} is "
+                f"{major}.{minor}; set compute.precision to fp16 or auto (fp16 there), or compute.attention to sdpa")
         return Flex(compile=cuda)
     if not cuda:
         raise AttentionBackendError(f"attention varlen needs a CUDA device (flash attention kernels), not "

@@ -32,8 +32,9 @@ total against the measured peak of one CPU step for the tiny and mini presets.
 ``batch.micro_batch_size: auto`` (:func:`choose_micro_batch`) keeps the global
 batch that the default micro-batch (16) would give, and splits it into the
 largest micro-batch that fits: on CPU from this estimate against the available
-memory; on CUDA by probing forward and backward passes with an OOM back-off
-(:func:`probe_micro_batch`), as Hugging Face's ``auto_find_batch_size`` does.
+memory (a container's cgroup limit, where lower); on CUDA by probing forward
+and backward passes with an OOM back-off (:func:`probe_micro_batch`), as
+Hugging Face's ``auto_find_batch_size`` does.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from pipeline.model.transformer import PRESETS, ModelConfig, build_config, num_params
@@ -110,15 +112,70 @@ def divisors_up_to(n: int, limit: int | None = None) -> list[int]:
 
 
 def available_cpu_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory;
+    less where this process's cgroup (a container's memory limit) leaves less
+    (:func:`cgroup_available_bytes`): /proc/meminfo shows the host's memory, and
+    a plan made from it is killed by the container's OOM killer without a word."""
+    machine = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    machine = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if machine is None:
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limited = cgroup_available_bytes()
+    return machine if limited is None else min(machine, limited)
+
+
+CGROUP_V2 = ("memory.max", "memory.current", "inactive_file")  # limit, usage, the memory.stat key of reclaimable cache
+CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def cgroup_available_bytes(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """What this process's memory cgroups still allow: the least, over the
+    cgroup and its ancestors, of the limit minus the working set (usage less
+    inactive file cache, which the kernel reclaims first; Kubernetes counts it
+    so). cgroup v2 (memory.max) and v1 (memory.limit_in_bytes). None where no
+    limit is set or none can be read."""
+    base = Path(root)
+    candidates: list[tuple[Path, tuple[str, str, str]]] = []
+    try:
+        lines = Path(membership).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "0::/path" (v2), "4:memory:/path" (v1)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, rel = parts[1], Path(parts[2].lstrip("/")).parts
+        if controllers == "":  # v2: the limits of the parents apply too
+            candidates += [(base.joinpath(*rel[:i]), CGROUP_V2) for i in range(len(rel), -1, -1)]
+        elif "memory" in controllers.split(","):  # v1: in a container the mount's root is often its own cgroup
+            candidates += [((base / "memory").joinpath(*rel), CGROUP_V1), (base / "memory", CGROUP_V1)]
+    least = None
+    for folder, (limit_name, usage_name, inactive_name) in candidates:
+        try:
+            limit = (folder / limit_name).read_text().strip()
+            if limit == "max":
+                continue
+            working_set = int((folder / usage_name).read_text()) - _stat(folder / "memory.stat", inactive_name)
+            free = int(limit) - max(0, working_set)
+        except (OSError, ValueError):
+            continue
+        least = free if least is None else min(least, free)
+    return None if least is None else max(0, least)
+
+
+def _stat(path: Path, key: str) -> int:
+    """One counter of a cgroup's memory.stat ("key value" lines); 0 where absent."""
+    try:
+        return next((int(line.split()[1]) for line in path.read_text().splitlines() if line.split()[:1] == [key]), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def choose_micro_batch(c: ModelConfig, seq_len: int, grad_accum: int, *, precision: str, ranks_per_node: int,

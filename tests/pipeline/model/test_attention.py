@@ -260,3 +260,47 @@ def test_cuda_auto_picks_a_document_masking_kernel():
     assert resolve("auto", dev, "fp32").name == "flex"
     with pytest.raises(AttentionBackendError, match="bf16 or fp16"):
         resolve("varlen", dev, "fp32")
+
+
+@pytest.mark.parametrize("mask", ["none", "dense"])
+def test_varlen_without_segment_ids_computes_with_sdpa(monkeypatch, mask):
+    """data.doc_mask false (mask None: plain causal) and the KV cache (a dense
+    causal mask) pass no cu_seqlens; varlen runs them as SDPA does."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_2_13)
+    q, k, v = qkv()
+    m = None if mask == "none" else document_mask(segments("many"))
+    assert torch.equal(Varlen().attend(q, k, v, m), attention.sdpa(q, k, v, m))
+
+
+def test_a_torch_without_varlen_attn_trains_with_flex_and_refuses_varlen_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: type("Flex", (SDPA,), {"name": "flex"})())
+    monkeypatch.setattr(attention, "_has_varlen", lambda: False)
+    dev = torch.device("cuda", 0)
+    assert resolve("auto", dev, "bf16").name == "flex"
+    with pytest.raises(AttentionBackendError, match=r"has no torch.nn.attention.varlen.varlen_attn; use flex$") as err:
+        resolve("varlen", dev, "bf16")
+    assert "\n" not in str(err.value)
+
+
+def test_flex_in_bf16_on_a_gpu_before_ampere_is_refused_in_one_line(monkeypatch):
+    """Triton has no bf16 before compute capability 8.0 ("Feature '.bf16' requires
+    .target sm_80"): compute.precision bf16 on a T4 with flex (auto's choice there)
+    would fail at the first forward; it is refused when the backend is resolved,
+    which the launcher does before any rank starts. fp16 and fp32 keep flex, and
+    sdpa (eager, bf16 emulated) stays allowed."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "Flex", lambda compile: type("Flex", (SDPA,), {"name": "flex"})())
+    dev = torch.device("cuda", 0)
+    for name in ("flex", "auto"):
+        with pytest.raises(AttentionBackendError, match=r"cuda:0 is 7\.5; set compute.precision to fp16") as err:
+            resolve(name, dev, "bf16")
+        assert "\n" not in str(err.value) and str(err.value).startswith(f"attention {name}")
+    assert [resolve(name, dev, p).name for name in ("flex", "auto") for p in ("fp16", "fp32")] == ["flex"] * 4
+    assert resolve("sdpa", dev, "bf16").name == "sdpa"
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: Triton's AMD backend has bf16
+    assert resolve("flex", dev, "bf16").name == "flex"

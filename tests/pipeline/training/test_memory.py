@@ -276,3 +276,44 @@ def test_the_table_assumes_no_dense_mask(capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32") and " ddp " in line)
     e = memory.estimate(c, 8, 2048, precision="fp32", dense_mask=False)
     assert row.split()[-2:] == [f"{e.activations / memory.GIB:.2f}", f"{e.total / memory.GIB:.2f}"]
+
+
+def test_choose_micro_batch_plans_without_the_mask_when_doc_mask_is_off():
+    """data.doc_mask false: the sdpa path builds no (B, 1, T, T) mask, so a budget
+    that fits 8 rows only without it gives 8 rows."""
+    c = build_config("mini", 512)
+    with_mask, without = (memory.estimate(c, 8, 512, precision="fp32", doc_mask=on).total for on in (True, False))
+    available = int((with_mask + without) / 2 / memory.CPU_HEADROOM)
+    plan = dict(precision="fp32", ranks_per_node=1, available=available)
+    assert memory.choose_micro_batch(c, 512, 1, **plan)[0] < 8
+    assert memory.choose_micro_batch(c, 512, 1, doc_mask=False, **plan) == (8, 2)
+
+
+def cgroup_tree(root, files):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_a_containers_memory_limit_caps_what_auto_plans_with(tmp_path, monkeypatch):
+    """/proc/meminfo shows the host's memory inside a container: a plan made from
+    it is killed by the container's OOM killer (exit 137, no message). The cgroup's
+    limit less its working set (usage less inactive file cache) caps it."""
+    G = 2 ** 30
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    cgroup_tree(v2, {"a/b/memory.max": "max\n", "a/b/memory.current": str(5 * G),  # unlimited itself
+                     "a/memory.max": f"{8 * G}\n", "a/memory.current": str(3 * G),  # a parent's limit applies
+                     "a/memory.stat": f"anon {2 * G}\ninactive_file {G}\nactive_file 0\n",
+                     "self": "0::/a/b\n"})
+    assert memory.cgroup_available_bytes(str(v2), str(v2 / "self")) == 8 * G - (3 * G - G)
+    cgroup_tree(v1, {"memory/memory.limit_in_bytes": str(4 * G), "memory/memory.usage_in_bytes": str(G),
+                     "self": "5:cpu:/\n4:memory:/docker/abc\n0::/\n"})  # no memory.stat: no cache counted
+    assert memory.cgroup_available_bytes(str(v1), str(v1 / "self")) == 3 * G
+    unlimited = tmp_path / "none"
+    cgroup_tree(unlimited, {"memory.max": "max\n", "memory.current": "1", "self": "0::/\n"})
+    assert memory.cgroup_available_bytes(str(unlimited), str(unlimited / "self")) is None
+    assert memory.cgroup_available_bytes(str(tmp_path / "missing"), str(tmp_path / "missing" / "self")) is None
+    monkeypatch.setattr(memory, "cgroup_available_bytes", lambda: 12345)
+    assert memory.available_cpu_bytes() == 12345
+    monkeypatch.setattr(memory, "cgroup_available_bytes", lambda: None)
+    assert memory.available_cpu_bytes() > 12345

@@ -138,3 +138,16 @@ def test_build_optimizer_takes_its_settings_from_the_config_and_decays_linear_we
     torch.testing.assert_close(after["1.weight"].detach(), before["1.weight"] * (1 - 0.01 * 0.25), rtol=0, atol=1e-7)
     assert torch.equal(after["1.bias"].detach(), before["1.bias"])
     assert torch.equal(after["0.weight"].detach(), before["0.weight"])
+
+
+def test_set_schedule_lr_updates_a_tensor_lr_in_place():
+    """A tensor lr (capturable and compiled optimizers hold one) is filled in
+    place, as LambdaLR does, so that whatever holds that tensor sees the value."""
+    old = ScheduleSection(max_steps=20, warmup_steps=2, min_lr=1e-4)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+    sched = build_scheduler(opt, 1e-2, old)
+    sched.last_epoch = 12  # as load_state_dict leaves it
+    held = opt.param_groups[0]["lr"]
+    set_schedule_lr(sched)
+    assert opt.param_groups[0]["lr"] is held and float(held) == pytest.approx(lr_at(12, 1e-2, old))

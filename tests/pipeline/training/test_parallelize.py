@@ -129,3 +129,16 @@ def test_a_torch_that_cannot_reset_fsdp_after_a_failed_pass_stops_in_one_line():
     with pytest.raises(ParallelismError, match="set batch.micro_batch_size to a number$") as err:
         reset_after_failed_pass(torch.nn.Linear(2, 2))
     assert "\n" not in str(err.value)
+
+
+def test_a_failed_pass_is_reset_where_torch_can():
+    """Where FSDPModule.reset_iter_state exists, it is called: the shards are
+    regathered afresh at the next pass instead of the ranks drifting apart."""
+    calls = []
+
+    class Sharded(torch.nn.Linear):
+        def reset_iter_state(self):
+            calls.append(1)
+
+    reset_after_failed_pass(Sharded(2, 2))
+    assert calls == [1]

@@ -49,9 +49,16 @@ def test_auto_on_a_gpu_is_bf16_from_ampere_on_and_fp16_before(monkeypatch, capab
     assert resolve_precision("auto", CUDA) == expected
 
 
-def test_auto_on_a_rocm_gpu_is_bf16(monkeypatch):
-    fake_gpu(monkeypatch, 9, 0, hip="6.2")
+@pytest.mark.parametrize("capability", [(9, 0), (7, 0)])
+def test_auto_on_a_rocm_gpu_is_bf16(monkeypatch, capability):
+    """Any ROCm GPU, whatever compute capability it reports (its gfx number)."""
+    fake_gpu(monkeypatch, *capability, hip="6.2")
     assert resolve_precision("auto", CUDA) == "bf16"
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_auto_on_another_device_type_is_fp32(device):
+    assert resolve_precision("auto", torch.device(device)) == "fp32"
 
 
 def test_autocast_runs_matmuls_in_the_precision_and_fp32_is_left_alone():
