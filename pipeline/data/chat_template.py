@@ -85,9 +85,10 @@ special token closing an assistant turn, a generation prompt that is not a
 prefix of the render) raises :class:`ChatTemplateError`, one line naming the
 template and why; :func:`check_template` tries it on probe conversations before
 any data is read. A single conversation that the template rejects
-(``raise_exception``, e.g. no system role), rewrites, or whose text does not
-survive encode/decode (e.g. a normalizer) raises :class:`TemplateSkip` with a
-fixed reason, which SFT counts and quarantines.
+(``raise_exception``, e.g. no system role) or fails on (e.g. a TypeError in the
+template), rewrites, or whose text does not survive encode/decode (e.g. a
+normalizer) raises :class:`TemplateSkip` with a fixed reason, which SFT counts
+and quarantines.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ DEFAULT_DATE = dt.date(2024, 7, 26)
 TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 TEMPLATE_REASONS: dict[str, str] = {
-    "template_error": "the chat template refused the conversation (raise_exception), e.g. no system role",
+    "template_error": "the chat template refused the conversation (raise_exception, e.g. no system role) or "
+                      "failed on it (e.g. a TypeError in the template)",
     "template_rewrites_content": "the chat template changes a message's content beyond trimming whitespace "
                                  "(e.g. Qwen3 moving <think> reasoning), so its spans are not known",
     "no_roundtrip": "decoding the tokens does not give back the rendered text (e.g. a normalizer)",
@@ -300,7 +302,15 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, str]], add_ge
                                add_generation_prompt=add_generation_prompt, **template.variables,
                                strftime_now=day.strftime)
     except jinja2.TemplateError as e:
-        raise TemplateSkip("template_error", f"{template.name}: {e}") from e
+        raise TemplateSkip("template_error", f"{template.name}: {_one_line(e)}") from e
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        # A template's own bug on this conversation ("{{ content + 1 }}", a range past the
+        # sandbox's MAX_RANGE, an include without a loader): jinja lets Python's error through.
+        raise TemplateSkip("template_error", f"{template.name}: {type(e).__name__}: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 # --- locating contents and assistant spans ----------------------------------------------------

@@ -504,3 +504,26 @@ def test_stop_ids_are_the_end_of_turn_ids_then_the_eos_ids(own):
     d, tok = own
     template = load_chat_template("auto", d, tok)
     assert stop_ids(tok, template, [EOT_ID, IM_END_ID]) == (IM_END_ID, EOT_ID)
+
+
+@pytest.mark.parametrize("bug", ["{{ 1 + 'x' }}", "{{ 1 / 0 }}", "{% for i in range(10 ** 6) %}{% endfor %}",
+                                 "{% include 'other.jinja' %}",
+                                 "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"])
+def test_a_template_that_fails_in_python_is_a_one_line_error_or_a_counted_skip(own, tmp_path, bug):
+    """Jinja lets a template's Python errors through (a TypeError, the sandbox's OverflowError for a range past
+    MAX_RANGE, ...): they were tracebacks, at the check or, on the one conversation that hit them, in the middle of
+    the SFT build."""
+    d, tok = own
+    everywhere, on_some = tmp_path / "everywhere.jinja", tmp_path / "on_some.jinja"
+    everywhere.write_text(bug + CHAT_TEMPLATE_JINJA)
+    on_some.write_text("{% if 'boom' in messages[-1].content %}" + bug + "{% endif %}" + CHAT_TEMPLATE_JINJA)
+    with pytest.raises(ChatTemplateError) as e:
+        check_template(tok, load_chat_template(str(everywhere), d, tok))
+    assert "\n" not in str(e.value) and "template_error" in str(e.value)
+    template = load_chat_template(str(on_some), d, tok)
+    check_template(tok, template)
+    with pytest.raises(TemplateSkip) as skip:
+        encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "boom"}],
+                            template)
+    assert skip.value.reason == "template_error" and "Error" in skip.value.detail and "\n" not in skip.value.detail
+    encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine"}], template)
