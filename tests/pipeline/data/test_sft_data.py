@@ -848,3 +848,19 @@ def test_a_tokenizer_rewritten_to_the_same_size_and_time_builds_the_data_again(t
     with caplog.at_level("INFO", logger="pipeline"):
         build_once(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
     assert "holds this build already" not in caplog.text and "built the SFT data" in caplog.text
+
+
+def test_a_number_too_long_for_python_is_a_malformed_record_not_a_crash(tmp_path, tok_path):
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an integer of more than 4,300 digits: one
+    such record ended the build with a traceback, in a .jsonl line as in a .json file."""
+    huge = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "n": ' + \
+           "1" * 5000 + "}"
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(8)])
+    with open(tmp_path / "d.jsonl", "a") as f:
+        f.write(huge + "\n")
+    (tmp_path / "one.json").write_text(huge)
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl")),
+                                              SFTSource(path=str(tmp_path / "one.json"))])
+    assert m["examples_in"] == 10 and m["skipped"] == {"malformed_json": 2}
+    q = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    assert [e["location"] for e in q] == ["line:9", "file"] and all("4300 digits" in e["detail"] for e in q)
