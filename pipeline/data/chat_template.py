@@ -105,9 +105,8 @@ from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, encode_chat as
 from pipeline.data.chat import encode_prompt as chatml_encode_prompt
 from pipeline.data.chat import validate_messages
 from pipeline.data.tokenizer import (HF_DIR, IM_END, IM_START, OWN_TOKEN_VARIABLES, Specials, hf_specials,
-                                     load_specials, missing_chatml_tokens, tokenizer_dir)
+                                     load_specials, missing_chatml_tokens, read_folder_json, tokenizer_dir)
 from pipeline.errors import StageError
-from pipeline.files import read_json
 
 CHOICES = ("auto", "chatml")  # or the path of a .jinja file
 # The date templates read as today: the Llama 3.1 template's own fallback.
@@ -197,8 +196,9 @@ def _token_variables(folder: Path, roles: Specials, tok: Tokenizer) -> dict[str,
 
 def _config_variables(config_file: Path) -> dict[str, str]:
     """The special-token texts a ``tokenizer_config.json`` names (a string or an
-    AddedToken dict each), as apply_chat_template passes them to a template."""
-    config = read_json(config_file) if config_file.is_file() else {}
+    AddedToken dict each), as apply_chat_template passes them to a template.
+    A file that does not parse is a one-line TokenizerError naming it."""
+    config = read_folder_json(config_file)
     out = {}
     for key in TOKEN_VARIABLES:
         value = config.get(key)

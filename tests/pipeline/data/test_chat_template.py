@@ -527,3 +527,18 @@ def test_a_template_that_fails_in_python_is_a_one_line_error_or_a_counted_skip(o
                             template)
     assert skip.value.reason == "template_error" and "Error" in skip.value.detail and "\n" not in skip.value.detail
     encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine"}], template)
+
+
+@pytest.mark.parametrize("damage", ["{oops", "[1, 2]"])
+def test_a_damaged_tokenizer_config_beside_an_adopted_tokenizer_is_a_one_line_error(tmp_path, damage):
+    """The token texts are read from the adopted folder's copy of tokenizer_config.json: a damaged copy was a
+    JSONDecodeError or AttributeError traceback."""
+    from pipeline.data.tokenizer import TokenizerError
+
+    fam = Family("llama3", tmp_path)
+    config = fam.dir / "hf" / "tokenizer_config.json"
+    assert config.is_file()
+    config.write_text(damage)
+    with pytest.raises(TokenizerError) as e:
+        load_chat_template("auto", fam.dir, fam.tok)
+    assert str(config) in str(e.value) and "\n" not in str(e.value)
