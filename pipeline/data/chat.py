@@ -3,8 +3,8 @@
 Internal form
 -------------
 A conversation is a list of :class:`Message` dicts ``{"role", "content"}`` with
-``role`` in :data:`ROLES` and ``content`` a string that is not blank. The order
-rules (checked by :func:`validate_messages`) are those of the usual chat data:
+``role`` in :data:`ROLES` and ``content`` a string that is not blank (:func:`blank`).
+The order rules (checked by :func:`validate_messages`) are those of the usual chat data:
 
 - an optional ``system`` message, only as the first message;
 - then ``user`` and ``assistant`` alternating, beginning with ``user``;
@@ -53,6 +53,7 @@ the special id. For content without special-token strings both give the same ids
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, TypedDict
 
@@ -78,7 +79,7 @@ REASONS: dict[str, str] = {
     "missing_key": "a required key is absent",
     "bad_type": "a value has the wrong type",
     "unknown_role": "a role (or sharegpt 'from') outside the known set",
-    "empty_content": "a message whose content is empty or only whitespace",
+    "empty_content": "a message whose content is empty or only whitespace and invisible characters",
     "non_utf8": "text with no UTF-8 form: a lone surrogate, as a JSON escape like \\ud800 gives",
     "empty_conversation": "no messages at all",
     "role_order": "system not first, or user/assistant not alternating from user",
@@ -100,6 +101,15 @@ class ChatFormatError(ValueError):
 
 # --- validation ------------------------------------------------------------------------------
 
+# Characters that show nothing: control (Cc) and format (Cf: zero-width space, joiners, BOM, soft hyphen).
+_INVISIBLE = ("Cc", "Cf")
+
+
+def blank(text: str) -> bool:
+    """True when ``text`` shows nothing: empty, or only whitespace and invisible
+    characters (a reply of one zero-width space would teach the model to say nothing)."""
+    return all(c.isspace() or unicodedata.category(c) in _INVISIBLE for c in text)
+
 
 def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = True) -> None:
     """Check the internal form and the order rules of the module docstring.
@@ -116,7 +126,7 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
             raise ChatFormatError("unknown_role", f"message {i}: role {role!r}; roles are {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ChatFormatError("bad_type", f"message {i}: content must be a string, got {type(content).__name__}")
-        if not content.strip():
+        if blank(content):
             raise ChatFormatError("empty_content", f"message {i} ({role})")
         if not content.isascii():
             try:
@@ -178,7 +188,7 @@ def _system(record: Mapping[str, Any]) -> list[Message]:
         return []
     if not isinstance(system, str):
         raise ChatFormatError("bad_type", f"'system': expected str, got {type(system).__name__}")
-    return [{"role": "system", "content": system}] if system.strip() else []
+    return [] if blank(system) else [{"role": "system", "content": system}]
 
 
 def _from_sharegpt(record: Mapping[str, Any]) -> list[Message]:
@@ -204,9 +214,9 @@ def _from_alpaca(record: Mapping[str, Any]) -> list[Message]:
         raise ChatFormatError("bad_type", f"'input': expected str, got {type(extra).__name__}")
     # An instruction that is blank makes a blank user turn even when input is set:
     # check it on its own so the reason names the real problem.
-    if not instruction.strip():
+    if blank(instruction):
         raise ChatFormatError("empty_content", "'instruction'")
-    user = instruction + ("\n\n" + extra if extra and extra.strip() else "")
+    user = instruction + ("" if extra is None or blank(extra) else "\n\n" + extra)
     earlier: list[Message] = []
     history = record.get("history")
     if history is not None:

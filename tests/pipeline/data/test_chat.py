@@ -65,7 +65,7 @@ def test_formats_convert():
         {"role": "assistant", "content": "a2"}]
     assert to_messages({"instruction": "Sum.", "input": "1 2", "output": "3"}, "alpaca") == [
         {"role": "user", "content": "Sum.\n\n1 2"}, {"role": "assistant", "content": "3"}]
-    for empty in ({"input": ""}, {"input": "  "}, {"input": None}, {}):
+    for empty in ({"input": ""}, {"input": "  "}, {"input": "\u200b"}, {"input": None}, {}):
         assert to_messages({"instruction": "Say hi.", "output": "hi", **empty}, "alpaca") == [
             {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
 
@@ -78,7 +78,7 @@ def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them()
     assert to_messages({"system": "Be brief.", "conversations": turns}, "sharegpt") == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"}]
-    for blank in ("", " \n"):  # an empty or blank system column is no system prompt
+    for blank in ("", " \n", "\u200b"):  # an empty or blank system column is no system prompt
         assert to_messages({"system": blank, "conversations": turns}, "sharegpt") == to_messages(
             {"conversations": turns}, "sharegpt")
     assert to_messages({"instruction": "And 2+2?", "output": "4", "system": "Be brief.",
@@ -127,6 +127,11 @@ MALFORMED = [
     ({"instruction": "q", "output": ""}, "alpaca", "empty_content"),
     ({"instruction": " ", "input": "context", "output": "a"}, "alpaca", "empty_content"),
     ({"messages": [S | {"content": ""}, U, A]}, "messages", "empty_content"),
+    # content that shows nothing: zero-width space, word joiner, BOM, soft hyphen, control characters
+    ({"messages": [U, A | {"content": "\u200b"}]}, "messages", "empty_content"),
+    ({"messages": [U | {"content": " \u2060\ufeff\u00ad "}, A]}, "messages", "empty_content"),
+    ({"messages": [U, A | {"content": "\x00\x1b\x7f"}]}, "messages", "empty_content"),
+    ({"instruction": "\u200b", "output": "a"}, "alpaca", "empty_content"),
     ({"messages": [{"role": "user", "content": "lone \ud800 half"}, A]}, "messages", "non_utf8"),
     ({"instruction": "q", "output": "a \udfff"}, "alpaca", "non_utf8"),
     ({"messages": []}, "messages", "empty_conversation"),
@@ -271,3 +276,9 @@ def test_encode_prompt(tok):
     with pytest.raises(ChatFormatError, match="last_not_assistant"):
         encode_chat(tok, [U, A, U])
 
+
+
+def test_visible_text_with_invisible_characters_is_kept_verbatim():
+    """Only content that shows nothing is blank: an emoji joined by ZWJ or a word with a soft hyphen is kept as is."""
+    for content in ("👩\u200d💻", "co\u00adoperate", "\u200bx", "a\x00"):
+        assert to_messages({"messages": [U, A | {"content": content}]})[1]["content"] == content
