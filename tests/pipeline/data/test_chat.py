@@ -282,3 +282,11 @@ def test_visible_text_with_invisible_characters_is_kept_verbatim():
     """Only content that shows nothing is blank: an emoji joined by ZWJ or a word with a soft hyphen is kept as is."""
     for content in ("👩\u200d💻", "co\u00adoperate", "\u200bx", "a\x00"):
         assert to_messages({"messages": [U, A | {"content": content}]})[1]["content"] == content
+
+
+def test_a_system_key_and_a_system_turn_are_named_as_two_system_prompts():
+    """Validation would say only "message 1 is 'system', expected 'user'"; the converter says why."""
+    record = {"system": "s", "conversations": [{"from": "system", "value": "t"}, {"from": "human", "value": "q"},
+                                               {"from": "gpt", "value": "a"}]}
+    with pytest.raises(ChatFormatError, match="^role_order: a 'system' key and a system turn first in conversations"):
+        to_messages(record, "sharegpt")

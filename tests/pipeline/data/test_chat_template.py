@@ -542,3 +542,102 @@ def test_a_damaged_tokenizer_config_beside_an_adopted_tokenizer_is_a_one_line_er
     with pytest.raises(TokenizerError) as e:
         load_chat_template("auto", fam.dir, fam.tok)
     assert str(config) in str(e.value) and "\n" not in str(e.value)
+
+
+def _jinja(tmp_path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.jinja"
+    path.write_text(text)
+    return path
+
+
+CHATML_PROMPT = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+
+def test_a_non_special_added_token_after_the_content_does_not_close_the_turn(own, tmp_path):
+    """Only special tokens close an assistant turn: a vocabulary word the template writes after the content (as
+    Qwen's <tool_call> is) is the assistant's, and generation must not stop at it."""
+    from tokenizers import Tokenizer
+
+    d, tok = own
+    worded = Tokenizer.from_str(tok.to_str())
+    worded.add_tokens(["<note>"])
+    note = worded.token_to_id("<note>")
+    template = load_chat_template(str(_jinja(tmp_path, "note", "{% for m in messages %}{{ '<|im_start|>' + m.role + "
+                                             "'\\n' + m.content + '<note><|im_end|>\\n' }}{% endfor %}" + CHATML_PROMPT)),
+                                  d, worded)
+    assert note not in template.specials.values()
+    assert check_template(worded, template) == (worded.token_to_id("<|im_end|>"),)
+    ids, labels = encode_conversation(worded, CONVERSATIONS[0], template)
+    assert labelled_runs(worded, ids, labels)[0] == ["It is 4.<note><|im_end|>"]
+
+
+def test_a_template_that_renders_an_assistant_reply_twice_fails_in_one_line(own, tmp_path):
+    d, tok = own
+    path = _jinja(tmp_path, "twice", CHAT_TEMPLATE_JINJA + "{{ messages[-1].content }}")
+    with pytest.raises(ChatTemplateError, match="appears 2 times in the render instead of once"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_template_that_swaps_the_assistant_replies_fails_in_one_line(own, tmp_path):
+    """Each assistant turn shows the other's reply (in a conversation without a system prompt)."""
+    d, tok = own
+    path = _jinja(tmp_path, "swap", "{% for m in messages %}{% set c = messages[messages|length - loop.index0].content "
+                                    "if m.role == 'assistant' else m.content %}{{ '<|im_start|>' + m.role + '\\n' + c + "
+                                    "'<|im_end|>\\n' }}{% endfor %}" + CHATML_PROMPT)
+    with pytest.raises(ChatTemplateError, match="renders assistant messages out of order"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_generation_prompt_that_runs_past_the_start_of_the_reply_fails_in_one_line(own, tmp_path):
+    """A generation prompt that is a prefix of the render but reaches into the reply would put the start of the
+    labels after the reply's text."""
+    d, tok = own
+    path = _jinja(tmp_path, "past", CHAT_TEMPLATE_JINJA.replace(
+        "'<|im_start|>assistant\\n' }}", "'<|im_start|>assistant\\nSentinel' ~ messages|length ~ 'Zq' }}"))
+    with pytest.raises(ChatTemplateError, match="generation prompt for message 1 is not the start"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_content_kept_verbatim_before_template_whitespace_is_not_cut_short(own, tmp_path):
+    """Mistral v1 style: the system prompt and the user's text in one turn, "\\n\\n" between. A system prompt that
+    itself ends in "\\n\\n" is rendered verbatim: taking its trimmed form (followed by the template's "\\n\\n")
+    left the content's own newlines in front of the user's text, and the conversation was skipped as rewritten."""
+    d, tok = own
+    path = _jinja(tmp_path, "merged", "{% for m in messages %}{% if m.role == 'system' %}{{ '<|im_start|>user\\n' + "
+                                      "m.content + '\\n\\n' }}{% elif m.role == 'user' and loop.index0 == 1 %}"
+                                      "{{ m.content + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m.role + '\\n' + "
+                                      "m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}" + CHATML_PROMPT)
+    template = load_chat_template(str(path), d, tok)
+    check_template(tok, template)
+    msgs = [{"role": "system", "content": "Be brief.\n\n"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"}]
+    ids, labels = encode_conversation(tok, msgs, template)
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nBe brief.\n\n\n\nq<|im_end|>\n" \
+                                                         "<|im_start|>assistant\na<|im_end|>\n"
+    assert labelled_runs(tok, ids, labels)[0] == ["a<|im_end|>"]
+
+
+def test_an_end_of_turn_token_that_does_not_encode_as_itself_fails_in_one_line(own, tmp_path):
+    """A special token added with single_word=True is not matched after a word character: "a<|end|>" encodes as
+    bytes and decodes back the same, so the labels would end on "|>" bytes in silence. The probes all end in
+    punctuation, so this is found on the conversation that shows it."""
+    from tokenizers import AddedToken, Tokenizer
+
+    d, tok = own
+    worded = Tokenizer.from_str(tok.to_str())
+    worded.add_special_tokens([AddedToken("<|end|>", single_word=True, special=True)])
+    template = load_chat_template(str(_jinja(tmp_path, "end", CHAT_TEMPLATE_JINJA.replace("<|im_end|>", "<|end|>"))),
+                                  d, worded)
+    assert check_template(worded, template) == (worded.token_to_id("<|end|>"),)
+    with pytest.raises(ChatTemplateError, match=r"end-of-turn token '<\|end\|>' does not encode as its own token"):
+        encode_conversation(worded, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                            template)
+
+
+def test_the_fix_offers_chatml_only_for_a_tokenizer_with_both_its_tokens():
+    from pipeline.data.chat_template import _fail
+
+    for specials, chatml in (({"<|im_start|>": 1, "<|im_end|>": 2}, True), ({"<|im_end|>": 2}, False),
+                             ({"<|im_start|>": 1}, False), ({}, False)):
+        msg = str(_fail(ChatTemplate("t", "x", specials=specials), "why"))
+        assert ("set sft.data.chat_template to chatml or a .jinja file" in msg) == chatml, specials

@@ -749,7 +749,7 @@ def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp
         "examples_in"] == 1400, "a changed source builds again"
 
 
-@pytest.mark.parametrize("damage", ['{"fingerprint": "ab', "[1, 2]", '{"fingerprint": "x"}', ""])
+@pytest.mark.parametrize("damage", ['{"fingerprint": "ab', "[1, 2]", '{"fingerprint": "x"}', '{"metrics": {}}', ""])
 def test_a_damaged_build_record_builds_again_with_a_warning_not_a_traceback(tmp_path, tok_path, damage, caplog):
     from pipeline.data.sft_data import BUILD_RECORD, build_once
 
