@@ -641,3 +641,31 @@ def test_the_fix_offers_chatml_only_for_a_tokenizer_with_both_its_tokens():
                              ({"<|im_start|>": 1}, False), ({}, False)):
         msg = str(_fail(ChatTemplate("t", "x", specials=specials), "why"))
         assert ("set sft.data.chat_template to chatml or a .jinja file" in msg) == chatml, specials
+
+
+def test_token_texts_of_an_adopted_tokenizer_without_a_config_come_from_its_roles(tmp_path):
+    """An adopted folder without tokenizer_config.json: bos and eos as the config named them, pad from the roles."""
+    fam = Family("llama3", tmp_path)
+    with_config = load_chat_template("auto", fam.dir, fam.tok).variables
+    (fam.dir / "hf" / "tokenizer_config.json").unlink()
+    without = load_chat_template("auto", fam.dir, fam.tok).variables
+    assert without == {"bos_token": with_config["bos_token"], "eos_token": with_config["eos_token"],
+                       "pad_token": "<|end_of_text|>"}
+
+
+def test_a_jinja_file_that_is_not_utf8_is_a_one_line_error(own, tmp_path):
+    d, tok = own
+    path = tmp_path / "latin1.jinja"
+    path.write_bytes(CHAT_TEMPLATE_JINJA.encode() + "{# café #}".encode("latin-1"))
+    with pytest.raises(ChatTemplateError, match=rf"^sft.data.chat_template: cannot read {path}: .*can't decode"):
+        load_chat_template(str(path), d, tok)
+
+
+def test_a_model_folder_with_a_template_is_prompted_with_it(tmp_path):
+    from tokenizers import Tokenizer
+
+    from pipeline.data.chat_template import template_of_hf_folder
+
+    folder = save_family_tokenizer("llama3", tmp_path / "llama3")
+    template, _ = template_of_hf_folder(folder, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    assert (template.name, template.source) == (f"tokenizer ({folder})", FAMILY_SPECS["llama3"].template)

@@ -336,6 +336,8 @@ def test_a_split_that_would_be_empty_takes_one_example_from_the_other():
     one = {"train": [_example(3)], "val": []}
     assert _force_nonempty(one) == 0 and len(one["train"]) == 1  # one example cannot fill two splits
     assert _force_nonempty({"train": [_example(3)], "val": [_example(4)]}) == 0
+    two = {"train": [], "val": [_example(3, h) for h in (5, 2)]}  # the fewest that can fill both
+    assert _force_nonempty(two) == 1 and [e.h for e in two["train"]] == [5] and [e.h for e in two["val"]] == [2]
 
 
 def test_the_conversation_key_holds_roles_and_contents():
@@ -864,3 +866,31 @@ def test_a_number_too_long_for_python_is_a_malformed_record_not_a_crash(tmp_path
     assert m["examples_in"] == 10 and m["skipped"] == {"malformed_json": 2}
     q = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
     assert [e["location"] for e in q] == ["line:9", "file"] and all("4300 digits" in e["detail"] for e in q)
+
+
+def test_the_quarantine_keeps_at_most_quarantine_per_reason_samples_and_counts_them_all(tmp_path, tok_path):
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(8)] + [{"nope": i} for i in range(3)])
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))], quarantine_per_reason=1)
+    assert m["skipped"] == {"unknown_format": 3}
+    (q,) = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    assert q["location"] == "line:9"
+
+
+def test_a_template_that_ends_turns_with_a_token_that_is_not_an_eos_says_so(tmp_path, tok_path, three_formats, caplog):
+    """Generation stops at the eos ids unless told: the manifest's stop_ids add the template's end of turn, and
+    the build warns."""
+    from pipeline.data.chat import CHAT_TEMPLATE_JINJA
+    from pipeline.data.tokenizer import EOT_ID, IM_END_ID, PAD_ID
+
+    template = tmp_path / "pad.jinja"
+    template.write_text(CHAT_TEMPLATE_JINJA.replace("<|im_end|>", "<|pad|>"))
+    with caplog.at_level("WARNING", logger="pipeline.data.sft_data"):
+        out, _ = build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))], chat_template=str(template))
+    manifest = read_json(out / MANIFEST)
+    assert manifest["end_of_turn_ids"] == [PAD_ID] and manifest["stop_ids"] == [PAD_ID, IM_END_ID, EOT_ID]
+    assert any(f"closes assistant turns with id(s) [{PAD_ID}], which are not among the tokenizer's eos ids" in line
+               for line in caplog.messages)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.data.sft_data"):
+        build(tmp_path, tok_path, "chatml", sources=[SFTSource(path=str(three_formats))])
+    assert not any("not among the tokenizer's eos ids" in line for line in caplog.messages)
