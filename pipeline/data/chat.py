@@ -20,7 +20,7 @@ of each record from its keys (:func:`detect_format`). :func:`to_messages` conver
 and validates one record, raising :class:`ChatFormatError` whose ``reason`` is a
 short fixed code (see :data:`REASONS`), suitable as a skip reason in a ledger.
 
-- ``messages``: ``{"messages": [{"role", "content"}, ...]}``
+- ``messages``: ``{"messages": [{"role", "content"}, ...], "system"?}``
 - ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system"?}``, ``from``
   mapped by :data:`SHAREGPT_ROLES`
 - ``alpaca``: ``{"instruction", "input"?, "output", "system"?, "history"?}``: user =
@@ -28,9 +28,10 @@ short fixed code (see :data:`REASONS`), suitable as a skip reason in a ledger.
   assistant = output; ``history``, ``[[instruction, output], ...]``, gives the
   turns before it
 
-A record's ``system`` string (as LLaMA-Factory's ShareGPT and Alpaca datasets
-carry it) is the system message; an empty one means none. Other keys of a
-record or a message are ignored.
+A record's ``system`` string (as LLaMA-Factory's ShareGPT, OpenAI-style and
+Alpaca datasets carry it) is the system message; an empty one means none, and
+one beside a system message of the record's own is ``role_order`` (two system
+prompts). Other keys of a record or a message are ignored.
 
 ChatML
 ------
@@ -160,13 +161,16 @@ def _field(record: Mapping[str, Any], key: str, kind: type, where: str = "") -> 
 
 
 def _from_messages(record: Mapping[str, Any]) -> list[Message]:
-    out: list[Message] = []
+    out: list[Message] = _system(record)
     for i, m in enumerate(_field(record, "messages", list)):
         if not isinstance(m, Mapping):
             raise ChatFormatError("bad_type", f"messages[{i}]: expected an object, got {type(m).__name__}")
         role = _field(m, "role", str, f"messages[{i}].")
         if role not in ROLES:
             raise ChatFormatError("unknown_role", f"messages[{i}]: role {role!r}; roles are {', '.join(ROLES)}")
+        if out and role == "system" and i == 0:
+            raise ChatFormatError("role_order", "a 'system' key and a system message first in messages: two system "
+                                                "prompts")
         out.append({"role": role, "content": _field(m, "content", str, f"messages[{i}].")})
     return out
 
@@ -181,8 +185,8 @@ SHAREGPT_ROLES: dict[str, Role] = {
 
 
 def _system(record: Mapping[str, Any]) -> list[Message]:
-    """The system message of a record's ``system`` key (ShareGPT and Alpaca
-    datasets in LLaMA-Factory's layout); none when it is absent, null or blank."""
+    """The system message of a record's ``system`` key (the datasets of every
+    format in LLaMA-Factory's layout); none when it is absent, null or blank."""
     system = record.get("system")
     if system is None:
         return []

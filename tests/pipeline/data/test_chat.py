@@ -89,6 +89,10 @@ def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them()
         {"role": "user", "content": "And 2+2?"}, {"role": "assistant", "content": "4"}]
     assert to_messages({"instruction": "q", "output": "a", "history": []}, "alpaca") == [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    # LLaMA-Factory's OpenAI-style datasets: role/content messages and a "system" column beside them
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert to_messages({"system": "Be brief.", "messages": msgs}) == [{"role": "system", "content": "Be brief."}, *msgs]
+    assert to_messages({"system": " ", "messages": msgs}) == msgs
 
 
 @pytest.mark.parametrize("record, fmt", [
@@ -148,6 +152,8 @@ MALFORMED = [
     ({"system": 3, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "sharegpt",
      "bad_type"),
     ({"instruction": "q", "output": "a", "system": ["s"]}, "alpaca", "bad_type"),
+    ({"system": "s", "messages": [S, U, A]}, "messages", "role_order"),
+    ({"system": {"text": "s"}, "messages": [U, A]}, "messages", "bad_type"),
     ({"instruction": "q", "output": "a", "history": "earlier"}, "alpaca", "bad_type"),
     ({"instruction": "q", "output": "a", "history": [["only one"]]}, "alpaca", "bad_type"),
     ({"instruction": "q", "output": "a", "history": [["q0", ""]]}, "alpaca", "empty_content"),
