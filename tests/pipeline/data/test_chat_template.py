@@ -669,3 +669,27 @@ def test_a_model_folder_with_a_template_is_prompted_with_it(tmp_path):
     folder = save_family_tokenizer("llama3", tmp_path / "llama3")
     template, _ = template_of_hf_folder(folder, Tokenizer.from_file(str(folder / "tokenizer.json")))
     assert (template.name, template.source) == (f"tokenizer ({folder})", FAMILY_SPECS["llama3"].template)
+
+
+GENERATION_MARKED = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+                     "{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+                     "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                     + CHATML_PROMPT)
+
+
+@pytest.mark.parametrize("n", range(len(CONVERSATIONS + CHATML_CONVERSATIONS)))
+def test_labels_are_transformers_assistant_mask_where_the_template_marks_it(own, tmp_path, n):
+    """A template with {% generation %} markers lets transformers say which tokens are the assistant's
+    (return_assistant_tokens_mask); the spans found by rendering label exactly those tokens."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    d, tok = own
+    msgs = (CONVERSATIONS + CHATML_CONVERSATIONS)[n]
+    template = load_chat_template(str(_jinja(tmp_path, "marked", GENERATION_MARKED)), d, tok)
+    ids, labels = encode_conversation(tok, msgs, template)
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()))
+    want = hf.apply_chat_template(msgs, chat_template=GENERATION_MARKED, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert ids == want["input_ids"]
+    assert [int(label != IGNORE_INDEX) for label in labels] == want["assistant_masks"]
