@@ -296,3 +296,5 @@ def test_a_system_key_and_a_system_turn_are_named_as_two_system_prompts():
                                                {"from": "gpt", "value": "a"}]}
     with pytest.raises(ChatFormatError, match="^role_order: a 'system' key and a system turn first in conversations"):
         to_messages(record, "sharegpt")
+    with pytest.raises(ChatFormatError, match="^role_order: a 'system' key and a system message first in messages"):
+        to_messages({"system": "s", "messages": [S, U, A]}, "messages")

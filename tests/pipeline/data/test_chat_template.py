@@ -693,3 +693,14 @@ def test_labels_are_transformers_assistant_mask_where_the_template_marks_it(own,
                                   return_assistant_tokens_mask=True)
     assert ids == want["input_ids"]
     assert [int(label != IGNORE_INDEX) for label in labels] == want["assistant_masks"]
+
+
+def test_a_refusal_of_several_lines_is_told_in_one(own, tmp_path):
+    d, tok = own
+    refuses = _jinja(tmp_path, "lines", "{% if messages[0].role == 'system' %}{{ raise_exception('No system role.\\n"
+                                        "Put it in the first user message.') }}{% endif %}" + CHAT_TEMPLATE_JINJA)
+    template = load_chat_template(str(refuses), d, tok)
+    check_template(tok, template)
+    with pytest.raises(TemplateSkip) as e:
+        encode_conversation(tok, CONVERSATIONS[1], template)
+    assert e.value.detail == f"{refuses}: No system role. Put it in the first user message."
