@@ -8,8 +8,14 @@ The order rules (checked by :func:`validate_messages`) are those of the usual ch
 
 - an optional ``system`` message, only as the first message;
 - then ``user`` and ``assistant`` alternating, beginning with ``user``;
-- a training example (``complete=True``) ends with an ``assistant`` message, so
-  every example has something to learn. A prompt for generation may end anywhere.
+- a training example (``complete=True``) ends with an ``assistant`` message, and
+  has one that is trained (``weight`` not 0), so every example has something to
+  learn. A prompt for generation may end anywhere.
+
+An assistant message may carry ``"weight": 0`` (OpenAI's fine-tuning format):
+it stays in the conversation as context but is not trained. ``weight`` is 0 or
+1; 1, the default, is not kept in the message, and is refused on a system or
+user message (those are never trained).
 
 Content is kept verbatim (no stripping): whitespace can matter in code answers.
 
@@ -20,7 +26,7 @@ of each record from its keys (:func:`detect_format`). :func:`to_messages` conver
 and validates one record, raising :class:`ChatFormatError` whose ``reason`` is a
 short fixed code (see :data:`REASONS`), suitable as a skip reason in a ledger.
 
-- ``messages``: ``{"messages": [{"role", "content"}, ...], "system"?}``
+- ``messages``: ``{"messages": [{"role", "content", "weight"?}, ...], "system"?}``
 - ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system"?}``, ``from``
   mapped by :data:`SHAREGPT_ROLES`
 - ``alpaca``: ``{"instruction", "input"?, "output", "system"?, "history"?}``: user =
@@ -56,7 +62,7 @@ from __future__ import annotations
 
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Sequence, TypedDict
+from typing import Any, Callable, Literal, Mapping, NotRequired, Sequence, TypedDict
 
 from tokenizers import Tokenizer
 
@@ -70,6 +76,7 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant")
 class Message(TypedDict):
     role: Role
     content: str
+    weight: NotRequired[int]  # 0: an assistant message kept as context, not trained
 
 
 # Skip reasons a converter can give; fixed codes so that counts group well.
@@ -84,7 +91,7 @@ REASONS: dict[str, str] = {
     "non_utf8": "text with no UTF-8 form: a lone surrogate, as a JSON escape like \\ud800 gives",
     "empty_conversation": "no messages at all",
     "role_order": "system not first, or user/assistant not alternating from user",
-    "no_assistant": "no assistant message, so nothing to learn",
+    "no_assistant": "no assistant message (or only ones of weight 0), so nothing to learn",
     "last_not_assistant": "a training example must end with an assistant message",
 }
 
@@ -135,6 +142,8 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
             except UnicodeEncodeError as e:
                 raise ChatFormatError("non_utf8", f"message {i} ({role}): a lone surrogate "
                                                   f"U+{ord(content[e.start]):04X} at character {e.start}") from None
+        if "weight" in m:
+            _check_weight(m["weight"], role, f"message {i}")
     body = messages[1:] if messages[0]["role"] == "system" else messages
     for j, m in enumerate(body):
         want = "user" if j % 2 == 0 else "assistant"
@@ -144,8 +153,18 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
     if complete:
         if not any(m["role"] == "assistant" for m in messages):
             raise ChatFormatError("no_assistant")
+        if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
+            raise ChatFormatError("no_assistant", "every assistant message has weight 0")
         if messages[-1]["role"] != "assistant":
             raise ChatFormatError("last_not_assistant", f"last message is {messages[-1]['role']!r}")
+
+
+def _check_weight(weight: Any, role: str, where: str) -> None:
+    if type(weight) is not int or weight not in (0, 1):
+        raise ChatFormatError("bad_type", f"{where}: weight {weight!r}; a weight is 0 or 1")
+    if weight and role != "assistant":
+        raise ChatFormatError("bad_type", f"{where}: weight 1 on a {role} message; only assistant messages are "
+                                          "trained")
 
 
 # --- converters ------------------------------------------------------------------------------
@@ -171,7 +190,12 @@ def _from_messages(record: Mapping[str, Any]) -> list[Message]:
         if out and role == "system" and i == 0:
             raise ChatFormatError("role_order", "a 'system' key and a system message first in messages: two system "
                                                 "prompts")
-        out.append({"role": role, "content": _field(m, "content", str, f"messages[{i}].")})
+        message: Message = {"role": role, "content": _field(m, "content", str, f"messages[{i}].")}
+        if m.get("weight") is not None:
+            _check_weight(m["weight"], role, f"messages[{i}]")
+            if m["weight"] == 0 and role == "assistant":
+                message["weight"] = 0
+        out.append(message)
     return out
 
 
@@ -316,7 +340,7 @@ def _encode(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], add_gen
             ids.extend(enc.ids)
             ids.append(im_end)
             ids.extend(newline)
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and m.get("weight", 1):
                 # A token is the assistant's if any of its characters are content. Only
                 # when content starts with whitespace can a token straddle the header's
                 # "\n" and the content; it is then labelled, as it carries content.
@@ -340,8 +364,8 @@ def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> 
     the same length: the id where the token is assistant content or the
     ``<|im_end|>`` closing an assistant turn, ``IGNORE_INDEX`` (-100) elsewhere
     (system and user turns, every ``<|im_start|>``, the header ``assistant\\n``, the
-    ``\\n`` after each ``<|im_end|>``). Labels are aligned with ids (label ``i`` is for
-    token ``i``); the training loader shifts them.
+    ``\\n`` after each ``<|im_end|>``, assistant turns of weight 0). Labels are aligned
+    with ids (label ``i`` is for token ``i``); the training loader shifts them.
 
     Raises ChatFormatError if ``messages`` break the rules of the module docstring,
     and TokenizerError if the tokenizer lacks our special ids. The tokenizer's

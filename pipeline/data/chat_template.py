@@ -496,7 +496,7 @@ def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, str]], t
                         ) -> tuple[list[int], list[int]]:
     """Token ids of a complete conversation rendered with ``template``, and labels
     of the same length: the id where the token is the assistant's (module
-    docstring), ``IGNORE_INDEX`` elsewhere. Raises ChatFormatError for messages
+    docstring) in a turn of weight 1, ``IGNORE_INDEX`` elsewhere. Raises ChatFormatError for messages
     that break :func:`pipeline.data.chat.validate_messages`, TemplateSkip for a
     conversation the template rejects or rewrites or that does not round-trip,
     ChatTemplateError when the template's spans cannot be located."""
@@ -510,13 +510,15 @@ def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, str]], t
     ids, offsets = _encode_text(tok, template, text, contents)
     spans = [(starts[a] + i, starts[b] + k) for (a, i), (b, k) in layout.spans]
     labels = [IGNORE_INDEX] * len(ids)
+    weights = [m.get("weight", 1) for m in messages if m["role"] == "assistant"]
     t = 0
-    for (a, b), end_token in zip(spans, layout.end_tokens):
+    for (a, b), end_token, weight in zip(spans, layout.end_tokens, weights):
         while t < len(ids) and offsets[t][1] <= a:
             t += 1
         last = None
         while t < len(ids) and offsets[t][0] < b:
-            labels[t] = ids[t]
+            if weight:  # weight 0: context, not trained (pipeline.data.chat)
+                labels[t] = ids[t]
             last = t
             t += 1
         if last is None or ids[last] != template.specials[end_token]:

@@ -334,8 +334,10 @@ def _digest(text: str, person: bytes, size: int = 8) -> bytes:
 
 
 def conversation_key(messages: list[dict]) -> str:
-    """Content identity of a conversation: the same roles and texts give the same key."""
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    """Content identity of a conversation: the same roles, texts and weights give the same key
+    (a message of weight 1, the default, is keyed as one without a weight)."""
+    canon = json.dumps([[m["role"], m["content"], *([0] if m.get("weight", 1) == 0 else [])] for m in messages],
+                       ensure_ascii=False)
     return _digest(canon, b"sft-key", 16).hex()
 
 

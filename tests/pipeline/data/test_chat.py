@@ -157,6 +157,13 @@ MALFORMED = [
     ({"instruction": "q", "output": "a", "history": "earlier"}, "alpaca", "bad_type"),
     ({"instruction": "q", "output": "a", "history": [["only one"]]}, "alpaca", "bad_type"),
     ({"instruction": "q", "output": "a", "history": [["q0", ""]]}, "alpaca", "empty_content"),
+    # OpenAI's per-message weight: 0 or 1, and 1 only where something is trained
+    ({"messages": [U, A | {"weight": 2}]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": "0"}]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": False}]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": 0.0}]}, "messages", "bad_type"),
+    ({"messages": [U | {"weight": 1}, A]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": 0}]}, "messages", "no_assistant"),
 ]
 
 
@@ -298,3 +305,19 @@ def test_a_system_key_and_a_system_turn_are_named_as_two_system_prompts():
         to_messages(record, "sharegpt")
     with pytest.raises(ChatFormatError, match="^role_order: a 'system' key and a system message first in messages"):
         to_messages({"system": "s", "messages": [S, U, A]}, "messages")
+
+
+def test_an_assistant_message_of_weight_0_is_context_not_trained(tok):
+    """OpenAI's fine-tuning format marks a reply not to train with "weight": 0; it was ignored, and the reply
+    trained."""
+    record = {"messages": [U | {"weight": 0}, A | {"weight": 0}, U, A | {"content": "b", "weight": 1}]}
+    msgs = to_messages(record)
+    assert msgs == [U, A | {"weight": 0}, U, A | {"content": "b"}]  # weight 1 and a user's 0 are the default
+    ids, labels = encode_chat(tok, msgs)
+    plain = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    assert ids == encode_chat(tok, plain)[0]
+    assert [tok.decode(r, skip_special_tokens=False) for r in labelled_runs(ids, labels)] == [f"b{IM_END}"]
+    with pytest.raises(ChatFormatError, match="^no_assistant: every assistant message has weight 0$"):
+        validate_messages(msgs[:2])
+    with pytest.raises(ChatFormatError, match=r"^bad_type: messages\[0\]: weight 1 on a user message"):
+        to_messages({"messages": [U | {"weight": 1}, A]})

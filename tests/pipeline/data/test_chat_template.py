@@ -704,3 +704,21 @@ def test_a_refusal_of_several_lines_is_told_in_one(own, tmp_path):
     with pytest.raises(TemplateSkip) as e:
         encode_conversation(tok, CONVERSATIONS[1], template)
     assert e.value.detail == f"{refuses}: No system role. Put it in the first user message."
+
+
+def test_an_assistant_turn_of_weight_0_is_not_trained(fam):
+    msgs = [dict(m) for m in CONVERSATIONS[1]]
+    msgs[2]["weight"] = 0
+    ids, labels = encode_conversation(fam.tok, msgs, fam.template)
+    plain = CONVERSATIONS[1]
+    assert ids == encode_conversation(fam.tok, plain, fam.template)[0]
+    assert_trained(labelled_runs(fam.tok, ids, labels)[0], trained_text(fam, plain)[1:])
+
+
+def test_the_general_path_weighs_turns_as_the_chatml_path(own):
+    d, tok = own
+    fast = load_chat_template("auto", d, tok)
+    general = ChatTemplate("chatml (jinja)", CHAT_TEMPLATE_JINJA, fast.variables, fast.specials)
+    msgs = [dict(m) for m in CHATML_CONVERSATIONS[1]]
+    msgs[2]["weight"] = 0
+    assert encode_conversation(tok, msgs, general) == encode_conversation(tok, msgs, fast) == encode_chat(tok, msgs)

@@ -344,6 +344,8 @@ def test_the_conversation_key_holds_roles_and_contents():
     a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     b = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
     assert conversation_key(a) == conversation_key([dict(m) for m in a]) != conversation_key(b)
+    weighted = [a[0], a[1] | {"weight": 0}]  # the same text, as context only: another example
+    assert conversation_key(weighted) != conversation_key(a) == conversation_key([a[0], a[1] | {"weight": 1}])
 
 
 def test_the_val_share_follows_val_fraction(tmp_path, tok_path):
