@@ -321,3 +321,5 @@ def test_an_assistant_message_of_weight_0_is_context_not_trained(tok):
         validate_messages(msgs[:2])
     with pytest.raises(ChatFormatError, match=r"^bad_type: messages\[0\]: weight 1 on a user message"):
         to_messages({"messages": [U | {"weight": 1}, A]})
+    with pytest.raises(ChatFormatError, match=r"^bad_type: message 1: weight 0\.5; a weight is 0 or 1$"):
+        encode_chat(tok, [U, A | {"weight": 0.5}])  # given directly, not through to_messages
