@@ -556,7 +556,7 @@ def encode_prompt(tok: Tokenizer, messages: Sequence[Mapping[str, str]], templat
 PROBES: tuple[tuple[dict[str, str], ...], ...] = (
     ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}),
     ({"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}),
+     {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}),  # ends in a letter
     ({"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Capital of France?"},
      {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"},
      {"role": "assistant", "content": "Rome."}),
