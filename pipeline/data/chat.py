@@ -3,13 +3,19 @@
 Internal form
 -------------
 A conversation is a list of :class:`Message` dicts ``{"role", "content"}`` with
-``role`` in :data:`ROLES` and ``content`` a string that is not blank. The order
-rules (checked by :func:`validate_messages`) are those of the usual chat data:
+``role`` in :data:`ROLES` and ``content`` a string that is not blank (:func:`blank`).
+The order rules (checked by :func:`validate_messages`) are those of the usual chat data:
 
 - an optional ``system`` message, only as the first message;
 - then ``user`` and ``assistant`` alternating, beginning with ``user``;
-- a training example (``complete=True``) ends with an ``assistant`` message, so
-  every example has something to learn. A prompt for generation may end anywhere.
+- a training example (``complete=True``) ends with an ``assistant`` message, and
+  has one that is trained (``weight`` not 0), so every example has something to
+  learn. A prompt for generation may end anywhere.
+
+An assistant message may carry ``"weight": 0`` (OpenAI's fine-tuning format):
+it stays in the conversation as context but is not trained. ``weight`` is 0 or
+1; 1, the default, is not kept in the message, and is refused on a system or
+user message (those are never trained).
 
 Content is kept verbatim (no stripping): whitespace can matter in code answers.
 
@@ -20,7 +26,7 @@ of each record from its keys (:func:`detect_format`). :func:`to_messages` conver
 and validates one record, raising :class:`ChatFormatError` whose ``reason`` is a
 short fixed code (see :data:`REASONS`), suitable as a skip reason in a ledger.
 
-- ``messages``: ``{"messages": [{"role", "content"}, ...]}``
+- ``messages``: ``{"messages": [{"role", "content", "weight"?}, ...], "system"?}``
 - ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system"?}``, ``from``
   mapped by :data:`SHAREGPT_ROLES`
 - ``alpaca``: ``{"instruction", "input"?, "output", "system"?, "history"?}``: user =
@@ -28,9 +34,10 @@ short fixed code (see :data:`REASONS`), suitable as a skip reason in a ledger.
   assistant = output; ``history``, ``[[instruction, output], ...]``, gives the
   turns before it
 
-A record's ``system`` string (as LLaMA-Factory's ShareGPT and Alpaca datasets
-carry it) is the system message; an empty one means none. Other keys of a
-record or a message are ignored.
+A record's ``system`` string (as LLaMA-Factory's ShareGPT, OpenAI-style and
+Alpaca datasets carry it) is the system message; an empty one means none, and
+one beside a system message of the record's own is ``role_order`` (two system
+prompts). Other keys of a record or a message are ignored.
 
 ChatML
 ------
@@ -53,8 +60,9 @@ the special id. For content without special-token strings both give the same ids
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Sequence, TypedDict
+from typing import Any, Callable, Literal, Mapping, NotRequired, Sequence, TypedDict
 
 from tokenizers import Tokenizer
 
@@ -68,6 +76,7 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant")
 class Message(TypedDict):
     role: Role
     content: str
+    weight: NotRequired[int]  # 0: an assistant message kept as context, not trained
 
 
 # Skip reasons a converter can give; fixed codes so that counts group well.
@@ -78,11 +87,11 @@ REASONS: dict[str, str] = {
     "missing_key": "a required key is absent",
     "bad_type": "a value has the wrong type",
     "unknown_role": "a role (or sharegpt 'from') outside the known set",
-    "empty_content": "a message whose content is empty or only whitespace",
+    "empty_content": "a message whose content is empty or only whitespace and invisible characters",
     "non_utf8": "text with no UTF-8 form: a lone surrogate, as a JSON escape like \\ud800 gives",
     "empty_conversation": "no messages at all",
     "role_order": "system not first, or user/assistant not alternating from user",
-    "no_assistant": "no assistant message, so nothing to learn",
+    "no_assistant": "no assistant message (or only ones of weight 0), so nothing to learn",
     "last_not_assistant": "a training example must end with an assistant message",
 }
 
@@ -100,6 +109,15 @@ class ChatFormatError(ValueError):
 
 # --- validation ------------------------------------------------------------------------------
 
+# Characters that show nothing: control (Cc) and format (Cf: zero-width space, joiners, BOM, soft hyphen).
+_INVISIBLE = ("Cc", "Cf")
+
+
+def blank(text: str) -> bool:
+    """True when ``text`` shows nothing: empty, or only whitespace and invisible
+    characters (a reply of one zero-width space would teach the model to say nothing)."""
+    return all(c.isspace() or unicodedata.category(c) in _INVISIBLE for c in text)
+
 
 def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = True) -> None:
     """Check the internal form and the order rules of the module docstring.
@@ -116,7 +134,7 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
             raise ChatFormatError("unknown_role", f"message {i}: role {role!r}; roles are {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ChatFormatError("bad_type", f"message {i}: content must be a string, got {type(content).__name__}")
-        if not content.strip():
+        if blank(content):
             raise ChatFormatError("empty_content", f"message {i} ({role})")
         if not content.isascii():
             try:
@@ -124,6 +142,8 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
             except UnicodeEncodeError as e:
                 raise ChatFormatError("non_utf8", f"message {i} ({role}): a lone surrogate "
                                                   f"U+{ord(content[e.start]):04X} at character {e.start}") from None
+        if "weight" in m:
+            _check_weight(m["weight"], role, f"message {i}")
     body = messages[1:] if messages[0]["role"] == "system" else messages
     for j, m in enumerate(body):
         want = "user" if j % 2 == 0 else "assistant"
@@ -133,8 +153,18 @@ def validate_messages(messages: Sequence[Mapping[str, Any]], complete: bool = Tr
     if complete:
         if not any(m["role"] == "assistant" for m in messages):
             raise ChatFormatError("no_assistant")
+        if not any(m["role"] == "assistant" and m.get("weight", 1) for m in messages):
+            raise ChatFormatError("no_assistant", "every assistant message has weight 0")
         if messages[-1]["role"] != "assistant":
             raise ChatFormatError("last_not_assistant", f"last message is {messages[-1]['role']!r}")
+
+
+def _check_weight(weight: Any, role: str, where: str) -> None:
+    if type(weight) is not int or weight not in (0, 1):
+        raise ChatFormatError("bad_type", f"{where}: weight {weight!r}; a weight is 0 or 1")
+    if weight and role != "assistant":
+        raise ChatFormatError("bad_type", f"{where}: weight 1 on a {role} message; only assistant messages are "
+                                          "trained")
 
 
 # --- converters ------------------------------------------------------------------------------
@@ -150,14 +180,22 @@ def _field(record: Mapping[str, Any], key: str, kind: type, where: str = "") -> 
 
 
 def _from_messages(record: Mapping[str, Any]) -> list[Message]:
-    out: list[Message] = []
+    out: list[Message] = _system(record)
     for i, m in enumerate(_field(record, "messages", list)):
         if not isinstance(m, Mapping):
             raise ChatFormatError("bad_type", f"messages[{i}]: expected an object, got {type(m).__name__}")
         role = _field(m, "role", str, f"messages[{i}].")
         if role not in ROLES:
             raise ChatFormatError("unknown_role", f"messages[{i}]: role {role!r}; roles are {', '.join(ROLES)}")
-        out.append({"role": role, "content": _field(m, "content", str, f"messages[{i}].")})
+        if out and role == "system" and i == 0:
+            raise ChatFormatError("role_order", "a 'system' key and a system message first in messages: two system "
+                                                "prompts")
+        message: Message = {"role": role, "content": _field(m, "content", str, f"messages[{i}].")}
+        if m.get("weight") is not None:
+            _check_weight(m["weight"], role, f"messages[{i}]")
+            if m["weight"] == 0 and role == "assistant":
+                message["weight"] = 0
+        out.append(message)
     return out
 
 
@@ -171,14 +209,14 @@ SHAREGPT_ROLES: dict[str, Role] = {
 
 
 def _system(record: Mapping[str, Any]) -> list[Message]:
-    """The system message of a record's ``system`` key (ShareGPT and Alpaca
-    datasets in LLaMA-Factory's layout); none when it is absent, null or blank."""
+    """The system message of a record's ``system`` key (the datasets of every
+    format in LLaMA-Factory's layout); none when it is absent, null or blank."""
     system = record.get("system")
     if system is None:
         return []
     if not isinstance(system, str):
         raise ChatFormatError("bad_type", f"'system': expected str, got {type(system).__name__}")
-    return [{"role": "system", "content": system}] if system.strip() else []
+    return [] if blank(system) else [{"role": "system", "content": system}]
 
 
 def _from_sharegpt(record: Mapping[str, Any]) -> list[Message]:
@@ -204,9 +242,9 @@ def _from_alpaca(record: Mapping[str, Any]) -> list[Message]:
         raise ChatFormatError("bad_type", f"'input': expected str, got {type(extra).__name__}")
     # An instruction that is blank makes a blank user turn even when input is set:
     # check it on its own so the reason names the real problem.
-    if not instruction.strip():
+    if blank(instruction):
         raise ChatFormatError("empty_content", "'instruction'")
-    user = instruction + ("\n\n" + extra if extra and extra.strip() else "")
+    user = instruction + ("" if extra is None or blank(extra) else "\n\n" + extra)
     earlier: list[Message] = []
     history = record.get("history")
     if history is not None:
@@ -302,7 +340,7 @@ def _encode(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], add_gen
             ids.extend(enc.ids)
             ids.append(im_end)
             ids.extend(newline)
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and m.get("weight", 1):
                 # A token is the assistant's if any of its characters are content. Only
                 # when content starts with whitespace can a token straddle the header's
                 # "\n" and the content; it is then labelled, as it carries content.
@@ -326,8 +364,8 @@ def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> 
     the same length: the id where the token is assistant content or the
     ``<|im_end|>`` closing an assistant turn, ``IGNORE_INDEX`` (-100) elsewhere
     (system and user turns, every ``<|im_start|>``, the header ``assistant\\n``, the
-    ``\\n`` after each ``<|im_end|>``). Labels are aligned with ids (label ``i`` is for
-    token ``i``); the training loader shifts them.
+    ``\\n`` after each ``<|im_end|>``, assistant turns of weight 0). Labels are aligned
+    with ids (label ``i`` is for token ``i``); the training loader shifts them.
 
     Raises ChatFormatError if ``messages`` break the rules of the module docstring,
     and TokenizerError if the tokenizer lacks our special ids. The tokenizer's

@@ -85,9 +85,10 @@ special token closing an assistant turn, a generation prompt that is not a
 prefix of the render) raises :class:`ChatTemplateError`, one line naming the
 template and why; :func:`check_template` tries it on probe conversations before
 any data is read. A single conversation that the template rejects
-(``raise_exception``, e.g. no system role), rewrites, or whose text does not
-survive encode/decode (e.g. a normalizer) raises :class:`TemplateSkip` with a
-fixed reason, which SFT counts and quarantines.
+(``raise_exception``, e.g. no system role) or fails on (e.g. a TypeError in the
+template), rewrites, or whose text does not survive encode/decode (e.g. a
+normalizer) raises :class:`TemplateSkip` with a fixed reason, which SFT counts
+and quarantines.
 """
 
 from __future__ import annotations
@@ -104,9 +105,8 @@ from pipeline.data.chat import CHAT_TEMPLATE_JINJA, IGNORE_INDEX, encode_chat as
 from pipeline.data.chat import encode_prompt as chatml_encode_prompt
 from pipeline.data.chat import validate_messages
 from pipeline.data.tokenizer import (HF_DIR, IM_END, IM_START, OWN_TOKEN_VARIABLES, Specials, hf_specials,
-                                     load_specials, missing_chatml_tokens, tokenizer_dir)
+                                     load_specials, missing_chatml_tokens, read_folder_json, tokenizer_dir)
 from pipeline.errors import StageError
-from pipeline.files import read_json
 
 CHOICES = ("auto", "chatml")  # or the path of a .jinja file
 # The date templates read as today: the Llama 3.1 template's own fallback.
@@ -115,7 +115,8 @@ DEFAULT_DATE = dt.date(2024, 7, 26)
 TOKEN_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 TEMPLATE_REASONS: dict[str, str] = {
-    "template_error": "the chat template refused the conversation (raise_exception), e.g. no system role",
+    "template_error": "the chat template refused the conversation (raise_exception, e.g. no system role) or "
+                      "failed on it (e.g. a TypeError in the template)",
     "template_rewrites_content": "the chat template changes a message's content beyond trimming whitespace "
                                  "(e.g. Qwen3 moving <think> reasoning), so its spans are not known",
     "no_roundtrip": "decoding the tokens does not give back the rendered text (e.g. a normalizer)",
@@ -195,8 +196,9 @@ def _token_variables(folder: Path, roles: Specials, tok: Tokenizer) -> dict[str,
 
 def _config_variables(config_file: Path) -> dict[str, str]:
     """The special-token texts a ``tokenizer_config.json`` names (a string or an
-    AddedToken dict each), as apply_chat_template passes them to a template."""
-    config = read_json(config_file) if config_file.is_file() else {}
+    AddedToken dict each), as apply_chat_template passes them to a template.
+    A file that does not parse is a one-line TokenizerError naming it."""
+    config = read_folder_json(config_file)
     out = {}
     for key in TOKEN_VARIABLES:
         value = config.get(key)
@@ -300,7 +302,15 @@ def render(template: ChatTemplate, messages: Sequence[Mapping[str, str]], add_ge
                                add_generation_prompt=add_generation_prompt, **template.variables,
                                strftime_now=day.strftime)
     except jinja2.TemplateError as e:
-        raise TemplateSkip("template_error", f"{template.name}: {e}") from e
+        raise TemplateSkip("template_error", f"{template.name}: {_one_line(e)}") from e
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        # A template's own bug on this conversation ("{{ content + 1 }}", a range past the
+        # sandbox's MAX_RANGE, an include without a loader): jinja lets Python's error through.
+        raise TemplateSkip("template_error", f"{template.name}: {type(e).__name__}: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 # --- locating contents and assistant spans ----------------------------------------------------
@@ -486,7 +496,7 @@ def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, str]], t
                         ) -> tuple[list[int], list[int]]:
     """Token ids of a complete conversation rendered with ``template``, and labels
     of the same length: the id where the token is the assistant's (module
-    docstring), ``IGNORE_INDEX`` elsewhere. Raises ChatFormatError for messages
+    docstring) in a turn of weight 1, ``IGNORE_INDEX`` elsewhere. Raises ChatFormatError for messages
     that break :func:`pipeline.data.chat.validate_messages`, TemplateSkip for a
     conversation the template rejects or rewrites or that does not round-trip,
     ChatTemplateError when the template's spans cannot be located."""
@@ -500,13 +510,15 @@ def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, str]], t
     ids, offsets = _encode_text(tok, template, text, contents)
     spans = [(starts[a] + i, starts[b] + k) for (a, i), (b, k) in layout.spans]
     labels = [IGNORE_INDEX] * len(ids)
+    weights = [m.get("weight", 1) for m in messages if m["role"] == "assistant"]
     t = 0
-    for (a, b), end_token in zip(spans, layout.end_tokens):
+    for (a, b), end_token, weight in zip(spans, layout.end_tokens, weights):
         while t < len(ids) and offsets[t][1] <= a:
             t += 1
         last = None
         while t < len(ids) and offsets[t][0] < b:
-            labels[t] = ids[t]
+            if weight:  # weight 0: context, not trained (pipeline.data.chat)
+                labels[t] = ids[t]
             last = t
             t += 1
         if last is None or ids[last] != template.specials[end_token]:
@@ -544,7 +556,7 @@ def encode_prompt(tok: Tokenizer, messages: Sequence[Mapping[str, str]], templat
 PROBES: tuple[tuple[dict[str, str], ...], ...] = (
     ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}),
     ({"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}),
+     {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}),  # ends in a letter
     ({"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Capital of France?"},
      {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"},
      {"role": "assistant", "content": "Rome."}),

@@ -249,6 +249,12 @@ def resolve_source(src: SFTSource, index: int) -> list[Path | RemotePath]:
     return files
 
 
+# What json.loads raises for text it cannot turn into a value: JSONDecodeError (a ValueError), a plain
+# ValueError for an integer of more than sys.get_int_max_str_digits() digits, RecursionError for nesting
+# too deep to parse. Each is a malformed_json skip of that record, not the end of the build.
+_UNPARSABLE = (ValueError, RecursionError)
+
+
 def _read_jsonl(path: Path) -> Iterator[Raw]:
     # As ingest reads JSON Lines: a byte-order mark before the first record is dropped, and a
     # line's "\r\n" is JSON whitespace.
@@ -266,7 +272,7 @@ def _read_jsonl(path: Path) -> Iterator[Raw]:
                 continue
             try:
                 yield Raw(loc, json.loads(line))
-            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+            except _UNPARSABLE as e:
                 yield Raw(loc, reason="malformed_json", detail=str(e), text=line)
 
 
@@ -277,7 +283,7 @@ def _read_json(path: Path) -> Iterator[Raw]:
     except UnicodeDecodeError as e:
         yield Raw("file", reason="non_utf8", detail=f"invalid UTF-8 at byte {e.start}")
         return
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+    except _UNPARSABLE as e:
         if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
             # a value and more after it: one record a line (JSON Lines under a .json name, as many chat
             # sets ship), read as ingest reads such a file
@@ -328,8 +334,10 @@ def _digest(text: str, person: bytes, size: int = 8) -> bytes:
 
 
 def conversation_key(messages: list[dict]) -> str:
-    """Content identity of a conversation: the same roles and texts give the same key."""
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    """Content identity of a conversation: the same roles, texts and weights give the same key
+    (a message of weight 1, the default, is keyed as one without a weight)."""
+    canon = json.dumps([[m["role"], m["content"], *([0] if m.get("weight", 1) == 0 else [])] for m in messages],
+                       ensure_ascii=False)
     return _digest(canon, b"sft-key", 16).hex()
 
 

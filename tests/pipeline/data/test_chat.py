@@ -65,7 +65,7 @@ def test_formats_convert():
         {"role": "assistant", "content": "a2"}]
     assert to_messages({"instruction": "Sum.", "input": "1 2", "output": "3"}, "alpaca") == [
         {"role": "user", "content": "Sum.\n\n1 2"}, {"role": "assistant", "content": "3"}]
-    for empty in ({"input": ""}, {"input": "  "}, {"input": None}, {}):
+    for empty in ({"input": ""}, {"input": "  "}, {"input": "\u200b"}, {"input": None}, {}):
         assert to_messages({"instruction": "Say hi.", "output": "hi", **empty}, "alpaca") == [
             {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
 
@@ -78,7 +78,7 @@ def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them()
     assert to_messages({"system": "Be brief.", "conversations": turns}, "sharegpt") == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"}]
-    for blank in ("", " \n"):  # an empty or blank system column is no system prompt
+    for blank in ("", " \n", "\u200b"):  # an empty or blank system column is no system prompt
         assert to_messages({"system": blank, "conversations": turns}, "sharegpt") == to_messages(
             {"conversations": turns}, "sharegpt")
     assert to_messages({"instruction": "And 2+2?", "output": "4", "system": "Be brief.",
@@ -89,6 +89,10 @@ def test_a_system_key_and_alpaca_history_are_read_as_llama_factory_writes_them()
         {"role": "user", "content": "And 2+2?"}, {"role": "assistant", "content": "4"}]
     assert to_messages({"instruction": "q", "output": "a", "history": []}, "alpaca") == [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    # LLaMA-Factory's OpenAI-style datasets: role/content messages and a "system" column beside them
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert to_messages({"system": "Be brief.", "messages": msgs}) == [{"role": "system", "content": "Be brief."}, *msgs]
+    assert to_messages({"system": " ", "messages": msgs}) == msgs
 
 
 @pytest.mark.parametrize("record, fmt", [
@@ -127,6 +131,11 @@ MALFORMED = [
     ({"instruction": "q", "output": ""}, "alpaca", "empty_content"),
     ({"instruction": " ", "input": "context", "output": "a"}, "alpaca", "empty_content"),
     ({"messages": [S | {"content": ""}, U, A]}, "messages", "empty_content"),
+    # content that shows nothing: zero-width space, word joiner, BOM, soft hyphen, control characters
+    ({"messages": [U, A | {"content": "\u200b"}]}, "messages", "empty_content"),
+    ({"messages": [U | {"content": " \u2060\ufeff\u00ad "}, A]}, "messages", "empty_content"),
+    ({"messages": [U, A | {"content": "\x00\x1b\x7f"}]}, "messages", "empty_content"),
+    ({"instruction": "\u200b", "output": "a"}, "alpaca", "empty_content"),
     ({"messages": [{"role": "user", "content": "lone \ud800 half"}, A]}, "messages", "non_utf8"),
     ({"instruction": "q", "output": "a \udfff"}, "alpaca", "non_utf8"),
     ({"messages": []}, "messages", "empty_conversation"),
@@ -143,9 +152,18 @@ MALFORMED = [
     ({"system": 3, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "sharegpt",
      "bad_type"),
     ({"instruction": "q", "output": "a", "system": ["s"]}, "alpaca", "bad_type"),
+    ({"system": "s", "messages": [S, U, A]}, "messages", "role_order"),
+    ({"system": {"text": "s"}, "messages": [U, A]}, "messages", "bad_type"),
     ({"instruction": "q", "output": "a", "history": "earlier"}, "alpaca", "bad_type"),
     ({"instruction": "q", "output": "a", "history": [["only one"]]}, "alpaca", "bad_type"),
     ({"instruction": "q", "output": "a", "history": [["q0", ""]]}, "alpaca", "empty_content"),
+    # OpenAI's per-message weight: 0 or 1, and 1 only where something is trained
+    ({"messages": [U, A | {"weight": 2}]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": "0"}]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": False}]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": 0.0}]}, "messages", "bad_type"),
+    ({"messages": [U | {"weight": 1}, A]}, "messages", "bad_type"),
+    ({"messages": [U, A | {"weight": 0}]}, "messages", "no_assistant"),
 ]
 
 
@@ -271,3 +289,37 @@ def test_encode_prompt(tok):
     with pytest.raises(ChatFormatError, match="last_not_assistant"):
         encode_chat(tok, [U, A, U])
 
+
+
+def test_visible_text_with_invisible_characters_is_kept_verbatim():
+    """Only content that shows nothing is blank: an emoji joined by ZWJ or a word with a soft hyphen is kept as is."""
+    for content in ("👩\u200d💻", "co\u00adoperate", "\u200bx", "a\x00"):
+        assert to_messages({"messages": [U, A | {"content": content}]})[1]["content"] == content
+
+
+def test_a_system_key_and_a_system_turn_are_named_as_two_system_prompts():
+    """Validation would say only "message 1 is 'system', expected 'user'"; the converter says why."""
+    record = {"system": "s", "conversations": [{"from": "system", "value": "t"}, {"from": "human", "value": "q"},
+                                               {"from": "gpt", "value": "a"}]}
+    with pytest.raises(ChatFormatError, match="^role_order: a 'system' key and a system turn first in conversations"):
+        to_messages(record, "sharegpt")
+    with pytest.raises(ChatFormatError, match="^role_order: a 'system' key and a system message first in messages"):
+        to_messages({"system": "s", "messages": [S, U, A]}, "messages")
+
+
+def test_an_assistant_message_of_weight_0_is_context_not_trained(tok):
+    """OpenAI's fine-tuning format marks a reply not to train with "weight": 0; it was ignored, and the reply
+    trained."""
+    record = {"messages": [U | {"weight": 0}, A | {"weight": 0}, U, A | {"content": "b", "weight": 1}]}
+    msgs = to_messages(record)
+    assert msgs == [U, A | {"weight": 0}, U, A | {"content": "b"}]  # weight 1 and a user's 0 are the default
+    ids, labels = encode_chat(tok, msgs)
+    plain = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    assert ids == encode_chat(tok, plain)[0]
+    assert [tok.decode(r, skip_special_tokens=False) for r in labelled_runs(ids, labels)] == [f"b{IM_END}"]
+    with pytest.raises(ChatFormatError, match="^no_assistant: every assistant message has weight 0$"):
+        validate_messages(msgs[:2])
+    with pytest.raises(ChatFormatError, match=r"^bad_type: messages\[0\]: weight 1 on a user message"):
+        to_messages({"messages": [U | {"weight": 1}, A]})
+    with pytest.raises(ChatFormatError, match=r"^bad_type: message 1: weight 0\.5; a weight is 0 or 1$"):
+        encode_chat(tok, [U, A | {"weight": 0.5}])  # given directly, not through to_messages

@@ -504,3 +504,224 @@ def test_stop_ids_are_the_end_of_turn_ids_then_the_eos_ids(own):
     d, tok = own
     template = load_chat_template("auto", d, tok)
     assert stop_ids(tok, template, [EOT_ID, IM_END_ID]) == (IM_END_ID, EOT_ID)
+
+
+@pytest.mark.parametrize("bug", ["{{ 1 + 'x' }}", "{{ 1 / 0 }}", "{% for i in range(10 ** 6) %}{% endfor %}",
+                                 "{% include 'other.jinja' %}",
+                                 "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"])
+def test_a_template_that_fails_in_python_is_a_one_line_error_or_a_counted_skip(own, tmp_path, bug):
+    """Jinja lets a template's Python errors through (a TypeError, the sandbox's OverflowError for a range past
+    MAX_RANGE, ...): they were tracebacks, at the check or, on the one conversation that hit them, in the middle of
+    the SFT build."""
+    d, tok = own
+    everywhere, on_some = tmp_path / "everywhere.jinja", tmp_path / "on_some.jinja"
+    everywhere.write_text(bug + CHAT_TEMPLATE_JINJA)
+    on_some.write_text("{% if 'boom' in messages[-1].content %}" + bug + "{% endif %}" + CHAT_TEMPLATE_JINJA)
+    with pytest.raises(ChatTemplateError) as e:
+        check_template(tok, load_chat_template(str(everywhere), d, tok))
+    assert "\n" not in str(e.value) and "template_error" in str(e.value)
+    template = load_chat_template(str(on_some), d, tok)
+    check_template(tok, template)
+    with pytest.raises(TemplateSkip) as skip:
+        encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "boom"}],
+                            template)
+    assert skip.value.reason == "template_error" and "Error" in skip.value.detail and "\n" not in skip.value.detail
+    encode_conversation(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine"}], template)
+
+
+@pytest.mark.parametrize("damage", ["{oops", "[1, 2]"])
+def test_a_damaged_tokenizer_config_beside_an_adopted_tokenizer_is_a_one_line_error(tmp_path, damage):
+    """The token texts are read from the adopted folder's copy of tokenizer_config.json: a damaged copy was a
+    JSONDecodeError or AttributeError traceback."""
+    from pipeline.data.tokenizer import TokenizerError
+
+    fam = Family("llama3", tmp_path)
+    config = fam.dir / "hf" / "tokenizer_config.json"
+    assert config.is_file()
+    config.write_text(damage)
+    with pytest.raises(TokenizerError) as e:
+        load_chat_template("auto", fam.dir, fam.tok)
+    assert str(config) in str(e.value) and "\n" not in str(e.value)
+
+
+def _jinja(tmp_path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.jinja"
+    path.write_text(text)
+    return path
+
+
+CHATML_PROMPT = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+
+def test_a_non_special_added_token_after_the_content_does_not_close_the_turn(own, tmp_path):
+    """Only special tokens close an assistant turn: a vocabulary word the template writes after the content (as
+    Qwen's <tool_call> is) is the assistant's, and generation must not stop at it."""
+    from tokenizers import Tokenizer
+
+    d, tok = own
+    worded = Tokenizer.from_str(tok.to_str())
+    worded.add_tokens(["<note>"])
+    note = worded.token_to_id("<note>")
+    template = load_chat_template(str(_jinja(tmp_path, "note", "{% for m in messages %}{{ '<|im_start|>' + m.role + "
+                                             "'\\n' + m.content + '<note><|im_end|>\\n' }}{% endfor %}" + CHATML_PROMPT)),
+                                  d, worded)
+    assert note not in template.specials.values()
+    assert check_template(worded, template) == (worded.token_to_id("<|im_end|>"),)
+    ids, labels = encode_conversation(worded, CONVERSATIONS[0], template)
+    assert labelled_runs(worded, ids, labels)[0] == ["It is 4.<note><|im_end|>"]
+
+
+def test_a_template_that_renders_an_assistant_reply_twice_fails_in_one_line(own, tmp_path):
+    d, tok = own
+    path = _jinja(tmp_path, "twice", CHAT_TEMPLATE_JINJA + "{{ messages[-1].content }}")
+    with pytest.raises(ChatTemplateError, match="appears 2 times in the render instead of once"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_template_that_swaps_the_assistant_replies_fails_in_one_line(own, tmp_path):
+    """Each assistant turn shows the other's reply (in a conversation without a system prompt)."""
+    d, tok = own
+    path = _jinja(tmp_path, "swap", "{% for m in messages %}{% set c = messages[messages|length - loop.index0].content "
+                                    "if m.role == 'assistant' else m.content %}{{ '<|im_start|>' + m.role + '\\n' + c + "
+                                    "'<|im_end|>\\n' }}{% endfor %}" + CHATML_PROMPT)
+    with pytest.raises(ChatTemplateError, match="renders assistant messages out of order"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_generation_prompt_that_runs_past_the_start_of_the_reply_fails_in_one_line(own, tmp_path):
+    """A generation prompt that is a prefix of the render but reaches into the reply would put the start of the
+    labels after the reply's text."""
+    d, tok = own
+    path = _jinja(tmp_path, "past", CHAT_TEMPLATE_JINJA.replace(
+        "'<|im_start|>assistant\\n' }}", "'<|im_start|>assistant\\nSentinel' ~ messages|length ~ 'Zq' }}"))
+    with pytest.raises(ChatTemplateError, match="generation prompt for message 1 is not the start"):
+        check_template(tok, load_chat_template(str(path), d, tok))
+
+
+def test_a_content_kept_verbatim_before_template_whitespace_is_not_cut_short(own, tmp_path):
+    """Mistral v1 style: the system prompt and the user's text in one turn, "\\n\\n" between. A system prompt that
+    itself ends in "\\n\\n" is rendered verbatim: taking its trimmed form (followed by the template's "\\n\\n")
+    left the content's own newlines in front of the user's text, and the conversation was skipped as rewritten."""
+    d, tok = own
+    path = _jinja(tmp_path, "merged", "{% for m in messages %}{% if m.role == 'system' %}{{ '<|im_start|>user\\n' + "
+                                      "m.content + '\\n\\n' }}{% elif m.role == 'user' and loop.index0 == 1 %}"
+                                      "{{ m.content + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m.role + '\\n' + "
+                                      "m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}" + CHATML_PROMPT)
+    template = load_chat_template(str(path), d, tok)
+    check_template(tok, template)
+    msgs = [{"role": "system", "content": "Be brief.\n\n"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"}]
+    ids, labels = encode_conversation(tok, msgs, template)
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nBe brief.\n\n\n\nq<|im_end|>\n" \
+                                                         "<|im_start|>assistant\na<|im_end|>\n"
+    assert labelled_runs(tok, ids, labels)[0] == ["a<|im_end|>"]
+
+
+def test_an_end_of_turn_token_that_does_not_encode_as_itself_fails_in_one_line(own, tmp_path):
+    """A special token added with single_word=True is not matched after a word character: "a<|end|>" encodes as
+    bytes and decodes back the same, so the labels would end on "|>" bytes in silence. The probes' replies all
+    ended in punctuation, so this was found only mid-build, on the first record that showed it; a probe reply
+    now ends in a letter."""
+    from tokenizers import AddedToken, Tokenizer
+
+    d, tok = own
+    worded = Tokenizer.from_str(tok.to_str())
+    worded.add_special_tokens([AddedToken("<|end|>", single_word=True, special=True)])
+    template = load_chat_template(str(_jinja(tmp_path, "end", CHAT_TEMPLATE_JINJA.replace("<|im_end|>", "<|end|>"))),
+                                  d, worded)
+    with pytest.raises(ChatTemplateError, match=r"end-of-turn token '<\|end\|>' does not encode as its own token.*"
+                                                 r"found on the built-in probe conversation 1"):
+        check_template(worded, template)
+    with pytest.raises(ChatTemplateError, match=r"end-of-turn token '<\|end\|>' does not encode as its own token"):
+        encode_conversation(worded, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                            template)
+
+
+def test_the_fix_offers_chatml_only_for_a_tokenizer_with_both_its_tokens():
+    from pipeline.data.chat_template import _fail
+
+    for specials, chatml in (({"<|im_start|>": 1, "<|im_end|>": 2}, True), ({"<|im_end|>": 2}, False),
+                             ({"<|im_start|>": 1}, False), ({}, False)):
+        msg = str(_fail(ChatTemplate("t", "x", specials=specials), "why"))
+        assert ("set sft.data.chat_template to chatml or a .jinja file" in msg) == chatml, specials
+
+
+def test_token_texts_of_an_adopted_tokenizer_without_a_config_come_from_its_roles(tmp_path):
+    """An adopted folder without tokenizer_config.json: bos and eos as the config named them, pad from the roles."""
+    fam = Family("llama3", tmp_path)
+    with_config = load_chat_template("auto", fam.dir, fam.tok).variables
+    (fam.dir / "hf" / "tokenizer_config.json").unlink()
+    without = load_chat_template("auto", fam.dir, fam.tok).variables
+    assert without == {"bos_token": with_config["bos_token"], "eos_token": with_config["eos_token"],
+                       "pad_token": "<|end_of_text|>"}
+
+
+def test_a_jinja_file_that_is_not_utf8_is_a_one_line_error(own, tmp_path):
+    d, tok = own
+    path = tmp_path / "latin1.jinja"
+    path.write_bytes(CHAT_TEMPLATE_JINJA.encode() + "{# café #}".encode("latin-1"))
+    with pytest.raises(ChatTemplateError, match=rf"^sft.data.chat_template: cannot read {path}: .*can't decode"):
+        load_chat_template(str(path), d, tok)
+
+
+def test_a_model_folder_with_a_template_is_prompted_with_it(tmp_path):
+    from tokenizers import Tokenizer
+
+    from pipeline.data.chat_template import template_of_hf_folder
+
+    folder = save_family_tokenizer("llama3", tmp_path / "llama3")
+    template, _ = template_of_hf_folder(folder, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    assert (template.name, template.source) == (f"tokenizer ({folder})", FAMILY_SPECS["llama3"].template)
+
+
+GENERATION_MARKED = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+                     "{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+                     "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                     + CHATML_PROMPT)
+
+
+@pytest.mark.parametrize("n", range(len(CONVERSATIONS + CHATML_CONVERSATIONS)))
+def test_labels_are_transformers_assistant_mask_where_the_template_marks_it(own, tmp_path, n):
+    """A template with {% generation %} markers lets transformers say which tokens are the assistant's
+    (return_assistant_tokens_mask); the spans found by rendering label exactly those tokens."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    d, tok = own
+    msgs = (CONVERSATIONS + CHATML_CONVERSATIONS)[n]
+    template = load_chat_template(str(_jinja(tmp_path, "marked", GENERATION_MARKED)), d, tok)
+    ids, labels = encode_conversation(tok, msgs, template)
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()))
+    want = hf.apply_chat_template(msgs, chat_template=GENERATION_MARKED, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert ids == want["input_ids"]
+    assert [int(label != IGNORE_INDEX) for label in labels] == want["assistant_masks"]
+
+
+def test_a_refusal_of_several_lines_is_told_in_one(own, tmp_path):
+    d, tok = own
+    refuses = _jinja(tmp_path, "lines", "{% if messages[0].role == 'system' %}{{ raise_exception('No system role.\\n"
+                                        "Put it in the first user message.') }}{% endif %}" + CHAT_TEMPLATE_JINJA)
+    template = load_chat_template(str(refuses), d, tok)
+    check_template(tok, template)
+    with pytest.raises(TemplateSkip) as e:
+        encode_conversation(tok, CONVERSATIONS[1], template)
+    assert e.value.detail == f"{refuses}: No system role. Put it in the first user message."
+
+
+def test_an_assistant_turn_of_weight_0_is_not_trained(fam):
+    msgs = [dict(m) for m in CONVERSATIONS[1]]
+    msgs[2]["weight"] = 0
+    ids, labels = encode_conversation(fam.tok, msgs, fam.template)
+    plain = CONVERSATIONS[1]
+    assert ids == encode_conversation(fam.tok, plain, fam.template)[0]
+    assert_trained(labelled_runs(fam.tok, ids, labels)[0], trained_text(fam, plain)[1:])
+
+
+def test_the_general_path_weighs_turns_as_the_chatml_path(own):
+    d, tok = own
+    fast = load_chat_template("auto", d, tok)
+    general = ChatTemplate("chatml (jinja)", CHAT_TEMPLATE_JINJA, fast.variables, fast.specials)
+    msgs = [dict(m) for m in CHATML_CONVERSATIONS[1]]
+    msgs[2]["weight"] = 0
+    assert encode_conversation(tok, msgs, general) == encode_conversation(tok, msgs, fast) == encode_chat(tok, msgs)

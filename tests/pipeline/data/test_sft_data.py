@@ -336,12 +336,16 @@ def test_a_split_that_would_be_empty_takes_one_example_from_the_other():
     one = {"train": [_example(3)], "val": []}
     assert _force_nonempty(one) == 0 and len(one["train"]) == 1  # one example cannot fill two splits
     assert _force_nonempty({"train": [_example(3)], "val": [_example(4)]}) == 0
+    two = {"train": [], "val": [_example(3, h) for h in (5, 2)]}  # the fewest that can fill both
+    assert _force_nonempty(two) == 1 and [e.h for e in two["train"]] == [5] and [e.h for e in two["val"]] == [2]
 
 
 def test_the_conversation_key_holds_roles_and_contents():
     a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     b = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
     assert conversation_key(a) == conversation_key([dict(m) for m in a]) != conversation_key(b)
+    weighted = [a[0], a[1] | {"weight": 0}]  # the same text, as context only: another example
+    assert conversation_key(weighted) != conversation_key(a) == conversation_key([a[0], a[1] | {"weight": 1}])
 
 
 def test_the_val_share_follows_val_fraction(tmp_path, tok_path):
@@ -749,7 +753,7 @@ def test_the_nodes_of_a_run_build_the_sft_data_once_on_the_folder_they_share(tmp
         "examples_in"] == 1400, "a changed source builds again"
 
 
-@pytest.mark.parametrize("damage", ['{"fingerprint": "ab', "[1, 2]", '{"fingerprint": "x"}', ""])
+@pytest.mark.parametrize("damage", ['{"fingerprint": "ab', "[1, 2]", '{"fingerprint": "x"}', '{"metrics": {}}', ""])
 def test_a_damaged_build_record_builds_again_with_a_warning_not_a_traceback(tmp_path, tok_path, damage, caplog):
     from pipeline.data.sft_data import BUILD_RECORD, build_once
 
@@ -848,3 +852,47 @@ def test_a_tokenizer_rewritten_to_the_same_size_and_time_builds_the_data_again(t
     with caplog.at_level("INFO", logger="pipeline"):
         build_once(cfg, tok, tmp_path / "sft", tmp_path / "q.jsonl")
     assert "holds this build already" not in caplog.text and "built the SFT data" in caplog.text
+
+
+def test_a_number_too_long_for_python_is_a_malformed_record_not_a_crash(tmp_path, tok_path):
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an integer of more than 4,300 digits: one
+    such record ended the build with a traceback, in a .jsonl line as in a .json file."""
+    huge = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "n": ' + \
+           "1" * 5000 + "}"
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(8)])
+    with open(tmp_path / "d.jsonl", "a") as f:
+        f.write(huge + "\n")
+    (tmp_path / "one.json").write_text(huge)
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl")),
+                                              SFTSource(path=str(tmp_path / "one.json"))])
+    assert m["examples_in"] == 10 and m["skipped"] == {"malformed_json": 2}
+    q = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    assert [e["location"] for e in q] == ["line:9", "file"] and all("4300 digits" in e["detail"] for e in q)
+
+
+def test_the_quarantine_keeps_at_most_quarantine_per_reason_samples_and_counts_them_all(tmp_path, tok_path):
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(i) for i in range(8)] + [{"nope": i} for i in range(3)])
+    _, m = build(tmp_path, tok_path, sources=[SFTSource(path=str(tmp_path / "d.jsonl"))], quarantine_per_reason=1)
+    assert m["skipped"] == {"unknown_format": 3}
+    (q,) = [json.loads(x) for x in (tmp_path / "out-quarantine.jsonl").read_text().splitlines()]
+    assert q["location"] == "line:9"
+
+
+def test_a_template_that_ends_turns_with_a_token_that_is_not_an_eos_says_so(tmp_path, tok_path, three_formats, caplog):
+    """Generation stops at the eos ids unless told: the manifest's stop_ids add the template's end of turn, and
+    the build warns."""
+    from pipeline.data.chat import CHAT_TEMPLATE_JINJA
+    from pipeline.data.tokenizer import EOT_ID, IM_END_ID, PAD_ID
+
+    template = tmp_path / "pad.jinja"
+    template.write_text(CHAT_TEMPLATE_JINJA.replace("<|im_end|>", "<|pad|>"))
+    with caplog.at_level("WARNING", logger="pipeline.data.sft_data"):
+        out, _ = build(tmp_path, tok_path, sources=[SFTSource(path=str(three_formats))], chat_template=str(template))
+    manifest = read_json(out / MANIFEST)
+    assert manifest["end_of_turn_ids"] == [PAD_ID] and manifest["stop_ids"] == [PAD_ID, IM_END_ID, EOT_ID]
+    assert any(f"closes assistant turns with id(s) [{PAD_ID}], which are not among the tokenizer's eos ids" in line
+               for line in caplog.messages)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.data.sft_data"):
+        build(tmp_path, tok_path, "chatml", sources=[SFTSource(path=str(three_formats))])
+    assert not any("not among the tokenizer's eos ids" in line for line in caplog.messages)
