@@ -817,7 +817,9 @@ def read_jsonl(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
                 continue
             try:
                 obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+            # ValueError: besides JSONDecodeError, an integer past Python's 4,300 digits; RecursionError: nested
+            # too deeply to parse
+            except (ValueError, RecursionError) as e:
                 yield Skip("malformed_json", loc, detail=str(e), text=line)
                 continue
             if not isinstance(obj, dict):
@@ -840,7 +842,7 @@ def read_json(f: InputFile, cfg: IngestConfig) -> Iterator[Item]:
     except UnicodeDecodeError as e:
         yield Skip("non_utf8", "file", detail=f"invalid UTF-8 at byte {e.start}")
         return
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deeply to parse
+    except (ValueError, RecursionError) as e:  # as for a JSON line: an integer too long, nested too deeply
         if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":  # a value per line: JSON Lines
             if f.source.format == "auto":  # a .json name says no more than that: read it as what it is
                 yield from read_jsonl(f, cfg)

@@ -388,6 +388,19 @@ def test_a_bad_record_deep_in_a_file_costs_its_own_rows_only(tmp_path):
                      ("deep.json", "file"): "malformed_json"}
 
 
+def test_an_integer_too_long_for_python_is_a_malformed_record_not_a_crash(tmp_path):
+    # json.loads raises a plain ValueError past 4,300 digits, not JSONDecodeError.
+    huge = '{"text": "x", "id": 1' + "0" * 5000 + "}"
+    (tmp_path / "r.jsonl").write_text("\n".join([json.dumps({"text": "before"}), huge, json.dumps({"text": "after"})]))
+    (tmp_path / "one.json").write_text("[" + huge + "]")
+    metrics, docs, quarantine = run(tmp_path, sources=[{"path": str(tmp_path / n)} for n in ("r.jsonl", "one.json")])
+    assert [d["text"] for d in docs] == ["before", "after"]
+    assert report(tmp_path)["skipped"] == {"malformed_json": 2}
+    assert {(q["source"].rsplit("/", 1)[-1], q["location"]) for q in quarantine} == {("r.jsonl", "line:2"),
+                                                                                       ("one.json", "file")}
+    assert all("4300 digits" in q["detail"] for q in quarantine)
+
+
 def test_a_damaged_page_costs_the_rest_of_its_row_group_and_the_rows_before_it_are_kept(tmp_path):
     """One row group of many pages: the batches read before the damaged one are
     documents, and the skip counts exactly the rows not read, from where they start."""
