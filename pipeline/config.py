@@ -229,7 +229,7 @@ def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
-    unknown = sorted(set(data) - set(SCHEMAS))
+    unknown = sorted(set(data) - set(SCHEMAS), key=str)  # YAML keys may be numbers or null too
     if unknown:
         raise ConfigError(
             f"{path} is invalid:\n"

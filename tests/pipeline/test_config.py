@@ -60,6 +60,14 @@ def test_unknown_section_and_unknown_stage(tmp_path):
         load_params("nope", write(tmp_path, "{}\n"))
 
 
+def test_unknown_sections_that_yaml_reads_as_numbers_or_null_are_listed_too(tmp_path):
+    """YAML reads `1:` and `null:` as an int and None: two such keys beside a
+    misspelt section name were a TypeError from sorting them, not the list."""
+    with pytest.raises(ConfigError) as e:
+        read_params(write(tmp_path, "1: {}\nnull: {}\ningset: {}\n"))
+    assert [line.split(":")[0].strip() for line in str(e.value).splitlines()[1:]] == ["1", "None", "ingset"]
+
+
 def test_section_must_be_mapping_and_file_must_exist(tmp_path):
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_params("ingest", write(tmp_path, "ingest: [1, 2]\n"))
