@@ -1,10 +1,14 @@
 import re
+import types
+import typing
+from collections import abc
 from typing import Any, Literal
 
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from pipeline.config import (
+    SCHEMAS,
     ConfigError,
     ParamsModel,
     StageConfig,
@@ -15,6 +19,7 @@ from pipeline.config import (
     metric_values,
     parse_section,
     read_params,
+    schema_for,
 )
 from pipeline.data.ingest import IngestConfig
 
@@ -29,6 +34,58 @@ def test_unknown_key_names_dotted_path(tmp_path):
     p = write(tmp_path, "ingest:\n  max_bytez: 5\n")
     with pytest.raises(ConfigError, match=r"ingest\.max_bytez: unknown key"):
         load_params("ingest", p)
+
+
+def test_a_misspelt_key_or_section_is_answered_with_the_one_meant(tmp_path):
+    p = write(tmp_path, "ingest:\n  max_byte: 5\n  sources:\n    - {path: a, fromat: text}\n  zzz: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest", p)
+    assert str(e.value).splitlines()[1:] == [
+        "  ingest.sources.0.fromat: unknown key; did you mean 'format'? (see README 'Params reference')",
+        "  ingest.max_byte: unknown key; did you mean 'max_bytes'? (see README 'Params reference')",
+        "  ingest.zzz: unknown key (check the spelling; see README 'Params reference')"]
+    with pytest.raises(ConfigError) as e:
+        read_params(write(tmp_path, "ingets: {}\nzzz: {}\n"))
+    stages = ", ".join(SCHEMAS)
+    assert str(e.value).splitlines()[1:] == [f"  ingets: unknown section; did you mean 'ingest'? (stages are {stages})",
+                                             f"  zzz: unknown section; stages are {stages}"]
+
+
+def _models_in(model: type[BaseModel], path: tuple = ()):
+    """(path, model) for ``model`` and every model its fields hold, as a params
+    path: a list's item is 0, a dict's value "k"."""
+    yield path, model
+    for name, field in model.model_fields.items():
+        todo = [(field.annotation, (name,))]
+        while todo:
+            t, at = todo.pop()
+            origin, args = typing.get_origin(t), typing.get_args(t)
+            if origin is typing.Annotated or origin in (typing.Union, types.UnionType):
+                todo += [(a, at) for a in (args[:1] if origin is typing.Annotated else args)]
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                yield from _models_in(t, path + at)
+            elif origin in (list, tuple, abc.Sequence) and args:
+                todo.append((args[0], at + (0,)))
+            elif origin in (dict, abc.Mapping) and len(args) == 2:
+                todo.append((args[1], at + ("k",)))
+
+
+@pytest.mark.parametrize("stage", list(SCHEMAS))
+def test_every_key_of_every_section_misspelt_is_answered_with_itself(stage):
+    """Each key of each model a stage's schema holds (nested, in a list, in a
+    dict), with its last letter doubled: the message names the key meant."""
+    schema, tried = schema_for(stage), 0
+    for path, model in _models_in(schema):
+        for key in model.model_fields:
+            data: Any = {key + key[-1]: 1}
+            for part in reversed(path):
+                data = [data] if isinstance(part, int) else {part: data}
+            with pytest.raises(ConfigError) as e:
+                parse_section(schema, data, stage)
+            dotted = ".".join([stage, *map(str, path), key + key[-1]])
+            assert f"  {dotted}: unknown key; did you mean {key!r}? " in str(e.value), str(e.value)
+            tried += 1
+    assert tried > 5
 
 
 def test_nested_unknown_key_names_list_index(tmp_path):
