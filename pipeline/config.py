@@ -51,6 +51,11 @@ class ConfigError(StageError, ValueError):
 BOOL_NOT_NUMBER = "bool_not_number"
 
 
+class SecretValueError(ValueError):
+    """A validator's error about a value that holds a secret (a URL with
+    credentials): its message is shown without the value."""
+
+
 class ParamsModel(BaseModel):
     """Base for every model read from params.yaml, a stage's schema or a part of
     one: unknown keys are errors, the model is immutable once built, a float is
@@ -183,7 +188,8 @@ def format_validation_error(err: ValidationError, prefix: str, schema: Any = Non
             hint = did_you_mean(e["loc"][-1], _keys_at(schema, e["loc"][:-1])) if schema and e["loc"] else ""
             msg = f"unknown key; {hint} (see README 'Params reference')" if hint else \
                 "unknown key (check the spelling; see README 'Params reference')"
-        elif "input" in e and e["type"] != "missing" and e["loc"] and not isinstance(e["input"], dict):
+        elif ("input" in e and e["type"] != "missing" and e["loc"] and not isinstance(e["input"], dict)
+              and not isinstance(e.get("ctx", {}).get("error"), SecretValueError)):
             shown = repr(e["input"])
             msg += f" (got {shown[:80]}{'…' if len(shown) > 80 else ''})"
         lines.append(f"  {key}: {msg}")

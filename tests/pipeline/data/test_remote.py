@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from moto import server as moto_server
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, parse_section
 from pipeline.data import ingest, remote
 from pipeline.data.ingest import IngestError, inputs_digest, resolve_sources, run_ingest
 from pipeline.data.sft_data import SFTDataError, SFTSource
@@ -219,6 +219,39 @@ def test_other_urls_are_refused_before_any_work():
     with pytest.raises(ConfigError, match=r"a URL \(https://\), but inputs are read from this machine's filesystem "
                                           r"\(and from s3://, gs://, gcs://; "):
         cfg(sources=[{"path": "https://example.org/corpus.jsonl"}])
+
+
+@pytest.mark.parametrize("path", ["s3://AKIAEXAMPLE:wJalrXUtnFEMI@corpus/x.jsonl", "gs://token@corpus/*.jsonl",
+                                  "https://user:wJalrXUtnFEMI@example.org/x.jsonl"])
+def test_a_url_with_credentials_in_it_is_refused_without_repeating_them(path):
+    """pyarrow reads s3://key:secret@bucket; the URL would have gone to the
+    logs, MLflow's params and every document's source column."""
+    from pipeline.data.sft_data import SFTDataConfig
+
+    for parse in (lambda: cfg(sources=[{"path": path}]),
+                  lambda: parse_section(SFTDataConfig, {"sources": [{"path": path}]}, "sft.data")):
+        with pytest.raises(ConfigError) as e:
+            parse()
+        [line] = str(e.value).splitlines()[1:]
+        host = path.split("@")[1].split("/")[0]
+        assert line.endswith(f".sources.0.path: a URL with credentials in it ({path.split('://')[0]}://…@{host}), "
+                             "which would be written to the logs, to MLflow and to every document's source; remove "
+                             "them and give them the store's own way (for S3 the AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY variables, ~/.aws or the machine's role; for GCS the application "
+                             "default credentials)"), line
+        assert "wJalr" not in str(e.value) and "token" not in str(e.value) and "AKIA" not in str(e.value)
+
+
+@pytest.mark.parametrize("path", ["s3://", "s3:///x.jsonl", "gs://:8080/x", "S3:///x"])
+def test_a_store_url_without_a_bucket_is_refused_before_any_work(path):
+    """s3:///x was a pyarrow ArrowInvalid traceback; s3:// listed every bucket the credentials reach."""
+    with pytest.raises(ConfigError, match=r"ingest\.sources\.0\.path: (s3|gs|S3):// and then no bucket name "):
+        cfg(sources=[{"path": path}])
+
+
+def test_a_store_url_with_a_bucket_and_a_local_path_pass_as_they_are():
+    for path in ("s3://my-bucket.v2/a/**/*.jsonl.gz", "gs://b_1/x", "GCS://B/x", "data/raw/x.txt", "s3:/x"):
+        assert remote.check_url(path) == path
 
 
 def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_path, tok_path, three_formats):
