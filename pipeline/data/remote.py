@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from pipeline.config import SecretValueError
@@ -71,6 +72,8 @@ def check_url(path: str) -> str:
     if not BUCKET_NAME.fullmatch(authority):
         raise ValueError(f"{match.group(0)} and then no bucket name ({authority!r}): write "
                          f"{match.group(0)}<bucket>/<key or glob>")
+    if "//" in path[match.end():]:
+        raise ValueError("an empty folder name ('//'), which pyarrow cannot read in a store: write one '/'")
     return path
 
 
@@ -213,7 +216,7 @@ def listed(uri: str, where: str, error: type[Exception]) -> tuple[RemotePath, li
     credentials, after pyarrow's own retries), is one line, an ``error``."""
     try:
         found = list_files(uri)
-    except OSError as e:
+    except (OSError, pa.ArrowInvalid) as e:  # ArrowInvalid: a key pyarrow cannot take
         raise error(f"{where}: cannot list {uri!r}: {e}".replace("\n", " ")) from None
     if found is None:
         raise error(f"{where}: no such file or folder: {uri!r}")

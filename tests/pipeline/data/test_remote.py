@@ -249,8 +249,26 @@ def test_a_store_url_without_a_bucket_is_refused_before_any_work(path):
         cfg(sources=[{"path": path}])
 
 
+def test_a_store_url_with_an_empty_folder_name_is_refused_before_any_work():
+    """pyarrow refuses a key with an empty part: s3://b/a//x.txt was an ArrowInvalid traceback."""
+    with pytest.raises(ConfigError, match=r"ingest\.sources\.0\.path: an empty folder name \('//'\), which pyarrow "
+                                          r"cannot read in a store: write one '/' \(got 's3://b/a//x\.txt'\)$"):
+        cfg(sources=[{"path": "s3://b/a//x.txt"}])
+
+
+def test_a_key_pyarrow_refuses_at_listing_is_one_line(monkeypatch):
+    def refused(uri):
+        raise pa.ArrowInvalid("Empty path component in path b/a//x.txt")
+
+    monkeypatch.setattr(remote, "list_files", refused)
+    with pytest.raises(IngestError, match=r"^where: cannot list 's3://b/a//x\.txt': Empty path component in path "
+                                          r"b/a//x\.txt$"):
+        remote.listed("s3://b/a//x.txt", "where", IngestError)
+
+
 def test_a_store_url_with_a_bucket_and_a_local_path_pass_as_they_are():
-    for path in ("s3://my-bucket.v2/a/**/*.jsonl.gz", "gs://b_1/x", "GCS://B/x", "data/raw/x.txt", "s3:/x"):
+    for path in ("s3://my-bucket.v2/a/**/*.jsonl.gz", "gs://b_1/x", "GCS://B/x", "data/raw/x.txt", "s3:/x",
+                 "data//raw/x.txt"):
         assert remote.check_url(path) == path
 
 
