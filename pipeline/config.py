@@ -262,7 +262,9 @@ def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
     """The whole params file, checked to be a mapping of known stage sections."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"params file not found: {path}")
+        where = "" if path.is_absolute() else (f" in {Path.cwd()}; run the stage from the project's folder, where "
+                                               "params.yaml and dvc.yaml are")
+        raise ConfigError(f"params file not found: {path}{where}")
     data = load_yaml(path)
     if data is None:
         return {}

@@ -134,6 +134,18 @@ def test_section_must_be_mapping_and_file_must_exist(tmp_path):
         load_params("ingest", write(tmp_path, "ingest: {a: [\n"))
 
 
+def test_a_stage_run_from_another_folder_is_told_where_it_looked_for_params(tmp_path, monkeypatch):
+    """A stage run from a subfolder said only "params file not found: params.yaml"."""
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path / "data")
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest")
+    assert str(e.value) == (f"params file not found: params.yaml in {tmp_path / 'data'}; run the stage from the "
+                            "project's folder, where params.yaml and dvc.yaml are")
+    with pytest.raises(ConfigError, match=r"^params file not found: /\S*missing\.yaml$"):
+        read_params(tmp_path / "missing.yaml")
+
+
 def test_load_yaml_reads_a_file_and_names_where_it_is_invalid(tmp_path):
     assert load_yaml(write(tmp_path, "a: [1, 2]\n")) == {"a": [1, 2]}
     assert load_yaml(write(tmp_path, "")) is None
