@@ -180,6 +180,29 @@ def test_a_bug_in_a_stage_keeps_its_traceback_and_writes_no_metrics(tmp_path, mo
     assert signal.getsignal(signal.SIGTERM) == before  # the stage's handler does not outlive it
 
 
+@pytest.mark.parametrize("flag, shown", [("", False), ("0", False), ("off", False), ("1", True), ("yes", True)])
+def test_an_expected_failure_shows_its_traceback_only_under_pipeline_debug(tmp_path, monkeypatch, capsys, flag, shown):
+    from pipeline.runner import run_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_DEBUG", flag)
+
+    def body(cfg):
+        raise StageError("data/clean/input.parquet is bad")
+
+    for params, line in (("evaluate: {}\n", "error: stage evaluate failed: data/clean/input.parquet is bad"),
+                         ("evaluate: {bogus: 1}\n", "error: stage evaluate failed: params.yaml is invalid: "
+                          "evaluate.bogus: unknown key (check the spelling; see README 'Params reference')")):
+        (tmp_path / "params.yaml").write_text(params)
+        with pytest.raises(SystemExit) as exit_:
+            run_stage("evaluate", body)
+        err = capsys.readouterr().err.splitlines()
+        assert exit_.value.code == 2 and err[-1] == line, err
+        assert ("Traceback (most recent call last):" in err) is shown, err
+        assert len(err) == 1 or any(e.startswith(("pipeline.errors.StageError: data/clean/input.parquet is bad",
+                                                   "pipeline.config.ConfigError: params.yaml is invalid:")) for e in err)
+
+
 def test_only_a_collective_s_error_is_a_lost_peer_or_a_timeout():
     """A socket error of the rank's own (MLflow's HTTP, a remote read) saying the same words is no lost peer."""
     from pipeline.runner import peer_lost, timed_out
