@@ -125,6 +125,19 @@ def test_unknown_sections_that_yaml_reads_as_numbers_or_null_are_listed_too(tmp_
     assert [line.split(":")[0].strip() for line in str(e.value).splitlines()[1:]] == ["1", "None", "ingset"]
 
 
+@pytest.mark.parametrize("text", ["- ingest\n- pack\n", "ingest\n", "42\n"])
+def test_a_top_level_that_is_not_a_mapping_is_refused(tmp_path, text):
+    with pytest.raises(ConfigError, match=r"params\.yaml: the top level must be a mapping of stage sections$"):
+        load_params("ingest", write(tmp_path, text))
+
+
+def test_a_long_wrong_value_is_shown_cut_to_80_characters(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest", write(tmp_path, f"ingest:\n  max_doc_bytes: {'x' * 200}\n"))
+    assert str(e.value).splitlines()[1] == f"  ingest.max_doc_bytes: Input should be a valid integer, unable to parse " \
+                                           f"string as an integer (got '{'x' * 79}…)"
+
+
 def test_section_must_be_mapping_and_file_must_exist(tmp_path):
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_params("ingest", write(tmp_path, "ingest: [1, 2]\n"))

@@ -347,6 +347,7 @@ def test_a_stage_s_metrics_file_and_mlflow_run_carry_its_metrics_seconds_and_rep
     metrics = read_json(tmp_path / "metrics" / "clean.json")
     assert metrics["docs"] == 3 and metrics["seconds"] >= 0
     assert (run.info.run_name, run.info.status, run.data.metrics["docs"]) == ("clean", "FINISHED", 3)
+    assert run.data.params["clean.executor.kind"] == "local"  # the stage's params, under its name
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["report.json"]
 
 

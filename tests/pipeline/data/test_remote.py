@@ -429,6 +429,21 @@ def test_a_listed_time_is_the_whole_second_a_head_request_gives():
     assert (listed.stat().st_size, listed.stat().st_mtime_ns) == (3, 1_700_000_000_000_000_000)
 
 
+def test_a_folder_s_files_come_sorted_whatever_order_the_store_lists_them_in(monkeypatch):
+    """The order of the files is the order of the documents: a store that lists
+    a folder in another order (pyarrow promises none) changes nothing."""
+    class Unsorted:
+        def get_file_info(self, what):
+            if isinstance(what, pafs.FileSelector):
+                return [pafs.FileInfo(f"b/d/{name}", pafs.FileType.File, size=1, mtime_ns=0)
+                        for name in ("z.txt", "a/y.txt", "m.txt")] + [pafs.FileInfo("b/d/a", pafs.FileType.Directory)]
+            return pafs.FileInfo(what, pafs.FileType.Directory)
+
+    monkeypatch.setitem(remote._FILESYSTEMS, "s3://b", Unsorted())
+    base, found = remote.list_files("s3://b/d/")
+    assert base.uri == "s3://b/d" and [f.uri for f in found] == ["s3://b/d/a/y.txt", "s3://b/d/m.txt", "s3://b/d/z.txt"]
+
+
 def test_a_store_that_cannot_be_listed_is_one_line(monkeypatch):
     """No network or no credentials, after pyarrow's own retries: the OSError
     it raises (its messages run over lines) is one line naming the source."""
