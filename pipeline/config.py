@@ -256,6 +256,8 @@ def load_yaml(path: str | Path) -> Any:
         at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{path} is not valid YAML{at}: {problem}") from None
+    except RecursionError:  # PyYAML builds nested lists and mappings by recursion
+        raise ConfigError(f"{path}: its lists or mappings are nested too deeply to read") from None
 
 
 def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:

@@ -179,6 +179,12 @@ def test_a_params_path_that_is_a_directory_or_not_utf8_is_a_one_line_error(tmp_p
         load_params("sft", latin1)
 
 
+def test_yaml_nested_too_deeply_is_a_one_line_error(tmp_path):
+    """PyYAML's composer recurses: thousands of nested brackets were a RecursionError traceback."""
+    with pytest.raises(ConfigError, match=r"^\S*params\.yaml: its lists or mappings are nested too deeply to read$"):
+        load_params("ingest", write(tmp_path, "ingest: " + "[" * 5000 + "]" * 5000 + "\n"))
+
+
 def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
     """YAML parsers keep the second of two equal keys; a `source:` added at the
     top of a section that sets it again further down would do nothing."""
