@@ -70,8 +70,9 @@ def check_url(path: str) -> str:
             "role; for GCS the application default credentials)")
     refuse_url(path, readable=SCHEMES)
     if not BUCKET_NAME.fullmatch(authority):
-        raise ValueError(f"{match.group(0)} and then no bucket name ({authority!r}): write "
-                         f"{match.group(0)}<bucket>/<key or glob>")
+        what = (f"{authority!r} is not a bucket name (letters, digits, '.', '-' and '_'; no wildcard or port)"
+                if authority else "no bucket name")
+        raise ValueError(f"{match.group(0)} and then {what}: write {match.group(0)}<bucket>/<key or glob>")
     if "//" in path[match.end():]:
         raise ValueError("an empty folder name ('//'), which pyarrow cannot read in a store: write one '/'")
     return path

@@ -242,10 +242,13 @@ def test_a_url_with_credentials_in_it_is_refused_without_repeating_them(path):
         assert "wJalr" not in str(e.value) and "token" not in str(e.value) and "AKIA" not in str(e.value)
 
 
-@pytest.mark.parametrize("path", ["s3://", "s3:///x.jsonl", "gs://:8080/x", "S3:///x"])
-def test_a_store_url_without_a_bucket_is_refused_before_any_work(path):
+@pytest.mark.parametrize("path, what", [("s3://", "no bucket name"), ("s3:///x.jsonl", "no bucket name"),
+                                        ("S3:///x", "no bucket name"),
+                                        ("gs://:8080/x", "':8080' is not a bucket name"),
+                                        ("s3://corpus-*/x", "'corpus-\\*' is not a bucket name")])
+def test_a_store_url_without_a_bucket_is_refused_before_any_work(path, what):
     """s3:///x was a pyarrow ArrowInvalid traceback; s3:// listed every bucket the credentials reach."""
-    with pytest.raises(ConfigError, match=r"ingest\.sources\.0\.path: (s3|gs|S3):// and then no bucket name "):
+    with pytest.raises(ConfigError, match=rf"ingest\.sources\.0\.path: (s3|gs|S3):// and then {what}"):
         cfg(sources=[{"path": path}])
 
 
