@@ -134,8 +134,8 @@ def test_a_top_level_that_is_not_a_mapping_is_refused(tmp_path, text):
 def test_a_long_wrong_value_is_shown_cut_to_80_characters(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_params("ingest", write(tmp_path, f"ingest:\n  max_doc_bytes: {'x' * 200}\n"))
-    assert str(e.value).splitlines()[1] == f"  ingest.max_doc_bytes: Input should be a valid integer, unable to parse " \
-                                           f"string as an integer (got '{'x' * 79}…)"
+    assert str(e.value).splitlines()[1] == ("  ingest.max_doc_bytes: Input should be a valid integer, unable to "
+                                            f"parse string as an integer (got '{'x' * 79}…)")
 
 
 def test_section_must_be_mapping_and_file_must_exist(tmp_path):

@@ -199,8 +199,9 @@ def test_an_expected_failure_shows_its_traceback_only_under_pipeline_debug(tmp_p
         err = capsys.readouterr().err.splitlines()
         assert exit_.value.code == 2 and err[-1] == line, err
         assert ("Traceback (most recent call last):" in err) is shown, err
-        assert len(err) == 1 or any(e.startswith(("pipeline.errors.StageError: data/clean/input.parquet is bad",
-                                                   "pipeline.config.ConfigError: params.yaml is invalid:")) for e in err)
+        raised = ("pipeline.errors.StageError: data/clean/input.parquet is bad",
+                  "pipeline.config.ConfigError: params.yaml is invalid:")
+        assert len(err) == 1 or any(e.startswith(raised) for e in err)
 
 
 def test_only_a_collective_s_error_is_a_lost_peer_or_a_timeout():
