@@ -273,14 +273,13 @@ def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
     unknown = sorted(set(data) - set(SCHEMAS), key=str)  # YAML keys may be numbers or null too
-    stages = ", ".join(SCHEMAS)
     if unknown:
-        raise ConfigError(
-            f"{path} is invalid:\n"
-            + "\n".join(f"  {k}: unknown section; {did_you_mean(k, SCHEMAS)} (stages are {stages})"
-                         if did_you_mean(k, SCHEMAS) else f"  {k}: unknown section; stages are {stages}"
-                         for k in unknown)
-        )
+        stages, lines = ", ".join(SCHEMAS), []
+        for k in unknown:
+            hint = did_you_mean(k, SCHEMAS)
+            lines.append(f"  {k}: unknown section; {hint} (stages are {stages})" if hint
+                         else f"  {k}: unknown section; stages are {stages}")
+        raise ConfigError(f"{path} is invalid:\n" + "\n".join(lines))
     return data
 
 
