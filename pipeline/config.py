@@ -14,6 +14,7 @@ one loader, and one test, can reach all of them.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import types
 import typing
@@ -48,6 +49,11 @@ class ConfigError(StageError, ValueError):
 
 
 BOOL_NOT_NUMBER = "bool_not_number"
+
+
+class SecretValueError(ValueError):
+    """A validator's error about a value that holds a secret (a URL with
+    credentials): its message is shown without the value."""
 
 
 class ParamsModel(BaseModel):
@@ -141,7 +147,37 @@ def schema_for(stage: str) -> type[StageConfig]:
     return getattr(importlib.import_module(module), cls)
 
 
-def format_validation_error(err: ValidationError, prefix: str) -> str:
+def _keys_at(schema: Any, loc: tuple[Any, ...]) -> set[str]:
+    """The keys of the model(s) that ``loc`` (a validation error's path, less
+    its last part) leads to in ``schema``: through nested models, list items and
+    dict values; none where the path leads nowhere known."""
+    here = [schema]
+    for part in loc:
+        there = []
+        for t in (m for h in here for m in _members(h)):
+            origin, args = typing.get_origin(t), typing.get_args(t)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                if part in t.model_fields:
+                    there.append(t.model_fields[part].annotation)
+                elif part == t.__name__:  # a union's member, named in the path
+                    there.append(t)
+            elif origin in (list, tuple, abc.Sequence) and args and isinstance(part, int):
+                there.append(args[0])
+            elif origin in (dict, abc.Mapping) and len(args) == 2:
+                there.append(args[1])
+        here = there
+    return {name for h in here for m in _members(h) if isinstance(m, type) and issubclass(m, BaseModel)
+            for name in m.model_fields}
+
+
+def did_you_mean(word: Any, known: Any) -> str:
+    """ "did you mean 'x'?" for the one of ``known`` closest to a misspelt
+    ``word``, or "" where none is close."""
+    close = difflib.get_close_matches(str(word), sorted(map(str, known)), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else ""
+
+
+def format_validation_error(err: ValidationError, prefix: str, schema: Any = None) -> str:
     lines = []
     for e in err.errors():
         key = ".".join([prefix, *(str(p) for p in e["loc"])]) if e["loc"] else prefix
@@ -149,8 +185,11 @@ def format_validation_error(err: ValidationError, prefix: str) -> str:
         if e["type"] == BOOL_NOT_NUMBER:  # the message shows the boolean; the key may lie inside a dict or list
             key = ".".join([key, *(str(p) for p in e["ctx"]["inner_loc"])])
         elif e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see README 'Params reference')"
-        elif "input" in e and e["type"] != "missing" and e["loc"] and not isinstance(e["input"], dict):
+            hint = did_you_mean(e["loc"][-1], _keys_at(schema, e["loc"][:-1])) if schema and e["loc"] else ""
+            msg = f"unknown key; {hint} (see README 'Params reference')" if hint else \
+                "unknown key (check the spelling; see README 'Params reference')"
+        elif ("input" in e and e["type"] != "missing" and e["loc"] and not isinstance(e["input"], dict)
+              and not isinstance(e.get("ctx", {}).get("error"), SecretValueError)):
             shown = repr(e["input"])
             msg += f" (got {shown[:80]}{'…' if len(shown) > 80 else ''})"
         lines.append(f"  {key}: {msg}")
@@ -168,7 +207,7 @@ def parse_section(schema: type[C], data: Any, prefix: str, source: str = "params
     try:
         return schema.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{source} is invalid:\n{format_validation_error(err, prefix)}") from None
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(err, prefix, schema)}") from None
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -217,24 +256,30 @@ def load_yaml(path: str | Path) -> Any:
         at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"{path} is not valid YAML{at}: {problem}") from None
+    except RecursionError:  # PyYAML builds nested lists and mappings by recursion
+        raise ConfigError(f"{path}: its lists or mappings are nested too deeply to read") from None
 
 
 def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
     """The whole params file, checked to be a mapping of known stage sections."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"params file not found: {path}")
+        where = "" if path.is_absolute() else (f" in {Path.cwd()}; run the stage from the project's folder, where "
+                                               "params.yaml and dvc.yaml are")
+        raise ConfigError(f"params file not found: {path}{where}")
     data = load_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of stage sections")
-    unknown = sorted(set(data) - set(SCHEMAS))
+    unknown = sorted(set(data) - set(SCHEMAS), key=str)  # YAML keys may be numbers or null too
     if unknown:
-        raise ConfigError(
-            f"{path} is invalid:\n"
-            + "\n".join(f"  {k}: unknown section; stages are {', '.join(SCHEMAS)}" for k in unknown)
-        )
+        stages, lines = ", ".join(SCHEMAS), []
+        for k in unknown:
+            hint = did_you_mean(k, SCHEMAS)
+            lines.append(f"  {k}: unknown section; {hint} (stages are {stages})" if hint
+                         else f"  {k}: unknown section; stages are {stages}")
+        raise ConfigError(f"{path} is invalid:\n" + "\n".join(lines))
     return data
 
 

@@ -2,16 +2,19 @@
 metrics, and turn expected failures (:class:`pipeline.errors.StageError`, and
 what the OS refused for a reason the user fixes: a full disk, a permission, a
 read-only filesystem, :func:`pipeline.files.expected_failure`) into one line,
-``error: stage <name> failed: <message>``, and exit code 2."""
+``error: stage <name> failed: <message>``, and exit code 2 (``PIPELINE_DEBUG=1``
+prints the traceback before it)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
 import logging
+import os
 import signal
 import sys
 import time
+import traceback
 from typing import Callable, NoReturn
 
 from pipeline import layout
@@ -37,10 +40,22 @@ def setup_logging() -> None:
     )
 
 
+DEBUG_ENV = "PIPELINE_DEBUG"
+
+
+def debugging() -> bool:
+    """Whether ``PIPELINE_DEBUG`` is set on (1, true, yes, on)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def fail(stage: str, err: StageError, rank: int | None = None) -> NoReturn:
     """Print an expected failure as one line on stderr and exit 2. A message of
-    several lines (a ConfigError lists one bad key a line) is joined with "; "."""
+    several lines (a ConfigError lists one bad key a line) is joined with "; ".
+    With ``PIPELINE_DEBUG=1`` the traceback of the exception being handled (the
+    one ``err`` was made from) comes first, for a report of a wrong message."""
     who = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
+    if debugging() and sys.exc_info()[1] is not None:
+        traceback.print_exc()
     print(f"error: {who} failed: {one_line(str(err))}", file=sys.stderr)
     sys.exit(2)
 
@@ -142,7 +157,6 @@ def run_training_stage(stage: str, module: str, lock_folder, body: Callable[[Sta
     every rank; rank 0 writes ``metrics/<stage>.json``. A StageError prints one
     line, no traceback.
     """
-    import os
     import uuid
 
     from pipeline.files import die_with_parent

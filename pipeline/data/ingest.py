@@ -63,7 +63,7 @@ from pipeline.data.executor import Executor, ParallelStageConfig, open_executor
 from pipeline.data.remote import RemotePath
 from pipeline.data.resume import ShardLog
 from pipeline.errors import StageError
-from pipeline.files import refuse_url, write_json
+from pipeline.files import write_json
 from pipeline.progress import progress
 from pipeline.tracking.tracker import MAX_KEY_LENGTH, mlflow_key
 
@@ -146,7 +146,7 @@ class Source(ParamsModel):
     @field_validator("path")
     @classmethod
     def _path_is_readable(cls, path: str) -> str:
-        return refuse_url(path, readable=remote.SCHEMES)
+        return remote.check_url(path)
 
     @field_validator("split", mode="before")
     @classmethod

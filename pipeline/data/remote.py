@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pipeline.files import URL_SCHEME
+from pipeline.config import SecretValueError
+from pipeline.files import URL_SCHEME, refuse_url
 
 # scheme -> what it names (pyarrow.fs.FileSystem.from_uri reads each; a path in
 # either is "bucket/key")
@@ -38,6 +40,7 @@ SCHEMES: dict[str, str] = {
 }
 
 GLOB_MAGIC = re.compile(r"[*?[]")
+BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]+")  # S3's and GCS's bucket names, upper case too (MinIO's)
 
 _FILESYSTEMS: dict[str, Any] = {}  # "s3://bucket" -> its pyarrow filesystem, one per process
 _LISTINGS_AT_ONCE = 16  # folders of one glob level listed concurrently
@@ -47,6 +50,32 @@ def scheme_of(path: str) -> str | None:
     """The scheme of a URL (``s3``), or None for a local path."""
     match = URL_SCHEME.match(path)
     return match.group(0)[:-len("://")].lower() if match else None
+
+
+def check_url(path: str) -> str:
+    """``path`` as a source's params give it, checked before any work: a URL
+    must be of a store of :data:`SCHEMES` (:func:`~pipeline.files.refuse_url`)
+    and name a bucket, and no URL may carry credentials (``s3://key:secret@``),
+    which would be written to the logs, to MLflow's params and to every
+    document's source; the message does not repeat them."""
+    match = URL_SCHEME.match(path)
+    if match is None:
+        return path
+    authority = path[match.end():].partition("/")[0]
+    if "@" in authority:
+        raise SecretValueError(
+            f"a URL with credentials in it ({match.group(0)}…@{authority.rpartition('@')[2]}), which would be "
+            "written to the logs, to MLflow and to every document's source; remove them and give them the store's "
+            "own way (for S3 the AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY variables, ~/.aws or the machine's "
+            "role; for GCS the application default credentials)")
+    refuse_url(path, readable=SCHEMES)
+    if not BUCKET_NAME.fullmatch(authority):
+        what = (f"{authority!r} is not a bucket name (letters, digits, '.', '-' and '_'; no wildcard or port)"
+                if authority else "no bucket name")
+        raise ValueError(f"{match.group(0)} and then {what}: write {match.group(0)}<bucket>/<key or glob>")
+    if "//" in path[match.end():]:
+        raise ValueError("an empty folder name ('//'), which pyarrow cannot read in a store: write one '/'")
+    return path
 
 
 def _split(uri: str) -> tuple[str, str]:
@@ -188,7 +217,7 @@ def listed(uri: str, where: str, error: type[Exception]) -> tuple[RemotePath, li
     credentials, after pyarrow's own retries), is one line, an ``error``."""
     try:
         found = list_files(uri)
-    except OSError as e:
+    except (OSError, pa.ArrowInvalid) as e:  # ArrowInvalid: a key pyarrow cannot take
         raise error(f"{where}: cannot list {uri!r}: {e}".replace("\n", " ")) from None
     if found is None:
         raise error(f"{where}: no such file or folder: {uri!r}")

@@ -114,7 +114,7 @@ from pipeline.data.remote import RemotePath
 from pipeline.data.shards import MANIFEST, SPLITS, ShardWriter, clear_outputs, row_schema, split_counts, write_manifest
 from pipeline.data.tokenizer import id_space, load_specials, open_tokenizer
 from pipeline.errors import StageError
-from pipeline.files import read_json, refuse_url, sha256_file, write_json
+from pipeline.files import read_json, sha256_file, write_json
 from pipeline.progress import progress
 
 log = logging.getLogger("pipeline.data.sft_data")
@@ -145,7 +145,7 @@ class SFTSource(ParamsModel):
     @field_validator("path")
     @classmethod
     def _readable_path(cls, v: str) -> str:
-        refuse_url(v, readable=remote.SCHEMES)
+        remote.check_url(v)
         if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise ValueError("unknown built-in dataset; known: "
                              + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS))

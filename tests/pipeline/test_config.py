@@ -1,10 +1,14 @@
 import re
+import types
+import typing
+from collections import abc
 from typing import Any, Literal
 
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from pipeline.config import (
+    SCHEMAS,
     ConfigError,
     ParamsModel,
     StageConfig,
@@ -15,6 +19,7 @@ from pipeline.config import (
     metric_values,
     parse_section,
     read_params,
+    schema_for,
 )
 from pipeline.data.ingest import IngestConfig
 
@@ -29,6 +34,58 @@ def test_unknown_key_names_dotted_path(tmp_path):
     p = write(tmp_path, "ingest:\n  max_bytez: 5\n")
     with pytest.raises(ConfigError, match=r"ingest\.max_bytez: unknown key"):
         load_params("ingest", p)
+
+
+def test_a_misspelt_key_or_section_is_answered_with_the_one_meant(tmp_path):
+    p = write(tmp_path, "ingest:\n  max_byte: 5\n  sources:\n    - {path: a, fromat: text}\n  zzz: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest", p)
+    assert str(e.value).splitlines()[1:] == [
+        "  ingest.sources.0.fromat: unknown key; did you mean 'format'? (see README 'Params reference')",
+        "  ingest.max_byte: unknown key; did you mean 'max_bytes'? (see README 'Params reference')",
+        "  ingest.zzz: unknown key (check the spelling; see README 'Params reference')"]
+    with pytest.raises(ConfigError) as e:
+        read_params(write(tmp_path, "ingets: {}\nzzz: {}\n"))
+    stages = ", ".join(SCHEMAS)
+    assert str(e.value).splitlines()[1:] == [f"  ingets: unknown section; did you mean 'ingest'? (stages are {stages})",
+                                             f"  zzz: unknown section; stages are {stages}"]
+
+
+def _models_in(model: type[BaseModel], path: tuple = ()):
+    """(path, model) for ``model`` and every model its fields hold, as a params
+    path: a list's item is 0, a dict's value "k"."""
+    yield path, model
+    for name, field in model.model_fields.items():
+        todo = [(field.annotation, (name,))]
+        while todo:
+            t, at = todo.pop()
+            origin, args = typing.get_origin(t), typing.get_args(t)
+            if origin is typing.Annotated or origin in (typing.Union, types.UnionType):
+                todo += [(a, at) for a in (args[:1] if origin is typing.Annotated else args)]
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                yield from _models_in(t, path + at)
+            elif origin in (list, tuple, abc.Sequence) and args:
+                todo.append((args[0], at + (0,)))
+            elif origin in (dict, abc.Mapping) and len(args) == 2:
+                todo.append((args[1], at + ("k",)))
+
+
+@pytest.mark.parametrize("stage", list(SCHEMAS))
+def test_every_key_of_every_section_misspelt_is_answered_with_itself(stage):
+    """Each key of each model a stage's schema holds (nested, in a list, in a
+    dict), with its last letter doubled: the message names the key meant."""
+    schema, tried = schema_for(stage), 0
+    for path, model in _models_in(schema):
+        for key in model.model_fields:
+            data: Any = {key + key[-1]: 1}
+            for part in reversed(path):
+                data = [data] if isinstance(part, int) else {part: data}
+            with pytest.raises(ConfigError) as e:
+                parse_section(schema, data, stage)
+            dotted = ".".join([stage, *map(str, path), key + key[-1]])
+            assert f"  {dotted}: unknown key; did you mean {key!r}? " in str(e.value), str(e.value)
+            tried += 1
+    assert tried > 5
 
 
 def test_nested_unknown_key_names_list_index(tmp_path):
@@ -60,6 +117,27 @@ def test_unknown_section_and_unknown_stage(tmp_path):
         load_params("nope", write(tmp_path, "{}\n"))
 
 
+def test_unknown_sections_that_yaml_reads_as_numbers_or_null_are_listed_too(tmp_path):
+    """YAML reads `1:` and `null:` as an int and None: two such keys beside a
+    misspelt section name were a TypeError from sorting them, not the list."""
+    with pytest.raises(ConfigError) as e:
+        read_params(write(tmp_path, "1: {}\nnull: {}\ningset: {}\n"))
+    assert [line.split(":")[0].strip() for line in str(e.value).splitlines()[1:]] == ["1", "None", "ingset"]
+
+
+@pytest.mark.parametrize("text", ["- ingest\n- pack\n", "ingest\n", "42\n"])
+def test_a_top_level_that_is_not_a_mapping_is_refused(tmp_path, text):
+    with pytest.raises(ConfigError, match=r"params\.yaml: the top level must be a mapping of stage sections$"):
+        load_params("ingest", write(tmp_path, text))
+
+
+def test_a_long_wrong_value_is_shown_cut_to_80_characters(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest", write(tmp_path, f"ingest:\n  max_doc_bytes: {'x' * 200}\n"))
+    assert str(e.value).splitlines()[1] == ("  ingest.max_doc_bytes: Input should be a valid integer, unable to "
+                                            f"parse string as an integer (got '{'x' * 79}…)")
+
+
 def test_section_must_be_mapping_and_file_must_exist(tmp_path):
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_params("ingest", write(tmp_path, "ingest: [1, 2]\n"))
@@ -67,6 +145,18 @@ def test_section_must_be_mapping_and_file_must_exist(tmp_path):
         load_params("ingest", tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_params("ingest", write(tmp_path, "ingest: {a: [\n"))
+
+
+def test_a_stage_run_from_another_folder_is_told_where_it_looked_for_params(tmp_path, monkeypatch):
+    """A stage run from a subfolder said only "params file not found: params.yaml"."""
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path / "data")
+    with pytest.raises(ConfigError) as e:
+        load_params("ingest")
+    assert str(e.value) == (f"params file not found: params.yaml in {tmp_path / 'data'}; run the stage from the "
+                            "project's folder, where params.yaml and dvc.yaml are")
+    with pytest.raises(ConfigError, match=r"^params file not found: /\S*missing\.yaml$"):
+        read_params(tmp_path / "missing.yaml")
 
 
 def test_load_yaml_reads_a_file_and_names_where_it_is_invalid(tmp_path):
@@ -87,6 +177,12 @@ def test_a_params_path_that_is_a_directory_or_not_utf8_is_a_one_line_error(tmp_p
     latin1.write_bytes("sft:\n  seed: 1  # caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"^\S*latin1\.yaml is not UTF-8 text: invalid byte at position 21$"):
         load_params("sft", latin1)
+
+
+def test_yaml_nested_too_deeply_is_a_one_line_error(tmp_path):
+    """PyYAML's composer recurses: thousands of nested brackets were a RecursionError traceback."""
+    with pytest.raises(ConfigError, match=r"^\S*params\.yaml: its lists or mappings are nested too deeply to read$"):
+        load_params("ingest", write(tmp_path, "ingest: " + "[" * 5000 + "]" * 5000 + "\n"))
 
 
 def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):

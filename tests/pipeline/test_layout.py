@@ -16,3 +16,5 @@ def test_a_folder_is_in_models_base_by_where_it_leads(tmp_path, monkeypatch):
     assert layout.through_link(Path("models/base/link")) == f" (through a link: it is {tmp_path / 'elsewhere'})"
     assert layout.through_link(Path("elsewhere")) == ""
     assert layout.packed_rows_writer("data/sft/train") == "sft" and layout.packed_rows_writer("data/x") is None
+    assert layout.packed_rows_writer("data/sft_extra") is None and layout.packed_rows_writer("data/packedx/a") is None
+    assert layout.packed_rows_writer(tmp_path / "data" / "packed") == "pack"

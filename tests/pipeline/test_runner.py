@@ -180,6 +180,30 @@ def test_a_bug_in_a_stage_keeps_its_traceback_and_writes_no_metrics(tmp_path, mo
     assert signal.getsignal(signal.SIGTERM) == before  # the stage's handler does not outlive it
 
 
+@pytest.mark.parametrize("flag, shown", [("", False), ("0", False), ("off", False), ("1", True), ("yes", True)])
+def test_an_expected_failure_shows_its_traceback_only_under_pipeline_debug(tmp_path, monkeypatch, capsys, flag, shown):
+    from pipeline.runner import run_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_DEBUG", flag)
+
+    def body(cfg):
+        raise StageError("data/clean/input.parquet is bad")
+
+    for params, line in (("evaluate: {}\n", "error: stage evaluate failed: data/clean/input.parquet is bad"),
+                         ("evaluate: {bogus: 1}\n", "error: stage evaluate failed: params.yaml is invalid: "
+                          "evaluate.bogus: unknown key (check the spelling; see README 'Params reference')")):
+        (tmp_path / "params.yaml").write_text(params)
+        with pytest.raises(SystemExit) as exit_:
+            run_stage("evaluate", body)
+        err = capsys.readouterr().err.splitlines()
+        assert exit_.value.code == 2 and err[-1] == line, err
+        assert ("Traceback (most recent call last):" in err) is shown, err
+        raised = ("pipeline.errors.StageError: data/clean/input.parquet is bad",
+                  "pipeline.config.ConfigError: params.yaml is invalid:")
+        assert len(err) == 1 or any(e.startswith(raised) for e in err)
+
+
 def test_only_a_collective_s_error_is_a_lost_peer_or_a_timeout():
     """A socket error of the rank's own (MLflow's HTTP, a remote read) saying the same words is no lost peer."""
     from pipeline.runner import peer_lost, timed_out
@@ -324,6 +348,7 @@ def test_a_stage_s_metrics_file_and_mlflow_run_carry_its_metrics_seconds_and_rep
     metrics = read_json(tmp_path / "metrics" / "clean.json")
     assert metrics["docs"] == 3 and metrics["seconds"] >= 0
     assert (run.info.run_name, run.info.status, run.data.metrics["docs"]) == ("clean", "FINISHED", 3)
+    assert run.data.params["clean.executor.kind"] == "local"  # the stage's params, under its name
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["report.json"]
 
 
@@ -356,3 +381,70 @@ def test_the_launcher_adds_one_line_only_where_no_rank_spoke_and_exits_with_the_
     else:
         assert len(err) == 1 and err[0].startswith(line), err
     assert ended_as == ([] if ended is None else [ended])
+
+
+@pytest.fixture
+def as_rank(tmp_path, monkeypatch):
+    """``as_rank(rank, world, timeout_s)``: this process as that rank inside
+    torchrun (no agent, no MLflow), in ``tmp_path``, without the grace wait of a
+    failing rank; runs ``body`` through run_training_stage and gives the exit
+    code (None: it returned)."""
+    from pipeline import runner
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PIPELINE_LAUNCHED", raising=False)
+    monkeypatch.setattr(runner, "PEER_FAILURE_GRACE_S", 0)
+
+    def run(body, rank=0, world=1, timeout_s="null"):
+        (tmp_path / "params.yaml").write_text(f"pretrain:\n  launch: {{timeout_s: {timeout_s}}}\n"
+                                              "  logging: {track: false}\n")
+        for var, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world)):
+            monkeypatch.setenv(var, str(value))
+        try:
+            runner.run_training_stage("pretrain", "no.such.module", tmp_path / "models", body)
+        except SystemExit as e:
+            return e.code
+        return None
+
+    return run
+
+
+@pytest.mark.parametrize("timeout_s, waited", [("4", "4 s"), ("null", "torch's default (NCCL 600 s, gloo 1800 s)")])
+def test_a_rank_whose_collective_timed_out_names_the_setting_to_raise(as_rank, capsys, timeout_s, waited):
+    def body(cfg):
+        raise RuntimeError("[gloo] Timed out waiting 4000ms for send operation to complete")
+
+    assert as_rank(body, rank=1, world=2, timeout_s=timeout_s) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: stage pretrain (rank 1) failed: a collective waited more than {waited} (launch.timeout_s) for another "
+        "rank, which stalled or was cut off: RuntimeError: [gloo] Timed out waiting 4000ms for send operation to "
+        "complete; if a rank was only busy (writing a checkpoint alone, compiling), raise launch.timeout_s"]
+
+
+def test_on_one_rank_a_timeout_s_words_are_a_bug_s_and_keep_the_traceback(as_rank):
+    def body(cfg):
+        raise RuntimeError("Timed out waiting for the MLflow server")
+
+    with pytest.raises(RuntimeError, match="MLflow server"):
+        as_rank(body, rank=0, world=1)
+
+
+def test_a_non_finite_loss_stops_the_rank_with_exit_code_3_in_one_line(as_rank, capsys):
+    from pipeline.training.trainer import NonFiniteError
+
+    def body(cfg):
+        raise NonFiniteError("non-finite loss (nan) at step 7")
+
+    assert as_rank(body, rank=1, world=2) == 3
+    assert capsys.readouterr().err.splitlines() == [
+        "error: stage pretrain (rank 1) stopped: non-finite loss (nan) at step 7"]
+
+
+def test_only_rank_0_writes_the_stage_s_metrics(as_rank, tmp_path):
+    from pipeline.files import read_json
+
+    assert as_rank(lambda cfg: {"steps": 3}, rank=1, world=2) is None
+    assert not (tmp_path / "metrics").exists()
+    assert as_rank(lambda cfg: {"steps": 3}, rank=0, world=2) is None
+    metrics = read_json(tmp_path / "metrics" / "pretrain.json")
+    assert metrics["steps"] == 3 and metrics["seconds"] >= 0

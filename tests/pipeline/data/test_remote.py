@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from moto import server as moto_server
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, parse_section
 from pipeline.data import ingest, remote
 from pipeline.data.ingest import IngestError, inputs_digest, resolve_sources, run_ingest
 from pipeline.data.sft_data import SFTDataError, SFTSource
@@ -221,6 +221,60 @@ def test_other_urls_are_refused_before_any_work():
         cfg(sources=[{"path": "https://example.org/corpus.jsonl"}])
 
 
+@pytest.mark.parametrize("path", ["s3://AKIAEXAMPLE:wJalrXUtnFEMI@corpus/x.jsonl", "gs://token@corpus/*.jsonl",
+                                  "https://user:wJalrXUtnFEMI@example.org/x.jsonl"])
+def test_a_url_with_credentials_in_it_is_refused_without_repeating_them(path):
+    """pyarrow reads s3://key:secret@bucket; the URL would have gone to the
+    logs, MLflow's params and every document's source column."""
+    from pipeline.data.sft_data import SFTDataConfig
+
+    for parse in (lambda: cfg(sources=[{"path": path}]),
+                  lambda: parse_section(SFTDataConfig, {"sources": [{"path": path}]}, "sft.data")):
+        with pytest.raises(ConfigError) as e:
+            parse()
+        [line] = str(e.value).splitlines()[1:]
+        host = path.split("@")[1].split("/")[0]
+        assert line.endswith(f".sources.0.path: a URL with credentials in it ({path.split('://')[0]}://…@{host}), "
+                             "which would be written to the logs, to MLflow and to every document's source; remove "
+                             "them and give them the store's own way (for S3 the AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY variables, ~/.aws or the machine's role; for GCS the application "
+                             "default credentials)"), line
+        assert "wJalr" not in str(e.value) and "token" not in str(e.value) and "AKIA" not in str(e.value)
+
+
+@pytest.mark.parametrize("path, what", [("s3://", "no bucket name"), ("s3:///x.jsonl", "no bucket name"),
+                                        ("S3:///x", "no bucket name"),
+                                        ("gs://:8080/x", "':8080' is not a bucket name"),
+                                        ("s3://corpus-*/x", "'corpus-\\*' is not a bucket name")])
+def test_a_store_url_without_a_bucket_is_refused_before_any_work(path, what):
+    """s3:///x was a pyarrow ArrowInvalid traceback; s3:// listed every bucket the credentials reach."""
+    with pytest.raises(ConfigError, match=rf"ingest\.sources\.0\.path: (s3|gs|S3):// and then {what}"):
+        cfg(sources=[{"path": path}])
+
+
+def test_a_store_url_with_an_empty_folder_name_is_refused_before_any_work():
+    """pyarrow refuses a key with an empty part: s3://b/a//x.txt was an ArrowInvalid traceback."""
+    with pytest.raises(ConfigError, match=r"ingest\.sources\.0\.path: an empty folder name \('//'\), which pyarrow "
+                                          r"cannot read in a store: write one '/' \(got 's3://b/a//x\.txt'\)$"):
+        cfg(sources=[{"path": "s3://b/a//x.txt"}])
+
+
+def test_a_key_pyarrow_refuses_at_listing_is_one_line(monkeypatch):
+    def refused(uri):
+        raise pa.ArrowInvalid("Empty path component in path b/a//x.txt")
+
+    monkeypatch.setattr(remote, "list_files", refused)
+    with pytest.raises(IngestError, match=r"^where: cannot list 's3://b/a//x\.txt': Empty path component in path "
+                                          r"b/a//x\.txt$"):
+        remote.listed("s3://b/a//x.txt", "where", IngestError)
+
+
+def test_a_store_url_with_a_bucket_and_a_local_path_pass_as_they_are():
+    for path in ("s3://my-bucket.v2/a/**/*.jsonl.gz", "gs://b_1/x", "GCS://B/x", "data/raw/x.txt", "s3:/x",
+                 "data//raw/x.txt"):
+        assert remote.check_url(path) == path
+
+
 def test_sft_sources_in_a_store_give_the_examples_of_the_files_on_disk(s3, tmp_path, tok_path, three_formats):
     """A folder of chat files in S3 (with a hidden file and a file of another
     kind, which a folder source leaves out), a glob, and one file."""
@@ -376,6 +430,21 @@ def test_a_listed_time_is_the_whole_second_a_head_request_gives():
     listed = remote._found(f"s3://{BUCKET}", info)
     assert listed.uri == f"s3://{BUCKET}/x.txt"
     assert (listed.stat().st_size, listed.stat().st_mtime_ns) == (3, 1_700_000_000_000_000_000)
+
+
+def test_a_folder_s_files_come_sorted_whatever_order_the_store_lists_them_in(monkeypatch):
+    """The order of the files is the order of the documents: a store that lists
+    a folder in another order (pyarrow promises none) changes nothing."""
+    class Unsorted:
+        def get_file_info(self, what):
+            if isinstance(what, pafs.FileSelector):
+                return [pafs.FileInfo(f"b/d/{name}", pafs.FileType.File, size=1, mtime_ns=0)
+                        for name in ("z.txt", "a/y.txt", "m.txt")] + [pafs.FileInfo("b/d/a", pafs.FileType.Directory)]
+            return pafs.FileInfo(what, pafs.FileType.Directory)
+
+    monkeypatch.setitem(remote._FILESYSTEMS, "s3://b", Unsorted())
+    base, found = remote.list_files("s3://b/d/")
+    assert base.uri == "s3://b/d" and [f.uri for f in found] == ["s3://b/d/a/y.txt", "s3://b/d/m.txt", "s3://b/d/z.txt"]
 
 
 def test_a_store_that_cannot_be_listed_is_one_line(monkeypatch):

@@ -239,6 +239,24 @@ def test_a_made_up_stdlib(tmp_path):
                        "no usable first paragraph": 4, "repeated question or location": 2}
 
 
+def test_a_location_given_twice_with_other_parameters_keeps_its_first(tmp_path):
+    """A property and its setter: one location, two questions (their parameter lists differ; the
+    template picked for P.length shows them)."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "mod.py").write_text(
+        "class P:\n"
+        "    @property\n"
+        "    def length(self):\n"
+        '        """The length of the thing, in bytes, as read."""\n'
+        "    @length.setter\n"
+        "    def length(self, value):\n"
+        '        """Set the length of the thing to value bytes."""\n')
+    skipped = Counter()
+    pairs = [(loc, a) for loc, _, a in stdlib_qa(tmp_path / "lib", skipped) if loc.endswith("length")]
+    assert pairs == [("mod.py:P.length", "The length of the thing, in bytes, as read.")]
+    assert skipped["repeated question or location"] == 1
+
+
 def test_the_order_of_the_file_system_does_not_matter(tmp_path, monkeypatch):
     root = make_stdlib(tmp_path / "lib")
     want_files, want = stdlib_files(root), stdlib_qa(root)
