@@ -679,12 +679,21 @@ def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
         except UnicodeDecodeError as e:
             raise TokenizerError(f"{folder / 'chat_template.jinja'}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") \
                 from e
-    template: Any = read_folder_json(folder / "chat_template.json").get("chat_template")
+    source = folder / "chat_template.json"
+    template: Any = read_folder_json(source).get("chat_template")
     if template is None:
-        template = tok_config.get("chat_template")
+        source, template = folder / "tokenizer_config.json", tok_config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:  # transformers asks for a name then; auto would use ChatML without a word
+            log.warning("%s: chat_template holds named templates (%s) but none called 'default', so the tokenizer "
+                        "is taken as having no chat template (sft.data.chat_template auto uses ChatML); to use one, "
+                        "save it as a .jinja file and give its path as sft.data.chat_template", source,
+                        ", ".join(sorted(map(str, named))) or "none with a name")
         template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{source}: chat_template is a {type(template).__name__}, neither a template nor a list "
+                             f"of named ones; {DAMAGED_HINT}")
     return template if isinstance(template, str) and template.strip() else None
 
 

@@ -1,4 +1,5 @@
 import json
+import logging
 import random
 import re
 import shutil
@@ -662,6 +663,25 @@ def test_the_chat_template_is_read_where_transformers_looks_for_it(tmp_path, fil
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     assert tokenizer_module.read_chat_template(tmp_path, config) == template
+
+
+def test_named_chat_templates_without_a_default_are_none_with_a_warning(tmp_path, caplog):
+    config = {"chat_template": [{"name": "tool_use", "template": "U"}, {"name": "rag", "template": "R"}]}
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.tokenizer"):
+        assert tokenizer_module.read_chat_template(tmp_path, config) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'tokenizer_config.json'}: chat_template holds named templates (rag, tool_use) but none called "
+        "'default', so the tokenizer is taken as having no chat template (sft.data.chat_template auto uses ChatML); "
+        "to use one, save it as a .jinja file and give its path as sft.data.chat_template"]
+
+
+@pytest.mark.parametrize("value", [{"default": "D"}, 3, [{"name": "default", "template": ["D"]}]])
+def test_a_chat_template_that_is_no_text_is_a_one_line_error(tmp_path, value):
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": value}))
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(tmp_path / 'chat_template.json'))}: chat_template is "
+                                             r"a (dict|int|list), neither a template nor a list of named ones; "
+                                             r"the model folder is damaged"):
+        tokenizer_module.read_chat_template(tmp_path, {})
 
 
 @pytest.mark.parametrize("specials, missing", [([IM_START, IM_END], []), ([IM_START], [IM_END]),
