@@ -579,7 +579,9 @@ BUILD_LOCK = ".build.lock"  # <out_dir>/.build.lock: held while a build is check
 
 def build_fingerprint(cfg: SFTDataConfig, tokenizer_path: str | Path) -> str:
     """What a build depends on: the data params, the tokenizer's folder (its
-    files' sizes and times: the tokenizer and any chat template in it), the
+    files' sizes and times, in subfolders too: the tokenizer, any chat template
+    in it, and an adopted tokenizer's ``hf/tokenizer_config.json``, whose
+    special-token texts a template renders), the
     sources' files (sizes and times) and a ``.jinja`` template's, the Python
     (the built-in dataset reads its standard library) and the code."""
     folder = Path(tokenizer_path).parent
@@ -588,7 +590,7 @@ def build_fingerprint(cfg: SFTDataConfig, tokenizer_path: str | Path) -> str:
         files.append(Path(cfg.chat_template).expanduser())
     return resume.digest_json({
         "params": cfg.model_dump(mode="json"), "tokenizer": sha256_file(tokenizer_path),
-        "tokenizer folder": resume.files_digest(sorted(p for p in folder.iterdir() if p.is_file())),
+        "tokenizer folder": resume.files_digest(sorted(p for p in folder.rglob("*") if p.is_file())),  # and hf/
         "sources": resume.files_digest(files), "python": sys.version,
         "code": resume.code_digest(sys.modules[__name__], chat, chat_template, compressed, remote, shards,
                                    stdlib_qa)})

@@ -365,6 +365,21 @@ def test_the_build_fingerprint_follows_a_jinja_template_file(tmp_path, tok_path)
     assert build_fingerprint(cfg, tok_path) != before
 
 
+def test_the_build_fingerprint_follows_an_adopted_tokenizers_hf_config(tmp_path):
+    # hf/tokenizer_config.json holds the special-token texts a template renders
+    # (bos_token ...): a hand edit of it alone must build the data again.
+    folder = tmp_path / "tok"
+    (folder / "hf").mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(tiny_tokenizer().to_str())
+    config = folder / "hf" / "tokenizer_config.json"
+    config.write_text('{"bos_token": "<s>"}')
+    write_jsonl(tmp_path / "d.jsonl", [messages_rec(0)])
+    cfg = SFTDataConfig(sources=[SFTSource(path=str(tmp_path / "d.jsonl"))])
+    before = build_fingerprint(cfg, folder / "tokenizer.json")
+    config.write_text('{"bos_token": "<|begin|>"}')
+    assert build_fingerprint(cfg, folder / "tokenizer.json") != before
+
+
 def check_rows(ids, labels, starts, row_len):
     for row, lab, st in zip(ids, labels, starts):
         assert st[0] == 0 and st == sorted(st) and len(ids[0]) == row_len
