@@ -111,6 +111,22 @@ def test_each_normalisation_option_can_be_switched_off():
     assert normalise("a  \nb\t", NormaliseConfig(**{**off, "strip_trailing_whitespace": True})) == "a\nb"
 
 
+def test_a_run_of_blank_lines_no_longer_than_max_blank_lines_is_left_as_it_is():
+    """Only longer runs are shortened: with trailing whitespace kept, a blank line of spaces in a run of
+    max_blank_lines keeps them; a longer run becomes max_blank_lines empty lines."""
+    keep_ws = NormaliseConfig(strip_trailing_whitespace=False, max_blank_lines=1)
+    assert normalise("a\n  \nb\n", keep_ws) == "a\n  \nb\n"
+    assert normalise("a\n  \n\t\nb\n", keep_ws) == "a\n\nb\n"
+    assert normalise("a\n \n \nb\n", keep_ws.model_copy(update={"max_blank_lines": 2})) == "a\n \n \nb\n"
+
+
+def test_newlines_are_converted_before_control_characters_go():
+    """The order the docstring gives, which the cleaned data depends on: a control character between a
+    "\\r" and a "\\n" leaves two line ends, not one "\\r\\n"."""
+    assert normalise("a\r\x00\nb", NormaliseConfig()) == "a\n\nb"
+    assert normalise("a\r\x00\nb", NormaliseConfig(max_blank_lines=0)) == "a\nb"
+
+
 @pytest.mark.parametrize("form", ["NFC", "NFKC"])
 def test_normalised_text_is_in_the_form_and_normalising_it_again_changes_nothing(form):
     """Removing a control character (or a BOM) between a letter and its accent brings them together: the form
@@ -622,16 +638,17 @@ def test_filters_judge_the_normalised_text(tmp_path):
 
 
 class _AllKept:
-    """An LSH stand-in whose every query returns every kept key: NearDedup's own rule decides."""
+    """An LSH stand-in whose every query returns every kept key, latest first or (``ascending``) earliest
+    first: rensa's order is its own; NearDedup's rule decides."""
 
-    def __init__(self):
-        self.keys = []
+    def __init__(self, ascending=False):
+        self.keys, self.ascending = [], ascending
 
     def insert(self, key, minhash):
         self.keys.append(key)
 
     def query(self, minhash):
-        return list(reversed(self.keys))
+        return list(self.keys) if self.ascending else list(reversed(self.keys))
 
 
 class _Sig:
@@ -642,15 +659,16 @@ class _Sig:
         return self.slots
 
 
-def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_matches():
+@pytest.mark.parametrize("ascending", [False, True])
+def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_matches(ascending):
     from pipeline.data.clean import NearDedup, NearDedupConfig
 
     near = NearDedup(NearDedupConfig(num_perm=8, bands=2, threshold=0.75))
-    near.lsh = _AllKept()
+    near.lsh = _AllKept(ascending)
     assert near.check("a", _Sig([1, 2, 3, 4, 5, 6, 7, 8])) is None
     assert near.check("b", _Sig([1, 2, 3, 4, 5, 6, 70, 80])) == "jaccard~0.750 with kept id a"  # 6 of 8
     assert near.check("c", _Sig([1, 2, 3, 4, 5, 60, 70, 80])) is None  # 5 of 8 with a, below 0.75
-    # d equals a and c in 6 slots each: a, the earlier kept, is named, though the index lists c first
+    # d equals a and c in 6 slots each: a, the earlier kept, is named, whichever the index lists first
     assert near.check("d", _Sig([1, 2, 3, 4, 5, 60, 7, 99])) == "jaccard~0.750 with kept id a"
     assert near.check("e", _Sig([1, 2, 3, 4, 50, 60, 70, 80])) == "jaccard~0.875 with kept id c"
     assert (near.candidates_checked, near.candidates_rejected) == (1 + 1 + 2 + 2, 0 + 1 + 0 + 1)
@@ -709,7 +727,8 @@ def test_the_quarantine_keeps_per_reason_samples_over_all_shards(tmp_path):
 
 @pytest.mark.parametrize("method", ["memory", "sharded"])
 def test_documents_changed_by_normalise_are_those_whose_text_changed(tmp_path, method):
-    texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4)]  # code(1), code(4): unchanged
+    # code(1), code(4): unchanged; a null text reads as "", which is unchanged (and too short)
+    texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4), None, ""]
     run(tmp_path, texts, dedup={"method": method})
     assert report(tmp_path)["docs_changed_by_normalise"] == 2
 
