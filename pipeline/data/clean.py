@@ -80,7 +80,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
 from pipeline.config import ParamsModel
-from pipeline.data import dedup, resume
+from pipeline.data import accounting, dedup, resume
 from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
 from pipeline.data.accounting import Ledger, counts_text
@@ -1141,7 +1141,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     (all dropped). Its record (:mod:`pipeline.data.resume`) holds the input rows
     it covers, its counts and its own Ledger. A rerun under the same
     fingerprint (params but the executor and worker count, the input's digest,
-    the code of this module, filters and dedup) keeps the committed shards,
+    the code of this module, filters, dedup, docs and accounting) keeps the committed shards,
     replays their records, and processes the others from the state at the end
     of the shard before (see :class:`_InMemory` and :class:`_Sharded` for what
     that takes); shards of another fingerprint, damaged or uncommitted ones are
@@ -1175,7 +1175,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     fp = resume.fingerprint(
         "clean", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
         inputs={"docs": resume.input_digest(in_path)},
-        code=resume.code_digest(sys.modules[__name__], filters_module, dedup, docs_module))
+        code=resume.code_digest(sys.modules[__name__], filters_module, dedup, docs_module, accounting))
     slog = ShardLog(out_path, fp)
     slog.open()
     # No more workers than tasks (estimated: the text's size from the Parquet
