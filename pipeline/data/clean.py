@@ -1128,6 +1128,31 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
     return k
 
 
+def _check_apart(in_path: Path, out_path: Path, quarantine_path: str | Path, report_path: str | Path | None) -> None:
+    """Raise CleanError, before anything is removed or written, where an output
+    would clear or replace the input or another output: the output folder is
+    the input or holds it (its stale shards are removed first), the quarantine
+    or report is the input, inside it, the output folder, or the other one."""
+    src, out = in_path.resolve(), out_path.resolve()
+    if out == src or src.is_relative_to(out):
+        raise CleanError(f"the output folder {out_path} {'is' if out == src else 'holds'} the input {in_path}: "
+                         "clean clears its output folder's shards first; give it a folder of its own")
+    files = [("quarantine", Path(quarantine_path))] + ([("report", Path(report_path))] if report_path else [])
+    for name, path in files:
+        dst = path.resolve()
+        if dst == src:
+            what = f"the input {in_path}"
+        elif dst.is_relative_to(src):
+            what = f"inside the input {in_path}"
+        elif dst == out:
+            what = f"the output folder {out_path}"
+        else:
+            continue
+        raise CleanError(f"the {name} path {path} is {what}: writing it would replace that; give it a path of its own")
+    if len(files) == 2 and files[0][1].resolve() == files[1][1].resolve():
+        raise CleanError(f"the quarantine and the report are both {quarantine_path}: one would replace the other")
+
+
 def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
               report_path: str | Path | None = None) -> dict:
     """Clean ``in_path`` (a documents folder or one Parquet file, ingest schema)
@@ -1160,14 +1185,17 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     shards_resumed, workers and mb_per_s is the same for any executor, worker
     count, dedup method and interruption.
 
-    Raises CleanError when the input is missing, unreadable, lacks a column, has
-    one of a type it does not read or holds no document, and when no document
-    survives (the quarantine is still written then, and no manifest);
+    Raises CleanError when an output path would clear or replace the input or
+    another output (:func:`_check_apart`), when the input is missing,
+    unreadable, lacks a column, has one of a type it does not read or holds no
+    document, and when no document survives (the quarantine is still written
+    then, and no manifest);
     ExecutorError (one line) when a worker fails.
     Local worker processes are spawned, so a script that calls this with more
     than one worker needs the usual ``if __name__ == "__main__":`` guard."""
     t0 = time.perf_counter()
     in_path, out_path = Path(in_path), Path(out_path)
+    _check_apart(in_path, out_path, quarantine_path, report_path)
     table = _open_input(in_path)
     num_rows = table.num_rows
     if num_rows == 0:

@@ -398,6 +398,27 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
         run_clean(cfg(), empty, out, q)  # not "no documents left after cleaning" and advice on the filters
 
 
+def test_an_output_path_that_would_clear_or_replace_the_input_or_another_output_is_a_clear_error(tmp_path):
+    """Checked before anything is removed: the output folder's stale shards were the input's (it was deleted,
+    then a FileNotFoundError traceback), and a quarantine or report over the input file replaced it."""
+    inp = write_docs(tmp_path / "in.parquet", [code(1), code(2)])
+    run_clean(cfg(), inp, tmp_path / "docs", tmp_path / "q.jsonl")  # a documents folder, as ingest writes
+    folder, before = tmp_path / "docs", files(tmp_path)
+    for args, message in [
+        ((folder, folder, tmp_path / "q2.jsonl"), "the output folder .*docs is the input"),
+        ((folder / "shard-00000.parquet", folder, tmp_path / "q2.jsonl"), "the output folder .*docs holds the input"),
+        ((inp, tmp_path / "out", inp), "the quarantine path .*in.parquet is the input"),
+        ((inp, tmp_path / "out", tmp_path / "q2.jsonl", inp), "the report path .*in.parquet is the input"),
+        ((folder, tmp_path / "out", folder / "manifest.json"), "the quarantine path .*manifest.json is inside the"),
+        ((inp, tmp_path / "out", tmp_path / "out"), "the quarantine path .*out is the output folder"),
+        ((inp, tmp_path / "out", tmp_path / "q2.jsonl", tmp_path / "q2.jsonl"), "the quarantine and the report are"),
+    ]:
+        with pytest.raises(CleanError, match=message):
+            run_clean(cfg(), *args)
+    assert files(tmp_path) == before  # nothing removed or written
+    run_clean(cfg(), folder, tmp_path / "out", folder.parent / "q2.jsonl", tmp_path / "out" / "report.json")
+
+
 @pytest.mark.parametrize("column,values,shown", [
     ("text", pa.array([b"caf\xe9 au lait", b"tea"], pa.binary()), "text: binary"),  # bytes that need not be UTF-8
     ("text", pa.array([1, 2]), "text: int64"),
