@@ -161,6 +161,13 @@ class NearDedupConfig(_Section):
             raise ValueError(f"must divide num_perm={num_perm} (rensa's LSH splits the signature into equal bands)")
         return bands
 
+    def found_at_threshold(self) -> float:
+        """The chance that the LSH makes a candidate of a pair whose Jaccard is
+        ``threshold``: ``1 - (1 - t^rows)^bands``. Only candidates are compared, so
+        below the LSH's own threshold most such pairs stay unfound."""
+        rows = self.num_perm // self.bands
+        return 1 - (1 - self.threshold ** rows) ** self.bands
+
 
 class DedupConfig(_Section):
     method: Literal["memory", "sharded"] = Field(
@@ -1196,6 +1203,11 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     t0 = time.perf_counter()
     in_path, out_path = Path(in_path), Path(out_path)
     _check_apart(in_path, out_path, quarantine_path, report_path)
+    near = cfg.near_dedup
+    if near.enabled and (found := near.found_at_threshold()) < 0.5:
+        log.warning("clean.near_dedup.threshold %s: the LSH (%d bands of %d rows) makes a candidate of %.0f%% of the "
+                    "pairs that similar, so most near duplicates at the threshold are kept; more bands of fewer rows "
+                    "find more", near.threshold, near.bands, near.num_perm // near.bands, 100 * found)
     table = _open_input(in_path)
     num_rows = table.num_rows
     if num_rows == 0:

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import random
 import re
@@ -693,6 +694,22 @@ def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_match
     assert near.check("d", _Sig([1, 2, 3, 4, 5, 60, 7, 99])) == "jaccard~0.750 with kept id a"
     assert near.check("e", _Sig([1, 2, 3, 4, 50, 60, 70, 80])) == "jaccard~0.875 with kept id c"
     assert (near.candidates_checked, near.candidates_rejected) == (1 + 1 + 2 + 2, 0 + 1 + 0 + 1)
+
+
+def test_a_threshold_below_what_the_lsh_bands_find_is_a_warning(tmp_path, caplog):
+    """16 bands of 8 rows make a candidate of 6% of the pairs of Jaccard 0.5: near_dedup.threshold 0.5 would
+    drop few of them, silently."""
+    for d in ("default", "rows-1", "off", "low"):
+        (tmp_path / d).mkdir()
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.clean"):
+        run(tmp_path / "default", [code(1)])  # 0.8: 95%
+        run(tmp_path / "rows-1", [code(1)], near_dedup={"threshold": 0.5, "bands": 128})  # 100%
+        run(tmp_path / "off", [code(1)], near_dedup={"threshold": 0.5, "enabled": False})
+        assert not caplog.records
+        run(tmp_path / "low", [code(1)], near_dedup={"threshold": 0.5})
+    assert [r.getMessage() for r in caplog.records] == [
+        "clean.near_dedup.threshold 0.5: the LSH (16 bands of 8 rows) makes a candidate of 6% of the pairs that "
+        "similar, so most near duplicates at the threshold are kept; more bands of fewer rows find more"]
 
 
 def test_lone_carriage_returns_are_line_ends_too():
