@@ -14,6 +14,10 @@ from typing import Any
 
 from pipeline.files import atomic_write
 
+# Characters that JSON leaves as they are in a string and str.splitlines() (and
+# so many a JSONL reader) takes for line ends: written as their escapes.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
 
 class Ledger:
     """Counts reasons and samples quarantined records.
@@ -81,6 +85,8 @@ class Ledger:
                         line.encode("utf-8")
                     except UnicodeEncodeError:  # a lone surrogate (the reason for some skips): kept as its escape
                         line = json.dumps(s)
+                    else:  # a record is one line for any line reader
+                        line = line.translate(_LINE_BREAKS)
                 f.write(line + "\n")
 
 

@@ -80,7 +80,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from rensa import RMinHash, RMinHashLSH
 
 from pipeline.config import ParamsModel
-from pipeline.data import dedup, resume
+from pipeline.data import accounting, dedup, resume
 from pipeline.data import docs as docs_module
 from pipeline.data import filters as filters_module
 from pipeline.data.accounting import Ledger, counts_text
@@ -160,6 +160,13 @@ class NearDedupConfig(_Section):
         if num_perm is not None and num_perm % bands:
             raise ValueError(f"must divide num_perm={num_perm} (rensa's LSH splits the signature into equal bands)")
         return bands
+
+    def found_at_threshold(self) -> float:
+        """The chance that the LSH makes a candidate of a pair whose Jaccard is
+        ``threshold``: ``1 - (1 - t^rows)^bands``. Only candidates are compared, so
+        below the LSH's own threshold most such pairs stay unfound."""
+        rows = self.num_perm // self.bands
+        return 1 - (1 - self.threshold ** rows) ** self.bands
 
 
 class DedupConfig(_Section):
@@ -1128,6 +1135,31 @@ def _write_shards(cfg: CleanConfig, decider: Any, writer: ShardedParquetWriter, 
     return k
 
 
+def _check_apart(in_path: Path, out_path: Path, quarantine_path: str | Path, report_path: str | Path | None) -> None:
+    """Raise CleanError, before anything is removed or written, where an output
+    would clear or replace the input or another output: the output folder is
+    the input or holds it (its stale shards are removed first), the quarantine
+    or report is the input, inside it, the output folder, or the other one."""
+    src, out = in_path.resolve(), out_path.resolve()
+    if out == src or src.is_relative_to(out):
+        raise CleanError(f"the output folder {out_path} {'is' if out == src else 'holds'} the input {in_path}: "
+                         "clean clears its output folder's shards first; give it a folder of its own")
+    files = [("quarantine", Path(quarantine_path))] + ([("report", Path(report_path))] if report_path else [])
+    for name, path in files:
+        dst = path.resolve()
+        if dst == src:
+            what = f"the input {in_path}"
+        elif dst.is_relative_to(src):
+            what = f"inside the input {in_path}"
+        elif dst == out:
+            what = f"the output folder {out_path}"
+        else:
+            continue
+        raise CleanError(f"the {name} path {path} is {what}: writing it would replace that; give it a path of its own")
+    if len(files) == 2 and files[0][1].resolve() == files[1][1].resolve():
+        raise CleanError(f"the quarantine and the report are both {quarantine_path}: one would replace the other")
+
+
 def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quarantine_path: str | Path,
               report_path: str | Path | None = None) -> dict:
     """Clean ``in_path`` (a documents folder or one Parquet file, ingest schema)
@@ -1141,7 +1173,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     (all dropped). Its record (:mod:`pipeline.data.resume`) holds the input rows
     it covers, its counts and its own Ledger. A rerun under the same
     fingerprint (params but the executor and worker count, the input's digest,
-    the code of this module, filters and dedup) keeps the committed shards,
+    the code of this module, filters, dedup, docs and accounting) keeps the committed shards,
     replays their records, and processes the others from the state at the end
     of the shard before (see :class:`_InMemory` and :class:`_Sharded` for what
     that takes); shards of another fingerprint, damaged or uncommitted ones are
@@ -1160,14 +1192,22 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     shards_resumed, workers and mb_per_s is the same for any executor, worker
     count, dedup method and interruption.
 
-    Raises CleanError when the input is missing, unreadable, lacks a column, has
-    one of a type it does not read or holds no document, and when no document
-    survives (the quarantine is still written then, and no manifest);
+    Raises CleanError when an output path would clear or replace the input or
+    another output (:func:`_check_apart`), when the input is missing,
+    unreadable, lacks a column, has one of a type it does not read or holds no
+    document, and when no document survives (the quarantine is still written
+    then, and no manifest);
     ExecutorError (one line) when a worker fails.
     Local worker processes are spawned, so a script that calls this with more
     than one worker needs the usual ``if __name__ == "__main__":`` guard."""
     t0 = time.perf_counter()
     in_path, out_path = Path(in_path), Path(out_path)
+    _check_apart(in_path, out_path, quarantine_path, report_path)
+    near = cfg.near_dedup
+    if near.enabled and (found := near.found_at_threshold()) < 0.5:
+        log.warning("clean.near_dedup.threshold %s: the LSH (%d bands of %d rows) makes a candidate of %.0f%% of the "
+                    "pairs that similar, so most near duplicates at the threshold are kept; more bands of fewer rows "
+                    "find more", near.threshold, near.bands, near.num_perm // near.bands, 100 * found)
     table = _open_input(in_path)
     num_rows = table.num_rows
     if num_rows == 0:
@@ -1175,7 +1215,7 @@ def run_clean(cfg: CleanConfig, in_path: str | Path, out_path: str | Path, quara
     fp = resume.fingerprint(
         "clean", params=cfg.model_dump(mode="json", exclude={"executor", "num_workers"}),
         inputs={"docs": resume.input_digest(in_path)},
-        code=resume.code_digest(sys.modules[__name__], filters_module, dedup, docs_module))
+        code=resume.code_digest(sys.modules[__name__], filters_module, dedup, docs_module, accounting))
     slog = ShardLog(out_path, fp)
     slog.open()
     # No more workers than tasks (estimated: the text's size from the Parquet

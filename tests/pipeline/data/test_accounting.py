@@ -64,3 +64,16 @@ def test_a_lone_surrogate_is_written_as_its_escape(tmp_path):
     lines = (tmp_path / "q.jsonl").read_text(encoding="utf-8").splitlines()
     assert '"a\\udc80b"' in lines[0] and '"héllo"' in lines[1]  # other text stays readable
     assert [json.loads(line)["text"] for line in lines] == ["a\udc80b", "héllo"]
+
+
+def test_a_record_is_one_line_for_any_line_reader(tmp_path):
+    """JSON leaves NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR as they are in a string, and str.splitlines()
+    ends lines at them: a quarantined text holding one split its record (json.loads failed on each half)."""
+    texts = ["a\x85b", "c\u2028d", "e\u2029f", "g\x0bh\x1ci", "caf\u00e9"]
+    ledger = Ledger()
+    for t in texts:
+        ledger.record("short", "s", text=t)
+    ledger.write(tmp_path / "q.jsonl")
+    lines = (tmp_path / "q.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["text"] for line in lines] == texts
+    assert "café" in lines[-1]  # other text stays readable

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import random
 import re
@@ -109,6 +110,22 @@ def test_each_normalisation_option_can_be_switched_off():
     assert normalise(text, NormaliseConfig(**{**off, "newlines": True})) == text.replace("\r\n", "\n")
     assert normalise(text, NormaliseConfig(**{**off, "remove_control_chars": True})) == text.replace("\x07", "")
     assert normalise("a  \nb\t", NormaliseConfig(**{**off, "strip_trailing_whitespace": True})) == "a\nb"
+
+
+def test_a_run_of_blank_lines_no_longer_than_max_blank_lines_is_left_as_it_is():
+    """Only longer runs are shortened: with trailing whitespace kept, a blank line of spaces in a run of
+    max_blank_lines keeps them; a longer run becomes max_blank_lines empty lines."""
+    keep_ws = NormaliseConfig(strip_trailing_whitespace=False, max_blank_lines=1)
+    assert normalise("a\n  \nb\n", keep_ws) == "a\n  \nb\n"
+    assert normalise("a\n  \n\t\nb\n", keep_ws) == "a\n\nb\n"
+    assert normalise("a\n \n \nb\n", keep_ws.model_copy(update={"max_blank_lines": 2})) == "a\n \n \nb\n"
+
+
+def test_newlines_are_converted_before_control_characters_go():
+    """The order the docstring gives, which the cleaned data depends on: a control character between a
+    "\\r" and a "\\n" leaves two line ends, not one "\\r\\n"."""
+    assert normalise("a\r\x00\nb", NormaliseConfig()) == "a\n\nb"
+    assert normalise("a\r\x00\nb", NormaliseConfig(max_blank_lines=0)) == "a\nb"
 
 
 @pytest.mark.parametrize("form", ["NFC", "NFKC"])
@@ -382,6 +399,27 @@ def test_missing_or_malformed_input_is_a_clear_error(tmp_path):
         run_clean(cfg(), empty, out, q)  # not "no documents left after cleaning" and advice on the filters
 
 
+def test_an_output_path_that_would_clear_or_replace_the_input_or_another_output_is_a_clear_error(tmp_path):
+    """Checked before anything is removed: the output folder's stale shards were the input's (it was deleted,
+    then a FileNotFoundError traceback), and a quarantine or report over the input file replaced it."""
+    inp = write_docs(tmp_path / "in.parquet", [code(1), code(2)])
+    run_clean(cfg(), inp, tmp_path / "docs", tmp_path / "q.jsonl")  # a documents folder, as ingest writes
+    folder, before = tmp_path / "docs", files(tmp_path)
+    for args, message in [
+        ((folder, folder, tmp_path / "q2.jsonl"), "the output folder .*docs is the input"),
+        ((folder / "shard-00000.parquet", folder, tmp_path / "q2.jsonl"), "the output folder .*docs holds the input"),
+        ((inp, tmp_path / "out", inp), "the quarantine path .*in.parquet is the input"),
+        ((inp, tmp_path / "out", tmp_path / "q2.jsonl", inp), "the report path .*in.parquet is the input"),
+        ((folder, tmp_path / "out", folder / "manifest.json"), "the quarantine path .*manifest.json is inside the"),
+        ((inp, tmp_path / "out", tmp_path / "out"), "the quarantine path .*out is the output folder"),
+        ((inp, tmp_path / "out", tmp_path / "q2.jsonl", tmp_path / "q2.jsonl"), "the quarantine and the report are"),
+    ]:
+        with pytest.raises(CleanError, match=message):
+            run_clean(cfg(), *args)
+    assert files(tmp_path) == before  # nothing removed or written
+    run_clean(cfg(), folder, tmp_path / "out", folder.parent / "q2.jsonl", tmp_path / "out" / "report.json")
+
+
 @pytest.mark.parametrize("column,values,shown", [
     ("text", pa.array([b"caf\xe9 au lait", b"tea"], pa.binary()), "text: binary"),  # bytes that need not be UTF-8
     ("text", pa.array([1, 2]), "text: int64"),
@@ -622,16 +660,17 @@ def test_filters_judge_the_normalised_text(tmp_path):
 
 
 class _AllKept:
-    """An LSH stand-in whose every query returns every kept key: NearDedup's own rule decides."""
+    """An LSH stand-in whose every query returns every kept key, latest first or (``ascending``) earliest
+    first: rensa's order is its own; NearDedup's rule decides."""
 
-    def __init__(self):
-        self.keys = []
+    def __init__(self, ascending=False):
+        self.keys, self.ascending = [], ascending
 
     def insert(self, key, minhash):
         self.keys.append(key)
 
     def query(self, minhash):
-        return list(reversed(self.keys))
+        return list(self.keys) if self.ascending else list(reversed(self.keys))
 
 
 class _Sig:
@@ -642,18 +681,35 @@ class _Sig:
         return self.slots
 
 
-def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_matches():
+@pytest.mark.parametrize("ascending", [False, True])
+def test_near_dedup_drops_at_the_threshold_and_names_the_earliest_of_equal_matches(ascending):
     from pipeline.data.clean import NearDedup, NearDedupConfig
 
     near = NearDedup(NearDedupConfig(num_perm=8, bands=2, threshold=0.75))
-    near.lsh = _AllKept()
+    near.lsh = _AllKept(ascending)
     assert near.check("a", _Sig([1, 2, 3, 4, 5, 6, 7, 8])) is None
     assert near.check("b", _Sig([1, 2, 3, 4, 5, 6, 70, 80])) == "jaccard~0.750 with kept id a"  # 6 of 8
     assert near.check("c", _Sig([1, 2, 3, 4, 5, 60, 70, 80])) is None  # 5 of 8 with a, below 0.75
-    # d equals a and c in 6 slots each: a, the earlier kept, is named, though the index lists c first
+    # d equals a and c in 6 slots each: a, the earlier kept, is named, whichever the index lists first
     assert near.check("d", _Sig([1, 2, 3, 4, 5, 60, 7, 99])) == "jaccard~0.750 with kept id a"
     assert near.check("e", _Sig([1, 2, 3, 4, 50, 60, 70, 80])) == "jaccard~0.875 with kept id c"
     assert (near.candidates_checked, near.candidates_rejected) == (1 + 1 + 2 + 2, 0 + 1 + 0 + 1)
+
+
+def test_a_threshold_below_what_the_lsh_bands_find_is_a_warning(tmp_path, caplog):
+    """16 bands of 8 rows make a candidate of 6% of the pairs of Jaccard 0.5: near_dedup.threshold 0.5 would
+    drop few of them, silently."""
+    for d in ("default", "rows-1", "off", "low"):
+        (tmp_path / d).mkdir()
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.clean"):
+        run(tmp_path / "default", [code(1)])  # 0.8: 95%
+        run(tmp_path / "rows-1", [code(1)], near_dedup={"threshold": 0.5, "bands": 128})  # 100%
+        run(tmp_path / "off", [code(1)], near_dedup={"threshold": 0.5, "enabled": False})
+        assert not caplog.records
+        run(tmp_path / "low", [code(1)], near_dedup={"threshold": 0.5})
+    assert [r.getMessage() for r in caplog.records] == [
+        "clean.near_dedup.threshold 0.5: the LSH (16 bands of 8 rows) makes a candidate of 6% of the pairs that "
+        "similar, so most near duplicates at the threshold are kept; more bands of fewer rows find more"]
 
 
 def test_lone_carriage_returns_are_line_ends_too():
@@ -709,7 +765,8 @@ def test_the_quarantine_keeps_per_reason_samples_over_all_shards(tmp_path):
 
 @pytest.mark.parametrize("method", ["memory", "sharded"])
 def test_documents_changed_by_normalise_are_those_whose_text_changed(tmp_path, method):
-    texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4)]  # code(1), code(4): unchanged
+    # code(1), code(4): unchanged; a null text reads as "", which is unchanged (and too short)
+    texts = [code(1), code(2) + "  ", code(3).replace("\n", "\r\n"), code(4), None, ""]
     run(tmp_path, texts, dedup={"method": method})
     assert report(tmp_path)["docs_changed_by_normalise"] == 2
 

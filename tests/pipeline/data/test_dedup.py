@@ -722,3 +722,22 @@ def test_a_process_start_is_the_one_the_kernel_gives_and_is_checked_for_another_
     monkeypatch.setattr(os, "kill", kill)
     monkeypatch.setattr(dedup, "_started", lambda pid: "13")
     assert dedup.remove_stale(tmp_path, ".dedup-") == [d]
+
+
+def test_hostile_documents_each_leave_kept_or_dropped_with_a_reason_the_same_by_both_methods(tmp_path):
+    """Blank, replacement-character, zero-width, one-line and NUL-laden documents, mixed scripts, and a
+    document that is an exact duplicate of a near duplicate: each is accounted for, alike by both methods."""
+    base, mixed = code(1), code(1) + " Привет мир 你好世界 مرحبا"
+    texts = ["   \n\t \n  ", "\ufffd" * 200, "\u200b" * 50, "\u200b".join(base.split(" ")), mixed, "x" * 300_000,
+             "a\x00b " * 100, base, base.replace("\n", "\r\n"), None, "", code(2), code(2) + "\u200b",
+             code(3) + "\x00"]
+    memory, sharded = both(tmp_path, texts)
+    assert memory == sharded
+    metrics, rep, docs, quarantine, _, _ = memory
+    assert [(d["id"], d["text"]) for d in docs] == [("id004", mixed), ("id011", code(2)), ("id013", code(3))]
+    assert [(q["reason"], q["detail"].split(":")[0]) for q in quarantine] == [
+        ("too_short", "id id000"), ("gopher_mean_word_length", "id id001"), ("gopher_mean_word_length", "id id002"),
+        ("gopher_mean_word_length", "id id003"), ("gopher_mean_word_length", "id id005"),
+        ("gopher_mean_word_length", "id id006"), ("near_duplicate", "id id007"), ("exact_duplicate", "id id008"),
+        ("too_short", "id id009"), ("too_short", "id id010"), ("near_duplicate", "id id012")]
+    assert rep["docs_in"] == len(texts) == metrics["docs"] + sum(rep["dropped"].values())
