@@ -910,3 +910,31 @@ def test_a_server_behind_a_uri_with_a_password_is_probed_at_its_host():
     # urllib took "alice:s3cret@127.0.0.1" for a host name: such a server was always "unreachable"
     with http_server(401) as port:
         assert tracking.probe(f"http://alice:s3cret@127.0.0.1:{port}") is None
+
+
+# --------------------------------------------------------------------------- probe3-track
+
+
+def test_a_metric_that_is_no_number_raises_and_buffers_nothing(client):
+    with Tracker("pretrain", system_metrics=False, flush_every_s=3600) as t:
+        with pytest.raises(ValueError):
+            t.log_metrics({"loss": 1.0, "acc": "high"}, step=3)
+    assert client.get_run(t.run_id).data.metrics == {}  # not even the valid value before it
+
+
+def test_a_relative_project_root_gives_an_absolute_tracking_uri(tmp_path, monkeypatch):
+    # a stage that changes folder later must still find the same database
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_ROOT", "proj")
+    assert tracking_uri() == f"sqlite:///{tmp_path}/proj/mlflow.db"
+
+
+def test_git_tags_of_an_untracked_file_a_detached_head_and_no_git(git_repo, tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=git_repo, capture_output=True, text=True).stdout.strip()
+    (git_repo / "scratch.txt").write_text("notes\n")  # untracked: not what the commit runs, so not dirty
+    assert tracking.git_tags(git_repo) == {"mlflow.source.git.commit": head, "git.dirty": "false"}
+    subprocess.run(["git", "checkout", "-q", "--detach"], cwd=git_repo, check=True)
+    assert tracking.git_tags(git_repo) == {"mlflow.source.git.commit": head, "git.dirty": "false"}
+    (tmp_path / "nogit").mkdir()
+    assert tracking.git_tags(tmp_path / "nogit") == {}
