@@ -92,8 +92,9 @@ HTTP_DEFAULTS = {
 # Names MLflow accepts everywhere (it raises on others, which would cost the batch).
 _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
 _MAX_KEY_LENGTH = 250
-# The password of a tracking URI's user part (https://user:token@host, which requests sends as basic auth).
-_URI_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
+# The password of a URI's user part (https://user:token@host, which requests sends as basic auth;
+# s3://key:secret@bucket, which pyarrow reads), up to the last @ before the path, as urllib splits it.
+_URI_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/\s]*@")
 
 
 class TrackingOfflineWarning(UserWarning):
@@ -241,8 +242,9 @@ def mlflow_key(name: Any) -> str:
 
 
 def _text(value: Any) -> str:
-    # MLflow cuts values that are too long itself.
-    return json.dumps(value, default=str) if isinstance(value, (list, tuple, dict)) else str(value)
+    # A param or tag value, without the password of any URI in it (a source path
+    # s3://key:secret@bucket/...); MLflow cuts values that are too long itself.
+    return redacted(json.dumps(value, default=str) if isinstance(value, (list, tuple, dict)) else str(value))
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -938,3 +938,23 @@ def test_git_tags_of_an_untracked_file_a_detached_head_and_no_git(git_repo, tmp_
     assert tracking.git_tags(git_repo) == {"mlflow.source.git.commit": head, "git.dirty": "false"}
     (tmp_path / "nogit").mkdir()
     assert tracking.git_tags(tmp_path / "nogit") == {}
+
+
+def test_a_password_in_a_param_or_tag_is_not_logged(client, tmp_path, monkeypatch):
+    # pyarrow reads s3://KEY:SECRET@bucket/...: a source path can hold a secret, and
+    # the stage's config, and a dvc experiment's whole params.yaml, are logged as params.
+    source = "s3://AKIA1:s3cret@bucket/c4/*.json.gz"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(f"ingest:\n  sources:\n    - path: {source}\n")
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-secret")
+    with Tracker("ingest", system_metrics=False, tags={"origin": "https://bob:hunter2@example.org/x"}) as t:
+        t.log_params({"ingest": {"sources": [{"path": source}]}})
+        t.set_tags({"note": "from https://bob:hunter2@example.org/y"})
+    run, parent = client.get_run(t.run_id), client.get_run(t.parent_run_id)
+    assert run.data.params["ingest.sources.0.path"] == "s3://AKIA1:***@bucket/c4/*.json.gz"
+    assert parent.data.params["ingest.sources.0.path"] == "s3://AKIA1:***@bucket/c4/*.json.gz"
+    assert run.data.tags["origin"] == "https://bob:***@example.org/x"
+    for logged in (run.data.params, run.data.tags, parent.data.params):
+        assert "s3cret" not in json.dumps(logged) and "hunter2" not in json.dumps(logged)
+    # a password may hold an @ (urllib and requests split at the last one): none of it shows
+    assert tracking.redacted("https://u:p@ss@host/x") == "https://u:***@host/x"
