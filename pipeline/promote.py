@@ -108,11 +108,15 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
     Returns ``{registered: True, model_name, version, candidate, champion,
     previous_champion, promoted, reason, source, run_id}`` (versions as ints;
     champion None if there is none), or ``{registered: False, reason}`` plus
-    what was done before the failure. Raises only for a missing ``export_dir``.
+    what was done before the failure. Raises FileNotFoundError only for a missing
+    ``export_dir`` or one without a model (``config.json`` and ``*.safetensors``).
     """
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
         raise FileNotFoundError(f"{export_dir}: no export folder to register")
+    if not (export_dir / "config.json").is_file() or not any(export_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"{export_dir} is not a Hugging Face export (no config.json and *.safetensors); "
+                                "register the folder the export stage wrote")
     if not tracking_enabled():
         return {"registered": False, "reason": "tracking is disabled (PIPELINE_TRACKING=0)"}
     uri = tracking_uri()

@@ -327,3 +327,47 @@ def test_a_password_in_the_tracking_uri_is_not_in_the_warning(monkeypatch, tmp_p
         result = register(export_dir, "m-secret", 1.0)
     assert result["registered"] is False and "alice:***@" in result["reason"]
     assert not any("s3cret" in str(w.message) for w in caught) and "s3cret" not in result["reason"]
+
+
+# --------------------------------------------------------------------------- probe3-track
+
+
+def test_a_missing_folder_or_one_that_is_no_export_is_refused(mlflow_env, client, export_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no export folder"):
+        register(tmp_path / "gone", "m-refused", 1.0)
+    notes = tmp_path / "notes"  # e.g. `models/sft` given for `models/export`: no config.json, no weights
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face export"):
+        register(notes, "m-refused", 1.0)
+    assert client.search_registered_models("name = 'm-refused'") == []
+
+
+def test_a_registry_that_refuses_to_show_the_model_registers_nothing(mlflow_env, client, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
+
+    assert register(export_dir, "m-denied", 1.5)["version"] == 1
+
+    def denied(self, name):
+        raise MlflowException("no read access", error_code=PERMISSION_DENIED)
+
+    monkeypatch.setattr(MlflowClient, "get_registered_model", denied)
+    with pytest.warns(RegistryWarning, match="no read access"):
+        result = register(export_dir, "m-denied", 1.0)
+    assert result["registered"] is False and "version" not in result
+
+
+def test_a_password_in_an_mlflow_error_is_not_in_the_reason(mlflow_env, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+
+    def refuse(*args, **kwargs):
+        raise OSError("cannot upload to https://bob:hunter2@store.example.org/a")
+
+    monkeypatch.setattr(MlflowClient, "log_artifacts", refuse)
+    with pytest.warns(RegistryWarning) as caught:
+        result = register(export_dir, "m-upload", 1.0)
+    assert result["registered"] is False and "bob:***@store" in result["reason"]
+    assert "hunter2" not in result["reason"] and not any("hunter2" in str(w.message) for w in caught)
+
