@@ -25,9 +25,9 @@ What one call does
     4. Points alias ``candidate`` at the new version, always.
     5. Moves alias ``champion`` to it only if :func:`should_promote` says its
        primary metric beats the champion's (read from the champion's tags): a tie
-       keeps the champion, and a missing or NaN metric is never promoted. A
-       champion without a valid value of the primary metric (e.g. registered
-       under another primary metric) is beaten by any valid value.
+       keeps the champion, and a missing, NaN or infinite metric is never
+       promoted. A champion without a valid (finite) value of the primary metric
+       (e.g. registered under another primary metric) is beaten by any valid value.
 
 Outages follow the project's policy: tracking disabled (``PIPELINE_TRACKING=0``),
 an unreachable server or any MLflow error gives a ``RegistryWarning`` and a
@@ -71,9 +71,9 @@ class RegistryWarning(UserWarning):
 
 def should_promote(new: float | None, current: float | None, lower_is_better: bool = True) -> bool:
     """Whether a version whose primary metric is ``new`` should replace a champion
-    whose metric is ``current``. ``None`` or NaN as ``new``: never. ``None`` or
-    NaN as ``current`` (no champion, or one without a valid value): yes. Else only
-    a strict improvement; a tie keeps the champion."""
+    whose metric is ``current``. ``None``, NaN or infinite as ``new``: never.
+    ``None``, NaN or infinite as ``current`` (no champion, or one without a valid
+    value): yes. Else only a strict improvement; a tie keeps the champion."""
     if not _is_number(new):
         return False
     if not _is_number(current):
@@ -181,7 +181,9 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    # finite: an infinite bits-per-byte is a diverged evaluation, as NaN is, and an
+    # infinite champion (-inf where lower is better) could never be beaten
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _not_registered(reason: str, done: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +228,7 @@ def _reason(metric: str, new: float | None, previous: int | None, current: float
             lower_is_better: bool) -> str:
     better = "lower" if lower_is_better else "higher"
     if not _is_number(new):
-        return f"{metric} is missing or NaN: never champion" + (f"; v{previous} stays" if previous else "")
+        return f"{metric} is missing, NaN or infinite: never champion" + (f"; v{previous} stays" if previous else "")
     if previous is None:
         return f"first version with {metric}={new:.6g}: champion"
     if not _is_number(current):

@@ -40,7 +40,7 @@ NAN = float("nan")
     (None, None, True, False),   # ... not even to an empty throne
     (NAN, None, True, False),
     (NAN, 1.0, False, False),
-    (-math.inf, 1.0, True, True),
+    (-math.inf, 1.0, True, False),  # infinite: see test_an_infinite_metric_is_never_promoted...
 ])
 def test_should_promote(new, current, lower, expected):
     assert should_promote(new, current, lower) is expected
@@ -109,7 +109,7 @@ def test_worse_tied_and_nan_exports_move_only_the_candidate(mlflow_env, client, 
         assert aliases(client, "m-worse") == {CANDIDATE: version, CHAMPION: 1}
     missing = register_export(export_dir, model_name="m-worse", metrics={"pretrain": {"val_loss": 1.0}})
     assert (missing["version"], missing["champion"], missing["promoted"]) == (5, 1, False)
-    assert "missing or NaN" in missing["reason"]
+    assert "missing, NaN or infinite" in missing["reason"]
 
 
 def test_nan_never_becomes_the_first_champion(mlflow_env, client, export_dir):
@@ -371,3 +371,22 @@ def test_a_password_in_an_mlflow_error_is_not_in_the_reason(mlflow_env, export_d
     assert result["registered"] is False and "bob:***@store" in result["reason"]
     assert "hunter2" not in result["reason"] and not any("hunter2" in str(w.message) for w in caught)
 
+
+
+@pytest.mark.parametrize("new, current, lower, expected", [
+    (math.inf, None, True, False),    # a diverged evaluation is never champion, as NaN is not
+    (-math.inf, 1.0, True, False),    # nor could anything ever beat it after
+    (math.inf, 1.0, False, False),
+    (1.0, -math.inf, True, True),     # a champion stored with one is replaced by any finite value
+    (1.0, math.inf, False, True),
+])
+def test_an_infinite_metric_is_never_promoted_and_never_keeps_the_title(new, current, lower, expected):
+    assert should_promote(new, current, lower) is expected
+
+
+def test_a_champion_with_an_infinite_metric_is_replaced(mlflow_env, client, export_dir):
+    register(export_dir, "m-inf", 1.0)
+    client.set_model_version_tag("m-inf", "1", "metric.sft.chat.bits_per_byte", "-inf")  # an evaluation bug
+    result = register(export_dir, "m-inf", 2.0)
+    assert (result["promoted"], result["champion"]) == (True, 2)
+    assert register(export_dir, "m-inf", math.inf)["champion"] == 2
