@@ -70,3 +70,12 @@ def test_a_readme_without_the_markers_or_params_yaml_is_one_line_not_a_traceback
     assert readme.read_text() == "# no block here\n"  # nothing written
     (tmp_path / "params.yaml").unlink()  # not the project root: the table would lose params.yaml's comments
     assert main(["--check"]) == 2 and "params.yaml" in capsys.readouterr().err
+
+
+def test_an_end_marker_above_the_block_is_not_taken_for_its_end(tmp_path, monkeypatch):
+    from pipeline.reference import BEGIN, END, main
+
+    block = reference(ROOT / "params.yaml")
+    readme = project(tmp_path, monkeypatch, f"a note on {END}\n\n{BEGIN}\nold\n{END}\n")
+    assert main(["--write"]) == 0 and main(["--check"]) == 0
+    assert readme.read_text() == f"a note on {END}\n\n{block}\n"
