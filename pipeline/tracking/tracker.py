@@ -77,6 +77,7 @@ ARTIFACTS_DIR = "mlartifacts"
 OFFLINE_DIR = ".tracking-offline"
 PROBE_TIMEOUT_S = 3.0
 EXPERIMENT_PARENT_NAME = "pipeline"
+EXP_KEY_TAG = "pipeline.exp_key"  # experiment_parent: which params.yaml and baseline its parent run describes
 LAUNCH_ENV, LAUNCH_TAG = "PIPELINE_LAUNCH_ID", "pipeline.launch_id"  # one training launch's runs (end_launch_runs)
 MAX_TAG_VAL_LENGTH = 8000  # mlflow.utils.validation's; pipeline/promote.py cuts version tags to it
 
@@ -590,20 +591,26 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     A stage that fails ends this run FAILED (KILLED on Ctrl-C) with it
     (:meth:`Tracker.end`), as a flow's parent ends. DVC commits no experiment
     then, so the name may be run again: the newest parent of that name is reused
-    only if it did not fail, else the new attempt gets a parent of its own."""
+    only if it did not fail, else the new attempt gets a parent of its own. A
+    parent is also reused only for the same params.yaml and baseline commit
+    (tag ``pipeline.exp_key``): ``dvc exp run -f -n NAME -S ...`` overwrites an
+    experiment with other params, which the old parent's (immutable) params
+    would misstate."""
     from mlflow.entities import Param
 
     from pipeline.config import flatten, load_yaml
 
+    key = _experiment_key()
     found = client.search_runs(
         [experiment_id],
-        filter_string=f"tags.`dvc.exp_name` = {_quoted(exp_name)} and tags.`pipeline.parent` = 'true'",
+        filter_string=f"tags.`dvc.exp_name` = {_quoted(exp_name)} and tags.`pipeline.parent` = 'true' "
+                      f"and tags.`{EXP_KEY_TAG}` = '{key}'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
     if found and found[0].info.status not in ("FAILED", "KILLED"):
         return found[0].info.run_id
-    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", **git_tags()}
+    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", EXP_KEY_TAG: key, **git_tags()}
     if os.environ.get("DVC_EXP_BASELINE_REV"):
         tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
     run_id = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags).info.run_id
@@ -612,6 +619,17 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
         client.log_batch(run_id, params=[Param(mlflow_key(k), _text(v)) for k, v in flat.items()])
     client.set_terminated(run_id, "FINISHED")
     return run_id
+
+
+def _experiment_key() -> str:
+    """What one run of a dvc experiment is: its baseline commit and params.yaml (DVC
+    writes the ``-S`` values into the workspace copy the stages run in)."""
+    import hashlib
+
+    digest = hashlib.sha256(os.environ.get("DVC_EXP_BASELINE_REV", "").encode() + b"\0")
+    params = Path("params.yaml")
+    digest.update(params.read_bytes() if params.is_file() else b"")
+    return digest.hexdigest()[:16]
 
 
 # The process that logs a run, so that a later run can tell it was killed outright.

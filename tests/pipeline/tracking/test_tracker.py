@@ -958,3 +958,23 @@ def test_a_password_in_a_param_or_tag_is_not_logged(client, tmp_path, monkeypatc
         assert "s3cret" not in json.dumps(logged) and "hunter2" not in json.dumps(logged)
     # a password may hold an @ (urllib and requests split at the last one): none of it shows
     assert tracking.redacted("https://u:p@ss@host/x") == "https://u:***@host/x"
+
+
+def test_an_experiment_run_again_with_other_params_gets_a_parent_with_its_own_params(client, tmp_path, monkeypatch):
+    # `dvc exp run -f -n lr-test -S pretrain.lr=...` overwrites an experiment of the same name:
+    # its stages nested under the old parent run, whose params (immutable) were the old ones.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_EXP_NAME", "lr-test")
+    params = tmp_path / "params.yaml"
+    params.write_text("pretrain:\n  lr: 0.001\n")
+    with Tracker("ingest", system_metrics=False) as t:
+        pass
+    first = t.parent_run_id
+    params.write_text("pretrain:\n  lr: 0.0003\n")
+    with Tracker("ingest", system_metrics=False) as t:
+        pass
+    with Tracker("clean", system_metrics=False) as t2:
+        pass
+    assert t.parent_run_id != first and t2.parent_run_id == t.parent_run_id  # one parent per experiment run
+    assert client.get_run(first).data.params["pretrain.lr"] == "0.001"
+    assert client.get_run(t.parent_run_id).data.params["pretrain.lr"] == "0.0003"
