@@ -5,6 +5,7 @@ and the outage policy."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -390,3 +391,34 @@ def test_a_champion_with_an_infinite_metric_is_replaced(mlflow_env, client, expo
     result = register(export_dir, "m-inf", 2.0)
     assert (result["promoted"], result["champion"]) == (True, 2)
     assert register(export_dir, "m-inf", math.inf)["champion"] == 2
+
+
+def test_a_registry_on_http_gets_retries_of_seconds_not_minutes(monkeypatch, tmp_path, export_dir):
+    # MLflow's own retries last about four minutes per call when the server dies mid-registration
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from pipeline.tracking.tracker import HTTP_DEFAULTS
+
+    class Forbidden(BaseHTTPRequestHandler):
+        def do_GET(self):  # reachable (so probed healthy), but refuses every call
+            self.send_error(403)
+
+        def log_message(self, *args):
+            pass
+
+    for var in HTTP_DEFAULTS:  # unset here, and unset again after the test (setenv records the state to restore)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    server = HTTPServer(("127.0.0.1", 0), Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIPELINE_TRACKING", "1")
+        monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.server_port}")
+        with pytest.warns(RegistryWarning):
+            assert register(export_dir, "m-http", 1.0)["registered"] is False
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert {var: os.environ.get(var) for var in HTTP_DEFAULTS} == HTTP_DEFAULTS
