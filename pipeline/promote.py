@@ -144,7 +144,7 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
         _ensure_registered_model(client, model_name)
         version_tags = {mlflow_key(f"{METRIC_TAG}{k}"): repr(v) for k, v in flat.items()}
         version_tags.update({"primary_metric": primary_metric, "lower_is_better": str(lower_is_better).lower()})
-        version_tags.update({mlflow_key(k): str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
+        version_tags.update({mlflow_key(k): redacted(str(v))[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
         mv = client.create_model_version(model_name, source=source, run_id=run_id, tags=version_tags,
                                          description=f"export of {export_dir}; {primary_metric}="
                                                      f"{flat.get(primary_metric)}")

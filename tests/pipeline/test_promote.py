@@ -422,3 +422,8 @@ def test_a_registry_on_http_gets_retries_of_seconds_not_minutes(monkeypatch, tmp
         server.shutdown()
         server.server_close()
     assert {var: os.environ.get(var) for var in HTTP_DEFAULTS} == HTTP_DEFAULTS
+
+
+def test_a_password_in_a_version_tag_is_not_stored(mlflow_env, client, export_dir):
+    result = register(export_dir, "m-tag-secret", 1.0, tags={"data": "s3://AKIA1:s3cret@bucket/c4"})
+    assert client.get_model_version("m-tag-secret", str(result["version"])).tags["data"] == "s3://AKIA1:***@bucket/c4"
