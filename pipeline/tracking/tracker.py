@@ -32,9 +32,10 @@ user and source tags from its context providers) or DVC's (``lineage.py``):
   ``dvc.stage_hash`` (what ``dvc.lock`` will record for the stage),
   ``dvc.exp_name`` and ``dvc.exp_baseline_rev``.
 * Runs killed outright: each run records the process that logs it (host, pid
-  and start time). A stage killed by SIGKILL or the OOM killer cannot end its
-  run; the stage's next run on that host finds it RUNNING with its process gone
-  and ends it KILLED, with a ``pipeline.ended_by`` tag (:func:`end_orphaned_runs`).
+  namespace, pid and start time). A stage killed by SIGKILL or the OOM killer
+  cannot end its run; the stage's next run on that host (and in that pid
+  namespace) finds it RUNNING with its process gone and ends it KILLED, with a
+  ``pipeline.ended_by`` tag (:func:`end_orphaned_runs`).
 * Batching: metrics are buffered and sent with one ``log_batch`` every
   ``flush_every_s`` seconds or ``flush_every_n`` records, and at the end.
 * Outage: an http(s) server is probed at ``<uri>/health`` (3 s) first, and MLflow's
@@ -634,6 +635,8 @@ def _experiment_key() -> str:
 
 # The process that logs a run, so that a later run can tell it was killed outright.
 HOST_TAG, PID_TAG, PID_STARTED_TAG = "pipeline.host", "pipeline.pid", "pipeline.pid_started"
+# Its pid namespace: containers with host networking share the host name, not the pids.
+PID_NS_TAG = "pipeline.pid_ns"
 ENDED_BY_TAG = "pipeline.ended_by"
 
 
@@ -643,11 +646,22 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[4026531836]``); None where the OS does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _process_tags() -> dict[str, str]:
     import psutil
 
-    return {HOST_TAG: _hostname(), PID_TAG: str(os.getpid()),
-            PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
+    tags = {HOST_TAG: _hostname(), PID_TAG: str(os.getpid()), PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
+    ns = _pid_namespace()
+    if ns:
+        tags[PID_NS_TAG] = ns
+    return tags
 
 
 def _process_alive(pid: int, started: float) -> bool:
@@ -668,11 +682,13 @@ def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str
     RUNNING though the process that logged them, on this host, has ended: a
     stage killed outright (SIGKILL, the kernel's OOM killer, a lost machine)
     could not end its own run, which would otherwise show as running for ever.
-    Each gets a ``pipeline.ended_by`` tag that says so. Called as a stage starts
-    its run (``found_by``); returns the runs' ids and never raises."""
+    Each gets a ``pipeline.ended_by`` tag that says so. A run logged from
+    another pid namespace (another container with this host name) is left
+    alone: its pid says nothing here. Called as a stage starts its run
+    (``found_by``); returns the runs' ids and never raises."""
     import socket
 
-    host = socket.gethostname()
+    host, own_ns = socket.gethostname(), _pid_namespace()
     try:
         runs = client.search_runs([experiment_id], filter_string=(
             f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = {_quoted(stage)} and "
@@ -682,6 +698,8 @@ def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str
         for run in runs:
             tags = run.data.tags
             if run.info.run_id == found_by or PID_TAG not in tags or PID_STARTED_TAG not in tags:
+                continue
+            if PID_NS_TAG in tags and tags[PID_NS_TAG] != own_ns:
                 continue
             pid = int(tags[PID_TAG])
             if _process_alive(pid, float(tags[PID_STARTED_TAG])):

@@ -978,3 +978,24 @@ def test_an_experiment_run_again_with_other_params_gets_a_parent_with_its_own_pa
     assert t.parent_run_id != first and t2.parent_run_id == t.parent_run_id  # one parent per experiment run
     assert client.get_run(first).data.params["pretrain.lr"] == "0.001"
     assert client.get_run(t.parent_run_id).data.params["pretrain.lr"] == "0.0003"
+
+
+def test_a_run_of_another_pid_namespace_on_this_host_name_is_not_taken_for_killed(client):
+    # Containers with host networking share the host name, not the pids: a pid that this
+    # container cannot see may be a live training run in the other one.
+    if tracking._pid_namespace() is None:
+        pytest.skip("no /proc/self/ns/pid here")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    exp_id = tracking.ensure_experiment(client=client)
+    own = tracking._process_tags()
+    runs = {}
+    for ns in ("pid:[1]", own.get(tracking.PID_NS_TAG)):
+        tags = {"pipeline.stage": "clean", **own, tracking.PID_TAG: str(dead.pid), tracking.PID_STARTED_TAG: f"{time.time():.2f}"}
+        tags[tracking.PID_NS_TAG] = ns
+        runs[ns] = client.create_run(exp_id, run_name="clean", tags=tags).info.run_id
+    with Tracker("clean", system_metrics=False):
+        pass
+    assert client.get_run(runs["pid:[1]"]).info.status == "RUNNING"
+    assert client.get_run(runs[own[tracking.PID_NS_TAG]]).info.status == "KILLED"
+    client.set_terminated(runs["pid:[1]"])
