@@ -25,9 +25,9 @@ What one call does
     4. Points alias ``candidate`` at the new version, always.
     5. Moves alias ``champion`` to it only if :func:`should_promote` says its
        primary metric beats the champion's (read from the champion's tags): a tie
-       keeps the champion, and a missing or NaN metric is never promoted. A
-       champion without a valid value of the primary metric (e.g. registered
-       under another primary metric) is beaten by any valid value.
+       keeps the champion, and a missing, NaN or infinite metric is never
+       promoted. A champion without a valid (finite) value of the primary metric
+       (e.g. registered under another primary metric) is beaten by any valid value.
 
 Outages follow the project's policy: tracking disabled (``PIPELINE_TRACKING=0``),
 an unreachable server or any MLflow error gives a ``RegistryWarning`` and a
@@ -71,9 +71,9 @@ class RegistryWarning(UserWarning):
 
 def should_promote(new: float | None, current: float | None, lower_is_better: bool = True) -> bool:
     """Whether a version whose primary metric is ``new`` should replace a champion
-    whose metric is ``current``. ``None`` or NaN as ``new``: never. ``None`` or
-    NaN as ``current`` (no champion, or one without a valid value): yes. Else only
-    a strict improvement; a tie keeps the champion."""
+    whose metric is ``current``. ``None``, NaN or infinite as ``new``: never.
+    ``None``, NaN or infinite as ``current`` (no champion, or one without a valid
+    value): yes. Else only a strict improvement; a tie keeps the champion."""
     if not _is_number(new):
         return False
     if not _is_number(current):
@@ -108,11 +108,15 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
     Returns ``{registered: True, model_name, version, candidate, champion,
     previous_champion, promoted, reason, source, run_id}`` (versions as ints;
     champion None if there is none), or ``{registered: False, reason}`` plus
-    what was done before the failure. Raises only for a missing ``export_dir``.
+    what was done before the failure. Raises FileNotFoundError only for a missing
+    ``export_dir`` or one without a model (``config.json`` and ``*.safetensors``).
     """
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
         raise FileNotFoundError(f"{export_dir}: no export folder to register")
+    if not (export_dir / "config.json").is_file() or not any(export_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"{export_dir} is not a Hugging Face export (no config.json and *.safetensors); "
+                                "register the folder the export stage wrote")
     if not tracking_enabled():
         return {"registered": False, "reason": "tracking is disabled (PIPELINE_TRACKING=0)"}
     uri = tracking_uri()
@@ -140,7 +144,7 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
         _ensure_registered_model(client, model_name)
         version_tags = {mlflow_key(f"{METRIC_TAG}{k}"): repr(v) for k, v in flat.items()}
         version_tags.update({"primary_metric": primary_metric, "lower_is_better": str(lower_is_better).lower()})
-        version_tags.update({mlflow_key(k): str(v)[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
+        version_tags.update({mlflow_key(k): redacted(str(v))[:MAX_TAG_VAL_LENGTH] for k, v in (tags or {}).items()})
         mv = client.create_model_version(model_name, source=source, run_id=run_id, tags=version_tags,
                                          description=f"export of {export_dir}; {primary_metric}="
                                                      f"{flat.get(primary_metric)}")
@@ -177,7 +181,9 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    # finite: an infinite bits-per-byte is a diverged evaluation, as NaN is, and an
+    # infinite champion (-inf where lower is better) could never be beaten
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _not_registered(reason: str, done: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +228,7 @@ def _reason(metric: str, new: float | None, previous: int | None, current: float
             lower_is_better: bool) -> str:
     better = "lower" if lower_is_better else "higher"
     if not _is_number(new):
-        return f"{metric} is missing or NaN: never champion" + (f"; v{previous} stays" if previous else "")
+        return f"{metric} is missing, NaN or infinite: never champion" + (f"; v{previous} stays" if previous else "")
     if previous is None:
         return f"first version with {metric}={new:.6g}: champion"
     if not _is_number(current):

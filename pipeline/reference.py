@@ -2,11 +2,14 @@
 
     python -m pipeline.reference            # print the markdown
     python -m pipeline.reference --write    # replace the block in README.md
+    python -m pipeline.reference --check    # exit 1 if README.md's block is stale (CI, pre-commit)
 
 Each row is a dotted key, its default and what it means: the field's
 ``description`` in its schema, else the comment on that key's line in
 params.yaml. tests/test_project.py fails when README.md's block differs from
-this output, so the reference cannot drift from the code.
+this output, so the reference cannot drift from the code. ``--write`` and
+``--check`` run in the project root (README.md and params.yaml); a missing file
+or generated block is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -92,21 +95,59 @@ def reference(params_path: Path = Path("params.yaml")) -> str:
     return "\n".join(parts)
 
 
+def _span(readme: str) -> tuple[int, int]:
+    """Where the generated block is in ``readme``; ValueError (one line) if it is not there."""
+    start = readme.find(BEGIN)
+    end = readme.find(END, start + len(BEGIN)) if start >= 0 else -1
+    if end < 0:
+        raise ValueError(f"README.md has no generated block ({BEGIN} ... {END}); add those two lines where it goes")
+    return start, end + len(END)
+
+
 def replace_block(readme: str, block: str) -> str:
-    start, end = readme.index(BEGIN), readme.index(END) + len(END)
+    start, end = _span(readme)
     return readme[:start] + block + readme[end:]
+
+
+def first_difference(old: str, new: str) -> str:
+    """The first line that differs between README.md's block and the generated one, shortened."""
+    old_lines, new_lines = old.splitlines(), new.splitlines()
+    for i in range(max(len(old_lines), len(new_lines))):
+        a = old_lines[i] if i < len(old_lines) else "(end of block)"
+        b = new_lines[i] if i < len(new_lines) else "(end of block)"
+        if a != b:
+            return f"line {i + 1} of the block is {a[:120]!r}, the schemas give {b[:120]!r}"
+    return "the blocks differ"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="params reference for README.md")
-    ap.add_argument("--write", action="store_true", help="replace the generated block in README.md")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace the generated block in README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's generated block is stale")
     args = ap.parse_args(argv)
-    block = reference()
-    if args.write:
-        readme = Path("README.md")
-        readme.write_text(replace_block(readme.read_text(), block))
-    else:
-        sys.stdout.write(block + "\n")
+    if not (args.write or args.check):
+        sys.stdout.write(reference() + "\n")
+        return 0
+    readme_path, params_path = Path("README.md"), Path("params.yaml")
+    try:
+        if not params_path.is_file():  # the table would lack params.yaml's comments
+            raise ValueError(f"no params.yaml in {Path.cwd()}; run this in the project root")
+        block, readme = reference(params_path), readme_path.read_text(encoding="utf-8")
+        start, end = _span(readme)
+    except (OSError, ValueError) as err:
+        print(f"pipeline.reference: {err}", file=sys.stderr)
+        return 2
+    if args.check:
+        if readme[start:end] == block:
+            return 0
+        print(f"README.md's params reference is stale: {first_difference(readme[start:end], block)}; "
+              "run `python -m pipeline.reference --write`", file=sys.stderr)
+        return 1
+    from pipeline.files import atomic_write
+
+    with atomic_write(readme_path) as f:
+        f.write(replace_block(readme, block))
     return 0
 
 

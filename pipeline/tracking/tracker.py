@@ -32,9 +32,10 @@ user and source tags from its context providers) or DVC's (``lineage.py``):
   ``dvc.stage_hash`` (what ``dvc.lock`` will record for the stage),
   ``dvc.exp_name`` and ``dvc.exp_baseline_rev``.
 * Runs killed outright: each run records the process that logs it (host, pid
-  and start time). A stage killed by SIGKILL or the OOM killer cannot end its
-  run; the stage's next run on that host finds it RUNNING with its process gone
-  and ends it KILLED, with a ``pipeline.ended_by`` tag (:func:`end_orphaned_runs`).
+  namespace, pid and start time). A stage killed by SIGKILL or the OOM killer
+  cannot end its run; the stage's next run on that host (and in that pid
+  namespace) finds it RUNNING with its process gone and ends it KILLED, with a
+  ``pipeline.ended_by`` tag (:func:`end_orphaned_runs`).
 * Batching: metrics are buffered and sent with one ``log_batch`` every
   ``flush_every_s`` seconds or ``flush_every_n`` records, and at the end.
 * Outage: an http(s) server is probed at ``<uri>/health`` (3 s) first, and MLflow's
@@ -77,6 +78,7 @@ ARTIFACTS_DIR = "mlartifacts"
 OFFLINE_DIR = ".tracking-offline"
 PROBE_TIMEOUT_S = 3.0
 EXPERIMENT_PARENT_NAME = "pipeline"
+EXP_KEY_TAG = "pipeline.exp_key"  # experiment_parent: which params.yaml and baseline its parent run describes
 LAUNCH_ENV, LAUNCH_TAG = "PIPELINE_LAUNCH_ID", "pipeline.launch_id"  # one training launch's runs (end_launch_runs)
 MAX_TAG_VAL_LENGTH = 8000  # mlflow.utils.validation's; pipeline/promote.py cuts version tags to it
 
@@ -92,8 +94,9 @@ HTTP_DEFAULTS = {
 # Names MLflow accepts everywhere (it raises on others, which would cost the batch).
 _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
 MAX_KEY_LENGTH = 250
-# The password of a tracking URI's user part (https://user:token@host, which requests sends as basic auth).
-_URI_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
+# The password of a URI's user part (https://user:token@host, which requests sends as basic auth;
+# s3://key:secret@bucket, which pyarrow reads), up to the last @ before the path, as urllib splits it.
+_URI_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/\s]*@")
 
 
 class TrackingOfflineWarning(UserWarning):
@@ -241,8 +244,9 @@ def mlflow_key(name: Any) -> str:
 
 
 def _text(value: Any) -> str:
-    # MLflow cuts values that are too long itself.
-    return json.dumps(value, default=str) if isinstance(value, (list, tuple, dict)) else str(value)
+    # A param or tag value, without the password of any URI in it (a source path
+    # s3://key:secret@bucket/...); MLflow cuts values that are too long itself.
+    return redacted(json.dumps(value, default=str) if isinstance(value, (list, tuple, dict)) else str(value))
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -588,20 +592,26 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     A stage that fails ends this run FAILED (KILLED on Ctrl-C) with it
     (:meth:`Tracker.end`), as a flow's parent ends. DVC commits no experiment
     then, so the name may be run again: the newest parent of that name is reused
-    only if it did not fail, else the new attempt gets a parent of its own."""
+    only if it did not fail, else the new attempt gets a parent of its own. A
+    parent is also reused only for the same params.yaml and baseline commit
+    (tag ``pipeline.exp_key``): ``dvc exp run -f -n NAME -S ...`` overwrites an
+    experiment with other params, which the old parent's (immutable) params
+    would misstate."""
     from mlflow.entities import Param
 
     from pipeline.config import flatten, load_yaml
 
+    key = _experiment_key()
     found = client.search_runs(
         [experiment_id],
-        filter_string=f"tags.`dvc.exp_name` = {_quoted(exp_name)} and tags.`pipeline.parent` = 'true'",
+        filter_string=f"tags.`dvc.exp_name` = {_quoted(exp_name)} and tags.`pipeline.parent` = 'true' "
+                      f"and tags.`{EXP_KEY_TAG}` = '{key}'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
     if found and found[0].info.status not in ("FAILED", "KILLED"):
         return found[0].info.run_id
-    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", **git_tags()}
+    tags = {"dvc.exp_name": exp_name, "pipeline.parent": "true", EXP_KEY_TAG: key, **git_tags()}
     if os.environ.get("DVC_EXP_BASELINE_REV"):
         tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
     run_id = client.create_run(experiment_id, run_name=EXPERIMENT_PARENT_NAME, tags=tags).info.run_id
@@ -612,8 +622,21 @@ def experiment_parent(client: Any, experiment_id: str, exp_name: str) -> str:
     return run_id
 
 
+def _experiment_key() -> str:
+    """What one run of a dvc experiment is: its baseline commit and params.yaml (DVC
+    writes the ``-S`` values into the workspace copy the stages run in)."""
+    import hashlib
+
+    digest = hashlib.sha256(os.environ.get("DVC_EXP_BASELINE_REV", "").encode() + b"\0")
+    params = Path("params.yaml")
+    digest.update(params.read_bytes() if params.is_file() else b"")
+    return digest.hexdigest()[:16]
+
+
 # The process that logs a run, so that a later run can tell it was killed outright.
 HOST_TAG, PID_TAG, PID_STARTED_TAG = "pipeline.host", "pipeline.pid", "pipeline.pid_started"
+# Its pid namespace: containers with host networking share the host name, not the pids.
+PID_NS_TAG = "pipeline.pid_ns"
 ENDED_BY_TAG = "pipeline.ended_by"
 
 
@@ -623,11 +646,22 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[4026531836]``); None where the OS does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _process_tags() -> dict[str, str]:
     import psutil
 
-    return {HOST_TAG: _hostname(), PID_TAG: str(os.getpid()),
-            PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
+    tags = {HOST_TAG: _hostname(), PID_TAG: str(os.getpid()), PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
+    ns = _pid_namespace()
+    if ns:
+        tags[PID_NS_TAG] = ns
+    return tags
 
 
 def _process_alive(pid: int, started: float) -> bool:
@@ -648,11 +682,13 @@ def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str
     RUNNING though the process that logged them, on this host, has ended: a
     stage killed outright (SIGKILL, the kernel's OOM killer, a lost machine)
     could not end its own run, which would otherwise show as running for ever.
-    Each gets a ``pipeline.ended_by`` tag that says so. Called as a stage starts
-    its run (``found_by``); returns the runs' ids and never raises."""
+    Each gets a ``pipeline.ended_by`` tag that says so. A run logged from
+    another pid namespace (another container with this host name) is left
+    alone: its pid says nothing here. Called as a stage starts its run
+    (``found_by``); returns the runs' ids and never raises."""
     import socket
 
-    host = socket.gethostname()
+    host, own_ns = socket.gethostname(), _pid_namespace()
     try:
         runs = client.search_runs([experiment_id], filter_string=(
             f"attributes.status = 'RUNNING' and tags.`pipeline.stage` = {_quoted(stage)} and "
@@ -662,6 +698,8 @@ def end_orphaned_runs(client: Any, experiment_id: str, stage: str, found_by: str
         for run in runs:
             tags = run.data.tags
             if run.info.run_id == found_by or PID_TAG not in tags or PID_STARTED_TAG not in tags:
+                continue
+            if PID_NS_TAG in tags and tags[PID_NS_TAG] != own_ns:
                 continue
             pid = int(tags[PID_TAG])
             if _process_alive(pid, float(tags[PID_STARTED_TAG])):

@@ -5,6 +5,7 @@ and the outage policy."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ NAN = float("nan")
     (None, None, True, False),   # ... not even to an empty throne
     (NAN, None, True, False),
     (NAN, 1.0, False, False),
-    (-math.inf, 1.0, True, True),
+    (-math.inf, 1.0, True, False),  # infinite: see test_an_infinite_metric_is_never_promoted...
 ])
 def test_should_promote(new, current, lower, expected):
     assert should_promote(new, current, lower) is expected
@@ -109,7 +110,7 @@ def test_worse_tied_and_nan_exports_move_only_the_candidate(mlflow_env, client, 
         assert aliases(client, "m-worse") == {CANDIDATE: version, CHAMPION: 1}
     missing = register_export(export_dir, model_name="m-worse", metrics={"pretrain": {"val_loss": 1.0}})
     assert (missing["version"], missing["champion"], missing["promoted"]) == (5, 1, False)
-    assert "missing or NaN" in missing["reason"]
+    assert "missing, NaN or infinite" in missing["reason"]
 
 
 def test_nan_never_becomes_the_first_champion(mlflow_env, client, export_dir):
@@ -327,3 +328,102 @@ def test_a_password_in_the_tracking_uri_is_not_in_the_warning(monkeypatch, tmp_p
         result = register(export_dir, "m-secret", 1.0)
     assert result["registered"] is False and "alice:***@" in result["reason"]
     assert not any("s3cret" in str(w.message) for w in caught) and "s3cret" not in result["reason"]
+
+
+# --------------------------------------------------------------------------- probe3-track
+
+
+def test_a_missing_folder_or_one_that_is_no_export_is_refused(mlflow_env, client, export_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no export folder"):
+        register(tmp_path / "gone", "m-refused", 1.0)
+    notes = tmp_path / "notes"  # e.g. `models/sft` given for `models/export`: no config.json, no weights
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face export"):
+        register(notes, "m-refused", 1.0)
+    assert client.search_registered_models("name = 'm-refused'") == []
+
+
+def test_a_registry_that_refuses_to_show_the_model_registers_nothing(mlflow_env, client, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
+
+    assert register(export_dir, "m-denied", 1.5)["version"] == 1
+
+    def denied(self, name):
+        raise MlflowException("no read access", error_code=PERMISSION_DENIED)
+
+    monkeypatch.setattr(MlflowClient, "get_registered_model", denied)
+    with pytest.warns(RegistryWarning, match="no read access"):
+        result = register(export_dir, "m-denied", 1.0)
+    assert result["registered"] is False and "version" not in result
+
+
+def test_a_password_in_an_mlflow_error_is_not_in_the_reason(mlflow_env, export_dir, monkeypatch):
+    from mlflow import MlflowClient
+
+    def refuse(*args, **kwargs):
+        raise OSError("cannot upload to https://bob:hunter2@store.example.org/a")
+
+    monkeypatch.setattr(MlflowClient, "log_artifacts", refuse)
+    with pytest.warns(RegistryWarning) as caught:
+        result = register(export_dir, "m-upload", 1.0)
+    assert result["registered"] is False and "bob:***@store" in result["reason"]
+    assert "hunter2" not in result["reason"] and not any("hunter2" in str(w.message) for w in caught)
+
+
+
+@pytest.mark.parametrize("new, current, lower, expected", [
+    (math.inf, None, True, False),    # a diverged evaluation is never champion, as NaN is not
+    (-math.inf, 1.0, True, False),    # nor could anything ever beat it after
+    (math.inf, 1.0, False, False),
+    (1.0, -math.inf, True, True),     # a champion stored with one is replaced by any finite value
+    (1.0, math.inf, False, True),
+])
+def test_an_infinite_metric_is_never_promoted_and_never_keeps_the_title(new, current, lower, expected):
+    assert should_promote(new, current, lower) is expected
+
+
+def test_a_champion_with_an_infinite_metric_is_replaced(mlflow_env, client, export_dir):
+    register(export_dir, "m-inf", 1.0)
+    client.set_model_version_tag("m-inf", "1", "metric.sft.chat.bits_per_byte", "-inf")  # an evaluation bug
+    result = register(export_dir, "m-inf", 2.0)
+    assert (result["promoted"], result["champion"]) == (True, 2)
+    assert register(export_dir, "m-inf", math.inf)["champion"] == 2
+
+
+def test_a_registry_on_http_gets_retries_of_seconds_not_minutes(monkeypatch, tmp_path, export_dir):
+    # MLflow's own retries last about four minutes per call when the server dies mid-registration
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from pipeline.tracking.tracker import HTTP_DEFAULTS
+
+    class Forbidden(BaseHTTPRequestHandler):
+        def do_GET(self):  # reachable (so probed healthy), but refuses every call
+            self.send_error(403)
+
+        def log_message(self, *args):
+            pass
+
+    for var in HTTP_DEFAULTS:  # unset here, and unset again after the test (setenv records the state to restore)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    server = HTTPServer(("127.0.0.1", 0), Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIPELINE_TRACKING", "1")
+        monkeypatch.setenv("PIPELINE_ROOT", str(tmp_path))
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.server_port}")
+        with pytest.warns(RegistryWarning):
+            assert register(export_dir, "m-http", 1.0)["registered"] is False
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert {var: os.environ.get(var) for var in HTTP_DEFAULTS} == HTTP_DEFAULTS
+
+
+def test_a_password_in_a_version_tag_is_not_stored(mlflow_env, client, export_dir):
+    result = register(export_dir, "m-tag-secret", 1.0, tags={"data": "s3://AKIA1:s3cret@bucket/c4"})
+    assert client.get_model_version("m-tag-secret", str(result["version"])).tags["data"] == "s3://AKIA1:***@bucket/c4"

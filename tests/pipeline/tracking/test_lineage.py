@@ -94,3 +94,18 @@ def test_reading_published_base_models_does_not_make_a_model_stage():
     assert not StageInfo("pretrain", "x", deps=("data/packed",), outs=("models/pretrain",)).is_data_stage
     # a trained model whose folder merely starts with the same letters is a model
     assert not StageInfo("score", "x", deps=(f"{BASE_PREFIX}line/ckpt.pt",), outs=("data/scores",)).is_data_stage
+
+
+# --------------------------------------------------------------------------- probe3-track: mutation survivors
+
+
+def test_independent_stages_keep_their_dvc_yaml_order(tmp_path):
+    # "stages that could go either way keep their dvc.yaml order": the flows run them in this order
+    root = dvc_project(tmp_path, "stages:\n  z: {cmd: x, outs: [data/z]}\n  a: {cmd: x, outs: [data/a]}\n"
+                                 "  m: {cmd: x, deps: [data/a], outs: [data/m]}\n")
+    assert [s.name for s in load_stages(root)] == ["z", "a", "m"]
+
+
+def test_a_folder_outside_any_dvc_project_has_no_hashes(tmp_path):
+    # stages/export.py writes dvc.* lineage from this: a copy of the code without DVC still exports
+    assert dvc_stage_hashes(tmp_path) == {}

@@ -910,3 +910,92 @@ def test_a_server_behind_a_uri_with_a_password_is_probed_at_its_host():
     # urllib took "alice:s3cret@127.0.0.1" for a host name: such a server was always "unreachable"
     with http_server(401) as port:
         assert tracking.probe(f"http://alice:s3cret@127.0.0.1:{port}") is None
+
+
+# --------------------------------------------------------------------------- probe3-track
+
+
+def test_a_metric_that_is_no_number_raises_and_buffers_nothing(client):
+    with Tracker("pretrain", system_metrics=False, flush_every_s=3600) as t:
+        with pytest.raises(ValueError):
+            t.log_metrics({"loss": 1.0, "acc": "high"}, step=3)
+    assert client.get_run(t.run_id).data.metrics == {}  # not even the valid value before it
+
+
+def test_a_relative_project_root_gives_an_absolute_tracking_uri(tmp_path, monkeypatch):
+    # a stage that changes folder later must still find the same database
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_ROOT", "proj")
+    assert tracking_uri() == f"sqlite:///{tmp_path}/proj/mlflow.db"
+
+
+def test_git_tags_of_an_untracked_file_a_detached_head_and_no_git(git_repo, tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=git_repo, capture_output=True, text=True).stdout.strip()
+    (git_repo / "scratch.txt").write_text("notes\n")  # untracked: not what the commit runs, so not dirty
+    assert tracking.git_tags(git_repo) == {"mlflow.source.git.commit": head, "git.dirty": "false"}
+    subprocess.run(["git", "checkout", "-q", "--detach"], cwd=git_repo, check=True)
+    assert tracking.git_tags(git_repo) == {"mlflow.source.git.commit": head, "git.dirty": "false"}
+    (tmp_path / "nogit").mkdir()
+    assert tracking.git_tags(tmp_path / "nogit") == {}
+
+
+def test_a_password_in_a_param_or_tag_is_not_logged(client, tmp_path, monkeypatch):
+    # pyarrow reads s3://KEY:SECRET@bucket/...: a source path can hold a secret, and
+    # the stage's config, and a dvc experiment's whole params.yaml, are logged as params.
+    source = "s3://AKIA1:s3cret@bucket/c4/*.json.gz"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(f"ingest:\n  sources:\n    - path: {source}\n")
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-secret")
+    with Tracker("ingest", system_metrics=False, tags={"origin": "https://bob:hunter2@example.org/x"}) as t:
+        t.log_params({"ingest": {"sources": [{"path": source}]}})
+        t.set_tags({"note": "from https://bob:hunter2@example.org/y"})
+    run, parent = client.get_run(t.run_id), client.get_run(t.parent_run_id)
+    assert run.data.params["ingest.sources.0.path"] == "s3://AKIA1:***@bucket/c4/*.json.gz"
+    assert parent.data.params["ingest.sources.0.path"] == "s3://AKIA1:***@bucket/c4/*.json.gz"
+    assert run.data.tags["origin"] == "https://bob:***@example.org/x"
+    for logged in (run.data.params, run.data.tags, parent.data.params):
+        assert "s3cret" not in json.dumps(logged) and "hunter2" not in json.dumps(logged)
+    # a password may hold an @ (urllib and requests split at the last one): none of it shows
+    assert tracking.redacted("https://u:p@ss@host/x") == "https://u:***@host/x"
+
+
+def test_an_experiment_run_again_with_other_params_gets_a_parent_with_its_own_params(client, tmp_path, monkeypatch):
+    # `dvc exp run -f -n lr-test -S pretrain.lr=...` overwrites an experiment of the same name:
+    # its stages nested under the old parent run, whose params (immutable) were the old ones.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_EXP_NAME", "lr-test")
+    params = tmp_path / "params.yaml"
+    params.write_text("pretrain:\n  lr: 0.001\n")
+    with Tracker("ingest", system_metrics=False) as t:
+        pass
+    first = t.parent_run_id
+    params.write_text("pretrain:\n  lr: 0.0003\n")
+    with Tracker("ingest", system_metrics=False) as t:
+        pass
+    with Tracker("clean", system_metrics=False) as t2:
+        pass
+    assert t.parent_run_id != first and t2.parent_run_id == t.parent_run_id  # one parent per experiment run
+    assert client.get_run(first).data.params["pretrain.lr"] == "0.001"
+    assert client.get_run(t.parent_run_id).data.params["pretrain.lr"] == "0.0003"
+
+
+def test_a_run_of_another_pid_namespace_on_this_host_name_is_not_taken_for_killed(client):
+    # Containers with host networking share the host name, not the pids: a pid that this
+    # container cannot see may be a live training run in the other one.
+    if tracking._pid_namespace() is None:
+        pytest.skip("no /proc/self/ns/pid here")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    exp_id = tracking.ensure_experiment(client=client)
+    own = tracking._process_tags()
+    runs = {}
+    for ns in ("pid:[1]", own.get(tracking.PID_NS_TAG)):
+        tags = {"pipeline.stage": "clean", **own, tracking.PID_TAG: str(dead.pid), tracking.PID_STARTED_TAG: f"{time.time():.2f}"}
+        tags[tracking.PID_NS_TAG] = ns
+        runs[ns] = client.create_run(exp_id, run_name="clean", tags=tags).info.run_id
+    with Tracker("clean", system_metrics=False):
+        pass
+    assert client.get_run(runs["pid:[1]"]).info.status == "RUNNING"
+    assert client.get_run(runs[own[tracking.PID_NS_TAG]]).info.status == "KILLED"
+    client.set_terminated(runs["pid:[1]"])
