@@ -3,6 +3,7 @@ import logging
 import random
 import re
 import shutil
+from unittest.mock import ANY
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, normalizers, pre_tokenizers, trainers
 
+from pipeline import layout
 from pipeline.config import ConfigError, parse_section
 from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.tokenizer import (
@@ -130,6 +132,13 @@ def test_metrics_report_and_output(trained, corpus):
     assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "specials.json", "tokenizer.json"]  # no temp files
     assert load_specials(out) == OWN_SPECIALS
     json.loads(out.read_text())
+    # bytes per token is measured on the held-out documents, none of which was trained on
+    _, heldout, _ = choose_sample(corpus, SMALL.sample_bytes, SMALL.eval_bytes, SMALL.seed)
+    texts = [t for t, held in zip(pq.read_table(corpus).column("text").to_pylist(), heldout) if held]
+    tok = load_tokenizer(out)
+    tokens = sum(len(tok.encode(t).ids) for t in texts)
+    assert len(texts) == report["heldout_docs"]
+    assert m["bytes_per_token"] == round(sum(len(t.encode()) for t in texts) / tokens, 4)
 
 
 def test_a_vocabulary_smaller_than_asked_is_a_warning_naming_both_sizes(corpus, tmp_path, caplog):
@@ -147,6 +156,42 @@ def test_a_vocabulary_smaller_than_asked_is_a_warning_naming_both_sizes(corpus, 
         m = train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), corpus,
                             tmp_path / "t.json")
     assert m["vocab_size"] == 300 and "tokenizer.vocab_size" not in caplog.text
+
+
+def test_pairs_seen_fewer_than_min_frequency_times_are_not_merged(corpus, tmp_path, caplog):
+    """No pair of the sample is seen a million times: nothing is merged, and the
+    warning names the setting that stopped it."""
+    cfg = TokenizerConfig(vocab_size=400, min_frequency=10**6, sample_bytes=20_000, eval_bytes=2_000)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        m = train_tokenizer(cfg, corpus, tmp_path / "t.json")
+    assert m["vocab_size"] == 256 + len(SPECIAL_TOKENS)
+    assert "pairs seen fewer than tokenizer.min_frequency = 1000000 times are not merged" in caplog.text
+
+
+def test_the_tokenizer_is_the_same_bytes_whatever_the_row_order_and_read_batches(corpus, tmp_path, trained,
+                                                                                 monkeypatch):
+    """The clean stage's row order depends on its workers and executor, and the
+    corpus is streamed in batches: neither may change a byte of tokenizer.json,
+    which the pipeline's outputs are compared by."""
+    docs = list(zip(*pq.read_table(corpus, columns=["id", "text"]).to_pydict().values()))
+    shuffled = tmp_path / "shuffled.parquet"
+    write_docs(shuffled, random.Random(7).sample(docs, len(docs)))
+    monkeypatch.setattr(tokenizer_module, "READ_BATCH_ROWS", 7)  # many batches, rows read by their offsets
+    for path in (corpus, shuffled):
+        train_tokenizer(SMALL, path, tmp_path / "t.json", tmp_path / "report.json")
+        assert (tmp_path / "t.json").read_bytes() == trained[0].read_bytes()
+        assert read_json(tmp_path / "report.json") == trained[2]
+
+
+def test_the_stage_trains_on_the_clean_docs_into_the_tokenizer_folder(corpus, tmp_path, trained, monkeypatch):
+    from stages import tokenizer as stage
+
+    monkeypatch.chdir(tmp_path)
+    layout.CLEAN_DOCS.parent.mkdir(parents=True)
+    shutil.copyfile(corpus, layout.CLEAN_DOCS)  # one Parquet file where the clean stage writes its folder
+    assert stage.main(SMALL) == {**trained[1], "train_seconds": ANY, "total_seconds": ANY}
+    assert layout.TOKENIZER_JSON.read_bytes() == trained[0].read_bytes()
+    assert read_json(stage.REPORT) == trained[2] and stage.REPORT.parent == layout.TOKENIZER_DIR
 
 
 def test_sample_respects_bound_is_spread_and_disjoint(corpus):
@@ -583,6 +628,46 @@ def test_an_eot_token_that_text_encodes_to_is_refused(family_folders, corpus, tm
     with pytest.raises(TokenizerError, match=r"the end-of-text token '<\|endoftext\|>' \(id 0\) is an ordinary "
                                              r"token.*\(it has none: mark its end-of-text token special"):
         adopt(tmp_path / "plain", tmp_path / "out", corpus)
+
+
+def tiny_folder(folder, added: dict[str, bool], config: dict | None = None):
+    """A Hugging Face tokenizer folder: a byte-level BPE with the ``added`` tokens
+    (text -> special) and ``config`` as its tokenizer_config.json."""
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer()
+    tok.train_from_iterator(["abc abd"], trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(text, special=special) for text, special in added.items()])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder, tok
+
+
+@pytest.mark.parametrize("added, config, eot, pad", [
+    # a known end-of-text token that is special comes before one that text encodes to
+    ({"<|endoftext|>": False, "</s>": True}, {}, "</s>", "</s>"),
+    # no known one: the eos_token, here as an AddedToken dict; a named pad token is taken
+    ({"<|eot|>": True, "<|pad|>": True}, {"eos_token": {"content": "<|eot|>"}, "pad_token": "<|pad|>"}, "<|eot|>",
+     "<|pad|>"),
+])
+def test_the_end_of_text_and_pad_tokens_of_an_adopted_tokenizer(corpus, tmp_path, added, config, eot, pad):
+    folder, tok = tiny_folder(tmp_path / "model", added, config)
+    adopt(folder, tmp_path / "out", corpus)
+    specials = load_specials(tmp_path / "out")
+    assert (specials.eot_id, specials.pad_id) == (tok.token_to_id(eot), tok.token_to_id(pad))
+    assert specials.texts["eot"] == eot and specials.texts["pad"] == pad
+
+
+def test_a_tokenizer_with_no_end_of_text_token_is_told_to_name_one(corpus, tmp_path):
+    folder, _ = tiny_folder(tmp_path / "model", {"<|x|>": True})
+    with pytest.raises(TokenizerError, match=r"model: no end-of-text token found \(looked for <\|endoftext\|>, .*and "
+                                             r"tokenizer_config.json's eos_token\); name one with tokenizer.eot_token$"):
+        adopt(folder, tmp_path / "out", corpus)
+    adopt(folder, tmp_path / "out", corpus, eot_token="<|x|>")
+    assert load_specials(tmp_path / "out").texts["eot"] == "<|x|>"
 
 
 @pytest.mark.parametrize("name, data, said", [
