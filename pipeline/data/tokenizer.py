@@ -48,6 +48,7 @@ twice in batches: once for ids and sizes, once for the chosen texts.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import shutil
@@ -640,11 +641,17 @@ def _remove_adopted(out_dir: Path) -> None:
     shutil.rmtree(Path(out_dir) / HF_DIR, ignore_errors=True)
 
 
-def _token_text(value: Any) -> str | None:
-    """tokenizer_config.json writes a token as a string or as an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+def _token_text(value: Any, file: Path, role: str) -> str | None:
+    """tokenizer_config.json writes a token as a string or as an AddedToken dict;
+    null or "" is no token. Anything else (a list, a number) is a one-line
+    TokenizerError naming ``file`` and ``role``: read as no token, the role's
+    token would silently be another."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is None or isinstance(text, str):
+        return text or None
+    raise TokenizerError(f"{file}: {role} is {json.dumps(value)[:80]}, neither a token's text nor an AddedToken "
+                         "object with one; give one token's text (more ids that end generation go in "
+                         "generation_config.json's eos_token_id, a list)")
 
 
 DAMAGED_HINT = "the model folder is damaged or incomplete (an interrupted download?): fetch the file again"
@@ -707,7 +714,8 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     tok_map = read_folder_json(folder / "special_tokens_map.json")
 
     def named(role: str) -> str | None:
-        return _token_text(tok_config.get(role)) or _token_text(tok_map.get(role))
+        return (_token_text(tok_config.get(role), folder / "tokenizer_config.json", role)
+                or _token_text(tok_map.get(role), folder / "special_tokens_map.json", role))
 
     def id_of(text: str | None, what: str) -> int | None:
         if text is None:

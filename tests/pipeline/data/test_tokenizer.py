@@ -735,6 +735,27 @@ def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_n
     assert specials.texts["pad"] == "<|end_of_text|>"
 
 
+@pytest.mark.parametrize("file, role, value", [
+    ("tokenizer_config.json", "eos_token", ["<|eot_id|>", "<|end_of_text|>"]),  # the stop ids, as a list
+    ("tokenizer_config.json", "bos_token", 128000),  # an id, not a text
+    ("special_tokens_map.json", "eos_token", {"content": ["<|eot_id|>"]}),
+])
+def test_a_role_s_token_that_is_no_text_is_a_one_line_error(family_folders, corpus, tmp_path, file, role, value):
+    """Read as no token, a list of eos tokens made the end-of-turn token, the
+    first stop id, silently the end-of-text one."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    config = read_json(folder / "tokenizer_config.json")
+    config.pop(role)  # special_tokens_map.json is read where tokenizer_config.json names no token
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / file).write_text(json.dumps({**tokenizer_module.read_folder_json(folder / file), role: value}))
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(folder / file))}: {role} is .+, neither a token's "
+                                             r"text nor an AddedToken object with one; give one token's text \(more "
+                                             r"ids that end generation go in generation_config.json's eos_token_id"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("files, config, template", [
     ({"chat_template.jinja": "J", "chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "J"),
     ({"chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "C"),
