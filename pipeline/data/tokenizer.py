@@ -741,9 +741,16 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     eos_id = id_of(eos_text, "eos_token")
     if eos_id is not None:
         eos.append(eos_id)
-    gen_eos = read_folder_json(folder / "generation_config.json").get("eos_token_id")
-    eos.extend(i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
-               if isinstance(i, int) and not isinstance(i, bool))  # an id, not a token's text or a flag
+    gen_file = folder / "generation_config.json"
+    gen_eos = read_folder_json(gen_file).get("eos_token_id")
+    gen_ids = [i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+               if isinstance(i, int) and not isinstance(i, bool)]  # an id, not a token's text or a flag
+    # a stop id with no token: generation never stops there, export writes it, and a template's eos_token is None
+    if unknown := [i for i in gen_ids if not 0 <= i < id_space(tok) or tok.id_to_token(i) is None]:
+        raise TokenizerError(f"{gen_file}: eos_token_id {unknown} {'is no id' if len(unknown) == 1 else 'are no ids'} "
+                             f"of the tokenizer (ids 0 to {id_space(tok) - 1}): the file belongs to another model; "
+                             "fetch the model's own, or give its tokenizer's ids")
+    eos.extend(gen_ids)
     eos.append(eot_id)
     pad_id = id_of(pad_text, "pad_token")
     texts = {"eot": eot_text, "pad": pad_text or eot_text}

@@ -706,13 +706,32 @@ def test_a_copied_cache_snapshot_whose_tokenizer_is_a_link_to_nothing_says_so(fa
 def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, corpus, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(family_folders["llama3"], folder)
-    (folder / "generation_config.json").write_text('{"eos_token_id": ["<|eot_id|>", true, 128009]}')
+    (folder / "generation_config.json").write_text('{"eos_token_id": ["<|eot_id|>", true, 520]}')
     adopt(folder, tmp_path / "out", corpus)
     specials = load_specials(tmp_path / "out")  # it read back as "unreadable; rerun the tokenizer stage"
-    assert all(type(i) is int for i in specials.eos_ids) and 128009 in specials.eos_ids
+    assert all(type(i) is int for i in specials.eos_ids) and 520 in specials.eos_ids
     tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
     eot, stop, _ = ADOPTED["llama3"]
-    assert specials.eos_ids == (tok.token_to_id(stop), 128009, tok.token_to_id(eot))  # true is no id 1
+    assert specials.eos_ids == (tok.token_to_id(stop), 520, tok.token_to_id(eot))  # true is no id 1
+
+
+@pytest.mark.parametrize("ids, said", [([128009], r"\[128009\] is no id"), (-1, r"\[-1\] is no id"),
+                                       ([513, 600, 700], r"\[600, 700\] are no ids")])
+def test_generation_config_stop_ids_the_tokenizer_lacks_are_a_one_line_error(family_folders, corpus, tmp_path, ids,
+                                                                             said):
+    """A generation_config.json of another model (the real Llama 3's, beside a
+    smaller vocabulary): its stop ids were recorded, generation never stopped
+    there and export wrote them on."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    size = id_space(Tokenizer.from_file(str(folder / "tokenizer.json")))
+    assert size == 523  # the fixture: 513 is its <|end_of_text|>, 600 and 700 are past its ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(folder / 'generation_config.json'))}: eos_token_id "
+                                             rf"{said} of the tokenizer \(ids 0 to 522\): the file belongs to another "
+                                             r"model; fetch the model's own"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
 
 
 def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_none(family_folders, corpus, tmp_path):
