@@ -678,16 +678,19 @@ def read_folder_json(path: Path) -> dict[str, Any]:
 def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     """The folder's default chat template, where transformers looks for it:
     ``chat_template.jinja``, then ``chat_template.json``, then ``tokenizer_config.json``
-    (a string, or a list of named templates of which "default" is used).
+    (a string, or a list of named templates of which "default" is used); the first
+    place that has one decides, and a blank template is none.
     A file that does not decode or parse is a one-line TokenizerError."""
-    if (folder / "chat_template.jinja").is_file():
+    source = folder / "chat_template.jinja"
+    template: Any = None
+    if source.is_file():
         try:
-            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            template = source.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise TokenizerError(f"{folder / 'chat_template.jinja'}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") \
-                from e
+            raise TokenizerError(f"{source}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") from e
+        return template if template.strip() else None  # blank: no template, as in the other two places
     source = folder / "chat_template.json"
-    template: Any = read_folder_json(source).get("chat_template")
+    template = read_folder_json(source).get("chat_template")
     if template is None:
         source, template = folder / "tokenizer_config.json", tok_config.get("chat_template")
     if isinstance(template, list):

@@ -782,6 +782,8 @@ def test_a_role_s_token_that_is_no_text_is_a_one_line_error(family_folders, corp
     ({}, {"chat_template": [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "D"}]}, "D"),
     ({}, {"chat_template": [{"name": "tool_use", "template": "U"}]}, None),
     ({}, {"chat_template": "  \n"}, None),
+    ({"chat_template.jinja": "", "chat_template.json": '{"chat_template": "C"}'}, {}, None),  # the first file found
+    ({"chat_template.jinja": " \n\n"}, {"chat_template": "T"}, None),
     ({}, {}, None),
 ])
 def test_the_chat_template_is_read_where_transformers_looks_for_it(tmp_path, files, config, template):
