@@ -863,6 +863,12 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
     check_eot_is_special(folder, tok, specials, cfg.eot_token is not None)
+    if ordinary := [i for i in specials.eos_ids if i not in specials.special_ids]:
+        # not refused as the end of text is (pack puts no stop id between documents), but not silent either
+        log.warning("%s: the stop token(s) %s are ordinary tokens, which text encodes to: a document that spells one "
+                    "trains the model on it as text, and generation and evaluate stop where it comes out; mark them "
+                    "special (\"special\": true in the added_tokens of its tokenizer.json)", folder,
+                    ", ".join(f"{tok.id_to_token(i)!r} (id {i})" for i in ordinary))
     if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
         log.warning("tokenizer.source %s is outside %s/%s, so DVC does not see changes to it: a replaced model "
                     "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,

@@ -670,6 +670,24 @@ def test_a_tokenizer_with_no_end_of_text_token_is_told_to_name_one(corpus, tmp_p
     assert load_specials(tmp_path / "out").texts["eot"] == "<|x|>"
 
 
+def test_a_stop_token_that_text_encodes_to_is_warned_about(family_folders, corpus, tmp_path, caplog):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    data = read_json(folder / "tokenizer.json")
+    [eot_id] = [t for t in data["added_tokens"] if t["content"] == "<|eot_id|>"]
+    eot_id["special"] = False
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert f"{folder}: the stop token(s) '<|eot_id|>' (id {eot_id['id']}) are ordinary tokens, which text encodes " \
+           "to:" in caplog.text
+    assert load_specials(tmp_path / "out").eos_ids[0] == eot_id["id"]  # still the end of a turn
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(family_folders["llama3"], tmp_path / "as shipped", corpus)
+    assert "stop token" not in caplog.text
+
+
 @pytest.mark.parametrize("name, data, said", [
     ("tokenizer_config.json", b'{"eos_token": "<|end', "not valid JSON"),  # a download cut short
     ("generation_config.json", b"{oops", "not valid JSON"),
