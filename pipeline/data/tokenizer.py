@@ -511,14 +511,20 @@ def check_roundtrip(tok: Tokenizer, items: Iterator[tuple[str, str]],
         back = tok.decode(ids, skip_special_tokens=False)
         if back != text:
             at = next((i for i, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+            # code points too: a normalizer's change (e + U+0301 -> é) prints the same in both excerpts
             raise TokenizerError(
-                f"round-trip check failed on {name} at character {at}: "
+                f"round-trip check failed on {name} at character {at} ({_code_point(text, at)} came back as "
+                f"{_code_point(back, at)}): "
                 f"{text[max(0, at - 20):at + 20]!r} came back as {back[max(0, at - 20):at + 20]!r}"
             )
         n += 1
         nbytes += len(text.encode("utf-8"))
         ntok += len(ids)
     return n, nbytes, ntok
+
+
+def _code_point(text: str, at: int) -> str:
+    return f"U+{ord(text[at]):04X}" if at < len(text) else "the end"
 
 
 def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,

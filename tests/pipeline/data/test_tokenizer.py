@@ -344,8 +344,18 @@ def test_a_corpus_too_small_to_hold_any_out_is_measured_on_a_tenth_of_the_sample
 def test_roundtrip_check_catches_a_lossy_tokenizer():
     tok = build_tokenizer()
     tok.normalizer = normalizers.Lowercase()
-    with pytest.raises(TokenizerError, match="round-trip check failed on doc A"):
+    with pytest.raises(TokenizerError, match=r"round-trip check failed on doc A at character 0 \(U\+0048 came back "
+                                             r"as the end\): 'Hello' came back as ''$"):  # no vocabulary at all
         check_roundtrip(tok, [("doc A", "Hello")])
+    # a change the excerpts print alike (NFC, as Qwen's normalizer does) is told by its code points
+    tok.train_from_iterator([], trainers.BpeTrainer(initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                    show_progress=False))
+    tok.normalizer = normalizers.NFC()
+    with pytest.raises(TokenizerError, match=r"at character 1 \(U\+0065 came back as U\+00E9\)"):
+        check_roundtrip(tok, [("doc B", "ne\u0301e")])
+    tok.normalizer = normalizers.Replace("\n", "")  # text lost at the end
+    with pytest.raises(TokenizerError, match=r"at character 2 \(U\+000A came back as the end\)"):
+        check_roundtrip(tok, [("doc C", "ab\n")])
 
 
 def test_errors(tmp_path, trained):
