@@ -410,6 +410,11 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
         raise TokenizerError(f"{docs_path}: no text to train on ({len(size)} documents, 0 bytes)")
     rank = np.concatenate(ranks)
     order = np.argsort(rank, kind="stable")
+    # equal ids rank alike and keep their row order, which then picks among them (clean's ids are unique)
+    if shared := int((rank[order][1:] == rank[order][:-1]).sum()):
+        log.warning("%s: %d document(s) have the id of one before them in rank order, so which of them the sample "
+                    "(and the held-out set) takes depends on the row order, and so does the tokenizer: give each "
+                    "document its own id", docs_path, shared)
     nonempty = size > 0
     heldout = np.zeros(len(size), bool)
     # Held-out docs come from the far end of the rank order; capping them at a tenth

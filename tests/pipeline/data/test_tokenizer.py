@@ -233,6 +233,22 @@ def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
     assert chosen(corpus, 0) != chosen(corpus, 1)
 
 
+def test_documents_that_share_an_id_are_warned_about(tmp_path, caplog):
+    """The sample is the same whatever the row order only for distinct ids: equal
+    ids rank alike, and their row order picks among them."""
+    path = tmp_path / "dups.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "a"], "text": ["x"] * 6}), path)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        choose_sample(path, 1_000, 1_000, seed=0)
+    assert f"{path}: 3 document(s) have the id of one before them in rank order, so which of them the sample (and " \
+           "the held-out set) takes depends on the row order" in caplog.text  # two more a's, a second null
+    caplog.clear()
+    write_docs(path, make_docs(50))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        choose_sample(path, 1_000, 1_000, seed=0)
+    assert caplog.text == ""
+
+
 def test_the_held_out_documents_are_the_last_in_rank_order_and_at_most_a_tenth(tmp_path):
     path = tmp_path / "even.parquet"
     write_docs(path, [(f"d{i:03d}", f"{i:03d}" + "x" * 96 + "\n") for i in range(100)])  # 100 bytes each
