@@ -833,6 +833,22 @@ def check_fits(tok: Tokenizer, vocab_size: int, fix: str = "") -> None:
                          f"embeds only {vocab_size}" + (f"; {fix}" if fix else ""))
 
 
+def model_vocab_size(folder: Path) -> int | None:
+    """The embedding rows the model of a Hugging Face folder declares
+    (``config.json``'s ``vocab_size``, or its ``text_config``'s), or None when
+    there is none to read: a folder of a tokenizer alone, or a config.json that
+    does not parse (pretrain.init_from, which loads it, says so)."""
+    try:
+        config = read_folder_json(folder / "config.json")
+    except TokenizerError:
+        return None
+    text_config = config.get("text_config")
+    for value in (config.get("vocab_size"), text_config.get("vocab_size") if isinstance(text_config, dict) else None):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of a Hugging Face folder; a one-line TokenizerError
     when the folder or the file is missing or unreadable."""
@@ -880,6 +896,11 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
                     "trains the model on it as text, and generation and evaluate stop where it comes out; mark them "
                     "special (\"special\": true in the added_tokens of its tokenizer.json)", folder,
                     ", ".join(f"{tok.id_to_token(i)!r} (id {i})" for i in ordinary))
+    if (rows := model_vocab_size(folder)) is not None and id_space(tok) > rows:
+        # a tokenizer adopted to train from scratch still works; init_from this folder's weights cannot
+        log.warning("%s: the tokenizer has ids up to %d but config.json's vocab_size is %d: its weights have no "
+                    "embedding row for the ids past it, so pretrain.init_from this folder will refuse the pair (a "
+                    "model trained from scratch on this tokenizer is unaffected)", folder, id_space(tok) - 1, rows)
     if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
         log.warning("tokenizer.source %s is outside %s/%s, so DVC does not see changes to it: a replaced model "
                     "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,

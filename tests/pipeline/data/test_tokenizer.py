@@ -952,6 +952,25 @@ def test_adopting_from_outside_models_base_is_warned_about(family_folders, corpu
            f"{family_folders['qwen2'].resolve()}), so DVC does not see changes to it" in caplog.text
 
 
+@pytest.mark.parametrize("config, warned", [
+    ({"vocab_size": 522}, True),  # one row short of the fixture's 523 ids
+    ({"text_config": {"vocab_size": 100}}, True),  # a multimodal model's language part
+    ({"vocab_size": 523}, False), ({"vocab_size": 1024}, False), ({}, False), (None, False), ("{oops", False),
+])
+def test_adopting_from_a_model_whose_embedding_is_smaller_than_the_tokenizer_is_warned_about(
+        family_folders, corpus, tmp_path, caplog, config, warned):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    if config is not None:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(folder, tmp_path / "out", corpus)
+    rows = config.get("vocab_size") or config["text_config"]["vocab_size"] if warned else None
+    said = f"{folder}: the tokenizer has ids up to 522 but config.json's vocab_size is {rows}: its weights have no " \
+           "embedding row for the ids past it, so pretrain.init_from this folder will refuse the pair"
+    assert (said in caplog.text) if warned else ("config.json" not in caplog.text)
+
+
 def test_adopting_a_tokenizer_without_a_template_or_chatml_tokens_warns_that_sft_needs_one(
         family_folders, corpus, tmp_path, caplog):
     """Llama 3 without its template has no <|im_start|>: sft's auto could not
