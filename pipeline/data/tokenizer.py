@@ -855,19 +855,21 @@ def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     folder = Path(folder)
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer.source {folder} is not a folder; give 'train' or a local Hugging Face "
-                             "model folder")
+                             "model folder" + (f" (here {folder.parent}, the folder that holds it)"
+                                               if folder.is_file() else ""))
     if broken := broken_links(folder):
         raise TokenizerError(f"tokenizer.source {folder}: {broken}")
     file = folder / "tokenizer.json"
     if not file.is_file():
-        hint = (" (it has only a SentencePiece tokenizer.model: convert it once with transformers, "
-                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))"
-                if (folder / "tokenizer.model").is_file() else "")
+        # transformers converts a slow tokenizer's files (SentencePiece, or GPT-2's vocab.json and merges.txt)
+        slow = [name for name in ("tokenizer.model", "vocab.json", "merges.txt") if (folder / name).is_file()]
+        hint = (f" (it has only a slow tokenizer's {' and '.join(slow)}: convert it once with transformers, "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))" if slow else "")
         raise TokenizerError(f"{folder} has no tokenizer.json{hint}")
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception with the parse error
-        raise TokenizerError(f"{file}: not a valid tokenizer file: {e}") from e
+        raise TokenizerError(f"{file}: not a valid tokenizer file: {e}; {DAMAGED_HINT}") from e
 
 
 def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,

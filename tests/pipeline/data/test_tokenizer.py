@@ -893,8 +893,27 @@ def test_adoption_errors_are_one_line(family_folders, corpus, tmp_path):
     spm = tmp_path / "spm"
     spm.mkdir()
     (spm / "tokenizer.model").write_bytes(b"\0")
-    with pytest.raises(TokenizerError, match="has no tokenizer.json .*SentencePiece tokenizer.model: convert it"):
+    with pytest.raises(TokenizerError, match=r"spm has no tokenizer.json \(it has only a slow tokenizer's "
+                                             r"tokenizer.model: convert it once with transformers"):
         adopt(spm, tmp_path / "out", corpus)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "vocab.json").write_text("{}")
+    (gpt2 / "merges.txt").write_text("")
+    with pytest.raises(TokenizerError, match=r"gpt2 has no tokenizer.json \(it has only a slow tokenizer's "
+                                             r"vocab.json and merges.txt: convert it once"):
+        adopt(gpt2, tmp_path / "out", corpus)
+    with pytest.raises(TokenizerError, match=rf"tokenizer.json is not a folder; give 'train' or a local Hugging Face "
+                                             rf"model folder \(here {re.escape(str(family_folders['qwen2']))}, the "
+                                             r"folder that holds it\)$"):
+        adopt(family_folders["qwen2"] / "tokenizer.json", tmp_path / "out", corpus)
+    cut = tmp_path / "cut"
+    shutil.copytree(family_folders["qwen2"], cut)
+    (cut / "tokenizer.json").write_bytes((family_folders["qwen2"] / "tokenizer.json").read_bytes()[:2000])
+    with pytest.raises(TokenizerError, match=r"cut/tokenizer.json: not a valid tokenizer file: EOF while parsing .*; "
+                                             r"the model folder is damaged or incomplete \(an interrupted download"):
+        adopt(cut, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="tokenizer.source"):
         parse_section(TokenizerConfig, {"source": " "}, "tokenizer")
 
