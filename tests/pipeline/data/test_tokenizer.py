@@ -778,6 +778,18 @@ def test_generation_config_stop_ids_the_tokenizer_lacks_are_a_one_line_error(fam
     assert not (tmp_path / "out").exists()
 
 
+def test_a_generation_config_stop_id_in_a_gap_of_the_ids_is_no_id_either(family_folders, corpus, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    data = read_json(folder / "tokenizer.json")
+    vocab = data["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 600  # the last learned token, 511, moves: 511 and 523 to 599 have no token
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [511]}))
+    with pytest.raises(TokenizerError, match=r"eos_token_id \[511\] is no id of the tokenizer \(ids 0 to 600\)"):
+        adopt(folder, tmp_path / "out", corpus)
+
+
 def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_none(family_folders, corpus, tmp_path):
     """An empty token is no token; a role tokenizer_config.json does not name is
     looked for in special_tokens_map.json (as a string or an AddedToken); without
