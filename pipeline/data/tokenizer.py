@@ -760,9 +760,10 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     gen_ids = [i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
                if isinstance(i, int) and not isinstance(i, bool)]  # an id, not a token's text or a flag
     # a stop id with no token: generation never stops there, export writes it, and a template's eos_token is None
-    if unknown := [i for i in gen_ids if not 0 <= i < id_space(tok) or tok.id_to_token(i) is None]:
+    rows = id_space(tok)
+    if unknown := [i for i in gen_ids if not 0 <= i < rows or tok.id_to_token(i) is None]:
         raise TokenizerError(f"{gen_file}: eos_token_id {unknown} {'is no id' if len(unknown) == 1 else 'are no ids'} "
-                             f"of the tokenizer (ids 0 to {id_space(tok) - 1}): the file belongs to another model; "
+                             f"of the tokenizer (ids 0 to {rows - 1}): the file belongs to another model; "
                              "fetch the model's own, or give its tokenizer's ids")
     eos.extend(gen_ids)
     eos.append(eot_id)
