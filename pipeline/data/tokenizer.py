@@ -890,6 +890,15 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     if ignored:
         log.warning("tokenizer.source is a Hugging Face folder: ignoring the training key(s) %s",
                     ", ".join(f"tokenizer.{k}" for k in ignored))
+    out_dir = out_path.parent
+    own = (out_dir.resolve(), (out_dir / HF_DIR).resolve())
+    if folder.resolve() in own or own[1] in folder.resolve().parents:
+        # out_dir's top holds no tokenizer_config.json or template, and hf/ no generation_config.json: roles
+        # would be lost without a word, from files this run replaces
+        last = load_specials(out_dir).source if (out_dir / SPECIALS_FILE).is_file() else SOURCE_TRAIN
+        raise TokenizerError(f"tokenizer.source {folder} is the tokenizer stage's own output ({out_dir}), which this "
+                             "run replaces: give the model folder itself"
+                             + (f" (the last one adopted: {last})" if last != SOURCE_TRAIN else ""))
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
     check_eot_is_special(folder, tok, specials, cfg.eot_token is not None)
@@ -908,7 +917,6 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
         log.warning("tokenizer.source %s is outside %s/%s, so DVC does not see changes to it: a replaced model "
                     "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,
                     layout.through_link(folder))
-    out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out_dir / HF_DIR) as tmp:
         for name in specials.hf_files:

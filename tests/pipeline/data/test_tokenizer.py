@@ -930,6 +930,28 @@ def test_adoption_errors_are_one_line(family_folders, corpus, tmp_path):
         parse_section(TokenizerConfig, {"source": " "}, "tokenizer")
 
 
+def test_the_stage_s_own_output_is_no_source_to_adopt_from(family_folders, corpus, tmp_path):
+    """Its top holds no tokenizer_config.json or template and its hf/ no
+    generation_config.json: adopting from either lost bos, stop ids and the
+    template without a word (and read files the run replaces)."""
+    out = tmp_path / "tokenizer"
+    adopt(family_folders["llama3"], out, corpus)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for source in (out, out / "hf", out / "hf" / ".." / "hf"):
+        with pytest.raises(TokenizerError, match=rf"^tokenizer.source {re.escape(str(source))} is the tokenizer "
+                                                 r"stage's own output \(.*\), which this run replaces: give the model "
+                                                 rf"folder itself \(the last one adopted: "
+                                                 rf"{re.escape(str(family_folders['llama3']))}\)$"):
+            adopt(source, out, corpus)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    build(SMALL, corpus, out / "tokenizer.json")
+    with pytest.raises(TokenizerError, match=r"which this run replaces: give the model folder itself$"):
+        adopt(out, out, corpus)
+    shutil.copytree(family_folders["llama3"], out / "model")  # a model folder of its own, kept there
+    adopt(out / "model", out, corpus)
+    assert load_specials(out).source == str(out / "model")
+
+
 def test_pack_separates_documents_with_the_adopted_end_of_text(family_folders, corpus, tmp_path):
     from pipeline.data.pack import PackConfig, run_pack
     from pipeline.data.shards import PackedRows
