@@ -280,6 +280,24 @@ def test_the_one_document_to_train_on_is_not_also_held_out(tmp_path):
     assert sample.tolist() == [False, True] and not heldout.any()
 
 
+def test_documents_without_text_are_neither_held_out_nor_trained_on(tmp_path):
+    path = tmp_path / "gaps.parquet"
+    texts = ["", None, *(f"document {i} " * 20 for i in range(30))]
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(len(texts))], "text": texts}), path)
+    sample, heldout, _ = choose_sample(path, 10**6, 10**6, seed=0)
+    assert heldout.any() and not heldout[:2].any() and not sample[:2].any() and sample[2:].sum() > 20
+
+
+def test_sample_weights_with_every_document_over_its_share_train_on_a_prefix_of_one(tmp_path):
+    path = tmp_path / "large.parquet"
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(20)], "text": [f"{i} " + "word " * 400 for i in range(20)],
+                             "source_name": ["a", "b"] * 10}), path)  # 2,000 bytes each, over a share of 500
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=1_000, eval_bytes=1_000, sample_weights={"a": 1, "b": 1})
+    m = train_tokenizer(cfg, path, tmp_path / "t.json", tmp_path / "report.json")
+    assert read_json(tmp_path / "report.json")["sample_docs"] == 1
+    assert 900 < m["sample_bytes"] <= 1_000  # one document, clipped to the bound, not nothing
+
+
 def test_a_corpus_of_empty_texts_has_no_text_to_train_on(tmp_path):
     path = tmp_path / "blank.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "text": ["", None]}), path)
@@ -401,6 +419,12 @@ def test_errors(tmp_path, trained):
     tok.save(str(swapped))
     with pytest.raises(TokenizerError, match=r"special token '<\|endoftext\|>' has id 1, expected 0; retrain"):
         load_tokenizer(swapped)
+
+
+def test_a_specials_file_from_before_adoption_is_our_own_tokenizer_s(tmp_path):
+    (tmp_path / "specials.json").write_text('{"eot_id": 0, "pad_id": 1, "bos_id": null, "eos_ids": [3, 0]}')
+    specials = load_specials(tmp_path / "tokenizer.json")
+    assert specials.own and specials.ids() == {"eot": 0, "pad": 1, "im_start": 2, "im_end": 3}
 
 
 @pytest.mark.parametrize("specials", ['{"eot_id": 5, "pad_id": 5, "eos_ids": 5}', '[5]', '{"eot_id": null}',
@@ -580,9 +604,11 @@ def test_adopting_measures_on_a_documents_folder_as_the_stage_gives_it(family_fo
 
 
 @pytest.mark.parametrize("family", ADOPTED)
-def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(family, family_folders, corpus, tmp_path):
+def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(family, family_folders, corpus, tmp_path,
+                                                                           caplog):
     folder = family_folders[family]
-    metrics = adopt(folder, tmp_path, corpus)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        metrics = adopt(folder, tmp_path, corpus)
     assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     copied = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert copied == sorted(f for f in HF_TOKENIZER_FILES if (folder / f).is_file())
@@ -597,6 +623,13 @@ def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(famil
     assert specials.bos_id == (tok.token_to_id(bos) if bos else None)
     assert specials.chat_template == (folder / "chat_template.jinja").read_text()
     assert set(specials.ids()) >= {"eot", "pad"} and len(set(specials.eos_ids)) == len(specials.eos_ids)
+    assert specials.ids() == {"eot": specials.eot_id, "pad": specials.pad_id, **({"bos": specials.bos_id} if bos else {})}
+    assert specials.texts["eos"] == stop and specials.texts.get("bos") == bos
+    # Qwen's NFC normalizer composes the probe's e + U+0301: counted and said, not refused (it is the model's own)
+    nfc = family.startswith("qwen")
+    assert metrics["roundtrip_failures"] == read_json(tmp_path / "report.json")["roundtrip_failures"] == int(nfc)
+    assert ("does not round-trip every text exactly (first: round-trip check failed on probe 8 at character 11 "
+            "(U+0065 came back as U+00E9)" in caplog.text) is nfc
     assert metrics["vocab_size"] == tok.get_vocab_size() and metrics["bytes_per_token"] > 1.0
     # text never encodes to a special id, even when it spells one
     assert specials.eot_id not in tok.encode(f"a {eot} b", add_special_tokens=False).ids
@@ -684,6 +717,7 @@ def test_the_end_of_text_and_pad_tokens_of_an_adopted_tokenizer(corpus, tmp_path
     adopt(folder, tmp_path / "out", corpus)
     specials = load_specials(tmp_path / "out")
     assert (specials.eot_id, specials.pad_id) == (tok.token_to_id(eot), tok.token_to_id(pad))
+    assert specials.ids() == {"eot": specials.eot_id, "pad": specials.pad_id}  # what pack's manifest records
     assert specials.texts["eot"] == eot and specials.texts["pad"] == pad
 
 
