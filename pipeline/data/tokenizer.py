@@ -602,9 +602,7 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     if heldout_sources is not None:
         stats["heldout_bytes_per_token_per_source"] = _bytes_per_token_by_source(tok, heldout, heldout_sources)
 
-    with atomic_write(out_path) as f:
-        f.write(tok.to_str(pretty=True))
-    _write_specials(out_path.parent, OWN_SPECIALS)
+    _write_tokenizer(out_path, tok.to_str(pretty=True), OWN_SPECIALS)
     _remove_adopted(out_path.parent)
     if report_path is not None:
         write_json(report_path, {
@@ -644,6 +642,25 @@ def _bytes_per_token_by_source(tok: Tokenizer, rows: list[tuple[str, str]], name
 
 def _write_specials(out_dir: Path, specials: Specials) -> None:
     write_json(Path(out_dir) / SPECIALS_FILE, specials.to_json())
+
+
+def _write_tokenizer(out_path: Path, data: str | bytes, specials: Specials, hf_from: Path | None = None) -> None:
+    """Write ``tokenizer.json`` (and, adopting, the copies of ``hf_from``'s
+    tokenizer files under ``hf/``), then the ``specials.json`` that goes with it.
+    Each file is atomic, the set is not: the old specials.json goes first, so a
+    run stopped in between leaves none, which reads as our own tokenizer, and
+    load_tokenizer's fixed-id check refuses any other rather than lend it the
+    old roles (an ordinary token as pack's separator)."""
+    out_dir = out_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SPECIALS_FILE).unlink(missing_ok=True)
+    if hf_from is not None:
+        with atomic_dir(out_dir / HF_DIR) as tmp:
+            for name in specials.hf_files:
+                shutil.copyfile(hf_from / name, tmp / name)
+    with atomic_write(out_path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    _write_specials(out_dir, specials)
 
 
 def _remove_adopted(out_dir: Path) -> None:
@@ -917,13 +934,7 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
         log.warning("tokenizer.source %s is outside %s/%s, so DVC does not see changes to it: a replaced model "
                     "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,
                     layout.through_link(folder))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_dir(out_dir / HF_DIR) as tmp:
-        for name in specials.hf_files:
-            shutil.copyfile(folder / name, tmp / name)
-    with atomic_write(out_path, "wb") as f:
-        f.write((folder / "tokenizer.json").read_bytes())
-    _write_specials(out_dir, specials)
+    data = (folder / "tokenizer.json").read_bytes()  # the bytes tok was read from, whatever happens to them now
 
     tok.encode_special_tokens = True
     # the clean documents (a folder, or one Parquet file); a caller without any adopts without measuring
@@ -942,6 +953,8 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
             continue
         if name.startswith("document"):
             nbytes, ntok = nbytes + b, ntok + n
+    # written once measured: an adoption that fails leaves the previous tokenizer as it was
+    _write_tokenizer(out_path, data, specials, hf_from=folder)
     if report_path is not None:
         write_json(report_path, {"source": str(folder), **stats, "heldout_docs": len(heldout),
                                  "roundtrip_failures": failures, "specials": specials.to_json(),

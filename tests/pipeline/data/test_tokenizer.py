@@ -23,6 +23,7 @@ from pipeline.data.tokenizer import (
     OWN_SPECIALS,
     PAD,
     ROUNDTRIP_PROBES,
+    SOURCE_TRAIN,
     SPECIAL_TOKENS,
     TRAINING_KEYS,
     TokenizerConfig,
@@ -984,6 +985,48 @@ def test_the_stage_s_own_output_is_no_source_to_adopt_from(family_folders, corpu
     shutil.copytree(family_folders["llama3"], out / "model")  # a model folder of its own, kept there
     adopt(out / "model", out, corpus)
     assert load_specials(out).source == str(out / "model")
+
+
+def test_an_adoption_that_fails_leaves_the_previous_tokenizer_as_it_was(family_folders, corpus, tmp_path):
+    """Measuring the adopted tokenizer on the clean documents can fail (here every
+    one is split: val); the tokenizer folder was already replaced by then."""
+    out = tmp_path / "tokenizer"
+    build(SMALL, corpus, out / "tokenizer.json", out / "report.json")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    marked = tmp_path / "marked.parquet"
+    table = pq.read_table(corpus)
+    pq.write_table(table.append_column("split", pa.array(["val"] * table.num_rows)), marked)
+    with pytest.raises(TokenizerError, match="every document with text is marked split: val"):
+        adopt(family_folders["llama3"], out, marked)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_stopped_between_the_tokenizer_and_its_roles_is_refused_on_load(family_folders, corpus, tmp_path,
+                                                                              monkeypatch):
+    """tokenizer.json and specials.json are two files: a run stopped between them
+    must not leave one tokenizer with another's ids (pack would separate documents
+    with an ordinary token), but a pair that load_tokenizer refuses."""
+    out = tmp_path / "tokenizer"
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    for first, then in ((family_folders["llama3"], SOURCE_TRAIN), (SOURCE_TRAIN, family_folders["qwen2"]),
+                        (family_folders["llama3"], family_folders["qwen2"])):
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = SMALL if first == SOURCE_TRAIN else TokenizerConfig(source=str(first))
+        build(cfg, corpus, out / "tokenizer.json")
+        with monkeypatch.context() as m:
+            m.setattr(tokenizer_module, "_write_specials", stop)
+            with pytest.raises(KeyboardInterrupt):
+                build(SMALL if then == SOURCE_TRAIN else TokenizerConfig(source=str(then)), corpus,
+                      out / "tokenizer.json")
+        try:
+            tok = load_tokenizer(out / "tokenizer.json")
+        except TokenizerError as e:
+            assert "expected 0; retrain the tokenizer" in str(e)
+        else:  # only where what was written is our own tokenizer, which the roles left read as
+            assert then == SOURCE_TRAIN and special_ids(tok) and load_specials(out) == OWN_SPECIALS
 
 
 def test_pack_separates_documents_with_the_adopted_end_of_text(family_folders, corpus, tmp_path):
