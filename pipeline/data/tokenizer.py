@@ -898,7 +898,9 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     bytes per token and the round trip on held-out clean documents (a tokenizer
     that does not round-trip exactly, e.g. SentencePiece's space handling, is
     counted in ``roundtrip_failures`` and warned about, not refused: it is the
-    model's own). Returns metrics like :func:`train_tokenizer`."""
+    model's own). Nothing is written until all that has passed, so a failed
+    adoption leaves the previous tokenizer as it was. Returns metrics like
+    :func:`train_tokenizer`."""
     t0 = time.perf_counter()
     folder, out_path = Path(cfg.source).expanduser(), Path(out_path)
     # params.yaml ships every training key at its default: only one changed from it is worth a warning
