@@ -624,7 +624,8 @@ def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(famil
     assert specials.bos_id == (tok.token_to_id(bos) if bos else None)
     assert specials.chat_template == (folder / "chat_template.jinja").read_text()
     assert set(specials.ids()) >= {"eot", "pad"} and len(set(specials.eos_ids)) == len(specials.eos_ids)
-    assert specials.ids() == {"eot": specials.eot_id, "pad": specials.pad_id, **({"bos": specials.bos_id} if bos else {})}
+    with_bos = {"bos": specials.bos_id} if bos else {}
+    assert specials.ids() == {"eot": specials.eot_id, "pad": specials.pad_id, **with_bos}
     assert specials.texts["eos"] == stop and specials.texts.get("bos") == bos
     # Qwen's NFC normalizer composes the probe's e + U+0301: counted and said, not refused (it is the model's own)
     nfc = family.startswith("qwen")
@@ -724,8 +725,9 @@ def test_the_end_of_text_and_pad_tokens_of_an_adopted_tokenizer(corpus, tmp_path
 
 def test_a_tokenizer_with_no_end_of_text_token_is_told_to_name_one(corpus, tmp_path):
     folder, _ = tiny_folder(tmp_path / "model", {"<|x|>": True})
-    with pytest.raises(TokenizerError, match=r"model: no end-of-text token found \(looked for <\|endoftext\|>, .*and "
-                                             r"tokenizer_config.json's eos_token\); name one with tokenizer.eot_token$"):
+    with pytest.raises(TokenizerError, match=r"model: no end-of-text token found \(looked for <\|endoftext\|>, "
+                                             r".*and tokenizer_config.json's eos_token\); name one with "
+                                             r"tokenizer.eot_token$"):
         adopt(folder, tmp_path / "out", corpus)
     adopt(folder, tmp_path / "out", corpus, eot_token="<|x|>")
     assert load_specials(tmp_path / "out").texts["eot"] == "<|x|>"
