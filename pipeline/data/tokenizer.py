@@ -284,8 +284,18 @@ def parse_tokenizer(text: str, parse_special: bool = False) -> Tokenizer:
     """A tokenizer from the text of a ``tokenizer.json`` that :func:`load_tokenizer`
     has loaded and checked, encoding as it does: for a worker that gets the
     text rather than the path, as a Ray node that cannot see the file does."""
-    tok = Tokenizer.from_str(text)
+    tok = whole_texts(Tokenizer.from_str(text))
     tok.encode_special_tokens = not parse_special
+    return tok
+
+
+def whole_texts(tok: Tokenizer) -> Tokenizer:
+    """``tok`` with the truncation and padding its file may set turned off (a
+    Hugging Face tokenizer.json can ship with them: every document would be cut
+    to ``max_length`` tokens and padded, without a word). Pack encodes whole
+    documents, SFT pads its rows itself, generation takes whole prompts."""
+    tok.no_truncation()
+    tok.no_padding()
     return tok
 
 
@@ -885,7 +895,7 @@ def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
                 "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))" if slow else "")
         raise TokenizerError(f"{folder} has no tokenizer.json{hint}")
     try:
-        return Tokenizer.from_file(str(file))
+        return whole_texts(Tokenizer.from_file(str(file)))
     except Exception as e:  # the Rust side raises a bare Exception with the parse error
         raise TokenizerError(f"{file}: not a valid tokenizer file: {e}; {DAMAGED_HINT}") from e
 
@@ -937,6 +947,12 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
                     "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,
                     layout.through_link(folder))
     data = (folder / "tokenizer.json").read_bytes()  # the bytes tok was read from, whatever happens to them now
+    raw = json.loads(data)
+    if cut := [*([f"truncation to {raw['truncation'].get('max_length')} tokens"] if raw.get("truncation") else []),
+               *(["padding"] if raw.get("padding") else [])]:
+        log.warning("%s: its tokenizer.json sets %s, which would cut or pad every text: the pipeline turns that off "
+                    "wherever it loads the tokenizer (pack takes whole documents, sft pads its rows itself); the "
+                    "copied file keeps it", folder, " and ".join(cut))
 
     tok.encode_special_tokens = True
     # the clean documents (a folder, or one Parquet file); a caller without any adopts without measuring

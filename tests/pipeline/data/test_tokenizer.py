@@ -1031,6 +1031,31 @@ def test_a_run_stopped_between_the_tokenizer_and_its_roles_is_refused_on_load(fa
             assert then == SOURCE_TRAIN and special_ids(tok) and load_specials(out) == OWN_SPECIALS
 
 
+def test_truncation_and_padding_set_in_an_adopted_tokenizer_json_are_turned_off(family_folders, corpus, tmp_path,
+                                                                                 caplog):
+    """A tokenizer.json can ship with them set: loaded as it was, every document
+    pack encoded was cut to max_length tokens and padded, without a word (and
+    every round trip failed, the first said to encode to a special id)."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.enable_truncation(8)
+    tok.enable_padding(length=16, pad_id=513, pad_token="<|end_of_text|>")
+    tok.save(str(folder / "tokenizer.json"))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        metrics = adopt(folder, tmp_path / "out", corpus)
+    assert f"{folder}: its tokenizer.json sets truncation to 8 tokens and padding, which would cut or pad every " \
+           "text: the pipeline turns that off wherever it loads the tokenizer" in caplog.text
+    assert metrics["roundtrip_failures"] == 0
+    assert metrics["bytes_per_token"] == adopt(family_folders["llama3"], tmp_path / "plain", corpus)["bytes_per_token"]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    text = "hello world, this is a text of more than eight tokens " * 3
+    loaded = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False).ids) == text
+    opened = tokenizer_module.open_hf_tokenizer(folder)  # generate's reader of a model folder
+    assert opened.decode(opened.encode(text, add_special_tokens=False).ids) == text
+
+
 def test_pack_separates_documents_with_the_adopted_end_of_text(family_folders, corpus, tmp_path):
     from pipeline.data.pack import PackConfig, run_pack
     from pipeline.data.shards import PackedRows
