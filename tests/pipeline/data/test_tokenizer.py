@@ -3,6 +3,7 @@ import logging
 import random
 import re
 import shutil
+from pathlib import Path
 from unittest.mock import ANY
 
 import numpy as np
@@ -182,6 +183,25 @@ def test_the_tokenizer_is_the_same_bytes_whatever_the_row_order_and_read_batches
         train_tokenizer(SMALL, path, tmp_path / "t.json", tmp_path / "report.json")
         assert (tmp_path / "t.json").read_bytes() == trained[0].read_bytes()
         assert read_json(tmp_path / "report.json") == trained[2]
+
+
+@pytest.mark.slow
+def test_the_tokenizer_is_the_same_bytes_with_the_trainer_s_threads_on(corpus, tmp_path, trained):
+    """The tests train with TOKENIZERS_PARALLELISM=false (conftest), the stage
+    with the BPE trainer's thread pool on: both give one tokenizer.json. The
+    pool is set once per process, hence a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer; "
+            "train_tokenizer(TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000), sys.argv[1], "
+            "sys.argv[2])")
+    assert SMALL == TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": "4"}
+    subprocess.run([sys.executable, "-c", code, str(corpus), str(tmp_path / "t.json")], env=env, check=True,
+                   cwd=Path(__file__).resolve().parents[3])
+    assert (tmp_path / "t.json").read_bytes() == trained[0].read_bytes()
 
 
 def test_the_stage_trains_on_the_clean_docs_into_the_tokenizer_folder(corpus, tmp_path, trained, monkeypatch):
