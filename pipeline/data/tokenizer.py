@@ -48,6 +48,7 @@ twice in batches: once for ids and sizes, once for the chosen texts.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import shutil
@@ -283,8 +284,18 @@ def parse_tokenizer(text: str, parse_special: bool = False) -> Tokenizer:
     """A tokenizer from the text of a ``tokenizer.json`` that :func:`load_tokenizer`
     has loaded and checked, encoding as it does: for a worker that gets the
     text rather than the path, as a Ray node that cannot see the file does."""
-    tok = Tokenizer.from_str(text)
+    tok = whole_texts(Tokenizer.from_str(text))
     tok.encode_special_tokens = not parse_special
+    return tok
+
+
+def whole_texts(tok: Tokenizer) -> Tokenizer:
+    """``tok`` with the truncation and padding its file may set turned off (a
+    Hugging Face tokenizer.json can ship with them: every document would be cut
+    to ``max_length`` tokens and padded, without a word). Pack encodes whole
+    documents, SFT pads its rows itself, generation takes whole prompts."""
+    tok.no_truncation()
+    tok.no_padding()
     return tok
 
 
@@ -409,6 +420,11 @@ def choose_sample(docs_path: str | Path, sample_bytes: int, eval_bytes: int, see
         raise TokenizerError(f"{docs_path}: no text to train on ({len(size)} documents, 0 bytes)")
     rank = np.concatenate(ranks)
     order = np.argsort(rank, kind="stable")
+    # equal ids rank alike and keep their row order, which then picks among them (clean's ids are unique)
+    if shared := int((rank[order][1:] == rank[order][:-1]).sum()):
+        log.warning("%s: %d document(s) have the id of one before them in rank order, so which of them the sample "
+                    "(and the held-out set) takes depends on the row order, and so does the tokenizer: give each "
+                    "document its own id", docs_path, shared)
     nonempty = size > 0
     heldout = np.zeros(len(size), bool)
     # Held-out docs come from the far end of the rank order; capping them at a tenth
@@ -510,14 +526,20 @@ def check_roundtrip(tok: Tokenizer, items: Iterator[tuple[str, str]],
         back = tok.decode(ids, skip_special_tokens=False)
         if back != text:
             at = next((i for i, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+            # code points too: a normalizer's change (e + U+0301 -> é) prints the same in both excerpts
             raise TokenizerError(
-                f"round-trip check failed on {name} at character {at}: "
+                f"round-trip check failed on {name} at character {at} ({_code_point(text, at)} came back as "
+                f"{_code_point(back, at)}): "
                 f"{text[max(0, at - 20):at + 20]!r} came back as {back[max(0, at - 20):at + 20]!r}"
             )
         n += 1
         nbytes += len(text.encode("utf-8"))
         ntok += len(ids)
     return n, nbytes, ntok
+
+
+def _code_point(text: str, at: int) -> str:
+    return f"U+{ord(text[at]):04X}" if at < len(text) else "the end"
 
 
 def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,
@@ -590,9 +612,7 @@ def train_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     if heldout_sources is not None:
         stats["heldout_bytes_per_token_per_source"] = _bytes_per_token_by_source(tok, heldout, heldout_sources)
 
-    with atomic_write(out_path) as f:
-        f.write(tok.to_str(pretty=True))
-    _write_specials(out_path.parent, OWN_SPECIALS)
+    _write_tokenizer(out_path, tok.to_str(pretty=True), OWN_SPECIALS)
     _remove_adopted(out_path.parent)
     if report_path is not None:
         write_json(report_path, {
@@ -634,17 +654,42 @@ def _write_specials(out_dir: Path, specials: Specials) -> None:
     write_json(Path(out_dir) / SPECIALS_FILE, specials.to_json())
 
 
+def _write_tokenizer(out_path: Path, data: str | bytes, specials: Specials, hf_from: Path | None = None) -> None:
+    """Write ``tokenizer.json`` (and, adopting, the copies of ``hf_from``'s
+    tokenizer files under ``hf/``), then the ``specials.json`` that goes with it.
+    Each file is atomic, the set is not: the old specials.json goes first, so a
+    run stopped in between leaves none, which reads as our own tokenizer, and
+    load_tokenizer's fixed-id check refuses any other rather than lend it the
+    old roles (an ordinary token as pack's separator)."""
+    out_dir = out_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SPECIALS_FILE).unlink(missing_ok=True)
+    if hf_from is not None:
+        with atomic_dir(out_dir / HF_DIR) as tmp:
+            for name in specials.hf_files:
+                shutil.copyfile(hf_from / name, tmp / name)
+    with atomic_write(out_path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    _write_specials(out_dir, specials)
+
+
 def _remove_adopted(out_dir: Path) -> None:
     """Our own tokenizer replaces an adopted one: its copied files go (they are
     copies of the user's folder, which stays untouched)."""
     shutil.rmtree(Path(out_dir) / HF_DIR, ignore_errors=True)
 
 
-def _token_text(value: Any) -> str | None:
-    """tokenizer_config.json writes a token as a string or as an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+def _token_text(value: Any, file: Path, role: str) -> str | None:
+    """tokenizer_config.json writes a token as a string or as an AddedToken dict;
+    null or "" is no token. Anything else (a list, a number) is a one-line
+    TokenizerError naming ``file`` and ``role``: read as no token, the role's
+    token would silently be another."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is None or isinstance(text, str):
+        return text or None
+    raise TokenizerError(f"{file}: {role} is {json.dumps(value)[:80]}, neither a token's text nor an AddedToken "
+                         "object with one; give one token's text (more ids that end generation go in "
+                         "generation_config.json's eos_token_id, a list)")
 
 
 DAMAGED_HINT = "the model folder is damaged or incomplete (an interrupted download?): fetch the file again"
@@ -671,16 +716,19 @@ def read_folder_json(path: Path) -> dict[str, Any]:
 def read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     """The folder's default chat template, where transformers looks for it:
     ``chat_template.jinja``, then ``chat_template.json``, then ``tokenizer_config.json``
-    (a string, or a list of named templates of which "default" is used).
+    (a string, or a list of named templates of which "default" is used); the first
+    place that has one decides, and a blank template is none.
     A file that does not decode or parse is a one-line TokenizerError."""
-    if (folder / "chat_template.jinja").is_file():
+    source = folder / "chat_template.jinja"
+    template: Any = None
+    if source.is_file():
         try:
-            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            template = source.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise TokenizerError(f"{folder / 'chat_template.jinja'}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") \
-                from e
+            raise TokenizerError(f"{source}: not UTF-8 (byte {e.start}); {DAMAGED_HINT}") from e
+        return template if template.strip() else None  # blank: no template, as in the other two places
     source = folder / "chat_template.json"
-    template: Any = read_folder_json(source).get("chat_template")
+    template = read_folder_json(source).get("chat_template")
     if template is None:
         source, template = folder / "tokenizer_config.json", tok_config.get("chat_template")
     if isinstance(template, list):
@@ -707,7 +755,8 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     tok_map = read_folder_json(folder / "special_tokens_map.json")
 
     def named(role: str) -> str | None:
-        return _token_text(tok_config.get(role)) or _token_text(tok_map.get(role))
+        return (_token_text(tok_config.get(role), folder / "tokenizer_config.json", role)
+                or _token_text(tok_map.get(role), folder / "special_tokens_map.json", role))
 
     def id_of(text: str | None, what: str) -> int | None:
         if text is None:
@@ -733,9 +782,17 @@ def hf_specials(folder: str | Path, tok: Tokenizer, eot_token: str | None = None
     eos_id = id_of(eos_text, "eos_token")
     if eos_id is not None:
         eos.append(eos_id)
-    gen_eos = read_folder_json(folder / "generation_config.json").get("eos_token_id")
-    eos.extend(i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
-               if isinstance(i, int) and not isinstance(i, bool))  # an id, not a token's text or a flag
+    gen_file = folder / "generation_config.json"
+    gen_eos = read_folder_json(gen_file).get("eos_token_id")
+    gen_ids = [i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+               if isinstance(i, int) and not isinstance(i, bool)]  # an id, not a token's text or a flag
+    # a stop id with no token: generation never stops there, export writes it, and a template's eos_token is None
+    rows = id_space(tok)
+    if unknown := [i for i in gen_ids if not 0 <= i < rows or tok.id_to_token(i) is None]:
+        raise TokenizerError(f"{gen_file}: eos_token_id {unknown} {'is no id' if len(unknown) == 1 else 'are no ids'} "
+                             f"of the tokenizer (ids 0 to {rows - 1}): the file belongs to another model; "
+                             "fetch the model's own, or give its tokenizer's ids")
+    eos.extend(gen_ids)
     eos.append(eot_id)
     pad_id = id_of(pad_text, "pad_token")
     texts = {"eot": eot_text, "pad": pad_text or eot_text}
@@ -804,25 +861,43 @@ def check_fits(tok: Tokenizer, vocab_size: int, fix: str = "") -> None:
                          f"embeds only {vocab_size}" + (f"; {fix}" if fix else ""))
 
 
+def model_vocab_size(folder: Path) -> int | None:
+    """The embedding rows the model of a Hugging Face folder declares
+    (``config.json``'s ``vocab_size``, or its ``text_config``'s), or None when
+    there is none to read: a folder of a tokenizer alone, or a config.json that
+    does not parse (pretrain.init_from, which loads it, says so)."""
+    try:
+        config = read_folder_json(folder / "config.json")
+    except TokenizerError:
+        return None
+    text_config = config.get("text_config")
+    for value in (config.get("vocab_size"), text_config.get("vocab_size") if isinstance(text_config, dict) else None):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def open_hf_tokenizer(folder: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of a Hugging Face folder; a one-line TokenizerError
     when the folder or the file is missing or unreadable."""
     folder = Path(folder)
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer.source {folder} is not a folder; give 'train' or a local Hugging Face "
-                             "model folder")
+                             "model folder" + (f" (here {folder.parent}, the folder that holds it)"
+                                               if folder.is_file() else ""))
     if broken := broken_links(folder):
         raise TokenizerError(f"tokenizer.source {folder}: {broken}")
     file = folder / "tokenizer.json"
     if not file.is_file():
-        hint = (" (it has only a SentencePiece tokenizer.model: convert it once with transformers, "
-                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))"
-                if (folder / "tokenizer.model").is_file() else "")
+        # transformers converts a slow tokenizer's files (SentencePiece, or GPT-2's vocab.json and merges.txt)
+        slow = [name for name in ("tokenizer.model", "vocab.json", "merges.txt") if (folder / name).is_file()]
+        hint = (f" (it has only a slow tokenizer's {' and '.join(slow)}: convert it once with transformers, "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))" if slow else "")
         raise TokenizerError(f"{folder} has no tokenizer.json{hint}")
     try:
-        return Tokenizer.from_file(str(file))
+        return whole_texts(Tokenizer.from_file(str(file)))
     except Exception as e:  # the Rust side raises a bare Exception with the parse error
-        raise TokenizerError(f"{file}: not a valid tokenizer file: {e}") from e
+        raise TokenizerError(f"{file}: not a valid tokenizer file: {e}; {DAMAGED_HINT}") from e
 
 
 def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str | Path,
@@ -833,7 +908,9 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     bytes per token and the round trip on held-out clean documents (a tokenizer
     that does not round-trip exactly, e.g. SentencePiece's space handling, is
     counted in ``roundtrip_failures`` and warned about, not refused: it is the
-    model's own). Returns metrics like :func:`train_tokenizer`."""
+    model's own). Nothing is written until all that has passed, so a failed
+    adoption leaves the previous tokenizer as it was. Returns metrics like
+    :func:`train_tokenizer`."""
     t0 = time.perf_counter()
     folder, out_path = Path(cfg.source).expanduser(), Path(out_path)
     # params.yaml ships every training key at its default: only one changed from it is worth a warning
@@ -842,21 +919,40 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
     if ignored:
         log.warning("tokenizer.source is a Hugging Face folder: ignoring the training key(s) %s",
                     ", ".join(f"tokenizer.{k}" for k in ignored))
+    out_dir = out_path.parent
+    own = (out_dir.resolve(), (out_dir / HF_DIR).resolve())
+    if folder.resolve() in own or own[1] in folder.resolve().parents:
+        # out_dir's top holds no tokenizer_config.json or template, and hf/ no generation_config.json: roles
+        # would be lost without a word, from files this run replaces
+        last = load_specials(out_dir).source if (out_dir / SPECIALS_FILE).is_file() else SOURCE_TRAIN
+        raise TokenizerError(f"tokenizer.source {folder} is the tokenizer stage's own output ({out_dir}), which this "
+                             "run replaces: give the model folder itself"
+                             + (f" (the last one adopted: {last})" if last != SOURCE_TRAIN else ""))
     tok = open_hf_tokenizer(folder)
     specials = hf_specials(folder, tok, cfg.eot_token)
     check_eot_is_special(folder, tok, specials, cfg.eot_token is not None)
+    if ordinary := [i for i in specials.eos_ids if i not in specials.special_ids]:
+        # not refused as the end of text is (pack puts no stop id between documents), but not silent either
+        log.warning("%s: the stop token(s) %s are ordinary tokens, which text encodes to: a document that spells one "
+                    "trains the model on it as text, and generation and evaluate stop where it comes out; mark them "
+                    "special (\"special\": true in the added_tokens of its tokenizer.json)", folder,
+                    ", ".join(f"{tok.id_to_token(i)!r} (id {i})" for i in ordinary))
+    if (rows := model_vocab_size(folder)) is not None and id_space(tok) > rows:
+        # a tokenizer adopted to train from scratch still works; init_from this folder's weights cannot
+        log.warning("%s: the tokenizer has ids up to %d but config.json's vocab_size is %d: its weights have no "
+                    "embedding row for the ids past it, so pretrain.init_from this folder will refuse the pair (a "
+                    "model trained from scratch on this tokenizer is unaffected)", folder, id_space(tok) - 1, rows)
     if not layout.in_base_models(folder):  # pretrain's init_from warns alike (models/base/README.md)
         log.warning("tokenizer.source %s is outside %s/%s, so DVC does not see changes to it: a replaced model "
                     "there does not rerun the tokenizer stage by itself", folder, layout.BASE_MODELS,
                     layout.through_link(folder))
-    out_dir = out_path.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_dir(out_dir / HF_DIR) as tmp:
-        for name in specials.hf_files:
-            shutil.copyfile(folder / name, tmp / name)
-    with atomic_write(out_path, "wb") as f:
-        f.write((folder / "tokenizer.json").read_bytes())
-    _write_specials(out_dir, specials)
+    data = (folder / "tokenizer.json").read_bytes()  # the bytes tok was read from, whatever happens to them now
+    raw = json.loads(data)
+    if cut := [*([f"truncation to {raw['truncation'].get('max_length')} tokens"] if raw.get("truncation") else []),
+               *(["padding"] if raw.get("padding") else [])]:
+        log.warning("%s: its tokenizer.json sets %s, which would cut or pad every text: the pipeline turns that off "
+                    "wherever it loads the tokenizer (pack takes whole documents, sft pads its rows itself); the "
+                    "copied file keeps it", folder, " and ".join(cut))
 
     tok.encode_special_tokens = True
     # the clean documents (a folder, or one Parquet file); a caller without any adopts without measuring
@@ -875,6 +971,8 @@ def adopt_tokenizer(cfg: TokenizerConfig, docs_path: str | Path, out_path: str |
             continue
         if name.startswith("document"):
             nbytes, ntok = nbytes + b, ntok + n
+    # written once measured: an adoption that fails leaves the previous tokenizer as it was
+    _write_tokenizer(out_path, data, specials, hf_from=folder)
     if report_path is not None:
         write_json(report_path, {"source": str(folder), **stats, "heldout_docs": len(heldout),
                                  "roundtrip_failures": failures, "specials": specials.to_json(),

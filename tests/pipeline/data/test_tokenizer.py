@@ -3,6 +3,8 @@ import logging
 import random
 import re
 import shutil
+from pathlib import Path
+from unittest.mock import ANY
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, normalizers, pre_tokenizers, trainers
 
+from pipeline import layout
 from pipeline.config import ConfigError, parse_section
 from pipeline.data import tokenizer as tokenizer_module
 from pipeline.data.tokenizer import (
@@ -21,6 +24,7 @@ from pipeline.data.tokenizer import (
     OWN_SPECIALS,
     PAD,
     ROUNDTRIP_PROBES,
+    SOURCE_TRAIN,
     SPECIAL_TOKENS,
     TRAINING_KEYS,
     TokenizerConfig,
@@ -130,6 +134,13 @@ def test_metrics_report_and_output(trained, corpus):
     assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "specials.json", "tokenizer.json"]  # no temp files
     assert load_specials(out) == OWN_SPECIALS
     json.loads(out.read_text())
+    # bytes per token is measured on the held-out documents, none of which was trained on
+    _, heldout, _ = choose_sample(corpus, SMALL.sample_bytes, SMALL.eval_bytes, SMALL.seed)
+    texts = [t for t, held in zip(pq.read_table(corpus).column("text").to_pylist(), heldout) if held]
+    tok = load_tokenizer(out)
+    tokens = sum(len(tok.encode(t).ids) for t in texts)
+    assert len(texts) == report["heldout_docs"]
+    assert m["bytes_per_token"] == round(sum(len(t.encode()) for t in texts) / tokens, 4)
 
 
 def test_a_vocabulary_smaller_than_asked_is_a_warning_naming_both_sizes(corpus, tmp_path, caplog):
@@ -147,6 +158,61 @@ def test_a_vocabulary_smaller_than_asked_is_a_warning_naming_both_sizes(corpus, 
         m = train_tokenizer(TokenizerConfig(vocab_size=300, sample_bytes=20_000, eval_bytes=2_000), corpus,
                             tmp_path / "t.json")
     assert m["vocab_size"] == 300 and "tokenizer.vocab_size" not in caplog.text
+
+
+def test_pairs_seen_fewer_than_min_frequency_times_are_not_merged(corpus, tmp_path, caplog):
+    """No pair of the sample is seen a million times: nothing is merged, and the
+    warning names the setting that stopped it."""
+    cfg = TokenizerConfig(vocab_size=400, min_frequency=10**6, sample_bytes=20_000, eval_bytes=2_000)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        m = train_tokenizer(cfg, corpus, tmp_path / "t.json")
+    assert m["vocab_size"] == 256 + len(SPECIAL_TOKENS)
+    assert "pairs seen fewer than tokenizer.min_frequency = 1000000 times are not merged" in caplog.text
+
+
+def test_the_tokenizer_is_the_same_bytes_whatever_the_row_order_and_read_batches(corpus, tmp_path, trained,
+                                                                                 monkeypatch):
+    """The clean stage's row order depends on its workers and executor, and the
+    corpus is streamed in batches: neither may change a byte of tokenizer.json,
+    which the pipeline's outputs are compared by."""
+    docs = list(zip(*pq.read_table(corpus, columns=["id", "text"]).to_pydict().values()))
+    shuffled = tmp_path / "shuffled.parquet"
+    write_docs(shuffled, random.Random(7).sample(docs, len(docs)))
+    monkeypatch.setattr(tokenizer_module, "READ_BATCH_ROWS", 7)  # many batches, rows read by their offsets
+    for path in (corpus, shuffled):
+        train_tokenizer(SMALL, path, tmp_path / "t.json", tmp_path / "report.json")
+        assert (tmp_path / "t.json").read_bytes() == trained[0].read_bytes()
+        assert read_json(tmp_path / "report.json") == trained[2]
+
+
+@pytest.mark.slow
+def test_the_tokenizer_is_the_same_bytes_with_the_trainer_s_threads_on(corpus, tmp_path, trained):
+    """The tests train with TOKENIZERS_PARALLELISM=false (conftest), the stage
+    with the BPE trainer's thread pool on: both give one tokenizer.json. The
+    pool is set once per process, hence a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipeline.data.tokenizer import TokenizerConfig, train_tokenizer; "
+            "train_tokenizer(TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000), sys.argv[1], "
+            "sys.argv[2])")
+    assert SMALL == TokenizerConfig(vocab_size=400, sample_bytes=20_000, eval_bytes=2_000)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": "4"}
+    subprocess.run([sys.executable, "-c", code, str(corpus), str(tmp_path / "t.json")], env=env, check=True,
+                   cwd=Path(__file__).resolve().parents[3])
+    assert (tmp_path / "t.json").read_bytes() == trained[0].read_bytes()
+
+
+def test_the_stage_trains_on_the_clean_docs_into_the_tokenizer_folder(corpus, tmp_path, trained, monkeypatch):
+    from stages import tokenizer as stage
+
+    monkeypatch.chdir(tmp_path)
+    layout.CLEAN_DOCS.parent.mkdir(parents=True)
+    shutil.copyfile(corpus, layout.CLEAN_DOCS)  # one Parquet file where the clean stage writes its folder
+    assert stage.main(SMALL) == {**trained[1], "train_seconds": ANY, "total_seconds": ANY}
+    assert layout.TOKENIZER_JSON.read_bytes() == trained[0].read_bytes()
+    assert read_json(stage.REPORT) == trained[2] and stage.REPORT.parent == layout.TOKENIZER_DIR
 
 
 def test_sample_respects_bound_is_spread_and_disjoint(corpus):
@@ -188,6 +254,22 @@ def test_sample_depends_on_seed_and_ids_not_row_order(corpus, tmp_path):
     assert chosen(corpus, 0) != chosen(corpus, 1)
 
 
+def test_documents_that_share_an_id_are_warned_about(tmp_path, caplog):
+    """The sample is the same whatever the row order only for distinct ids: equal
+    ids rank alike, and their row order picks among them."""
+    path = tmp_path / "dups.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "a"], "text": ["x"] * 6}), path)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        choose_sample(path, 1_000, 1_000, seed=0)
+    assert f"{path}: 3 document(s) have the id of one before them in rank order, so which of them the sample (and " \
+           "the held-out set) takes depends on the row order" in caplog.text  # two more a's, a second null
+    caplog.clear()
+    write_docs(path, make_docs(50))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        choose_sample(path, 1_000, 1_000, seed=0)
+    assert caplog.text == ""
+
+
 def test_the_held_out_documents_are_the_last_in_rank_order_and_at_most_a_tenth(tmp_path):
     path = tmp_path / "even.parquet"
     write_docs(path, [(f"d{i:03d}", f"{i:03d}" + "x" * 96 + "\n") for i in range(100)])  # 100 bytes each
@@ -217,6 +299,24 @@ def test_the_one_document_to_train_on_is_not_also_held_out(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b"], "text": ["v" * 10_000, "t" * 100], "split": ["val", None]}), path)
     sample, heldout, _ = choose_sample(path, 1_000, 10**6, seed=0)
     assert sample.tolist() == [False, True] and not heldout.any()
+
+
+def test_documents_without_text_are_neither_held_out_nor_trained_on(tmp_path):
+    path = tmp_path / "gaps.parquet"
+    texts = ["", None, *(f"document {i} " * 20 for i in range(30))]
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(len(texts))], "text": texts}), path)
+    sample, heldout, _ = choose_sample(path, 10**6, 10**6, seed=0)
+    assert heldout.any() and not heldout[:2].any() and not sample[:2].any() and sample[2:].sum() > 20
+
+
+def test_sample_weights_with_every_document_over_its_share_train_on_a_prefix_of_one(tmp_path):
+    path = tmp_path / "large.parquet"
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(20)], "text": [f"{i} " + "word " * 400 for i in range(20)],
+                             "source_name": ["a", "b"] * 10}), path)  # 2,000 bytes each, over a share of 500
+    cfg = TokenizerConfig(vocab_size=300, sample_bytes=1_000, eval_bytes=1_000, sample_weights={"a": 1, "b": 1})
+    m = train_tokenizer(cfg, path, tmp_path / "t.json", tmp_path / "report.json")
+    assert read_json(tmp_path / "report.json")["sample_docs"] == 1
+    assert 900 < m["sample_bytes"] <= 1_000  # one document, clipped to the bound, not nothing
 
 
 def test_a_corpus_of_empty_texts_has_no_text_to_train_on(tmp_path):
@@ -299,8 +399,18 @@ def test_a_corpus_too_small_to_hold_any_out_is_measured_on_a_tenth_of_the_sample
 def test_roundtrip_check_catches_a_lossy_tokenizer():
     tok = build_tokenizer()
     tok.normalizer = normalizers.Lowercase()
-    with pytest.raises(TokenizerError, match="round-trip check failed on doc A"):
+    with pytest.raises(TokenizerError, match=r"round-trip check failed on doc A at character 0 \(U\+0048 came back "
+                                             r"as the end\): 'Hello' came back as ''$"):  # no vocabulary at all
         check_roundtrip(tok, [("doc A", "Hello")])
+    # a change the excerpts print alike (NFC, as Qwen's normalizer does) is told by its code points
+    tok.train_from_iterator([], trainers.BpeTrainer(initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                    show_progress=False))
+    tok.normalizer = normalizers.NFC()
+    with pytest.raises(TokenizerError, match=r"at character 1 \(U\+0065 came back as U\+00E9\)"):
+        check_roundtrip(tok, [("doc B", "ne\u0301e")])
+    tok.normalizer = normalizers.Replace("\n", "")  # text lost at the end
+    with pytest.raises(TokenizerError, match=r"at character 2 \(U\+000A came back as the end\)"):
+        check_roundtrip(tok, [("doc C", "ab\n")])
 
 
 def test_errors(tmp_path, trained):
@@ -330,6 +440,12 @@ def test_errors(tmp_path, trained):
     tok.save(str(swapped))
     with pytest.raises(TokenizerError, match=r"special token '<\|endoftext\|>' has id 1, expected 0; retrain"):
         load_tokenizer(swapped)
+
+
+def test_a_specials_file_from_before_adoption_is_our_own_tokenizer_s(tmp_path):
+    (tmp_path / "specials.json").write_text('{"eot_id": 0, "pad_id": 1, "bos_id": null, "eos_ids": [3, 0]}')
+    specials = load_specials(tmp_path / "tokenizer.json")
+    assert specials.own and specials.ids() == {"eot": 0, "pad": 1, "im_start": 2, "im_end": 3}
 
 
 @pytest.mark.parametrize("specials", ['{"eot_id": 5, "pad_id": 5, "eos_ids": 5}', '[5]', '{"eot_id": null}',
@@ -509,9 +625,11 @@ def test_adopting_measures_on_a_documents_folder_as_the_stage_gives_it(family_fo
 
 
 @pytest.mark.parametrize("family", ADOPTED)
-def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(family, family_folders, corpus, tmp_path):
+def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(family, family_folders, corpus, tmp_path,
+                                                                           caplog):
     folder = family_folders[family]
-    metrics = adopt(folder, tmp_path, corpus)
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        metrics = adopt(folder, tmp_path, corpus)
     assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     copied = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert copied == sorted(f for f in HF_TOKENIZER_FILES if (folder / f).is_file())
@@ -526,6 +644,14 @@ def test_adopting_copies_the_tokenizer_byte_for_byte_and_records_its_roles(famil
     assert specials.bos_id == (tok.token_to_id(bos) if bos else None)
     assert specials.chat_template == (folder / "chat_template.jinja").read_text()
     assert set(specials.ids()) >= {"eot", "pad"} and len(set(specials.eos_ids)) == len(specials.eos_ids)
+    with_bos = {"bos": specials.bos_id} if bos else {}
+    assert specials.ids() == {"eot": specials.eot_id, "pad": specials.pad_id, **with_bos}
+    assert specials.texts["eos"] == stop and specials.texts.get("bos") == bos
+    # Qwen's NFC normalizer composes the probe's e + U+0301: counted and said, not refused (it is the model's own)
+    nfc = family.startswith("qwen")
+    assert metrics["roundtrip_failures"] == read_json(tmp_path / "report.json")["roundtrip_failures"] == int(nfc)
+    assert ("does not round-trip every text exactly (first: round-trip check failed on probe 8 at character 11 "
+            "(U+0065 came back as U+00E9)" in caplog.text) is nfc
     assert metrics["vocab_size"] == tok.get_vocab_size() and metrics["bytes_per_token"] > 1.0
     # text never encodes to a special id, even when it spells one
     assert specials.eot_id not in tok.encode(f"a {eot} b", add_special_tokens=False).ids
@@ -585,6 +711,66 @@ def test_an_eot_token_that_text_encodes_to_is_refused(family_folders, corpus, tm
         adopt(tmp_path / "plain", tmp_path / "out", corpus)
 
 
+def tiny_folder(folder, added: dict[str, bool], config: dict | None = None):
+    """A Hugging Face tokenizer folder: a byte-level BPE with the ``added`` tokens
+    (text -> special) and ``config`` as its tokenizer_config.json."""
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer()
+    tok.train_from_iterator(["abc abd"], trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(text, special=special) for text, special in added.items()])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder, tok
+
+
+@pytest.mark.parametrize("added, config, eot, pad", [
+    # a known end-of-text token that is special comes before one that text encodes to
+    ({"<|endoftext|>": False, "</s>": True}, {}, "</s>", "</s>"),
+    # no known one: the eos_token, here as an AddedToken dict; a named pad token is taken
+    ({"<|eot|>": True, "<|pad|>": True}, {"eos_token": {"content": "<|eot|>"}, "pad_token": "<|pad|>"}, "<|eot|>",
+     "<|pad|>"),
+])
+def test_the_end_of_text_and_pad_tokens_of_an_adopted_tokenizer(corpus, tmp_path, added, config, eot, pad):
+    folder, tok = tiny_folder(tmp_path / "model", added, config)
+    adopt(folder, tmp_path / "out", corpus)
+    specials = load_specials(tmp_path / "out")
+    assert (specials.eot_id, specials.pad_id) == (tok.token_to_id(eot), tok.token_to_id(pad))
+    assert specials.ids() == {"eot": specials.eot_id, "pad": specials.pad_id}  # what pack's manifest records
+    assert specials.texts["eot"] == eot and specials.texts["pad"] == pad
+
+
+def test_a_tokenizer_with_no_end_of_text_token_is_told_to_name_one(corpus, tmp_path):
+    folder, _ = tiny_folder(tmp_path / "model", {"<|x|>": True})
+    with pytest.raises(TokenizerError, match=r"model: no end-of-text token found \(looked for <\|endoftext\|>, "
+                                             r".*and tokenizer_config.json's eos_token\); name one with "
+                                             r"tokenizer.eot_token$"):
+        adopt(folder, tmp_path / "out", corpus)
+    adopt(folder, tmp_path / "out", corpus, eot_token="<|x|>")
+    assert load_specials(tmp_path / "out").texts["eot"] == "<|x|>"
+
+
+def test_a_stop_token_that_text_encodes_to_is_warned_about(family_folders, corpus, tmp_path, caplog):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    data = read_json(folder / "tokenizer.json")
+    [eot_id] = [t for t in data["added_tokens"] if t["content"] == "<|eot_id|>"]
+    eot_id["special"] = False
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert f"{folder}: the stop token(s) '<|eot_id|>' (id {eot_id['id']}) are ordinary tokens, which text encodes " \
+           "to:" in caplog.text
+    assert load_specials(tmp_path / "out").eos_ids[0] == eot_id["id"]  # still the end of a turn
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(family_folders["llama3"], tmp_path / "as shipped", corpus)
+    assert "stop token" not in caplog.text
+
+
 @pytest.mark.parametrize("name, data, said", [
     ("tokenizer_config.json", b'{"eos_token": "<|end', "not valid JSON"),  # a download cut short
     ("generation_config.json", b"{oops", "not valid JSON"),
@@ -621,13 +807,44 @@ def test_a_copied_cache_snapshot_whose_tokenizer_is_a_link_to_nothing_says_so(fa
 def test_generation_config_ids_that_are_not_ids_are_left_out(family_folders, corpus, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(family_folders["llama3"], folder)
-    (folder / "generation_config.json").write_text('{"eos_token_id": ["<|eot_id|>", true, 128009]}')
+    (folder / "generation_config.json").write_text('{"eos_token_id": ["<|eot_id|>", true, 520]}')
     adopt(folder, tmp_path / "out", corpus)
     specials = load_specials(tmp_path / "out")  # it read back as "unreadable; rerun the tokenizer stage"
-    assert all(type(i) is int for i in specials.eos_ids) and 128009 in specials.eos_ids
+    assert all(type(i) is int for i in specials.eos_ids) and 520 in specials.eos_ids
     tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
     eot, stop, _ = ADOPTED["llama3"]
-    assert specials.eos_ids == (tok.token_to_id(stop), 128009, tok.token_to_id(eot))  # true is no id 1
+    assert specials.eos_ids == (tok.token_to_id(stop), 520, tok.token_to_id(eot))  # true is no id 1
+
+
+@pytest.mark.parametrize("ids, said", [([128009], r"\[128009\] is no id"), (-1, r"\[-1\] is no id"),
+                                       ([513, 600, 700], r"\[600, 700\] are no ids")])
+def test_generation_config_stop_ids_the_tokenizer_lacks_are_a_one_line_error(family_folders, corpus, tmp_path, ids,
+                                                                             said):
+    """A generation_config.json of another model (the real Llama 3's, beside a
+    smaller vocabulary): its stop ids were recorded, generation never stopped
+    there and export wrote them on."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    size = id_space(Tokenizer.from_file(str(folder / "tokenizer.json")))
+    assert size == 523  # the fixture: 513 is its <|end_of_text|>, 600 and 700 are past its ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(folder / 'generation_config.json'))}: eos_token_id "
+                                             rf"{said} of the tokenizer \(ids 0 to 522\): the file belongs to another "
+                                             r"model; fetch the model's own"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_generation_config_stop_id_in_a_gap_of_the_ids_is_no_id_either(family_folders, corpus, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    data = read_json(folder / "tokenizer.json")
+    vocab = data["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 600  # the last learned token, 511, moves: 511 and 523 to 599 have no token
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [511]}))
+    with pytest.raises(TokenizerError, match=r"eos_token_id \[511\] is no id of the tokenizer \(ids 0 to 600\)"):
+        adopt(folder, tmp_path / "out", corpus)
 
 
 def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_none(family_folders, corpus, tmp_path):
@@ -650,6 +867,27 @@ def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_n
     assert specials.texts["pad"] == "<|end_of_text|>"
 
 
+@pytest.mark.parametrize("file, role, value", [
+    ("tokenizer_config.json", "eos_token", ["<|eot_id|>", "<|end_of_text|>"]),  # the stop ids, as a list
+    ("tokenizer_config.json", "bos_token", 128000),  # an id, not a text
+    ("special_tokens_map.json", "eos_token", {"content": ["<|eot_id|>"]}),
+])
+def test_a_role_s_token_that_is_no_text_is_a_one_line_error(family_folders, corpus, tmp_path, file, role, value):
+    """Read as no token, a list of eos tokens made the end-of-turn token, the
+    first stop id, silently the end-of-text one."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    config = read_json(folder / "tokenizer_config.json")
+    config.pop(role)  # special_tokens_map.json is read where tokenizer_config.json names no token
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / file).write_text(json.dumps({**tokenizer_module.read_folder_json(folder / file), role: value}))
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(folder / file))}: {role} is .+, neither a token's "
+                                             r"text nor an AddedToken object with one; give one token's text \(more "
+                                             r"ids that end generation go in generation_config.json's eos_token_id"):
+        adopt(folder, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("files, config, template", [
     ({"chat_template.jinja": "J", "chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "J"),
     ({"chat_template.json": '{"chat_template": "C"}'}, {"chat_template": "T"}, "C"),
@@ -657,6 +895,8 @@ def test_adopted_roles_come_from_special_tokens_map_where_tokenizer_config_has_n
     ({}, {"chat_template": [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "D"}]}, "D"),
     ({}, {"chat_template": [{"name": "tool_use", "template": "U"}]}, None),
     ({}, {"chat_template": "  \n"}, None),
+    ({"chat_template.jinja": "", "chat_template.json": '{"chat_template": "C"}'}, {}, None),  # the first file found
+    ({"chat_template.jinja": " \n\n"}, {"chat_template": "T"}, None),
     ({}, {}, None),
 ])
 def test_the_chat_template_is_read_where_transformers_looks_for_it(tmp_path, files, config, template):
@@ -722,10 +962,118 @@ def test_adoption_errors_are_one_line(family_folders, corpus, tmp_path):
     spm = tmp_path / "spm"
     spm.mkdir()
     (spm / "tokenizer.model").write_bytes(b"\0")
-    with pytest.raises(TokenizerError, match="has no tokenizer.json .*SentencePiece tokenizer.model: convert it"):
+    with pytest.raises(TokenizerError, match=r"spm has no tokenizer.json \(it has only a slow tokenizer's "
+                                             r"tokenizer.model: convert it once with transformers"):
         adopt(spm, tmp_path / "out", corpus)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "vocab.json").write_text("{}")
+    (gpt2 / "merges.txt").write_text("")
+    with pytest.raises(TokenizerError, match=r"gpt2 has no tokenizer.json \(it has only a slow tokenizer's "
+                                             r"vocab.json and merges.txt: convert it once"):
+        adopt(gpt2, tmp_path / "out", corpus)
+    with pytest.raises(TokenizerError, match=rf"tokenizer.json is not a folder; give 'train' or a local Hugging Face "
+                                             rf"model folder \(here {re.escape(str(family_folders['qwen2']))}, the "
+                                             r"folder that holds it\)$"):
+        adopt(family_folders["qwen2"] / "tokenizer.json", tmp_path / "out", corpus)
+    cut = tmp_path / "cut"
+    shutil.copytree(family_folders["qwen2"], cut)
+    (cut / "tokenizer.json").write_bytes((family_folders["qwen2"] / "tokenizer.json").read_bytes()[:2000])
+    with pytest.raises(TokenizerError, match=r"cut/tokenizer.json: not a valid tokenizer file: EOF while parsing .*; "
+                                             r"the model folder is damaged or incomplete \(an interrupted download"):
+        adopt(cut, tmp_path / "out", corpus)
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="tokenizer.source"):
         parse_section(TokenizerConfig, {"source": " "}, "tokenizer")
+
+
+def test_the_stage_s_own_output_is_no_source_to_adopt_from(family_folders, corpus, tmp_path):
+    """Its top holds no tokenizer_config.json or template and its hf/ no
+    generation_config.json: adopting from either lost bos, stop ids and the
+    template without a word (and read files the run replaces)."""
+    out = tmp_path / "tokenizer"
+    adopt(family_folders["llama3"], out, corpus)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for source in (out, out / "hf", out / "hf" / ".." / "hf"):
+        with pytest.raises(TokenizerError, match=rf"^tokenizer.source {re.escape(str(source))} is the tokenizer "
+                                                 r"stage's own output \(.*\), which this run replaces: give the model "
+                                                 rf"folder itself \(the last one adopted: "
+                                                 rf"{re.escape(str(family_folders['llama3']))}\)$"):
+            adopt(source, out, corpus)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    build(SMALL, corpus, out / "tokenizer.json")
+    with pytest.raises(TokenizerError, match=r"which this run replaces: give the model folder itself$"):
+        adopt(out, out, corpus)
+    shutil.copytree(family_folders["llama3"], out / "model")  # a model folder of its own, kept there
+    adopt(out / "model", out, corpus)
+    assert load_specials(out).source == str(out / "model")
+
+
+def test_an_adoption_that_fails_leaves_the_previous_tokenizer_as_it_was(family_folders, corpus, tmp_path):
+    """Measuring the adopted tokenizer on the clean documents can fail (here every
+    one is split: val); the tokenizer folder was already replaced by then."""
+    out = tmp_path / "tokenizer"
+    build(SMALL, corpus, out / "tokenizer.json", out / "report.json")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    marked = tmp_path / "marked.parquet"
+    table = pq.read_table(corpus)
+    pq.write_table(table.append_column("split", pa.array(["val"] * table.num_rows)), marked)
+    with pytest.raises(TokenizerError, match="every document with text is marked split: val"):
+        adopt(family_folders["llama3"], out, marked)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_stopped_between_the_tokenizer_and_its_roles_is_refused_on_load(family_folders, corpus, tmp_path,
+                                                                              monkeypatch):
+    """tokenizer.json and specials.json are two files: a run stopped between them
+    must not leave one tokenizer with another's ids (pack would separate documents
+    with an ordinary token), but a pair that load_tokenizer refuses."""
+    out = tmp_path / "tokenizer"
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    for first, then in ((family_folders["llama3"], SOURCE_TRAIN), (SOURCE_TRAIN, family_folders["qwen2"]),
+                        (family_folders["llama3"], family_folders["qwen2"])):
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = SMALL if first == SOURCE_TRAIN else TokenizerConfig(source=str(first))
+        build(cfg, corpus, out / "tokenizer.json")
+        with monkeypatch.context() as m:
+            m.setattr(tokenizer_module, "_write_specials", stop)
+            with pytest.raises(KeyboardInterrupt):
+                build(SMALL if then == SOURCE_TRAIN else TokenizerConfig(source=str(then)), corpus,
+                      out / "tokenizer.json")
+        try:
+            tok = load_tokenizer(out / "tokenizer.json")
+        except TokenizerError as e:
+            assert "expected 0; retrain the tokenizer" in str(e)
+        else:  # only where what was written is our own tokenizer, which the roles left read as
+            assert then == SOURCE_TRAIN and special_ids(tok) and load_specials(out) == OWN_SPECIALS
+
+
+def test_truncation_and_padding_set_in_an_adopted_tokenizer_json_are_turned_off(family_folders, corpus, tmp_path,
+                                                                                 caplog):
+    """A tokenizer.json can ship with them set: loaded as it was, every document
+    pack encoded was cut to max_length tokens and padded, without a word (and
+    every round trip failed, the first said to encode to a special id)."""
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.enable_truncation(8)
+    tok.enable_padding(length=16, pad_id=513, pad_token="<|end_of_text|>")
+    tok.save(str(folder / "tokenizer.json"))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        metrics = adopt(folder, tmp_path / "out", corpus)
+    assert f"{folder}: its tokenizer.json sets truncation to 8 tokens and padding, which would cut or pad every " \
+           "text: the pipeline turns that off wherever it loads the tokenizer" in caplog.text
+    assert metrics["roundtrip_failures"] == 0
+    assert metrics["bytes_per_token"] == adopt(family_folders["llama3"], tmp_path / "plain", corpus)["bytes_per_token"]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    text = "hello world, this is a text of more than eight tokens " * 3
+    loaded = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False).ids) == text
+    opened = tokenizer_module.open_hf_tokenizer(folder)  # generate's reader of a model folder
+    assert opened.decode(opened.encode(text, add_special_tokens=False).ids) == text
 
 
 def test_pack_separates_documents_with_the_adopted_end_of_text(family_folders, corpus, tmp_path):
@@ -779,6 +1127,25 @@ def test_adopting_from_outside_models_base_is_warned_about(family_folders, corpu
         adopt("models/base/linked", tmp_path / "linked", corpus)
     assert f"tokenizer.source models/base/linked is outside models/base/ (through a link: it is " \
            f"{family_folders['qwen2'].resolve()}), so DVC does not see changes to it" in caplog.text
+
+
+@pytest.mark.parametrize("config, warned", [
+    ({"vocab_size": 522}, True),  # one row short of the fixture's 523 ids
+    ({"text_config": {"vocab_size": 100}}, True),  # a multimodal model's language part
+    ({"vocab_size": 523}, False), ({"vocab_size": 1024}, False), ({}, False), (None, False), ("{oops", False),
+])
+def test_adopting_from_a_model_whose_embedding_is_smaller_than_the_tokenizer_is_warned_about(
+        family_folders, corpus, tmp_path, caplog, config, warned):
+    folder = tmp_path / "model"
+    shutil.copytree(family_folders["llama3"], folder)
+    if config is not None:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with caplog.at_level("WARNING", logger="pipeline.data.tokenizer"):
+        adopt(folder, tmp_path / "out", corpus)
+    rows = config.get("vocab_size") or config["text_config"]["vocab_size"] if warned else None
+    said = f"{folder}: the tokenizer has ids up to 522 but config.json's vocab_size is {rows}: its weights have no " \
+           "embedding row for the ids past it, so pretrain.init_from this folder will refuse the pair"
+    assert (said in caplog.text) if warned else ("config.json" not in caplog.text)
 
 
 def test_adopting_a_tokenizer_without_a_template_or_chatml_tokens_warns_that_sft_needs_one(
