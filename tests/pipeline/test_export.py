@@ -139,6 +139,8 @@ def test_tied_head_is_stored_once(exported):
         assert f.metadata() == {"format": "pt"}
     assert ("lm_head.weight" in names) == (not model.config.tie_embeddings)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == model.config.tie_embeddings
+    card_row = f"| tied embeddings | {'yes' if model.config.tie_embeddings else 'no'} |"
+    assert card_row in (out / "README.md").read_text(encoding="utf-8")
 
 
 def test_load_for_inference_of_the_export_equals_the_checkpoint(exported, tok_path, tok):
