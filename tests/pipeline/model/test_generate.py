@@ -516,3 +516,24 @@ def test_cli_a_tokenizer_folder_stands_for_its_tokenizer_json(capsys, tok_path, 
     by_file = capsys.readouterr().out
     assert main([*args, "--tokenizer", str(tok_path.parent)]) == 0
     assert capsys.readouterr().out == by_file
+
+
+def test_generation_builds_no_autograd_graph(model, tok):
+    """Like evaluate's scoring (whose no_grad had slipped onto another function): every
+    forward of the prefill and of each step runs without autograd, so no activations
+    are kept for a backward pass that never comes."""
+    seen = []
+    handle = model.register_forward_hook(
+        lambda _module, _args, out: seen.append((torch.is_grad_enabled(), out.requires_grad)))
+    try:
+        new = generate(model, prompt(tok), max_new_tokens=4, temperature=0)
+    finally:
+        handle.remove()
+    assert len(new) == 4 and seen == [(False, False)] * 4
+
+
+def test_no_new_tokens_is_nothing_and_a_negative_count_is_refused(model, tok):
+    assert generate(model, prompt(tok), max_new_tokens=0) == []
+    for bad in (-1, -5):  # would print nothing, as if the model had nothing to say
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be >= 0 \(got {bad}\)"):
+            generate(model, prompt(tok), max_new_tokens=bad)
