@@ -22,6 +22,7 @@ from pipeline.model.generate import (
     CHAT_STOP_IDS,
     TEXT_STOP_IDS,
     generate,
+    iter_generate,
     load_for_inference,
     main,
     sample_next,
@@ -537,3 +538,15 @@ def test_no_new_tokens_is_nothing_and_a_negative_count_is_refused(model, tok):
     for bad in (-1, -5):  # would print nothing, as if the model had nothing to say
         with pytest.raises(ValueError, match=rf"max_new_tokens must be >= 0 \(got {bad}\)"):
             generate(model, prompt(tok), max_new_tokens=bad)
+
+
+def test_streaming_leaves_the_callers_autograd_alone_between_tokens(model, tok):
+    """iter_generate held inference mode across its yields: the caller's code between
+    tokens, and after a break until the generator was collected, ran without autograd."""
+    stream = iter_generate(model, prompt(tok), max_new_tokens=4, temperature=0)
+    tokens = [next(stream)]
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    weight = torch.ones(2, requires_grad=True)
+    assert (weight * 2).sum().requires_grad  # a training step here still builds its graph
+    tokens += list(stream)
+    assert tokens == generate(model, prompt(tok), max_new_tokens=4, temperature=0)
