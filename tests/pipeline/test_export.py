@@ -955,3 +955,25 @@ def test_an_export_whose_replacement_was_cut_short_is_put_back_and_checked(tmp_p
     with pytest.raises(ExportError, match=r"holds NOTES.md, which no export wrote"):
         check_replaceable(tmp_path / "export", ["model.safetensors"])
     assert (tmp_path / "export" / "NOTES.md").read_text() == "mine" and not old.exists()
+
+
+@pytest.mark.parametrize("edit", ["appended", "same size"])
+def test_a_file_edited_since_the_last_export_is_refused_in_one_line_and_kept(tmp_path, tok, tok_path, edit):
+    """A user's edits to a file the last export wrote (the model card, before pushing it)
+    were replaced without a word, since report.json lists its name: export now compares
+    each listed file with the size and sha256 the report records, and refuses a changed one."""
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    out = tmp_path / "export"
+    write_report(out, export_model(tmp_path / "sft", tok_path, out, card_info={}), {"registered": False})
+    # unchanged: replaced as before
+    write_report(out, export_model(tmp_path / "sft", tok_path, out, card_info={}), {"registered": False})
+    card = (out / "README.md").read_text(encoding="utf-8")
+    mine = card + "\nMy notes.\n" if edit == "appended" else card.replace("# llm-pipeline model", "# llm-pipeline modeL")
+    assert mine != card and (edit == "appended" or len(mine) == len(card))
+    (out / "README.md").write_text(mine, encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ExportError, match=r"export holds README.md, changed since the export wrote it \(its size or "
+                                          r"sha256 is not the one its report.json records\); .* move"):
+        export_model(tmp_path / "sft", tok_path, out, card_info={})
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
