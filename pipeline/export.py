@@ -69,7 +69,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 import torch
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 from safetensors.torch import save_file
 
 from pipeline.config import StageConfig, flatten
@@ -148,6 +148,16 @@ class ExportConfig(StageConfig):
     license: str | None = Field(None, description="license id for the model card; null = none stated")
     intended_use: str | None = Field(None, description="model card text; null = the default")
     limitations: str | None = Field(None, description="model card text; null = the default")
+
+    @model_validator(mode="after")
+    def _primary_metric_of_the_model_shipped(self) -> "ExportConfig":
+        # The champion alias moves by this number: another model's would rank the export by scores not its own.
+        scored, _, metric = self.primary_metric.partition(".")
+        if self.register_model and scored in ("pretrain", "sft") and scored != self.source:
+            raise ValueError(f"primary_metric {self.primary_metric} scores the {scored} model, but source is "
+                             f"{self.source}; the registry would rank the {self.source} export by another model's "
+                             f"numbers: set primary_metric: {self.source}.{metric or 'bits_per_byte'}")
+        return self
 
 
 class ExportError(StageError):

@@ -977,3 +977,17 @@ def test_a_file_edited_since_the_last_export_is_refused_in_one_line_and_kept(tmp
         export_model(tmp_path / "sft", tok_path, out, card_info={})
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+def test_a_primary_metric_of_the_other_model_is_refused_before_any_work():
+    """export.source: pretrain with the default primary_metric (sft.chat.bits_per_byte)
+    registered the pretrained model and moved its champion alias by the SFT model's numbers."""
+    from pipeline.config import ConfigError, parse_section
+
+    with pytest.raises(ConfigError, match=r"export: primary_metric sft.chat.bits_per_byte scores the sft model, but "
+                                          r"source is pretrain; .*pretrain.chat.bits_per_byte"):
+        parse_section(ExportConfig, {"source": "pretrain"}, "export")
+    for ok in ({"source": "pretrain", "primary_metric": "pretrain.chat.bits_per_byte"},
+               {"source": "pretrain", "register_model": False},  # no registry to rank by it
+               {"primary_metric": "sft.text.val_loss"}, {"source": "sft", "primary_metric": "custom.score"}):
+        parse_section(ExportConfig, ok, "export")
