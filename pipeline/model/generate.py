@@ -341,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             history.append({"role": "user", "content": text})
             ids = _encode_chat_prompt(tokenizer, history, config.max_seq_len, room=args.max_new_tokens,
                                       template=template)
+            if args.interactive and len(ids) > config.max_seq_len:  # the error ended the session, history and all
+                print(f"error: that message takes {len(ids)} tokens; the model reads at most {config.max_seq_len}; "
+                      "send a shorter one", file=sys.stderr, flush=True)
+                history.pop()
+                continue
             answer = _reply(model, tokenizer, ids, args, chat_stops)
             if answer.strip():
                 history.append({"role": "assistant", "content": answer})

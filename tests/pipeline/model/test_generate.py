@@ -311,6 +311,21 @@ def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok,
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_cli_interactive_says_a_message_is_too_long_and_keeps_the_session(capsys, monkeypatch, model, tok, tok_path,
+                                                                          ckpt_dir):
+    """One message longer than the model reads ended the whole interactive session
+    (its history with it) on the error; now that message is refused and the next answered."""
+    long = "word " * (2 * model.config.max_seq_len)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{long}\nhello\n/exit\n"))
+    rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--interactive", "--temperature", "0",
+               "--max-new-tokens", "6"])
+    expected = chat_reply(model, tok, [{"role": "user", "content": "hello"}], max_new_tokens=6, temperature=0)
+    out = capsys.readouterr()
+    assert rc == 0 and out.out == expected + "\n"
+    assert re.search(rf"^error: that message takes \d+ tokens; the model reads at most {model.config.max_seq_len}"
+                     r"; send a shorter one$", out.err, re.M)
+
+
 def test_cli_forgets_an_exchange_with_a_blank_reply_and_reset_keeps_the_system_message(monkeypatch, tok_path,
                                                                                        ckpt_dir):
     from pipeline.model import generate as gen
