@@ -509,3 +509,20 @@ def test_samples_of_no_new_tokens_are_refused_before_any_work():
     # every completion would be empty, and samples.json would look like a model with nothing to say
     with pytest.raises(ConfigError, match=r"evaluate\.samples\.max_new_tokens: Input should be greater than or equal to 1"):
         parse_section(EvaluateConfig, {"samples": {"max_new_tokens": 0}}, "evaluate")
+
+
+def test_token_bytes_counts_a_plain_added_tokens_text_in_utf8(tmp_path):
+    """An added token that is not special (an adopted tokenizer's extra words) is
+    matched in the raw text, so its string is text, not the byte-level alphabet:
+    "héllo✓" stood for 6 bytes instead of its 9, and bits per byte came out high."""
+    from tokenizers import AddedToken
+
+    from tests.helpers import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(tmp_path / "tokenizer.json")
+    tok.add_tokens([AddedToken("héllo✓", special=False), AddedToken("<tool>", special=False)])
+    nbytes = token_bytes(tok)
+    for text in ["say héllo✓ now", "<tool>ünïcode", "plain"]:
+        enc = tok.encode(text, add_special_tokens=False)
+        assert int(nbytes[enc.ids].sum()) == len(text.encode("utf-8")), enc.tokens
+    assert "héllo✓" in tok.encode("say héllo✓ now", add_special_tokens=False).tokens
