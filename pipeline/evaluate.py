@@ -104,7 +104,9 @@ def token_bytes(tokenizer) -> np.ndarray:
     """UTF-8 bytes each token id stands for; added special tokens stand for none.
 
     In a byte-level BPE (GPT-2's byte-to-unicode alphabet: ours, Llama 3's,
-    Qwen's) every character of a token's string is one byte. Otherwise
+    Qwen's) every character of a token's string is one byte, but for an added
+    token that is not special: it is matched in the raw text, and stands for
+    its string's UTF-8 bytes. Otherwise
     (SentencePiece's layout: Llama 2's, Mistral's) a token is its text with
     ``▁`` for a space, in UTF-8, and ``<0xNN>`` is one byte. That counts the
     ``▁`` of such a tokenizer's dummy prefix too, which is not in the text:
@@ -113,12 +115,14 @@ def token_bytes(tokenizer) -> np.ndarray:
     byte_level = '"ByteLevel"' in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     out = np.zeros(max(vocab.values()) + 1, dtype=np.int64)
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    added = tokenizer.get_added_tokens_decoder().values()
+    special = {t.content for t in added if t.special}
+    plain_added = {t.content for t in added if not t.special}  # matched in the raw text: their string is text
     for token, idx in vocab.items():
         if token in special:
             continue
         if byte_level:
-            out[idx] = len(token)
+            out[idx] = len(token.encode("utf-8")) if token in plain_added else len(token)
         elif BYTE_TOKEN.fullmatch(token):
             out[idx] = 1
         else:

@@ -54,7 +54,8 @@ never see a half-written export. A crash between the two renames of the swap
 leaves no ``out_dir`` but the previous export whole as ``.old-export-<pid>``
 beside it, which the next export moves back before it starts.
 An ``out_dir`` holding anything no export wrote (a user's notes, another model, a
-file in its place) is refused in one line before any work, not replaced.
+file in its place, a file changed since the last export wrote it: an edited model
+card) is refused in one line before any work, not replaced.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 import torch
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 from safetensors.torch import save_file
 
 from pipeline.config import StageConfig, flatten
@@ -147,6 +148,16 @@ class ExportConfig(StageConfig):
     license: str | None = Field(None, description="license id for the model card; null = none stated")
     intended_use: str | None = Field(None, description="model card text; null = the default")
     limitations: str | None = Field(None, description="model card text; null = the default")
+
+    @model_validator(mode="after")
+    def _primary_metric_of_the_model_shipped(self) -> "ExportConfig":
+        # The champion alias moves by this number: another model's would rank the export by scores not its own.
+        scored, _, metric = self.primary_metric.partition(".")
+        if self.register_model and scored in ("pretrain", "sft") and scored != self.source:
+            raise ValueError(f"primary_metric {self.primary_metric} scores the {scored} model, but source is "
+                             f"{self.source}; the registry would rank the {self.source} export by another model's "
+                             f"numbers: set primary_metric: {self.source}.{metric or 'bits_per_byte'}")
+        return self
 
 
 class ExportError(StageError):
@@ -244,9 +255,11 @@ def export_model(checkpoint_folder: str | Path, tokenizer_path: str | Path, out_
 
 def check_replaceable(out_dir: Path, written: Iterable[str]) -> None:
     """Raise ExportError, one line, when replacing ``out_dir`` whole would delete
-    what no export wrote: a file in its place, or entries other than the files
+    what no export wrote: a file in its place, entries other than the files
     an export writes (``written``) and those its previous export's report.json
-    lists. A user's notes or model kept there are theirs to move, not ours to delete."""
+    lists, or a listed file whose size or sha256 is not the one that report
+    records (edited since: a model card readied for publishing). A user's notes,
+    edits or model kept there are theirs to move, not ours to delete."""
     restore_swapped_out(out_dir)  # the last export, if a kill cut its replacement short: checked as it is
     if out_dir.is_symlink() or not out_dir.exists():  # a link is replaced, not what it points to
         return
@@ -258,7 +271,8 @@ def check_replaceable(out_dir: Path, written: Iterable[str]) -> None:
     except (OSError, ValueError):  # none (a first export, or one stopped before its report) or unreadable
         report = {}
     listed = report.get("files") if isinstance(report, dict) else None
-    known = {*written, *(listed if isinstance(listed, dict) else ())}
+    listed = listed if isinstance(listed, dict) else {}
+    known = {*written, *listed}
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
                      if p.name not in known or p.is_dir())
     if foreign:
@@ -266,6 +280,25 @@ def check_replaceable(out_dir: Path, written: Iterable[str]) -> None:
         raise ExportError(f"{out_dir} holds {', '.join(foreign[:5])}{more}, which no export wrote (its {REPORT} "
                           "does not list them); an export replaces the folder whole, so move them out of it (or delete "
                           "them) and run the stage again")
+    edited = sorted(p.name for p in out_dir.iterdir() if _changed(p, listed.get(p.name)))
+    if edited:
+        more = f" and {len(edited) - 5} more" if len(edited) > 5 else ""
+        raise ExportError(f"{out_dir} holds {', '.join(edited[:5])}{more}, changed since the export wrote "
+                          f"{'it' if len(edited) == 1 else 'them'} (its size or sha256 is not the one its {REPORT} "
+                          "records); an export replaces the folder whole, so move your version out of it (or delete "
+                          "it) and run the stage again")
+
+
+def _changed(path: Path, recorded: Any) -> bool:
+    """Whether the file ``path`` differs from what an export's report.json
+    ``recorded`` of it ({bytes, sha256}); False when nothing is recorded. The
+    size is compared first, so only a file of the recorded size is hashed."""
+    if not isinstance(recorded, dict) or not path.is_file():
+        return False
+    size, digest = recorded.get("bytes"), recorded.get("sha256")
+    if isinstance(size, int) and path.stat().st_size != size:
+        return True
+    return isinstance(digest, str) and sha256_file(path) != digest
 
 
 def check_fits(model: Transformer, dtype: str) -> None:

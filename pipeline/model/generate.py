@@ -128,17 +128,23 @@ def iter_generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: 
     generator = torch.Generator(device=param.device).manual_seed(seed)
     # The last emitted token is never fed back, so the cache needs one position less.
     cache = KVCache(model.config, 1, len(prompt_ids) + budget - 1, device=param.device, dtype=param.dtype)
-    with torch.inference_mode():
-        idx = torch.tensor([prompt_ids], device=param.device)  # (1, T)
-        logits = model(idx, cache=cache)  # prefill
-        pos = len(prompt_ids)
-        for step in range(budget):
-            token = int(sample_next(logits[0, -1], temperature, top_k, top_p, generator))
-            yield token
-            if token in stops or step + 1 == budget:
-                return
-            logits = model(torch.tensor([[token]], device=param.device), cache=cache, start_pos=pos)
-            pos += 1
+
+    # Inference mode around each step, not around the loop: a `with` across a yield
+    # left it on in the caller's code between tokens (and after a break, until the
+    # generator was collected), where a training step then built no graph.
+    @torch.inference_mode()
+    def next_token(ids: list[int], start_pos: int) -> int:
+        logits = model(torch.tensor([ids], device=param.device), cache=cache, start_pos=start_pos)  # (1, T, V)
+        return int(sample_next(logits[0, -1], temperature, top_k, top_p, generator))
+
+    token = next_token(prompt_ids, 0)  # prefill
+    pos = len(prompt_ids)
+    for step in range(budget):
+        yield token
+        if token in stops or step + 1 == budget:
+            return
+        token = next_token([token], pos)
+        pos += 1
 
 
 def generate(model: Transformer, prompt_ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -335,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             history.append({"role": "user", "content": text})
             ids = _encode_chat_prompt(tokenizer, history, config.max_seq_len, room=args.max_new_tokens,
                                       template=template)
+            if args.interactive and len(ids) > config.max_seq_len:  # the error ended the session, history and all
+                print(f"error: that message takes {len(ids)} tokens; the model reads at most {config.max_seq_len}; "
+                      "send a shorter one", file=sys.stderr, flush=True)
+                history.pop()
+                continue
             answer = _reply(model, tokenizer, ids, args, chat_stops)
             if answer.strip():
                 history.append({"role": "assistant", "content": answer})

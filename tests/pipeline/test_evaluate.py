@@ -468,3 +468,61 @@ def test_samples_stop_where_the_sft_data_says_and_leave_the_stop_out(tmp_path, t
     assert calls[0] == ([EOT_ID], list(dict.fromkeys([EOT_ID, *specials.eos_ids])))
     assert calls[1][1] == [9, 3]
     assert text["completion"] == chat["completion"] == "def"
+
+
+def test_max_rows_beyond_the_split_scores_every_row_in_batches_that_do_not_divide_it(tmp_path):
+    """evaluate.max_rows larger than a small split (a quick check's max_rows: 1000 on a
+    tiny corpus) reached past its last row: an IndexError instead of the whole split."""
+    vocab = 40
+    write_split(tmp_path / "val", synthetic_docs(30, vocab, seed=1), seq_len=16)
+    rows = PackedRows(tmp_path / "val")
+    assert len(rows) % 4 != 0
+    kw = dict(batch_size=4, doc_mask=True, device=torch.device("cpu"), precision="fp32")
+    whole = score(tiny_model(tiny_config(vocab)), rows, np.full(vocab, 2), max_rows=None, **kw)
+    beyond = score(tiny_model(tiny_config(vocab)), rows, np.full(vocab, 2), max_rows=len(rows) + 100, **kw)
+    assert beyond == whole and whole["tokens"] == len(rows) * 16
+
+
+def test_an_id_past_the_models_embedding_is_one_line_even_when_the_byte_table_has_it(tmp_path):
+    """score checks ids against the model as well as the byte table: a table of a
+    larger tokenizer let an id past the embedding through to an IndexError."""
+    write_split(tmp_path / "val", synthetic_docs(30, 60, seed=1), seq_len=16)
+    with pytest.raises(EvaluateError, match=r"beyond the tokenizer's 100 ids or the model's 40"):
+        score(tiny_model(tiny_config(40)), PackedRows(tmp_path / "val"), np.full(100, 2), batch_size=4,
+              max_rows=None, doc_mask=True, device=torch.device("cpu"), precision="fp32")
+
+
+def test_the_models_scored_and_sampled_are_in_eval_mode(tmp_path, tok_path):
+    """The contract load_checkpoint_model states: scores and samples come from eval-mode
+    modules, whatever layers (dropout) a model family adds."""
+    from pipeline.data.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    write_split(tmp_path / "val", synthetic_docs(20, vocab, seed=3), seq_len=16)
+    save_checkpoint(tmp_path / "m", tiny_model(tiny_config(vocab)))
+    cfg = parse_section(EvaluateConfig, {"batch_size": 4}, "evaluate")
+    _, models = evaluate_models(cfg, {"m": tmp_path / "m"}, {"text": tmp_path / "val"}, tok_path)
+    assert not any(module.training for module in models["m"].modules())
+
+
+def test_samples_of_no_new_tokens_are_refused_before_any_work():
+    # every completion would be empty, and samples.json would look like a model with nothing to say
+    with pytest.raises(ConfigError, match=r"evaluate\.samples\.max_new_tokens: Input should be greater than or equal to 1"):
+        parse_section(EvaluateConfig, {"samples": {"max_new_tokens": 0}}, "evaluate")
+
+
+def test_token_bytes_counts_a_plain_added_tokens_text_in_utf8(tmp_path):
+    """An added token that is not special (an adopted tokenizer's extra words) is
+    matched in the raw text, so its string is text, not the byte-level alphabet:
+    "héllo✓" stood for 6 bytes instead of its 9, and bits per byte came out high."""
+    from tokenizers import AddedToken
+
+    from tests.helpers import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(tmp_path / "tokenizer.json")
+    tok.add_tokens([AddedToken("héllo✓", special=False), AddedToken("<tool>", special=False)])
+    nbytes = token_bytes(tok)
+    for text in ["say héllo✓ now", "<tool>ünïcode", "plain"]:
+        enc = tok.encode(text, add_special_tokens=False)
+        assert int(nbytes[enc.ids].sum()) == len(text.encode("utf-8")), enc.tokens
+    assert "héllo✓" in tok.encode("say héllo✓ now", add_special_tokens=False).tokens

@@ -139,6 +139,8 @@ def test_tied_head_is_stored_once(exported):
         assert f.metadata() == {"format": "pt"}
     assert ("lm_head.weight" in names) == (not model.config.tie_embeddings)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == model.config.tie_embeddings
+    card_row = f"| tied embeddings | {'yes' if model.config.tie_embeddings else 'no'} |"
+    assert card_row in (out / "README.md").read_text(encoding="utf-8")
 
 
 def test_load_for_inference_of_the_export_equals_the_checkpoint(exported, tok_path, tok):
@@ -953,3 +955,39 @@ def test_an_export_whose_replacement_was_cut_short_is_put_back_and_checked(tmp_p
     with pytest.raises(ExportError, match=r"holds NOTES.md, which no export wrote"):
         check_replaceable(tmp_path / "export", ["model.safetensors"])
     assert (tmp_path / "export" / "NOTES.md").read_text() == "mine" and not old.exists()
+
+
+@pytest.mark.parametrize("edit", ["appended", "same size"])
+def test_a_file_edited_since_the_last_export_is_refused_in_one_line_and_kept(tmp_path, tok, tok_path, edit):
+    """A user's edits to a file the last export wrote (the model card, before pushing it)
+    were replaced without a word, since report.json lists its name: export now compares
+    each listed file with the size and sha256 the report records, and refuses a changed one."""
+    save_checkpoint(tmp_path / "sft", tiny_model(tiny_config(tok.get_vocab_size())))
+    out = tmp_path / "export"
+    write_report(out, export_model(tmp_path / "sft", tok_path, out, card_info={}), {"registered": False})
+    # unchanged: replaced as before
+    write_report(out, export_model(tmp_path / "sft", tok_path, out, card_info={}), {"registered": False})
+    card = (out / "README.md").read_text(encoding="utf-8")
+    mine = card + "\nMy notes.\n" if edit == "appended" else card.replace("# llm-pipeline model", "# llm-pipeline modeL")
+    assert mine != card and (edit == "appended" or len(mine) == len(card))
+    (out / "README.md").write_text(mine, encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ExportError, match=r"export holds README.md, changed since the export wrote it \(its size or "
+                                          r"sha256 is not the one its report.json records\); .* move"):
+        export_model(tmp_path / "sft", tok_path, out, card_info={})
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "sft"]
+
+
+def test_a_primary_metric_of_the_other_model_is_refused_before_any_work():
+    """export.source: pretrain with the default primary_metric (sft.chat.bits_per_byte)
+    registered the pretrained model and moved its champion alias by the SFT model's numbers."""
+    from pipeline.config import ConfigError, parse_section
+
+    with pytest.raises(ConfigError, match=r"export: primary_metric sft.chat.bits_per_byte scores the sft model, but "
+                                          r"source is pretrain; .*pretrain.chat.bits_per_byte"):
+        parse_section(ExportConfig, {"source": "pretrain"}, "export")
+    for ok in ({"source": "pretrain", "primary_metric": "pretrain.chat.bits_per_byte"},
+               {"source": "pretrain", "register_model": False},  # no registry to rank by it
+               {"primary_metric": "sft.text.val_loss"}, {"source": "sft", "primary_metric": "custom.score"}):
+        parse_section(ExportConfig, ok, "export")

@@ -22,6 +22,7 @@ from pipeline.model.generate import (
     CHAT_STOP_IDS,
     TEXT_STOP_IDS,
     generate,
+    iter_generate,
     load_for_inference,
     main,
     sample_next,
@@ -310,6 +311,21 @@ def test_cli_interactive_reads_turns_until_exit(capsys, monkeypatch, model, tok,
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_cli_interactive_says_a_message_is_too_long_and_keeps_the_session(capsys, monkeypatch, model, tok, tok_path,
+                                                                          ckpt_dir):
+    """One message longer than the model reads ended the whole interactive session
+    (its history with it) on the error; now that message is refused and the next answered."""
+    long = "word " * (2 * model.config.max_seq_len)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{long}\nhello\n/exit\n"))
+    rc = main(["--model", str(ckpt_dir), "--tokenizer", str(tok_path), "--interactive", "--temperature", "0",
+               "--max-new-tokens", "6"])
+    expected = chat_reply(model, tok, [{"role": "user", "content": "hello"}], max_new_tokens=6, temperature=0)
+    out = capsys.readouterr()
+    assert rc == 0 and out.out == expected + "\n"
+    assert re.search(rf"^error: that message takes \d+ tokens; the model reads at most {model.config.max_seq_len}"
+                     r"; send a shorter one$", out.err, re.M)
+
+
 def test_cli_forgets_an_exchange_with_a_blank_reply_and_reset_keeps_the_system_message(monkeypatch, tok_path,
                                                                                        ckpt_dir):
     from pipeline.model import generate as gen
@@ -516,3 +532,36 @@ def test_cli_a_tokenizer_folder_stands_for_its_tokenizer_json(capsys, tok_path, 
     by_file = capsys.readouterr().out
     assert main([*args, "--tokenizer", str(tok_path.parent)]) == 0
     assert capsys.readouterr().out == by_file
+
+
+def test_generation_builds_no_autograd_graph(model, tok):
+    """Like evaluate's scoring (whose no_grad had slipped onto another function): every
+    forward of the prefill and of each step runs without autograd, so no activations
+    are kept for a backward pass that never comes."""
+    seen = []
+    handle = model.register_forward_hook(
+        lambda _module, _args, out: seen.append((torch.is_grad_enabled(), out.requires_grad)))
+    try:
+        new = generate(model, prompt(tok), max_new_tokens=4, temperature=0)
+    finally:
+        handle.remove()
+    assert len(new) == 4 and seen == [(False, False)] * 4
+
+
+def test_no_new_tokens_is_nothing_and_a_negative_count_is_refused(model, tok):
+    assert generate(model, prompt(tok), max_new_tokens=0) == []
+    for bad in (-1, -5):  # would print nothing, as if the model had nothing to say
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be >= 0 \(got {bad}\)"):
+            generate(model, prompt(tok), max_new_tokens=bad)
+
+
+def test_streaming_leaves_the_callers_autograd_alone_between_tokens(model, tok):
+    """iter_generate held inference mode across its yields: the caller's code between
+    tokens, and after a break until the generator was collected, ran without autograd."""
+    stream = iter_generate(model, prompt(tok), max_new_tokens=4, temperature=0)
+    tokens = [next(stream)]
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    weight = torch.ones(2, requires_grad=True)
+    assert (weight * 2).sum().requires_grad  # a training step here still builds its graph
+    tokens += list(stream)
+    assert tokens == generate(model, prompt(tok), max_new_tokens=4, temperature=0)
