@@ -142,7 +142,9 @@ class ExportConfig(StageConfig):
                             description="registered model name")
     primary_metric: str = Field("sft.chat.bits_per_byte", min_length=1,
                                 description="dotted key of metrics/evaluate.json that decides the champion alias; with "
-                                "register_model, export refuses a key that file lacks before any work")
+                                "register_model, export refuses a key that file lacks before any work, and one that "
+                                "scores the other model (an sft. key with source: pretrain: use "
+                                "pretrain.chat.bits_per_byte)")
     lower_is_better: bool = Field(True, description="direction of primary_metric")
     name: str | None = Field(None, description="model card title; null = 'llm-pipeline model'")
     license: str | None = Field(None, description="license id for the model card; null = none stated")
