@@ -174,3 +174,21 @@ def test_a_resumed_curve_gives_its_last_loss_and_last_measured_speed(tmp_path):
     log.close()
     assert log.last_loss == 3.0 and log.last_speed == (200.0, 0.02)
 
+
+
+def test_elapsed_s_of_a_resumed_run_goes_on_from_its_curve(tmp_path, monkeypatch):
+    """A resumed run's rows carry on the clock of the curve it keeps (up to the
+    checkpoint's step), so that elapsed_s keeps rising: a plot against it does not
+    fold the resumed part back over the start."""
+    from pipeline.training import metrics
+
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)
+    (tmp_path / "history.csv").write_text("step,loss,lr,grad_norm,tokens_per_s,mfu,peak_mem_mb,val_loss,elapsed_s\n"
+                                          "2,4.0,0.1,1.0,200,0.02,1.0,,30.5\n3,3.5,0.1,1.0,200,0.02,1.0,,45.0\n")
+    logger = logger_on(tmp_path, every=1)
+    with logger.start(2):
+        clock.now = 103.0
+        logger.log(3, {"loss": 3.0, "lr": 0.1})
+    rows = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
+    assert [(r[0], r[-1]) for r in rows] == [("2", "30.5"), ("3", "33.5")]
