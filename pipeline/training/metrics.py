@@ -98,6 +98,8 @@ class CsvLog:
         timed = [r for r in kept if r.get("tokens_per_s") and r.get("mfu")]
         # the run's last measured speed, for a rerun that has nothing left to train
         self.last_speed = (float(timed[-1]["tokens_per_s"]), float(timed[-1]["mfu"])) if timed else None
+        # where the resumed run's clock goes on from, so that elapsed_s keeps rising across a resume
+        self.last_elapsed = float(kept[-1]["elapsed_s"]) if kept and kept[-1].get("elapsed_s") else 0.0
         self._files, self._writers = [], []
         for target in (path, history):
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +166,7 @@ class MetricsLogger:
             self._stack.callback(self._csv.close)
             if self._csv.last_speed is not None:  # replaced at the first step this process times
                 self.tokens_per_s, self.mfu = self._csv.last_speed
+            self._t_start -= self._csv.last_elapsed  # elapsed_s of a resumed run goes on from its curve's
             if self.cfg.track:
                 from pipeline.tracking.tracker import Tracker
 

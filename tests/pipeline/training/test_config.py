@@ -255,3 +255,12 @@ def test_the_fingerprint_does_not_depend_on_key_order():
     ModelConfig it was made from: the same run all the same."""
     assert fingerprint_of({"model": {"d_model": 64, "n_layers": 2}, "seed": 1}) == \
         fingerprint_of({"seed": 1, "model": {"n_layers": 2, "d_model": 64}})
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_yaml_boolean_micro_batch_size_is_named_as_one(value):
+    """`micro_batch_size: no` (YAML's false) is named as the boolean it became, as `yes` is,
+    not as a number below 1."""
+    with pytest.raises(ConfigError, match=rf"pretrain.batch.micro_batch_size: a number is expected, not the "
+                                          rf"boolean {value}"):
+        parse_section(PretrainConfig, {"batch": {"micro_batch_size": value}}, "pretrain")

@@ -174,3 +174,60 @@ def test_a_resumed_curve_gives_its_last_loss_and_last_measured_speed(tmp_path):
     log.close()
     assert log.last_loss == 3.0 and log.last_speed == (200.0, 0.02)
 
+
+
+def test_elapsed_s_of_a_resumed_run_goes_on_from_its_curve(tmp_path, monkeypatch):
+    """A resumed run's rows carry on the clock of the curve it keeps (up to the
+    checkpoint's step), so that elapsed_s keeps rising: a plot against it does not
+    fold the resumed part back over the start."""
+    from pipeline.training import metrics
+
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)
+    (tmp_path / "history.csv").write_text("step,loss,lr,grad_norm,tokens_per_s,mfu,peak_mem_mb,val_loss,elapsed_s\n"
+                                          "2,4.0,0.1,1.0,200,0.02,1.0,,30.5\n3,3.5,0.1,1.0,200,0.02,1.0,,45.0\n")
+    logger = logger_on(tmp_path, every=1)
+    with logger.start(2):
+        clock.now = 103.0
+        logger.log(3, {"loss": 3.0, "lr": 0.1})
+    rows = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
+    assert [(r[0], r[-1]) for r in rows] == [("2", "30.5"), ("3", "33.5")]
+
+
+def test_a_resumed_runs_first_report_counts_only_the_steps_it_trained(tmp_path, monkeypatch):
+    """Resumed at step 6 with a report every 4 steps: the report at step 8 covers 2
+    steps, not 4 (throughput), and MLflow gets each row and the summary at its own
+    step of the whole run, not of this process."""
+    from pipeline.training import metrics
+
+    clock, logged = Clock(), []
+
+    class Tracker:
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def log_metrics(self, values, step):
+            logged.append((step, sorted(values)[:2]))
+
+    import pipeline.tracking.tracker as tracker
+
+    monkeypatch.setattr(tracker, "Tracker", Tracker)
+    monkeypatch.setattr(metrics, "time", clock)
+    logger = MetricsLogger("pretrain", LoggingSection(every=4, peak_flops=1e9, track=True, system_metrics=False),
+                           Dist(0, 0, 1, torch.device("cpu"), None), tmp_path / "curve.csv", tmp_path / "history.csv",
+                           precision_dtype=torch.float32, nnodes=1, tokens_per_step=64, flops_per_token=1000.0,
+                           max_steps=8)
+    with logger.start(6):
+        clock.now = 101.0
+        logger.log(7, {"loss": 3.0, "lr": 0.1})
+        clock.now = 104.0
+        logger.log(8, {"loss": 2.0, "lr": 0.1})  # 2 steps x 64 tokens in 4 s
+        logger.log_summary({"final_loss": 2.0}, 8, None)
+    assert logger.tokens_per_s == 32.0
+    assert [step for step, _ in logged] == [8, 8]

@@ -171,6 +171,190 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatc
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def labelled_packed(out, seq_len=32):
+    """Packed rows with SFT-style labels whose count differs from row to row: each
+    document scores a random share of its tokens (none, some or all)."""
+    import numpy as np
+
+    from tests.helpers import synthetic_docs, write_split
+
+    docs = synthetic_docs(300, 64, seed=7)
+    rng = np.random.default_rng(7)
+    labels = [np.where(np.arange(len(d)) >= rng.integers(0, len(d) + 1), d, -100).astype(np.int32) for d in docs]
+    for split, part in (("train", slice(30, None)), ("val", slice(0, 30))):
+        write_split(out / split, docs[part], seq_len, labels[part])
+    return out
+
+
+@pytest.mark.parametrize("micro, accum", [(4, 2), (2, 4)])
+def test_grad_accumulation_weights_every_labelled_token_of_the_global_batch_alike(tmp_path, micro, accum):
+    """The same global batch split into micro-batches gives the same update: the loss is
+    normalised by the labelled tokens of the whole global batch, not per micro-batch
+    (its micro-batches score different numbers of tokens here) nor once more by the
+    accumulation steps. Gradient norms and losses agree to float rounding."""
+    from pipeline.training.trainer import Trainer
+
+    data = labelled_packed(tmp_path / "sft")
+
+    def steps(name, **kw):
+        c = cfg(max_steps=4, **kw)
+        t = Trainer("pretrain", c, c.model.build(64, 32), data / "train", data / "val", tmp_path / name / "models",
+                    tmp_path / name / "plots.csv", data_id="x")
+        try:
+            counts = [[int((t.train_data.batch(r, t.d.device)["targets"] != -100).sum()) for r in t.order.next_step()]]
+            t._build_order()
+            return [t.train_step() for _ in range(3)], counts[0]
+        finally:
+            t.close()
+
+    whole, _ = steps("whole", micro_batch_size=micro * accum, grad_accum_steps=1)
+    split, counts = steps("split", micro_batch_size=micro, grad_accum_steps=accum)
+    assert len(set(counts)) > 1  # the micro-batches of step 1 score different numbers of tokens
+    for a, b in zip(whole, split, strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_a_resumed_run_accumulating_over_labelled_rows_repeats_the_uninterrupted_steps_bit_for_bit(tmp_path):
+    """Resume with grad_accum_steps 2 over rows that score different numbers of tokens:
+    the curve's numbers after the checkpoint are string-exact, and elapsed_s keeps rising."""
+    labelled_packed(tmp_path / "packed")
+    c = cfg(max_steps=6, micro_batch_size=2, grad_accum_steps=2, checkpoint_every=3, eval_every=3)
+    fit(trainer(tmp_path, "a", c))
+    fit(trainer(tmp_path, "b", c))
+    ckpt.discard([x for x in ckpt.complete_checkpoints(tmp_path / "b" / "models") if x.step > 3])
+    assert fit(trainer(tmp_path, "b", c))["resumed_from_step"] == 3
+    cols = ("step", "loss", "lr", "grad_norm", "val_loss")
+    assert rows_of(tmp_path / "b" / "plots.csv", cols) == rows_of(tmp_path / "a" / "plots.csv", cols)
+    elapsed = [float(r["elapsed_s"]) for r in read_csv(tmp_path / "b" / "plots.csv")]
+    assert len(elapsed) == 6 and elapsed == sorted(elapsed)
+
+
+def test_evaluate_runs_without_autograd_in_eval_mode_and_training_goes_on_in_train_mode(tmp_path):
+    """evaluate() builds no graph and leaves no gradient (torch.no_grad), runs the
+    model in eval mode, and the next train step is back in train mode with autograd."""
+    t = trainer(tmp_path, "a")
+    seen = []
+    t.model.register_forward_hook(lambda mod, inp, out: seen.append((torch.is_grad_enabled(), mod.training,
+                                                                      out.requires_grad)))
+    try:
+        t.evaluate()
+        assert seen and set(seen) == {(False, False, False)}
+        assert all(p.grad is None for p in t.model.parameters())
+        seen.clear()
+        t.train_step()
+        assert seen and set(seen) == {(True, True, True)}
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_the_optimizer_steps_on_gradients_clipped_to_grad_clip(tmp_path, clip):
+    """optimizer.grad_clip caps the global gradient norm the optimizer sees (0: off, the
+    gradients as they are); the reported grad_norm is the norm before clipping."""
+    t = trainer(tmp_path, "a", cfg(max_steps=4, grad_clip=clip))
+    seen = []
+    t.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(float(torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in t.model.parameters() if p.grad is not None])))))
+    try:
+        reported = [t.train_step()["grad_norm"] for _ in range(2)]
+    finally:
+        t.close()
+    expected = [min(n, clip) if clip else n for n in reported]
+    assert clip == 0 or min(reported) > clip  # the cap bites at every step
+    assert seen == pytest.approx(expected, rel=1e-5)
+
+
+def test_val_loss_is_the_mean_over_the_labelled_tokens_of_the_val_rows(tmp_path):
+    """SFT-style val rows (labels on part of each row): val loss is the summed token
+    loss over the evaluated rows divided by their labelled tokens, not by all positions."""
+    from pipeline.training.loss import token_loss_sum
+    from pipeline.training.sampler import eval_rows
+    from pipeline.training.trainer import Trainer
+
+    data = labelled_packed(tmp_path / "sft")
+    c = cfg(max_steps=4, eval_rows=10, micro_batch_size=4)
+    t = Trainer("pretrain", c, c.model.build(64, 32), data / "train", data / "val", tmp_path / "models",
+                tmp_path / "plots.csv", data_id="x")
+    try:
+        got = t.evaluate()
+        b = t.val_data.batch(eval_rows(len(t.val_data), 10, 1, 0), t.d.device)
+        with torch.no_grad():
+            loss = token_loss_sum(t.model(b["input_ids"], segment_ids=b["segment_ids"]), b["targets"])
+    finally:
+        t.close()
+    scored = int((b["targets"] != -100).sum())
+    assert 0 < scored < b["targets"].numel()
+    assert got == pytest.approx(loss.item() / scored, rel=1e-5)
+
+
+def test_fp16_skips_a_step_whose_gradients_overflow_and_goes_on(tmp_path):
+    """An inf gradient under fp16 is the GradScaler's signal: that step leaves the weights
+    as they were and halves the loss scale, and training goes on (no NonFiniteError)."""
+    t = trainer(tmp_path, "a", cfg(max_steps=4, precision="fp16"))
+    calls = []
+    hook = t.model.layers[0].attention.wq.weight.register_hook(
+        lambda g: calls.append(1) or (g * float("inf") if len(calls) == 1 else g))
+    try:
+        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        scale = t.scaler.get_scale()
+        first = t.train_step()
+        assert math.isinf(first["grad_norm"]) and math.isfinite(first["loss"])
+        assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+        assert t.scaler.get_scale() == scale / 2
+        second = t.train_step()
+        assert math.isfinite(second["grad_norm"])
+        assert any(not torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    finally:
+        hook.remove()
+        t.close()
+
+
+def test_a_val_loss_measured_between_report_steps_still_gets_its_row(tmp_path):
+    """Evaluations every 3 steps, reports every 4: each val loss gets a row of its own
+    (forced), and the last step always has one."""
+    run(tmp_path, max_steps=7, log_every=4, eval_every=3)
+    rows = read_csv(tmp_path / "plots.csv")
+    assert [(int(r["step"]), r["val_loss"] != "") for r in rows] == [(3, True), (4, False), (6, True), (7, True)]
+
+
+def test_as_many_ranks_per_node_as_gpus_is_allowed(monkeypatch):
+    """The boundary of the check above: one rank per GPU, every GPU used."""
+    from pipeline.training import trainer as trainer_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(trainer_module, "resolve_precision", lambda *a: "bf16")
+    resolved = []
+    monkeypatch.setattr(trainer_module.attention, "resolve", lambda *a: resolved.append(a[1].type))
+    c = parse_section(PretrainConfig, {"compute": {"device": "cuda"}, "launch": {"nproc_per_node": 2}}, "pretrain")
+    trainer_module.check_compute(c)
+    assert resolved == ["cuda"]
+
+
+def test_a_global_batch_without_labelled_tokens_stops_in_one_line(tmp_path):
+    """Rows whose labels are all masked leave nothing to normalise the loss by: a
+    StageError naming the step, not a ZeroDivisionError traceback."""
+    import numpy as np
+
+    from pipeline.errors import StageError
+    from pipeline.training.trainer import Trainer
+    from tests.helpers import synthetic_docs, write_split
+
+    docs = synthetic_docs(200, 64, seed=3)
+    masked = [np.full(len(d), -100, dtype=np.int32) for d in docs]
+    for split, part in (("train", slice(20, None)), ("val", slice(0, 20))):
+        write_split(tmp_path / "sft" / split, docs[part], 32, masked[part])
+    c = cfg(max_steps=4)
+    t = Trainer("pretrain", c, c.model.build(64, 32), tmp_path / "sft" / "train", tmp_path / "sft" / "val",
+                tmp_path / "models", tmp_path / "plots.csv", data_id="x")
+    try:
+        with pytest.raises(StageError, match=r"^step 1: no target tokens in the global batch$"):
+            t.train_step()
+    finally:
+        t.close()
+
+
 def test_bf16_autocast_on_cpu_trains(tmp_path):
     m = run(tmp_path, precision="bf16", max_steps=6)
     assert report(tmp_path)["precision"] == "bf16" and math.isfinite(m["final_loss"])
@@ -211,6 +395,20 @@ def test_fp16_uses_a_grad_scaler_whose_state_is_checkpointed(tmp_path):
     assert again["resumed_from_step"] == 2
     state = ckpt.load_state(ckpt.latest(tmp_path / "models"), "trainer.pt")
     assert state["scaler"]["_growth_tracker"] == 4  # 2 restored + 2 new successful steps
+
+
+def test_fp16_clips_and_reports_the_unscaled_gradient(tmp_path):
+    """Under fp16 the gradients are unscaled before their norm is taken and clipped:
+    step 1's gradient norm is the fp32 run's (to fp16 rounding), not the loss scale's
+    multiple (65536) of it, which clipping would then cut to grad_clip."""
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        t = trainer(tmp_path, precision, cfg(max_steps=4, precision=precision))
+        try:
+            norms[precision] = t.train_step()["grad_norm"]
+        finally:
+            t.close()
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=0.05)
 
 
 @pytest.mark.slow
