@@ -43,7 +43,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from pipeline.config import metric_values
 from pipeline.tracking.tracker import (
@@ -53,6 +53,7 @@ from pipeline.tracking.tracker import (
     git_tags,
     mlflow_key,
     probe,
+    project_root,
     redacted,
     tracking_enabled,
     tracking_uri,
@@ -153,11 +154,12 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
         client.set_registered_model_alias(model_name, CANDIDATE, str(version))
         done["candidate"] = version
 
-        previous, current = _champion(client, model_name, primary_metric)
-        new = flat.get(primary_metric)
-        promoted = should_promote(new, current, lower_is_better)
-        if promoted:
-            client.set_registered_model_alias(model_name, CHAMPION, str(version))
+        with _promoting(project_root()):
+            previous, current = _champion(client, model_name, primary_metric)
+            new = flat.get(primary_metric)
+            promoted = should_promote(new, current, lower_is_better)
+            if promoted:
+                client.set_registered_model_alias(model_name, CHAMPION, str(version))
         if own_run:
             client.set_terminated(run_id)
     except Exception as err:  # outage policy: warn and carry on without the registry
@@ -178,6 +180,35 @@ def register_export(export_dir: str | Path, *, model_name: str, metrics: Mapping
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+PROMOTE_LOCK = ".promote.lock"
+
+
+@contextlib.contextmanager
+def _promoting(root: Path) -> Iterator[None]:
+    """An exclusive lock on ``root/.promote.lock`` (flock) for as long as the
+    champion is read, compared and moved. Where none can be taken (no flock, a
+    read-only project folder) the registration goes on without it, with a
+    warning, as for any other registry trouble."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        f = open(Path(root) / PROMOTE_LOCK, "a")
+    except OSError as err:
+        warnings.warn(f"moving the champion without a lock ({root / PROMOTE_LOCK}: {err.strerror}): an export "
+                      "registering meanwhile could move it too", RegistryWarning, stacklevel=3)
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _is_number(x: Any) -> bool:

@@ -427,3 +427,41 @@ def test_a_registry_on_http_gets_retries_of_seconds_not_minutes(monkeypatch, tmp
 def test_a_password_in_a_version_tag_is_not_stored(mlflow_env, client, export_dir):
     result = register(export_dir, "m-tag-secret", 1.0, tags={"data": "s3://AKIA1:s3cret@bucket/c4"})
     assert client.get_model_version("m-tag-secret", str(result["version"])).tags["data"] == "s3://AKIA1:***@bucket/c4"
+
+
+def test_the_champion_is_read_compared_and_moved_under_the_project_lock(mlflow_env, client, export_dir, monkeypatch):
+    # Two exports finishing together (dvc exp run --run-all -j 2) both read the
+    # same champion and both moved the alias: the last won, even when worse.
+    import fcntl
+
+    from mlflow import MlflowClient
+
+    from pipeline import promote
+
+    def held() -> bool:  # another open file description of the lock cannot take it while it is held
+        with open(mlflow_env / promote.PROMOTE_LOCK, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    seen = []
+    read, move = promote._champion, MlflowClient.set_registered_model_alias
+    monkeypatch.setattr(promote, "_champion", lambda *a: (seen.append(("read", held())), read(*a))[1])
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias",
+                        lambda self, name, alias, v: (seen.append((alias, held())), move(self, name, alias, v))[1])
+    register(export_dir, "m-locked", 1.5)
+    assert seen == [(CANDIDATE, False), ("read", True), (CHAMPION, True)]
+    assert not held()  # and let go after
+
+
+def test_a_champion_moved_without_a_lock_is_said(mlflow_env, client, export_dir, monkeypatch, tmp_path):
+    from pipeline import promote
+
+    monkeypatch.setattr(promote, "project_root", lambda: tmp_path / "gone")  # no folder to hold the lock file
+    with pytest.warns(RegistryWarning, match=r"moving the champion without a lock \(.*gone/\.promote\.lock: No such "
+                                             r"file or directory\)"):
+        result = register(export_dir, "m-unlocked", 1.5)
+    assert result["promoted"] and aliases(client, "m-unlocked") == {CANDIDATE: 1, CHAMPION: 1}
