@@ -157,6 +157,9 @@ def _rope_scaling_problems(scaling: Any) -> list[str]:
                 or not scaling.get(k) > 0]
     if not problems and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         problems.append("rope_scaling.high_freq_factor must be larger than low_freq_factor")
+    context = scaling.get("original_max_position_embeddings")
+    if not problems and context != int(context):  # int() below would silently round what transformers keeps
+        problems.append(f"rope_scaling.original_max_position_embeddings must be a whole number (got {context!r})")
     unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_ROPE_KEYS})
     if unknown:
         problems.append(f"rope_scaling has unknown key(s) {', '.join(unknown)}")
