@@ -317,6 +317,19 @@ def test_llama3_rope_keeps_fast_frequencies_and_stretches_slow_ones():
     assert ((out[1:3] < inv_freq[1:3]) & (out[1:3] > inv_freq[1:3] / 8.0)).all()
 
 
+def test_llama3_rope_blends_continuously_into_both_bands_at_their_edges():
+    """A wavelength exactly at an edge (64 = original / low_freq_factor, 16 = original /
+    high_freq_factor; both exact in fp32) is in the blended band, as in transformers:
+    the blend there equals the neighbouring band's value."""
+    from pipeline.model.transformer import llama3_inv_freq
+
+    inv_freq = 2 * math.pi / torch.tensor([64.0, 16.0])
+    assert torch.equal(2 * math.pi / inv_freq, torch.tensor([64.0, 16.0]))
+    out = llama3_inv_freq(inv_freq, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)
+    torch.testing.assert_close(out, torch.stack([inv_freq[0] / 8.0, inv_freq[1]]))
+
+
 def test_kv_cache_overflow_is_an_error(model):
     cache = KVCache(model.config, batch_size=1, max_len=4)
     with pytest.raises(ValueError, match="KV cache holds 4"):
