@@ -652,6 +652,10 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "fractional-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
                                                                 "original_max_position_embeddings": 64.5}},
                                   "rope_scaling.original_max_position_embeddings must be a whole number (got 64.5)"),
+    # json reads Infinity: an OverflowError traceback from init_from
+    "infinite-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
+                                                              "original_max_position_embeddings": float("inf")}},
+                                "rope_scaling.original_max_position_embeddings must be a positive number (got inf)"),
     "zero-window": ("mistral", {"sliding_window": 0}, "sliding_window 0 (supported: a positive integer, or null"),
     "string-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
                           'rope_theta is "1e4", not a number'),

@@ -399,6 +399,7 @@ def test_build_config_errors(args, message):
     ({"n_layer": True}, r"n_layer must be a positive integer \(got True\)"),  # not one layer
     ({"rope_theta": 0.0}, "rope_theta must be a positive number"),
     ({"init_std": 0}, "init_std must be a positive number"),
+    ({"norm_eps": math.inf}, r"norm_eps must be a positive number \(got inf\)"),
     ({"tie_embeddings": "yes"}, "tie_embeddings must be true or false"),
 ])
 def test_config_validation(overrides, message):
@@ -418,6 +419,10 @@ def test_config_validation(overrides, message):
     ({"rope_scaling": {**LLAMA3, "beta_fast": 32}}, r"rope_scaling has unknown key\(s\) beta_fast"),
     ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 16.5}},
      r"original_max_position_embeddings must be a whole number \(got 16.5\)"),
+    # config.json may say Infinity: this was an OverflowError traceback, and an infinite factor was taken
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": math.inf}},
+     r"original_max_position_embeddings must be a positive number \(got inf\)"),
+    ({"rope_scaling": {**LLAMA3, "factor": math.inf}}, r"rope_scaling.factor must be a positive number \(got inf\)"),
 ])
 def test_family_option_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
