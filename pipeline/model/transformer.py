@@ -94,7 +94,7 @@ class ModelConfig:
                 problems.append(f"{name} must be a positive integer (got {value!r})")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            if not _positive_number(value):
                 problems.append(f"{name} must be a positive number (got {value!r})")
         for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
@@ -153,14 +153,21 @@ def _rope_scaling_problems(scaling: Any) -> list[str]:
     if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
         return [f"rope_scaling must be null or {{rope_type: llama3, {', '.join(LLAMA3_ROPE_KEYS)}}} (got {scaling!r})"]
     problems = [f"rope_scaling.{k} must be a positive number (got {scaling.get(k)!r})" for k in LLAMA3_ROPE_KEYS
-                if not isinstance(scaling.get(k), (int, float)) or isinstance(scaling.get(k), bool)
-                or not scaling.get(k) > 0]
+                if not _positive_number(scaling.get(k))]
     if not problems and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         problems.append("rope_scaling.high_freq_factor must be larger than low_freq_factor")
+    context = scaling.get("original_max_position_embeddings")
+    if not problems and not float(context).is_integer():  # int() below would round what transformers keeps
+        problems.append(f"rope_scaling.original_max_position_embeddings must be a whole number (got {context!r})")
     unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_ROPE_KEYS})
     if unknown:
         problems.append(f"rope_scaling has unknown key(s) {', '.join(unknown)}")
     return problems
+
+
+def _positive_number(value: Any) -> bool:
+    """A real number in (0, inf): a config.json may hold Infinity (Python's json reads it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def llama_ffn_hidden(d_model: int, multiple_of: int = 256) -> int:

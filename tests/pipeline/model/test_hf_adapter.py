@@ -648,6 +648,14 @@ UNSUPPORTED = {  # name: (family, config.json changes, the words the one line mu
     "zero-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
                                                           "original_max_position_embeddings": 0}},
                             "rope_scaling.original_max_position_embeddings must be a positive number (got 0)"),
+    # transformers computes with 64.5; it was silently read as 64, logits off by ~0.2
+    "fractional-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
+                                                                "original_max_position_embeddings": 64.5}},
+                                  "rope_scaling.original_max_position_embeddings must be a whole number (got 64.5)"),
+    # json reads Infinity: an OverflowError traceback from init_from
+    "infinite-llama3-context": ("llama", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4,
+                                                              "original_max_position_embeddings": float("inf")}},
+                                "rope_scaling.original_max_position_embeddings must be a positive number (got inf)"),
     "zero-window": ("mistral", {"sliding_window": 0}, "sliding_window 0 (supported: a positive integer, or null"),
     "string-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
                           'rope_theta is "1e4", not a number'),
@@ -728,3 +736,21 @@ def test_a_damaged_safetensors_file_is_one_line_naming_the_file(folders, tmp_pat
     with pytest.raises(UnsupportedModelError, match=r"model\.safetensors: not a readable safetensors file") as err:
         load_hf_model(folder)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_every_familys_defaults_are_transformers_defaults(family):
+    """families.FAMILIES' defaults, each family's own (Llama's 2048 positions,
+    Qwen's 32 kv heads, Mistral's window): a config.json that leaves a key out
+    builds the model transformers builds from it."""
+    minimal = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": 100,
+               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 32}
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in minimal.items() if k != "architectures"})
+    ours = config_from_hf(minimal)
+    window = getattr(theirs, "sliding_window", None) if FAMILIES[family].sliding_window_everywhere else None
+    positions = min(theirs.max_position_embeddings, window or theirs.max_position_embeddings)
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    kv_heads = theirs.num_key_value_heads or theirs.num_attention_heads
+    assert (ours.head_dim, ours.n_kv_head, ours.max_seq_len, ours.norm_eps, ours.tie_embeddings, ours.rope_theta) == (
+        head_dim, kv_heads, positions, theirs.rms_norm_eps, theirs.tie_word_embeddings,
+        theirs.rope_parameters["rope_theta"])

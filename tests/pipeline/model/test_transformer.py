@@ -231,11 +231,12 @@ def test_kv_cache_decoding_matches_full_forward(model):
 
 # The other families' options, each with its parameters perturbed off their init
 # (biases 0 and norm scales 1 would hide a bias or norm dropped on one path).
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
 FAMILY_OPTIONS = {
     "qwen2": dict(family="qwen2", qkv_bias=True),
     "qwen3": dict(family="qwen3", qk_norm=True, head_dim=32),  # n_head * head_dim = 128 != d_model = 64
-    "llama3-rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama3-rope": dict(rope_scaling=LLAMA3),
 }
 
 
@@ -258,6 +259,15 @@ def test_kv_cache_decoding_matches_full_forward_for_each_family(name):
     assert cache.k.shape[-1] == m.config.head_dim
     steps = [m(idx[:, :5], cache=cache)] + [m(idx[:, p:p + 1], cache=cache, start_pos=p) for p in range(5, 14)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_qk_norms_use_norm_eps():
+    """Qwen3's q_norm and k_norm take rms_norm_eps, as transformers' do."""
+    c = tiny(**FAMILY_OPTIONS["qwen3"], norm_eps=0.5)
+    x = torch.randn(2, 3, 4, c.head_dim, generator=torch.Generator().manual_seed(0)) * 0.1
+    for layer in model_for(c).layers:
+        for norm in (layer.attention.q_norm, layer.attention.k_norm):
+            torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5))
 
 
 def test_family_options_shape_the_model():
@@ -307,6 +317,19 @@ def test_llama3_rope_keeps_fast_frequencies_and_stretches_slow_ones():
     assert ((out[1:3] < inv_freq[1:3]) & (out[1:3] > inv_freq[1:3] / 8.0)).all()
 
 
+def test_llama3_rope_blends_continuously_into_both_bands_at_their_edges():
+    """A wavelength exactly at an edge (64 = original / low_freq_factor, 16 = original /
+    high_freq_factor; both exact in fp32) is in the blended band, as in transformers:
+    the blend there equals the neighbouring band's value."""
+    from pipeline.model.transformer import llama3_inv_freq
+
+    inv_freq = 2 * math.pi / torch.tensor([64.0, 16.0])
+    assert torch.equal(2 * math.pi / inv_freq, torch.tensor([64.0, 16.0]))
+    out = llama3_inv_freq(inv_freq, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)
+    torch.testing.assert_close(out, torch.stack([inv_freq[0] / 8.0, inv_freq[1]]))
+
+
 def test_kv_cache_overflow_is_an_error(model):
     cache = KVCache(model.config, batch_size=1, max_len=4)
     with pytest.raises(ValueError, match="KV cache holds 4"):
@@ -345,6 +368,11 @@ def test_build_config_overrides_and_derivations():
     assert c.ffn_hidden == 2048  # derived: 256 * ceil(int(8 * 768 / 3) / 256)
     assert build_config("small", 1000, d_model=384, n_head=6).ffn_hidden == 1024
 
+    # multiple_of rounds the derived width: int(8 * 64 / 3) = 170 -> 3 * 64
+    assert build_config(None, 1000, n_layer=1, d_model=64, n_head=2, multiple_of=64).ffn_hidden == 192
+    # a None override (a schema's unset optional field) leaves the preset's value
+    assert build_config("tiny", 1000, n_layer=None, d_model=None).to_dict() == build_config("tiny", 1000).to_dict()
+
     c = build_config(None, 1000, n_layer=1, d_model=32, n_head=2, ffn_hidden=40)
     assert c.ffn_hidden == 40 and c.n_kv_head == 2
     assert ModelConfig(**c.to_dict()) == c
@@ -368,6 +396,11 @@ def test_build_config_errors(args, message):
     ({"n_layer": 0}, r"n_layer must be a positive integer \(got 0\)"),
     ({"norm_eps": -1.0}, "norm_eps must be a positive number"),
     ({"d_model": 64.0}, "d_model must be a positive integer"),
+    ({"n_layer": True}, r"n_layer must be a positive integer \(got True\)"),  # not one layer
+    ({"rope_theta": 0.0}, "rope_theta must be a positive number"),
+    ({"init_std": 0}, "init_std must be a positive number"),
+    ({"norm_eps": math.inf}, r"norm_eps must be a positive number \(got inf\)"),
+    ({"tie_embeddings": "yes"}, "tie_embeddings must be true or false"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -381,6 +414,15 @@ def test_config_validation(overrides, message):
     ({"head_dim": 15}, "head_dim = 15 must be even"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling must be null or {rope_type: llama3"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor must be a positive"),
+    # equal factors: transformers' blend divides by high - low
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, "high_freq_factor must be larger than low_freq_factor"),
+    ({"rope_scaling": {**LLAMA3, "beta_fast": 32}}, r"rope_scaling has unknown key\(s\) beta_fast"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 16.5}},
+     r"original_max_position_embeddings must be a whole number \(got 16.5\)"),
+    # config.json may say Infinity: this was an OverflowError traceback, and an infinite factor was taken
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": math.inf}},
+     r"original_max_position_embeddings must be a positive number \(got inf\)"),
+    ({"rope_scaling": {**LLAMA3, "factor": math.inf}}, r"rope_scaling.factor must be a positive number \(got inf\)"),
 ])
 def test_family_option_validation(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -92,6 +92,9 @@ def test_the_parent_of_models_or_runs_names_them(run_folder, tmp_path):
         save_tiny_hf_model("llama", base / name)
     (base / "notes").mkdir()
     assert refused(base).endswith(f"; it holds {base / 'a'}, {base / 'b'}: name one of them")
+    for name in ("c", "d", "e"):  # a long list is cut after three
+        save_tiny_hf_model("llama", base / name)
+    assert refused(base).endswith(f"; it holds {base / 'a'}, {base / 'b'}, {base / 'c'} and 2 more: name one of them")
 
 
 def test_a_lora_adapter_folder_is_named_as_one(tmp_path):
