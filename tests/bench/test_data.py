@@ -27,3 +27,24 @@ def test_write_copies_counts_the_bytes_it_writes(tmp_path):
     assert (docs, nbytes) == (4, 26) == (len(texts), sum(len(t.encode()) for t in texts))
     assert texts == ["héllo", "wörld!", "iémmp", "xösme!"]
     assert table.column("id").to_pylist() == ["a-0", "b-0", "a-1", "b-1"]
+
+
+def test_goal_lines_judge_each_goal_on_its_own_figure():
+    from bench.data import goal_lines
+
+    shapes = {"short": {"stage_over_raw_cores": 0.84, "own_over_raw_cores": 0.95},
+              "long": {"stage_over_raw_cores": 0.96, "own_over_raw_cores": 0.5}}
+    memory = [{"stage": "pack", "shape": sh, "corpus_mb": mb, "peak_tree_mb": peak}
+              for sh, mb, peak in (("short", 64, 600), ("short", 200, 1030), ("long", 64, 700), ("long", 200, 800))]
+    memory.append({"stage": "clean", "shape": "long", "corpus_mb": 300, "peak_tree_mb": 5000})  # not pack's goal
+    short, long, mem = goal_lines(shapes, memory, quick=False)
+    assert short == ("short: whole stage / raw per core = 0.84 (goal >= 0.85: NOT met), "
+                     "own timer = 0.95 (goal >= 0.9: met)")
+    # the long documents' goal is the whole stage's; the own timer's 0.5 has none
+    assert long == "long:  whole stage / raw per core = 0.96 (goal >= 0.95: met), own timer = 0.50"
+    assert mem.startswith("pack peak memory, main + workers, any run = 1030 MiB (goal < 1024: NOT met) "
+                          "at up to 200 MB of text; ")
+    assert mem.endswith("many short documents 600 -> 1030; few long documents 700 -> 800 MiB")
+    quick = [dict(memory[0], peak_tree_mb=1000), memory[2]]
+    assert "= 1000 MiB (goal < 1024: met) at up to 64 MB of text (--quick: no ~200 MB corpus)" in goal_lines(
+        shapes, quick, quick=True)[2]
