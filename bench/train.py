@@ -57,6 +57,7 @@ from pipeline.training.loss import token_loss_sum  # noqa: E402
 from pipeline.training.metrics import measure_peak_flops  # noqa: E402
 from pipeline.training.optimizer import param_groups  # noqa: E402
 from pipeline.training.precision import DTYPES, autocast  # noqa: E402
+from bench.goals import goal  # noqa: E402
 from tests.helpers import write_packed  # noqa: E402
 
 
@@ -271,6 +272,14 @@ def matrix(args) -> None:
     (out / f"train-matrix-{args.device}-{args.nproc}.json").write_text(json.dumps(report, indent=2))
 
 
+def result_line(r: dict) -> str:
+    """One precision's summary from :func:`compare`'s medians, the overhead goal judged."""
+    return (f"{r['precision']}: stage {r['stage_tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f} "
+            f"tok/s, stage/plain = {r['stage_over_plain']:.3f}, overhead {r['stage_overhead_pct']:.1f}% "
+            f"{goal(r['stage_overhead_pct'], '<=', 5)}; MFU {r['mfu']:.1%} of the measured {r['precision']} "
+            f"matmul peak ({r['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mini")
@@ -323,10 +332,7 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     print()
     for r in results:
-        print(f"{r['precision']}: stage {r['stage_tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f} "
-              f"tok/s, stage/plain = {r['stage_over_plain']:.3f} (overhead {r['stage_overhead_pct']:.1f}%, goal <= 5%); "
-              f"MFU {r['mfu']:.1%} of the measured {r['precision']} matmul peak "
-              f"({r['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s)")
+        print(result_line(r))
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / f"train-{args.device}-{args.preset}.json").write_text(json.dumps(report, indent=2))
