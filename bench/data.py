@@ -263,6 +263,23 @@ def stage_project(out: Path, corpus: Path, tokenizer: Path, workers: int) -> Pat
     return out
 
 
+def tree_rss(p) -> tuple[int, int]:
+    """(RSS of ``p``, RSS of ``p`` and every live descendant) in bytes, one
+    sample; a descendant gone mid-sample counts 0, the rest still count."""
+    try:
+        main = p.memory_info().rss
+        children = p.children(recursive=True)
+    except psutil.Error:
+        return 0, 0
+    tree = main
+    for c in children:
+        try:
+            tree += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return main, tree
+
+
 def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, sample_memory: bool = False) -> dict:
     """Run ``kind`` in a fresh process tree; return its metrics, its wall time
     (``wall_s``, process start to exit) and, with ``sample_memory``, the peak RSS
@@ -285,11 +302,7 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, 
     def sample() -> None:
         p = psutil.Process(proc.pid)
         while not stop.is_set():
-            try:
-                rss_main = p.memory_info().rss
-                rss_tree = rss_main + sum(c.memory_info().rss for c in p.children(recursive=True))
-            except psutil.Error:
-                rss_main = rss_tree = 0
+            rss_main, rss_tree = tree_rss(p)
             peak["main"] = max(peak["main"], rss_main)
             peak["tree"] = max(peak["tree"], rss_tree)
             stop.wait(0.05)

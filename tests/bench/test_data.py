@@ -48,3 +48,27 @@ def test_goal_lines_judge_each_goal_on_its_own_figure():
     quick = [dict(memory[0], peak_tree_mb=1000), memory[2]]
     assert "= 1000 MiB (goal < 1024: met) at up to 64 MB of text (--quick: no ~200 MB corpus)" in goal_lines(
         shapes, quick, quick=True)[2]
+
+
+class FakeProcess:
+    def __init__(self, rss, children=(), gone=False):
+        self.rss, self._children, self.gone = rss, list(children), gone
+
+    def memory_info(self):
+        if self.gone:
+            import psutil
+
+            raise psutil.NoSuchProcess(1)
+        return type("Info", (), {"rss": self.rss})()
+
+    def children(self, recursive=False):
+        assert recursive
+        return self._children
+
+
+def test_tree_rss_sums_the_live_processes_when_one_is_gone_mid_sample():
+    from bench.data import tree_rss
+
+    workers = [FakeProcess(300), FakeProcess(999, gone=True), FakeProcess(200)]
+    assert tree_rss(FakeProcess(100, workers)) == (100, 600)
+    assert tree_rss(FakeProcess(100, gone=True)) == (0, 0)
