@@ -337,6 +337,31 @@ RUNS = (  # name, child kind, processes (None: --workers)
 )
 
 
+def shape_summary(speed: dict[str, list[float]], own: list[float], cpu: dict[str, list[float]], c: dict) -> dict:
+    """One shape's medians over the rounds and their ratios, each "x_over_y" the
+    throughput of x over that of y (higher: x faster). ``speed``: MB/s per run
+    name (start-up: seconds), ``own``: the stage's own-timer MB/s, ``cpu``: CPU
+    seconds of the whole stage and of the raw encode calls, ``c``: the corpus."""
+    med = {k: statistics.median(v) for k, v in speed.items()}
+    med_own = statistics.median(own)
+    return {
+        "corpus_mb": c["bytes"] / 1e6, "docs": c["docs"],
+        "mb_per_s": {**{k: {"median": med[k], "runs": v} for k, v in speed.items() if k != "startup"},
+                     "stage_own_timer": {"median": med_own, "runs": own}},
+        "startup_s": {"median": med["startup"], "runs": speed["startup"]},
+        "startup_share_of_stage": med["startup"] / (c["bytes"] / 1e6 / med["stage"]),
+        "cpu_s": {k: {"median": statistics.median(v), "runs": v} for k, v in cpu.items()},
+        # robust to a busy machine: CPU seconds of the raw encode calls over those of the whole stage
+        "raw_cpu_over_stage_cpu": statistics.median(cpu["raw-cores"]) / statistics.median(cpu["stage"]),
+        "stage_over_raw_cores": med["stage"] / med["raw-cores"],
+        "own_over_raw_cores": med_own / med["raw-cores"],
+        "stage_over_raw_1": med["stage"] / med["raw-1"],
+        "own_over_raw_1": med_own / med["raw-1"],
+        "stage_over_raw_fast_cores": med["stage"] / med["raw-fast-cores"],
+        "own_over_raw_fast_cores": med_own / med["raw-fast-cores"],
+    }
+
+
 def goal_lines(shapes: dict, memory: list[dict], quick: bool) -> list[str]:
     """The goals of issue 14, each verdict computed from this run's medians
     (``shapes``, as in the report) and memory peaks (MiB)."""
@@ -440,27 +465,8 @@ def main() -> None:
                 print(f"memory clean {SHAPE_NAMES['long']:21s} {c['bytes'] / 1e6:5.0f} MB: main "
                       f"{m['peak_main_mb']:.0f} MiB, main + workers {m['peak_tree_mb']:.0f} MiB", flush=True)
 
-    shapes = {}
-    for shape in SHAPES:
-        med = {k: statistics.median(v) for k, v in speed[shape].items()}
-        med_own = statistics.median(own[shape])
-        c = corpora[shape, args.mb]
-        shapes[shape] = {
-            "corpus_mb": c["bytes"] / 1e6, "docs": c["docs"],
-            "mb_per_s": {**{k: {"median": med[k], "runs": v} for k, v in speed[shape].items() if k != "startup"},
-                         "stage_own_timer": {"median": med_own, "runs": own[shape]}},
-            "startup_s": {"median": med["startup"], "runs": speed[shape]["startup"]},
-            "startup_share_of_stage": med["startup"] / (c["bytes"] / 1e6 / med["stage"]),
-            "cpu_s": {k: {"median": statistics.median(v), "runs": v} for k, v in cpu[shape].items()},
-            # robust to a busy machine: CPU seconds of the raw encode calls over those of the whole stage
-            "raw_cpu_over_stage_cpu": statistics.median(cpu[shape]["raw-cores"]) / statistics.median(cpu[shape]["stage"]),
-            "stage_over_raw_cores": med["stage"] / med["raw-cores"],
-            "own_over_raw_cores": med_own / med["raw-cores"],
-            "stage_over_raw_1": med["stage"] / med["raw-1"],
-            "own_over_raw_1": med_own / med["raw-1"],
-            "stage_over_raw_fast_cores": med["stage"] / med["raw-fast-cores"],
-            "own_over_raw_fast_cores": med_own / med["raw-fast-cores"],
-        }
+    shapes = {shape: shape_summary(speed[shape], own[shape], cpu[shape], corpora[shape, args.mb])
+              for shape in SHAPES}
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

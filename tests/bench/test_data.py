@@ -72,3 +72,23 @@ def test_tree_rss_sums_the_live_processes_when_one_is_gone_mid_sample():
     workers = [FakeProcess(300), FakeProcess(999, gone=True), FakeProcess(200)]
     assert tree_rss(FakeProcess(100, workers)) == (100, 600)
     assert tree_rss(FakeProcess(100, gone=True)) == (0, 0)
+
+
+def test_shape_summary_takes_medians_over_rounds_and_puts_the_stage_on_top():
+    from bench.data import shape_summary
+
+    speed = {"stage": [5.0, 1.0, 6.0], "raw-1": [3.0, 2.0, 100.0], "raw-cores": [4.0, 8.0, 6.0],
+             "raw-fast-cores": [10.0, 10.0, 10.0], "startup": [1.0, 9.0, 2.0]}
+    own = [6.0, 0.5, 7.0]
+    cpu = {"stage": [30.0, 20.0, 10.0], "raw-cores": [12.0, 10.0, 11.0]}
+    s = shape_summary(speed, own, cpu, {"bytes": 50_000_000, "docs": 7})
+    # medians (a mean would give stage 4.0, raw-1 35.0): one wild round moves nothing
+    assert s["mb_per_s"]["stage"]["median"] == 5.0 and s["mb_per_s"]["raw-1"]["median"] == 3.0
+    assert s["mb_per_s"]["stage"]["runs"] == [5.0, 1.0, 6.0]
+    assert s["stage_over_raw_cores"] == 5.0 / 6.0 and s["own_over_raw_cores"] == 6.0 / 6.0
+    assert s["stage_over_raw_1"] == 5.0 / 3.0 and s["own_over_raw_1"] == 2.0
+    assert s["stage_over_raw_fast_cores"] == 0.5 and s["own_over_raw_fast_cores"] == 0.6
+    assert s["raw_cpu_over_stage_cpu"] == 11.0 / 20.0
+    # start-up 2 s of a stage that took 50 MB / 5 MB/s = 10 s
+    assert s["startup_s"]["median"] == 2.0 and s["startup_share_of_stage"] == 0.2
+    assert (s["corpus_mb"], s["docs"]) == (50.0, 7)
