@@ -160,6 +160,33 @@ def run_child(mode: str, side: str, folder: Path, args: argparse.Namespace) -> d
 # --------------------------------------------------------------------------- main
 
 
+def summarise(runs: dict[str, dict[str, list[dict]]], fp32_mb: float) -> dict:
+    """Each side's medians over its runs (``runs[mode][side]``, the children's
+    dicts; memory in MiB), the memory over the fp32 parameter bytes, and
+    ``ours_over_transformers``: ours over theirs, figure by figure (time and
+    memory: below 1 is ours smaller; tokens/s: above 1 is ours faster)."""
+    def med(mode: str, side: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs[mode][side])
+
+    summary = {}
+    for side in ("ours", "transformers"):
+        loaded = med("load", side, "load_peak_mb") - med("load", side, "rss_before_mb")
+        summary[side] = {
+            "load_s": med("load", side, "load_s"),
+            "load_peak_mb": med("load", side, "load_peak_mb"),
+            "rss_before_load_mb": med("load", side, "rss_before_mb"),
+            "load_added_mb": loaded,
+            "load_added_over_fp32": loaded / fp32_mb,
+            "train_tokens_per_s": med("train", side, "tokens_per_s"),
+            "train_peak_mb": med("train", side, "train_peak_mb"),
+            "train_peak_over_fp32": med("train", side, "train_peak_mb") / fp32_mb,
+        }
+    o, t = summary["ours"], summary["transformers"]
+    summary["ours_over_transformers"] = {k: o[k] / t[k] for k in ("load_s", "load_added_mb", "train_tokens_per_s",
+                                                                  "train_peak_mb")}
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny shape instead of Qwen2.5-0.5B's")
@@ -205,23 +232,8 @@ def main() -> None:
                     print(f"repeat {r + 1} {mode:5s} {side:12s}: load {res['load_s']:.1f} s, "
                           f"peak {res['load_peak_mb']:,.0f} MiB{extra}", flush=True)
 
-    def med(mode: str, side: str, key: str) -> float:
-        return statistics.median(x[key] for x in runs[mode][side])
-
     fp32_mb = runs["load"]["ours"][0]["fp32_mb"]
-    summary = {}
-    for side in ("ours", "transformers"):
-        loaded = med("load", side, "load_peak_mb") - med("load", side, "rss_before_mb")
-        summary[side] = {
-            "load_s": med("load", side, "load_s"),
-            "load_peak_mb": med("load", side, "load_peak_mb"),
-            "rss_before_load_mb": med("load", side, "rss_before_mb"),
-            "load_added_mb": loaded,
-            "load_added_over_fp32": loaded / fp32_mb,
-            "train_tokens_per_s": med("train", side, "tokens_per_s"),
-            "train_peak_mb": med("train", side, "train_peak_mb"),
-            "train_peak_over_fp32": med("train", side, "train_peak_mb") / fp32_mb,
-        }
+    summary = summarise(runs, fp32_mb)
     import torch
 
     report = {
@@ -230,12 +242,6 @@ def main() -> None:
         "shape": shape, "params": runs["load"]["ours"][0]["params"], "fp32_mb": fp32_mb, "file_mb": file_mb,
         "memory_unit": "MiB", "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "repeats": args.repeats,
         **summary,
-        "ours_over_transformers": {
-            "load_s": summary["ours"]["load_s"] / summary["transformers"]["load_s"],
-            "load_added_mb": summary["ours"]["load_added_mb"] / summary["transformers"]["load_added_mb"],
-            "train_tokens_per_s": summary["ours"]["train_tokens_per_s"] / summary["transformers"]["train_tokens_per_s"],
-            "train_peak_mb": summary["ours"]["train_peak_mb"] / summary["transformers"]["train_peak_mb"],
-        },
         "runs": runs,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
