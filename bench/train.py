@@ -181,12 +181,17 @@ def compare(args, precision: str, steps: int) -> dict:
     cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
     fpt = flops_per_token(cfg, args.seq_len)
     peak = measure_peak_flops(device, DTYPES[precision], seconds=1.0)
+    return {"precision": precision, "steps": steps, "repeats": args.repeats, **summarise(plain, stage, fpt, peak)}
+
+
+def summarise(plain: list[float], stage: list[float], flops_per_token: float, peak: float) -> dict:
+    """Medians of the runs' tokens/s, the stage's over the plain loop's (below 1:
+    the stage is slower, by ``stage_overhead_pct``), and the stage's MFU."""
     p_med, s_med = statistics.median(plain), statistics.median(stage)
     return {
-        "precision": precision, "steps": steps, "repeats": args.repeats,
         "plain_tokens_per_s": p_med, "stage_tokens_per_s": s_med,
         "stage_over_plain": s_med / p_med, "stage_overhead_pct": 100 * (1 - s_med / p_med),
-        "flops_per_token": fpt, "matmul_peak_flops": peak, "mfu": s_med * fpt / peak,
+        "flops_per_token": flops_per_token, "matmul_peak_flops": peak, "mfu": s_med * flops_per_token / peak,
         "plain_runs": plain, "stage_runs": stage,
     }
 
