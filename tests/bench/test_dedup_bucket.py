@@ -47,3 +47,12 @@ def test_a_step_over_before_its_first_poll_still_has_a_peak(tmp_path, monkeypatc
     monkeypatch.setattr(dedup_bucket.threading, "Thread", NeverPolls)
     r = dedup_bucket.one(5, tmp_path / "w", "default")
     assert r["band_tasks"]["anon_mb"] >= 0 and r["decision_pass"]["file_mb"] >= 0
+
+
+def test_a_step_peak_counts_its_end(tmp_path, monkeypatch):
+    """Memory that grows through a step unpolled: the sample at its end is its peak."""
+    calls = iter(range(100))
+    monkeypatch.setattr(dedup_bucket, "_status", lambda: {"RssAnon": 10 * next(calls), "RssFile": 5})
+    monkeypatch.setattr(dedup_bucket.threading, "Thread", NeverPolls)
+    r = dedup_bucket.one(5, tmp_path / "w", "default")
+    assert (r["band_tasks"]["anon_mb"], r["decision_pass"]["anon_mb"], r["decision_pass"]["file_mb"]) == (10, 10, 0)
