@@ -21,28 +21,33 @@ def run_speed(monkeypatch, capsys, walls: dict, files=lambda name: {"a": "1"}) -
     from bench import ray_data
     from pipeline import files as pipeline_files
 
+    calls = {name: 0 for name in RUNS}
+
     def measure(corpus, section, work, stage, tokenizer):
         name = next(n for n, s in RUNS.items() if s == section)
-        return {"wall_s": walls[name], "cpu_s": 2 * walls[name], "files": files(name), "peak_main_mb": 100,
+        calls[name] += 1
+        wild = name == "ray, 2 workers" and calls[name] == 3  # one wild run in three: the medians ignore it
+        wall = walls[name] * (10 if wild else 1)
+        return {"wall_s": wall, "cpu_s": 2 * wall, "files": files(name), "peak_main_mb": 100,
                 "peak_worker_mb": 200, "peak_ray-system_mb": 0}
 
     monkeypatch.setattr(ray_data, "measure", measure)
     monkeypatch.setattr(pipeline_files, "available_cores", lambda: 2)
-    ray_data.speed("clean", RUNS, 2, "c", 63.0, "w", "t", {}, 2)
+    ray_data.speed("clean", RUNS, 3, "c", 63.0, "w", "t", {}, 2)
     return capsys.readouterr().out
 
 
 def test_speed_goals_are_judged_from_the_median_ratios(monkeypatch, capsys):
     out = run_speed(monkeypatch, capsys, {"local, 1 worker": 10.0, "local, 2 workers": 5.0,
                                           "ray, 1 worker": 12.0, "ray, 2 workers": 8.0})
-    assert "clean: ray 2 workers / 1 worker speed-up: 1.50x (rounds 1.50-1.50) (goal >= 1.6: NOT met)" in out
-    assert "clean: ray / local wall time (2 workers): 1.60x (rounds 1.60-1.60) (goal <= 1.3: NOT met)" in out
+    assert "clean: ray 2 workers / 1 worker speed-up: 1.50x (rounds 0.15-1.50) (goal >= 1.6: NOT met)" in out
+    assert "clean: ray / local wall time (2 workers): 1.60x (rounds 1.60-16.00) (goal <= 1.3: NOT met)" in out
     assert "outputs byte-identical across all runs: True" in out
     out = run_speed(monkeypatch, capsys, {"local, 1 worker": 10.0, "local, 2 workers": 5.0,
                                           "ray, 1 worker": 12.0, "ray, 2 workers": 6.0},
                     files=lambda name: {"a": "2" if name == "ray, 1 worker" else "1"})
-    assert "speed-up: 2.00x (rounds 2.00-2.00) (goal >= 1.6: met)" in out
-    assert "(2 workers): 1.20x (rounds 1.20-1.20) (goal <= 1.3: met)" in out
+    assert "speed-up: 2.00x (rounds 0.20-2.00) (goal >= 1.6: met)" in out
+    assert "(2 workers): 1.20x (rounds 1.20-12.00) (goal <= 1.3: met)" in out
     assert "outputs byte-identical across all runs: False" in out
 
 
