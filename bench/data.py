@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import platform
+import queue
 import re
 import resource
 import shutil
@@ -194,10 +195,42 @@ def raw_encode(corpus: str, tokenizer: str, procs: int, fast: bool) -> dict:
           for k in range(procs)]
     for p in ps:
         p.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    got = [results.get() for _ in ps]
-    seconds = time.perf_counter() - t0
+
+    def failed() -> str | None:
+        dead = [f"process {k} exited {p.exitcode}" for k, p in enumerate(ps) if p.exitcode not in (None, 0)]
+        return "raw encode failed: " + ", ".join(dead) if dead else None
+
+    # The parent joins the barrier from a thread, so that a child that dies before it (a bad
+    # tokenizer or corpus) fails the run instead of leaving the parent waiting for ever.
+    start: list[float] = []
+
+    def join_barrier() -> None:
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return
+        start.append(time.perf_counter())  # the common start, taken as the barrier opens
+
+    waiter = threading.Thread(target=join_barrier, daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.2)
+        if waiter.is_alive() and failed():
+            barrier.abort()
+            waiter.join()
+            for p in ps:
+                p.terminate()
+            raise RuntimeError(failed())
+    got = []
+    while len(got) < procs:
+        try:
+            got.append(results.get(timeout=0.2))
+        except queue.Empty:
+            if failed():
+                for p in ps:
+                    p.terminate()
+                raise RuntimeError(failed()) from None
+    seconds = time.perf_counter() - start[0]
     for p in ps:
         p.join()
     nbytes = sum(g[2] for g in got)

@@ -1,3 +1,4 @@
+import pytest
 import pyarrow.parquet as pq
 
 from bench.data import rot, short_paragraphs, write_copies
@@ -92,3 +93,29 @@ def test_shape_summary_takes_medians_over_rounds_and_puts_the_stage_on_top():
     # start-up 2 s of a stage that took 50 MB / 5 MB/s = 10 s
     assert s["startup_s"]["median"] == 2.0 and s["startup_share_of_stage"] == 0.2
     assert (s["corpus_mb"], s["docs"]) == (50.0, 7)
+
+
+@pytest.mark.slow
+def test_raw_encode_fails_when_a_process_dies_before_the_start(tmp_path):
+    """It used to wait for ever at the common start for the process that died."""
+    from bench.data import raw_encode
+
+    corpus = tmp_path / "c.parquet"
+    write_copies(corpus, ["a"], ["hello"], min_bytes=1)
+    with pytest.raises(RuntimeError, match="raw encode failed: process 0 exited 1"):
+        raw_encode(str(corpus), str(tmp_path / "no-tokenizer.json"), 1, fast=False)
+
+
+@pytest.mark.slow
+def test_raw_encode_counts_every_byte_and_token_of_its_processes(tmp_path):
+    from bench.data import raw_encode
+    from tests.helpers import train_tiny_tokenizer
+
+    corpus, tok = tmp_path / "c.parquet", tmp_path / "tokenizer.json"
+    texts = ["hello world", "héllo again", "a third text"]
+    write_copies(corpus, ["a", "b", "c"], texts, min_bytes=1)
+    tokenizer = train_tiny_tokenizer(tok)
+    r = raw_encode(str(corpus), str(tok), 2, fast=False)
+    assert r["bytes"] == sum(len(t.encode()) for t in texts)
+    assert r["tokens"] == sum(len(tokenizer.encode(t).ids) for t in texts)
+    assert r["seconds"] > 0 and r["mb_per_s"] == r["bytes"] / r["seconds"] / 1e6
