@@ -258,6 +258,12 @@ def main() -> None:
           f"{t['train_peak_mb']:,.0f} MiB = {t['train_peak_over_fp32']:.2f}x; ours/transformers speed "
           f"{ratio['train_tokens_per_s']:.2f}, memory {ratio['train_peak_mb']:.2f} "
           f"(batch {args.batch} x {args.seq_len}, fused AdamW, fp32)")
+    # the same weights and batch on both sides: their losses after the same steps should agree closely
+    print("last training loss, ours / transformers: " + ", ".join(
+        f"{a['loss']:.6f} / {b['loss']:.6f}" for a, b in zip(runs["train"]["ours"], runs["train"]["transformers"])))
+    if args.quick:
+        print(f"--quick: {args.repeats} run a side of {args.steps} timed steps: a smoke test of the bench, "
+              "not a measurement (its speed ratio swings many-fold on a busy machine)")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     name = "quick" if args.quick else f"{shape['family']}-{shape['hidden']}x{shape['layers']}"
