@@ -187,6 +187,13 @@ def summarise(runs: dict[str, dict[str, list[dict]]], fp32_mb: float) -> dict:
     return summary
 
 
+def loss_line(runs: dict[str, dict[str, list[dict]]]) -> str:
+    """Both sides' last training losses, run by run: the same weights and batch
+    on both sides, so after the same steps they should agree closely."""
+    return "last training loss, ours / transformers: " + ", ".join(
+        f"{a['loss']:.6f} / {b['loss']:.6f}" for a, b in zip(runs["train"]["ours"], runs["train"]["transformers"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny shape instead of Qwen2.5-0.5B's")
@@ -258,9 +265,7 @@ def main() -> None:
           f"{t['train_peak_mb']:,.0f} MiB = {t['train_peak_over_fp32']:.2f}x; ours/transformers speed "
           f"{ratio['train_tokens_per_s']:.2f}, memory {ratio['train_peak_mb']:.2f} "
           f"(batch {args.batch} x {args.seq_len}, fused AdamW, fp32)")
-    # the same weights and batch on both sides: their losses after the same steps should agree closely
-    print("last training loss, ours / transformers: " + ", ".join(
-        f"{a['loss']:.6f} / {b['loss']:.6f}" for a, b in zip(runs["train"]["ours"], runs["train"]["transformers"])))
+    print(loss_line(runs))
     if args.quick:
         print(f"--quick: {args.repeats} run a side of {args.steps} timed steps: a smoke test of the bench, "
               "not a measurement (its speed ratio swings many-fold on a busy machine)")

@@ -96,6 +96,7 @@ def test_shape_summary_takes_medians_over_rounds_and_puts_the_stage_on_top():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # the defect was a hang
 def test_raw_encode_fails_when_a_process_dies_before_the_start(tmp_path):
     """It used to wait for ever at the common start for the process that died."""
     from bench.data import raw_encode

@@ -39,3 +39,10 @@ def test_summarise_takes_medians_and_puts_ours_on_top():
     assert (o["load_added_mb"], t["load_added_mb"]) == (300, 600)  # peak less what was resident before
     assert (o["load_added_over_fp32"], o["train_peak_over_fp32"]) == (1.5, 5.5)
     assert r == {"load_s": 0.75, "load_added_mb": 0.5, "train_tokens_per_s": 4.0, "train_peak_mb": 0.5}
+
+
+def test_loss_line_pairs_each_run_of_ours_with_the_same_run_of_theirs():
+    from bench.hf import loss_line
+
+    runs = {"train": {"ours": [{"loss": 9.0157}, {"loss": 8.5}], "transformers": [{"loss": 9.0158}, {"loss": 7.25}]}}
+    assert loss_line(runs) == "last training loss, ours / transformers: 9.015700 / 9.015800, 8.500000 / 7.250000"
