@@ -28,7 +28,9 @@ MFU is model FLOPs per token (6N + attention, pipeline.model.transformer.flops_p
 Each cell is one stage run (torchrun with ``--nproc`` ranks, ``micro_batch_size:
 auto`` over a global batch of ``--tokens-per-step`` tokens) and reports tokens/s
 over the timed steps, MFU against ``--nproc`` × the bf16 matmul peak measured
-on this device, and the peak memory per device. A cell that fails (out of
+on this device, and the peak memory per device (on a GPU the peak that torch
+allocated, ``max_memory_allocated``: less than its cache and the CUDA context
+that nvidia-smi shows; on a CPU the process's peak RSS). A cell that fails (out of
 memory, a backend this device lacks) prints its one-line error and the grid
 goes on. The table is printed as Markdown and saved to bench/results/.
 """
@@ -198,7 +200,7 @@ def summarise(plain: list[float], stage: list[float], flops_per_token: float, pe
 
 def matrix_cell(args, project: Path, preset: str, seq_len: int, doc_mask: bool, attention: str,
                 parallelism: str) -> dict:
-    """One stage run of the grid: tokens/s over the steps after warm-up, and the peak memory per device (MB)."""
+    """One stage run of the grid: tokens/s over the steps after warm-up, and the peak memory per device (MiB)."""
     import csv
 
     for p in ("models", "metrics", "plots"):
@@ -265,7 +267,7 @@ def matrix(args) -> None:
         "tokens_per_step": args.tokens_per_step, "steps": args.steps, "warmup": args.warmup, "results": results,
     }
     print()
-    print(f"| preset | seq | doc mask | attention | parallelism x {args.nproc} | tokens/s | MFU | peak memory / device |")
+    print(f"| preset | seq | doc mask | attention | parallelism x {args.nproc} | tokens/s | MFU | peak allocated / device |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         what = (f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_mb'] / 1024:,.1f} GiB"
