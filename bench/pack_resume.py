@@ -19,6 +19,7 @@ process CPU seconds (where the resume's work is done) beside the wall time.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -48,7 +49,26 @@ def _child(mode: str, corpus: str, tokenizer: str, out: str, shard_tokens: int, 
     t0, cpu0 = time.perf_counter(), time.process_time()
     m = pack.run_pack(pack.PackConfig(num_workers=workers, shard_tokens=shard_tokens), corpus, tokenizer, out)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    print("RESULT " + json.dumps({"wall_s": wall, "main_cpu_s": cpu, "shards": m["shards"]}), flush=True)
+    print("RESULT " + json.dumps({"wall_s": wall, "main_cpu_s": cpu, "shards": m["shards"],
+                                  "shards_sha256": shards_digest(Path(out))}), flush=True)
+
+
+def shards_digest(out: Path) -> str:
+    """One sha256 over every shard's path and bytes: the packed data, without
+    the records and checkpoints that only "on" writes."""
+    h = hashlib.sha256()
+    for f in sorted(out.glob("*/shard-*.arrow")):
+        h.update(f.relative_to(out).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def same_shards(results: dict[tuple[str, str, str], list[dict]]) -> None:
+    """Stop the bench unless every run of a corpus and shard size, on and off,
+    wrote the same shards: "off" must save only the resume's work."""
+    for shape, shards in {(shape, shards) for shape, shards, _ in results}:
+        runs = results[shape, shards, "off"] + results[shape, shards, "on"]
+        if len({r["shards_sha256"] for r in runs}) != 1:
+            raise SystemExit(f"{shape} documents, shard_tokens {shards}: the runs wrote different shards")
 
 
 def measure(mode: str, corpus: Path, tokenizer: Path, work: Path, shard_tokens: int, workers: int) -> dict:
@@ -90,8 +110,9 @@ def main() -> None:
                     for mode in ("off", "on"):
                         results.setdefault((shape, shards, mode), []).append(
                             measure(mode, c["path"], tok, work, n, args.workers))
+    same_shards(results)
     print(f"pack with resume (on) vs without (off), ~{args.mb:g} MB, {args.workers} workers, "
-          f"medians of {args.rounds} round(s)")
+          f"medians of {args.rounds} round(s); the same shards from every run, on and off")
     print(f"{'corpus':<8}{'shard_tokens':<14}{'shards':>7}{'off s':>9}{'on s':>9}{'on/off':>8}"
           f"{'off cpu':>9}{'on cpu':>9}{'on/off':>8}")
     for shape in ("long", "short"):
