@@ -414,6 +414,9 @@ def memory_and_dedup(runs: dict, corpora: dict, text_mb: dict, para: dict, para_
               f"{one['wall_s']:>12.1f}{one['wall_s'] / r['wall_s']:>9.2f}x")
     for stage in ("clean", "pack"):
         small, big = worker_peak[stage, speed_n], worker_peak[stage, big_n]
+        if not (small and big):  # 0: the sampler saw no worker process, so there is nothing to judge
+            print(f"{stage}: worker peak {small} -> {big} MB: no worker process seen in a run, goal not measured")
+            continue
         print(f"{stage}: worker peak {small} -> {big} MB (1 GB = 1000 MB) {goal(max(small, big), '<', 1000)}; "
               f"flat? {big / small:.2f}x for {text_mb[big_n] / text_mb[speed_n]:.1f}x the text")
 

@@ -69,3 +69,17 @@ def test_the_worker_memory_goal_is_judged_on_both_sizes(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "clean: worker peak 500 -> 1001 MB (1 GB = 1000 MB) (goal < 1000: NOT met); flat? 2.00x for 3.5x" in out
     assert "pack: worker peak 1200 -> 600 MB (1 GB = 1000 MB) (goal < 1000: NOT met); flat? 0.50x for 3.5x" in out
+
+
+def test_no_worker_seen_is_not_a_met_memory_goal(monkeypatch, capsys):
+    from bench import ray_data
+
+    monkeypatch.setattr(ray_data, "measure", lambda corpus, section, work, stage, tokenizer: {
+        "peak_worker_mb": 0, "peak_main_mb": 300, "wall_s": 4.0})
+    monkeypatch.setattr(ray_data, "dedup_memory", lambda *a: None)
+    ray_data.memory_and_dedup(RUNS, {2: 2, 7: 7}, {2: 63.0, 7: 220.0}, {}, {}, [1, 3], 2, 7, "w", "t",
+                              {("clean", 2): 0, ("pack", 2): 500})
+    out = capsys.readouterr().out
+    assert "clean: worker peak 0 -> 0 MB: no worker process seen in a run, goal not measured" in out
+    assert "pack: worker peak 500 -> 0 MB: no worker process seen in a run, goal not measured" in out
+    assert "met" not in out
