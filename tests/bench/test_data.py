@@ -46,6 +46,8 @@ def test_goal_lines_judge_each_goal_on_its_own_figure():
     assert mem.startswith("pack peak memory, main + workers, any run = 1030 MiB (goal < 1024: NOT met) "
                           "at up to 200 MB of text; ")
     assert mem.endswith("many short documents 600 -> 1030; few long documents 700 -> 800 MiB")
+    unsampled = [dict(memory[0], peak_tree_mb=0), memory[2]]  # a run over before its first sample
+    assert "= 700 MiB (a run never sampled: not measured) at up to" in goal_lines(shapes, unsampled, quick=True)[2]
     quick = [dict(memory[0], peak_tree_mb=1000), memory[2]]
     assert "= 1000 MiB (goal < 1024: met) at up to 64 MB of text (--quick: no ~200 MB corpus)" in goal_lines(
         shapes, quick, quick=True)[2]
