@@ -111,16 +111,18 @@ def main() -> None:
                         results.setdefault((shape, shards, mode), []).append(
                             measure(mode, c["path"], tok, work, n, args.workers))
     same_shards(results)
-    print(f"pack with resume (on) vs without (off), ~{args.mb:g} MB, {args.workers} workers, "
+    print(f"pack with resume (on) vs without (off), {args.mb:g} MB asked (at least one whole copy of the "
+          f"standard library: the sizes below are what was packed), {args.workers} workers, "
           f"medians of {args.rounds} round(s); the same shards from every run, on and off")
-    print(f"{'corpus':<8}{'shard_tokens':<14}{'shards':>7}{'off s':>9}{'on s':>9}{'on/off':>8}"
+    print(f"{'corpus':<8}{'MB':>6}  {'shard_tokens':<14}{'shards':>7}{'off s':>9}{'on s':>9}{'on/off':>8}"
           f"{'off cpu':>9}{'on cpu':>9}{'on/off':>8}")
     for shape in ("long", "short"):
         for shards in SHARDS:
             off, on = results[shape, shards, "off"], results[shape, shards, "on"]
             w = [statistics.median(r["wall_s"] for r in x) for x in (off, on)]
             c = [statistics.median(r["main_cpu_s"] for r in x) for x in (off, on)]
-            print(f"{shape:<8}{shards:<14}{on[0]['shards']:>7}{w[0]:>9.2f}{w[1]:>9.2f}{w[1] / w[0]:>8.3f}"
+            mb = corpora[shape, args.mb]["bytes"] / 1e6
+            print(f"{shape:<8}{mb:>6.1f}  {shards:<14}{on[0]['shards']:>7}{w[0]:>9.2f}{w[1]:>9.2f}{w[1] / w[0]:>8.3f}"
                   f"{c[0]:>9.2f}{c[1]:>9.2f}{c[1] / c[0]:>8.3f}")
 
 
