@@ -39,11 +39,14 @@ What it reports, per shape, every figure from this one run:
   raw ``encode_batch`` calls alone: a ratio that a busy machine disturbs much less
   than wall-clock ratios;
 * **peak memory** of the whole process tree of the stage (sampled every 50 ms) at
-  both sizes: it must stay flat and under 1 GB.
+  both sizes: it must stay flat and under 1 GiB.
 
 Goals (issue 14): many short documents, pack whole stage >= 0.85x and by its own
 timer >= 0.9x one process per core of raw ``encode_batch``; few long documents
->= 0.95x; peak memory < 1 GB at ~200 MB. Every measured run is a fresh
+>= 0.95x; peak memory < 1 GiB at ~200 MB.
+
+Units: text sizes and MB/s in MB (10**6 bytes); memory in MiB (2**20 bytes),
+as the printout says (the ``*_mb`` keys of the JSON report hold MiB too). Every measured run is a fresh
 subprocess; the runs of a round alternate, and medians over rounds are reported,
 so that a noisy neighbour hurts all of them alike.
 """
@@ -54,6 +57,7 @@ import argparse
 import json
 import os
 import platform
+import queue
 import re
 import resource
 import shutil
@@ -70,7 +74,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GB = 1 << 30
+from bench.goals import goal  # noqa: E402
+
+GB = 1 << 30  # the memory goal, 1 GiB
+MIB = 1 << 20  # memory is reported in MiB; text sizes and MB/s in MB (10**6 bytes)
 SHAPES = ("short", "long")
 SHAPE_NAMES = {"short": "many short documents", "long": "few long documents"}
 SHORT_MIN, SHORT_MAX = 100, 300  # bytes of a short document
@@ -188,10 +195,42 @@ def raw_encode(corpus: str, tokenizer: str, procs: int, fast: bool) -> dict:
           for k in range(procs)]
     for p in ps:
         p.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    got = [results.get() for _ in ps]
-    seconds = time.perf_counter() - t0
+
+    def failed() -> str | None:
+        dead = [f"process {k} exited {p.exitcode}" for k, p in enumerate(ps) if p.exitcode not in (None, 0)]
+        return "raw encode failed: " + ", ".join(dead) if dead else None
+
+    # The parent joins the barrier from a thread, so that a child that dies before it (a bad
+    # tokenizer or corpus) fails the run instead of leaving the parent waiting for ever.
+    start: list[float] = []
+
+    def join_barrier() -> None:
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return
+        start.append(time.perf_counter())  # the common start, taken as the barrier opens
+
+    waiter = threading.Thread(target=join_barrier, daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.2)
+        if waiter.is_alive() and failed():
+            barrier.abort()
+            waiter.join()
+            for p in ps:
+                p.terminate()
+            raise RuntimeError(failed())
+    got = []
+    while len(got) < procs:
+        try:
+            got.append(results.get(timeout=0.2))
+        except queue.Empty:
+            if failed():
+                for p in ps:
+                    p.terminate()
+                raise RuntimeError(failed()) from None
+    seconds = time.perf_counter() - start[0]
     for p in ps:
         p.join()
     nbytes = sum(g[2] for g in got)
@@ -257,10 +296,27 @@ def stage_project(out: Path, corpus: Path, tokenizer: Path, workers: int) -> Pat
     return out
 
 
+def tree_rss(p) -> tuple[int, int]:
+    """(RSS of ``p``, RSS of ``p`` and every live descendant) in bytes, one
+    sample; a descendant gone mid-sample counts 0, the rest still count."""
+    try:
+        main = p.memory_info().rss
+        children = p.children(recursive=True)
+    except psutil.Error:
+        return 0, 0
+    tree = main
+    for c in children:
+        try:
+            tree += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return main, tree
+
+
 def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, sample_memory: bool = False) -> dict:
     """Run ``kind`` in a fresh process tree; return its metrics, its wall time
     (``wall_s``, process start to exit) and, with ``sample_memory``, the peak RSS
-    (MB) of its main process and of the whole tree (sum over live processes).
+    (MiB, 2**20 bytes) of its main process and of the whole tree (sum over live processes).
     Throughput runs do not sample: on 2 cores even a light sampler competes."""
     out = Path(tempfile.mkdtemp(dir=work))
     env = {**os.environ, "PIPELINE_PROGRESS": "0", "PIPELINE_TRACKING": "0",
@@ -279,11 +335,7 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, 
     def sample() -> None:
         p = psutil.Process(proc.pid)
         while not stop.is_set():
-            try:
-                rss_main = p.memory_info().rss
-                rss_tree = rss_main + sum(c.memory_info().rss for c in p.children(recursive=True))
-            except psutil.Error:
-                rss_main = rss_tree = 0
+            rss_main, rss_tree = tree_rss(p)
             peak["main"] = max(peak["main"], rss_main)
             peak["tree"] = max(peak["tree"], rss_tree)
             stop.wait(0.05)
@@ -303,7 +355,7 @@ def measure(kind: str, corpus: Path, tokenizer: Path, workers: int, work: Path, 
     else:
         result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     shutil.rmtree(out)
-    return {**result, "wall_s": wall, "cpu_s": cpu, "peak_main_mb": peak["main"] / 2**20, "peak_tree_mb": peak["tree"] / 2**20}
+    return {**result, "wall_s": wall, "cpu_s": cpu, "peak_main_mb": peak["main"] / MIB, "peak_tree_mb": peak["tree"] / MIB}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -316,6 +368,52 @@ RUNS = (  # name, child kind, processes (None: --workers)
     ("raw-fast-cores", "raw-fast", None),
     ("startup", "startup", None),
 )
+
+
+def shape_summary(speed: dict[str, list[float]], own: list[float], cpu: dict[str, list[float]], c: dict) -> dict:
+    """One shape's medians over the rounds and their ratios, each "x_over_y" the
+    throughput of x over that of y (higher: x faster). ``speed``: MB/s per run
+    name (start-up: seconds), ``own``: the stage's own-timer MB/s, ``cpu``: CPU
+    seconds of the whole stage and of the raw encode calls, ``c``: the corpus."""
+    med = {k: statistics.median(v) for k, v in speed.items()}
+    med_own = statistics.median(own)
+    return {
+        "corpus_mb": c["bytes"] / 1e6, "docs": c["docs"],
+        "mb_per_s": {**{k: {"median": med[k], "runs": v} for k, v in speed.items() if k != "startup"},
+                     "stage_own_timer": {"median": med_own, "runs": own}},
+        "startup_s": {"median": med["startup"], "runs": speed["startup"]},
+        "startup_share_of_stage": med["startup"] / (c["bytes"] / 1e6 / med["stage"]),
+        "cpu_s": {k: {"median": statistics.median(v), "runs": v} for k, v in cpu.items()},
+        # robust to a busy machine: CPU seconds of the raw encode calls over those of the whole stage
+        "raw_cpu_over_stage_cpu": statistics.median(cpu["raw-cores"]) / statistics.median(cpu["stage"]),
+        "stage_over_raw_cores": med["stage"] / med["raw-cores"],
+        "own_over_raw_cores": med_own / med["raw-cores"],
+        "stage_over_raw_1": med["stage"] / med["raw-1"],
+        "own_over_raw_1": med_own / med["raw-1"],
+        "stage_over_raw_fast_cores": med["stage"] / med["raw-fast-cores"],
+        "own_over_raw_fast_cores": med_own / med["raw-fast-cores"],
+    }
+
+
+def goal_lines(shapes: dict, memory: list[dict], quick: bool) -> list[str]:
+    """The goals of issue 14, each verdict computed from this run's medians
+    (``shapes``, as in the report) and memory peaks (MiB)."""
+    s, lg = shapes["short"], shapes["long"]
+    pack = [x for x in memory if x["stage"] == "pack"]
+    peak = max(x["peak_tree_mb"] for x in pack)
+    return [
+        f"short: whole stage / raw per core = {s['stage_over_raw_cores']:.2f} "
+        f"{goal(s['stage_over_raw_cores'], '>=', 0.85)}, "
+        f"own timer = {s['own_over_raw_cores']:.2f} {goal(s['own_over_raw_cores'], '>=', 0.9)}",
+        f"long:  whole stage / raw per core = {lg['stage_over_raw_cores']:.2f} "
+        f"{goal(lg['stage_over_raw_cores'], '>=', 0.95)}, own timer = {lg['own_over_raw_cores']:.2f}",
+        f"pack peak memory, main + workers, any run = {peak:.0f} MiB "
+        f"{goal(peak, '<', GB / MIB) if all(x['peak_tree_mb'] for x in pack) else '(a run never sampled: not measured)'}"
+        " at up to "
+        f"{max(x['corpus_mb'] for x in pack):.0f} MB of text" + (" (--quick: no ~200 MB corpus)" if quick else "")
+        + "; flat? by size: " + "; ".join(f"{SHAPE_NAMES[sh]} " + " -> ".join(
+            f"{x['peak_tree_mb']:.0f}" for x in pack if x["shape"] == sh) for sh in SHAPES) + " MiB",
+    ]
 
 
 def main() -> None:
@@ -392,7 +490,7 @@ def main() -> None:
                 memory.append({"stage": "pack", "shape": shape, "corpus_mb": c["bytes"] / 1e6, "docs": c["docs"],
                                "peak_main_mb": m["peak_main_mb"], "peak_tree_mb": m["peak_tree_mb"]})
                 print(f"memory pack  {SHAPE_NAMES[shape]:21s} {c['bytes'] / 1e6:5.0f} MB: main "
-                      f"{m['peak_main_mb']:.0f} MB, main + workers {m['peak_tree_mb']:.0f} MB", flush=True)
+                      f"{m['peak_main_mb']:.0f} MiB, main + workers {m['peak_tree_mb']:.0f} MiB", flush=True)
         if args.clean:
             for mb in sizes:
                 c = corpora["long", mb]
@@ -400,34 +498,15 @@ def main() -> None:
                 memory.append({"stage": "clean", "shape": "long", "corpus_mb": c["bytes"] / 1e6, "docs": c["docs"],
                                "peak_main_mb": m["peak_main_mb"], "peak_tree_mb": m["peak_tree_mb"]})
                 print(f"memory clean {SHAPE_NAMES['long']:21s} {c['bytes'] / 1e6:5.0f} MB: main "
-                      f"{m['peak_main_mb']:.0f} MB, main + workers {m['peak_tree_mb']:.0f} MB", flush=True)
+                      f"{m['peak_main_mb']:.0f} MiB, main + workers {m['peak_tree_mb']:.0f} MiB", flush=True)
 
-    shapes = {}
-    for shape in SHAPES:
-        med = {k: statistics.median(v) for k, v in speed[shape].items()}
-        med_own = statistics.median(own[shape])
-        c = corpora[shape, args.mb]
-        shapes[shape] = {
-            "corpus_mb": c["bytes"] / 1e6, "docs": c["docs"],
-            "mb_per_s": {**{k: {"median": med[k], "runs": v} for k, v in speed[shape].items() if k != "startup"},
-                         "stage_own_timer": {"median": med_own, "runs": own[shape]}},
-            "startup_s": {"median": med["startup"], "runs": speed[shape]["startup"]},
-            "startup_share_of_stage": med["startup"] / (c["bytes"] / 1e6 / med["stage"]),
-            "cpu_s": {k: {"median": statistics.median(v), "runs": v} for k, v in cpu[shape].items()},
-            # robust to a busy machine: CPU seconds of the raw encode calls over those of the whole stage
-            "raw_cpu_over_stage_cpu": statistics.median(cpu[shape]["raw-cores"]) / statistics.median(cpu[shape]["stage"]),
-            "stage_over_raw_cores": med["stage"] / med["raw-cores"],
-            "own_over_raw_cores": med_own / med["raw-cores"],
-            "stage_over_raw_1": med["stage"] / med["raw-1"],
-            "own_over_raw_1": med_own / med["raw-1"],
-            "stage_over_raw_fast_cores": med["stage"] / med["raw-fast-cores"],
-            "own_over_raw_fast_cores": med_own / med["raw-fast-cores"],
-        }
+    shapes = {shape: shape_summary(speed[shape], own[shape], cpu[shape], corpora[shape, args.mb])
+              for shape in SHAPES}
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"{psutil.virtual_memory().total / GB:.0f} GiB",
-        "workers": w, "rounds": rounds, "shapes": shapes, "memory": memory,
+        "workers": w, "rounds": rounds, "memory_unit": "MiB", "shapes": shapes, "memory": memory,
         "max_pack_tree_mb": max(x["peak_tree_mb"] for x in memory if x["stage"] == "pack"),
         "seconds": time.perf_counter() - t_start,
     }
@@ -460,14 +539,8 @@ def main() -> None:
     for label, fmt in rows:
         print(f"{label:48s} {fmt(s):>22s} {fmt(lg):>22s}")
     print()
-    print(f"short: whole stage / raw per core = {s['stage_over_raw_cores']:.2f} (goal >= 0.85), "
-          f"own timer = {s['own_over_raw_cores']:.2f} (goal >= 0.9)")
-    print(f"long:  whole stage / raw per core = {lg['stage_over_raw_cores']:.2f}, "
-          f"own timer = {lg['own_over_raw_cores']:.2f} (goal >= 0.95)")
-    print(f"pack peak memory, main + workers, any run = {report['max_pack_tree_mb']:.0f} MB (goal < 1024 MB, flat: "
-          + "; ".join(f"{SHAPE_NAMES[sh]} " + " -> ".join(f"{x['peak_tree_mb']:.0f}" for x in memory
-                                                         if x["stage"] == "pack" and x["shape"] == sh)
-                      for sh in SHAPES) + " MB)")
+    for line in goal_lines(shapes, memory, args.quick):
+        print(line)
     print(f"bench ran {report['seconds'] / 60:.1f} minutes; report in bench/results/data.json")
 
 

@@ -38,10 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _status() -> dict[str, int]:
-    """RssAnon and RssFile of this process, in MB."""
+def _status(status: str | None = None) -> dict[str, int]:
+    """RssAnon and RssFile of this process (or of the ``status`` text given), in
+    whole MiB (2**20 bytes; /proc's kB are KiB), rounded down."""
     out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in (Path("/proc/self/status").read_text() if status is None else status).splitlines():
         key = line.split(":")[0]
         if key in ("RssAnon", "RssFile"):
             out[key] = int(line.split()[1]) // 1024
@@ -74,8 +75,9 @@ def one(docs: int, folder: Path, way: str) -> dict:
             time.sleep(0.005)
 
     def measured(fn, *args):
-        peak.clear()
         base = _status()
+        peak.clear()
+        peak.update(base)  # the step's start counts, so a step too short for one poll still has a peak
         done.clear()
         t = threading.Thread(target=poll)
         t.start()
@@ -85,6 +87,8 @@ def one(docs: int, folder: Path, way: str) -> dict:
         finally:
             done.set()
             t.join()
+        for k, v in _status().items():  # and its end
+            peak[k] = max(peak[k], v)
         return result, {"seconds": round(time.perf_counter() - t0, 2), "anon_mb": peak["RssAnon"] - base["RssAnon"],
                         "file_mb": peak["RssFile"] - base["RssFile"]}
 
@@ -118,8 +122,8 @@ def row(r: dict) -> str:
     pairs = f"{r['pairs'] / 1e6:.1f} M pairs" if r["pairs"] >= 100_000 else f"{r['pairs']:,} pairs"
     records = " + ".join([pairs] * bool(r["pairs"] or not r["members"])
                          + [f"{r['members']:,} members"] * bool(r["members"]))
-    return (f"| {r['docs']:,} | {r['way']} | {records} | {r['disk_mb']:.1f} MB | {r['checked']:,} | {b['anon_mb']} MB "
-            f"| {d['anon_mb']} MB | {d['file_mb']} MB | {b['seconds']} + {d['seconds']} s |")
+    return (f"| {r['docs']:,} | {r['way']} | {records} | {r['disk_mb']:.1f} MB | {r['checked']:,} | {b['anon_mb']} MiB "
+            f"| {d['anon_mb']} MiB | {d['file_mb']} MiB | {b['seconds']} + {d['seconds']} s |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(one(int(args.one[0]), Path(d) / "work", args.one[1])))
         return 0
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print("memory in MiB (2**20 bytes), disk in MB (10**6 bytes)")
     print("| bucket | way | records | on disk | candidates checked | band tasks: own peak | decision pass: own peak "
           "| its mapped runs | time (band tasks + decisions) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

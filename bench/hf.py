@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MB = 1 << 20
+MB = 1 << 20  # every memory and file size here is in MiB (2**20 bytes), and labelled so
 # Qwen2.5-0.5B (config.json of the published model): tied embeddings, q/k/v biases.
 DEFAULT_SHAPE = dict(family="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936,
                      head_dim=None, tie=True)
@@ -50,9 +50,10 @@ QUICK_SHAPE = dict(family="qwen2", hidden=256, layers=4, heads=4, kv_heads=2, in
                    head_dim=None, tie=True)
 
 
-def memory_mb() -> tuple[float, float]:
-    """(current, peak) resident memory of this process in MB, from /proc/self/status."""
-    status = Path("/proc/self/status").read_text().splitlines()
+def memory_mb(status: str | None = None) -> tuple[float, float]:
+    """(current, peak) resident memory of this process in MiB (VmRSS, VmHWM:
+    the kernel's kB are KiB), from /proc/self/status or the ``status`` text given."""
+    status = (Path("/proc/self/status").read_text() if status is None else status).splitlines()
     values = {line.split(":")[0]: float(line.split()[1]) / 1024 for line in status if line.startswith(("VmRSS", "VmHWM"))}
     return values["VmRSS"], values["VmHWM"]
 
@@ -159,6 +160,40 @@ def run_child(mode: str, side: str, folder: Path, args: argparse.Namespace) -> d
 # --------------------------------------------------------------------------- main
 
 
+def summarise(runs: dict[str, dict[str, list[dict]]], fp32_mb: float) -> dict:
+    """Each side's medians over its runs (``runs[mode][side]``, the children's
+    dicts; memory in MiB), the memory over the fp32 parameter bytes, and
+    ``ours_over_transformers``: ours over theirs, figure by figure (time and
+    memory: below 1 is ours smaller; tokens/s: above 1 is ours faster)."""
+    def med(mode: str, side: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs[mode][side])
+
+    summary = {}
+    for side in ("ours", "transformers"):
+        loaded = med("load", side, "load_peak_mb") - med("load", side, "rss_before_mb")
+        summary[side] = {
+            "load_s": med("load", side, "load_s"),
+            "load_peak_mb": med("load", side, "load_peak_mb"),
+            "rss_before_load_mb": med("load", side, "rss_before_mb"),
+            "load_added_mb": loaded,
+            "load_added_over_fp32": loaded / fp32_mb,
+            "train_tokens_per_s": med("train", side, "tokens_per_s"),
+            "train_peak_mb": med("train", side, "train_peak_mb"),
+            "train_peak_over_fp32": med("train", side, "train_peak_mb") / fp32_mb,
+        }
+    o, t = summary["ours"], summary["transformers"]
+    summary["ours_over_transformers"] = {k: o[k] / t[k] for k in ("load_s", "load_added_mb", "train_tokens_per_s",
+                                                                  "train_peak_mb")}
+    return summary
+
+
+def loss_line(runs: dict[str, dict[str, list[dict]]]) -> str:
+    """Both sides' last training losses, run by run: the same weights and batch
+    on both sides, so after the same steps they should agree closely."""
+    return "last training loss, ours / transformers: " + ", ".join(
+        f"{a['loss']:.6f} / {b['loss']:.6f}" for a, b in zip(runs["train"]["ours"], runs["train"]["transformers"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny shape instead of Qwen2.5-0.5B's")
@@ -191,7 +226,7 @@ def main() -> None:
         t0 = time.perf_counter()
         build_folder(shape, folder)
         file_mb = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / MB
-        print(f"built a random {shape['family']} model, {file_mb:,.0f} MB of bf16 safetensors, in "
+        print(f"built a random {shape['family']} model, {file_mb:,.0f} MiB of bf16 safetensors, in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         runs: dict[str, dict[str, list[dict]]] = {m: {"ours": [], "transformers": []} for m in ("load", "train")}
         for r in range(args.repeats):
@@ -199,58 +234,41 @@ def main() -> None:
                 for side in ("ours", "transformers"):
                     runs[mode][side].append(run_child(mode, side, folder, args))
                     res = runs[mode][side][-1]
-                    extra = (f", {res['tokens_per_s']:.0f} tok/s, peak {res['train_peak_mb']:,.0f} MB"
+                    extra = (f", {res['tokens_per_s']:.0f} tok/s, peak {res['train_peak_mb']:,.0f} MiB"
                              if mode == "train" else "")
                     print(f"repeat {r + 1} {mode:5s} {side:12s}: load {res['load_s']:.1f} s, "
-                          f"peak {res['load_peak_mb']:,.0f} MB{extra}", flush=True)
-
-    def med(mode: str, side: str, key: str) -> float:
-        return statistics.median(x[key] for x in runs[mode][side])
+                          f"peak {res['load_peak_mb']:,.0f} MiB{extra}", flush=True)
 
     fp32_mb = runs["load"]["ours"][0]["fp32_mb"]
-    summary = {}
-    for side in ("ours", "transformers"):
-        loaded = med("load", side, "load_peak_mb") - med("load", side, "rss_before_mb")
-        summary[side] = {
-            "load_s": med("load", side, "load_s"),
-            "load_peak_mb": med("load", side, "load_peak_mb"),
-            "rss_before_load_mb": med("load", side, "rss_before_mb"),
-            "load_added_mb": loaded,
-            "load_added_over_fp32": loaded / fp32_mb,
-            "train_tokens_per_s": med("train", side, "tokens_per_s"),
-            "train_peak_mb": med("train", side, "train_peak_mb"),
-            "train_peak_over_fp32": med("train", side, "train_peak_mb") / fp32_mb,
-        }
+    summary = summarise(runs, fp32_mb)
     import torch
 
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "shape": shape, "params": runs["load"]["ours"][0]["params"], "fp32_mb": fp32_mb, "file_mb": file_mb,
-        "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "repeats": args.repeats,
+        "memory_unit": "MiB", "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "repeats": args.repeats,
         **summary,
-        "ours_over_transformers": {
-            "load_s": summary["ours"]["load_s"] / summary["transformers"]["load_s"],
-            "load_added_mb": summary["ours"]["load_added_mb"] / summary["transformers"]["load_added_mb"],
-            "train_tokens_per_s": summary["ours"]["train_tokens_per_s"] / summary["transformers"]["train_tokens_per_s"],
-            "train_peak_mb": summary["ours"]["train_peak_mb"] / summary["transformers"]["train_peak_mb"],
-        },
         "runs": runs,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
     print()
     o, t, ratio = summary["ours"], summary["transformers"], report["ours_over_transformers"]
     aim = 1 + file_mb / fp32_mb
-    print(f"{report['params'] / 1e6:,.0f}M parameters = {fp32_mb:,.0f} MB in fp32, file {file_mb:,.0f} MB (bf16)")
-    print(f"load  ours {o['load_s']:.1f} s, +{o['load_added_mb']:,.0f} MB resident = {o['load_added_over_fp32']:.2f}x "
+    print(f"{report['params'] / 1e6:,.0f}M parameters = {fp32_mb:,.0f} MiB in fp32, file {file_mb:,.0f} MiB (bf16)")
+    print(f"load  ours {o['load_s']:.1f} s, +{o['load_added_mb']:,.0f} MiB resident = {o['load_added_over_fp32']:.2f}x "
           f"fp32 (one fp32 copy + the whole file mapped: {aim:.2f}x); transformers {t['load_s']:.1f} s, "
-          f"+{t['load_added_mb']:,.0f} MB = {t['load_added_over_fp32']:.2f}x; ours/transformers time "
+          f"+{t['load_added_mb']:,.0f} MiB = {t['load_added_over_fp32']:.2f}x; ours/transformers time "
           f"{ratio['load_s']:.2f}, memory {ratio['load_added_mb']:.2f}")
-    print(f"train ours {o['train_tokens_per_s']:.0f} tok/s, peak {o['train_peak_mb']:,.0f} MB = "
+    print(f"train ours {o['train_tokens_per_s']:.0f} tok/s, peak {o['train_peak_mb']:,.0f} MiB = "
           f"{o['train_peak_over_fp32']:.2f}x fp32; transformers {t['train_tokens_per_s']:.0f} tok/s, peak "
-          f"{t['train_peak_mb']:,.0f} MB = {t['train_peak_over_fp32']:.2f}x; ours/transformers speed "
+          f"{t['train_peak_mb']:,.0f} MiB = {t['train_peak_over_fp32']:.2f}x; ours/transformers speed "
           f"{ratio['train_tokens_per_s']:.2f}, memory {ratio['train_peak_mb']:.2f} "
           f"(batch {args.batch} x {args.seq_len}, fused AdamW, fp32)")
+    print(loss_line(runs))
+    if args.quick:
+        print(f"--quick: {args.repeats} run a side of {args.steps} timed steps: a smoke test of the bench, "
+              "not a measurement (its speed ratio swings many-fold on a busy machine)")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     name = "quick" if args.quick else f"{shape['family']}-{shape['hidden']}x{shape['layers']}"

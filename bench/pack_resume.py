@@ -19,6 +19,7 @@ process CPU seconds (where the resume's work is done) beside the wall time.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -48,7 +49,26 @@ def _child(mode: str, corpus: str, tokenizer: str, out: str, shard_tokens: int, 
     t0, cpu0 = time.perf_counter(), time.process_time()
     m = pack.run_pack(pack.PackConfig(num_workers=workers, shard_tokens=shard_tokens), corpus, tokenizer, out)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    print("RESULT " + json.dumps({"wall_s": wall, "main_cpu_s": cpu, "shards": m["shards"]}), flush=True)
+    print("RESULT " + json.dumps({"wall_s": wall, "main_cpu_s": cpu, "shards": m["shards"],
+                                  "shards_sha256": shards_digest(Path(out))}), flush=True)
+
+
+def shards_digest(out: Path) -> str:
+    """One sha256 over every shard's path and bytes: the packed data, without
+    the records and checkpoints that only "on" writes."""
+    h = hashlib.sha256()
+    for f in sorted(out.glob("*/shard-*.arrow")):
+        h.update(f.relative_to(out).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def same_shards(results: dict[tuple[str, str, str], list[dict]]) -> None:
+    """Stop the bench unless every run of a corpus and shard size, on and off,
+    wrote the same shards: "off" must save only the resume's work."""
+    for shape, shards in {(shape, shards) for shape, shards, _ in results}:
+        runs = results[shape, shards, "off"] + results[shape, shards, "on"]
+        if len({r["shards_sha256"] for r in runs}) != 1:
+            raise SystemExit(f"{shape} documents, shard_tokens {shards}: the runs wrote different shards")
 
 
 def measure(mode: str, corpus: Path, tokenizer: Path, work: Path, shard_tokens: int, workers: int) -> dict:
@@ -90,16 +110,19 @@ def main() -> None:
                     for mode in ("off", "on"):
                         results.setdefault((shape, shards, mode), []).append(
                             measure(mode, c["path"], tok, work, n, args.workers))
-    print(f"pack with resume (on) vs without (off), ~{args.mb:g} MB, {args.workers} workers, "
-          f"medians of {args.rounds} round(s)")
-    print(f"{'corpus':<8}{'shard_tokens':<14}{'shards':>7}{'off s':>9}{'on s':>9}{'on/off':>8}"
+    same_shards(results)
+    print(f"pack with resume (on) vs without (off), {args.mb:g} MB asked (at least one whole copy of the "
+          f"standard library: the sizes below are what was packed), {args.workers} workers, "
+          f"medians of {args.rounds} round(s); the same shards from every run, on and off")
+    print(f"{'corpus':<8}{'MB':>6}  {'shard_tokens':<14}{'shards':>7}{'off s':>9}{'on s':>9}{'on/off':>8}"
           f"{'off cpu':>9}{'on cpu':>9}{'on/off':>8}")
     for shape in ("long", "short"):
         for shards in SHARDS:
             off, on = results[shape, shards, "off"], results[shape, shards, "on"]
             w = [statistics.median(r["wall_s"] for r in x) for x in (off, on)]
             c = [statistics.median(r["main_cpu_s"] for r in x) for x in (off, on)]
-            print(f"{shape:<8}{shards:<14}{on[0]['shards']:>7}{w[0]:>9.2f}{w[1]:>9.2f}{w[1] / w[0]:>8.3f}"
+            mb = corpora[shape, args.mb]["bytes"] / 1e6
+            print(f"{shape:<8}{mb:>6.1f}  {shards:<14}{on[0]['shards']:>7}{w[0]:>9.2f}{w[1]:>9.2f}{w[1] / w[0]:>8.3f}"
                   f"{c[0]:>9.2f}{c[1]:>9.2f}{c[1] / c[0]:>8.3f}")
 
 

@@ -64,7 +64,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MB = 1e6
+from bench.goals import goal  # noqa: E402
+
+MB = 1e6  # of text and of memory alike, and said so in every printout's first line
 RAY_SYSTEM = ("gcs_server", "raylet", "ray::RuntimeEnv", "ray::Dashboard", "ray::IDLE_SpillWorker")
 
 
@@ -375,11 +377,13 @@ def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float,
               f"{'-' if name.startswith('joined') else f'{cpu[name]:.1f}':>8}{peak['peak_main_mb']:>9}"
               f"{peak['peak_worker_mb'] or '-':>11}{peak['peak_ray-system_mb'] or '-':>12}")
 
-    def ratio(a: str, b: str) -> str:
+    def ratio(a: str, b: str, *target) -> str:
+        """Median wall time of ``a`` over ``b``, each round's range, and the goal ``target`` judged."""
         per = [x["wall_s"] / y["wall_s"] for x, y in zip(rounds[a], rounds[b])]
-        return f"{wall[a] / wall[b]:.2f}x (rounds {min(per):.2f}-{max(per):.2f})"
+        value = wall[a] / wall[b]
+        return f"{value:.2f}x (rounds {min(per):.2f}-{max(per):.2f})" + (f" {goal(value, *target)}" if target else "")
 
-    print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers')} (goal >= 1.6)")
+    print(f"{stage}: ray 2 workers / 1 worker speed-up: {ratio('ray, 1 worker', 'ray, 2 workers', '>=', 1.6)}")
     print(f"{stage}: local 2 workers / 1 worker speed-up: {ratio('local, 1 worker', 'local, 2 workers')} "
           "(what the machine gives two processes now)")
     from pipeline.files import available_cores
@@ -390,8 +394,7 @@ def speed(stage: str, runs: dict, n_rounds: int, corpus: Path, corpus_mb: float,
         print(f"{stage}: {kind} 2 workers' CPU-seconds over the {cores} cores they may use: {floor:.1f} s, the shortest "
               f"wall time this machine allows them, so at most {wall[f'{kind}, 1 worker'] / floor:.2f}x over 1 worker "
               "here")
-    print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers')} "
-          "(goal <= 1.3)")
+    print(f"{stage}: ray / local wall time (2 workers): {ratio('ray, 2 workers', 'local, 2 workers', '<=', 1.3)}")
     if "joined, 2 workers" in runs:
         print(f"{stage}: joined 2 workers / 1 worker speed-up: {ratio('joined, 1 worker', 'joined, 2 workers')}")
         print(f"{stage}: joined / local wall time (2 workers): {ratio('joined, 2 workers', 'local, 2 workers')}")
@@ -409,6 +412,13 @@ def memory_and_dedup(runs: dict, corpora: dict, text_mb: dict, para: dict, para_
         print(f"{stage:<8}{text_mb[speed_n]:>11.0f}{worker_peak[stage, speed_n]:>11}")
         print(f"{stage:<8}{text_mb[big_n]:>11.0f}{r['peak_worker_mb']:>11}{r['peak_main_mb']:>9}{r['wall_s']:>8.1f}"
               f"{one['wall_s']:>12.1f}{one['wall_s'] / r['wall_s']:>9.2f}x")
+    for stage in ("clean", "pack"):
+        small, big = worker_peak[stage, speed_n], worker_peak[stage, big_n]
+        if not (small and big):  # 0: the sampler saw no worker process, so there is nothing to judge
+            print(f"{stage}: worker peak {small} -> {big} MB: no worker process seen in a run, goal not measured")
+            continue
+        print(f"{stage}: worker peak {small} -> {big} MB (1 GB = 1000 MB) {goal(max(small, big), '<', 1000)}; "
+              f"flat? {big / small:.2f}x for {text_mb[big_n] / text_mb[speed_n]:.1f}x the text")
 
     dedup_memory(para, para_mb, mem_sizes, work)
 
@@ -512,7 +522,8 @@ def date() -> str:
 
 def header() -> str:
     """When and on what a run was measured, its first line."""
-    return f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores"
+    return (f"{date()}  {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores; "
+            "MB = 10**6 bytes, of text and of memory alike")
 
 
 if __name__ == "__main__":

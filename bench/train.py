@@ -28,7 +28,9 @@ MFU is model FLOPs per token (6N + attention, pipeline.model.transformer.flops_p
 Each cell is one stage run (torchrun with ``--nproc`` ranks, ``micro_batch_size:
 auto`` over a global batch of ``--tokens-per-step`` tokens) and reports tokens/s
 over the timed steps, MFU against ``--nproc`` × the bf16 matmul peak measured
-on this device, and the peak memory per device. A cell that fails (out of
+on this device, and the peak memory per device (on a GPU the peak that torch
+allocated, ``max_memory_allocated``: less than its cache and the CUDA context
+that nvidia-smi shows; on a CPU the process's peak RSS). A cell that fails (out of
 memory, a backend this device lacks) prints its one-line error and the grid
 goes on. The table is printed as Markdown and saved to bench/results/.
 """
@@ -57,6 +59,7 @@ from pipeline.training.loss import token_loss_sum  # noqa: E402
 from pipeline.training.metrics import measure_peak_flops  # noqa: E402
 from pipeline.training.optimizer import param_groups  # noqa: E402
 from pipeline.training.precision import DTYPES, autocast  # noqa: E402
+from bench.goals import goal  # noqa: E402
 from tests.helpers import write_packed  # noqa: E402
 
 
@@ -180,19 +183,24 @@ def compare(args, precision: str, steps: int) -> dict:
     cfg = build_config(args.preset, args.vocab, max_seq_len=args.seq_len)
     fpt = flops_per_token(cfg, args.seq_len)
     peak = measure_peak_flops(device, DTYPES[precision], seconds=1.0)
+    return {"precision": precision, "steps": steps, "repeats": args.repeats, **summarise(plain, stage, fpt, peak)}
+
+
+def summarise(plain: list[float], stage: list[float], flops_per_token: float, peak: float) -> dict:
+    """Medians of the runs' tokens/s, the stage's over the plain loop's (below 1:
+    the stage is slower, by ``stage_overhead_pct``), and the stage's MFU."""
     p_med, s_med = statistics.median(plain), statistics.median(stage)
     return {
-        "precision": precision, "steps": steps, "repeats": args.repeats,
         "plain_tokens_per_s": p_med, "stage_tokens_per_s": s_med,
         "stage_over_plain": s_med / p_med, "stage_overhead_pct": 100 * (1 - s_med / p_med),
-        "flops_per_token": fpt, "matmul_peak_flops": peak, "mfu": s_med * fpt / peak,
+        "flops_per_token": flops_per_token, "matmul_peak_flops": peak, "mfu": s_med * flops_per_token / peak,
         "plain_runs": plain, "stage_runs": stage,
     }
 
 
 def matrix_cell(args, project: Path, preset: str, seq_len: int, doc_mask: bool, attention: str,
                 parallelism: str) -> dict:
-    """One stage run of the grid: tokens/s over the steps after warm-up, and the peak memory per device (MB)."""
+    """One stage run of the grid: tokens/s over the steps after warm-up, and the peak memory per device (MiB)."""
     import csv
 
     for p in ("models", "metrics", "plots"):
@@ -259,7 +267,7 @@ def matrix(args) -> None:
         "tokens_per_step": args.tokens_per_step, "steps": args.steps, "warmup": args.warmup, "results": results,
     }
     print()
-    print(f"| preset | seq | doc mask | attention | parallelism x {args.nproc} | tokens/s | MFU | peak memory / device |")
+    print(f"| preset | seq | doc mask | attention | parallelism x {args.nproc} | tokens/s | MFU | peak allocated / device |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         what = (f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_mem_mb'] / 1024:,.1f} GiB"
@@ -269,6 +277,14 @@ def matrix(args) -> None:
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / f"train-matrix-{args.device}-{args.nproc}.json").write_text(json.dumps(report, indent=2))
+
+
+def result_line(r: dict) -> str:
+    """One precision's summary from :func:`compare`'s medians, the overhead goal judged."""
+    return (f"{r['precision']}: stage {r['stage_tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f} "
+            f"tok/s, stage/plain = {r['stage_over_plain']:.3f}, overhead {r['stage_overhead_pct']:.1f}% "
+            f"{goal(r['stage_overhead_pct'], '<=', 5)}; MFU {r['mfu']:.1%} of the measured {r['precision']} "
+            f"matmul peak ({r['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s)")
 
 
 def main() -> None:
@@ -323,10 +339,7 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     print()
     for r in results:
-        print(f"{r['precision']}: stage {r['stage_tokens_per_s']:,.0f} tok/s, plain {r['plain_tokens_per_s']:,.0f} "
-              f"tok/s, stage/plain = {r['stage_over_plain']:.3f} (overhead {r['stage_overhead_pct']:.1f}%, goal <= 5%); "
-              f"MFU {r['mfu']:.1%} of the measured {r['precision']} matmul peak "
-              f"({r['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s)")
+        print(result_line(r))
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / f"train-{args.device}-{args.preset}.json").write_text(json.dumps(report, indent=2))
