@@ -21,7 +21,7 @@ from pipeline import layout
 from pipeline.config import StageConfig, load_params, metric_values
 from pipeline.errors import StageError, Stopped, raise_stopped
 from pipeline.files import expected_failure, write_json
-from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, record_experiment
+from pipeline.tracking.tracker import LAUNCH_ENV, end_launch_runs, env_flag, record_experiment
 
 log = logging.getLogger("pipeline")
 
@@ -45,7 +45,7 @@ DEBUG_ENV = "PIPELINE_DEBUG"
 
 def debugging() -> bool:
     """Whether ``PIPELINE_DEBUG`` is set on (1, true, yes, on)."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return env_flag(DEBUG_ENV, False)
 
 
 def fail(stage: str, err: StageError, rank: int | None = None) -> NoReturn:

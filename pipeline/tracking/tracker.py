@@ -249,14 +249,16 @@ def _text(value: Any) -> str:
     return redacted(json.dumps(value, default=str) if isinstance(value, (list, tuple, dict)) else str(value))
 
 
-def _env_flag(name: str, default: bool) -> bool:
+def env_flag(name: str, default: bool) -> bool:
+    """The switch ``$name``: ``default`` when unset or empty; off for 0, false,
+    no or off (any case); on for anything else."""
     raw = os.environ.get(name, "").strip().lower()
     return default if not raw else raw not in ("0", "false", "no", "off")
 
 
 def tracking_enabled() -> bool:
     """Whether ``PIPELINE_TRACKING`` leaves tracking on (unset: on; 0/false/no/off: off)."""
-    return _env_flag("PIPELINE_TRACKING", True)
+    return env_flag("PIPELINE_TRACKING", True)
 
 
 def _quoted(value: str) -> str:
@@ -315,7 +317,7 @@ class Tracker:
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.active = bool(tracking_enabled() if enabled is None else enabled) and self.rank == 0
         if system_metrics is None:
-            system_metrics = _env_flag("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", True)
+            system_metrics = env_flag("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", True)
         self.system_metrics = system_metrics
         self.parent_run_id = parent_run_id or os.environ.get("MLFLOW_PARENT_RUN_ID") or None
         self.uri = uri
